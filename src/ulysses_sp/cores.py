@@ -1,0 +1,336 @@
+"""Local attention cores: exact causal attention over the FULL sequence for this rank's heads.
+
+After the sequence -> heads exchange every rank holds q ``[b, h, N, d]`` and k/v ``[b, hkv, N, d]``
+(``h`` divisible by ``hkv``). A core returns ``[b, N, h, d]`` (the layout transformers' attention
+functions return). Documents packed in one row and padding are described by :class:`Segments`, worked out
+once per forward pass; no core builds an O(N^2) mask:
+
+* ``sdpa``: ``scaled_dot_product_attention`` once per document (one call for the whole batch when every
+  row is one document); sliding windows in blocks of ``window`` queries, so memory is O(N * window).
+* ``eager``: explicit softmax(q k^T) per document, the reference; supports ``softcap``.
+* ``flex_attention``: one ``flex_attention`` call with a document (+ window) ``BlockMask``.
+* ``flash_attention_2`` / ``flash_attention_3``: varlen kernels fed with ``cu_seqlens`` (CUDA only).
+
+Padding tokens get a zero output (their loss is ignored; they never feed a real token).
+Sliding window ``W`` follows transformers: query ``i`` sees keys ``j`` with ``i - W < j <= i``.
+
+A core is any callable with the signature of :func:`sdpa_core`, so new kernels (a ring core for the
+hybrid layout) plug in without touching the exchange.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["CORES", "Core", "Segments", "eager_core", "flex_core", "get_core", "sdpa_core"]
+
+Core = Callable[..., torch.Tensor]
+
+
+@dataclass(eq=False)
+class Segments:
+    """Documents and padding of a batch of full rows ``[b, N]``: per row, the valid ``(start, end)`` spans.
+
+    Built by :meth:`from_positions` from global position_ids (a document starts wherever the position is
+    not the previous one plus 1, as in transformers' packed-sequence detection) and the 2-D padding mask.
+    Derived forms (``cu_seqlens`` for varlen kernels, a flex ``BlockMask``) are built on first use and
+    kept for the rest of the forward pass.
+    """
+
+    batch: int
+    seq_len: int
+    spans: list[list[tuple[int, int]]]
+    device: torch.device
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_positions(cls, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Segments:
+        """position_ids ``[b, N]`` (global), attention_mask ``[b, N]`` (1 = token, 0 = padding) or None."""
+        batch, seq_len = position_ids.shape
+        pos = position_ids.to("cpu", torch.long)
+        starts = torch.ones(batch, seq_len, dtype=torch.bool)
+        starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        valid = torch.ones(batch, seq_len, dtype=torch.bool)
+        if attention_mask is not None:
+            valid = attention_mask.to("cpu").bool()
+            starts[:, 1:] |= valid[:, 1:] != valid[:, :-1]
+        spans: list[list[tuple[int, int]]] = []
+        for row in range(batch):
+            begin = torch.nonzero(starts[row]).flatten().tolist()
+            ends = begin[1:] + [seq_len]
+            row_valid = valid[row]
+            spans.append([(s, e) for s, e in zip(begin, ends, strict=True) if bool(row_valid[s])])
+        return cls(batch=batch, seq_len=seq_len, spans=spans, device=position_ids.device)
+
+    @classmethod
+    def dense(cls, batch: int, seq_len: int, device: torch.device) -> Segments:
+        """Every row one document with no padding."""
+        return cls(batch=batch, seq_len=seq_len, spans=[[(0, seq_len)]] * batch, device=device)
+
+    @property
+    def is_dense(self) -> bool:
+        """True when every row is a single document without padding (one kernel call for the batch)."""
+        return all(row == [(0, self.seq_len)] for row in self.spans)
+
+    def cached(self, key: object, build: Callable[[], object]) -> object:
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def varlen(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(token_index ``[T]`` into the flattened ``[b*N]`` tokens, cu_seqlens ``[docs+1]`` int32, max_len)."""
+
+        def build() -> tuple[torch.Tensor, torch.Tensor, int]:
+            index, lengths = [], []
+            for row, spans in enumerate(self.spans):
+                for s, e in spans:
+                    index.append(torch.arange(row * self.seq_len + s, row * self.seq_len + e))
+                    lengths.append(e - s)
+            token_index = torch.cat(index) if index else torch.zeros(0, dtype=torch.long)
+            cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+            cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+            return token_index.to(self.device), cu.to(self.device), max(lengths, default=0)
+
+        return self.cached("varlen", build)  # type: ignore[return-value]
+
+    def doc_ids(self) -> torch.Tensor:
+        """``[b, N]`` document id per token (unique across the batch); -1 for padding."""
+
+        def build() -> torch.Tensor:
+            ids = torch.full((self.batch, self.seq_len), -1, dtype=torch.int32)
+            doc = 0
+            for row, spans in enumerate(self.spans):
+                for s, e in spans:
+                    ids[row, s:e] = doc
+                    doc += 1
+            return ids.to(self.device)
+
+        return self.cached("doc_ids", build)  # type: ignore[return-value]
+
+
+def _assemble(pieces: list[tuple[int, torch.Tensor]], seq_len: int, like: torch.Tensor) -> torch.Tensor:
+    # pieces: (start, out [1, h, L, d]) sorted by start -> [1, h, N, d] with zeros in the gaps (padding).
+    parts, cursor = [], 0
+    _, h, _, d = like.shape
+    for start, out in pieces:
+        if start > cursor:
+            parts.append(like.new_zeros(1, h, start - cursor, d))
+        parts.append(out)
+        cursor = start + out.shape[2]
+    if cursor < seq_len:
+        parts.append(like.new_zeros(1, h, seq_len - cursor, d))
+    return torch.cat(parts, dim=2)
+
+
+def _per_document(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, attend: Callable
+) -> torch.Tensor:
+    # q [b, h, N, d]; k/v [b, hkv, N, d] -> [b, N, h, d]; attend(q_doc, k_doc, v_doc) -> [1, h, L, d]
+    rows = []
+    for row, spans in enumerate(segments.spans):
+        sl = slice(row, row + 1)
+        pieces = [(s, attend(q[sl, :, s:e], k[sl, :, s:e], v[sl, :, s:e])) for s, e in spans]
+        rows.append(_assemble(pieces, segments.seq_len, q[sl]))
+    return torch.cat(rows, dim=0).transpose(1, 2)
+
+
+def _window_mask(q_start: int, q_len: int, k_start: int, k_len: int, window: int, device) -> torch.Tensor:
+    # [q_len, k_len] bool: key j visible to query i iff i - window < j <= i (absolute positions).
+    qi = torch.arange(q_start, q_start + q_len, device=device)[:, None]
+    kj = torch.arange(k_start, k_start + k_len, device=device)[None, :]
+    return (kj <= qi) & (kj > qi - window)
+
+
+# ---------------------------------------------------------------------------------------------- sdpa
+def sdpa_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: Segments,
+    *,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` per document; q ``[b, h, N, d]``, k/v ``[b, hkv, N, d]`` -> ``[b, N, h, d]``."""
+    if softcap is not None:
+        raise ValueError(
+            f"the sdpa core cannot apply attention logit softcapping (softcap={softcap}); "
+            "use core='eager' or core='flash_attention_2', or set attn_logit_softcapping=None in the config"
+        )
+    gqa = q.shape[1] != k.shape[1]
+
+    def causal(qd, kd, vd):
+        return F.scaled_dot_product_attention(
+            qd, kd, vd, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
+        )
+
+    def windowed(qd, kd, vd):
+        length = qd.shape[2]
+        if sliding_window is None or length <= sliding_window:
+            return causal(qd, kd, vd)
+        outs = []
+        for start in range(0, length, sliding_window):  # blocks of `window` queries: O(L * window) memory
+            stop = min(start + sliding_window, length)
+            k_lo = max(0, start - sliding_window + 1)
+            mask = _window_mask(start, stop - start, k_lo, stop - k_lo, sliding_window, qd.device)
+            outs.append(
+                F.scaled_dot_product_attention(
+                    qd[:, :, start:stop],
+                    kd[:, :, k_lo:stop],
+                    vd[:, :, k_lo:stop],
+                    attn_mask=mask,
+                    dropout_p=dropout,
+                    scale=scaling,
+                    enable_gqa=gqa,
+                )
+            )
+        return torch.cat(outs, dim=2)
+
+    if segments.is_dense and (sliding_window is None or segments.seq_len <= sliding_window):
+        return causal(q, k, v).transpose(1, 2)
+    return _per_document(q, k, v, segments, windowed)
+
+
+# ---------------------------------------------------------------------------------------------- eager
+def eager_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: Segments,
+    *,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Explicit softmax attention per document (the reference core); supports softcap. O(L^2) per document."""
+    groups = q.shape[1] // k.shape[1]
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+
+    def attend(qd, kd, vd):
+        kd, vd = kd.repeat_interleave(groups, dim=1), vd.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(qd, kd.transpose(2, 3)) * scale  # [1, h, L, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        length = qd.shape[2]
+        mask = _window_mask(0, length, 0, length, sliding_window or length + 1, qd.device)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qd.dtype)
+        probs = F.dropout(probs, p=dropout, training=dropout > 0)
+        return torch.matmul(probs, vd)
+
+    return _per_document(q, k, v, segments, attend)
+
+
+# ---------------------------------------------------------------------------------------------- flex
+def flex_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: Segments,
+    *,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """One ``flex_attention`` call with a document/window ``BlockMask`` built once per forward pass."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if dropout:
+        raise ValueError(f"the flex_attention core has no attention dropout (dropout={dropout}); use sdpa")
+    docs = segments.doc_ids()
+    window = sliding_window
+
+    def mask_mod(b, h, qi, kj):
+        same = (docs[b, qi] == docs[b, kj]) & (docs[b, qi] >= 0)
+        keep = same & (kj <= qi)
+        if window is not None:
+            keep = keep & (kj > qi - window)
+        return keep
+
+    block_mask = segments.cached(
+        ("flex", window),
+        lambda: create_block_mask(mask_mod, segments.batch, None, segments.seq_len, segments.seq_len, device=q.device),
+    )
+    score_mod = None
+    if softcap is not None:
+
+        def score_mod(score, b, h, qi, kj):
+            return torch.tanh(score / softcap) * softcap
+
+    out = flex_attention(
+        q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    valid = (docs >= 0).to(out.dtype)[:, None, :, None]  # padding rows -> 0, as in the other cores
+    return (out * valid).transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------- flash
+def _flash_core(module_name: str) -> Core:
+    def core(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        segments: Segments,
+        *,
+        scaling: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        dropout: float = 0.0,
+    ) -> torch.Tensor:
+        flash = importlib.import_module(module_name)
+        kwargs = {"softmax_scale": scaling, "causal": True}
+        kwargs["window_size"] = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
+        if softcap is not None:
+            kwargs["softcap"] = softcap
+        if dropout and module_name == "flash_attn":
+            kwargs["dropout_p"] = dropout
+        b, h, seq_len, d = q.shape
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [b, N, heads, d]
+        if segments.is_dense:
+            out = flash.flash_attn_func(qt, kt, vt, **kwargs)
+            return out[0] if isinstance(out, tuple) else out
+        index, cu, max_len = segments.varlen()
+        pick = [x.reshape(b * seq_len, x.shape[2], d).index_select(0, index) for x in (qt, kt, vt)]
+        out = flash.flash_attn_varlen_func(*pick, cu, cu, max_len, max_len, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out  # [T, h, d]
+        full = out.new_zeros(b * seq_len, h, d).index_copy(0, index, out)
+        return full.reshape(b, seq_len, h, d)
+
+    core.__name__ = f"flash_core_{module_name}"
+    return core
+
+
+CORES: dict[str, Core] = {
+    "sdpa": sdpa_core,
+    "eager": eager_core,
+    "flex_attention": flex_core,
+    "flash_attention_2": _flash_core("flash_attn"),
+    "flash_attention_3": _flash_core("flash_attn_interface"),
+}
+_FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+
+
+def get_core(name: str) -> Core:
+    """Look up a core by name; ValueError for unknown names or a flash core whose package is missing."""
+    if name not in CORES:
+        raise ValueError(f"unsupported attention core {name!r}; choose one of {sorted(CORES)}")
+    module = _FLASH_MODULES.get(name)
+    if module is not None:
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(
+                f"core {name!r} needs the {module!r} package, which is not importable; install it "
+                "(`pip install ulysses-sp[flash]` on a CUDA machine) or use core='sdpa'"
+            )
+        if not torch.cuda.is_available():
+            raise ValueError(f"core {name!r} needs a CUDA device; use core='sdpa' on CPU")
+    return CORES[name]

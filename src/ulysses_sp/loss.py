@@ -1,0 +1,87 @@
+"""The token-weighted loss across shards and replicas, and the gradient reduction that goes with it.
+
+Shards hold different numbers of valid tokens, so the mean of per-rank means is wrong. Here every rank
+computes the SUM of its token losses; one all-reduce over ``layout.loss_group`` (dp x sp) adds the sums and
+the valid-token counts, and the loss is ``global_sum / global_count`` — the same value on every rank,
+equal to the one-process loss over the full batch. A shard (or the whole batch) with no valid token gives
+0, never NaN.
+
+The backward of that all-reduce hands every rank ``world_size / global_count`` as the weight of its local
+sum, so the gradients that come out are exactly right once they are AVERAGED over dp x sp — which is what
+DDP and FSDP2 do when they wrap the whole world, and what :func:`sync_gradients` does in a plain loop.
+
+For gradient accumulation, pass ``num_items_in_batch`` = the valid tokens of the whole optimizer step (all
+micro-batches, all ranks; see :func:`count_valid_tokens`), and the micro-batch losses add up to the loss
+of the full step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .comm import CommStats, all_reduce_sum
+from .layout import ParallelLayout
+from .sharding import IGNORE_INDEX
+
+__all__ = ["count_valid_tokens", "sequence_parallel_cross_entropy", "sync_gradients"]
+
+
+def count_valid_tokens(shift_labels: torch.Tensor, layout: ParallelLayout, ignore_index: int = IGNORE_INDEX) -> int:
+    """The number of target tokens (``!= ignore_index``) in this shard summed over dp x sp."""
+    count = (shift_labels != ignore_index).sum().to(torch.float64)
+    if layout.loss_group is not None and dist.get_world_size(layout.loss_group) > 1:
+        dist.all_reduce(count, group=layout.loss_group)
+    return int(count.item())
+
+
+def sequence_parallel_cross_entropy(
+    logits: torch.Tensor,
+    shift_labels: torch.Tensor,
+    layout: ParallelLayout,
+    *,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    stats: CommStats | None = None,
+) -> torch.Tensor:
+    """Token-weighted mean cross-entropy over every valid token of every shard of every replica.
+
+    Args:
+        logits: ``[b, n, V]`` this shard's logits (any dtype; computed in fp32).
+        shift_labels: ``[b, n]`` targets from :func:`ulysses_sp.shard_batch` (already shifted).
+        layout: the parallel layout; the reduction runs over ``layout.loss_group``.
+        num_items_in_batch: divide by this instead of the batch's own global valid-token count (for
+            gradient accumulation: the count of the whole optimizer step).
+
+    Returns a scalar equal on every rank (see the module docstring for the gradient convention).
+    """
+    if logits.shape[:-1] != shift_labels.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and shift_labels {tuple(shift_labels.shape)} disagree; expected "
+            "logits [b, n, vocab] for shift_labels [b, n]"
+        )
+    token_loss_sum = F.cross_entropy(
+        logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=ignore_index, reduction="sum"
+    )
+    local_count = (shift_labels != ignore_index).sum()
+    totals = all_reduce_sum(torch.stack([token_loss_sum.double(), local_count.double()]), layout.loss_group, stats)
+    denominator = totals[1] if num_items_in_batch is None else torch.as_tensor(num_items_in_batch).double()
+    return (totals[0] / denominator.clamp(min=1)).to(torch.float32)
+
+
+def sync_gradients(model: torch.nn.Module, layout: ParallelLayout) -> None:
+    """Average parameter gradients over dp x sp, for plain loops without DDP/FSDP (which do it themselves)."""
+    group = layout.loss_group
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

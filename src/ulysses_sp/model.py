@@ -1,0 +1,187 @@
+"""``parallelize(model, layout)``: the one place that touches a Hugging Face model.
+
+It checks that the heads split over ``layout.sp`` ranks, registers the Ulysses attention function (and a
+mask function that builds no dense mask) with transformers' public ``AttentionInterface`` /
+``AttentionMaskInterface`` under ``ulysses_<core>``, switches the model to it with
+``set_attn_implementation``, points each attention module at the model's :class:`UlyssesAttention`, and
+adds one forward pre-hook on the decoder that works out documents once per forward pass. No model class is
+patched; :func:`unparallelize` (or ``with plain_attention(model):``) undoes all of it, e.g. to generate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
+
+from .attention import MODULE_ATTR, UlyssesAttention, ulysses_attention_forward, ulysses_mask
+from .comm import CommStats
+from .cores import CORES, Core, get_core
+from .layout import ParallelLayout
+
+__all__ = ["parallelize", "plain_attention", "ulysses_context", "unparallelize"]
+
+_STATE_ATTR = "_ulysses_sp_state"
+
+
+@dataclass
+class _State:
+    ctx: UlyssesAttention
+    name: str
+    original_impl: str
+    hook: torch.utils.hooks.RemovableHandle
+    modules: list[torch.nn.Module]
+
+
+def _find_pretrained(model: torch.nn.Module) -> PreTrainedModel:
+    # The model itself, or the transformers model inside a wrapper (PEFT, DDP, ...).
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            return module
+    raise TypeError(
+        f"parallelize expects a transformers PreTrainedModel (or a wrapper around one, e.g. a PEFT model); "
+        f"got {type(model).__name__}"
+    )
+
+
+def _decoder(pretrained: PreTrainedModel) -> torch.nn.Module:
+    base = pretrained.base_model
+    if "position_ids" not in inspect.signature(base.forward).parameters:
+        raise ValueError(f"{type(base).__name__}.forward takes no position_ids; Ulysses needs them for RoPE")
+    return base
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "num_key_value_groups") or type(m).__name__.endswith("Attention")]
+
+
+def _register(name: str) -> None:
+    AttentionInterface.register(name, ulysses_attention_forward)
+    AttentionMaskInterface.register(name, ulysses_mask)
+
+
+def parallelize(
+    model: torch.nn.Module,
+    layout: ParallelLayout,
+    *,
+    core: str | Core = "sdpa",
+    comm_dtype: torch.dtype | None = None,
+    stats: CommStats | None = None,
+) -> torch.nn.Module:
+    """Make ``model`` run Ulysses sequence-parallel attention over ``layout.sp`` ranks (in place).
+
+    Args:
+        model: a transformers causal LM (or a PEFT/other wrapper around one) whose attention goes through
+            ``AttentionInterface`` (Llama, Mistral, Qwen2/3, Gemma2/3 and most current decoder models).
+        layout: where this rank sits; see :class:`ParallelLayout`.
+        core: the local attention core: ``"sdpa"`` (default), ``"eager"``, ``"flex_attention"``,
+            ``"flash_attention_2"``, ``"flash_attention_3"``, or a callable with the signature of
+            :func:`ulysses_sp.cores.sdpa_core`.
+        comm_dtype: dtype of the all-to-all payload (default: the activations' dtype; ``torch.float32``
+            for full-precision exchanges of bf16 activations).
+        stats: a :class:`CommStats` to count collectives and bytes into (one is made if omitted;
+            reach it as ``ulysses_context(model).stats``).
+
+    Returns the same model. Raises ValueError before any training if the heads do not split over
+    ``layout.sp`` or the core is unknown.
+    """
+    pretrained = _find_pretrained(model)
+    if getattr(pretrained, _STATE_ATTR, None) is not None:
+        raise ValueError("this model is already parallelized; call ulysses_sp.unparallelize(model) first")
+    text_config = pretrained.config.get_text_config()
+    num_heads = getattr(text_config, "num_attention_heads", None)
+    if num_heads is None:
+        raise ValueError(f"{type(pretrained).__name__} config has no num_attention_heads; is it a decoder LM?")
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+    layout.check_heads(num_heads, num_kv_heads)
+
+    if callable(core):
+        core_fn, core_name = core, getattr(core, "__name__", "custom")
+    elif isinstance(core, str):
+        core_fn, core_name = get_core(core), core
+    else:
+        raise ValueError(f"core must be one of {sorted(CORES)} or a callable, got {core!r}")
+    if not pretrained._can_set_attn_implementation():
+        raise ValueError(
+            f"{type(pretrained).__name__} does not dispatch attention through transformers' AttentionInterface, "
+            "so Ulysses cannot be plugged in without patching it"
+        )
+    ctx = UlyssesAttention(layout, core_fn, core_name=core_name, comm_dtype=comm_dtype, stats=stats)
+    name = f"ulysses_{core_name}" if isinstance(core, str) else "ulysses_custom"
+    _register(name)
+    original = pretrained.config._attn_implementation
+    pretrained.set_attn_implementation(name)
+
+    modules = _attention_modules(pretrained)
+    if not modules:
+        raise ValueError(f"found no attention modules in {type(pretrained).__name__}")
+    for module in modules:
+        object.__setattr__(module, MODULE_ATTR, ctx)
+
+    decoder = _decoder(pretrained)
+    signature = inspect.signature(decoder.forward)
+
+    def pre_hook(module, args, kwargs):
+        if pretrained.config._attn_implementation != name:
+            return None  # switched back to plain attention (plain_attention): nothing to do
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        if bound.get("past_key_values") is not None:
+            raise ValueError(
+                "a KV cache (past_key_values) cannot be used under sequence parallelism; generate inside "
+                "`with ulysses_sp.plain_attention(model):` or after ulysses_sp.unparallelize(model)"
+            )
+        tokens = bound.get("input_ids")
+        if tokens is None:
+            tokens = bound.get("inputs_embeds")
+        if tokens is None:
+            raise ValueError("the model needs input_ids or inputs_embeds")
+        ctx.begin_forward(bound.get("position_ids"), bound.get("attention_mask"), tokens.shape[0], tokens.shape[1])
+        kwargs = {**kwargs, "use_cache": False}
+        return args, kwargs
+
+    hook = decoder.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    setattr(pretrained, _STATE_ATTR, _State(ctx, name, original, hook, modules))
+    return model
+
+
+def ulysses_context(model: torch.nn.Module) -> UlyssesAttention:
+    """The :class:`UlyssesAttention` of a parallelized model (layout, core, ``stats``)."""
+    state = getattr(_find_pretrained(model), _STATE_ATTR, None)
+    if state is None:
+        raise ValueError("this model is not parallelized; call ulysses_sp.parallelize(model, layout) first")
+    return state.ctx
+
+
+def unparallelize(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`parallelize`: the original attention implementation, no hook, no module attributes."""
+    pretrained = _find_pretrained(model)
+    state: _State | None = getattr(pretrained, _STATE_ATTR, None)
+    if state is None:
+        return model
+    state.hook.remove()
+    for module in state.modules:
+        if MODULE_ATTR in module.__dict__:
+            object.__delattr__(module, MODULE_ATTR)
+    pretrained.set_attn_implementation(state.original_impl)
+    delattr(pretrained, _STATE_ATTR)
+    return model
+
+
+@contextlib.contextmanager
+def plain_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Temporarily run the model's original attention (e.g. to ``generate`` on one rank's full input)."""
+    pretrained = _find_pretrained(model)
+    state: _State | None = getattr(pretrained, _STATE_ATTR, None)
+    if state is None:
+        yield model
+        return
+    pretrained.set_attn_implementation(state.original_impl)
+    try:
+        yield model
+    finally:
+        pretrained.set_attn_implementation(state.name)

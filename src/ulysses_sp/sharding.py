@@ -1,0 +1,118 @@
+"""Full batch -> this rank's sequence shard, and back.
+
+:func:`shard_batch` pads the sequence to a multiple of ``sp`` (never dropping a token), shifts the labels
+BEFORE slicing (so the last token of a shard keeps its target, the first token of the next shard), builds
+global position_ids, and slices tokens ``[sp_rank * n, (sp_rank + 1) * n)`` of every row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from .layout import ParallelLayout
+
+__all__ = ["IGNORE_INDEX", "pad_to_multiple", "shard_batch", "shift_labels"]
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``[b, N]`` labels -> ``[b, N]`` targets: position t gets ``labels[t + 1]``; the last gets ignore_index."""
+    return F.pad(labels[:, 1:], (0, 1), value=ignore_index).contiguous()
+
+
+def pad_to_multiple(x: torch.Tensor, multiple: int, value: int | float) -> torch.Tensor:
+    """Right-pad dim 1 of ``x`` to a multiple of ``multiple`` with ``value``."""
+    extra = (-x.shape[1]) % multiple
+    if extra == 0:
+        return x
+    pad = x.new_full((x.shape[0], extra, *x.shape[2:]), value)
+    return torch.cat([x, pad], dim=1)
+
+
+def _as_2d(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        value = torch.as_tensor(value)
+    if value.dim() == 1:
+        value = value.unsqueeze(0)
+    if value.dim() != 2:
+        raise ValueError(f"{name} must be [batch, seq_len], got shape {tuple(value.shape)}")
+    return value
+
+
+def shard_batch(
+    batch: Mapping[str, object],
+    layout: ParallelLayout,
+    *,
+    pad_token_id: int = 0,
+    ignore_index: int = IGNORE_INDEX,
+) -> dict[str, torch.Tensor]:
+    """Turn a full batch into this rank's shard.
+
+    Args:
+        batch: ``input_ids [b, N]``; optional ``labels [b, N]`` (unshifted, as for a HF causal LM),
+            ``attention_mask [b, N]`` (1 = token, 0 = padding), ``position_ids [b or 1, N]`` (restarting at 0
+            for each packed document). Other keys are passed through untouched.
+        layout: the parallel layout; ``layout.sp`` ranks split the sequence.
+        pad_token_id: id used to pad ``input_ids`` up to a multiple of ``sp``.
+
+    Returns a dict with ``input_ids``, ``position_ids`` (global positions) and, when given,
+    ``attention_mask`` of shape ``[b, n]`` with ``n = ceil(N / sp)``; with labels, also ``shift_labels``
+    ``[b, n]`` (targets, shifted before slicing) and ``labels`` (the local slice, so transformers models
+    still return a loss when given ``shift_labels``). The padding added for divisibility sits at the end
+    of each row, with ignored labels and positions that continue the row, so it changes nothing for the
+    real tokens of a causal model.
+    """
+    if "input_ids" not in batch:
+        raise ValueError(f"the batch needs input_ids; it has keys {sorted(batch)}")
+    input_ids = _as_2d("input_ids", batch["input_ids"])
+    b, seq_len = input_ids.shape
+    sp = layout.sp
+
+    def check(name: str) -> torch.Tensor | None:
+        value = batch.get(name)
+        if value is None:
+            return None
+        value = _as_2d(name, value).to(input_ids.device)
+        if (
+            value.shape[1] != seq_len
+            or value.shape[0] not in (b, 1)
+            or (name != "position_ids" and value.shape[0] != b)
+        ):
+            raise ValueError(
+                f"{name} has shape {tuple(value.shape)} but input_ids has shape {tuple(input_ids.shape)}; "
+                f"they must match (labels are the unshifted input ids, -100 where no loss is wanted)"
+            )
+        return value
+
+    labels, mask, positions = check("labels"), check("attention_mask"), check("position_ids")
+    if positions is None:
+        positions = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
+    positions = positions.expand(b, seq_len).to(torch.long)
+
+    extra = (-seq_len) % sp
+    if extra:
+        tail = positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)
+        positions = torch.cat([positions, tail], dim=1)
+        input_ids = pad_to_multiple(input_ids, sp, pad_token_id)
+        if mask is not None:
+            mask = pad_to_multiple(mask, sp, 0)
+    n = (seq_len + extra) // sp
+    local = slice(layout.sp_rank * n, (layout.sp_rank + 1) * n)
+
+    out: dict[str, torch.Tensor] = {k: v for k, v in batch.items() if k not in _SHARDED}  # type: ignore[misc]
+    out["input_ids"] = input_ids[:, local].contiguous()
+    out["position_ids"] = positions[:, local].contiguous()
+    if mask is not None:
+        out["attention_mask"] = mask[:, local].contiguous()
+    if labels is not None:
+        targets = pad_to_multiple(shift_labels(labels, ignore_index), sp, ignore_index)
+        out["shift_labels"] = targets[:, local].contiguous()
+        out["labels"] = pad_to_multiple(labels, sp, ignore_index)[:, local].contiguous()
+    return out
+
+
+_SHARDED = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")

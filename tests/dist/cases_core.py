@@ -1,0 +1,193 @@
+"""Multi-rank cases for the core engine, run inside gloo workers by tests/dist/test_core_parity.py.
+
+Every parity case runs the same model in one process on the full batch (plain transformers attention,
+no ulysses_sp code) and compares loss and every parameter gradient with the sequence-parallel run.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+import torch.distributed as dist
+
+import ulysses_sp as U
+from tests.helpers.harness import run_cases
+from tests.helpers.models import build, make_batch
+
+LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
+GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
+BF16_TOL = dict(rtol=2e-2, atol=2e-3)
+
+
+def reference(model, batch):
+    """One process, full batch, the model's own attention and loss."""
+    ref = copy.deepcopy(model)
+    out = ref(**batch, use_cache=False)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+
+def sequence_parallel(model, batch, layout, **kwargs):
+    """This rank's share of the dp x sp run: its dp rows, its sequence shard; grads averaged over the world."""
+    par = U.parallelize(copy.deepcopy(model), layout, **kwargs)
+    rows = batch["input_ids"].shape[0] // layout.dp
+    mine = {k: v[layout.dp_rank * rows : (layout.dp_rank + 1) * rows] for k, v in batch.items()}
+    shard = U.shard_batch(mine, layout)
+    inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
+    loss = U.sequence_parallel_cross_entropy(par(**inputs).logits, shard["shift_labels"], layout)
+    loss.backward()
+    U.sync_gradients(par, layout)
+    return loss.detach(), {n: p.grad for n, p in par.named_parameters()}, par
+
+
+def check_parity(
+    layout, arch="llama", *, heads=4, kv_heads=None, batch=None, ref_attn="sdpa", tol=None, loss_tol=None, **kwargs
+):
+    batch = batch if batch is not None else make_batch(2, 24)
+    model = build(arch, heads=heads, kv_heads=kv_heads, attn=ref_attn)
+    ref_loss, ref_grads = reference(model, batch)
+    loss, grads, _ = sequence_parallel(model, batch, layout, **kwargs)
+    torch.testing.assert_close(loss, ref_loss, **(loss_tol or LOSS_TOL))
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], **(tol or GRAD_TOL), msg=lambda m, n=name: f"{n}: {m}")
+
+
+def flex_forward(layout):
+    """flex_attention has no CPU backward in torch: compare the forward loss here (GPU tests do backward)."""
+    batch = make_batch(2, 24, packed=(7, 10, 7))
+    model = build("llama", kv_heads=2)
+    with torch.no_grad():
+        ref_loss = model(**batch, use_cache=False).loss
+        par = U.parallelize(copy.deepcopy(model), layout, core="flex_attention")
+        shard = U.shard_batch(batch, layout)
+        logits = par(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        loss = U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
+    torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
+
+
+def collective_count(layout):
+    """Per attention layer: exactly 2 all-to-alls forward (q/k/v fused + output), 2 more in backward."""
+    stats = U.CommStats()
+    model = build("llama", heads=4, kv_heads=2)
+    layers = model.config.num_hidden_layers
+    par = U.parallelize(model, layout, stats=stats)
+    shard = U.shard_batch(make_batch(1, 16), layout)
+    logits = par(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+    assert stats.calls["all_to_all"] == 2 * layers, stats.calls
+    assert stats.calls["all_gather"] == 2, stats.calls  # shape check + positions: once per forward, not per layer
+    loss = U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout, stats=stats)
+    loss.backward()
+    assert stats.calls["all_to_all"] == 4 * layers, stats.calls
+    assert stats.calls["all_reduce"] == 2, stats.calls  # loss sums forward and backward
+
+
+def shape_mismatch(layout):
+    """Ranks of one SP group with different shard shapes: a ValueError on every rank, not a hang."""
+    model = U.parallelize(build("llama"), layout)
+    n = 8 + 2 * layout.sp_rank
+    ids = torch.zeros(1, n, dtype=torch.long)
+    try:
+        model(input_ids=ids, position_ids=torch.arange(n)[None] + n * layout.sp_rank)
+    except ValueError as err:
+        assert "same shape" in str(err), err
+    else:
+        raise AssertionError("mismatched shard shapes were not rejected")
+
+
+def heads_not_divisible(layout):
+    try:
+        U.parallelize(build("llama", heads=3), layout)
+    except ValueError as err:
+        assert "num_attention_heads=3" in str(err) and "sp values that work: 1, 3" in str(err), err
+    else:
+        raise AssertionError("3 heads over sp=2 were accepted")
+
+
+def missing_positions(layout):
+    model = U.parallelize(build("llama"), layout)
+    try:
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    except ValueError as err:
+        assert "position_ids" in str(err), err
+    else:
+        raise AssertionError("a forward without position_ids was accepted under sp > 1")
+
+
+def plain_attention_roundtrip(layout):
+    """The model switches back to plain attention (same outputs as never parallelized) and generates."""
+    model = build("llama")
+    before = copy.deepcopy(model)
+    U.parallelize(model, layout)
+    ids = torch.randint(0, 100, (1, 6))
+    with U.plain_attention(model):
+        out = model.generate(ids, max_new_tokens=3, do_sample=False)
+        assert out.shape == (1, 9)
+    U.unparallelize(model)
+    torch.testing.assert_close(model(input_ids=ids).logits, before(input_ids=ids).logits)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def world2() -> dict[str, str]:
+    sp2 = U.ParallelLayout.from_env(sp=2)
+    P = functools.partial
+    cases = {
+        "llama_mha_sdpa": P(check_parity, sp2, "llama"),
+        "llama_gqa_sdpa": P(check_parity, sp2, "llama", kv_heads=2),
+        "llama_mqa_sdpa": P(check_parity, sp2, "llama", kv_heads=1),
+        "mistral_sliding_window": P(check_parity, sp2, "mistral", kv_heads=2),
+        "qwen2_mixed_window": P(check_parity, sp2, "qwen2", kv_heads=2),
+        "qwen3_sdpa": P(check_parity, sp2, "qwen3", kv_heads=2),
+        "gemma3_sdpa": P(check_parity, sp2, "gemma3", kv_heads=2),
+        "gemma2_eager_softcap": P(check_parity, sp2, "gemma2", kv_heads=2, ref_attn="eager", core="eager"),
+        "llama_eager_core": P(check_parity, sp2, "llama", kv_heads=2, core="eager"),
+        "llama_flex_core_forward": P(flex_forward, sp2),
+        "seq_not_divisible": P(check_parity, sp2, "llama", batch=make_batch(2, 23)),
+        "batch_size_3": P(check_parity, sp2, "llama", batch=make_batch(3, 20)),
+        "padded_right": P(check_parity, sp2, "llama", batch=make_batch(2, 24, pad="right")),
+        "padded_left": P(check_parity, sp2, "llama", kv_heads=2, batch=make_batch(2, 24, pad="left")),
+        "padded_eager_core": P(check_parity, sp2, "llama", core="eager", batch=make_batch(2, 23, pad="right")),
+        "packed_documents": P(check_parity, sp2, "llama", kv_heads=2, batch=make_batch(2, 24, packed=(5, 9, 10))),
+        "packed_sliding_window": P(check_parity, sp2, "mistral", batch=make_batch(2, 30, packed=(13, 17))),
+        "packed_eager_core": P(check_parity, sp2, "qwen3", core="eager", batch=make_batch(2, 24, packed=(12, 3, 9))),
+        "bf16_communication": P(
+            check_parity, sp2, "llama", kv_heads=2, comm_dtype=torch.bfloat16, tol=BF16_TOL, loss_tol=BF16_TOL
+        ),
+        "collectives_per_layer": P(collective_count, sp2),
+        "shape_mismatch_raises": P(shape_mismatch, sp2),
+        "heads_not_divisible": P(heads_not_divisible, sp2),
+        "missing_position_ids": P(missing_positions, sp2),
+        "plain_attention_roundtrip": P(plain_attention_roundtrip, sp2),
+    }
+    return run_cases(cases)
+
+
+def world_not_divisible() -> None:
+    try:
+        U.ParallelLayout.from_env(sp=3)
+    except ValueError as err:
+        assert "not divisible by sp=3" in str(err) and "1, 2, 4" in str(err), err
+    else:
+        raise AssertionError("sp=3 on 4 ranks was accepted")
+
+
+def world4() -> dict[str, str]:
+    sp4 = U.ParallelLayout.from_env(sp=4)
+    dp2sp2 = U.ParallelLayout.from_env(sp=2)  # a second layout in the same process
+    assert (dp2sp2.dp, dp2sp2.sp) == (2, 2) and dist.get_world_size(dp2sp2.sp_group) == 2
+    P = functools.partial
+    cases = {
+        "sp4_llama_mha": P(check_parity, sp4, "llama"),
+        "sp4_kv_heads_lt_sp": P(check_parity, sp4, "llama", kv_heads=2),
+        "sp4_mqa": P(check_parity, sp4, "qwen3", kv_heads=1),
+        "sp4_gemma3_packed": P(check_parity, sp4, "gemma3", kv_heads=2, batch=make_batch(2, 30, packed=(11, 19))),
+        "sp4_seq_not_divisible_padded": P(
+            check_parity, sp4, "mistral", kv_heads=2, batch=make_batch(2, 26, pad="right")
+        ),
+        "dp2_sp2_llama": P(check_parity, dp2sp2, "llama", kv_heads=2, batch=make_batch(4, 22)),
+        "dp2_sp2_packed": P(check_parity, dp2sp2, "qwen2", batch=make_batch(2, 24, packed=(9, 15))),
+        "world_not_divisible": world_not_divisible,
+    }
+    return run_cases(cases)

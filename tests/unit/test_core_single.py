@@ -1,0 +1,143 @@
+"""Single-process tests of the core: sharding, segments, loss, layout and bad input."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import ulysses_sp as U
+from tests.helpers.models import build, make_batch
+
+
+def fake_layout(sp: int, sp_rank: int):
+    """shard_batch only reads sp and sp_rank."""
+    return SimpleNamespace(sp=sp, sp_rank=sp_rank)
+
+
+def test_shard_batch_pads_shifts_and_keeps_every_token():
+    batch = make_batch(2, 11)
+    shards = [U.shard_batch(batch, fake_layout(4, r)) for r in range(4)]
+    ids = torch.cat([s["input_ids"] for s in shards], dim=1)
+    assert ids.shape == (2, 12)
+    torch.testing.assert_close(ids[:, :11], batch["input_ids"])
+    targets = torch.cat([s["shift_labels"] for s in shards], dim=1)
+    torch.testing.assert_close(targets[:, :10], batch["labels"][:, 1:])
+    assert (targets[:, 10:] == -100).all()
+    # the first token of shard 1 is the target of the last token of shard 0
+    assert torch.equal(shards[0]["shift_labels"][:, -1], shards[1]["input_ids"][:, 0])
+    positions = torch.cat([s["position_ids"] for s in shards], dim=1)
+    torch.testing.assert_close(positions, torch.arange(12).expand(2, 12))
+
+
+def test_shard_batch_packed_positions_and_mask():
+    batch = make_batch(2, 9, packed=(4, 5), pad="right", pad_lengths=(0, 2))
+    shards = [U.shard_batch(batch, fake_layout(2, r)) for r in range(2)]
+    positions = torch.cat([s["position_ids"] for s in shards], dim=1)
+    assert positions[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
+    mask = torch.cat([s["attention_mask"] for s in shards], dim=1)
+    assert mask[1].tolist() == [1] * 7 + [0, 0, 0]
+
+
+def test_shard_batch_rejects_labels_of_other_length():
+    batch = make_batch(1, 10)
+    batch["labels"] = batch["labels"][:, :9]
+    with pytest.raises(ValueError, match=r"labels has shape \(1, 9\) but input_ids has shape \(1, 10\)"):
+        U.shard_batch(batch, fake_layout(2, 0))
+
+
+def test_shard_batch_needs_input_ids():
+    with pytest.raises(ValueError, match="needs input_ids"):
+        U.shard_batch({"labels": torch.zeros(1, 4)}, fake_layout(2, 0))
+
+
+def test_segments_documents_and_padding():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [5, 6, 7, 8, 9, 10, 11, 12]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 0]])
+    seg = U.Segments.from_positions(positions, mask)
+    assert seg.spans == [[(0, 3), (3, 5), (5, 8)], [(2, 7)]]
+    assert not seg.is_dense
+    index, cu, max_len = seg.varlen()
+    assert cu.tolist() == [0, 3, 5, 8, 13] and max_len == 5
+    assert index.tolist() == list(range(8)) + [10, 11, 12, 13, 14]
+    assert U.Segments.from_positions(torch.arange(6)[None]).is_dense
+
+
+def test_loss_with_no_valid_token_is_zero_not_nan():
+    layout = U.ParallelLayout.single()
+    logits = torch.randn(1, 4, 10, requires_grad=True)
+    loss = U.sequence_parallel_cross_entropy(logits, torch.full((1, 4), -100), layout)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert torch.isfinite(logits.grad).all()
+
+
+def test_loss_is_token_weighted_mean():
+    layout = U.ParallelLayout.single()
+    logits = torch.randn(2, 5, 7)
+    labels = torch.randint(0, 7, (2, 5))
+    labels[0, :3] = -100
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    torch.testing.assert_close(U.sequence_parallel_cross_entropy(logits, labels, layout), expected)
+    half = U.sequence_parallel_cross_entropy(logits, labels, layout, num_items_in_batch=14)
+    torch.testing.assert_close(half, expected * 7 / 14)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_sp1_matches_plain_model(arch):
+    """sp=1 runs in one process with no process group, through the same code path."""
+    batch = make_batch(2, 20, packed=(8, 12))
+    model = build(arch, kv_heads=2)
+    ref = model(**batch, use_cache=False).loss
+    layout = U.ParallelLayout.single()
+    U.parallelize(model, layout)
+    shard = U.shard_batch(batch, layout)
+    loss = U.sequence_parallel_cross_entropy(
+        model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits, shard["shift_labels"], layout
+    )
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_unsupported_core_is_rejected():
+    with pytest.raises(ValueError, match=r"unsupported attention core 'flash_attention_9'"):
+        U.parallelize(build("llama"), U.ParallelLayout.single(), core="flash_attention_9")
+
+
+def test_flash_core_without_package_or_gpu_is_rejected():
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        U.parallelize(build("llama"), U.ParallelLayout.single(), core="flash_attention_2")
+
+
+def test_parallelize_twice_is_rejected_and_unparallelize_restores():
+    model = build("llama")
+    U.parallelize(model, U.ParallelLayout.single())
+    assert model.config._attn_implementation == "ulysses_sdpa"
+    with pytest.raises(ValueError, match="already parallelized"):
+        U.parallelize(model, U.ParallelLayout.single())
+    U.unparallelize(model)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_not_a_transformers_model():
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        U.parallelize(torch.nn.Linear(2, 2), U.ParallelLayout.single())
+
+
+def test_layout_validation():
+    with pytest.raises(ValueError, match="sp must be a positive int"):
+        U.ParallelLayout.from_env(sp=0)
+    with pytest.raises(ValueError, match="needs an sp_group"):
+        U.ParallelLayout(dp=1, sp=2)
+    layout = U.ParallelLayout.single()
+    assert layout.sp_degrees_for(12, 4) == [1, 2, 4, 12]
+    layout.check_heads(12, 4)  # sp=1 always works
+    three = U.ParallelLayout.single()
+    object.__setattr__(three, "sp", 3)  # check_heads only reads sp
+    with pytest.raises(ValueError, match="sp values that work: 1, 2, 4, 12"):
+        three.check_heads(12, 4)
+
+
+def test_from_env_without_launcher(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert U.ParallelLayout.from_env(sp=1).world_size == 1
+    with pytest.raises(ValueError, match="torchrun"):
+        U.ParallelLayout.from_env(sp=2)
