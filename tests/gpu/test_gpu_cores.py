@@ -1,0 +1,52 @@
+"""Cores on a CUDA device (skipped without one): every core against plain transformers attention.
+
+One GPU cannot host an SP group of several NCCL ranks, so these tests run sp=1 through the same
+Ulysses path (segments, core, identity exchange); the exchanges themselves are proven on gloo in tests/dist.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+import ulysses_sp as U
+from tests.helpers.models import build, make_batch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CORES = ["sdpa", "eager", "flex_attention"]
+CORES += [
+    c
+    for c, m in (("flash_attention_2", "flash_attn"), ("flash_attention_3", "flash_attn_interface"))
+    if importlib.util.find_spec(m) is not None
+]
+
+
+def _loss_and_grads(model, batch, layout=None):
+    if layout is None:
+        loss = model(**batch, use_cache=False).loss
+    else:
+        shard = U.shard_batch(batch, layout)
+        inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
+        loss = U.sequence_parallel_cross_entropy(model(**inputs).logits, shard["shift_labels"], layout)
+    loss.backward()
+    return loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("arch,packed", [("llama", None), ("llama", (40, 88)), ("mistral", (70, 58))])
+def test_core_matches_plain_attention_bf16(core, arch, packed):
+    device = torch.device("cuda")
+    batch = {k: v.to(device) for k, v in make_batch(2, 128, packed=packed).items()}
+    ref = build(arch, kv_heads=2, window=32).to(device, torch.bfloat16)
+    par = build(arch, kv_heads=2, window=32).to(device, torch.bfloat16)
+    ref_loss, ref_grads = _loss_and_grads(ref, batch)
+    layout = U.ParallelLayout.single(device)
+    U.parallelize(par, layout, core=core)
+    loss, grads = _loss_and_grads(par, batch, layout)
+    torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=2e-2, atol=2e-2)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=5e-2, atol=5e-2, msg=lambda m, n=name: f"{n}: {m}")
