@@ -173,8 +173,19 @@ def world_not_divisible() -> None:
         raise AssertionError("sp=3 on 4 ranks was accepted")
 
 
+def groups_made_by_hand() -> U.ParallelLayout:
+    """dp=2 x sp=2 from new_group calls (as Accelerate or a user would make them): from_groups."""
+    rank = dist.get_rank()
+    sp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    layout = U.ParallelLayout.from_groups(sp_groups[rank // 2], dp_groups[rank % 2])
+    assert (layout.dp, layout.sp, layout.sp_rank, layout.dp_rank) == (2, 2, rank % 2, rank // 2), layout
+    return layout
+
+
 def world4() -> dict[str, str]:
     sp4 = U.ParallelLayout.from_env(sp=4)
+    by_hand = groups_made_by_hand()
     dp2sp2 = U.ParallelLayout.from_env(sp=2)  # a second layout in the same process
     assert (dp2sp2.dp, dp2sp2.sp) == (2, 2) and dist.get_world_size(dp2sp2.sp_group) == 2
     P = functools.partial
@@ -188,6 +199,7 @@ def world4() -> dict[str, str]:
         ),
         "dp2_sp2_llama": P(check_parity, dp2sp2, "llama", kv_heads=2, batch=make_batch(4, 22)),
         "dp2_sp2_packed": P(check_parity, dp2sp2, "qwen2", batch=make_batch(2, 24, packed=(9, 15))),
+        "from_groups_dp2_sp2": P(check_parity, by_hand, "llama", kv_heads=2, batch=make_batch(2, 21, pad="right")),
         "world_not_divisible": world_not_divisible,
     }
     return run_cases(cases)

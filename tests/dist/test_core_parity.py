@@ -52,6 +52,7 @@ WORLD4 = [
     "sp4_seq_not_divisible_padded",
     "dp2_sp2_llama",
     "dp2_sp2_packed",
+    "from_groups_dp2_sp2",
     "world_not_divisible",
 ]
 
