@@ -15,7 +15,7 @@ then reuses them: per attention layer the only collectives are the two all-to-al
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import weakref
 
 import torch
 
@@ -45,9 +45,11 @@ class UlyssesAttention:
         self.core_name = core_name
         self.comm_dtype = comm_dtype
         self.stats = stats if stats is not None else CommStats()
-        # position_ids tensor of a forward pass -> its Segments. A few entries, so activation checkpointing
-        # that recomputes a layer after another forward pass still finds its own documents.
-        self._segments: OrderedDict[int, tuple[torch.Tensor, Segments]] = OrderedDict()
+        # id(position_ids of a forward pass) -> (weak ref to that tensor, its Segments). An entry lives as long
+        # as its position_ids tensor (held by autograd while the forward may still be recomputed by
+        # activation checkpointing), so a recomputed layer always finds its own documents.
+        self._segments: dict[int, tuple[weakref.ref, Segments]] = {}
+        self._latest: Segments | None = None
 
     # ---------------------------------------------------------------------------------- once per forward
     def begin_forward(
@@ -55,49 +57,52 @@ class UlyssesAttention:
     ) -> None:
         """Validate this rank's shard against its SP group and work out the documents of the full rows.
 
-        position_ids ``[b or 1, n]`` hold global positions; attention_mask ``[b, n]`` (or None).
+        position_ids ``[b or 1, n]`` hold global positions; attention_mask ``[b, n]`` (or None). Under
+        sp > 1 every check is agreed across the SP group before any other collective, so bad input on one
+        rank raises a ValueError on every rank instead of leaving the others waiting.
         """
         layout = self.layout
-        if position_ids is None:
-            if layout.sp > 1:
-                raise ValueError(
-                    "under sequence parallelism the model needs position_ids with the GLOBAL positions of this "
-                    "rank's tokens (else RoPE restarts at 0 on every shard); pass the output of "
-                    "ulysses_sp.shard_batch(batch, layout) to the model"
-                )
+        problem = _input_problem(position_ids, attention_mask, seq_len, layout.sp)
+        if layout.sp > 1:
+            self._agree(batch_size, seq_len, attention_mask is not None, problem)
+        elif problem is not None:
+            raise ValueError(problem)
+        if position_ids is None:  # sp == 1: the model's own default positions
             position_ids = torch.arange(seq_len, device=layout.device)[None]
-        if position_ids.dim() != 2 or position_ids.shape[-1] != seq_len:
-            raise ValueError(f"position_ids must be [batch, {seq_len}], got shape {tuple(position_ids.shape)}")
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError(
-                f"attention_mask must be a 2-D padding mask [batch, seq] under Ulysses, got shape "
-                f"{tuple(attention_mask.shape)}; 4-D masks are not supported (documents come from position_ids)"
-            )
         positions = position_ids.expand(batch_size, seq_len)
         if layout.sp > 1:
             positions, attention_mask = self._gather_rows(positions, attention_mask)
         segments = Segments.from_positions(positions, attention_mask)
-        self._segments[id(position_ids)] = (position_ids, segments)
-        while len(self._segments) > 4:
-            self._segments.popitem(last=False)
+        key = id(position_ids)
+        self._segments[key] = (weakref.ref(position_ids), segments)
+        weakref.finalize(position_ids, self._segments.pop, key, None)
+        self._latest = segments
 
-    def _gather_rows(
-        self, positions: torch.Tensor, attention_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # positions [b, n] local -> [b, N]; mask likewise. Shapes are agreed first so that a mismatch raises.
-        layout, device = self.layout, positions.device
-        batch, n = positions.shape
-        shape = torch.tensor([batch, n, int(attention_mask is not None)], dtype=torch.long, device=device)
-        shapes = all_gather_tensor(shape, layout.sp_group, self.stats).tolist()
-        if any(s != shapes[0] for s in shapes):
+    def _agree(self, batch: int, seq_len: int, has_mask: bool, problem: str | None) -> None:
+        # One tiny all-gather of (batch, seq, mask?, bad input?) over the SP group.
+        report = torch.tensor([batch, seq_len, int(has_mask), int(problem is not None)], dtype=torch.long)
+        reports = all_gather_tensor(report.to(self.layout.device), self.layout.sp_group, self.stats).tolist()
+        if problem is not None:
+            raise ValueError(problem)
+        bad = [i for i, r in enumerate(reports) if r[3]]
+        if bad:
+            raise ValueError(f"sp_rank(s) {bad} of this sequence-parallel group rejected their input (see their error)")
+        if any(r[:3] != reports[0][:3] for r in reports):
             described = ", ".join(
-                f"sp_rank {i}: batch={s[0]} seq={s[1]} mask={bool(s[2])}" for i, s in enumerate(shapes)
+                f"sp_rank {i}: batch={r[0]} seq={r[1]} mask={bool(r[2])}" for i, r in enumerate(reports)
             )
             raise ValueError(
                 "the ranks of one sequence-parallel group must hold shards of the same batch with the same "
                 f"shape, got {described}; give every rank of an SP group the same batch and shard it with "
                 "ulysses_sp.shard_batch"
             )
+
+    def _gather_rows(
+        self, positions: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # positions [b, n] local -> [b, N]; mask likewise (shapes already agreed by _agree).
+        layout, device = self.layout, positions.device
+        batch, n = positions.shape
         rows = [positions.to(torch.long)]
         if attention_mask is not None:
             rows.append(attention_mask.to(device=device, dtype=torch.long))
@@ -106,16 +111,27 @@ class UlyssesAttention:
         return full[0], (full[1] if attention_mask is not None else None)
 
     def segments_for(self, position_ids: torch.Tensor | None) -> Segments:
-        if not self._segments:
+        """The Segments of the forward pass that ``position_ids`` belongs to."""
+        if self._latest is None:
             raise RuntimeError(
                 "Ulysses attention ran before the model's forward pre-hook: call the parallelized model itself "
                 "(not a single layer), or call UlyssesAttention.begin_forward first"
             )
-        if position_ids is not None and id(position_ids) in self._segments:
-            ref, segments = self._segments[id(position_ids)]
-            if ref is position_ids:
-                return segments
-        return next(reversed(self._segments.values()))[1]
+        if position_ids is None:  # the model does not hand position_ids to its attention
+            return self._latest
+        entry = self._segments.get(id(position_ids))
+        if entry is not None and entry[0]() is position_ids:
+            return entry[1]
+        live = list(self._segments.values())
+        if len(live) == 1:  # the layer got a derived position_ids tensor, but only one forward is alive
+            return live[0][1]
+        if not live:  # the model made its own positions (sp == 1 without position_ids)
+            return self._latest
+        raise RuntimeError(
+            "cannot tell which forward pass this attention call belongs to: the layer received a position_ids "
+            f"tensor that was not given to the model, while {len(live)} forward passes are alive; pass the "
+            "same position_ids tensor down to the attention layers, or finish one backward before the next forward"
+        )
 
     # ---------------------------------------------------------------------------------- every layer
     def __call__(
@@ -136,6 +152,12 @@ class UlyssesAttention:
         """q ``[b, H, n, d]``, k/v ``[b, Hkv, n, d]`` (local tokens) -> ``([b, n, H, d], None)``."""
         if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
             raise ValueError("Ulysses attention supports causal (decoder) attention only")
+        for name in ("s_aux", "sinks"):
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"{type(module).__name__} uses attention sinks ({name}), which Ulysses does not support yet; "
+                    "results would be silently wrong, so this model cannot be parallelized"
+                )
         if query.shape[2] != key.shape[2]:
             raise ValueError(
                 f"query length {query.shape[2]} != key length {key.shape[2]}: a KV cache is in use; call "
@@ -149,6 +171,27 @@ class UlyssesAttention:
             q, k, v, segments, scaling=scaling, sliding_window=sliding_window, softcap=softcap, dropout=dropout
         )  # [b, N, H/P, d]
         return heads_to_seq(out, group, comm_dtype=wire, stats=self.stats), None  # [b, n, H, d]
+
+
+def _input_problem(
+    position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, seq_len: int, sp: int
+) -> str | None:
+    """What is wrong with this rank's input (None if nothing): checked locally, agreed across the group."""
+    if position_ids is None:
+        if sp > 1:
+            return (
+                "under sequence parallelism the model needs position_ids with the GLOBAL positions of this "
+                "rank's tokens (else RoPE restarts at 0 on every shard); pass the output of "
+                "ulysses_sp.shard_batch(batch, layout) to the model"
+            )
+    elif position_ids.dim() != 2 or position_ids.shape[-1] != seq_len:
+        return f"position_ids must be [batch, {seq_len}], got shape {tuple(position_ids.shape)}"
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[-1] != seq_len):
+        return (
+            f"attention_mask must be a 2-D padding mask [batch, {seq_len}] under Ulysses, got shape "
+            f"{tuple(attention_mask.shape)}; 4-D masks are not supported (documents come from position_ids)"
+        )
+    return None
 
 
 def _context(module: torch.nn.Module) -> UlyssesAttention:

@@ -133,7 +133,10 @@ def qkv_seq_to_heads(
         send = send.to(comm_dtype)
     recv = all_to_all(send, group, stats).to(dtype)  # [P(src shard), b, H/P + 2 hkv, n, d]
     full = recv.permute(1, 2, 0, 3, 4).reshape(b, heads_q + 2 * hkv, sp * n, d)  # [b, h, N, d]
-    return full[:, :heads_q], full[:, heads_q : heads_q + hkv], full[:, heads_q + hkv :]
+    # split (not slicing): its backward concatenates the three gradients instead of zero-filling three
+    # buffers of the full size and adding them.
+    q_full, k_full, v_full = full.split([heads_q, hkv, hkv], dim=1)
+    return q_full, k_full, v_full
 
 
 def heads_to_seq(

@@ -20,6 +20,7 @@ hybrid layout) plug in without touching the exchange.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Callable
@@ -62,6 +63,14 @@ class Segments:
             starts[:, 1:] |= valid[:, 1:] != valid[:, :-1]
         spans: list[list[tuple[int, int]]] = []
         for row in range(batch):
+            idx = torch.nonzero(valid[row]).flatten()
+            if len(idx) and not bool(valid[row, int(idx[0]) : int(idx[-1]) + 1].all()):
+                hole = int(idx[0]) + int(torch.nonzero(~valid[row, int(idx[0]) :]).flatten()[0])
+                raise ValueError(
+                    f"attention_mask has padding inside row {row} (token {hole} is masked between real tokens); "
+                    "Ulysses supports left and right padding; to pack several documents in a row, give "
+                    "position_ids that restart at 0 for each document instead of masking between them"
+                )
             begin = torch.nonzero(starts[row]).flatten().tolist()
             ends = begin[1:] + [seq_len]
             row_valid = valid[row]
@@ -114,29 +123,26 @@ class Segments:
         return self.cached("doc_ids", build)  # type: ignore[return-value]
 
 
-def _assemble(pieces: list[tuple[int, torch.Tensor]], seq_len: int, like: torch.Tensor) -> torch.Tensor:
-    # pieces: (start, out [1, h, L, d]) sorted by start -> [1, h, N, d] with zeros in the gaps (padding).
-    parts, cursor = [], 0
-    _, h, _, d = like.shape
-    for start, out in pieces:
-        if start > cursor:
-            parts.append(like.new_zeros(1, h, start - cursor, d))
-        parts.append(out)
-        cursor = start + out.shape[2]
-    if cursor < seq_len:
-        parts.append(like.new_zeros(1, h, seq_len - cursor, d))
-    return torch.cat(parts, dim=2)
-
-
 def _per_document(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, attend: Callable
 ) -> torch.Tensor:
-    # q [b, h, N, d]; k/v [b, hkv, N, d] -> [b, N, h, d]; attend(q_doc, k_doc, v_doc) -> [1, h, L, d]
+    # q [b, h, N, d]; k/v [b, hkv, N, d] -> [b, N, h, d]; attend(q_doc, k_doc, v_doc) -> [1, h, L, d].
+    # Rows and documents are cut with split(), whose backward concatenates the pieces' gradients
+    # (slicing would zero-fill a full-size buffer per document). Padding gaps get a zero output.
     rows = []
-    for row, spans in enumerate(segments.spans):
-        sl = slice(row, row + 1)
-        pieces = [(s, attend(q[sl, :, s:e], k[sl, :, s:e], v[sl, :, s:e])) for s, e in spans]
-        rows.append(_assemble(pieces, segments.seq_len, q[sl]))
+    for row, (qr, kr, vr) in enumerate(zip(q.split(1), k.split(1), v.split(1), strict=True)):
+        bounds, cursor = [], 0
+        for s, e in segments.spans[row]:
+            if s > cursor:
+                bounds.append((cursor, s, False))
+            bounds.append((s, e, True))
+            cursor = e
+        if cursor < segments.seq_len:
+            bounds.append((cursor, segments.seq_len, False))
+        sizes = [e - s for s, e, _ in bounds]
+        pieces = zip(qr.split(sizes, dim=2), kr.split(sizes, dim=2), vr.split(sizes, dim=2), bounds, strict=True)
+        outs = [attend(qd, kd, vd) if is_doc else torch.zeros_like(qd) for qd, kd, vd, (_, _, is_doc) in pieces]
+        rows.append(torch.cat(outs, dim=2))
     return torch.cat(rows, dim=0).transpose(1, 2)
 
 
@@ -176,11 +182,14 @@ def sdpa_core(
         length = qd.shape[2]
         if sliding_window is None or length <= sliding_window:
             return causal(qd, kd, vd)
-        outs = []
+        outs, masks = [], {}
         for start in range(0, length, sliding_window):  # blocks of `window` queries: O(L * window) memory
             stop = min(start + sliding_window, length)
             k_lo = max(0, start - sliding_window + 1)
-            mask = _window_mask(start, stop - start, k_lo, stop - k_lo, sliding_window, qd.device)
+            shape = (stop - start, stop - k_lo)  # the mask depends on the block's shape only
+            if shape not in masks:
+                masks[shape] = _window_mask(start - k_lo, shape[0], 0, shape[1], sliding_window, qd.device)
+            mask = masks[shape]
             outs.append(
                 F.scaled_dot_product_attention(
                     qd[:, :, start:stop],
@@ -257,21 +266,34 @@ def flex_core(
             keep = keep & (kj > qi - window)
         return keep
 
+    # On CUDA both are compiled, so neither the block mask nor the scores are ever dense. On CPU flex runs
+    # eagerly (dense scores, forward only in torch): a reference path, not one for long sequences.
+    compiled = q.is_cuda
     block_mask = segments.cached(
         ("flex", window),
-        lambda: create_block_mask(mask_mod, segments.batch, None, segments.seq_len, segments.seq_len, device=q.device),
+        lambda: create_block_mask(
+            mask_mod, segments.batch, None, segments.seq_len, segments.seq_len, device=q.device, _compile=compiled
+        ),
     )
+    attend = _compiled_flex() if compiled else flex_attention
     score_mod = None
     if softcap is not None:
 
         def score_mod(score, b, h, qi, kj):
             return torch.tanh(score / softcap) * softcap
 
-    out = flex_attention(
+    out = attend(
         q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
     )
     valid = (docs >= 0).to(out.dtype)[:, None, :, None]  # padding rows -> 0, as in the other cores
     return (out * valid).transpose(1, 2)
+
+
+@functools.cache
+def _compiled_flex() -> Callable:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
 
 
 # ---------------------------------------------------------------------------------------------- flash
@@ -292,7 +314,9 @@ def _flash_core(module_name: str) -> Core:
         kwargs["window_size"] = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
         if softcap is not None:
             kwargs["softcap"] = softcap
-        if dropout and module_name == "flash_attn":
+        if dropout:
+            if module_name != "flash_attn":
+                raise ValueError(f"{module_name} has no attention dropout (dropout={dropout}); use flash_attention_2")
             kwargs["dropout_p"] = dropout
         b, h, seq_len, d = q.shape
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [b, N, heads, d]
@@ -300,11 +324,15 @@ def _flash_core(module_name: str) -> Core:
             out = flash.flash_attn_func(qt, kt, vt, **kwargs)
             return out[0] if isinstance(out, tuple) else out
         index, cu, max_len = segments.varlen()
-        pick = [x.reshape(b * seq_len, x.shape[2], d).index_select(0, index) for x in (qt, kt, vt)]
-        out = flash.flash_attn_varlen_func(*pick, cu, cu, max_len, max_len, **kwargs)
+        flat = [x.reshape(b * seq_len, x.shape[2], d) for x in (qt, kt, vt)]  # [b*N, heads, d]
+        padded = index.numel() != b * seq_len
+        if padded:  # keep real tokens only
+            flat = [x.index_select(0, index) for x in flat]
+        out = flash.flash_attn_varlen_func(*flat, cu, cu, max_len, max_len, **kwargs)
         out = out[0] if isinstance(out, tuple) else out  # [T, h, d]
-        full = out.new_zeros(b * seq_len, h, d).index_copy(0, index, out)
-        return full.reshape(b, seq_len, h, d)
+        if padded:
+            out = out.new_zeros(b * seq_len, h, d).index_copy(0, index, out)
+        return out.reshape(b, seq_len, h, d)
 
     core.__name__ = f"flash_core_{module_name}"
     return core

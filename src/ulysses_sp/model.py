@@ -60,6 +60,34 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "num_key_value_groups") or type(m).__name__.endswith("Attention")]
 
 
+_SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def _check_attention_features(config, core: str | None) -> None:
+    """Refuse, before training, attention variants that Ulysses would get silently wrong."""
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    if layer_types - _SUPPORTED_LAYER_TYPES:
+        raise ValueError(
+            f"layer types {sorted(layer_types - _SUPPORTED_LAYER_TYPES)} are not supported by Ulysses attention "
+            f"(supported: {sorted(_SUPPORTED_LAYER_TYPES)})"
+        )
+    if getattr(config, "attention_chunk_size", None):
+        raise ValueError(
+            f"chunked attention (attention_chunk_size={config.attention_chunk_size}) is not supported by Ulysses "
+            "attention: its chunk mask would be silently ignored"
+        )
+    if getattr(config, "attn_temperature_tuning", False):
+        raise ValueError(
+            "attn_temperature_tuning scales queries by positions computed per shard; it is not supported under "
+            "Ulysses (set attn_temperature_tuning=False if the model allows it)"
+        )
+    if core == "sdpa" and getattr(config, "attn_logit_softcapping", None):
+        raise ValueError(
+            f"the model uses attention logit softcapping (attn_logit_softcapping={config.attn_logit_softcapping}), "
+            "which sdpa cannot apply; use core='eager' or core='flash_attention_2' (or flex_attention on GPU)"
+        )
+
+
 def _register(name: str) -> None:
     AttentionInterface.register(name, ulysses_attention_forward)
     AttentionMaskInterface.register(name, ulysses_mask)
@@ -99,6 +127,7 @@ def parallelize(
         raise ValueError(f"{type(pretrained).__name__} config has no num_attention_heads; is it a decoder LM?")
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
     layout.check_heads(num_heads, num_kv_heads)
+    _check_attention_features(text_config, core if isinstance(core, str) else None)
 
     if callable(core):
         core_fn, core_name = core, getattr(core, "__name__", "custom")
@@ -111,20 +140,25 @@ def parallelize(
             f"{type(pretrained).__name__} does not dispatch attention through transformers' AttentionInterface, "
             "so Ulysses cannot be plugged in without patching it"
         )
+    modules = _attention_modules(pretrained)
+    if not modules:
+        raise ValueError(f"found no attention modules in {type(pretrained).__name__}")
+    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in modules):
+        raise ValueError(
+            f"{type(pretrained).__name__} uses attention sinks, which Ulysses does not support yet (the sink "
+            "logits would be silently dropped)"
+        )
+    decoder = _decoder(pretrained)
+    signature = inspect.signature(decoder.forward)
+
+    # All checks passed: from here on the model is changed.
     ctx = UlyssesAttention(layout, core_fn, core_name=core_name, comm_dtype=comm_dtype, stats=stats)
     name = f"ulysses_{core_name}" if isinstance(core, str) else "ulysses_custom"
     _register(name)
     original = pretrained.config._attn_implementation
     pretrained.set_attn_implementation(name)
-
-    modules = _attention_modules(pretrained)
-    if not modules:
-        raise ValueError(f"found no attention modules in {type(pretrained).__name__}")
     for module in modules:
         object.__setattr__(module, MODULE_ATTR, ctx)
-
-    decoder = _decoder(pretrained)
-    signature = inspect.signature(decoder.forward)
 
     def pre_hook(module, args, kwargs):
         if pretrained.config._attn_implementation != name:

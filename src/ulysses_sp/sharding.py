@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from .comm import all_gather_tensor
 from .layout import ParallelLayout
 
 __all__ = ["IGNORE_INDEX", "pad_to_multiple", "shard_batch", "shift_labels"]
@@ -49,6 +50,7 @@ def shard_batch(
     *,
     pad_token_id: int = 0,
     ignore_index: int = IGNORE_INDEX,
+    check_same_batch: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Turn a full batch into this rank's shard.
 
@@ -58,6 +60,9 @@ def shard_batch(
             for each packed document). Other keys are passed through untouched.
         layout: the parallel layout; ``layout.sp`` ranks split the sequence.
         pad_token_id: id used to pad ``input_ids`` up to a multiple of ``sp``.
+        check_same_batch: compare a fingerprint of the full batch across the SP group (one all-gather of
+            4 integers) and raise ValueError on every rank if the ranks hold different batches — the usual
+            sign of a data sampler split over the whole world instead of over ``layout.dp``.
 
     Returns a dict with ``input_ids``, ``position_ids`` (global positions) and, when given,
     ``attention_mask`` of shape ``[b, n]`` with ``n = ceil(N / sp)``; with labels, also ``shift_labels``
@@ -89,6 +94,9 @@ def shard_batch(
         return value
 
     labels, mask, positions = check("labels"), check("attention_mask"), check("position_ids")
+    given_targets = check("shift_labels") if labels is None else None  # already shifted by the caller
+    if check_same_batch and layout.sp > 1:
+        _check_same_batch(input_ids, layout)
     if positions is None:
         positions = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
     positions = positions.expand(b, seq_len).to(torch.long)
@@ -112,7 +120,31 @@ def shard_batch(
         targets = pad_to_multiple(shift_labels(labels, ignore_index), sp, ignore_index)
         out["shift_labels"] = targets[:, local].contiguous()
         out["labels"] = pad_to_multiple(labels, sp, ignore_index)[:, local].contiguous()
+    elif given_targets is not None:
+        out["shift_labels"] = pad_to_multiple(given_targets, sp, ignore_index)[:, local].contiguous()
     return out
+
+
+def _check_same_batch(input_ids: torch.Tensor, layout: ParallelLayout) -> None:
+    # [batch, seq, weighted sum, plain sum] of the full batch, compared across the SP group.
+    ids = input_ids.reshape(-1).to(torch.long)
+    weights = torch.arange(ids.numel(), device=ids.device) % 65521 + 1
+    mine = torch.stack(
+        [
+            torch.tensor(input_ids.shape[0]),
+            torch.tensor(input_ids.shape[1]),
+            (ids * weights).sum().cpu(),
+            ids.sum().cpu(),
+        ]
+    )
+    prints = all_gather_tensor(mine.to(layout.device), layout.sp_group).tolist()
+    if any(p != prints[0] for p in prints):
+        raise ValueError(
+            f"the ranks of sequence-parallel group {layout.dp_rank} hold different batches (batch/seq/fingerprint "
+            f"per sp_rank: {prints}); every rank of an SP group must get the SAME full batch: split your data "
+            f"over the {layout.dp} data-parallel groups (e.g. DistributedSampler(num_replicas=layout.dp, "
+            "rank=layout.dp_rank)), not over all ranks"
+        )
 
 
 _SHARDED = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")

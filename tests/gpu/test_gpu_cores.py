@@ -47,6 +47,9 @@ def test_core_matches_plain_attention_bf16(core, arch, packed):
     layout = U.ParallelLayout.single(device)
     U.parallelize(par, layout, core=core)
     loss, grads = _loss_and_grads(par, batch, layout)
-    torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=2e-2, atol=2e-2)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], rtol=5e-2, atol=5e-2, msg=lambda m, n=name: f"{n}: {m}")
+    torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=2e-2, atol=0.0)
+    for name, grad in grads.items():  # bf16 compute: within 5% of each gradient's norm (a zero grad fails)
+        ref_grad = ref_grads[name]
+        assert (grad - ref_grad).norm() <= 5e-2 * ref_grad.norm(), (
+            f"{name}: {(grad - ref_grad).norm()} vs {ref_grad.norm()}"
+        )

@@ -10,8 +10,8 @@ from tests.helpers.models import build, make_batch
 
 
 def fake_layout(sp: int, sp_rank: int):
-    """shard_batch only reads sp and sp_rank."""
-    return SimpleNamespace(sp=sp, sp_rank=sp_rank)
+    """shard_batch reads sp and sp_rank (and the SP group for its same-batch check: none here)."""
+    return SimpleNamespace(sp=sp, sp_rank=sp_rank, sp_group=None, dp=1, dp_rank=0, device=torch.device("cpu"))
 
 
 def test_shard_batch_pads_shifts_and_keeps_every_token():
@@ -88,13 +88,16 @@ def test_sp1_matches_plain_model(arch):
     batch = make_batch(2, 20, packed=(8, 12))
     model = build(arch, kv_heads=2)
     ref = model(**batch, use_cache=False).loss
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
     layout = U.ParallelLayout.single()
     U.parallelize(model, layout)
-    shard = U.shard_batch(batch, layout)
-    loss = U.sequence_parallel_cross_entropy(
-        model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits, shard["shift_labels"], layout
-    )
+    loss = _loss(model, batch, layout)
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-6)
 
 
 def test_unsupported_core_is_rejected():
@@ -141,3 +144,93 @@ def test_from_env_without_launcher(monkeypatch):
     assert U.ParallelLayout.from_env(sp=1).world_size == 1
     with pytest.raises(ValueError, match="torchrun"):
         U.ParallelLayout.from_env(sp=2)
+
+
+def test_interior_padding_hole_is_rejected():
+    positions = torch.arange(8)[None]
+    mask = torch.tensor([[1, 1, 1, 0, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"padding inside row 0 \(token 3"):
+        U.Segments.from_positions(positions, mask)
+
+
+def test_attention_sinks_are_rejected_before_training():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=4,
+        attn_implementation="eager",
+    )
+    model = GptOssForCausalLM(cfg)
+    with pytest.raises(ValueError, match="attention sinks"):
+        U.parallelize(model, U.ParallelLayout.single(), core="eager")
+    assert model.config._attn_implementation == "eager"  # a refused model is left untouched
+
+
+def test_chunked_attention_is_rejected():
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    cfg = Llama4TextConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=32,
+        intermediate_size_mlp=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=2,
+        attention_chunk_size=4,
+    )
+    with pytest.raises(ValueError, match="chunked_attention"):
+        U.parallelize(Llama4ForCausalLM(cfg), U.ParallelLayout.single())
+
+
+def test_softcap_with_sdpa_is_rejected_before_training():
+    model = build("gemma2", kv_heads=2, attn="eager")
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0.*core='eager'"):
+        U.parallelize(model, U.ParallelLayout.single(), core="sdpa")
+
+
+def test_given_shift_labels_are_sharded_when_labels_are_absent():
+    batch = make_batch(1, 7)
+    targets = U.shift_labels(batch.pop("labels"))
+    batch["shift_labels"] = targets
+    shards = [U.shard_batch(batch, fake_layout(2, r)) for r in range(2)]
+    torch.testing.assert_close(torch.cat([s["shift_labels"] for s in shards], 1)[:, :7], targets)
+
+
+def _loss(model, batch, layout=None):
+    if layout is None:
+        return model(**batch, use_cache=False).loss
+    shard = U.shard_batch(batch, layout)
+    logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+    return U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint_recompute_after_many_forwards_finds_its_documents(reentrant):
+    """Five packed micro-batches forwarded before one backward: each recompute uses its own documents."""
+    batches = [
+        make_batch(1, 24, seed=i, packed=p) for i, p in enumerate([(5, 19), (12, 12), (24,), (3, 9, 12), (20, 4)])
+    ]
+    grads = []
+    for layout in (None, U.ParallelLayout.single()):
+        model = build("llama", kv_heads=2)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.train()
+        if layout is not None:
+            U.parallelize(model, layout)
+        total = sum(_loss(model, b, layout) for b in batches)
+        total.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[1].items():
+        torch.testing.assert_close(grad, grads[0][name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
