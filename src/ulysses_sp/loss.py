@@ -70,18 +70,34 @@ def sequence_parallel_cross_entropy(
     return (totals[0] / denominator.clamp(min=1)).to(torch.float32)
 
 
-def sync_gradients(model: torch.nn.Module, layout: ParallelLayout) -> None:
-    """Average parameter gradients over dp x sp, for plain loops without DDP/FSDP (which do it themselves)."""
+def sync_gradients(model: torch.nn.Module, layout: ParallelLayout, *, bucket_numel: int = 1 << 25) -> None:
+    """Average parameter gradients over dp x sp, for plain loops without DDP/FSDP (which do it themselves).
+
+    Gradients are flattened into buckets of at most ``bucket_numel`` elements per all-reduce (per dtype).
+    """
     group = layout.loss_group
     if group is None or dist.get_world_size(group) == 1:
         return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    world = dist.get_world_size(group)
+    bucket: list[torch.Tensor] = []
+
+    def flush() -> None:
+        if not bucket:
+            return
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)
+        flat /= world
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        bucket.clear()
+
+    for param in model.parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        if bucket and (grad.dtype != bucket[0].dtype or sum(g.numel() for g in bucket) + grad.numel() > bucket_numel):
+            flush()
+        bucket.append(grad)
+    flush()

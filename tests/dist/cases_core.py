@@ -38,7 +38,7 @@ def sequence_parallel(model, batch, layout, **kwargs):
     inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
     loss = U.sequence_parallel_cross_entropy(par(**inputs).logits, shard["shift_labels"], layout)
     loss.backward()
-    U.sync_gradients(par, layout)
+    U.sync_gradients(par, layout, bucket_numel=5000)  # several buckets, some holding several grads
     return loss.detach(), {n: p.grad for n, p in par.named_parameters()}, par
 
 
