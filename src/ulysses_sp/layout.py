@@ -19,13 +19,37 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["ParallelLayout"]
+__all__ = ["ParallelLayout", "check_heads_split", "sp_degrees_for"]
 
 ProcessGroup = dist.ProcessGroup
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def sp_degrees_for(num_heads: int, num_kv_heads: int | None = None) -> list[int]:
+    """The sp values that work for a model with these head counts (see :func:`check_heads_split`)."""
+    kv = num_kv_heads or num_heads
+    return [p for p in _divisors(num_heads) if (kv % p == 0 or p % kv == 0)]
+
+
+def check_heads_split(num_heads: int, num_kv_heads: int | None, sp: int) -> None:
+    """Raise ValueError unless the heads split over ``sp`` ranks.
+
+    Query heads must be divisible by sp. Key/value heads must be divisible by sp, or (GQA/MQA with
+    fewer kv heads than ranks) sp must be divisible by the kv head count. Needs no process group, so a
+    launcher can check a model against ``--sp`` before starting any rank.
+    """
+    kv = num_kv_heads or num_heads
+    if num_heads % sp == 0 and (kv % sp == 0 or sp % kv == 0):
+        return
+    good = ", ".join(str(p) for p in sp_degrees_for(num_heads, kv))
+    raise ValueError(
+        f"the model has num_attention_heads={num_heads} and num_key_value_heads={kv}, which do not split "
+        f"over sp={sp} ranks (query heads must be divisible by sp; kv heads divisible by sp, or sp "
+        f"divisible by kv heads); sp values that work: {good}"
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -179,24 +203,11 @@ class ParallelLayout:
 
     def sp_degrees_for(self, num_heads: int, num_kv_heads: int | None = None) -> list[int]:
         """The sp values that work for a model with these head counts (see :meth:`check_heads`)."""
-        kv = num_kv_heads or num_heads
-        return [p for p in _divisors(num_heads) if (kv % p == 0 or p % kv == 0)]
+        return sp_degrees_for(num_heads, num_kv_heads)
 
     def check_heads(self, num_heads: int, num_kv_heads: int | None = None) -> None:
-        """Raise ValueError unless the heads split over ``sp`` ranks.
-
-        Query heads must be divisible by sp. Key/value heads must be divisible by sp, or (GQA/MQA with
-        fewer kv heads than ranks) sp must be divisible by the kv head count.
-        """
-        kv = num_kv_heads or num_heads
-        if num_heads % self.sp == 0 and (kv % self.sp == 0 or self.sp % kv == 0):
-            return
-        good = ", ".join(str(p) for p in self.sp_degrees_for(num_heads, kv))
-        raise ValueError(
-            f"the model has num_attention_heads={num_heads} and num_key_value_heads={kv}, which do not split "
-            f"over sp={self.sp} ranks (query heads must be divisible by sp; kv heads divisible by sp, or sp "
-            f"divisible by kv heads); sp values that work: {good}"
-        )
+        """Raise ValueError unless the heads split over ``sp`` ranks (see :func:`check_heads_split`)."""
+        check_heads_split(num_heads, num_kv_heads, self.sp)
 
     def __repr__(self) -> str:
         return (
