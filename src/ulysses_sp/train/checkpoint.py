@@ -7,6 +7,7 @@ Layout of ``output_dir``::
         tokenizer files                                                               (if given)
         config.yaml                the resolved training config
         optimizer.pt, scheduler.pt torch.save of the (full) optimizer / scheduler state dicts
+        optimizer/                 or: sharded states written by every rank (``write_sharded``, e.g. DCP)
         rank-00000.pt ...          per rank: RNG states (python, numpy, torch CPU, CUDA) + rank_state
         trainer_state.json         step, data position, metrics summary (written last)
     .tmp-checkpoint-0000040/       a checkpoint being written (ignored by readers, removed on next save)
@@ -238,6 +239,7 @@ def save_checkpoint(
     data_state: dict[str, Any] | None = None,
     metrics: dict[str, Any] | None = None,
     rank_state: Any = None,
+    write_sharded: Callable[[Path], None] | None = None,
     keep_last: int = 0,
     rank: int = 0,
     world_size: int = 1,
@@ -257,6 +259,9 @@ def save_checkpoint(
         metrics: a JSON-serialisable summary (last loss, tokens seen, ...).
         rank_state: anything per rank (e.g. a sharded optimizer state); saved in ``rank-NNNNN.pt``
             together with this rank's RNG states.
+        write_sharded: called on every rank with the temporary directory, after the files above are
+            written and before the save is committed: for collective writers such as
+            ``torch.distributed.checkpoint.save`` of sharded optimizer states.
         keep_last: keep this many newest complete checkpoints (0 = all).
         rank, world_size, barrier: the calling process; ``barrier`` defaults to
             ``torch.distributed.barrier`` when ``world_size > 1``.
@@ -311,6 +316,8 @@ def save_checkpoint(
             _torch_save(full_optimizer_state, tmp / "optimizer.pt")
         if full_scheduler_state is not None:
             _torch_save(full_scheduler_state, tmp / "scheduler.pt")
+    if write_sharded is not None:
+        write_sharded(tmp)
     barrier()  # every rank file is written and fsync'ed
 
     if rank == 0:

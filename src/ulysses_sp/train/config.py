@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
+DTYPE_CHOICES = ("auto", "bf16", "fp32")  # fp16 would need loss scaling
 PARALLEL_CHOICES = ("fsdp2", "ddp")
 ATTN_CORE_CHOICES = ("sdpa", "flash", "flex", "eager")
 
@@ -186,7 +186,7 @@ class TrainConfig:
         metadata=_meta("Micro-batches accumulated per optimizer step."),
     )
     max_steps: int | None = field(
-        default=40,
+        default=16,
         metadata=_meta("Optimizer steps to run; 'none' = run for --epochs."),
     )
     epochs: int | None = field(
@@ -195,12 +195,12 @@ class TrainConfig:
             "Passes over the training data; 'none' = repeat the data (reshuffled each epoch) until --max-steps."
         ),
     )
-    lr: float = field(default=1e-3, metadata=_meta("Peak learning rate (AdamW)."))
+    lr: float = field(default=3e-3, metadata=_meta("Peak learning rate (AdamW)."))
     min_lr_ratio: float = field(
         default=0.1,
         metadata=_meta("Final learning rate of the cosine decay, as a fraction of --lr (0..1)."),
     )
-    warmup_steps: int = field(default=5, metadata=_meta("Linear learning-rate warm-up steps."))
+    warmup_steps: int = field(default=2, metadata=_meta("Linear learning-rate warm-up steps."))
     weight_decay: float = field(default=0.1, metadata=_meta("AdamW weight decay."))
     max_grad_norm: float = field(
         default=1.0,
@@ -212,7 +212,11 @@ class TrainConfig:
     )
     dtype: str = field(
         default="auto",
-        metadata=_meta("Training dtype: 'auto' = bf16 on GPU, fp32 on CPU.", choices=DTYPE_CHOICES),
+        metadata=_meta(
+            "Compute dtype (bf16 = autocast, with fp32 master weights and optimizer states): "
+            "'auto' = bf16 on GPU, fp32 on CPU.",
+            choices=DTYPE_CHOICES,
+        ),
     )
     gradient_checkpointing: bool = field(
         default=False,
@@ -226,7 +230,10 @@ class TrainConfig:
     )
     cpu_offload_optimizer: bool = field(
         default=False,
-        metadata=_meta("Keep optimizer states (and the step) in CPU memory."),
+        metadata=_meta(
+            "FSDP2 only, on GPU: keep the sharded parameters, gradients and optimizer states in CPU memory "
+            "(the optimizer steps on CPU); a no-op on a CPU-only machine."
+        ),
     )
     attn_core: str = field(
         default="sdpa",
@@ -236,10 +243,13 @@ class TrainConfig:
     )
     # --- evaluation, logging, checkpoints ---------------------------------------------------------
     eval_every: int = field(
-        default=20,
-        metadata=_meta("Evaluate on held-out documents every N optimizer steps; 0 = never."),
+        default=8,
+        metadata=_meta("Evaluate on held-out documents every N optimizer steps and after the last; 0 = never."),
     )
-    eval_batches: int = field(default=2, metadata=_meta("Micro-batches per evaluation."))
+    eval_batches: int = field(
+        default=1,
+        metadata=_meta("Micro-batches per evaluation (each holds --batch-size rows per SP group)."),
+    )
     eval_fraction: float = field(
         default=0.05,
         metadata=_meta("Share of documents held out for evaluation (0 <= f < 1), chosen by --seed."),
@@ -250,7 +260,7 @@ class TrainConfig:
         metadata=_meta("Directory for checkpoints, the resolved config and metrics."),
     )
     save_every: int = field(
-        default=20,
+        default=8,
         metadata=_meta("Save a checkpoint every N optimizer steps (and at the end); 0 = only at the end."),
     )
     keep_last: int = field(
@@ -265,9 +275,23 @@ class TrainConfig:
             metavar="PATH",
         ),
     )
+    overwrite: bool = field(
+        default=False,
+        metadata=_meta(
+            "Start fresh even though --output-dir holds checkpoints: they are deleted first. Without it, a "
+            "fresh run refuses such a directory (use --resume to continue it)."
+        ),
+    )
     metrics_file: str = field(
         default="metrics.jsonl",
         metadata=_meta("File name (inside --output-dir) of the JSON-lines metrics log."),
+    )
+    dist_timeout: int = field(
+        default=600,
+        metadata=_meta(
+            "Seconds a rank waits in a collective for its peers before it fails (bounds the wait when a "
+            "peer dies under a launcher that does not stop the others)."
+        ),
     )
 
     def validate(self) -> None:
@@ -328,6 +352,15 @@ class TrainConfig:
         _at_least("log_every", self.log_every, 1)
         _at_least("save_every", self.save_every, 0)
         _at_least("keep_last", self.keep_last, 0)
+        _at_least("dist_timeout", self.dist_timeout, 1)
+        _require(
+            not self.cpu_offload_optimizer or self.parallel == "fsdp2",
+            "--cpu-offload-optimizer needs --parallel fsdp2 (DDP keeps full states on every GPU)",
+        )
+        _require(
+            not (self.overwrite and self.resume),
+            "--overwrite deletes the checkpoints that --resume would continue from; pass only one of them",
+        )
         _require(
             not isinstance(self.resume, str) or bool(self.resume.strip()),
             "--resume PATH must not be empty; use --resume alone for the newest checkpoint in --output-dir",
