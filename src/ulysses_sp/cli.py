@@ -1,0 +1,111 @@
+"""The ``ulysses-sp`` command (also ``python -m ulysses_sp``).
+
+``ulysses-sp train [flags]`` trains a causal LM with Ulysses sequence parallelism; with no flags it runs the
+embedded CPU demo. Started plainly it launches its own local ranks; under torchrun, ``accelerate launch`` or
+Slurm it is one rank of theirs (see :mod:`ulysses_sp.train.launch`). Exit status: 0 done, 2 invalid
+configuration (the message names the flag), 1 any other failure (the message names the failed rank).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+USAGE = """usage: ulysses-sp <command> [flags]
+
+commands:
+  train    train a causal LM on long sequences with Ulysses sequence parallelism;
+           with no flags: a small Llama on the King James Bible, 16K tokens, sp=2 on 2 CPU ranks.
+           `ulysses-sp train --help` lists every flag.
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "train":
+        return train(rest)
+    print(f"ulysses-sp: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
+    return 2
+
+
+def _config_error(error: ValueError, rank: int | None = None) -> int:
+    where = f" (rank {rank})" if rank else ""
+    print(f"ulysses-sp train: error{where}: {error}", file=sys.stderr, flush=True)
+    return 2
+
+
+def train(argv: Sequence[str]) -> int:
+    """``ulysses-sp train``: validate, then run as a launcher's rank or launch local ranks."""
+    from ulysses_sp.train.config import load_config
+    from ulysses_sp.train.launch import apply_slurm_env, launch_local, under_launcher
+
+    config = load_config(list(argv))  # exits with status 2 and the flag's name on a bad value
+    try:
+        apply_slurm_env(os.environ)
+        if under_launcher(os.environ):
+            return run_rank(config)
+        import torch
+
+        from ulysses_sp.train.loop import resume_point
+        from ulysses_sp.train.model_factory import check_model_against_config
+
+        nproc = config.resolved_nproc(torch.cuda.device_count())
+        check_model_against_config(config)  # fail before starting any rank
+        resume_point(config)
+    except ValueError as error:
+        return _config_error(error)
+    if nproc == 1:
+        return run_rank(config)
+    return launch_local(argv, nproc)
+
+
+def _quiet_libraries() -> None:
+    """No per-file progress bars or info logs from transformers/datasets in the ranks' output."""
+    import datasets
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.utils.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+
+
+def run_rank(config) -> int:
+    """Train as one rank (or as the only process); returns the exit status."""
+    import torch.distributed as dist
+    import yaml
+
+    from ulysses_sp.layout import ParallelLayout
+    from ulysses_sp.train.config import config_to_dict
+    from ulysses_sp.train.launch import init_process_group
+    from ulysses_sp.train.loop import Trainer, resolve_config
+    from ulysses_sp.train.metrics import format_summary
+
+    _quiet_libraries()
+    init_process_group(config.dist_timeout)
+    rank = dist.get_rank()
+    try:
+        layout = ParallelLayout.from_env(config.sp)
+        if config.nproc is not None and config.nproc != layout.world_size:
+            raise ValueError(f"--nproc {config.nproc} but the launcher started {layout.world_size} ranks")
+        if layout.is_main:
+            resolved = config_to_dict(resolve_config(config, layout.world_size))
+            print("ulysses-sp train, resolved config:", flush=True)
+            print(yaml.safe_dump(resolved, sort_keys=False).rstrip().replace("\n", "\n  ").join(["  ", ""]))
+            print(f"layout: world {layout.world_size} = dp {layout.dp} x sp {layout.sp} on {layout.device}")
+        summary = Trainer(config, layout).fit()
+        if layout.is_main:
+            print(format_summary(summary, os.path.join(config.output_dir, config.metrics_file)), flush=True)
+        return 0
+    except ValueError as error:
+        return _config_error(error, rank)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,166 @@
+"""Training metrics: throughput, TFLOPs and MFU, peak memory, the JSON-lines log and the progress display.
+
+Every record of the log is one JSON object on its own line with an ``"event"`` key: ``"train"`` (one per
+logged step), ``"eval"``, ``"checkpoint"``, ``"resume"`` and ``"summary"``. When a run resumes from step
+``k``, records of later steps left by the interrupted run are dropped first, so the file always tells one
+consistent history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["MetricsLog", "Progress", "format_summary", "peak_memory_gb", "peak_tflops"]
+
+# Dense bf16 tensor-core peaks (TFLOPs, no sparsity), matched against torch.cuda.get_device_name().
+_PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("H20", 148.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+)
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    """The bf16 dense peak of ``device`` in TFLOPs, or None (CPU, unknown GPU): MFU needs it."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in _PEAK_BF16_TFLOPS:
+        if key in name:
+            return tflops
+    return None
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: allocated GPU memory on CUDA, else the peak resident set size (RSS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
+
+
+class MetricsLog:
+    """Append JSON records to ``path`` (only where ``enabled``, i.e. on rank 0).
+
+    ``resume_step=None`` starts a new file; otherwise records with a step after ``resume_step`` are
+    dropped (they belong to the interrupted run's lost steps) and a ``resume`` record is appended.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, enabled: bool, resume_step: int | None = None) -> None:
+        self.path = Path(path)
+        self.enabled = enabled
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept: list[str] = []
+        if resume_step is not None and self.path.is_file():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    step = json.loads(line).get("step", 0)
+                except (json.JSONDecodeError, AttributeError):
+                    continue  # a line cut short by a kill
+                if step <= resume_step:
+                    kept.append(line)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+        if resume_step is not None:
+            self.write({"event": "resume", "step": resume_step})
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record and flush it to the file."""
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, allow_nan=True) + "\n")
+            handle.flush()
+
+
+def _format_rate(tokens_per_sec: float) -> str:
+    return f"{tokens_per_sec / 1000:.1f}k" if tokens_per_sec >= 1000 else f"{tokens_per_sec:.0f}"
+
+
+class Progress:
+    """Rank 0's view of the run: a tqdm bar on a terminal, plain lines otherwise (logs, CI, Slurm)."""
+
+    def __init__(self, *, enabled: bool, total: int, initial: int, log_every: int) -> None:
+        self.enabled = enabled
+        self.log_every = log_every
+        self.total = total
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(self, record: dict[str, Any]) -> None:
+        """Show one train record (the bar moves every step; plain lines every ``log_every`` steps)."""
+        if not self.enabled:
+            return
+        fields = {"loss": f"{record['loss']:.4f}", "tok/s": _format_rate(record["tokens_per_sec"])}
+        if record.get("tflops") is not None and record.get("mfu") is not None:
+            fields["TFLOPs"] = f"{record['tflops']:.1f}"
+            fields["MFU"] = f"{100 * record['mfu']:.1f}%"
+        if self.bar is not None:
+            self.bar.set_postfix(fields, refresh=False)
+            self.bar.update(1)
+        elif record["step"] % self.log_every == 0 or record["step"] == self.total:
+            text = "  ".join(f"{k} {v}" for k, v in fields.items())
+            print(
+                f"step {record['step']}/{self.total}  {text}  lr {record['lr']:.2e}  "
+                f"seq {record['seq_len']}  {record['step_time_s']:.2f} s/step",
+                flush=True,
+            )
+
+    def message(self, text: str) -> None:
+        """Print a line without breaking the bar."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def format_summary(summary: dict[str, Any], metrics_path: str | os.PathLike[str]) -> str:
+    """The lines rank 0 prints at the end of a run: losses, speed, memory, where the checkpoint is."""
+    lines = []
+    if summary["first_loss"] is None:
+        lines.append(f"nothing to train: already at step {summary['step']} of {summary['total_steps']}")
+    else:
+        held_out = f", held-out {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
+        lines.append(
+            f"done: step {summary['step']}/{summary['total_steps']} in {summary['time_s']:.1f} s, "
+            f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}{held_out}, "
+            f"{_format_rate(summary['tokens_per_sec'] or 0.0)} tokens/s, "
+            f"peak memory {summary['peak_mem_gb']:.2f} GB (rank 0)"
+        )
+    if summary["data_exhausted"]:
+        lines.append(f"the training data ran out after {summary['epochs_completed']} epoch(s)")
+    if summary["checkpoint"]:
+        path = summary["checkpoint"]
+        lines.append(f"checkpoint: {path}")
+        lines.append(f'  load it:  AutoModelForCausalLM.from_pretrained("{path}")  (plain transformers, no SP)')
+        lines.append("  continue: the same command with --resume and a larger --max-steps")
+    lines.append(f"metrics:    {metrics_path}")
+    return "\n".join(lines)

