@@ -178,6 +178,19 @@ def test_sigkill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     assert clean_incomplete_checkpoints(tmp_path) == [tmp_path / ".tmp-checkpoint-0000002"]
 
 
+def test_sharded_writer_runs_inside_the_uncommitted_directory(tmp_path):
+    seen = []
+
+    def write_sharded(directory):
+        seen.append(directory.name)
+        (directory / "optimizer").mkdir()
+        (directory / "optimizer" / "shard-0").write_bytes(b"state")
+
+    path = _plain_save(tmp_path, 5, write_sharded=write_sharded)
+    assert seen == [".tmp-checkpoint-0000005"]
+    assert (path / "optimizer" / "shard-0").read_bytes() == b"state"
+
+
 def test_keep_last_deletes_older_ones_after_the_new_one(tmp_path):
     for step in (5, 10, 15, 20):
         _plain_save(tmp_path, step, keep_last=2)

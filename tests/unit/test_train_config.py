@@ -90,6 +90,9 @@ def test_bool_flags_and_resume_forms(tmp_path):
         (["--max-steps", "none"], "--max-steps and --epochs are both 'none'"),
         (["--seq-len-schedule", "8192,4096"], "--seq-len-schedule"),
         (["--dtype", "fp8"], "--dtype"),
+        (["--parallel", "ddp", "--cpu-offload-optimizer"], "--cpu-offload-optimizer needs --parallel fsdp2"),
+        (["--resume", "--overwrite"], "--overwrite deletes the checkpoints that --resume"),
+        (["--dist-timeout", "0"], "--dist-timeout must be >= 1"),
     ],
 )
 def test_bad_cli_value_exits_2_naming_the_flag(capsys, argv, expected):

@@ -1,0 +1,265 @@
+"""End-to-end: ``ulysses-sp train`` run as a subprocess with tiny settings, on 2 (or 4) CPU ranks.
+
+Each test starts the real command (``python -m ulysses_sp train``, the same code as the console script),
+which launches its own gloo ranks; faults are injected through ``ULYSSES_SP_TEST_FAULT`` (see
+:mod:`ulysses_sp.train.faults`). Every subprocess has a timeout, and a killed run is killed as a whole
+process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ulysses_sp.train.checkpoint import list_checkpoints, load_model_state_dict
+from ulysses_sp.train.config import TrainConfig, load_config
+from ulysses_sp.train.data import SequenceLoader, load_bible, load_tokenizer, split_documents, tokenize_documents
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT = 240  # seconds for any one command
+TINY = ["--model", "llama-tiny", "--seq-len", "256", "--nproc", "2", "--sp", "2", "--log-every", "1"]
+_LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("SLURM_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env.pop("ULYSSES_SP_TEST_FAULT", None)
+    env.update(extra)
+    return env
+
+
+def start_cli(args: list[str], env: dict[str, str], stdout: int = subprocess.PIPE) -> subprocess.Popen:
+    """Start the command in its own process group (so a test can kill the launcher and all its ranks)."""
+    command = [sys.executable, "-m", "ulysses_sp", "train", *args]
+    return subprocess.Popen(command, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def run_cli(args: list[str], timeout: float = TIMEOUT, **env: str) -> subprocess.CompletedProcess:
+    """Run the command to completion (killed as a whole on timeout)."""
+    process = start_cli(args, _env(**env))
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"ulysses-sp train {' '.join(args)} did not finish in {timeout} s\n{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def records(output_dir: Path, event: str = "train") -> list[dict]:
+    path = output_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in lines if r["event"] == event]
+
+
+def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory) -> Path:
+    """A jsonl of Bible text: 24 single verses (far shorter than 256 tokens) and 6 chapters (longer)."""
+    books = load_bible()
+    documents = []
+    for book in books[:24]:
+        documents.append(book.split("\n")[3])  # one verse
+    for book in books[30:36]:
+        documents.append("\n".join(book.split("\n")[:40]))  # the title and the first ~40 verses
+    path = tmp_path_factory.mktemp("data") / "bible.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    return path
+
+
+def test_loss_falls_and_the_checkpoint_is_a_plain_hf_model(tmp_path, corpus_file):
+    """Packed short and long documents, FSDP2 over 2 ranks at sp=2: the loss falls, the data wraps into a
+    second epoch, the resolved config is printed and saved, and the saved model — loaded by plain
+    transformers with no SP — reproduces the held-out loss computed under SP, and generates."""
+    out = tmp_path / "run"
+    args = [*TINY, "--dataset", str(corpus_file), "--max-steps", "14", "--output-dir", str(out)]
+    args += ["--eval-every", "7", "--save-every", "7", "--lr", "5e-3", "--batch-size", "2"]
+    result = _ok(run_cli(args))
+    train = records(out)
+    losses = [r["loss"] for r in train]
+    assert len(losses) == 14 and losses[0] > 10.0
+    assert sum(losses[-3:]) / 3 < losses[0] - 2.0, losses
+    assert train[-1]["epoch"] >= 1, "14 steps of 2 x 256 tokens should wrap around this small data set"
+    evals = records(out, "eval")
+    assert [e["step"] for e in evals] == [7, 14] and evals[1]["eval_loss"] < evals[0]["eval_loss"]
+
+    assert "resolved config" in result.stdout and "checkpoint: " in result.stdout
+    checkpoint = out / "checkpoint-0000014"
+    assert str(checkpoint) in result.stdout and list_checkpoints(out)[-1] == checkpoint
+    saved = load_config(["--config", str(checkpoint / "config.yaml")])
+    assert (saved.dataset, saved.max_steps, saved.nproc, saved.tokenizer) == (str(corpus_file), 14, 2, "gpt2-bpe")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    assert model.config._attn_implementation != "ulysses_sdpa"
+    # the held-out rows as the trainer built them (same data code, seed and split), one process, no SP
+    config = TrainConfig(dataset=str(corpus_file), seq_len=256, batch_size=2)
+    documents = [json.loads(line)["text"] for line in corpus_file.read_text().splitlines()]
+    _, held_out = split_documents(tokenize_documents(documents, load_tokenizer()), config.eval_fraction, config.seed)
+    batch = next(iter(SequenceLoader(held_out, schedule=256, batch_size=2, shuffle=False, epochs=1)))
+    with torch.no_grad():  # no attention_mask: transformers then keeps attention inside each document
+        loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]).loss
+    torch.testing.assert_close(loss.item(), evals[1]["eval_loss"], rtol=1e-4, atol=1e-4)
+    prompt = tokenizer("In the beginning", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=6, do_sample=False)
+    assert generated.shape[1] == prompt["input_ids"].shape[1] + 6
+
+
+def _wait_for_step(output_dir: Path, step: int, process: subprocess.Popen, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r["step"] >= step for r in records(output_dir)):
+            return
+        if process.poll() is not None:
+            pytest.fail(f"the run ended (exit {process.returncode}) before step {step}: {process.stderr.read()}")
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    pytest.fail(f"step {step} did not appear in {timeout} s")
+
+
+def test_kills_mid_run_and_mid_checkpoint_then_resume_match_the_uninterrupted_run(tmp_path, corpus_file):
+    """Bitwise on CPU: losses, held-out losses and final weights of a run that was killed twice (once
+    inside a checkpoint write, once between steps) and resumed equal those of an uninterrupted run.
+    Covers gradient accumulation, gradient checkpointing and a sequence-length schedule across the kills."""
+    common = [*TINY, "--dataset", str(corpus_file), "--max-steps", "8", "--save-every", "2", "--eval-every", "4"]
+    common += ["--grad-accum", "2", "--gradient-checkpointing", "--seq-len-schedule", "128:3,256", "--keep-last", "3"]
+    reference, broken = tmp_path / "reference", tmp_path / "broken"
+    _ok(run_cli([*common, "--output-dir", str(reference)]))
+
+    # 1. rank 0 is SIGKILLed inside the save of step 6, after every file is written, before the commit
+    result = run_cli([*common, "--output-dir", str(broken)], ULYSSES_SP_TEST_FAULT="kill_in_save:6:0")
+    assert result.returncode != 0
+    assert "rank 0" in result.stderr and "SIGKILL" in result.stderr, result.stderr
+    assert (broken / ".tmp-checkpoint-0000006").is_dir()
+    assert [p.name for p in list_checkpoints(broken)] == ["checkpoint-0000002", "checkpoint-0000004"]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(broken / "checkpoint-0000004")  # the previous one still loads
+
+    # 2. resume from step 4; the whole run (launcher and ranks) is SIGKILLed while step 7 runs on
+    resumed = [*common, "--output-dir", str(broken), "--resume"]
+    process = start_cli(resumed, _env(ULYSSES_SP_TEST_FAULT="pause:7"), stdout=subprocess.DEVNULL)
+    _wait_for_step(broken, 7, process)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    assert [p.name for p in list_checkpoints(broken)][-1] == "checkpoint-0000006"
+
+    # 3. resume from step 6 and finish
+    result = _ok(run_cli(resumed))
+    assert "resumed from" in result.stdout
+    expected, got = records(reference), records(broken)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    assert [r["seq_len"] for r in got] == [128, 128, 128, 256, 256, 256, 256, 256]
+    assert [r["loss"] for r in got] == [r["loss"] for r in expected]  # exact float equality
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in expected]
+    assert [r["eval_loss"] for r in records(broken, "eval")] == [r["eval_loss"] for r in records(reference, "eval")]
+    final_ref = load_model_state_dict(reference / "checkpoint-0000008")
+    final = load_model_state_dict(broken / "checkpoint-0000008")
+    assert final.keys() == final_ref.keys()
+    for name, tensor in final_ref.items():
+        assert torch.equal(final[name], tensor), name
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--seq-len", "0"], "--seq-len"),
+        (["--sp", "3", "--nproc", "3"], "--sp 3"),
+        (["--lr", "fast"], "--lr"),
+        (["--parallel", "ddp", "--cpu-offload-optimizer"], "--cpu-offload-optimizer"),
+    ],
+)
+def test_an_invalid_config_exits_2_naming_the_flag(args, needle, tmp_path):
+    result = run_cli([*args, "--output-dir", str(tmp_path)], timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_fresh_run_refuses_a_directory_with_checkpoints_and_bad_yaml(tmp_path):
+    (tmp_path / "checkpoint-0000003").mkdir()
+    (tmp_path / "checkpoint-0000003" / "trainer_state.json").write_text("{}")
+    result = run_cli(["--output-dir", str(tmp_path)], timeout=120)
+    assert result.returncode == 2 and "--resume" in result.stderr and "--overwrite" in result.stderr
+    config = tmp_path / "c.yaml"
+    config.write_text("seq_lenn: 128\n")
+    result = run_cli(["--config", str(config)], timeout=120)
+    assert result.returncode == 2 and "seq_lenn" in result.stderr and "seq_len" in result.stderr
+
+
+def test_when_a_rank_dies_the_run_ends_promptly_naming_it(tmp_path, corpus_file):
+    """Our own launcher: rank 1 exits after step 2; the command stops rank 0 and exits non-zero."""
+    start = time.monotonic()
+    result = run_cli(
+        [*TINY, "--dataset", str(corpus_file), "--max-steps", "50", "--output-dir", str(tmp_path / "a")],
+        timeout=120,
+        ULYSSES_SP_TEST_FAULT="exit:2:1",
+    )
+    assert result.returncode == 1
+    assert "rank 1" in result.stderr and "exited with status 43" in result.stderr, result.stderr
+    assert time.monotonic() - start < 90
+
+
+def test_under_slurm_a_dead_peer_ends_the_survivor_within_the_timeout(tmp_path, corpus_file):
+    """No torchrun (srun-style environment): the survivor's collective fails instead of hanging."""
+    from tests.helpers.harness import free_port
+
+    port = str(free_port())
+    args = [*TINY, "--dataset", str(corpus_file), "--max-steps", "50", "--output-dir", str(tmp_path / "s")]
+    args += ["--dist-timeout", "30"]
+    processes = []
+    for rank in (0, 1):
+        env = _env(
+            SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_STEP_NUM_TASKS="2", SLURM_JOB_ID="7",
+            SLURM_LAUNCH_NODE_IPADDR="127.0.0.1", MASTER_PORT=port, ULYSSES_SP_TEST_FAULT="exit:2:1",
+        )  # fmt: skip
+        processes.append(start_cli(args, env))
+    start = time.monotonic()
+    try:
+        _, stderr0 = processes[0].communicate(timeout=120)
+        processes[1].communicate(timeout=30)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    assert processes[1].returncode == 43
+    assert processes[0].returncode not in (0, None), stderr0
+    assert time.monotonic() - start < 30 + 60
+    assert "Error" in stderr0, stderr0  # the collective's error, not silence
+
+
+def test_data_that_runs_out_stops_cleanly_with_dp2_x_sp2_and_ddp(tmp_path, corpus_file):
+    """One epoch over unpacked documents on 4 ranks (2 SP groups): the run stops when the data ends,
+    after exactly the steps the data holds, says so, and saves a final checkpoint."""
+    out = tmp_path / "epochs"
+    args = ["--model", "llama-tiny", "--seq-len", "256", "--nproc", "4", "--sp", "2", "--parallel", "ddp"]
+    args += ["--dataset", str(corpus_file), "--epochs", "1", "--max-steps", "none", "--no-pack", "--eval-every", "0"]
+    args += ["--eval-fraction", "0", "--output-dir", str(out)]
+    result = _ok(run_cli(args))
+    documents = [json.loads(line)["text"] for line in corpus_file.read_text().splitlines()]
+    corpus = tokenize_documents(documents, load_tokenizer())
+    loader = SequenceLoader(corpus, schedule=256, dp_size=2, pack=False, epochs=1)
+    expected_steps = loader.total_micro_batches(1)
+    train = records(out)
+    assert [r["step"] for r in train] == list(range(1, expected_steps + 1))
+    windows = int(sum((length + 255) // 256 for length in corpus.doc_lengths))
+    assert sum(r["valid_tokens"] for r in train) == corpus.num_tokens - windows  # every target exactly once
+    assert "ran out after 1 epoch" in result.stdout
+    assert list_checkpoints(out)[-1].name == f"checkpoint-{expected_steps:07d}"

@@ -1,0 +1,113 @@
+"""The small pieces of ``ulysses-sp train`` in one process: LR schedule, step planning, Slurm mapping,
+fault parsing, the metrics log across a resume, built-in models and the FLOPs count."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from ulysses_sp.train.config import TrainConfig
+from ulysses_sp.train.faults import Fault
+from ulysses_sp.train.launch import apply_slurm_env, under_launcher
+from ulysses_sp.train.metrics import MetricsLog, format_summary
+from ulysses_sp.train.model_factory import (
+    BUILTIN_MODELS,
+    check_model_against_config,
+    hf_model_config,
+    tokenizer_source,
+    training_flops_per_token,
+)
+from ulysses_sp.train.optim import lr_factor, planned_steps
+
+
+def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():
+    factors = [lr_factor(s, warmup_steps=2, total_steps=10, min_lr_ratio=0.1) for s in range(12)]
+    assert factors[:3] == [0.5, 1.0, 1.0]
+    assert all(a >= b for a, b in zip(factors[2:], factors[3:], strict=False))
+    assert factors[6] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert factors[10] == pytest.approx(0.1) and factors[11] == pytest.approx(0.1)
+    assert lr_factor(0, warmup_steps=0, total_steps=5, min_lr_ratio=0.0) == 1.0
+
+
+def test_planned_steps_is_max_steps_or_the_end_of_the_epochs():
+    assert planned_steps(TrainConfig(max_steps=16), None) == 16
+    assert planned_steps(TrainConfig(max_steps=None, epochs=2, grad_accum=4), 30) == 8  # ceil(30 / 4)
+    assert planned_steps(TrainConfig(max_steps=5, epochs=2), 30) == 5
+
+
+def test_slurm_job_steps_become_torch_ranks_but_the_batch_script_does_not():
+    env = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_JOB_ID": "123"}
+    env |= {"SLURM_LAUNCH_NODE_IPADDR": "10.0.0.5", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+    assert apply_slurm_env(env) and under_launcher(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("3", "4", "1", "2")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.5", "20123")
+    batch_script = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "1"}
+    assert not apply_slurm_env(batch_script) and not under_launcher(batch_script)
+    torchrun = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "WORLD_SIZE": "8", "RANK": "5"}
+    assert not apply_slurm_env(torchrun) and torchrun["RANK"] == "5"  # a launcher's own variables win
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        apply_slurm_env({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"})
+
+
+def test_fault_parsing():
+    assert Fault.from_env({}) is None
+    assert Fault.from_env({"ULYSSES_SP_TEST_FAULT": "exit:3:1"}) == Fault("exit", 3, 1)
+    assert Fault.from_env({"ULYSSES_SP_TEST_FAULT": "pause:7"}) == Fault("pause", 7, 0)
+    with pytest.raises(ValueError, match="KIND:STEP"):
+        Fault.from_env({"ULYSSES_SP_TEST_FAULT": "explode:1"})
+
+
+def test_metrics_log_drops_the_lost_steps_of_an_interrupted_run(tmp_path):
+    path = tmp_path / "m.jsonl"
+    log = MetricsLog(path, enabled=True)
+    for step in range(1, 6):
+        log.write({"event": "train", "step": step, "loss": 1.0 / step})
+    with open(path, "a") as handle:
+        handle.write('{"event": "train", "st')  # a line cut short by a kill
+    MetricsLog(path, enabled=True, resume_step=3).write({"event": "train", "step": 4, "loss": 9.0})
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in lines] == [("train", 1), ("train", 2), ("train", 3), ("resume", 3)] + [
+        ("train", 4)
+    ]
+    assert lines[-1]["loss"] == 9.0
+    MetricsLog(path, enabled=True)  # a fresh run starts a new file
+    assert path.read_text() == ""
+    MetricsLog(tmp_path / "other.jsonl", enabled=False).write({"event": "train", "step": 1})
+    assert not (tmp_path / "other.jsonl").exists()
+
+
+def test_summary_tells_where_the_checkpoint_is():
+    summary = {
+        "step": 16, "total_steps": 16, "first_loss": 10.8, "last_loss": 6.5, "eval_loss": 6.9, "time_s": 200.0,
+        "tokens_per_sec": 1310.0, "peak_mem_gb": 7.1, "data_exhausted": False, "epochs_completed": 0,
+        "checkpoint": "runs/x/checkpoint-0000016",
+    }  # fmt: skip
+    text = format_summary(summary, "runs/x/metrics.jsonl")
+    assert "loss 10.8000 -> 6.5000, held-out 6.9000" in text and "1.3k tokens/s" in text
+    assert 'from_pretrained("runs/x/checkpoint-0000016")' in text and "runs/x/metrics.jsonl" in text
+
+
+def test_builtin_models_and_the_sp_check():
+    config = TrainConfig()
+    assert tokenizer_source(config) is None and tokenizer_source(TrainConfig(model="org/model")) == "org/model"
+    hf_config = hf_model_config(config)
+    assert (hf_config.hidden_size, hf_config.num_attention_heads, hf_config.vocab_size) == (64, 4, 50257)
+    assert hf_config.tie_word_embeddings and hf_config.max_position_embeddings >= config.seq_len
+    for name in BUILTIN_MODELS:
+        check_model_against_config(TrainConfig(model=name, sp=2))
+    with pytest.raises(ValueError, match=r"--sp 3 does not fit --model 'llama-tiny'.*sp values that work: 1, 2, 4"):
+        check_model_against_config(TrainConfig(sp=3, nproc=3))
+    with pytest.raises(ValueError, match="--model"):
+        hf_model_config(TrainConfig(model="./no/such/model"))
+
+
+def test_flops_per_token_counts_matmul_parameters_and_causal_attention():
+    from transformers import AutoModelForCausalLM
+
+    hf_config = hf_model_config(TrainConfig())
+    model = AutoModelForCausalLM.from_config(hf_config)
+    params = sum(p.numel() for p in model.parameters())  # tied: the table counts once, as the lm_head
+    layers, heads, head_dim = 2, 4, 16
+    assert training_flops_per_token(model, 1024) == 6 * params + 6 * layers * heads * head_dim * 1024
