@@ -1,0 +1,122 @@
+"""Ulysses sequence parallelism for ``accelerate launch`` users with their own training loop.
+
+The counterpart of Accelerate's ``ParallelismConfig(sp_size=...)`` (which needs DeepSpeed), on DDP or FSDP2::
+
+    accelerator = Accelerator()
+    sp = SequenceParallelConfig(sp_size=2)
+    model, optimizer, loader, loss_fn = sp.prepare(accelerator, model, optimizer, loader)
+    for batch in loader:                      # this rank's shard of the batch of its SP group
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        loss = loss_fn(logits, batch["shift_labels"])
+        accelerator.backward(loss)
+
+``prepare`` parallelizes the model (before any DDP/FSDP wrapping), wraps each dataloader's collate function
+so batches arrive sharded (:class:`~ulysses_sp.integrations.data.SequenceParallelCollator`), calls
+``accelerator.prepare`` on everything, and makes the dataloaders deal batches over the dp SP groups
+(:func:`~ulysses_sp.integrations.data.deal_batches_over_dp`). A model you sharded yourself with FSDP2's
+``fully_shard`` over the world (its parameters are DTensors) is not wrapped in DDP again; Accelerate's own
+FSDP2 plugin (``accelerate launch --use_fsdp --fsdp_version 2``, GPU only) works as usual. Both reduce
+gradients over dp x sp, which is what the loss expects.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..layout import ParallelLayout
+from ..loss import count_valid_tokens, sequence_parallel_cross_entropy
+from ..model import parallelize
+from .data import SequenceParallelCollator, check_world_size, deal_batches_over_dp
+
+__all__ = ["SequenceParallelConfig", "SequenceParallelLoss"]
+
+
+class SequenceParallelLoss:
+    """Token-weighted cross-entropy over every shard and replica (see ``sequence_parallel_cross_entropy``).
+
+    ``loss_fn(logits, shift_labels)`` is the loss of the whole global batch, the same value on every rank;
+    its gradients are exact once averaged over dp x sp (DDP / FSDP2 do it). For exact token weighting under
+    gradient accumulation, pass ``num_items_in_batch=loss_fn.count(...)`` summed over the step's
+    micro-batches and undo Accelerate's division by the accumulation steps (multiply the loss by them).
+    """
+
+    def __init__(self, layout: ParallelLayout) -> None:
+        self.layout = layout
+
+    def __call__(
+        self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return sequence_parallel_cross_entropy(logits, shift_labels, self.layout, num_items_in_batch=num_items_in_batch)
+
+    def count(self, shift_labels: torch.Tensor) -> int:
+        """Valid target tokens of this micro-batch over all ranks (dp x sp)."""
+        return count_valid_tokens(shift_labels, self.layout)
+
+
+def _has_dtensor_parameters(model: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceParallelConfig:
+    """Ulysses SP for an ``Accelerator`` loop; make it once, then call :meth:`prepare` once.
+
+    Attributes:
+        sp_size: ranks that split each sequence; the world size must be a multiple of it.
+        core: local attention core (``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"``, ...).
+        pad_token_id: id of the tokens added to make a sequence length divisible by ``sp_size``.
+        comm_dtype: dtype of the all-to-all payload (default: the activations' dtype).
+    """
+
+    sp_size: int
+    core: str = "sdpa"
+    pad_token_id: int = 0
+    comm_dtype: torch.dtype | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sp_size, int) or isinstance(self.sp_size, bool) or self.sp_size < 1:
+            raise ValueError(f"sp_size must be a positive int, got {self.sp_size!r}")
+
+    def prepare(self, accelerator: Any, model: torch.nn.Module, *objects: Any) -> tuple[Any, ...]:
+        """Parallelize ``model`` and prepare it with ``objects`` (optimizer, dataloaders, scheduler).
+
+        Returns ``(model, *objects, loss_fn)`` in the order given, each prepared by ``accelerator``, and a
+        :class:`SequenceParallelLoss`. Dataloaders must be plain ``torch.utils.data.DataLoader`` objects (over a
+        map-style dataset, or an iterable one with ``dispatch_batches=False``); they are copied, not changed.
+        Raises ValueError before any training for heads that do not split over ``sp_size``, an unknown core,
+        or a world size that is not a multiple of ``sp_size``.
+        """
+        layout = ParallelLayout.from_env(self.sp_size, device=accelerator.device)
+        check_world_size(accelerator.num_processes, layout, "on a CPU-only machine create Accelerator(cpu=True)")
+        parallelize(model, layout, core=self.core, comm_dtype=self.comm_dtype)
+        objects = tuple(self._shard_loader(obj, layout) if isinstance(obj, DataLoader) else obj for obj in objects)
+        if _has_dtensor_parameters(model):
+            # Sharded with fully_shard already: Accelerate would wrap it in DDP (and refuses DTensors there).
+            model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+            prepared = _as_tuple(accelerator.prepare(*objects)) if objects else ()
+        else:
+            model, *rest = _as_tuple(accelerator.prepare(model, *objects))
+            prepared = tuple(rest)
+        for original, obj in zip(objects, prepared, strict=True):
+            if isinstance(original, DataLoader):
+                deal_batches_over_dp(obj, layout)
+        return (model, *prepared, SequenceParallelLoss(layout))
+
+    def _shard_loader(self, loader: DataLoader, layout: ParallelLayout) -> DataLoader:
+        collate = loader.collate_fn
+        if isinstance(collate, SequenceParallelCollator):
+            raise ValueError("this dataloader already yields sequence shards; pass the original dataloader")
+        sharded = copy.copy(loader)
+        sharded.collate_fn = SequenceParallelCollator(collate, layout, pad_token_id=self.pad_token_id)
+        return sharded
+
+
+def _as_tuple(result: Any) -> tuple[Any, ...]:
+    return result if isinstance(result, tuple) else (result,)

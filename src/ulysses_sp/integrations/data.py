@@ -1,0 +1,179 @@
+"""Data plumbing shared by the Trainer and Accelerate integrations.
+
+Two rules make the Hugging Face data pipeline right under sequence parallelism:
+
+1. Every rank of one SP group gets the SAME full batch, and different SP groups get different samples:
+   :func:`deal_batches_over_dp` turns an Accelerate-prepared dataloader (which deals batches over every
+   rank of the world) into one that deals them over the ``dp`` SP groups only. Epoch length and the
+   samples consumed per optimizer step then match ``dp`` ordinary data-parallel ranks.
+2. Each rank keeps only its slice of the sequence: :class:`SequenceParallelCollator` wraps the user's
+   collator, collates the full batch and hands on :func:`ulysses_sp.shard_batch`'s output (padded to a
+   multiple of ``sp``, ``shift_labels`` shifted before slicing, global ``position_ids``, ``labels`` kept).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ..layout import ParallelLayout
+from ..sharding import shard_batch
+
+__all__ = [
+    "FULL_SEQUENCE_KEYS",
+    "SequenceParallelCollator",
+    "check_world_size",
+    "deal_batches_over_dp",
+    "shard_full_batch",
+]
+
+# Keys some collators add (TRL's padding-free collator) that describe the FULL packed row for varlen kernels.
+# They are stale for a shard; the Ulysses attention derives documents from the global position_ids instead.
+FULL_SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+_SHARDED_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")
+
+
+def shard_full_batch(
+    batch: Mapping[str, Any], layout: ParallelLayout, *, pad_token_id: int = 0, check_same_batch: bool = True
+) -> dict[str, torch.Tensor]:
+    """Check a collated full batch and return this rank's shard (see :func:`ulysses_sp.shard_batch`).
+
+    Raises ValueError when the batch has no ``labels`` (the loss could not be computed) or carries another
+    ``[batch, seq_len]`` tensor that would have to be sliced too; drops :data:`FULL_SEQUENCE_KEYS`. With
+    ``check_same_batch``, the SP group compares fingerprints of its full batches (one tiny all-gather).
+    """
+    if "labels" not in batch or batch["labels"] is None:
+        raise ValueError(
+            f"the collated batch has no 'labels' (keys: {sorted(batch)}); under sequence parallelism the labels "
+            "are shifted before the sequence is split, so the collator must emit them: use e.g. "
+            "transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False) or TRL's collator, or add a "
+            "'labels' column (-100 where no loss is wanted)"
+        )
+    if "shift_labels" in batch:
+        raise ValueError(
+            "the collated batch already has 'shift_labels'; pass unshifted 'labels' only: ulysses-sp shifts them "
+            "before splitting the sequence"
+        )
+    input_ids = batch.get("input_ids")
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"the collated batch needs an 'input_ids' tensor; got keys {sorted(batch)}")
+    seq_len = input_ids.shape[-1]
+    kept = {}
+    for key, value in batch.items():
+        if key in FULL_SEQUENCE_KEYS:
+            continue
+        per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len
+        if per_token and key not in _SHARDED_KEYS:
+            raise ValueError(
+                f"the batch has a per-token tensor {key!r} of shape {tuple(value.shape)} that ulysses-sp does "
+                f"not know how to split over the sequence; remove it from the batch (supported per-token keys: "
+                f"{', '.join(_SHARDED_KEYS[:4])})"
+            )
+        kept[key] = value
+    return shard_batch(kept, layout, pad_token_id=pad_token_id, check_same_batch=check_same_batch)
+
+
+class SequenceParallelCollator:
+    """Wrap a collator: collate the full batch as before, then keep this rank's shard of the sequence.
+
+    Every rank of an SP group must receive the same samples (see :func:`deal_batches_over_dp`); each then
+    returns its own slice with ``input_ids``, ``position_ids`` (global; derived as ``0..N-1`` when the
+    collator emits none, and restarting per document when it emits packed positions), ``attention_mask``
+    (when given), ``labels`` (local slice) and ``shift_labels`` (targets shifted before slicing). The
+    sequence is padded to a multiple of ``sp``; no token is dropped.
+
+    Args:
+        collator: the collator to wrap (any callable from a list of features to a dict of tensors).
+        layout: the parallel layout of this rank.
+        pad_token_id: id used for the few tokens added to make the length divisible by ``sp``.
+        check_same_batch: when collating in the main process (``num_workers=0``), compare a fingerprint of
+            the full batch across the SP group and raise ValueError if the ranks hold different batches.
+            Dataloader worker processes have no process group, so there the check is skipped.
+    """
+
+    def __init__(
+        self,
+        collator: Callable[[list[Any]], Mapping[str, Any]],
+        layout: ParallelLayout,
+        *,
+        pad_token_id: int = 0,
+        check_same_batch: bool = True,
+    ) -> None:
+        if isinstance(collator, SequenceParallelCollator):
+            raise ValueError("this collator is already a SequenceParallelCollator; wrap the original collator once")
+        self.collator = collator
+        self.layout = layout
+        self.pad_token_id = pad_token_id
+        self.check_same_batch = check_same_batch
+
+    def __call__(self, features: list[Any]) -> dict[str, torch.Tensor]:
+        in_main_process = torch.utils.data.get_worker_info() is None
+        return shard_full_batch(
+            self.collator(features),
+            self.layout,
+            pad_token_id=self.pad_token_id,
+            check_same_batch=self.check_same_batch and in_main_process,
+        )
+
+    def __repr__(self) -> str:
+        return f"SequenceParallelCollator({self.collator!r}, sp={self.layout.sp}, sp_rank={self.layout.sp_rank})"
+
+
+def deal_batches_over_dp(dataloader: Any, layout: ParallelLayout) -> Any:
+    """Make an Accelerate-prepared dataloader deal its batches over the ``dp`` SP groups (in place).
+
+    ``accelerator.prepare`` splits a dataloader over all ``dp x sp`` ranks; under sequence parallelism the
+    ``sp`` ranks of a group must see the same batch. This re-points accelerate's shard (a
+    ``BatchSamplerShard`` or an ``IterableDatasetShard``) at ``num_processes=dp``, ``process_index=dp_rank``,
+    which keeps the sample order (synchronised across ranks by accelerate), the epoch length and the
+    remainder accounting of ``gather_for_metrics`` consistent. With ``dp == 1`` the batches are exactly
+    those of one process (the last one may be partial). Returns the same dataloader.
+    """
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+
+    if layout.sp == 1:
+        return dataloader  # world = dp: accelerate's split is already the right one
+    if isinstance(dataloader, DataLoaderDispatcher):
+        raise ValueError(
+            "the dataloader dispatches slices of one batch from rank 0 (accelerate's dispatch_batches=True, the "
+            "default for iterable datasets), which cannot give the ranks of an SP group the same batch; set "
+            "dispatch_batches=False (TrainingArguments(accelerator_config={'dispatch_batches': False}) or "
+            "Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=False)))"
+        )
+    shards = [
+        obj
+        for obj in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "sampler", None))
+        if isinstance(obj, BatchSamplerShard)
+    ]
+    dataset = getattr(dataloader, "dataset", None)
+    if isinstance(dataset, IterableDatasetShard):
+        shards.append(dataset)
+    if not shards:
+        world = layout.world_size
+        raise ValueError(
+            f"cannot find how {type(dataloader).__name__} splits batches over the {world} ranks; pass a dataloader "
+            "prepared by accelerate (accelerator.prepare) over a map-style dataset"
+        )
+    for shard in shards:
+        shard.num_processes = layout.dp
+        shard.process_index = layout.dp_rank
+        if layout.dp == 1 and isinstance(shard, BatchSamplerShard):
+            # One SP group sees every batch, as one process would: no samples repeated to even out a last
+            # partial batch (with dp > 1 accelerate repeats a few, exactly as under plain DDP).
+            shard.even_batches = False
+    return dataloader
+
+
+def check_world_size(framework_world: int, layout: ParallelLayout, fix: str) -> None:
+    """Raise ValueError unless the Trainer/Accelerator counts as many processes as torch.distributed does.
+
+    On a CPU-only machine, Transformers and Accelerate treat ``torchrun``-launched processes as independent
+    single processes unless told to use the CPU; each would then train alone on duplicated data.
+    """
+    if framework_world != layout.world_size:
+        raise ValueError(
+            f"{layout.world_size} processes were launched, but the trainer/accelerator runs as {framework_world} "
+            f"process(es), so data would not be split and gradients not averaged; {fix}"
+        )

@@ -1,0 +1,207 @@
+"""Ulysses sequence parallelism for ``transformers.Trainer`` (and subclasses such as TRL's ``SFTTrainer``).
+
+Add ``sp_size`` and swap the class; everything else in the script stays::
+
+    trainer = UlyssesTrainer(model=model, args=args, train_dataset=..., data_collator=..., sp_size=4)
+    trainer.train()
+
+What the mixin changes, and why (the Trainer's own DDP / FSDP2 wrapping over the whole world is kept):
+
+* ``__init__``: checks the options that cannot work under SP (ValueError before training), then
+  :func:`ulysses_sp.parallelize` on the model (PEFT models too) and wraps the collator in
+  :class:`~ulysses_sp.integrations.data.SequenceParallelCollator`, so every batch - train and eval - reaches
+  the model as this rank's shard with ``shift_labels``, ``labels`` and global ``position_ids``.
+* dataloaders deal batches over the ``dp`` SP groups, not over all ranks
+  (:func:`~ulysses_sp.integrations.data.deal_batches_over_dp`): DP=1/SP=2/GAS=2 consumes the same samples
+  per optimizer step as DP=2/SP=1/GAS=1, and epochs have the right number of steps.
+* the loss needs no override: the Trainer counts ``num_items_in_batch`` from ``shift_labels`` - now the
+  local shards, which partition the tokens - summed over the world, so the count is exact; the model divides
+  its shard's loss sum by it and the Trainer multiplies by the world size, which is what DDP/FSDP's gradient
+  average over dp x sp expects. The logged loss (mean over ranks) is the true token-weighted loss.
+* evaluation runs sharded too (:meth:`prediction_step`): per batch, the loss sums of the SP group's shards
+  over its valid-token count - equal to the one-process batch loss - and no rank ever holds the full
+  sequence's activations or logits. Per-token predictions stay sharded, so ``compute_metrics`` is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer
+
+from ..cores import CORES
+from ..layout import ParallelLayout
+from ..model import _find_pretrained, parallelize
+from ..sharding import IGNORE_INDEX
+from .data import SequenceParallelCollator, check_world_size, deal_batches_over_dp
+
+__all__ = ["UlyssesTrainer", "UlyssesTrainerMixin", "resolve_core"]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_core(model: torch.nn.Module, core: str | None) -> str:
+    """The local attention core: ``core`` if given, else the model's own ``attn_implementation``.
+
+    Raises ValueError when the model's implementation has no Ulysses core (e.g. a kernel-hub or paged one).
+    """
+    if core is not None:
+        return core
+    impl = _find_pretrained(model).config._attn_implementation or "sdpa"
+    if impl.startswith("ulysses_"):
+        raise ValueError("the model is already parallelized; pass the original model (or unparallelize it first)")
+    if impl not in CORES:
+        raise ValueError(
+            f"the model's attn_implementation={impl!r} has no Ulysses core; load the model with "
+            f"attn_implementation set to one of {sorted(CORES)}, or pass sp_core=<one of them>"
+        )
+    return impl
+
+
+class UlyssesTrainerMixin:
+    """Mix into a ``transformers.Trainer`` subclass (before it) to train with Ulysses SP of degree ``sp_size``.
+
+    ``class MyTrainer(UlyssesTrainerMixin, SomeTrainer)``; :class:`UlyssesTrainer` and
+    :class:`~ulysses_sp.integrations.trl_sft.UlyssesSFTTrainer` are the two ready-made classes.
+
+    Extra keyword arguments:
+        sp_size: ranks that split each sequence; the world size (``torchrun --nproc-per-node``, ``accelerate
+            launch``) must be a multiple of it, and ``dp = world // sp_size`` SP groups see different samples.
+        sp_core: local attention core (``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"``,
+            ...); by default the model's own ``attn_implementation``.
+
+    Attributes set: ``sp_layout`` (the :class:`~ulysses_sp.ParallelLayout`).
+    """
+
+    def __init__(self, *args: Any, sp_size: int = 1, sp_core: str | None = None, **kwargs: Any) -> None:
+        if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
+            raise ValueError(f"sp_size must be a positive int, got {sp_size!r}")
+        super().__init__(*args, **kwargs)
+        self._check_supported(sp_size)
+        core = resolve_core(self.model, sp_core)
+        self.sp_layout = ParallelLayout.from_env(sp_size, device=self.args.device)
+        check_world_size(
+            self.args.world_size, self.sp_layout, "on a CPU-only machine pass TrainingArguments(use_cpu=True)"
+        )
+        parallelize(self.model, self.sp_layout, core=core)
+        self.data_collator = SequenceParallelCollator(
+            self.data_collator, self.sp_layout, pad_token_id=self._pad_token_id()
+        )
+        if self.args.fsdp and not self.is_fsdp_enabled:
+            logger.warning(
+                "TrainingArguments.fsdp is set but Accelerate did not enable FSDP (it does so on accelerator "
+                "devices only, not on CPU): training runs with DDP over dp x sp instead"
+            )
+
+    # ------------------------------------------------------------------------------------- set-up checks
+    def _check_supported(self, sp_size: int) -> None:
+        args = self.args
+        problems = []
+        if self.model_init is not None:
+            problems.append("model_init (the model is re-created in train(); pass model= instead)")
+        if not args.average_tokens_across_devices:
+            problems.append(
+                "average_tokens_across_devices=False (the loss must divide by the token count of all ranks; "
+                "set it to True)"
+            )
+        if args.label_smoothing_factor != 0:
+            problems.append(f"label_smoothing_factor={args.label_smoothing_factor} (set it to 0)")
+        if self.compute_loss_func is not None:
+            problems.append("compute_loss_func (the model's own token-weighted loss is used)")
+        if self.compute_metrics is not None or args.include_for_metrics:
+            problems.append(
+                "compute_metrics / include_for_metrics (logits stay sharded over the SP group; evaluation reports "
+                "the loss)"
+            )
+        if args.train_sampling_strategy == "batch_rebalance":
+            problems.append(
+                "train_sampling_strategy='batch_rebalance' (use 'random', 'sequential' or 'group_by_length')"
+            )
+        config = getattr(self.accelerator, "parallelism_config", None)
+        if config is not None and ((config.sp_size or 1) > 1 or (config.cp_size or 1) > 1):
+            problems.append("a parallelism_config with sp_size or cp_size > 1 (sp_size= here replaces it)")
+        if not self.model_accepts_loss_kwargs:
+            problems.append(
+                f"{type(_find_pretrained(self.model)).__name__}, which does not accept loss kwargs "
+                "(shift_labels, num_items_in_batch), so its loss cannot be weighted by the tokens of all shards"
+            )
+        if problems:
+            raise ValueError(f"{type(self).__name__}(sp_size={sp_size}) does not support: " + "; ".join(problems))
+
+    def _pad_token_id(self) -> int:
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(_find_pretrained(self.model).config.get_text_config(), "pad_token_id", None)
+        return int(pad) if pad is not None else 0
+
+    # ------------------------------------------------------------------------------------- data
+    def get_train_dataloader(self) -> Any:
+        """The Trainer's dataloader, dealing batches over the dp SP groups (same batch on an SP group)."""
+        return deal_batches_over_dp(super().get_train_dataloader(), self.sp_layout)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """The Trainer's eval dataloader, dealing batches over the dp SP groups."""
+        return deal_batches_over_dp(super().get_eval_dataloader(eval_dataset), self.sp_layout)
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        """The Trainer's test dataloader, dealing batches over the dp SP groups."""
+        return deal_batches_over_dp(super().get_test_dataloader(test_dataset), self.sp_layout)
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """Samples per optimizer step: per-device batch x gradient accumulation x dp (SP ranks share samples)."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self.sp_layout.dp
+
+    # ------------------------------------------------------------------------------------- evaluation
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's loop, gathering each batch loss once per SP group (the Trainer resets it afterwards)."""
+        self.gather_function = self._gather_batch_losses
+        return super().evaluation_loop(*args, **kwargs)
+
+    def prediction_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, None, None]:
+        """The loss of one eval batch, computed on this rank's shard and reduced over its SP group.
+
+        Returns ``(loss, None, None)``: the token-weighted mean over the whole batch (all shards), the value one
+        process computes on the full batch. The full sequence is never gathered.
+        """
+        inputs = self._prepare_inputs(inputs)
+        layout = self.sp_layout
+        count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
+        if layout.sp > 1:
+            dist.all_reduce(count, group=layout.sp_group)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=count.clamp(min=1))
+        # A loss normalised by num_items_in_batch comes back multiplied by the number of processes (the
+        # Trainer's convention for DDP's gradient average); undo it, then add the shards' parts.
+        loss = loss.detach().float() / self.accelerator.num_processes
+        if layout.sp > 1:
+            dist.all_reduce(loss, group=layout.sp_group)
+        return loss, None, None
+
+    def _gather_batch_losses(self, losses: torch.Tensor) -> torch.Tensor:
+        # `losses` is equal on the ranks of an SP group: gather it over dp only, then drop the samples that
+        # accelerate repeated to even out the last batch (gather_for_metrics' rule, over dp).
+        layout = self.sp_layout
+        if layout.dp > 1:
+            parts = [torch.empty_like(losses) for _ in range(layout.dp)]
+            dist.all_gather(parts, losses.contiguous(), group=layout.dp_group)
+            losses = torch.cat(parts)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            losses = losses[: state.remainder]
+        return losses
+
+
+class UlyssesTrainer(UlyssesTrainerMixin, Trainer):
+    """``transformers.Trainer`` with Ulysses sequence parallelism: ``UlyssesTrainer(..., sp_size=4)``.
+
+    See :class:`UlyssesTrainerMixin` for the extra arguments and the module docstring for what changes.
+    """

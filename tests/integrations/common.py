@@ -1,0 +1,106 @@
+"""Tiny data, tokenizer, collator and run settings shared by the integration jobs and the one-process references."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from datasets import Dataset
+
+from tests.helpers.models import VOCAB
+
+# Odd and even lengths, some longer than a shard: sequences of every kind reach the model.
+TRAIN_LENGTHS = (9, 17, 23, 12, 31, 16, 37, 20, 11, 28, 15, 33, 19, 26, 13, 21)
+EVAL_LENGTHS = (61, 40, 33, 77, 50, 45, 29, 66, 38)  # 9: the last eval batch of 2 is partial
+
+
+def token_dataset(lengths: tuple[int, ...], seed: int, prompt: int = 3) -> Dataset:
+    """``input_ids`` of the given lengths and ``labels`` that ignore the first ``prompt`` tokens of each row."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    labels = [[-100] * prompt + r[prompt:] for r in rows]
+    return Dataset.from_dict({"input_ids": rows, "labels": labels})
+
+
+def pad_collate(features: list[dict]) -> dict[str, torch.Tensor]:
+    """A user's collator: right-pad input_ids (0), attention_mask and labels (-100); no position_ids."""
+    width = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), width, dtype=torch.long)
+    mask = torch.zeros(len(features), width, dtype=torch.long)
+    labels = torch.full((len(features), width), -100, dtype=torch.long)
+    for row, f in enumerate(features):
+        n = len(f["input_ids"])
+        ids[row, :n] = torch.tensor(f["input_ids"])
+        mask[row, :n] = 1
+        labels[row, :n] = torch.tensor(f["labels"])
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def drop_labels_collate(features: list[dict]) -> dict[str, torch.Tensor]:
+    """A broken collator that loses the labels."""
+    batch = pad_collate(features)
+    del batch["labels"]
+    return batch
+
+
+def tokenizer():
+    """A word-level tokenizer over the tiny vocabulary (``<pad>`` = 0, ``<eos>`` = 1), built offline."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+# fp32 on CPU, constant learning rate, no clipping, a log entry per optimizer step, no saving unless asked.
+_RUN = dict(
+    gradient_accumulation_steps=1,
+    learning_rate=1e-3,
+    lr_scheduler_type="constant",
+    max_grad_norm=0.0,
+    logging_steps=1,
+    save_strategy="no",
+    report_to=[],
+    seed=7,
+    use_cpu=True,
+    bf16=False,
+    ddp_timeout=120,
+    disable_tqdm=True,
+)
+
+
+def trainer_args(out: str, **overrides):
+    """TrainingArguments for the equivalence runs: batches of 2 rows, 2 epochs."""
+    from transformers import TrainingArguments
+
+    sizes = dict(per_device_train_batch_size=2, per_device_eval_batch_size=2, num_train_epochs=2)
+    return TrainingArguments(output_dir=out, **{**_RUN, **sizes, **overrides})
+
+
+def sft_args(out: str, **overrides):
+    """SFTConfig with padding-free packing (bfd) into rows of at most 48 tokens, one row per batch, 1 epoch."""
+    from trl import SFTConfig
+
+    sizes = dict(per_device_train_batch_size=1, per_device_eval_batch_size=1, num_train_epochs=1)
+    return SFTConfig(output_dir=out, packing=True, max_length=48, **{**_RUN, **sizes, **overrides})
+
+
+def train_losses(log_history: list[dict]) -> list[float]:
+    """The per-step logged training losses."""
+    return [entry["loss"] for entry in log_history if "loss" in entry and "train_loss" not in entry]
+
+
+def write_json(path: str, data) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def read_json(path: str):
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,270 @@
+"""Multi-rank jobs for the integration tests, run on gloo ranks by ``tests.helpers.harness.run_world``.
+
+Each entry point (``world2_plain``, ``world2_sp``, ``world4``) runs several jobs in one spawn (start-up is the
+expensive part) and returns ``{job: "ok" | traceback}`` per rank. Jobs write what they measured (per-step
+logged losses, eval losses, step counts, saved models) under ``$ULYSSES_IT_OUT/<job>/``; the tests compare
+those files with each other and with one-process references.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from tests.helpers.harness import run_cases
+from tests.helpers.models import build
+from tests.integrations.common import (
+    EVAL_LENGTHS,
+    TRAIN_LENGTHS,
+    drop_labels_collate,
+    pad_collate,
+    sft_args,
+    token_dataset,
+    tokenizer,
+    train_losses,
+    trainer_args,
+    write_json,
+)
+
+
+def _out(job: str) -> str:
+    return os.path.join(os.environ["ULYSSES_IT_OUT"], job)
+
+
+def _record(job: str, trainer, **extra) -> None:
+    """Losses and step counts from rank 0, and the final model saved by the trainer (all ranks take part)."""
+    trainer.save_model(os.path.join(_out(job), "final"))
+    if dist.get_rank() == 0:
+        state = trainer.state
+        write_json(
+            os.path.join(_out(job), "result.json"),
+            {
+                "losses": train_losses(state.log_history),
+                "global_step": state.global_step,
+                "epoch": state.epoch,
+                **extra,
+            },
+        )
+
+
+def lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(build("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+# ----------------------------------------------------------------------------------------------- trainer jobs
+def plain_trainer(job: str, **args) -> None:
+    """Reference: the plain transformers Trainer (DP over every rank)."""
+    from transformers import Trainer
+
+    trainer = Trainer(
+        model=build("llama"),
+        args=trainer_args(_out(job), **args),
+        train_dataset=token_dataset(TRAIN_LENGTHS, seed=1),
+        data_collator=pad_collate,
+    )
+    trainer.train()
+    _record(job, trainer)
+
+
+def fsdp2_model():
+    """The tiny Llama sharded with FSDP2 over the world at load time (transformers' DistributedConfig)."""
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    path = os.path.join(os.environ["ULYSSES_IT_OUT"], "tiny_llama")
+    if dist.get_rank() == 0:
+        build("llama").save_pretrained(path)
+    dist.barrier()
+    model = LlamaForCausalLM.from_pretrained(
+        path, distributed_config=DistributedConfig(fsdp_size=dist.get_world_size())
+    )
+    assert type(model.lm_head.weight).__name__ == "DTensor"
+    return model
+
+
+def ulysses_trainer(job: str, sp: int, model=None, eval_samples: int = len(EVAL_LENGTHS), **args) -> None:
+    """UlyssesTrainer with an eval set of long, odd-length sequences, checkpoints every 4 steps."""
+    from ulysses_sp.integrations import UlyssesTrainer
+
+    trainer = UlyssesTrainer(
+        model=model if model is not None else build("llama"),
+        args=trainer_args(_out(job), save_strategy="steps", save_steps=4, **args),
+        train_dataset=token_dataset(TRAIN_LENGTHS, seed=1),
+        eval_dataset=token_dataset(EVAL_LENGTHS[:eval_samples], seed=2),
+        data_collator=pad_collate,
+        sp_size=sp,
+    )
+    trainer.train()
+    metrics = trainer.evaluate()
+    _record(
+        job,
+        trainer,
+        eval_loss=metrics["eval_loss"],
+        eval_samples=eval_samples,
+        train_batches=len(trainer.get_train_dataloader()),
+    )
+
+
+def ulysses_lora(job: str) -> None:
+    """A PEFT LoRA model under SP=2 with GAS=2, then an eval under SP; the adapter is saved."""
+    from ulysses_sp.integrations import UlyssesTrainer
+
+    trainer = UlyssesTrainer(
+        model=lora_model(),
+        args=trainer_args(_out(job), gradient_accumulation_steps=2, num_train_epochs=1, learning_rate=1e-2),
+        train_dataset=token_dataset(TRAIN_LENGTHS, seed=1),
+        eval_dataset=token_dataset(EVAL_LENGTHS, seed=2),
+        data_collator=pad_collate,
+        sp_size=2,
+    )
+    trainer.train()
+    _record(job, trainer, eval_loss=trainer.evaluate()["eval_loss"])
+
+
+# ----------------------------------------------------------------------------------------------- TRL jobs
+def sft(job: str, sp: int | None, **args) -> None:
+    """TRL SFTTrainer with padding-free packing: plain (sp=None) or UlyssesSFTTrainer(sp_size=sp)."""
+    from trl import SFTTrainer
+
+    from ulysses_sp.integrations import UlyssesSFTTrainer
+
+    kwargs = dict(
+        model=build("llama"),
+        args=sft_args(_out(job), **args),
+        train_dataset=token_dataset(TRAIN_LENGTHS, seed=1).remove_columns("labels"),
+        processing_class=tokenizer(),
+    )
+    trainer = SFTTrainer(**kwargs) if sp is None else UlyssesSFTTrainer(**kwargs, sp_size=sp)
+    trainer.train()
+    _record(job, trainer)
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+def _expect(error: type[Exception], fragment: str, fn) -> None:
+    try:
+        fn()
+    except error as exc:
+        assert fragment in str(exc), f"expected {fragment!r} in the message, got: {exc}"
+        return
+    raise AssertionError(f"expected {error.__name__} mentioning {fragment!r}")
+
+
+def bad_input() -> None:
+    """Each bad input raises a ValueError on every rank, before training (or at the first batch), no hang."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from ulysses_sp.integrations import UlyssesTrainer
+
+    data = token_dataset(TRAIN_LENGTHS[:4], seed=1)
+
+    def make(model=None, collator=pad_collate, **kwargs):
+        return UlyssesTrainer(
+            model=model if model is not None else build("llama"),
+            args=trainer_args(_out("bad_input")),
+            train_dataset=data,
+            data_collator=collator,
+            sp_size=kwargs.pop("sp_size", 2),
+            **kwargs,
+        )
+
+    _expect(ValueError, "sp values that work: 1, 3", lambda: make(build("llama", heads=3)))
+    AttentionInterface.register("my_kernel", sdpa_attention_forward)
+    _expect(
+        ValueError,
+        "attn_implementation='my_kernel' has no Ulysses core",
+        lambda: make(build("llama", attn="my_kernel")),
+    )
+    _expect(ValueError, "unsupported attention core 'paged'", lambda: make(sp_core="paged"))
+    _expect(ValueError, "compute_metrics", lambda: make(compute_metrics=lambda p: {}))
+    _expect(ValueError, "sp_size must be a positive int", lambda: make(sp_size=0))
+    _expect(ValueError, "not divisible by sp=4", lambda: make(sp_size=4))
+    trainer = make(collator=drop_labels_collate)
+    _expect(ValueError, "the collated batch has no 'labels'", trainer.train)
+
+
+# ----------------------------------------------------------------------------------------------- accelerate jobs
+def accelerate_loop(job: str, sp: int, fsdp2: bool = False, steps: int = 6) -> None:
+    """A custom Accelerate loop through SequenceParallelConfig.prepare, on DDP or on FSDP2 (fully_shard)."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from ulysses_sp.integrations import SequenceParallelConfig
+
+    accelerator = Accelerator()
+    model = build("llama")
+    if fsdp2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = DataLoader(token_dataset(TRAIN_LENGTHS, seed=1), batch_size=2, collate_fn=pad_collate)
+    model, optimizer, loader, loss_fn = SequenceParallelConfig(sp_size=sp).prepare(
+        accelerator, model, optimizer, loader
+    )
+    losses = []
+    for step, batch in enumerate(loader):
+        if step == steps:
+            break
+        logits = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=batch["attention_mask"]
+        ).logits
+        loss = loss_fn(logits, batch["shift_labels"])
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    state = {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in accelerator.unwrap_model(model).named_parameters()
+    }
+    if dist.get_rank() == 0:
+        write_json(os.path.join(_out(job), "result.json"), {"losses": losses, "batches": len(loader)})
+        torch.save(state, os.path.join(_out(job), "weights.pt"))
+
+
+# ----------------------------------------------------------------------------------------------- entry points
+def world2_plain() -> dict[str, str]:
+    """References on 2 ranks: DP=2 / SP=1 / GAS=1 with the plain Trainer and the plain SFTTrainer."""
+    return run_cases(
+        {
+            "trainer_dp2": lambda: plain_trainer("trainer_dp2"),
+            "sft_dp2": lambda: sft("sft_dp2", None),
+        }
+    )
+
+
+def world2_sp() -> dict[str, str]:
+    """DP=1 / SP=2 runs on 2 ranks."""
+    return run_cases(
+        {
+            "trainer_sp2_gas2": lambda: ulysses_trainer("trainer_sp2_gas2", 2, gradient_accumulation_steps=2),
+            "trainer_fsdp2_sp2_gas2": lambda: ulysses_trainer(
+                "trainer_fsdp2_sp2_gas2", 2, model=fsdp2_model(), gradient_accumulation_steps=2, save_only_model=True
+            ),
+            "sft_sp2_gas2": lambda: sft("sft_sp2_gas2", 2, gradient_accumulation_steps=2),
+            "lora_sp2": lambda: ulysses_lora("lora_sp2"),
+            "accelerate_ddp_sp2": lambda: accelerate_loop("accelerate_ddp_sp2", 2),
+            "accelerate_fsdp2_sp2": lambda: accelerate_loop("accelerate_fsdp2_sp2", 2, fsdp2=True),
+            "bad_input": bad_input,
+        }
+    )
+
+
+def world4() -> dict[str, str]:
+    """DP=2 x SP=2 on 4 ranks."""
+    return run_cases(
+        {
+            # 8 eval samples: with dp=2 a partial last batch would be evened out by accelerate (as under DDP)
+            "trainer_dp2_sp2": lambda: ulysses_trainer("trainer_dp2_sp2", 2, eval_samples=8),
+            "accelerate_dp2_sp2": lambda: accelerate_loop("accelerate_dp2_sp2", 2, steps=4),
+        }
+    )

@@ -1,0 +1,141 @@
+"""Single-process tests of the integration data plumbing: the collator wrapper, dp dealing, core choice."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.helpers.models import build
+from tests.integrations.common import drop_labels_collate, pad_collate, token_dataset
+from ulysses_sp import ParallelLayout
+from ulysses_sp.integrations import SequenceParallelCollator, deal_batches_over_dp
+from ulysses_sp.integrations.data import check_world_size
+from ulysses_sp.integrations.hf_trainer import resolve_core
+
+
+def fake_layout(sp: int, sp_rank: int, dp: int = 1, dp_rank: int = 0):
+    """The collator reads sp / sp_rank; deal_batches_over_dp reads sp / dp / dp_rank / world_size."""
+    return SimpleNamespace(sp=sp, sp_rank=sp_rank, dp=dp, dp_rank=dp_rank, world_size=dp * sp)
+
+
+def shards(collate, features, sp: int) -> list[dict[str, torch.Tensor]]:
+    return [
+        SequenceParallelCollator(collate, fake_layout(sp, r), pad_token_id=5, check_same_batch=False)(features)
+        for r in range(sp)
+    ]
+
+
+def joined(parts, key: str) -> torch.Tensor:
+    return torch.cat([p[key] for p in parts], dim=1)
+
+
+def test_odd_length_is_padded_and_nothing_dropped_positions_derived():
+    """Rows of 9 and 17 tokens, sp=4: padded to 20, every token and target kept, position_ids derived."""
+    features = [token_dataset((9, 17), seed=3)[i] for i in range(2)]
+    full = pad_collate(features)  # [2, 17], no position_ids
+    parts = shards(pad_collate, features, sp=4)
+    assert [p["input_ids"].shape for p in parts] == [(2, 5)] * 4
+    ids = joined(parts, "input_ids")
+    torch.testing.assert_close(ids[:, :17], full["input_ids"])
+    assert (ids[:, 17:] == 5).all()
+    targets = joined(parts, "shift_labels")
+    torch.testing.assert_close(targets[:, :16], full["labels"][:, 1:])
+    assert (targets[:, 16:] == -100).all()
+    torch.testing.assert_close(joined(parts, "labels")[:, :17], full["labels"])
+    torch.testing.assert_close(joined(parts, "position_ids"), torch.arange(20).expand(2, 20))
+    mask = joined(parts, "attention_mask")
+    torch.testing.assert_close(mask[:, :17], full["attention_mask"])
+    assert (mask[:, 17:] == 0).all()
+
+
+def test_packed_positions_kept_and_stale_full_row_keys_dropped():
+    """TRL's padding-free batch: restarting position_ids pass through; cu_seq_lens etc. (full row) are dropped."""
+    packed = {
+        "input_ids": torch.arange(10, 17)[None],
+        "labels": torch.arange(10, 17)[None],
+        "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1]]),
+        "cu_seq_lens_q": torch.tensor([0, 3, 5, 7], dtype=torch.int32),
+        "cu_seq_lens_k": torch.tensor([0, 3, 5, 7], dtype=torch.int32),
+        "max_length_q": 3,
+        "max_length_k": 3,
+        "seq_idx": torch.tensor([[0, 0, 0, 1, 1, 2, 2]], dtype=torch.int32),
+    }
+    parts = shards(lambda features: packed, [None], sp=2)
+    for part in parts:
+        assert set(part) == {"input_ids", "labels", "shift_labels", "position_ids"}
+    torch.testing.assert_close(joined(parts, "position_ids"), torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]]))
+
+
+def test_collator_without_labels_or_with_shift_labels_or_unknown_token_tensor_raises():
+    features = [token_dataset((9,), seed=3)[0]]
+    collator = SequenceParallelCollator(drop_labels_collate, fake_layout(2, 0), check_same_batch=False)
+    with pytest.raises(ValueError, match="the collated batch has no 'labels'"):
+        collator(features)
+
+    def with_key(key):
+        def collate(feats):
+            batch = pad_collate(feats)
+            batch[key] = batch["labels"].clone()
+            return batch
+
+        return SequenceParallelCollator(collate, fake_layout(2, 0), check_same_batch=False)
+
+    with pytest.raises(ValueError, match="already has 'shift_labels'"):
+        with_key("shift_labels")(features)
+    with pytest.raises(ValueError, match="per-token tensor 'token_type_ids'"):
+        with_key("token_type_ids")(features)
+    with pytest.raises(ValueError, match="already a SequenceParallelCollator"):
+        SequenceParallelCollator(collator, fake_layout(2, 0))
+
+
+def test_deal_batches_over_dp_repoints_accelerate_shards():
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderShard
+
+    base = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(10)), batch_size=2, drop_last=False)
+    for dp, dp_rank, expected in [(1, 0, [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]), (2, 1, [[2, 3], [6, 7], [0, 1]])]:
+        shard = BatchSamplerShard(base, num_processes=dp * 2, process_index=dp_rank * 2 + 1)
+        loader = DataLoaderShard(range(10), batch_sampler=shard)
+        assert deal_batches_over_dp(loader, fake_layout(2, 1, dp=dp, dp_rank=dp_rank)) is loader
+        assert list(shard) == expected  # the same batches on both ranks of the SP group; dp groups differ
+    plain = torch.utils.data.DataLoader(range(10), batch_size=2)
+    with pytest.raises(ValueError, match="cannot find how DataLoader splits batches over the 4 ranks"):
+        deal_batches_over_dp(plain, fake_layout(2, 0, dp=2))
+    assert deal_batches_over_dp(plain, fake_layout(1, 0, dp=4)) is plain  # sp=1: accelerate's split is right
+
+
+def test_world_size_mismatch_names_the_fix():
+    with pytest.raises(ValueError, match=r"2 processes were launched.*use_cpu=True"):
+        check_world_size(1, fake_layout(2, 0), "on a CPU-only machine pass TrainingArguments(use_cpu=True)")
+
+
+def test_core_follows_the_model_and_rejects_unknown_implementations():
+    assert resolve_core(build("llama", attn="eager"), None) == "eager"
+    assert resolve_core(build("llama"), "flex_attention") == "flex_attention"
+    model = build("llama")
+    model.config._attn_implementation = "paged|sdpa"
+    with pytest.raises(ValueError, match=r"attn_implementation='paged\|sdpa' has no Ulysses core"):
+        resolve_core(model, None)
+
+
+def test_single_process_trainer_with_sp1_matches_plain_trainer(tmp_path):
+    """sp_size=1 in one process is the plain Trainer: same losses, no process group needed."""
+    from transformers import Trainer
+
+    from tests.integrations.common import TRAIN_LENGTHS, train_losses, trainer_args
+    from ulysses_sp.integrations import UlyssesTrainer
+
+    runs = []
+    for cls, extra in ((Trainer, {}), (UlyssesTrainer, {"sp_size": 1})):
+        trainer = cls(
+            model=build("llama"),
+            args=trainer_args(str(tmp_path), num_train_epochs=1, gradient_accumulation_steps=2),
+            train_dataset=token_dataset(TRAIN_LENGTHS, seed=1),
+            data_collator=pad_collate,
+            **extra,
+        )
+        trainer.train()
+        runs.append(train_losses(trainer.state.log_history))
+    assert isinstance(trainer.sp_layout, ParallelLayout) and trainer.sp_layout.world_size == 1
+    torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), atol=1e-6, rtol=0)

@@ -1,0 +1,235 @@
+"""Trainer, SFTTrainer and Accelerate under Ulysses SP on 2 and 4 gloo ranks, against DP and one-process runs.
+
+The HF article's experiment: DP=2/SP=1/GAS=1 (plain Trainer / SFTTrainer) against DP=1/SP=2/GAS=2 (ours) on
+the same data: the same samples per optimizer step, so the per-step logged loss must agree to 1e-5 (fp32)
+and the final weights to AdamW round-off. Each world size is spawned once (module fixtures) and runs many jobs
+(tests/integrations/jobs.py); one-process references run here, in the test process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers.harness import assert_case, run_world
+from tests.helpers.models import build
+from tests.integrations.common import (
+    EVAL_LENGTHS,
+    TRAIN_LENGTHS,
+    pad_collate,
+    read_json,
+    token_dataset,
+    train_losses,
+    trainer_args,
+)
+
+LOSS_ATOL = 1e-5  # fp32 per-step logged loss
+WEIGHT_ATOL = 1e-4  # after 4-8 AdamW steps (lr 1e-3): round-off in the gradients moves weights by ~1e-5
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("integrations")
+    os.environ["ULYSSES_IT_OUT"] = str(path)  # inherited by the spawned ranks
+    return path
+
+
+@pytest.fixture(scope="module")
+def world2_plain(out_dir):
+    return run_world(2, "tests.integrations.jobs:world2_plain", timeout=300)
+
+
+@pytest.fixture(scope="module")
+def world2_sp(out_dir):
+    return run_world(2, "tests.integrations.jobs:world2_sp", timeout=300)
+
+
+@pytest.fixture(scope="module")
+def world4(out_dir):
+    return run_world(4, "tests.integrations.jobs:world4", timeout=300)
+
+
+def result(out_dir, job: str) -> dict:
+    return read_json(os.path.join(out_dir, job, "result.json"))
+
+
+def weights(out_dir, job: str, name: str = "final/model.safetensors") -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(out_dir, job, name))
+
+
+def assert_same_run(out_dir, reference: str, run: str) -> None:
+    ref, got = result(out_dir, reference), result(out_dir, run)
+    assert got["global_step"] == ref["global_step"] and got["epoch"] == ref["epoch"]
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), atol=LOSS_ATOL, rtol=0)
+    ref_w, got_w = weights(out_dir, reference), weights(out_dir, run)
+    assert ref_w.keys() == got_w.keys()
+    for name in ref_w:
+        torch.testing.assert_close(got_w[name], ref_w[name], atol=WEIGHT_ATOL, rtol=0, msg=name)
+
+
+def one_process_eval_loss(model, samples: int) -> float:
+    """The eval loss a plain, single-process Trainer reports for this model."""
+    from transformers import Trainer
+
+    trainer = Trainer(
+        model=model,
+        args=trainer_args("unused", per_device_eval_batch_size=2),
+        eval_dataset=token_dataset(EVAL_LENGTHS[:samples], seed=2),
+        data_collator=pad_collate,
+    )
+    return trainer.evaluate()["eval_loss"]
+
+
+# ------------------------------------------------------------------------------------- Trainer
+def test_trainer_dp1_sp2_gas2_equals_dp2_sp1_gas1(world2_plain, world2_sp, out_dir):
+    """Per-step logged loss within 1e-5 and final weights within 1e-4 over 2 epochs (8 optimizer steps)."""
+    assert_case(world2_plain, "trainer_dp2", 2)
+    assert_case(world2_sp, "trainer_sp2_gas2", 2)
+    assert_same_run(out_dir, "trainer_dp2", "trainer_sp2_gas2")
+    ours = result(out_dir, "trainer_sp2_gas2")
+    assert len(ours["losses"]) == ours["global_step"] == 8  # 16 samples / (2 per batch x GAS 2 x dp 1), 2 epochs
+    assert ours["train_batches"] == 8  # every rank of the SP group iterates the whole epoch, not half of it
+
+
+def test_trainer_fsdp2_sp2_gas2_equals_dp2(world2_plain, world2_sp, out_dir):
+    """FSDP2 through the Trainer on CPU: a model sharded at load time (DistributedConfig(fsdp_size=world))."""
+    assert_case(world2_sp, "trainer_fsdp2_sp2_gas2", 2)
+    assert_same_run(out_dir, "trainer_dp2", "trainer_fsdp2_sp2_gas2")
+
+
+def test_trainer_dp2_sp2_on_4_ranks_equals_dp2(world2_plain, world4, out_dir):
+    assert_case(world4, "trainer_dp2_sp2", 4)
+    assert_same_run(out_dir, "trainer_dp2", "trainer_dp2_sp2")
+    assert result(out_dir, "trainer_dp2_sp2")["train_batches"] == 4  # batches dealt over dp=2 SP groups
+
+
+@pytest.mark.parametrize("job", ["trainer_sp2_gas2", "trainer_fsdp2_sp2_gas2", "trainer_dp2_sp2"])
+def test_eval_under_sp_equals_one_process_eval(world2_sp, world4, out_dir, job):
+    """Eval of long odd-length sequences, run sharded, reports the loss one process computes on the saved model."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(os.path.join(out_dir, job, "final"))
+    got = result(out_dir, job)
+    assert abs(got["eval_loss"] - one_process_eval_loss(model, got["eval_samples"])) < LOSS_ATOL
+
+
+@pytest.mark.parametrize("job", ["trainer_sp2_gas2", "trainer_fsdp2_sp2_gas2"])
+def test_checkpoints_and_final_model_are_plain_hf(world2_sp, out_dir, job):
+    """Checkpoints load in plain transformers with their default attention, and match the saved weights."""
+    from transformers import LlamaForCausalLM
+
+    run = os.path.join(out_dir, job)
+    assert sorted(d for d in os.listdir(run) if d.startswith("checkpoint-")) == ["checkpoint-4", "checkpoint-8"]
+    for folder in ("checkpoint-4", "checkpoint-8", "final"):
+        with open(os.path.join(run, folder, "config.json")) as f:
+            assert "ulysses" not in f.read()
+        model = LlamaForCausalLM.from_pretrained(os.path.join(run, folder))
+        assert model.config._attn_implementation == "sdpa"
+        assert not hasattr(model, "_ulysses_sp_state")
+    final = weights(out_dir, job)
+    last = weights(out_dir, job, "checkpoint-8/model.safetensors")
+    for name in final:
+        torch.testing.assert_close(last[name], final[name], atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------------- TRL
+def test_sft_packing_dp1_sp2_gas2_equals_dp2_sp1_gas1(world2_plain, world2_sp, out_dir):
+    """SFTTrainer with padding-free packing (documents restart position_ids and cross shard boundaries)."""
+    assert_case(world2_plain, "sft_dp2", 2)
+    assert_case(world2_sp, "sft_sp2_gas2", 2)
+    assert_same_run(out_dir, "sft_dp2", "sft_sp2_gas2")
+    assert result(out_dir, "sft_sp2_gas2")["global_step"] >= 3
+
+
+# ------------------------------------------------------------------------------------- PEFT
+def test_lora_under_sp_equals_one_process(world2_sp, out_dir):
+    """LoRA through the PEFT wrapper: SP=2/GAS=2 against one process/GAS=2; losses, adapter weights, eval loss."""
+    from peft import PeftModel
+    from transformers import Trainer
+
+    from tests.integrations.jobs import lora_model
+
+    assert_case(world2_sp, "lora_sp2", 2)
+    reference = Trainer(
+        model=lora_model(),
+        args=trainer_args(
+            os.path.join(out_dir, "lora_ref"), gradient_accumulation_steps=2, num_train_epochs=1, learning_rate=1e-2
+        ),
+        train_dataset=token_dataset(TRAIN_LENGTHS, seed=1),
+        eval_dataset=token_dataset(EVAL_LENGTHS, seed=2),
+        data_collator=pad_collate,
+    )
+    reference.train()
+    ours = result(out_dir, "lora_sp2")
+    torch.testing.assert_close(
+        torch.tensor(ours["losses"]), torch.tensor(train_losses(reference.state.log_history)), atol=LOSS_ATOL, rtol=0
+    )
+    assert abs(ours["eval_loss"] - reference.evaluate()["eval_loss"]) < LOSS_ATOL
+    saved = PeftModel.from_pretrained(build("llama"), os.path.join(out_dir, "lora_sp2", "final"))
+    expected = dict(reference.model.named_parameters())
+    trained = [name for name, p in saved.named_parameters() if "lora_" in name]
+    assert trained
+    for name in trained:
+        torch.testing.assert_close(saved.get_parameter(name), expected[name], atol=WEIGHT_ATOL, rtol=0, msg=name)
+
+
+# ------------------------------------------------------------------------------------- Accelerate
+def one_process_loop(steps: int, batch_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The Accelerate jobs' loop in one process on the full batches (plain attention, the model's own loss)."""
+    from torch.utils.data import DataLoader
+
+    model = build("llama")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step, batch in enumerate(DataLoader(token_dataset(TRAIN_LENGTHS, seed=1), batch_size, collate_fn=pad_collate)):
+        if step == steps:
+            break
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "job, world, steps, batch_size",
+    [("accelerate_ddp_sp2", 2, 6, 2), ("accelerate_fsdp2_sp2", 2, 6, 2), ("accelerate_dp2_sp2", 4, 4, 4)],
+)
+def test_accelerate_loop_equals_one_process(world2_sp, world4, out_dir, job, world, steps, batch_size):
+    """SequenceParallelConfig.prepare on DDP, on FSDP2 (fully_shard, DTensor parameters) and on dp=2 x sp=2."""
+    assert_case(world2_sp if world == 2 else world4, job, world)
+    expected_losses, expected_weights = one_process_loop(steps, batch_size)
+    got = result(out_dir, job)
+    assert got["batches"] == len(TRAIN_LENGTHS) // batch_size  # every SP group rank sees its dp share
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), atol=LOSS_ATOL, rtol=0)
+    got_weights = torch.load(os.path.join(out_dir, job, "weights.pt"))
+    for name, value in expected_weights.items():
+        torch.testing.assert_close(got_weights[name], value, atol=WEIGHT_ATOL, rtol=0, msg=name)
+
+
+# ------------------------------------------------------------------------------------- bad input
+def test_bad_input_raises_clear_errors_on_every_rank(world2_sp):
+    """Heads, attention implementation, core, compute_metrics, sp_size, world size, a collator without labels."""
+    assert_case(world2_sp, "bad_input", 2)
+
+
+def test_every_job_is_checked(world2_plain, world2_sp, world4):
+    checked = (
+        {"trainer_dp2", "sft_dp2"},
+        {
+            "trainer_sp2_gas2",
+            "trainer_fsdp2_sp2_gas2",
+            "sft_sp2_gas2",
+            "lora_sp2",
+            "accelerate_ddp_sp2",
+            "accelerate_fsdp2_sp2",
+            "bad_input",
+        },
+        {"trainer_dp2_sp2", "accelerate_dp2_sp2"},
+    )
+    for results, jobs in zip((world2_plain, world2_sp, world4), checked, strict=True):
+        assert set(results) == jobs, set(results) ^ jobs
