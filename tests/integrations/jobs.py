@@ -86,7 +86,9 @@ def fsdp2_model():
     return model
 
 
-def ulysses_trainer(job: str, sp: int, model=None, eval_samples: int = len(EVAL_LENGTHS), **args) -> None:
+def ulysses_trainer(
+    job: str, sp: int, model=None, eval_samples: int = len(EVAL_LENGTHS), resume_from: str | None = None, **args
+) -> None:
     """UlyssesTrainer with an eval set of long, odd-length sequences, checkpoints every 4 steps."""
     from ulysses_sp.integrations import UlyssesTrainer
 
@@ -98,7 +100,7 @@ def ulysses_trainer(job: str, sp: int, model=None, eval_samples: int = len(EVAL_
         data_collator=pad_collate,
         sp_size=sp,
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from)
     metrics = trainer.evaluate()
     _record(
         job,
@@ -110,12 +112,18 @@ def ulysses_trainer(job: str, sp: int, model=None, eval_samples: int = len(EVAL_
 
 
 def ulysses_lora(job: str) -> None:
-    """A PEFT LoRA model under SP=2 with GAS=2, then an eval under SP; the adapter is saved."""
+    """A PEFT LoRA model under SP=2 with GAS=2 and activation checkpointing, then an eval under SP."""
     from ulysses_sp.integrations import UlyssesTrainer
 
     trainer = UlyssesTrainer(
         model=lora_model(),
-        args=trainer_args(_out(job), gradient_accumulation_steps=2, num_train_epochs=1, learning_rate=1e-2),
+        args=trainer_args(
+            _out(job),
+            gradient_accumulation_steps=2,
+            num_train_epochs=1,
+            learning_rate=1e-2,
+            activation_checkpointing=True,
+        ),
         train_dataset=token_dataset(TRAIN_LENGTHS, seed=1),
         eval_dataset=token_dataset(EVAL_LENGTHS, seed=2),
         data_collator=pad_collate,
@@ -127,7 +135,7 @@ def ulysses_lora(job: str) -> None:
 
 # ----------------------------------------------------------------------------------------------- TRL jobs
 def sft(job: str, sp: int | None, **args) -> None:
-    """TRL SFTTrainer with padding-free packing: plain (sp=None) or UlyssesSFTTrainer(sp_size=sp)."""
+    """TRL SFTTrainer with padding-free packing: plain (sp=None) or UlyssesSFTTrainer(sp_size=sp) with an eval."""
     from trl import SFTTrainer
 
     from ulysses_sp.integrations import UlyssesSFTTrainer
@@ -138,9 +146,15 @@ def sft(job: str, sp: int | None, **args) -> None:
         train_dataset=token_dataset(TRAIN_LENGTHS, seed=1).remove_columns("labels"),
         processing_class=tokenizer(),
     )
-    trainer = SFTTrainer(**kwargs) if sp is None else UlyssesSFTTrainer(**kwargs, sp_size=sp)
+    if sp is None:
+        trainer = SFTTrainer(**kwargs)
+        trainer.train()
+        _record(job, trainer)
+        return
+    eval_dataset = token_dataset(EVAL_LENGTHS, seed=2).remove_columns("labels")
+    trainer = UlyssesSFTTrainer(**kwargs, eval_dataset=eval_dataset, sp_size=sp)
     trainer.train()
-    _record(job, trainer)
+    _record(job, trainer, eval_loss=trainer.evaluate()["eval_loss"])
 
 
 # ----------------------------------------------------------------------------------------------- bad input
@@ -249,6 +263,12 @@ def world2_sp() -> dict[str, str]:
             "trainer_sp2_gas2": lambda: ulysses_trainer("trainer_sp2_gas2", 2, gradient_accumulation_steps=2),
             "trainer_fsdp2_sp2_gas2": lambda: ulysses_trainer(
                 "trainer_fsdp2_sp2_gas2", 2, model=fsdp2_model(), gradient_accumulation_steps=2, save_only_model=True
+            ),
+            "trainer_sp2_resume": lambda: ulysses_trainer(
+                "trainer_sp2_resume",
+                2,
+                resume_from=os.path.join(_out("trainer_sp2_gas2"), "checkpoint-4"),
+                gradient_accumulation_steps=2,
             ),
             "sft_sp2_gas2": lambda: sft("sft_sp2_gas2", 2, gradient_accumulation_steps=2),
             "lora_sp2": lambda: ulysses_lora("lora_sp2"),

@@ -94,6 +94,12 @@ def test_trainer_dp1_sp2_gas2_equals_dp2_sp1_gas1(world2_plain, world2_sp, out_d
     assert ours["train_batches"] == 8  # every rank of the SP group iterates the whole epoch, not half of it
 
 
+def test_trainer_resumed_from_checkpoint_equals_uninterrupted(world2_sp, out_dir):
+    """Resuming at checkpoint-4 (optimizer, scheduler, data position restored) ends where the full run ends."""
+    assert_case(world2_sp, "trainer_sp2_resume", 2)
+    assert_same_run(out_dir, "trainer_sp2_gas2", "trainer_sp2_resume")
+
+
 def test_trainer_fsdp2_sp2_gas2_equals_dp2(world2_plain, world2_sp, out_dir):
     """FSDP2 through the Trainer on CPU: a model sharded at load time (DistributedConfig(fsdp_size=world))."""
     assert_case(world2_sp, "trainer_fsdp2_sp2_gas2", 2)
@@ -142,6 +148,24 @@ def test_sft_packing_dp1_sp2_gas2_equals_dp2_sp1_gas1(world2_plain, world2_sp, o
     assert_case(world2_sp, "sft_sp2_gas2", 2)
     assert_same_run(out_dir, "sft_dp2", "sft_sp2_gas2")
     assert result(out_dir, "sft_sp2_gas2")["global_step"] >= 3
+
+
+def test_sft_eval_under_sp_equals_one_process_eval(world2_sp, out_dir):
+    """TRL's eval (packed rows, fused LM head) run sharded reports the one-process SFTTrainer eval loss."""
+    from transformers import LlamaForCausalLM
+    from trl import SFTTrainer
+
+    from tests.integrations.common import sft_args, tokenizer
+
+    assert_case(world2_sp, "sft_sp2_gas2", 2)
+    trainer = SFTTrainer(
+        model=LlamaForCausalLM.from_pretrained(os.path.join(out_dir, "sft_sp2_gas2", "final")),
+        args=sft_args(os.path.join(out_dir, "sft_ref")),
+        train_dataset=token_dataset(TRAIN_LENGTHS, seed=1).remove_columns("labels"),  # required, not used
+        eval_dataset=token_dataset(EVAL_LENGTHS, seed=2).remove_columns("labels"),
+        processing_class=tokenizer(),
+    )
+    assert abs(result(out_dir, "sft_sp2_gas2")["eval_loss"] - trainer.evaluate()["eval_loss"]) < LOSS_ATOL
 
 
 # ------------------------------------------------------------------------------------- PEFT
@@ -222,6 +246,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
         {"trainer_dp2", "sft_dp2"},
         {
             "trainer_sp2_gas2",
+            "trainer_sp2_resume",
             "trainer_fsdp2_sp2_gas2",
             "sft_sp2_gas2",
             "lora_sp2",
