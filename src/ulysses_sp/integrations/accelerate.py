@@ -14,9 +14,10 @@ The counterpart of Accelerate's ``ParallelismConfig(sp_size=...)`` (which needs 
 so batches arrive sharded (:class:`~ulysses_sp.integrations.data.SequenceParallelCollator`), calls
 ``accelerator.prepare`` on everything, and makes the dataloaders deal batches over the dp SP groups
 (:func:`~ulysses_sp.integrations.data.deal_batches_over_dp`). A model you sharded yourself with FSDP2's
-``fully_shard`` over the world (its parameters are DTensors) is not wrapped in DDP again; Accelerate's own
-FSDP2 plugin (``accelerate launch --use_fsdp --fsdp_version 2``, GPU only) works as usual. Both reduce
-gradients over dp x sp, which is what the loss expects.
+``fully_shard`` over the world (its parameters are DTensors) is not wrapped in DDP again (tested on CPU).
+Accelerate's own FSDP2 plugin (``accelerate launch --use_fsdp --fsdp_version 2``) is only enabled by
+Accelerate on accelerator devices; it goes through the same ``accelerator.prepare`` call but is not covered by
+the CPU test suite. DDP and FSDP2 over the world both average gradients over dp x sp, as the loss expects.
 """
 
 from __future__ import annotations
