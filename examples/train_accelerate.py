@@ -1,6 +1,7 @@
 """A custom training loop with Hugging Face Accelerate and Ulysses sequence parallelism (no DeepSpeed).
 
-    torchrun --nproc-per-node 2 examples/train_accelerate.py      # or: accelerate launch --num_processes 2 ...
+    torchrun --nproc-per-node 2 examples/train_accelerate.py                 # 2 CPU processes
+    accelerate launch --multi_gpu --num_processes 8 examples/train_accelerate.py   # GPUs (edit sp_size)
 
 `SequenceParallelConfig(sp_size=...)` plays the part of Accelerate's `ParallelismConfig(sp_size=...)`: one
 `prepare` call parallelizes the model, prepares model, optimizer and dataloader with the Accelerator (DDP, or
