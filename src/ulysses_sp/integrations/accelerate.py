@@ -59,12 +59,6 @@ class SequenceParallelLoss:
         return count_valid_tokens(shift_labels, self.layout)
 
 
-def _has_dtensor_parameters(model: torch.nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
 @dataclass(frozen=True, kw_only=True)
 class SequenceParallelConfig:
     """Ulysses SP for an ``Accelerator`` loop; make it once, then call :meth:`prepare` once.
@@ -98,7 +92,9 @@ class SequenceParallelConfig:
         check_world_size(accelerator.num_processes, layout, "on a CPU-only machine create Accelerator(cpu=True)")
         parallelize(model, layout, core=self.core, comm_dtype=self.comm_dtype)
         objects = tuple(self._shard_loader(obj, layout) if isinstance(obj, DataLoader) else obj for obj in objects)
-        if _has_dtensor_parameters(model):
+        from accelerate.utils import model_has_dtensor
+
+        if model_has_dtensor(model):
             # Sharded with fully_shard already: Accelerate would wrap it in DDP (and refuses DTensors there).
             model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
             prepared = _as_tuple(accelerator.prepare(*objects)) if objects else ()
