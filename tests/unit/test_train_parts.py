@@ -111,3 +111,9 @@ def test_flops_per_token_counts_matmul_parameters_and_causal_attention():
     params = sum(p.numel() for p in model.parameters())  # tied: the table counts once, as the lm_head
     layers, heads, head_dim = 2, 4, 16
     assert training_flops_per_token(model, 1024) == 6 * params + 6 * layers * heads * head_dim * 1024
+
+
+def test_the_default_lr_depends_on_the_model():
+    assert TrainConfig().peak_lr() == 1e-2  # the tiny demo model learns fast at a high rate
+    assert TrainConfig(model="org/real-model").peak_lr() == 3e-4
+    assert TrainConfig(model="org/real-model", lr=1e-5).peak_lr() == 1e-5

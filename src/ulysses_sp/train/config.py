@@ -186,7 +186,7 @@ class TrainConfig:
         metadata=_meta("Micro-batches accumulated per optimizer step."),
     )
     max_steps: int | None = field(
-        default=16,
+        default=14,
         metadata=_meta("Optimizer steps to run; 'none' = run for --epochs."),
     )
     epochs: int | None = field(
@@ -195,7 +195,10 @@ class TrainConfig:
             "Passes over the training data; 'none' = repeat the data (reshuffled each epoch) until --max-steps."
         ),
     )
-    lr: float = field(default=3e-3, metadata=_meta("Peak learning rate (AdamW)."))
+    lr: float | None = field(
+        default=None,
+        metadata=_meta("Peak learning rate (AdamW); 'none' = 1e-2 for the tiny demo model 'llama-tiny', else 3e-4."),
+    )
     min_lr_ratio: float = field(
         default=0.1,
         metadata=_meta("Final learning rate of the cosine decay, as a fraction of --lr (0..1)."),
@@ -243,7 +246,7 @@ class TrainConfig:
     )
     # --- evaluation, logging, checkpoints ---------------------------------------------------------
     eval_every: int = field(
-        default=8,
+        default=7,
         metadata=_meta("Evaluate on held-out documents every N optimizer steps and after the last; 0 = never."),
     )
     eval_batches: int = field(
@@ -260,7 +263,7 @@ class TrainConfig:
         metadata=_meta("Directory for checkpoints, the resolved config and metrics."),
     )
     save_every: int = field(
-        default=8,
+        default=7,
         metadata=_meta("Save a checkpoint every N optimizer steps (and at the end); 0 = only at the end."),
     )
     keep_last: int = field(
@@ -326,7 +329,7 @@ class TrainConfig:
             self.max_steps is not None or self.epochs is not None,
             "--max-steps and --epochs are both 'none'; set at least one of them",
         )
-        _require(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        _require(self.lr is None or self.lr > 0, f"--lr must be > 0, got {self.lr}")
         _require(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         _at_least("warmup_steps", self.warmup_steps, 0)
         _require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
@@ -365,6 +368,12 @@ class TrainConfig:
             not isinstance(self.resume, str) or bool(self.resume.strip()),
             "--resume PATH must not be empty; use --resume alone for the newest checkpoint in --output-dir",
         )
+
+    def peak_lr(self) -> float:
+        """``lr``, or its default for the model when unset (see the field's help)."""
+        if self.lr is not None:
+            return self.lr
+        return 1e-2 if self.model == "llama-tiny" else 3e-4
 
     def schedule(self) -> SeqLenSchedule:
         """The sequence-length schedule (a fixed ``seq_len`` when ``seq_len_schedule`` is empty)."""

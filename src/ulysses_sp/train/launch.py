@@ -80,6 +80,7 @@ def launch_local(argv: Sequence[str], nproc: int) -> int:
     ended. A configuration error found by the ranks (status 2) gives status 2 here too.
     """
     import torch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -99,6 +100,9 @@ def launch_local(argv: Sequence[str], nproc: int) -> int:
     args.training_script_args = ["train", *argv]  # set here: torchrun's parser would read our flags as its own
     try:
         run(args)
+    except SignalException as error:  # Ctrl-C or a kill of this process: the ranks were stopped
+        print(f"ulysses-sp train: stopped by {error.sigval.name}; all ranks were stopped", file=sys.stderr)
+        return 128 + int(error.sigval)
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
         if failure.exitcode < 0:

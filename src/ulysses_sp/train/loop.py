@@ -56,8 +56,9 @@ _FREE_ON_RESUME |= {"output_dir", "save_every", "keep_last", "metrics_file", "di
 
 
 def resolve_config(config: TrainConfig, world_size: int) -> TrainConfig:
-    """The config as this run uses it: ``nproc`` = the world size, ``tokenizer`` = what is loaded."""
-    return dataclasses.replace(config, nproc=world_size, tokenizer=tokenizer_source(config) or "gpt2-bpe")
+    """The config as this run uses it: ``nproc`` = the world size, ``tokenizer`` = what is loaded, ``lr``."""
+    tokenizer = tokenizer_source(config) or "gpt2-bpe"
+    return dataclasses.replace(config, nproc=world_size, tokenizer=tokenizer, lr=config.peak_lr())
 
 
 def resume_point(config: TrainConfig) -> Path | None:
