@@ -122,6 +122,14 @@ def test_loss_falls_and_the_checkpoint_is_a_plain_hf_model(tmp_path, corpus_file
     generated = model.generate(**prompt, max_new_tokens=6, do_sample=False)
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 6
 
+    # the checkpoint is also a model directory `--model` accepts, with its own tokenizer: training goes on
+    # from the trained weights (the loss starts far below a random init's ~10.8)
+    further = tmp_path / "further"
+    args = ["--model", str(checkpoint), "--seq-len", "256", "--nproc", "2", "--sp", "2", "--max-steps", "2"]
+    _ok(run_cli([*args, "--dataset", str(corpus_file), "--eval-every", "0", "--output-dir", str(further)]))
+    assert records(further)[0]["loss"] < losses[0] - 2.0
+    assert load_config(["--config", str(further / "checkpoint-0000002" / "config.yaml")]).tokenizer == str(checkpoint)
+
 
 def _wait_for_step(output_dir: Path, step: int, process: subprocess.Popen, timeout: float = TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
@@ -196,7 +204,11 @@ def test_an_invalid_config_exits_2_naming_the_flag(args, needle, tmp_path):
 def test_a_fresh_run_refuses_a_directory_with_checkpoints_and_bad_yaml(tmp_path):
     (tmp_path / "checkpoint-0000003").mkdir()
     (tmp_path / "checkpoint-0000003" / "trainer_state.json").write_text("{}")
-    result = run_cli(["--output-dir", str(tmp_path)], timeout=120)
+    script = Path(sys.executable).parent / "ulysses-sp"  # the console script, where pip installed it
+    command = [str(script), "train"] if script.is_file() else [sys.executable, "-m", "ulysses_sp", "train"]
+    result = subprocess.run(
+        [*command, "--output-dir", str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2 and "--resume" in result.stderr and "--overwrite" in result.stderr
     config = tmp_path / "c.yaml"
     config.write_text("seq_lenn: 128\n")
