@@ -275,3 +275,34 @@ def test_data_that_runs_out_stops_cleanly_with_dp2_x_sp2_and_ddp(tmp_path, corpu
     assert sum(r["valid_tokens"] for r in train) == corpus.num_tokens - windows  # every target exactly once
     assert "ran out after 1 epoch" in result.stdout
     assert list_checkpoints(out)[-1].name == f"checkpoint-{expected_steps:07d}"
+
+
+def test_rewind_new_settings_and_overwrite_never_lose_checkpoints(tmp_path, corpus_file):
+    """Resuming from an older checkpoint moves the newer ones aside (never pruned away); a resumed run uses
+    its own --lr; a changed --grad-accum is refused; --overwrite with a bad flag deletes nothing."""
+    from ulysses_sp.train.optim import lr_factor
+
+    out = tmp_path / "run"
+    base = [*TINY, "--dataset", str(corpus_file), "--eval-every", "0", "--output-dir", str(out)]
+    _ok(run_cli([*base, "--max-steps", "4", "--save-every", "2"]))
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-0000002", "checkpoint-0000004"]
+
+    rewind = ["--max-steps", "3", "--save-every", "1", "--keep-last", "1", "--lr", "5e-2"]
+    result = _ok(run_cli([*base, *rewind, "--resume", str(out / "checkpoint-0000002")]))
+    assert "moved aside" in result.stdout
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-0000003"]
+    assert len(list(out.glob("abandoned-checkpoint-0000004-*"))) == 1
+    defaults = TrainConfig()
+    expected = 5e-2 * lr_factor(
+        2, warmup_steps=defaults.warmup_steps, total_steps=3, min_lr_ratio=defaults.min_lr_ratio
+    )
+    assert [r["step"] for r in records(out)] == [1, 2, 3]
+    assert records(out)[-1]["lr"] == pytest.approx(expected, rel=1e-9)
+
+    refused = run_cli([*base, "--max-steps", "5", "--grad-accum", "2", "--resume"])
+    assert refused.returncode != 0 and "--grad-accum 1 -> 2" in refused.stdout + refused.stderr
+
+    bad = run_cli([*base, "--max-steps", "1", "--overwrite", "--dataset", str(tmp_path / "missing.jsonl")])
+    assert bad.returncode != 0 and [p.name for p in list_checkpoints(out)] == ["checkpoint-0000003"]
+    _ok(run_cli([*base, "--max-steps", "1", "--overwrite"]))
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-0000001"]

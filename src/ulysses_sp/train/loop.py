@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import itertools
+import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ulysses_sp.layout import ParallelLayout
 from ulysses_sp.loss import count_valid_tokens, sequence_parallel_cross_entropy
@@ -92,9 +95,9 @@ class Trainer:
         self.fault = Fault.from_env()
         self.compute_dtype = config.torch_dtype(self.device.type)
         resume_dir = resume_point(config)
-        if config.overwrite and layout.is_main:
-            for path in list_checkpoints(self.output_dir):
-                shutil.rmtree(path)
+        # Saving and loading keep one rank busy with files while the others wait: those waits go through a
+        # group with a long timeout, so a slow filesystem is not mistaken for a dead rank.
+        self.io_group = _io_group(config.dist_timeout)
 
         self.tokenizer = load_tokenizer(tokenizer_source(config))
         self.pad_id = pad_token_id(self.tokenizer)
@@ -107,8 +110,9 @@ class Trainer:
                 f"--tokenizer {tokenizer_source(config) or 'gpt2-bpe'!r} has {len(self.tokenizer)} tokens but "
                 f"--model {config.model!r} has a vocabulary of {vocab_size}; use the model's own tokenizer"
             )
-        self.model, self.hf_model = build_model(config, layout, hf_config, source)
+        self.model, self.hf_model = build_model(config, layout, hf_config, source, wait=self._io_barrier)
         self.optimizer = build_optimizer(self.model, config)
+        self._weight_decays = [group["weight_decay"] for group in self.optimizer.param_groups]
         in_epochs = self.data.train.total_micro_batches(config.epochs) if config.epochs else None
         self.total_steps = planned_steps(config, in_epochs)
         self.scheduler = build_scheduler(self.optimizer, config, self.total_steps)
@@ -121,6 +125,14 @@ class Trainer:
         if resume_dir is not None:
             self._restore(resume_dir)
         self.resumed_from = resume_dir
+        self.set_aside: list[Path] = []
+        if layout.is_main:  # only now that everything loaded: a bad flag must not cost the old checkpoints
+            if config.overwrite and resume_dir is None:
+                for path in list_checkpoints(self.output_dir):
+                    _remove_checkpoint(path)
+            if resume_dir is not None:
+                self.set_aside = _set_aside_newer(self.output_dir, self.step)
+        self._io_barrier()
         self.metrics = MetricsLog(
             self.output_dir / config.metrics_file,
             enabled=layout.is_main,
@@ -251,7 +263,7 @@ class Trainer:
 
         def write_sharded(directory: Path) -> None:
             state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
-            dcp.save(state, checkpoint_id=directory / "optimizer")
+            dcp.save(state, checkpoint_id=directory / "optimizer", process_group=self.io_group)
             if self.fault is not None:
                 self.fault.in_save(self.step, self.layout.rank)
 
@@ -271,24 +283,43 @@ class Trainer:
             keep_last=self.config.keep_last,
             rank=self.layout.rank,
             world_size=self.layout.world_size,
+            barrier=self._io_barrier,
         )
+
+    def _io_barrier(self) -> None:
+        if self.layout.world_size > 1:
+            dist.barrier(group=self.io_group)
 
     def _restore(self, path: Path) -> None:
         from torch.distributed import checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
         checkpoint = load_checkpoint(path, rank=self.layout.rank)
+        _check_same_batch_plan(checkpoint.config or {}, self.resolved_config)  # same on every rank: no hang
         state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
-        dcp.load(state, checkpoint_id=path / "optimizer")
+        dcp.load(state, checkpoint_id=path / "optimizer", process_group=self.io_group)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         if checkpoint.scheduler_state is not None:
             self.scheduler.load_state_dict(checkpoint.scheduler_state)
+        self._apply_optimizer_settings()
         if checkpoint.data_state is not None:
             self.data.train.load_state_dict(checkpoint.data_state)
         checkpoint.restore_rng()
         self.step = checkpoint.step
         self.tokens_seen = int(checkpoint.metrics.get("tokens_seen", 0))
         self.changed_settings = _changed_settings(checkpoint.config or {}, self.resolved_config)
+
+    def _apply_optimizer_settings(self) -> None:
+        """After a restore: this run's --lr and --weight-decay (the saved state carries the old ones), and the
+        learning rate of the current step under this run's schedule (e.g. a larger --max-steps)."""
+        peak = self.config.peak_lr()
+        self.scheduler.base_lrs = [peak for _ in self.optimizer.param_groups]
+        for group, decay, factor in zip(
+            self.optimizer.param_groups, self._weight_decays, self.scheduler.lr_lambdas, strict=True
+        ):
+            group["initial_lr"] = peak
+            group["weight_decay"] = decay
+            group["lr"] = peak * factor(self.scheduler.last_epoch)
 
     def _evaluate_and_log(self, progress: Progress) -> dict[str, Any] | None:
         evaluation = self.evaluate()
@@ -312,6 +343,8 @@ class Trainer:
         )
         if self.resumed_from is not None:
             progress.message(f"resumed from {self.resumed_from} at step {self.step}")
+            for path in self.set_aside:
+                progress.message(f"  note: {path.name} is newer than the resumed step; moved aside, not deleted")
             for line in self.changed_settings:
                 progress.message(f"  note: changed since the checkpoint: {line}")
         start, first_loss, last_loss = time.perf_counter(), None, None
@@ -359,6 +392,52 @@ class Trainer:
         }
         self.metrics.write(summary)
         return summary
+
+
+_IO_TIMEOUT_S = 2 * 3600
+
+
+def _io_group(dist_timeout: int) -> dist.ProcessGroup | None:
+    """A group over all ranks for waits on file I/O (checkpoint writes, model loading)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(timeout=datetime.timedelta(seconds=max(dist_timeout, _IO_TIMEOUT_S)))
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Rename, then delete: a kill half-way never leaves a ``checkpoint-N`` that looks complete."""
+    doomed = path.with_name(".deleting-" + path.name)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _set_aside_newer(output_dir: Path, step: int) -> list[Path]:
+    """Resuming from an older step (a rewind): rename the newer checkpoints ``abandoned-checkpoint-N`` so that
+    pruning keeps the new line of training and a later bare ``--resume`` continues it. Nothing is deleted."""
+    moved = []
+    for path in list_checkpoints(output_dir):
+        if int(path.name.split("-")[-1]) > step:
+            target = path.with_name(f"abandoned-{path.name}-{int(time.time())}")
+            os.replace(path, target)
+            moved.append(target)
+    return moved
+
+
+def _check_same_batch_plan(saved: dict[str, Any], current: TrainConfig) -> None:
+    """Refuse a resume that would change what a step consumes (and so what the run computes next)."""
+    saved_dp = (saved.get("nproc") or 0) // max(saved.get("sp") or 1, 1)
+    current_dp = (current.nproc or 0) // current.sp
+    problems = []
+    if "grad_accum" in saved and saved["grad_accum"] != current.grad_accum:
+        problems.append(f"--grad-accum {saved['grad_accum']} -> {current.grad_accum}")
+    if saved_dp and saved_dp != current_dp:
+        problems.append(f"data-parallel groups (--nproc / --sp) {saved_dp} -> {current_dp}")
+    if problems:
+        raise ValueError(
+            "cannot resume with a different batch per step (" + "; ".join(problems) + "): the data position and "
+            "the sequence-length schedule count micro-batches; resume with the saved values, or start a new run "
+            "from the checkpoint's weights with --model <checkpoint dir>"
+        )
 
 
 def _changed_settings(saved: dict[str, Any], current: TrainConfig) -> list[str]:

@@ -17,6 +17,7 @@ state when it wraps the model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -158,14 +159,20 @@ def _prepare(model: nn.Module, config: TrainConfig, layout: ParallelLayout) -> N
 
 
 def build_model(
-    config: TrainConfig, layout: ParallelLayout, hf_config: Any, source: str | None
+    config: TrainConfig,
+    layout: ParallelLayout,
+    hf_config: Any,
+    source: str | None,
+    *,
+    wait: Callable[[], None] | None = None,
 ) -> tuple[nn.Module, nn.Module]:
     """Build, parallelize and wrap the model; returns ``(wrapped, hf_model)``.
 
     ``source`` is a directory or hub id with pretrained weights (a checkpoint when resuming), or None for a
     random init; ``hf_config`` is its config (see :func:`hf_model_config`). ``hf_model`` is the
     transformers model inside the wrapper (the same object under FSDP2), whose ``save_pretrained`` writes
-    the checkpoints.
+    the checkpoints. ``wait`` (a barrier with a long timeout) is called once rank 0 holds the full model,
+    so slow loading on rank 0 never runs into the collective timeout of the other ranks.
     """
     device = layout.device
     compute_dtype = config.torch_dtype(device.type)
@@ -183,6 +190,8 @@ def build_model(
     from transformers import AutoModelForCausalLM
 
     full = _full_model(config, hf_config, source) if layout.is_main else None
+    if wait is not None:
+        wait()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="sdpa")
     _prepare(model, config, layout)
