@@ -100,6 +100,10 @@ def collective_count(layout):
     logits = par(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
     assert stats.calls["all_to_all"] == 2 * layers, stats.calls
     assert stats.calls["all_gather"] == 2, stats.calls  # shape check + positions: once per forward, not per layer
+    # bytes per layer: q/k/v out as (H + 2*hkv*P) * n * d and the output back as H * n * d, fp32 (b = 1)
+    p, n, d, heads, hkv = layout.sp, 16 // layout.sp, 8, 4, max(2 // layout.sp, 1)
+    per_layer = ((heads + 2 * hkv * p) * n * d + heads * n * d) * 4
+    assert stats.bytes["all_to_all"] == layers * per_layer, (stats.bytes, layers * per_layer)
     loss = U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout, stats=stats)
     loss.backward()
     assert stats.calls["all_to_all"] == 4 * layers, stats.calls

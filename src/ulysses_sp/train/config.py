@@ -257,7 +257,9 @@ class TrainConfig:
         default=0.05,
         metadata=_meta("Share of documents held out for evaluation (0 <= f < 1), chosen by --seed."),
     )
-    log_every: int = field(default=1, metadata=_meta("Log metrics every N optimizer steps."))
+    log_every: int = field(
+        default=1, metadata=_meta("Print a progress line every N optimizer steps (metrics.jsonl gets every step).")
+    )
     output_dir: str = field(
         default="runs/ulysses-sp",
         metadata=_meta("Directory for checkpoints, the resolved config and metrics."),
