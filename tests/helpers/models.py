@@ -69,9 +69,46 @@ def build(
             layer_types=["sliding_attention", "full_attention"],
         )
         model = Gemma3ForCausalLM(cfg)
+    elif arch in MORE_ARCHS:
+        model = MORE_ARCHS[arch](common, window, attn)
     else:
         raise ValueError(f"unknown arch {arch!r}")
     return model.float()
+
+
+def _more_archs() -> dict:
+    """More decoder families: sliding windows (Phi-3, Cohere2), QK-norm after projection (OLMo-2), partial
+    rotary and fused qkv (GPT-NeoX)."""
+    import transformers as t
+
+    def quiet(common):  # these configs default to special-token ids outside the tiny vocabulary
+        return {**common, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
+
+    return {
+        "phi3": lambda c, w, a: t.Phi3ForCausalLM(t.Phi3Config(**quiet(c), sliding_window=w, attn_implementation=a)),
+        "olmo2": lambda c, w, a: t.Olmo2ForCausalLM(t.Olmo2Config(**quiet(c), attn_implementation=a)),
+        "cohere2": lambda c, w, a: t.Cohere2ForCausalLM(
+            t.Cohere2Config(
+                **quiet(c), sliding_window=w, layer_types=["sliding_attention", "full_attention"], attn_implementation=a
+            )
+        ),
+        "gpt_neox": lambda c, w, a: t.GPTNeoXForCausalLM(
+            t.GPTNeoXConfig(
+                vocab_size=c["vocab_size"],
+                hidden_size=c["hidden_size"],
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=c["num_attention_heads"],
+                rotary_pct=0.5,
+                bos_token_id=0,
+                eos_token_id=1,
+                attn_implementation=a,
+            )
+        ),
+    }
+
+
+MORE_ARCHS = _more_archs()
 
 
 def make_batch(
