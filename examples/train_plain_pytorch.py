@@ -17,8 +17,15 @@ SEQ_LEN, STEPS = 2048, 20
 
 layout = ulysses_sp.ParallelLayout.from_env(sp=2)  # world = dp x sp; here dp = 1
 torch.manual_seed(0)  # same initial weights on every rank
-config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN)
+config = LlamaConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=SEQ_LEN,
+)
 model = ulysses_sp.parallelize(LlamaForCausalLM(config), layout)
 # DDP over the whole world averages gradients over dp x sp: that is the reduction the loss expects.
 model = DDP(model)
