@@ -28,7 +28,6 @@ __all__ = [
     "all_reduce_sum",
     "all_to_all",
     "heads_to_seq",
-    "kv_heads_per_rank",
     "qkv_seq_to_heads",
 ]
 
@@ -87,11 +86,6 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStat
     if _group_size(group) == 1:
         return x
     return _AllToAll.apply(x, group, stats)
-
-
-def kv_heads_per_rank(num_kv_heads: int, sp: int) -> int:
-    """How many key/value heads each rank holds after the exchange: Hkv/P, or 1 when Hkv < P."""
-    return num_kv_heads // sp if num_kv_heads >= sp else 1
 
 
 def _kv_send(x: torch.Tensor, sp: int) -> torch.Tensor:

@@ -77,11 +77,6 @@ class Segments:
             spans.append([(s, e) for s, e in zip(begin, ends, strict=True) if bool(row_valid[s])])
         return cls(batch=batch, seq_len=seq_len, spans=spans, device=position_ids.device)
 
-    @classmethod
-    def dense(cls, batch: int, seq_len: int, device: torch.device) -> Segments:
-        """Every row one document with no padding."""
-        return cls(batch=batch, seq_len=seq_len, spans=[[(0, seq_len)]] * batch, device=device)
-
     @property
     def is_dense(self) -> bool:
         """True when every row is a single document without padding (one kernel call for the batch)."""

@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from .comm import all_gather_tensor
 from .layout import ParallelLayout
 
-__all__ = ["IGNORE_INDEX", "pad_to_multiple", "shard_batch", "shift_labels"]
+__all__ = ["IGNORE_INDEX", "SHARDED_KEYS", "pad_to_multiple", "shard_batch", "shift_labels"]
 
 IGNORE_INDEX = -100
+# The per-token keys shard_batch slices over the sequence; any other key passes through untouched.
+SHARDED_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -111,7 +113,7 @@ def shard_batch(
     n = (seq_len + extra) // sp
     local = slice(layout.sp_rank * n, (layout.sp_rank + 1) * n)
 
-    out: dict[str, torch.Tensor] = {k: v for k, v in batch.items() if k not in _SHARDED}  # type: ignore[misc]
+    out: dict[str, torch.Tensor] = {k: v for k, v in batch.items() if k not in SHARDED_KEYS}  # type: ignore[misc]
     out["input_ids"] = input_ids[:, local].contiguous()
     out["position_ids"] = positions[:, local].contiguous()
     if mask is not None:
@@ -145,6 +147,3 @@ def _check_same_batch(input_ids: torch.Tensor, layout: ParallelLayout) -> None:
             f"over the {layout.dp} data-parallel groups (e.g. DistributedSampler(num_replicas=layout.dp, "
             "rank=layout.dp_rank)), not over all ranks"
         )
-
-
-_SHARDED = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..layout import ParallelLayout
-from ..sharding import shard_batch
+from ..sharding import SHARDED_KEYS, shard_batch
 
 __all__ = [
     "FULL_SEQUENCE_KEYS",
@@ -32,7 +32,6 @@ __all__ = [
 # Keys some collators add (TRL's padding-free collator) that describe the FULL packed row for varlen kernels.
 # They are stale for a shard; the Ulysses attention derives documents from the global position_ids instead.
 FULL_SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-_SHARDED_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")
 
 
 def shard_full_batch(
@@ -65,11 +64,11 @@ def shard_full_batch(
         if key in FULL_SEQUENCE_KEYS:
             continue
         per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len
-        if per_token and key not in _SHARDED_KEYS:
+        if per_token and key not in SHARDED_KEYS:
             raise ValueError(
                 f"the batch has a per-token tensor {key!r} of shape {tuple(value.shape)} that ulysses-sp does "
                 f"not know how to split over the sequence; remove it from the batch (supported per-token keys: "
-                f"{', '.join(_SHARDED_KEYS[:4])})"
+                f"{', '.join(SHARDED_KEYS[:4])})"
             )
         kept[key] = value
     return shard_batch(kept, layout, pad_token_id=pad_token_id, check_same_batch=check_same_batch)
