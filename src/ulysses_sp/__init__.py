@@ -5,8 +5,8 @@ The three calls a user needs::
     layout = ParallelLayout.from_env(sp=4)          # world = dp x sp, from torchrun's environment
     model = parallelize(model, layout)               # Ulysses attention through transformers' interface
     shard = shard_batch(batch, layout)               # this rank's tokens, shifted labels, global positions
-    logits = model(**{k: shard[k] for k in ("input_ids", "position_ids")}).logits
-    loss = sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
+    enable_tiled_loss(model)                         # optional: no [tokens, vocab] logits are ever held
+    loss = causal_lm_loss(model, shard, layout)      # token-weighted over every shard and replica
 
 Gradients come out right once averaged over dp x sp (DDP / FSDP2 over the world, or ``sync_gradients``).
 """
@@ -14,9 +14,10 @@ Gradients come out right once averaged over dp x sp (DDP / FSDP2 over the world,
 from .comm import CommStats
 from .cores import CORES, Segments
 from .layout import ParallelLayout
-from .loss import count_valid_tokens, sequence_parallel_cross_entropy, sync_gradients
+from .loss import causal_lm_loss, count_valid_tokens, reduce_token_loss, sequence_parallel_cross_entropy, sync_gradients
 from .model import parallelize, plain_attention, ulysses_context, unparallelize
 from .sharding import shard_batch, shift_labels
+from .tiled_loss import disable_tiled_loss, enable_tiled_loss, tiled_cross_entropy_sum
 
 __version__ = "0.1.0"
 
@@ -25,13 +26,18 @@ __all__ = [
     "CommStats",
     "ParallelLayout",
     "Segments",
+    "causal_lm_loss",
     "count_valid_tokens",
+    "disable_tiled_loss",
+    "enable_tiled_loss",
     "parallelize",
     "plain_attention",
+    "reduce_token_loss",
     "sequence_parallel_cross_entropy",
     "shard_batch",
     "shift_labels",
     "sync_gradients",
+    "tiled_cross_entropy_sum",
     "ulysses_context",
     "unparallelize",
 ]

@@ -13,6 +13,10 @@ DDP and FSDP2 do when they wrap the whole world, and what :func:`sync_gradients`
 For gradient accumulation, pass ``num_items_in_batch`` = the valid tokens of the whole optimizer step (all
 micro-batches, all ranks; see :func:`count_valid_tokens`), and the micro-batch losses add up to the loss
 of the full step.
+
+:func:`causal_lm_loss` runs the model on a shard and returns that loss; when the model has the tiled loss
+(:func:`ulysses_sp.enable_tiled_loss`) the token-loss sum comes from the model's forward without any
+``[tokens, vocab]`` logits, else from the logits.
 """
 
 from __future__ import annotations
@@ -25,7 +29,13 @@ from .comm import CommStats, all_reduce_sum
 from .layout import ParallelLayout
 from .sharding import IGNORE_INDEX
 
-__all__ = ["count_valid_tokens", "sequence_parallel_cross_entropy", "sync_gradients"]
+__all__ = [
+    "causal_lm_loss",
+    "count_valid_tokens",
+    "reduce_token_loss",
+    "sequence_parallel_cross_entropy",
+    "sync_gradients",
+]
 
 
 def count_valid_tokens(shift_labels: torch.Tensor, layout: ParallelLayout, ignore_index: int = IGNORE_INDEX) -> int:
@@ -64,10 +74,68 @@ def sequence_parallel_cross_entropy(
     token_loss_sum = F.cross_entropy(
         logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=ignore_index, reduction="sum"
     )
-    local_count = (shift_labels != ignore_index).sum()
+    return reduce_token_loss(
+        token_loss_sum,
+        shift_labels,
+        layout,
+        num_items_in_batch=num_items_in_batch,
+        ignore_index=ignore_index,
+        stats=stats,
+    )
+
+
+def reduce_token_loss(
+    token_loss_sum: torch.Tensor,
+    shift_labels: torch.Tensor,
+    layout: ParallelLayout,
+    *,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    stats: CommStats | None = None,
+) -> torch.Tensor:
+    """This shard's summed token losses -> the token-weighted mean over dp x sp (see the module docstring).
+
+    ``token_loss_sum`` is the sum of the token losses of the targets in ``shift_labels`` (this shard).
+    """
+    local_count = (shift_labels != ignore_index).sum().to(token_loss_sum.device)
     totals = all_reduce_sum(torch.stack([token_loss_sum.double(), local_count.double()]), layout.loss_group, stats)
     denominator = totals[1] if num_items_in_batch is None else torch.as_tensor(num_items_in_batch).double()
     return (totals[0] / denominator.clamp(min=1)).to(torch.float32)
+
+
+MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
+
+
+def causal_lm_loss(
+    model: torch.nn.Module,
+    shard: dict[str, torch.Tensor],
+    layout: ParallelLayout,
+    *,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    stats: CommStats | None = None,
+) -> torch.Tensor:
+    """Run ``model`` on this rank's shard and return the token-weighted loss over dp x sp.
+
+    Args:
+        model: the parallelized model (DDP / FSDP2 wrapped or not); with the tiled loss enabled the logits
+            are never materialised.
+        shard: :func:`ulysses_sp.shard_batch`'s output (``input_ids``, ``position_ids``, ``shift_labels``,
+            optionally ``attention_mask``).
+        num_items_in_batch: as in :func:`sequence_parallel_cross_entropy`.
+
+    Returns the same scalar on every rank, equal to the one-process loss (gradient convention as above).
+    """
+    from .tiled_loss import tiled_loss_enabled
+
+    device = layout.device
+    inputs = {key: shard[key].to(device) for key in MODEL_INPUTS if shard.get(key) is not None}
+    targets = shard["shift_labels"].to(device)
+    if tiled_loss_enabled(model):
+        # num_items_in_batch=1: transformers' convention for "return the sum of the token losses"
+        token_loss_sum = model(**inputs, shift_labels=targets, num_items_in_batch=1).loss
+        return reduce_token_loss(token_loss_sum, targets, layout, num_items_in_batch=num_items_in_batch, stats=stats)
+    logits = model(**inputs).logits  # [b, n, V]
+    return sequence_parallel_cross_entropy(logits, targets, layout, num_items_in_batch=num_items_in_batch, stats=stats)
 
 
 def sync_gradients(model: torch.nn.Module, layout: ParallelLayout, *, bucket_numel: int = 1 << 25) -> None:

@@ -1,0 +1,113 @@
+"""Multi-rank cases for the tiled lm_head + loss, run by tests/dist/test_tiled_loss_parity.py.
+
+Each case runs a sequence-parallel model with the tiled loss (alone, under DDP, under FSDP2, with tied and
+untied embeddings, dp x sp) and compares the loss and every parameter gradient with one process on the full
+batch running the model's own (untiled) loss and attention.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+import torch.distributed as dist
+
+import ulysses_sp as U
+from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, reference
+from tests.helpers.harness import run_cases
+from tests.helpers.models import build, make_batch
+
+
+def wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
+    """No wrapper (grads averaged by sync_gradients), DDP or FSDP2 over the whole world."""
+    if how == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    if how == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    assert how == "none", how
+    return model
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        grads[name.removeprefix("module.")] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+    return grads
+
+
+def run_parallel(model, batch, layout, *, how="none", features=(), chunk_tokens=5, core="sdpa"):
+    """This rank's share of the dp x sp run with the tiled loss; returns (loss, full gradients)."""
+    par = U.parallelize(copy.deepcopy(model), layout, core=core)
+    U.enable_tiled_loss(par, chunk_tokens=chunk_tokens)
+    for feature in features:
+        feature(par)
+    par = wrap(par, how)
+    rows = batch["input_ids"].shape[0] // layout.dp
+    mine = {k: v[layout.dp_rank * rows : (layout.dp_rank + 1) * rows] for k, v in batch.items()}
+    shard = U.shard_batch(mine, layout)
+    loss = U.causal_lm_loss(par, shard, layout)
+    loss.backward()
+    if how == "none":
+        U.sync_gradients(par, layout)
+    return loss.detach(), full_grads(par)
+
+
+def check(layout, arch="llama", *, batch=None, tied=False, attn="sdpa", **kwargs):
+    batch = batch if batch is not None else make_batch(2, 24, pad="right")
+    model = build(arch, kv_heads=2, attn=attn)
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    ref_loss, ref_grads = reference(model, batch)
+    loss, grads = run_parallel(model, batch, layout, core=attn if attn == "eager" else "sdpa", **kwargs)
+    assert grads.keys() == ref_grads.keys(), grads.keys() ^ ref_grads.keys()
+    torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def eval_loss(layout):
+    """Under no_grad (evaluation) the tiled loss equals the one-process loss and keeps no graph."""
+    model = build("llama", kv_heads=2)
+    batch = make_batch(2, 24, packed=(10, 14))
+    with torch.no_grad():
+        want = model(**batch, use_cache=False).loss
+        par = U.enable_tiled_loss(U.parallelize(copy.deepcopy(model), layout), chunk_tokens=3)
+        got = U.causal_lm_loss(par, U.shard_batch(batch, layout), layout)
+    assert not got.requires_grad
+    torch.testing.assert_close(got, want, **LOSS_TOL)
+
+
+def world2() -> dict[str, str]:
+    sp2 = U.ParallelLayout.from_env(sp=2)
+    P = functools.partial
+    cases = {
+        "sp2_untied": P(check, sp2),
+        "sp2_tied": P(check, sp2, tied=True),
+        "sp2_gemma2_softcap": P(check, sp2, "gemma2", attn="eager"),
+        "sp2_packed_default_chunk": P(check, sp2, batch=make_batch(2, 24, packed=(7, 17)), chunk_tokens=None),
+        "sp2_ddp_untied": P(check, sp2, how="ddp"),
+        "sp2_ddp_tied": P(check, sp2, how="ddp", tied=True),
+        "sp2_fsdp2_untied": P(check, sp2, how="fsdp2"),
+        "sp2_fsdp2_tied": P(check, sp2, how="fsdp2", tied=True),
+        "sp2_eval_no_grad": P(eval_loss, sp2),
+    }
+    return run_cases(cases)
+
+
+def world4() -> dict[str, str]:
+    dp2sp2 = U.ParallelLayout.from_env(sp=2)
+    P = functools.partial
+    cases = {
+        "dp2_sp2_fsdp2_tied": P(check, dp2sp2, batch=make_batch(4, 22), how="fsdp2", tied=True),
+        "dp2_sp2_ddp": P(check, dp2sp2, batch=make_batch(4, 22, pad="left"), how="ddp"),
+    }
+    return run_cases(cases)

@@ -1,0 +1,208 @@
+"""The tiled lm_head + cross-entropy equals the plain path (loss and every gradient) and holds far less."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as tf
+
+import ulysses_sp as U
+from tests.helpers.models import VOCAB, build, make_batch
+from ulysses_sp.memory import PeakMemory
+from ulysses_sp.tiled_loss import LogitsHead, loss_chunk_tokens, tiled_loss_enabled
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("head", [LogitsHead(), LogitsHead(scale=0.25), LogitsHead(scale=2.0, softcap=5.0)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_kernel_matches_plain_cross_entropy(head, bias, chunk):
+    torch.manual_seed(0)
+    h = torch.randn(2, 37, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    b = torch.randn(50, requires_grad=True) if bias else None
+    targets = torch.randint(0, 50, (2, 37))
+    targets[0, :5] = -100
+    params = [h, w] + ([b] if bias else [])
+    want = F.cross_entropy(head.apply(F.linear(h, w, b)).flatten(0, 1), targets.flatten(), reduction="sum")
+    want_grads = torch.autograd.grad(want, params)
+    got = U.tiled_cross_entropy_sum(h, w, targets, bias=b, head=head, chunk_tokens=chunk)
+    got_grads = torch.autograd.grad(got, params)
+    torch.testing.assert_close(got, want, **TOL)
+    for g, r in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, r, **TOL)
+
+
+def test_kernel_no_valid_target_gives_zero_and_zero_grads():
+    h = torch.randn(1, 5, 8, requires_grad=True)
+    w = torch.randn(11, 8, requires_grad=True)
+    loss = U.tiled_cross_entropy_sum(h, w, torch.full((1, 5), -100), chunk_tokens=2)
+    loss.backward()
+    assert loss.item() == 0.0 and h.grad.abs().sum() == 0 and w.grad.abs().sum() == 0
+
+
+def test_kernel_errors_name_the_shapes():
+    with pytest.raises(ValueError, match="disagree"):
+        U.tiled_cross_entropy_sum(torch.randn(2, 5, 8), torch.randn(11, 8), torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"weight must be \[vocab, 8\]"):
+        U.tiled_cross_entropy_sum(torch.randn(2, 5, 8), torch.randn(11, 7), torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        U.tiled_cross_entropy_sum(torch.randn(5, 8), torch.randn(11, 8), torch.zeros(5).long(), chunk_tokens=0)
+
+
+def test_chunk_from_budget():
+    assert loss_chunk_tokens(151_936, 1 << 30) == (1 << 30) // (151_936 * 12)
+    assert loss_chunk_tokens(10**9, 1) == 1
+    with pytest.raises(ValueError):
+        loss_chunk_tokens(0)
+
+
+def _quiet(**extra):
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+        **extra,
+    )
+
+
+def _model(arch: str):
+    torch.manual_seed(0)
+    if arch == "llama_tied":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**_quiet(tie_word_embeddings=True)))
+    if arch == "granite":  # logits / logits_scaling
+        return tf.GraniteForCausalLM(tf.GraniteConfig(**_quiet(logits_scaling=4.0)))
+    if arch == "cohere":  # logits * logit_scale, tied
+        return tf.CohereForCausalLM(tf.CohereConfig(**_quiet(logit_scale=0.5)))
+    if arch == "gemma2":  # final_logit_softcapping
+        return build("gemma2", attn="eager")
+    return build(arch)  # llama (untied), gpt_neox (embed_out)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_tied", "granite", "cohere", "gemma2", "gpt_neox"])
+def test_model_loss_and_grads_equal_plain(arch):
+    model = _model(arch).float()
+    batch = make_batch(2, 24, pad="right")
+    plain = copy.deepcopy(model)
+    want = plain(**batch, use_cache=False).loss
+    want.backward()
+    tiled = U.enable_tiled_loss(copy.deepcopy(model), chunk_tokens=5)
+    out = tiled(**batch, use_cache=False)
+    assert out.logits is None
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, want, **TOL)
+    got, ref = _grads(tiled), _grads(plain)
+    assert got.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], **TOL, msg=name)
+
+
+def test_shift_labels_num_items_and_no_labels():
+    model = build("llama")
+    batch = make_batch(1, 16)
+    shifted = U.shift_labels(batch["labels"])
+    plain = model(input_ids=batch["input_ids"], labels=batch["labels"], num_items_in_batch=7).loss
+    U.enable_tiled_loss(model)
+    tiled = model(input_ids=batch["input_ids"], shift_labels=shifted, num_items_in_batch=7).loss
+    torch.testing.assert_close(tiled, plain, **TOL)
+    logits = model(input_ids=batch["input_ids"]).logits  # no labels: the original forward, full logits
+    assert logits.shape == (1, 16, VOCAB)
+    assert tiled_loss_enabled(model)
+    U.disable_tiled_loss(model)
+    assert not tiled_loss_enabled(model) and "forward" not in model.__dict__
+
+
+def test_bf16_autocast_close_to_plain():
+    model = build("llama")
+    batch = make_batch(2, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = copy.deepcopy(model)(**batch).loss
+        got = U.enable_tiled_loss(copy.deepcopy(model), chunk_tokens=9)(**batch).loss
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_refusals():
+    model = build("llama")
+    U.enable_tiled_loss(model)
+    with pytest.raises(ValueError, match="already enabled"):
+        U.enable_tiled_loss(model)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        U.enable_tiled_loss(build("llama"), chunk_tokens=0)
+    with pytest.raises(TypeError, match="causal LM"):
+        U.enable_tiled_loss(torch.nn.Linear(2, 2))
+
+
+def test_lora_on_lm_head_refused_lora_elsewhere_exact():
+    peft = pytest.importorskip("peft")
+    refused = peft.get_peft_model(build("llama"), peft.LoraConfig(r=2, target_modules=["lm_head"]))
+    with pytest.raises(ValueError, match="plain torch.nn.Linear"):
+        U.enable_tiled_loss(refused)
+    lora = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(build("llama"), lora)
+    batch = make_batch(1, 20)
+    plain = copy.deepcopy(model)
+    plain(**batch).loss.backward()
+    tiled = U.enable_tiled_loss(copy.deepcopy(model), chunk_tokens=3)
+    tiled(**batch).loss.backward()
+    ref, got = _grads(plain), _grads(tiled)
+    assert ref and ref.keys() == got.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], **TOL, msg=name)
+
+
+class _DoubledLogits(tf.LlamaForCausalLM):
+    """A model whose forward post-processes logits in a way the tiled head does not know."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+
+def test_unknown_logit_post_processing_is_refused_at_first_forward():
+    torch.manual_seed(0)
+    model = U.enable_tiled_loss(_DoubledLogits(tf.LlamaConfig(**_quiet())))
+    with pytest.raises(ValueError, match="cannot reproduce _DoubledLogits's logits"):
+        model(**make_batch(1, 8))
+
+
+def test_deepcopy_of_a_tiled_model_is_independent():
+    model = U.enable_tiled_loss(build("llama"), chunk_tokens=4)
+    twin = copy.deepcopy(model)
+    U.disable_tiled_loss(model)
+    assert tiled_loss_enabled(twin) and not tiled_loss_enabled(model)
+    batch = make_batch(1, 12)
+    torch.testing.assert_close(twin(**batch).loss, model(**batch).loss, **TOL)
+
+
+def test_peak_memory_at_least_8x_below_plain():
+    """vocab 32K, 4K tokens: the plain path holds ~3 fp32 [tokens, vocab] tensors; the tiled one a chunk."""
+    vocab, tokens, hidden = 32_000, 4096, 64
+    torch.manual_seed(0)
+    h = torch.randn(tokens, hidden, requires_grad=True)
+    w = torch.randn(vocab, hidden, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,))
+    with PeakMemory("cpu") as plain:
+        F.cross_entropy(F.linear(h, w), targets, reduction="sum").backward()
+    budget = 64 << 20
+    with PeakMemory("cpu") as tiled:
+        U.tiled_cross_entropy_sum(h, w, targets, chunk_tokens=loss_chunk_tokens(vocab, budget)).backward()
+    logits_bytes = tokens * vocab * 4
+    assert plain.peak_bytes >= 3 * logits_bytes
+    assert tiled.peak_bytes * 8 <= plain.peak_bytes, (tiled.peak_bytes, plain.peak_bytes)
+    assert tiled.peak_bytes <= 2 * budget + 4 * w.numel() * 2  # one chunk + the weight-gradient buffers
