@@ -148,7 +148,16 @@ def test_kills_mid_run_and_mid_checkpoint_then_resume_match_the_uninterrupted_ru
     inside a checkpoint write, once between steps) and resumed equal those of an uninterrupted run.
     Covers gradient accumulation, gradient checkpointing and a sequence-length schedule across the kills."""
     common = [*TINY, "--dataset", str(corpus_file), "--max-steps", "8", "--save-every", "2", "--eval-every", "4"]
-    common += ["--grad-accum", "2", "--gradient-checkpointing", "--seq-len-schedule", "128:3,256", "--keep-last", "3"]
+    common += [
+        "--grad-accum",
+        "2",
+        "--activation-checkpointing",
+        "checkpoint",
+        "--seq-len-schedule",
+        "128:3,256",
+        "--keep-last",
+        "3",
+    ]
     reference, broken = tmp_path / "reference", tmp_path / "broken"
     _ok(run_cli([*common, "--output-dir", str(reference)]))
 

@@ -71,7 +71,11 @@ def test_cli_flags_override_yaml(tmp_path):
 
 def test_bool_flags_and_resume_forms(tmp_path):
     assert load_config(["--no-pack"]).pack is False
-    assert load_config(["--gradient-checkpointing"]).gradient_checkpointing is True
+    assert load_config(["--no-tiled-loss"]).tiled_loss is False and load_config([]).tiled_loss is True
+    assert load_config(["--no-final-save"]).final_save is False
+    assert load_config(["--activation-checkpointing", "none"]).activation_checkpointing == "none"
+    auto = load_config([])
+    assert (auto.checkpointing_mode("cpu"), auto.checkpointing_mode("cuda")) == ("checkpoint", "offload")
     assert load_config(["--resume"]).resume is True
     assert load_config(["--resume", "runs/x/checkpoint-0000010"]).resume == "runs/x/checkpoint-0000010"
     path = _write_yaml(tmp_path, {"resume": True})
@@ -83,6 +87,8 @@ def test_bool_flags_and_resume_forms(tmp_path):
     ("argv", "expected"),
     [
         (["--sp", "0"], "--sp must be >= 1, got 0"),
+        (["--activation-checkpointing", "some"], "--activation-checkpointing: invalid choice: 'some'"),
+        (["--loss-chunk-mib", "0"], "--loss-chunk-mib must be >= 1"),
         (["--seq-len", "abc"], "--seq-len expects an integer"),
         (["--nproc", "3"], "--nproc must be a multiple of --sp"),
         (["--lr", "0"], "--lr must be > 0"),

@@ -26,6 +26,7 @@ import yaml
 DTYPE_CHOICES = ("auto", "bf16", "fp32")  # fp16 would need loss scaling
 PARALLEL_CHOICES = ("fsdp2", "ddp")
 ATTN_CORE_CHOICES = ("sdpa", "flash", "flex", "eager")
+CHECKPOINTING_CHOICES = ("auto", "none", "checkpoint", "offload")
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
@@ -221,9 +222,25 @@ class TrainConfig:
             choices=DTYPE_CHOICES,
         ),
     )
-    gradient_checkpointing: bool = field(
-        default=False,
-        metadata=_meta("Recompute activations in backward (activation checkpointing) to save memory."),
+    activation_checkpointing: str = field(
+        default="auto",
+        metadata=_meta(
+            "Keep only each decoder layer's input and recompute the layer in backward: 'checkpoint' keeps the "
+            "inputs on the device, 'offload' in (pinned) host memory, 'none' keeps every activation; "
+            "'auto' = offload on GPU, checkpoint on CPU.",
+            choices=CHECKPOINTING_CHOICES,
+        ),
+    )
+    tiled_loss: bool = field(
+        default=True,
+        metadata=_meta(
+            "Compute lm_head + cross-entropy in chunks of tokens, recomputed in backward, so the [tokens, vocab] "
+            "logits are never held (--no-tiled-loss: the model's plain logits path)."
+        ),
+    )
+    loss_chunk_mib: int = field(
+        default=1024,
+        metadata=_meta("With --tiled-loss: memory (MiB) for one chunk of logits; tokens per chunk follow from it."),
     )
     parallel: str = field(
         default="fsdp2",
@@ -287,6 +304,13 @@ class TrainConfig:
             "fresh run refuses such a directory (use --resume to continue it)."
         ),
     )
+    final_save: bool = field(
+        default=True,
+        metadata=_meta(
+            "Save a checkpoint after the last step (--no-final-save skips it: a multi-billion-parameter model's "
+            "save takes tens of GB; --save-every checkpoints are still written)."
+        ),
+    )
     metrics_file: str = field(
         default="metrics.jsonl",
         metadata=_meta("File name (inside --output-dir) of the JSON-lines metrics log."),
@@ -341,6 +365,7 @@ class TrainConfig:
             ("dtype", DTYPE_CHOICES),
             ("parallel", PARALLEL_CHOICES),
             ("attn_core", ATTN_CORE_CHOICES),
+            ("activation_checkpointing", CHECKPOINTING_CHOICES),
         ):
             value = getattr(self, name)
             _require(value in choices, f"{flag_name(name)} must be one of {', '.join(choices)}; got {value!r}")
@@ -354,6 +379,7 @@ class TrainConfig:
             self.eval_every == 0 or self.eval_fraction > 0,
             f"--eval-every {self.eval_every} needs held-out documents: set --eval-fraction > 0 or --eval-every 0",
         )
+        _at_least("loss_chunk_mib", self.loss_chunk_mib, 1)
         _at_least("log_every", self.log_every, 1)
         _at_least("save_every", self.save_every, 0)
         _at_least("keep_last", self.keep_last, 0)
@@ -390,6 +416,12 @@ class TrainConfig:
                 f"--sp {self.sp}; pass --nproc explicitly or change --sp"
             )
         return nproc
+
+    def checkpointing_mode(self, device_type: str) -> str:
+        """``activation_checkpointing`` with 'auto' resolved: 'offload' on GPU, 'checkpoint' on CPU."""
+        if self.activation_checkpointing != "auto":
+            return self.activation_checkpointing
+        return "checkpoint" if device_type == "cpu" else "offload"
 
     def torch_dtype(self, device_type: str) -> Any:
         """The ``torch.dtype`` for ``dtype`` on ``device_type`` ('cuda' or 'cpu'); 'auto' = bf16 on GPU, else fp32."""

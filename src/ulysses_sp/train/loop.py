@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ulysses_sp.layout import ParallelLayout
-from ulysses_sp.loss import count_valid_tokens, sequence_parallel_cross_entropy
+from ulysses_sp.loss import causal_lm_loss, count_valid_tokens
 from ulysses_sp.sharding import shard_batch
 from ulysses_sp.train.checkpoint import (
     find_latest_checkpoint,
@@ -55,7 +55,9 @@ __all__ = ["Trainer", "resolve_config", "resume_point"]
 
 # Settings that may change when resuming without changing what the run computes next.
 _FREE_ON_RESUME = {"resume", "overwrite", "nproc", "max_steps", "epochs", "eval_every", "eval_batches", "log_every"}
-_FREE_ON_RESUME |= {"output_dir", "save_every", "keep_last", "metrics_file", "dist_timeout"}
+_FREE_ON_RESUME |= {"output_dir", "save_every", "keep_last", "metrics_file", "dist_timeout", "final_save"}
+# Memory features: the same step, computed with less memory.
+_FREE_ON_RESUME |= {"activation_checkpointing", "tiled_loss", "loss_chunk_mib", "tiled_mlp", "mlp_chunk_tokens"}
 
 
 def resolve_config(config: TrainConfig, world_size: int) -> TrainConfig:
@@ -156,15 +158,10 @@ class Trainer:
         return shard_batch(batch, self.layout, pad_token_id=self.pad_id)
 
     def _loss(self, shard: dict[str, torch.Tensor], num_items: int | None = None) -> torch.Tensor:
-        """The model on this rank's shard of a micro-batch -> the token-weighted loss over the world."""
-        targets = shard["shift_labels"].to(self.device)
+        """The model on this rank's shard of a micro-batch -> the token-weighted loss over the world (tiled
+        lm_head + loss unless --no-tiled-loss)."""
         with self._autocast():
-            logits = self.model(
-                input_ids=shard["input_ids"].to(self.device),
-                position_ids=shard["position_ids"].to(self.device),
-                attention_mask=shard["attention_mask"].to(self.device),
-            ).logits  # [b, N/sp, vocab]
-        return sequence_parallel_cross_entropy(logits, targets, self.layout, num_items_in_batch=num_items)
+            return causal_lm_loss(self.model, shard, self.layout, num_items_in_batch=num_items)
 
     def _train_step(self) -> dict[str, Any] | None:
         """One optimizer step; returns its metrics record, or None when the data has run out."""
@@ -369,7 +366,7 @@ class Trainer:
         progress.close()
         if config.eval_every and eval_step != self.step and self.step > start_step:
             evaluation = self._evaluate_and_log(progress)
-        if saved_step != self.step:
+        if saved_step != self.step and config.final_save:
             checkpoint = self._save_and_log()
         elapsed = time.perf_counter() - start
         summary = {

@@ -26,6 +26,7 @@ from torch import nn
 
 from ulysses_sp.layout import ParallelLayout, check_heads_split
 from ulysses_sp.model import parallelize
+from ulysses_sp.tiled_loss import enable_tiled_loss
 from ulysses_sp.train.config import TrainConfig
 
 __all__ = [
@@ -147,10 +148,12 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def _prepare(model: nn.Module, config: TrainConfig, layout: ParallelLayout) -> None:
-    """Ulysses attention and (optionally) gradient checkpointing, before any wrapping."""
+    """Ulysses attention, the tiled loss and activation checkpointing, before any wrapping."""
     model.config.use_cache = False
     parallelize(model, layout, core=_CORE_NAMES[config.attn_core])
-    if config.gradient_checkpointing:
+    if config.tiled_loss:
+        enable_tiled_loss(model, budget_bytes=config.loss_chunk_mib << 20)
+    if config.checkpointing_mode(layout.device.type) != "none":
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
