@@ -45,8 +45,7 @@ model.train()
 for step, batch in enumerate(loader):
     if step == STEPS:
         break
-    shard = {key: batch[key] for key in ("input_ids", "position_ids", "attention_mask")}
-    loss = loss_fn(model(**shard).logits, batch["shift_labels"])
+    loss = loss_fn(model, batch)  # runs the model on this rank's shard; tiled lm_head + loss
     accelerator.backward(loss)
     optimizer.step()
     optimizer.zero_grad()

@@ -260,7 +260,7 @@ def enable_tiled_loss(
     if getattr(causal_lm, _STATE_ATTR, None) is not None:
         raise ValueError("the tiled loss is already enabled on this model; call disable_tiled_loss(model) first")
     output = causal_lm.get_output_embeddings()
-    if type(output) is not nn.Linear:
+    if not isinstance(output, nn.Linear) or type(output).forward is not nn.Linear.forward:
         raise ValueError(
             f"the tiled loss needs the output embedding to be a plain torch.nn.Linear, but "
             f"{type(causal_lm).__name__}'s is {type(output).__name__} (e.g. LoRA on lm_head); leave lm_head out "
@@ -318,8 +318,7 @@ def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tenso
     ids = torch.zeros(1, _PROBE_TOKENS, dtype=torch.long, device=like.device)
     with torch.no_grad(), torch.autocast(like.device.type, enabled=False), _decoder_returning(causal_lm, probe):
         theirs = state.original_forward(input_ids=ids, use_cache=False).logits
-        raw = F.linear(probe.to(output.weight.dtype), output.weight, output.bias).float()
-        ours = state.head.apply(raw)
+        ours = state.head.apply(output(probe).float())  # the module call: FSDP2 gathers a sharded lm_head
     # fp32: the same arithmetic; 16-bit: the model post-processes in 16 bits, the tiled head in fp32
     tol = 1e-3 if like.dtype == torch.float32 else 3e-2
     close = theirs is not None and theirs.shape == ours.shape
@@ -331,6 +330,21 @@ def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tenso
             "for this model (tiled_loss=False / --no-tiled-loss)"
         )
     state.verified = True
+
+
+def _head_loss(output: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The tiled loss computed INSIDE a call of the lm_head module, so that whatever wraps that module sees
+    a normal call: FSDP2 (when lm_head is its own FSDP unit) gathers the weight before and registers its
+    gradient hooks after, exactly as for ``lm_head(hidden)``."""
+
+    def forward(module: nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
+        return tiled_cross_entropy_sum(hidden_states, module.weight, targets, bias=module.bias, **kwargs)
+
+    output.forward = types.MethodType(forward, output)
+    try:
+        return output(hidden)
+    finally:
+        del output.forward
 
 
 def _shifted_targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
@@ -389,9 +403,7 @@ def _tiled_forward(
     targets = _shifted_targets(labels, shift_labels, ignore_index).to(hidden.device)
     output = self.get_output_embeddings()
     chunk = state.chunk_tokens or loss_chunk_tokens(output.weight.shape[0], state.budget_bytes)
-    total = tiled_cross_entropy_sum(
-        hidden, output.weight, targets, bias=output.bias, head=state.head, chunk_tokens=chunk, ignore_index=ignore_index
-    )
+    total = _head_loss(output, hidden, targets, head=state.head, chunk_tokens=chunk, ignore_index=ignore_index)
     if num_items is not None:
         loss = total / torch.as_tensor(num_items, device=total.device)
     else:

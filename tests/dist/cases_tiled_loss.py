@@ -23,13 +23,15 @@ def wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
     """No wrapper (grads averaged by sync_gradients), DDP or FSDP2 over the whole world."""
     if how == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
-    if how == "fsdp2":
+    if how in ("fsdp2", "fsdp2_head_unit"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
+        if how == "fsdp2_head_unit":  # lm_head as its own FSDP unit, as transformers' DistributedConfig does
+            fully_shard(model.lm_head, mesh=mesh)
         return fully_shard(model, mesh=mesh)
     assert how == "none", how
     return model
@@ -98,6 +100,7 @@ def world2() -> dict[str, str]:
         "sp2_ddp_tied": P(check, sp2, how="ddp", tied=True),
         "sp2_fsdp2_untied": P(check, sp2, how="fsdp2"),
         "sp2_fsdp2_tied": P(check, sp2, how="fsdp2", tied=True),
+        "sp2_fsdp2_lm_head_unit": P(check, sp2, how="fsdp2_head_unit"),
         "sp2_eval_no_grad": P(eval_loss, sp2),
     }
     return run_cases(cases)

@@ -25,6 +25,7 @@ WORLD2 = [
     "sp2_ddp_tied",
     "sp2_fsdp2_untied",
     "sp2_fsdp2_tied",
+    "sp2_fsdp2_lm_head_unit",
     "sp2_eval_no_grad",
 ]
 WORLD4 = ["dp2_sp2_fsdp2_tied", "dp2_sp2_ddp"]

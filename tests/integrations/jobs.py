@@ -228,10 +228,11 @@ def accelerate_loop(job: str, sp: int, fsdp2: bool = False, steps: int = 6) -> N
     for step, batch in enumerate(loader):
         if step == steps:
             break
-        logits = model(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=batch["attention_mask"]
-        ).logits
-        loss = loss_fn(logits, batch["shift_labels"])
+        if fsdp2:  # the recommended form: the model runs inside the loss function, with the tiled loss
+            loss = loss_fn(model, batch)
+        else:  # logits computed by the caller (the model's own untiled forward, no labels passed)
+            inputs = {key: batch[key] for key in ("input_ids", "position_ids", "attention_mask")}
+            loss = loss_fn(model(**inputs).logits, batch["shift_labels"])
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()

@@ -6,8 +6,7 @@ The counterpart of Accelerate's ``ParallelismConfig(sp_size=...)`` (which needs 
     sp = SequenceParallelConfig(sp_size=2)
     model, optimizer, loader, loss_fn = sp.prepare(accelerator, model, optimizer, loader)
     for batch in loader:                      # this rank's shard of the batch of its SP group
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        loss = loss_fn(logits, batch["shift_labels"])
+        loss = loss_fn(model, batch)          # tiled lm_head + loss: no [tokens, vocab] logits
         accelerator.backward(loss)
 
 ``prepare`` parallelizes the model (before any DDP/FSDP wrapping), wraps each dataloader's collate function
@@ -23,6 +22,7 @@ the CPU test suite. DDP and FSDP2 over the world both average gradients over dp 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +30,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..layout import ParallelLayout
-from ..loss import count_valid_tokens, sequence_parallel_cross_entropy
+from ..loss import causal_lm_loss, count_valid_tokens, sequence_parallel_cross_entropy
 from ..model import parallelize
+from ..tiled_loss import enable_tiled_loss
 from .data import SequenceParallelCollator, check_world_size, deal_batches_over_dp
 
 __all__ = ["SequenceParallelConfig", "SequenceParallelLoss"]
@@ -40,7 +41,9 @@ __all__ = ["SequenceParallelConfig", "SequenceParallelLoss"]
 class SequenceParallelLoss:
     """Token-weighted cross-entropy over every shard and replica (see ``sequence_parallel_cross_entropy``).
 
-    ``loss_fn(logits, shift_labels)`` is the loss of the whole global batch, the same value on every rank;
+    ``loss_fn(model, batch)`` runs the model on the batch's shard and returns the loss (with the tiled
+    lm_head + loss when enabled, so no ``[tokens, vocab]`` logits are held); ``loss_fn(logits, shift_labels)``
+    scores logits you computed yourself. Either is the loss of the whole global batch, the same value on every rank;
     its gradients are exact once averaged over dp x sp (DDP / FSDP2 do it). For exact token weighting under
     gradient accumulation, pass ``num_items_in_batch=loss_fn.count(...)`` summed over the step's
     micro-batches and undo Accelerate's division by the accumulation steps (multiply the loss by them).
@@ -50,9 +53,17 @@ class SequenceParallelLoss:
         self.layout = layout
 
     def __call__(
-        self, logits: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None
+        self,
+        logits_or_model: torch.Tensor | torch.nn.Module,
+        shift_labels_or_batch: torch.Tensor | Mapping[str, torch.Tensor],
+        num_items_in_batch: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return sequence_parallel_cross_entropy(logits, shift_labels, self.layout, num_items_in_batch=num_items_in_batch)
+        if isinstance(logits_or_model, torch.nn.Module):
+            batch = dict(shift_labels_or_batch)
+            return causal_lm_loss(logits_or_model, batch, self.layout, num_items_in_batch=num_items_in_batch)
+        return sequence_parallel_cross_entropy(
+            logits_or_model, shift_labels_or_batch, self.layout, num_items_in_batch=num_items_in_batch
+        )
 
     def count(self, shift_labels: torch.Tensor) -> int:
         """Valid target tokens of this micro-batch over all ranks (dp x sp)."""
@@ -68,12 +79,15 @@ class SequenceParallelConfig:
         core: local attention core (``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"``, ...).
         pad_token_id: id of the tokens added to make a sequence length divisible by ``sp_size``.
         comm_dtype: dtype of the all-to-all payload (default: the activations' dtype).
+        tiled_loss: compute the loss with the tiled lm_head + cross-entropy when the loss function is called as
+            ``loss_fn(model, batch)`` (default True).
     """
 
     sp_size: int
     core: str = "sdpa"
     pad_token_id: int = 0
     comm_dtype: torch.dtype | None = field(default=None)
+    tiled_loss: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.sp_size, int) or isinstance(self.sp_size, bool) or self.sp_size < 1:
@@ -91,6 +105,8 @@ class SequenceParallelConfig:
         layout = ParallelLayout.from_env(self.sp_size, device=accelerator.device)
         check_world_size(accelerator.num_processes, layout, "on a CPU-only machine create Accelerator(cpu=True)")
         parallelize(model, layout, core=self.core, comm_dtype=self.comm_dtype)
+        if self.tiled_loss:
+            enable_tiled_loss(model)
         objects = tuple(self._shard_loader(obj, layout) if isinstance(obj, DataLoader) else obj for obj in objects)
         from accelerate.utils import model_has_dtensor
 

@@ -14,6 +14,8 @@ What the mixin changes, and why (the Trainer's own DDP / FSDP2 wrapping over the
 * dataloaders deal batches over the ``dp`` SP groups, not over all ranks
   (:func:`~ulysses_sp.integrations.data.deal_batches_over_dp`): DP=1/SP=2/GAS=2 consumes the same samples
   per optimizer step as DP=2/SP=1/GAS=1, and epochs have the right number of steps.
+* the model computes its loss with the tiled lm_head + cross-entropy (:func:`ulysses_sp.enable_tiled_loss`;
+  ``sp_tiled_loss=False`` turns it off), so no rank ever holds ``[tokens, vocab]`` logits;
 * the loss needs no override: the Trainer counts ``num_items_in_batch`` from ``shift_labels`` - now the
   local shards, which partition the tokens - summed over the world, so the count is exact; the model divides
   its shard's loss sum by it and the Trainer multiplies by the world size, which is what DDP/FSDP's gradient
@@ -36,6 +38,7 @@ from ..cores import CORES
 from ..layout import ParallelLayout
 from ..model import _find_pretrained, parallelize
 from ..sharding import IGNORE_INDEX
+from ..tiled_loss import enable_tiled_loss
 from .data import SequenceParallelCollator, check_world_size, deal_batches_over_dp
 
 __all__ = ["UlyssesTrainer", "UlyssesTrainerMixin", "resolve_core"]
@@ -72,11 +75,22 @@ class UlyssesTrainerMixin:
             launch``) must be a multiple of it, and ``dp = world // sp_size`` SP groups see different samples.
         sp_core: local attention core (``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"``,
             ...); by default the model's own ``attn_implementation``.
+        sp_tiled_loss: compute the loss with the tiled lm_head + cross-entropy (default: on, except under TRL's
+            SFTTrainer, whose own fused LM head already never builds the logits).
 
     Attributes set: ``sp_layout`` (the :class:`~ulysses_sp.ParallelLayout`).
     """
 
-    def __init__(self, *args: Any, sp_size: int = 1, sp_core: str | None = None, **kwargs: Any) -> None:
+    sp_tiled_loss_default = True
+
+    def __init__(
+        self,
+        *args: Any,
+        sp_size: int = 1,
+        sp_core: str | None = None,
+        sp_tiled_loss: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
             raise ValueError(f"sp_size must be a positive int, got {sp_size!r}")
         super().__init__(*args, **kwargs)
@@ -87,6 +101,8 @@ class UlyssesTrainerMixin:
             self.args.world_size, self.sp_layout, "on a CPU-only machine pass TrainingArguments(use_cpu=True)"
         )
         parallelize(self.model, self.sp_layout, core=core)
+        if self.sp_tiled_loss_default if sp_tiled_loss is None else sp_tiled_loss:
+            enable_tiled_loss(self.model)
         self.data_collator = SequenceParallelCollator(
             self.data_collator, self.sp_layout, pad_token_id=self._pad_token_id()
         )

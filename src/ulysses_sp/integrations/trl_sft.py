@@ -21,5 +21,8 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
     """``trl.SFTTrainer`` with Ulysses sequence parallelism; extra arguments ``sp_size`` and ``sp_core``.
 
     See :class:`~ulysses_sp.integrations.hf_trainer.UlyssesTrainerMixin`. ``SFTConfig.pad_to_multiple_of`` is
-    not needed: the sequence is padded to a multiple of ``sp_size`` when it is split.
+    not needed: the sequence is padded to a multiple of ``sp_size`` when it is split. TRL's own fused LM head
+    computes the loss without the full logits, so the library's tiled loss stays off here.
     """
+
+    sp_tiled_loss_default = False
