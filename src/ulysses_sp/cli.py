@@ -42,12 +42,26 @@ def _config_error(error: ValueError, rank: int | None = None) -> int:
     return 2
 
 
+ALLOCATOR_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def use_expandable_segments(environ) -> bool:
+    """Ask the CUDA caching allocator for expandable segments (far less fragmentation when long-sequence
+    activations of different sizes come and go) unless the user configured the allocator; before any CUDA
+    call, so the ranks this process starts inherit it. Returns whether it was set."""
+    if any(name in environ for name in ALLOCATOR_ENV):
+        return False
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # the name every torch >= 2.6 reads
+    return True
+
+
 def train(argv: Sequence[str]) -> int:
     """``ulysses-sp train``: validate, then run as a launcher's rank or launch local ranks."""
     from ulysses_sp.train.config import load_config
     from ulysses_sp.train.launch import apply_slurm_env, launch_local, under_launcher
 
     config = load_config(list(argv))  # exits with status 2 and the flag's name on a bad value
+    use_expandable_segments(os.environ)
     try:
         apply_slurm_env(os.environ)
         if under_launcher(os.environ):

@@ -117,3 +117,13 @@ def test_the_default_lr_depends_on_the_model():
     assert TrainConfig().peak_lr() == 1e-2  # the tiny demo model learns fast at a high rate
     assert TrainConfig(model="org/real-model").peak_lr() == 3e-4
     assert TrainConfig(model="org/real-model", lr=1e-5).peak_lr() == 1e-5
+
+
+def test_expandable_segments_unless_the_user_configured_the_allocator():
+    from ulysses_sp.cli import use_expandable_segments
+
+    environ: dict[str, str] = {}
+    assert use_expandable_segments(environ) and environ == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        mine = {name: "max_split_size_mb:128"}
+        assert not use_expandable_segments(mine) and mine == {name: "max_split_size_mb:128"}
