@@ -27,6 +27,7 @@ config = LlamaConfig(
     max_position_embeddings=SEQ_LEN,
 )
 model = ulysses_sp.parallelize(LlamaForCausalLM(config), layout)
+ulysses_sp.enable_tiled_loss(model)  # lm_head + cross-entropy in chunks: no [tokens, vocab] logits held
 # DDP over the whole world averages gradients over dp x sp: that is the reduction the loss expects.
 model = DDP(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -40,8 +41,7 @@ for step in range(STEPS):
     full["labels"] = full["input_ids"].clone()
 
     shard = ulysses_sp.shard_batch(full, layout)  # this rank's tokens, shifted labels, global positions
-    logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-    loss = ulysses_sp.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
+    loss = ulysses_sp.causal_lm_loss(model, shard, layout)  # token-weighted over every shard and replica
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
