@@ -193,7 +193,7 @@ def load_model_config(model: Any) -> tuple[Any, str]:
     try:
         if path.is_file():
             return AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path)), model
-        return AutoConfig.from_pretrained(model), model
+        return AutoConfig.from_pretrained(model, local_files_only=True), model  # no network retries
     except (OSError, ValueError) as error:
         raise ValueError(
             f"model {model!r} cannot be loaded ({error}); give a built-in shape ({', '.join(MODEL_SHAPES)}), a "
@@ -250,7 +250,7 @@ class MemoryPlan:
     usable_bytes: int = 0
     host_bytes_per_node: int = 0
     host_memory_bytes: int = 0
-    phases: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)  # every moment's breakdown
 
     @property
     def peak_bytes(self) -> int:
@@ -291,7 +291,7 @@ class MemoryPlan:
             "fits_gpu": self.fits_gpu,
             "fits_host": self.fits_host,
             "fits": self.fits,
-            "phases_bytes": dict(self.phases),
+            "phases_bytes": {name: sum(parts.values()) for name, parts in self.phases.items()},
         }
 
 
@@ -480,8 +480,8 @@ def plan_memory(
     phases, host, tokens = _terms(
         shape, seq_len=seq_len, sp=sp, dp=dp, features=features, micro_batch=micro_batch, device=device
     )
-    totals = {name: sum(int(v) for v in parts.values()) for name, parts in phases.items()}
-    phase = max(totals, key=totals.__getitem__)
+    breakdowns = {name: {k: int(v) for k, v in parts.items()} for name, parts in phases.items()}
+    phase = max(breakdowns, key=lambda name: sum(breakdowns[name].values()))
     ranks_on_node = gpus_per_node or min(sp * dp, 8)
     return MemoryPlan(
         model=shape.name,
@@ -496,8 +496,8 @@ def plan_memory(
         usable_bytes=usable_gpu_bytes(gpu_memory_bytes) if device == "cuda" else gpu_memory_bytes,
         host_bytes_per_node=host * min(ranks_on_node, sp * dp),
         host_memory_bytes=host_memory_bytes,
-        phases=totals,
-        **{name: int(value) for name, value in phases[phase].items()},
+        phases=breakdowns,
+        **breakdowns[phase],
     )
 
 
