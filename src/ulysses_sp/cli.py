@@ -1,5 +1,6 @@
 """The ``ulysses-sp`` command (also ``python -m ulysses_sp``).
 
+``ulysses-sp plan [flags]`` predicts memory and the longest sequence (:mod:`ulysses_sp.plan_cli`).
 ``ulysses-sp train [flags]`` trains a causal LM with Ulysses sequence parallelism; with no flags it runs the
 embedded CPU demo. Started plainly it launches its own local ranks; under torchrun, ``accelerate launch`` or
 Slurm it is one rank of theirs (see :mod:`ulysses_sp.train.launch`). Exit status: 0 done, 2 invalid
@@ -20,6 +21,8 @@ commands:
   train    train a causal LM on long sequences with Ulysses sequence parallelism;
            with no flags: a small Llama on the King James Bible, 16K tokens, sp=2 on 2 CPU ranks.
            `ulysses-sp train --help` lists every flag.
+  plan     predict per-GPU memory and the longest trainable sequence for a model and layout;
+           `--simulate` measures one real step as one rank of it. `ulysses-sp plan --help`.
 """
 
 
@@ -32,6 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command == "train":
         return train(rest)
+    if command == "plan":
+        from ulysses_sp.plan_cli import plan_command
+
+        return plan_command(rest)
     print(f"ulysses-sp: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
     return 2
 
