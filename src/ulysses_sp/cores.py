@@ -48,6 +48,7 @@ class Segments:
     seq_len: int
     spans: list[list[tuple[int, int]]]
     device: torch.device
+    max_position: int = 0  # the largest position id of the full rows (length-dependent RoPE reads it)
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -75,7 +76,8 @@ class Segments:
             ends = begin[1:] + [seq_len]
             row_valid = valid[row]
             spans.append([(s, e) for s, e in zip(begin, ends, strict=True) if bool(row_valid[s])])
-        return cls(batch=batch, seq_len=seq_len, spans=spans, device=position_ids.device)
+        largest = int(pos.max()) if pos.numel() else 0
+        return cls(batch=batch, seq_len=seq_len, spans=spans, device=position_ids.device, max_position=largest)
 
     @property
     def is_dense(self) -> bool:

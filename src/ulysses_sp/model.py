@@ -6,6 +6,12 @@ mask function that builds no dense mask) with transformers' public ``AttentionIn
 ``set_attn_implementation``, points each attention module at the model's :class:`UlyssesAttention`, and
 adds one forward pre-hook on the decoder that works out documents once per forward pass. No model class is
 patched; :func:`unparallelize` (or ``with plain_attention(model):``) undoes all of it, e.g. to generate.
+
+Rotary embeddings whose frequencies depend on the sequence length (rope types ``dynamic`` and ``longrope``)
+read the largest position id they are given. Under SP each rank holds a slice of the positions, so a pair of
+hooks on such a rotary module appends the largest position of the FULL rows (gathered once per forward) to
+the position_ids it receives and drops that extra column from its cos/sin: every rank picks the frequencies
+one process would pick for the whole sequence.
 """
 
 from __future__ import annotations
@@ -34,8 +40,69 @@ class _State:
     ctx: UlyssesAttention
     name: str
     original_impl: str
-    hook: torch.utils.hooks.RemovableHandle
+    hooks: list[torch.utils.hooks.RemovableHandle]
     modules: list[torch.nn.Module]
+
+
+def _length_dependent(rope_type: object) -> bool:
+    # rope types whose transformers implementation (dynamic_rope_update) reads max(position_ids) every call
+    types = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+    return any(isinstance(t, str) and ("dynamic" in t or t == "longrope") for t in types)
+
+
+class _GlobalRopeLength:
+    """Hooks on a length-dependent rotary embedding: it sees the largest position of the full rows.
+
+    ``before`` appends one column holding that position to the ``[b, n]`` position_ids (``[b, n + 1]``), so
+    ``torch.max(position_ids)`` inside transformers' ``dynamic_rope_update`` is the global one; ``after``
+    drops the extra column from every returned ``[b, n + 1, d]`` tensor. cos/sin of a position do not depend
+    on the other positions of the call, so the n real columns are exactly what one process computes.
+    """
+
+    def __init__(self, pretrained: PreTrainedModel, ctx: UlyssesAttention, name: str) -> None:
+        self.pretrained, self.ctx, self.name = pretrained, ctx, name
+        self.appended = False
+
+    def before(self, module, args, kwargs):
+        self.appended = False
+        if self.pretrained.config._attn_implementation != self.name:
+            return None  # plain attention: the model runs on its own full input
+        in_kwargs = "position_ids" in kwargs
+        positions = kwargs["position_ids"] if in_kwargs else (args[1] if len(args) > 1 else None)
+        if positions is None or positions.dim() != 2:
+            raise ValueError(
+                f"{type(module).__name__} (rope type {module.rope_type!r}) derives its frequencies from the largest "
+                "position id; under Ulysses it needs position_ids of shape [batch, seq_len], got "
+                f"{None if positions is None else tuple(positions.shape)}"
+            )
+        largest = self.ctx.segments_for(positions).max_position
+        extended = torch.cat([positions, positions.new_full((positions.shape[0], 1), largest)], dim=1)  # [b, n+1]
+        self.appended = True
+        if in_kwargs:
+            return args, {**kwargs, "position_ids": extended}
+        return (args[0], extended, *args[2:]), kwargs
+
+    def after(self, module, args, kwargs, output):
+        if not self.appended:
+            return None
+        self.appended = False
+        return type(output)(t[:, :-1] for t in output)  # [b, n+1, d] -> [b, n, d]
+
+
+def _rope_hooks(
+    pretrained: PreTrainedModel, ctx: UlyssesAttention, name: str, config
+) -> list[tuple[torch.nn.Module, _GlobalRopeLength]]:
+    """The length-dependent rotary modules of the model and a hook object for each (nothing installed yet)."""
+    rotaries = [m for m in pretrained.modules() if _length_dependent(getattr(m, "rope_type", None))]
+    params = getattr(config, "rope_parameters", None) or {}
+    flat = [params] if "rope_type" in params else [p for p in params.values() if isinstance(p, dict)]
+    if not rotaries and any(_length_dependent(p.get("rope_type")) for p in flat):
+        raise ValueError(
+            f"the config asks for a rope type whose frequencies depend on the sequence length ({params}), but no "
+            f"rotary module of {type(pretrained).__name__} exposes it; under Ulysses each rank would pick them from "
+            "its own shard, so this model is refused"
+        )
+    return [(m, _GlobalRopeLength(pretrained, ctx, name)) for m in rotaries]
 
 
 def _find_pretrained(model: torch.nn.Module) -> PreTrainedModel:
@@ -150,10 +217,11 @@ def parallelize(
         )
     decoder = _decoder(pretrained)
     signature = inspect.signature(decoder.forward)
-
-    # All checks passed: from here on the model is changed.
     ctx = UlyssesAttention(layout, core_fn, core_name=core_name, comm_dtype=comm_dtype, stats=stats)
     name = f"ulysses_{core_name}" if isinstance(core, str) else "ulysses_custom"
+    rope_hooks = _rope_hooks(pretrained, ctx, name, text_config)
+
+    # All checks passed: from here on the model is changed.
     _register(name)
     original = pretrained.config._attn_implementation
     pretrained.set_attn_implementation(name)
@@ -178,8 +246,11 @@ def parallelize(
         kwargs = {**kwargs, "use_cache": False}
         return args, kwargs
 
-    hook = decoder.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    setattr(pretrained, _STATE_ATTR, _State(ctx, name, original, hook, modules))
+    hooks = [decoder.register_forward_pre_hook(pre_hook, with_kwargs=True)]
+    for rotary, rope in rope_hooks:
+        hooks.append(rotary.register_forward_pre_hook(rope.before, with_kwargs=True))
+        hooks.append(rotary.register_forward_hook(rope.after, with_kwargs=True))
+    setattr(pretrained, _STATE_ATTR, _State(ctx, name, original, hooks, modules))
     return model
 
 
@@ -197,7 +268,8 @@ def unparallelize(model: torch.nn.Module) -> torch.nn.Module:
     state: _State | None = getattr(pretrained, _STATE_ATTR, None)
     if state is None:
         return model
-    state.hook.remove()
+    for hook in state.hooks:
+        hook.remove()
     for module in state.modules:
         if MODULE_ATTR in module.__dict__:
             object.__delattr__(module, MODULE_ATTR)

@@ -70,8 +70,8 @@ def shard_batch(
     ``attention_mask`` of shape ``[b, n]`` with ``n = ceil(N / sp)``; with labels, also ``shift_labels``
     ``[b, n]`` (targets, shifted before slicing) and ``labels`` (the local slice, so transformers models
     still return a loss when given ``shift_labels``). The padding added for divisibility sits at the end
-    of each row, with ignored labels and positions that continue the row, so it changes nothing for the
-    real tokens of a causal model.
+    of each row as a document of its own (positions restarting at 0, ignored labels), so it changes nothing
+    for the real tokens of a causal model.
     """
     if "input_ids" not in batch:
         raise ValueError(f"the batch needs input_ids; it has keys {sorted(batch)}")
@@ -105,7 +105,9 @@ def shard_batch(
 
     extra = (-seq_len) % sp
     if extra:
-        tail = positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)
+        # The padding is a document of its own (positions 0, 1, ...): it never raises the largest position,
+        # which length-dependent RoPE (dynamic, longrope) reads, and no real token attends to it.
+        tail = torch.arange(extra, device=positions.device).expand(b, extra)
         positions = torch.cat([positions, tail], dim=1)
         input_ids = pad_to_multiple(input_ids, sp, pad_token_id)
         if mask is not None:
