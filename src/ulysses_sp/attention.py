@@ -26,6 +26,11 @@ from .layout import ParallelLayout
 __all__ = ["UlyssesAttention", "ulysses_attention_forward", "ulysses_mask"]
 
 MODULE_ATTR = "_ulysses_sp"
+# The sliding window of an attention module read from its config by parallelize (None: full attention). Used
+# when the model does not pass ``sliding_window`` to the attention function itself (Qwen2-MoE, PhiMoE apply
+# their window only through the mask, which Ulysses does not build).
+WINDOW_ATTR = "_ulysses_sp_window"
+_UNSET = object()
 
 
 class UlyssesAttention:
@@ -144,12 +149,18 @@ class UlyssesAttention:
         *,
         dropout: float = 0.0,
         scaling: float | None = None,
-        sliding_window: int | None = None,
+        sliding_window: int | None | object = _UNSET,
         softcap: float | None = None,
         position_ids: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        """q ``[b, H, n, d]``, k/v ``[b, Hkv, n, d]`` (local tokens) -> ``([b, n, H, d], None)``."""
+        """q ``[b, H, n, d]``, k/v ``[b, Hkv, n, d]`` (local tokens) -> ``([b, n, H, d], None)``.
+
+        ``sliding_window``: as the model passes it (None = full attention); when the model passes nothing,
+        the window its config gives this layer (the one its own mask would apply).
+        """
+        if sliding_window is _UNSET:
+            sliding_window = getattr(module, WINDOW_ATTR, None)
         if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
             raise ValueError("Ulysses attention supports causal (decoder) attention only")
         for name in ("s_aux", "sinks"):
