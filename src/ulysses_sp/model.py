@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -42,6 +43,55 @@ class _State:
     original_impl: str
     hooks: list[torch.utils.hooks.RemovableHandle]
     modules: list[torch.nn.Module]
+
+
+class _BeginForward:
+    """Forward pre-hook on the decoder: checks the shard and works out the documents once per forward pass.
+
+    A second pre-hook on the whole model (:meth:`take_targets`) hands it the labels given to the model, so
+    their ids are checked in the same agreement as the input's. Hooks are objects (not closures) so that
+    ``copy.deepcopy`` of a parallelized model gives a copy whose hooks serve the copy.
+    """
+
+    def __init__(self, pretrained: PreTrainedModel, ctx: UlyssesAttention, name: str) -> None:
+        self.pretrained, self.ctx, self.name = pretrained, ctx, name
+        self.targets: torch.Tensor | None = None
+
+    def active(self) -> bool:
+        return self.pretrained.config._attn_implementation == self.name  # False under plain_attention
+
+    def take_targets(self, module, args, kwargs):
+        self.targets = None
+        if self.active():
+            targets = kwargs.get("shift_labels")
+            if targets is None:
+                targets = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get("labels")
+            self.targets = targets if isinstance(targets, torch.Tensor) else None
+        return None
+
+    def __call__(self, module, args, kwargs):
+        targets, self.targets = self.targets, None
+        if not self.active():
+            return None  # switched back to plain attention (plain_attention): nothing to do
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        if bound.get("past_key_values") is not None:
+            raise ValueError(
+                "a KV cache (past_key_values) cannot be used under sequence parallelism; generate inside "
+                "`with ulysses_sp.plain_attention(model):` or after ulysses_sp.unparallelize(model)"
+            )
+        input_ids = bound.get("input_ids")
+        tokens = input_ids if input_ids is not None else bound.get("inputs_embeds")
+        if tokens is None:
+            raise ValueError("the model needs input_ids or inputs_embeds")
+        self.ctx.begin_forward(
+            bound.get("position_ids"),
+            bound.get("attention_mask"),
+            tokens.shape[0],
+            tokens.shape[1],
+            input_ids=input_ids,
+            targets=targets,
+        )
+        return args, {**kwargs, "use_cache": False}
 
 
 def _length_dependent(rope_type: object) -> bool:
@@ -116,11 +166,25 @@ def _find_pretrained(model: torch.nn.Module) -> PreTrainedModel:
     )
 
 
-def _decoder(pretrained: PreTrainedModel) -> torch.nn.Module:
-    base = pretrained.base_model
-    if "position_ids" not in inspect.signature(base.forward).parameters:
-        raise ValueError(f"{type(base).__name__}.forward takes no position_ids; Ulysses needs them for RoPE")
-    return base
+def _takes_tokens(module: torch.nn.Module) -> bool:
+    params = inspect.signature(module.forward).parameters
+    return "position_ids" in params and ("input_ids" in params or "inputs_embeds" in params)
+
+
+def _decoder(pretrained: PreTrainedModel, attention: list[torch.nn.Module]) -> torch.nn.Module:
+    """The module every forward pass enters before its attention layers: the innermost module that holds all
+    of them and takes input_ids/inputs_embeds and position_ids (``LlamaModel``; ``OPTDecoder``, which
+    ``OPTForCausalLM`` calls directly, skipping ``OPTModel``)."""
+    names = {id(m): n for n, m in pretrained.named_modules()}
+    common = os.path.commonprefix([names[id(m)].split(".") for m in attention])  # element-wise on lists
+    for depth in range(len(common), -1, -1):
+        module = pretrained.get_submodule(".".join(common[:depth]))
+        if not isinstance(module, torch.nn.ModuleList | torch.nn.ModuleDict) and _takes_tokens(module):
+            return module
+    raise ValueError(
+        f"no module of {type(pretrained).__name__} that holds its attention layers takes position_ids; Ulysses "
+        "needs the global positions of each shard (RoPE, documents), so this model is refused"
+    )
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -237,9 +301,12 @@ def parallelize(
             f"{type(pretrained).__name__} uses attention sinks, which Ulysses does not support yet (the sink "
             "logits would be silently dropped)"
         )
-    decoder = _decoder(pretrained)
-    signature = inspect.signature(decoder.forward)
-    ctx = UlyssesAttention(layout, core_fn, core_name=core_name, comm_dtype=comm_dtype, stats=stats)
+    decoder = _decoder(pretrained, modules)
+    embeddings = pretrained.get_input_embeddings()
+    vocab_size = getattr(embeddings, "num_embeddings", None) or getattr(text_config, "vocab_size", None)
+    ctx = UlyssesAttention(
+        layout, core_fn, core_name=core_name, comm_dtype=comm_dtype, stats=stats, vocab_size=vocab_size
+    )
     name = f"ulysses_{core_name}" if isinstance(core, str) else "ulysses_custom"
     rope_hooks = _rope_hooks(pretrained, ctx, name, text_config)
     windows = [_layer_window(text_config, m) for m in modules]
@@ -252,25 +319,11 @@ def parallelize(
         object.__setattr__(module, MODULE_ATTR, ctx)
         object.__setattr__(module, WINDOW_ATTR, window)
 
-    def pre_hook(module, args, kwargs):
-        if pretrained.config._attn_implementation != name:
-            return None  # switched back to plain attention (plain_attention): nothing to do
-        bound = signature.bind_partial(*args, **kwargs).arguments
-        if bound.get("past_key_values") is not None:
-            raise ValueError(
-                "a KV cache (past_key_values) cannot be used under sequence parallelism; generate inside "
-                "`with ulysses_sp.plain_attention(model):` or after ulysses_sp.unparallelize(model)"
-            )
-        tokens = bound.get("input_ids")
-        if tokens is None:
-            tokens = bound.get("inputs_embeds")
-        if tokens is None:
-            raise ValueError("the model needs input_ids or inputs_embeds")
-        ctx.begin_forward(bound.get("position_ids"), bound.get("attention_mask"), tokens.shape[0], tokens.shape[1])
-        kwargs = {**kwargs, "use_cache": False}
-        return args, kwargs
-
-    hooks = [decoder.register_forward_pre_hook(pre_hook, with_kwargs=True)]
+    begin = _BeginForward(pretrained, ctx, name)
+    hooks = [
+        pretrained.register_forward_pre_hook(begin.take_targets, with_kwargs=True),
+        decoder.register_forward_pre_hook(begin, with_kwargs=True),
+    ]
     for rotary, rope in rope_hooks:
         hooks.append(rotary.register_forward_pre_hook(rope.before, with_kwargs=True))
         hooks.append(rotary.register_forward_hook(rope.after, with_kwargs=True))
