@@ -32,6 +32,7 @@ import torch.nn.functional as F
 __all__ = ["CORES", "Core", "Segments", "eager_core", "flex_core", "get_core", "sdpa_core"]
 
 Core = Callable[..., torch.Tensor]
+FLEX_MIN_HEAD_DIM_CUDA = 16  # torch's compiled flex_attention kernels reject smaller head dims
 
 
 @dataclass(eq=False)
@@ -253,6 +254,7 @@ def flex_core(
 
     if dropout:
         raise ValueError(f"the flex_attention core has no attention dropout (dropout={dropout}); use sdpa")
+    check_flex_head_dim(q.shape[-1], q.device)
     docs = segments.doc_ids()
     window = sliding_window
 
@@ -284,6 +286,15 @@ def flex_core(
     )
     valid = (docs >= 0).to(out.dtype)[:, None, :, None]  # padding rows -> 0, as in the other cores
     return (out * valid).transpose(1, 2)
+
+
+def check_flex_head_dim(head_dim: int, device: torch.device) -> None:
+    """ValueError when flex_attention cannot run this head dim on this device (CUDA needs >= 16)."""
+    if device.type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM_CUDA:
+        raise ValueError(
+            f"the flex_attention core needs a head dim >= {FLEX_MIN_HEAD_DIM_CUDA} on CUDA (its compiled kernel "
+            f"does not support less), got head dim {head_dim}; use core='sdpa' for this model"
+        )
 
 
 @functools.cache

@@ -36,11 +36,18 @@ def _common(heads: int, kv_heads: int, head_dim: int = 8) -> dict:
 
 
 def build(
-    arch: str, *, heads: int = 4, kv_heads: int | None = None, seed: int = 0, attn: str = "sdpa", window: int = 6
+    arch: str,
+    *,
+    heads: int = 4,
+    kv_heads: int | None = None,
+    seed: int = 0,
+    attn: str = "sdpa",
+    window: int = 6,
+    head_dim: int = 8,
 ):
     """A tiny model of ``arch`` with deterministic random weights (same on every rank for the same seed)."""
     kv_heads = heads if kv_heads is None else kv_heads
-    common = _common(heads, kv_heads)
+    common = _common(heads, kv_heads, head_dim)
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation=attn))

@@ -10,7 +10,7 @@ import ulysses_sp as U
 from tests.helpers.models import VOCAB, build, make_batch
 from tests.unit.test_core_single import fake_layout
 from ulysses_sp.attention import UlyssesAttention
-from ulysses_sp.cores import sdpa_core
+from ulysses_sp.cores import check_flex_head_dim, sdpa_core
 from ulysses_sp.model import _decoder, _layer_window
 
 
@@ -105,3 +105,41 @@ def test_deepcopy_is_parallelized_on_its_own():
         reference = model(input_ids=ids).logits
     torch.testing.assert_close(model(input_ids=ids).logits, reference)
     torch.testing.assert_close(twin(input_ids=ids).logits, reference)
+
+
+def test_flex_head_dim_check_is_for_cuda_only():
+    check_flex_head_dim(8, torch.device("cpu"))  # CPU flex runs eagerly: any head dim
+    check_flex_head_dim(16, torch.device("cuda"))
+    with pytest.raises(ValueError, match="head dim >= 16 on CUDA.*got head dim 8; use core='sdpa'"):
+        check_flex_head_dim(8, torch.device("cuda"))
+
+
+@pytest.mark.parametrize(
+    ("nproc", "gpus", "environ", "world"),
+    [
+        (None, 0, {}, 2),  # CPU-only machine: 2 local ranks
+        (None, 1, {}, 1),  # one GPU: one rank
+        (None, 8, {}, 8),
+        (4, 8, {}, 4),
+        (None, 8, {"WORLD_SIZE": "1", "RANK": "0"}, 1),  # under torchrun
+        (None, 0, {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "4"}, 4),
+    ],
+)
+def test_expected_world_size(nproc, gpus, environ, world):
+    from ulysses_sp.train.launch import expected_world_size
+
+    assert expected_world_size(nproc, gpus, environ) == world
+
+
+def test_default_sp_runs_on_one_rank(monkeypatch):
+    """No --sp: 2 (the 2 CPU ranks, or dp x 2 on several GPUs), 1 on a single rank so one GPU runs it."""
+    from ulysses_sp.train.config import default_sp, load_config
+
+    assert [default_sp(w) for w in (1, 2, 4, 8)] == [1, 2, 2, 2]
+    monkeypatch.setenv("WORLD_SIZE", "1")  # e.g. torchrun --nproc-per-node 1, or one GPU
+    monkeypatch.setenv("RANK", "0")
+    assert load_config([]).sp == 1
+    assert load_config(["--sp", "2", "--nproc", "2"]).sp == 2
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    assert load_config(["--nproc", "2"]).sp == 2
