@@ -143,3 +143,32 @@ def test_default_sp_runs_on_one_rank(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("RANK")
     assert load_config(["--nproc", "2"]).sp == 2
+
+
+def test_packed_kernel_choice(monkeypatch):
+    """On CUDA, rows packed with many documents take one flex call; few documents, CPU, dropout or a small
+    head dim keep the per-document sdpa loop."""
+    from ulysses_sp import cores
+
+    monkeypatch.setattr(cores, "_has_triton", lambda: True)
+    many = U.Segments.from_positions(torch.arange(8).repeat(2, 8))  # 2 rows x 8 documents of 8
+    few = U.Segments.from_positions(torch.cat([torch.arange(40), torch.arange(24)]).expand(2, 64))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert cores.packed_kernel(many, cuda, 64) == "flex"
+    assert cores.packed_kernel(few, cuda, 64) == "per_document"
+    assert cores.packed_kernel(many, cpu, 64) == "per_document"
+    assert cores.packed_kernel(many, cuda, 64, dropout=0.1) == "per_document"
+    assert cores.packed_kernel(many, cuda, 8) == "per_document"
+    monkeypatch.setattr(cores, "_has_triton", lambda: False)
+    assert cores.packed_kernel(many, cuda, 64) == "per_document"
+
+
+def test_packed_attention_benchmark_runs_and_saves(tmp_path, monkeypatch):
+    import runpy
+    import sys
+
+    argv = ["packed_attention.py", "--device", "cpu", "--seq-len", "64", "--docs", "1", "4", "--repeats", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(tmp_path)])
+    runpy.run_path("benchmarks/packed_attention.py", run_name="__main__")
+    table = (tmp_path / "packed_attention_cpu.md").read_text()
+    assert "| cpu | 64 | 4 | per_document |" in table
