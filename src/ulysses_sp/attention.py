@@ -146,10 +146,11 @@ class UlyssesAttention:
                 value = lo if lo < 0 else (hi if vocab is not None and hi >= vocab else None)
                 if value is not None:
                     where = f"sp_rank {rank}: " if len(ranges) > 1 else ""
+                    allowed = f"in [0, {vocab})" if vocab is not None else "non-negative"
+                    ignored = ", or -100 (ignored)" if name == "labels" else ""
                     raise ValueError(
-                        f"{where}{name} holds id {value}, outside the vocabulary of {vocab} tokens (ids must be in "
-                        f"[0, {vocab}){', or -100 (ignored)' if name == 'labels' else ''}); check the tokenizer "
-                        "and the model's vocab_size"
+                        f"{where}{name} holds id {value}, outside the vocabulary of {vocab} tokens (ids must be "
+                        f"{allowed}{ignored}); check the tokenizer and the model's vocab_size"
                     )
 
     def _gather_rows(

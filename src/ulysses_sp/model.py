@@ -136,14 +136,21 @@ class _GlobalRopeLength:
         if not self.appended:
             return None
         self.appended = False
-        return type(output)(t[:, :-1] for t in output)  # [b, n+1, d] -> [b, n, d]
+        if isinstance(output, torch.Tensor):
+            return output[:, :-1]  # [b, n+1, ...] -> [b, n, ...]
+        return type(output)(t[:, :-1] for t in output)  # (cos, sin): [b, n+1, d] -> [b, n, d]
 
 
 def _rope_hooks(
     pretrained: PreTrainedModel, ctx: UlyssesAttention, name: str, config
 ) -> list[tuple[torch.nn.Module, _GlobalRopeLength]]:
     """The length-dependent rotary modules of the model and a hook object for each (nothing installed yet)."""
-    rotaries = [m for m in pretrained.modules() if _length_dependent(getattr(m, "rope_type", None))]
+    rotaries = [
+        m
+        for m in pretrained.modules()
+        if _length_dependent(getattr(m, "rope_type", None))
+        and any(name.endswith("inv_freq") for name, _ in m.named_buffers(recurse=False))
+    ]
     params = getattr(config, "rope_parameters", None) or {}
     flat = [params] if "rope_type" in params else [p for p in params.values() if isinstance(p, dict)]
     if not rotaries and any(_length_dependent(p.get("rope_type")) for p in flat):

@@ -47,14 +47,15 @@ PARITY_ARCHS = {
 EVAL_ONLY = {"phimoe_window"}
 
 
-def parity_cases(layout, prefix: str, seq_len: int) -> dict:
+def parity_cases(layout, prefix: str, seq_len: int, modes: tuple[str, ...]) -> dict:
+    """One parity case per architecture and mode; an EVAL_ONLY architecture runs in eval whatever ``modes``."""
     P = functools.partial
     cases = {}
     for arch, kv in PARITY_ARCHS.items():
         batch = make_batch(2, seq_len, packed=(seq_len - 9, 9)) if arch != "opt" else make_batch(2, seq_len)
-        cases[f"{prefix}_{arch}_eval"] = P(check_parity, layout, arch, kv_heads=kv, batch=batch, train=False)
-        if arch not in EVAL_ONLY:
-            cases[f"{prefix}_{arch}_train"] = P(check_parity, layout, arch, kv_heads=kv, batch=batch, train=True)
+        for mode in ("eval",) if arch in EVAL_ONLY else modes:
+            train = mode == "train"
+            cases[f"{prefix}_{arch}_{mode}"] = P(check_parity, layout, arch, kv_heads=kv, batch=batch, train=train)
     return cases
 
 
@@ -138,7 +139,7 @@ def deepcopy_parallelized(layout) -> None:
 def world2_cases(sp2) -> dict:
     P = functools.partial
     return {
-        **parity_cases(sp2, "sp2", 24),
+        **parity_cases(sp2, "sp2", 24, ("eval", "train")),
         # 23 tokens: the padding shard_batch adds must not raise the largest position dynamic RoPE reads
         "sp2_llama_dynamic_padded_to_sp": P(check_parity, sp2, "llama_dynamic", kv_heads=2, batch=make_batch(2, 23)),
         **{f"batch_differs_in_{k}": P(batch_differs_in, sp2, k) for k in ("position_ids", "labels", "attention_mask")},
@@ -153,7 +154,7 @@ def world2_cases(sp2) -> dict:
 
 
 def world4_cases(sp4) -> dict:
-    return {**parity_cases(sp4, "sp4", 26)}
+    return parity_cases(sp4, "sp4", 26, ("train",))  # train mode: forward and backward as in training
 
 
 def world2() -> dict[str, str]:
