@@ -81,11 +81,12 @@ def test_metrics_log_drops_the_lost_steps_of_an_interrupted_run(tmp_path):
 def test_summary_tells_where_the_checkpoint_is():
     summary = {
         "step": 16, "total_steps": 16, "first_loss": 10.8, "last_loss": 6.5, "eval_loss": 6.9, "time_s": 200.0,
-        "tokens_per_sec": 1310.0, "peak_mem_gb": 7.1, "data_exhausted": False, "epochs_completed": 0,
+        "tokens_per_sec": 1310.0, "peak_mem_gib": 7.1, "data_exhausted": False, "epochs_completed": 0,
         "checkpoint": "runs/x/checkpoint-0000016",
     }  # fmt: skip
     text = format_summary(summary, "runs/x/metrics.jsonl")
     assert "loss 10.8000 -> 6.5000, held-out 6.9000" in text and "1.3k tokens/s" in text
+    assert "peak memory 7.10 GiB (rank 0)" in text  # 2**30 bytes: GiB, not GB
     assert 'from_pretrained("runs/x/checkpoint-0000016")' in text and "runs/x/metrics.jsonl" in text
 
 

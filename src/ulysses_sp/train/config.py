@@ -141,7 +141,10 @@ class TrainConfig:
     )
     sp: int = field(
         default=2,
-        metadata=_meta("Sequence-parallel degree: ranks that share one sequence (must divide --nproc)."),
+        metadata=_meta(
+            "Sequence-parallel degree: ranks that share one sequence (must divide --nproc). Not given: 2, "
+            "or 1 when the run has a single rank (e.g. one GPU)."
+        ),
     )
     nproc: int | None = field(
         default=None,
@@ -613,11 +616,23 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
         for name, raw in namespace.items():
             kinds, optional = field_types[name]
             values[name] = _coerce(name, raw, kinds, optional)
+        if "sp" not in values:  # no --sp: 2, or 1 on a single rank (so the plain command runs on one GPU)
+            import torch
+
+            from .launch import expected_world_size
+
+            world = expected_world_size(values.get("nproc"), torch.cuda.device_count(), os.environ)
+            values["sp"] = default_sp(world)
         config = TrainConfig(**values)
         config.validate()
     except ValueError as error:
         parser.error(str(error))
     return config
+
+
+def default_sp(world_size: int) -> int:
+    """``--sp`` when none is given: 2 (the CPU demo's 2 ranks, or dp x 2 on several GPUs), 1 on a single rank."""
+    return min(2, world_size)
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, Any]:
