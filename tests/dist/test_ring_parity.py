@@ -1,0 +1,71 @@
+"""Ring and hybrid Ulysses x Ring runs on 2 and 4 gloo ranks against one process on the full batch.
+
+Each world size is spawned once (module-scoped fixture) and runs every case of tests/dist/cases_ring.py.
+"""
+
+import pytest
+
+from tests.helpers.harness import assert_case, run_world
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_world(2, "tests.dist.cases_ring:world2")
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_world(4, "tests.dist.cases_ring:world4")
+
+
+WORLD2 = [
+    "ring2_llama_gqa",
+    "ring2_mha_eager_core",
+    "ring2_mqa",
+    "ring2_packed",
+    "ring2_padded_right",
+    "ring2_padded_left",
+    "ring2_seq_not_divisible",
+    "ring2_sliding_window_packed",
+    "ring2_qwen2_mixed_window",
+    "ring2_gemma2_softcap",
+    "ring2_gradient_checkpointing",
+    "ring2_bytes",
+    "ulysses2_bytes",
+    "bad_layouts",
+    "automatic_choice",
+]
+WORLD4 = [
+    "ring4_llama",
+    "ring4_packed",
+    "ring4_padded_not_divisible",
+    "hybrid_2x2_llama",
+    "hybrid_2x2_mqa_packed",
+    "hybrid_2x2_padded_left",
+    "hybrid_2x2_gemma3_packed_window",
+    "dp2_ring2",
+    "dp2_ring2_packed",
+    "bf16_merge_error_ring2_vs_ring4",
+    "ring4_bytes",
+    "hybrid_2x2_bytes",
+    "hybrid_2x2_bytes_kv_lt_ulysses",
+    "ulysses4_bytes",
+    "bad_layouts",
+    "automatic_choice",
+]
+
+
+@pytest.mark.parametrize("case", WORLD2)
+def test_world2(world2, case):
+    assert_case(world2, case, 2)
+
+
+@pytest.mark.parametrize("case", WORLD4)
+def test_world4(world4, case):
+    assert_case(world4, case, 4)
+
+
+def test_every_worker_case_is_checked(world2, world4):
+    """A case added to a worker but not to the lists above would pass unseen: fail instead."""
+    assert set(world2) == set(WORLD2), set(world2) ^ set(WORLD2)
+    assert set(world4) == set(WORLD4), set(world4) ^ set(WORLD4)
