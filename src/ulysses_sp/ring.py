@@ -41,6 +41,7 @@ for the fp32 gradients (see :func:`ring_bytes_per_layer`), all counted as ``"rin
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,7 @@ __all__ = [
 ]
 
 _KV_TAG, _GRAD_TAG = 11, 12
+_SCORES_BUDGET = 1 << 24  # elements of one [b, h, chunk, n] score tensor
 
 
 # ---------------------------------------------------------------------------------------------- token order
@@ -201,29 +203,33 @@ class _Ring:
     softcap: float | None
     window: int | None
     stats: CommStats | None
+    query_chunk: int  # queries per block computation: bounds the [b, h, chunk, n] scores
 
     def peers(self) -> tuple[int, int]:
         """(next, previous) ring rank as global ranks."""
         nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         return dist.get_global_rank(self.group, nxt), dist.get_global_rank(self.group, prv)
 
-    def step(self, source: int) -> tuple[slice, slice, torch.Tensor]:
-        """(query rows, key columns, visible [b, rows, cols]) of my queries against ``source``'s block.
+    def blocks(self, source: int) -> Iterator[tuple[slice, slice, torch.Tensor]]:
+        """(query rows, key columns, visible [b, rows, cols]) of my queries against ``source``'s block,
+        in chunks of at most ``query_chunk`` rows.
 
         Zigzag: a block before mine is visible only through its first chunk; for a block after mine only
         my second chunk sees anything (see the module docstring). Documents, causality and the window
         are then applied from the global indices.
         """
-        half = self.index.shape[1] // 2
-        rows = slice(half, None) if source > self.rank else slice(None)
+        n = self.index.shape[1]
+        half = n // 2
         cols = slice(None, half) if source < self.rank else slice(None)
-        qi, kj = self.index[self.rank, rows], self.index[source, cols]
-        qd, kd = self.docs[self.rank][:, rows], self.docs[source][:, cols]
-        visible = (qd[:, :, None] == kd[:, None, :]) & (qd >= 0)[:, :, None]
-        visible &= (kj[None, :] <= qi[:, None])[None]
-        if self.window is not None:
-            visible &= (kj[None, :] > qi[:, None] - self.window)[None]
-        return rows, cols, visible
+        kj, kd = self.index[source, cols], self.docs[source][:, cols]
+        for start in range(half if source > self.rank else 0, n, self.query_chunk):
+            rows = slice(start, min(start + self.query_chunk, n))
+            qi, qd = self.index[self.rank, rows], self.docs[self.rank][:, rows]
+            visible = (qd[:, :, None] == kd[:, None, :]) & (qd >= 0)[:, :, None]
+            visible &= (kj[None, :] <= qi[:, None])[None]
+            if self.window is not None:
+                visible &= (kj[None, :] > qi[:, None] - self.window)[None]
+            yield rows, cols, visible
 
     def exchange(self, send: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
         """Send ``send`` to the next rank and receive the previous rank's tensor of the same shape."""
@@ -252,11 +258,11 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
             pending = ring.exchange(kv, _KV_TAG) if step < ring.size - 1 else None
-            rows, cols, visible = ring.step(source)
-            block_out, block_lse = block_forward(
-                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], visible, scale=ring.scale, softcap=ring.softcap
-            )
-            out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            for rows, cols, visible in ring.blocks(source):
+                block_out, block_lse = block_forward(
+                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], visible, scale=ring.scale, softcap=ring.softcap
+                )
+                out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if pending is not None:
                 kv, works = pending
                 _wait(works)
@@ -277,26 +283,28 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
             kv_pending = ring.exchange(kv, _KV_TAG) if step < ring.size - 1 else None
-            rows, cols, visible = ring.step(source)
-            dq_block, dk_block, dv_block = block_backward(
-                q[:, :, rows],
-                kv[0][:, :, cols],
-                kv[1][:, :, cols],
-                grad_out[:, :, rows],
-                lse[:, :, rows],
-                delta[:, :, rows],
-                visible,
-                scale=ring.scale,
-                softcap=ring.softcap,
-            )
-            dq[:, :, rows] += dq_block
+            step_dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # this step's share of dk/dv
+            for rows, cols, visible in ring.blocks(source):
+                dq_block, dk_block, dv_block = block_backward(
+                    q[:, :, rows],
+                    kv[0][:, :, cols],
+                    kv[1][:, :, cols],
+                    grad_out[:, :, rows],
+                    lse[:, :, rows],
+                    delta[:, :, rows],
+                    visible,
+                    scale=ring.scale,
+                    softcap=ring.softcap,
+                )
+                dq[:, :, rows] += dq_block
+                step_dkv[0][:, :, cols] += dk_block
+                step_dkv[1][:, :, cols] += dv_block
             if grad_pending is None:
-                dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
-            else:
+                dkv = step_dkv
+            else:  # the block's gradient so far, from the ranks it visited before me
                 dkv, works = grad_pending
                 _wait(works)
-            dkv[0][:, :, cols] += dk_block
-            dkv[1][:, :, cols] += dv_block
+                dkv += step_dkv
             if ring.size > 1:  # to the next rank; after the last step that is the block's home
                 grad_pending = ring.exchange(dkv, _GRAD_TAG)
             if kv_pending is not None:
@@ -331,13 +339,16 @@ def ring_attention(
     softcap: float | None = None,
     dropout: float = 0.0,
     stats: CommStats | None = None,
+    query_chunk: int | None = None,
 ) -> torch.Tensor:
     """Exact causal attention of this ring rank's zigzag block against the whole sequence.
 
     q ``[b, h, n, d]``, k/v ``[b, hkv, n, d]`` with ``n = N / ring`` the tokens of this rank's two chunks
     (:func:`zigzag_order`), ``segments`` the documents and padding of the full rows ``[b, N]`` in sequence
     order -> ``[b, n, h, d]`` (the layout the local cores return). With one rank (or no group) it is
-    plain blockwise attention over the block. Padding queries get a zero output.
+    plain blockwise attention over the block. Padding queries get a zero output. ``query_chunk``: queries
+    per block computation (default: as many as keep the fp32 scores of one computation under 2^24
+    elements, 64 MiB).
     """
     if dropout:
         raise ValueError(f"ring attention has no attention dropout (dropout={dropout}); set attention_dropout=0")
@@ -362,5 +373,6 @@ def ring_attention(
         softcap=softcap,
         window=sliding_window,
         stats=stats,
+        query_chunk=query_chunk or max(1, _SCORES_BUDGET // (q.shape[0] * q.shape[1] * q.shape[2])),
     )
     return _RingAttention.apply(q, k, v, ring).transpose(1, 2)

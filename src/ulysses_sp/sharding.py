@@ -77,7 +77,8 @@ def shard_batch(
     ``[b, n]`` (targets, shifted before slicing) and ``labels`` (the local slice, so transformers models
     still return a loss when given ``shift_labels``). The padding added for divisibility sits at the end
     of each row, with ignored labels and positions that continue the row, so it changes nothing for the
-    real tokens of a causal model.
+    real tokens of a causal model. With ``layout.ring > 1`` the row is padded to a multiple of
+    ``lcm(sp, 2 * ring)`` and dealt in zigzag order (see the module docstring).
     """
     if "input_ids" not in batch:
         raise ValueError(f"the batch needs input_ids; it has keys {sorted(batch)}")

@@ -43,6 +43,7 @@ WORLD4 = [
     "hybrid_2x2_mqa_packed",
     "hybrid_2x2_padded_left",
     "hybrid_2x2_gemma3_packed_window",
+    "hybrid_2x2_from_groups",
     "dp2_ring2",
     "dp2_ring2_packed",
     "bf16_merge_error_ring2_vs_ring4",

@@ -102,13 +102,14 @@ def test_fp32_merge_error_does_not_grow_with_blocks():
     assert bad[2] > 1.5 * bad[0] and bad[2] > 1.5 * good[2], (good, bad)
 
 
-@pytest.mark.parametrize("window", [None, 4])
-def test_ring_of_one_matches_eager_core(window):
-    """ring_attention without a group (ring 1) over packed documents and padding equals the eager core."""
+@pytest.mark.parametrize("window,query_chunk", [(None, None), (4, None), (None, 5)])
+def test_ring_of_one_matches_eager_core(window, query_chunk):
+    """ring_attention without a group (ring 1) over packed documents and padding equals the eager core,
+    also when the queries are computed in chunks."""
     batch = make_batch(2, 24, packed=(7, 10, 7), pad="right")
     segments = Segments.from_positions(batch["position_ids"], batch["attention_mask"])
     q, k, v = (x.float().requires_grad_() for x in _qkv(n=24))
-    out = ring_attention(q, k, v, segments, None, scaling=0.3, sliding_window=window)
+    out = ring_attention(q, k, v, segments, None, scaling=0.3, sliding_window=window, query_chunk=query_chunk)
     ref_inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     ref = eager_core(*ref_inputs, segments, scaling=0.3, sliding_window=window)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
