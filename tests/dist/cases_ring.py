@@ -74,8 +74,7 @@ def _attention_errors(ring_group, dtype=torch.bfloat16, seq_len=64, batch=2, hea
     (rounded) inputs, over the whole sequence (squared errors summed over the ring)."""
     gen = torch.Generator().manual_seed(0)
     q, k, v, grad = (
-        torch.randn(batch, h, seq_len, d, generator=gen).to(dtype)
-        for h in (heads, kv_heads, kv_heads, heads)
+        torch.randn(batch, h, seq_len, d, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads, heads)
     )
     ref = [x.double().requires_grad_() for x in (q, k, v)]
     groups = heads // kv_heads
@@ -94,7 +93,9 @@ def _attention_errors(ring_group, dtype=torch.bfloat16, seq_len=64, batch=2, hea
     out.transpose(1, 2).backward(grad[:, :, mine])
     pairs = [(out.transpose(1, 2), ref_out)] + [(x.grad, r.grad) for x, r in zip(local, ref, strict=True)]
     with torch.no_grad():
-        sums = torch.stack([torch.stack([(a.double() - b[:, :, mine]).pow(2).sum(), b[:, :, mine].pow(2).sum()]) for a, b in pairs])
+        sums = torch.stack(
+            [torch.stack([(a.double() - b[:, :, mine]).pow(2).sum(), b[:, :, mine].pow(2).sum()]) for a, b in pairs]
+        )
     if ring_group is not None:
         dist.all_reduce(sums, group=ring_group)
     return (sums[:, 0] / sums[:, 1]).sqrt()  # relative RMS error of out, dq, dk, dv

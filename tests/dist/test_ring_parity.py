@@ -1,22 +1,11 @@
 """Ring and hybrid Ulysses x Ring runs on 2 and 4 gloo ranks against one process on the full batch.
 
-Each world size is spawned once (module-scoped fixture) and runs every case of tests/dist/cases_ring.py.
+Each world size is spawned once (on first use) and runs every case of tests/dist/cases_ring.py.
 """
 
 import pytest
 
 from tests.helpers.harness import assert_case, run_world
-
-
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(2, "tests.dist.cases_ring:world2")
-
-
-@pytest.fixture(scope="module")
-def world4():
-    return run_world(4, "tests.dist.cases_ring:world4")
-
 
 WORLD2 = [
     "ring2_llama_gqa",
@@ -56,17 +45,28 @@ WORLD4 = [
 ]
 
 
-@pytest.mark.parametrize("case", WORLD2)
-def test_world2(world2, case):
-    assert_case(world2, case, 2)
+CASES = [(2, case) for case in WORLD2] + [(4, case) for case in WORLD4]
 
 
-@pytest.mark.parametrize("case", WORLD4)
-def test_world4(world4, case):
-    assert_case(world4, case, 4)
+@pytest.fixture(scope="module")
+def results():
+    """results(world): the {case: {rank: result}} of that world size, spawned on first use only."""
+    runs = {}
+
+    def get(world: int):
+        if world not in runs:
+            runs[world] = run_world(world, f"tests.dist.cases_ring:world{world}")
+        return runs[world]
+
+    return get
 
 
-def test_every_worker_case_is_checked(world2, world4):
+@pytest.mark.parametrize("world,case", CASES)
+def test_case(results, world, case):
+    assert_case(results(world), case, world)
+
+
+@pytest.mark.parametrize("world,listed", [(2, WORLD2), (4, WORLD4)])
+def test_every_worker_case_is_checked(results, world, listed):
     """A case added to a worker but not to the lists above would pass unseen: fail instead."""
-    assert set(world2) == set(WORLD2), set(world2) ^ set(WORLD2)
-    assert set(world4) == set(WORLD4), set(world4) ^ set(WORLD4)
+    assert set(results(world)) == set(listed), set(results(world)) ^ set(listed)
