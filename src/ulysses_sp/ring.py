@@ -263,9 +263,10 @@ class _RingAttention(torch.autograd.Function):
                     q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], visible, scale=ring.scale, softcap=ring.softcap
                 )
                 out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
-            if pending is not None:
-                kv, works = pending
+            if pending is not None:  # wait (for the send too) before the sent block may be freed
+                recv, works = pending
                 _wait(works)
+                kv = recv
         result = out.to(q.dtype)
         ctx.ring = ring
         ctx.save_for_backward(q, k, v, result, lse)
@@ -302,17 +303,19 @@ class _RingAttention(torch.autograd.Function):
             if grad_pending is None:
                 dkv = step_dkv
             else:  # the block's gradient so far, from the ranks it visited before me
-                dkv, works = grad_pending
+                recv, works = grad_pending
                 _wait(works)
-                dkv += step_dkv
+                dkv = recv + step_dkv
             if ring.size > 1:  # to the next rank; after the last step that is the block's home
                 grad_pending = ring.exchange(dkv, _GRAD_TAG)
             if kv_pending is not None:
-                kv, works = kv_pending
+                recv, works = kv_pending
                 _wait(works)
-        if grad_pending is not None:
-            dkv, works = grad_pending
+                kv = recv
+        if grad_pending is not None:  # my own block's gradient, home from its last rank
+            recv, works = grad_pending
             _wait(works)
+            dkv = recv
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
