@@ -11,6 +11,10 @@ checks that every rank of the SP group holds a shard of the same shape (one tiny
 mismatch is a ValueError on every rank instead of a hang) and gathers the global position_ids and
 padding mask (one all-gather of ``b x N`` integers) into :class:`~ulysses_sp.cores.Segments`. Every layer
 then reuses them: per attention layer the only collectives are the two all-to-alls.
+
+With a ring (``layout.ring > 1``, hybrid Ulysses x Ring) the all-to-alls run inside the Ulysses group and
+the core is :func:`ulysses_sp.ring.ring_attention` over the ring group; the gathered positions are put
+back from the zigzag order of :func:`ulysses_sp.shard_batch` into sequence order.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 from .comm import CommStats, all_gather_tensor, heads_to_seq, qkv_seq_to_heads
 from .cores import Core, Segments
 from .layout import ParallelLayout
+from .ring import ring_attention, zigzag_order
 from .sharding import IGNORE_INDEX
 
 __all__ = ["UlyssesAttention", "ulysses_attention_forward", "ulysses_mask"]
@@ -34,6 +39,8 @@ MODULE_ATTR = "_ulysses_sp"
 # their window only through the mask, which Ulysses does not build).
 WINDOW_ATTR = "_ulysses_sp_window"
 _UNSET = object()
+# Core names a ring accepts: both compute exact attention, as the ring's blockwise core does.
+RING_CORES = ("sdpa", "eager")
 
 
 class UlyssesAttention:
@@ -164,6 +171,8 @@ class UlyssesAttention:
             rows.append(attention_mask.to(device=device, dtype=torch.long))
         gathered = all_gather_tensor(torch.stack(rows), layout.sp_group, self.stats)  # [P, 1|2, b, n]
         full = gathered.permute(1, 2, 0, 3).reshape(len(rows), batch, layout.sp * n)  # [1|2, b, N]
+        if layout.ring > 1:  # shard_batch dealt the tokens in zigzag order: back to sequence order
+            full = full.index_select(2, torch.argsort(zigzag_order(layout.sp * n, layout.ring, device)))
         return full[0], (full[1] if attention_mask is not None else None)
 
     def segments_for(self, position_ids: torch.Tensor | None) -> Segments:
@@ -226,7 +235,7 @@ class UlyssesAttention:
                 "ulysses_sp.unparallelize(model) (or use `with plain_attention(model):`) before generating"
             )
         segments = self.segments_for(position_ids)
-        group, wire = self.layout.sp_group, self.comm_dtype
+        group, wire = self.layout.ulysses_group, self.comm_dtype
         # MLA (DeepSeek-V2/V3) has a v head dim != the q/k head dim: zero-pad the narrower side to one width so
         # q, k and v still travel in one all-to-all (zeros change no score and no output), slice it off after.
         d_qk, d_v = query.shape[-1], value.shape[-1]
@@ -236,13 +245,23 @@ class UlyssesAttention:
             scaling = scaling if scaling is not None else d_qk**-0.5
             query, key = F.pad(query, (0, d_v - d_qk)), F.pad(key, (0, d_v - d_qk))
         q, k, v = qkv_seq_to_heads(query, key, value, group, comm_dtype=wire, stats=self.stats)
-        # q [b, H/P, N, d]; k/v [b, hkv, N, d]
-        out = self.core(
+        # q [b, H/U, N/R, d]; k/v [b, hkv, N/R, d] (U = ulysses, R = ring; N/R = N without a ring)
+        core = self.core if self.layout.ring == 1 else self._ring_core
+        out = core(
             q, k, v, segments, scaling=scaling, sliding_window=sliding_window, softcap=softcap, dropout=dropout
-        )  # [b, N, H/P, d]
+        )  # [b, N/R, H/U, d]
         if out.shape[-1] != d_v:
-            out = out[..., :d_v]  # [b, N, H/P, d_v]
+            out = out[..., :d_v]  # [b, N/R, H/U, d_v]
         return heads_to_seq(out, group, comm_dtype=wire, stats=self.stats), None  # [b, n, H, d_v]
+
+    def _ring_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, **kwargs):
+        """The core of a hybrid layout: ring attention over ``layout.ring_group`` (see :mod:`ulysses_sp.ring`)."""
+        if self.core_name not in RING_CORES:
+            raise ValueError(
+                f"core={self.core_name!r} cannot run inside a ring (ring={self.layout.ring}): the ring uses its own "
+                f"blockwise core with an fp32 online-softmax merge; use core='sdpa' (the default) or 'eager'"
+            )
+        return ring_attention(q, k, v, segments, self.layout.ring_group, stats=self.stats, **kwargs)
 
 
 def _id_range(

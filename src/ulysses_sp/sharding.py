@@ -3,10 +3,15 @@
 :func:`shard_batch` pads the sequence to a multiple of ``sp`` (never dropping a token), shifts the labels
 BEFORE slicing (so the last token of a shard keeps its target, the first token of the next shard), builds
 global position_ids, and slices tokens ``[sp_rank * n, (sp_rank + 1) * n)`` of every row.
+
+With a ring (``layout.ring > 1``) the rows are first put in zigzag order (:func:`ulysses_sp.ring.zigzag_order`,
+padded to a multiple of ``lcm(sp, 2 * ring)``) so that causal attention costs every ring rank the same;
+every per-token key moves with its token, so the loss (a sum over tokens) is unchanged.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -15,6 +20,7 @@ import torch.nn.functional as F
 
 from .comm import all_gather_tensor
 from .layout import ParallelLayout
+from .ring import zigzag_order
 
 __all__ = ["IGNORE_INDEX", "SHARDED_KEYS", "pad_to_multiple", "shard_batch", "shift_labels"]
 
@@ -78,7 +84,8 @@ def shard_batch(
     ``[b, n]`` (targets, shifted before slicing) and ``labels`` (the local slice, so transformers models
     still return a loss when given ``shift_labels``). The padding added for divisibility sits at the end
     of each row as a document of its own (positions restarting at 0, ignored labels), so it changes nothing
-    for the real tokens of a causal model.
+    for the real tokens of a causal model. With ``layout.ring > 1`` the row is padded to a multiple of
+    ``lcm(sp, 2 * ring)`` and dealt in zigzag order (see the module docstring).
     """
     full, problem = _validated(batch, vocab_size, ignore_index)
     if check_same_batch and layout.sp > 1:
@@ -97,29 +104,35 @@ def shard_batch(
         positions = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
     positions = positions.expand(b, seq_len).to(torch.long)
 
-    extra = (-seq_len) % sp
+    ring = getattr(layout, "ring", 1)
+    multiple = sp if ring == 1 else math.lcm(sp, 2 * ring)
+    extra = (-seq_len) % multiple
     if extra:
         # The padding is a document of its own (positions 0, 1, ...): it never raises the largest position,
         # which length-dependent RoPE (dynamic, longrope) reads, and no real token attends to it.
         tail = torch.arange(extra, device=positions.device).expand(b, extra)
         positions = torch.cat([positions, tail], dim=1)
-        input_ids = pad_to_multiple(input_ids, sp, pad_token_id)
+        input_ids = pad_to_multiple(input_ids, multiple, pad_token_id)
         if mask is not None:
-            mask = pad_to_multiple(mask, sp, 0)
+            mask = pad_to_multiple(mask, multiple, 0)
     n = (seq_len + extra) // sp
-    local = slice(layout.sp_rank * n, (layout.sp_rank + 1) * n)
+    order = zigzag_order(seq_len + extra, ring, input_ids.device) if ring > 1 else None
+
+    def local(x: torch.Tensor) -> torch.Tensor:  # [b, N] -> this rank's [b, n]
+        if order is not None:
+            x = x.index_select(1, order)
+        return x[:, layout.sp_rank * n : (layout.sp_rank + 1) * n].contiguous()
 
     out: dict[str, torch.Tensor] = {k: v for k, v in batch.items() if k not in SHARDED_KEYS}  # type: ignore[misc]
-    out["input_ids"] = input_ids[:, local].contiguous()
-    out["position_ids"] = positions[:, local].contiguous()
+    out["input_ids"] = local(input_ids)
+    out["position_ids"] = local(positions)
     if mask is not None:
-        out["attention_mask"] = mask[:, local].contiguous()
+        out["attention_mask"] = local(mask)
     if labels is not None:
-        targets = pad_to_multiple(shift_labels(labels, ignore_index), sp, ignore_index)
-        out["shift_labels"] = targets[:, local].contiguous()
-        out["labels"] = pad_to_multiple(labels, sp, ignore_index)[:, local].contiguous()
+        out["shift_labels"] = local(pad_to_multiple(shift_labels(labels, ignore_index), multiple, ignore_index))
+        out["labels"] = local(pad_to_multiple(labels, multiple, ignore_index))
     elif given_targets is not None:
-        out["shift_labels"] = pad_to_multiple(given_targets, sp, ignore_index)[:, local].contiguous()
+        out["shift_labels"] = local(pad_to_multiple(given_targets, multiple, ignore_index))
     return out
 
 
