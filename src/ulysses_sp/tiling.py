@@ -39,31 +39,19 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from .model import _find_pretrained
+
 __all__ = [
     "TiledMLP",
     "decoder_layers",
     "default_chunk_tokens",
     "disable_tiled_mlp",
     "enable_tiled_mlp",
-    "find_pretrained",
 ]
 
 # The attribute that holds a decoder layer's MLP, in the order tried (transformers' names for it).
 MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
 MIN_CHUNK_TOKENS = 1024
-
-
-def find_pretrained(model: nn.Module, caller: str) -> nn.Module:
-    """The transformers ``PreTrainedModel`` in ``model`` (itself, or inside a PEFT / DDP / other wrapper)."""
-    from transformers import PreTrainedModel
-
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            return module
-    raise TypeError(
-        f"{caller} expects a transformers PreTrainedModel (or a wrapper around one, e.g. a PEFT model); "
-        f"got {type(model).__name__}"
-    )
 
 
 def decoder_layers(pretrained: nn.Module) -> list[nn.Module]:
@@ -294,7 +282,7 @@ def enable_tiled_mlp(model: nn.Module, *, chunk_tokens: int | None = None) -> nn
         raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens}")
-    pretrained = find_pretrained(model, "enable_tiled_mlp")
+    pretrained = _find_pretrained(model, "enable_tiled_mlp")
     mlps = _mlps(pretrained)
     if any(_installed(m) is not None for m in mlps):
         raise ValueError("the MLPs of this model are already tiled; call ulysses_sp.disable_tiled_mlp(model) first")
@@ -312,7 +300,7 @@ def enable_tiled_mlp(model: nn.Module, *, chunk_tokens: int | None = None) -> nn
 
 def disable_tiled_mlp(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_tiled_mlp`: every MLP gets its own forward back (a no-op on an untiled model)."""
-    pretrained = find_pretrained(model, "disable_tiled_mlp")
+    pretrained = _find_pretrained(model, "disable_tiled_mlp")
     for module in pretrained.modules():
         tiled = _installed(module)
         if tiled is None:

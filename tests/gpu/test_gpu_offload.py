@@ -9,9 +9,9 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import ulysses_sp as U
+from tests.unit.test_offload import deep_llama
 from ulysses_sp.memory import PeakMemory
 from ulysses_sp.offload import offload_store
 
@@ -24,19 +24,8 @@ LAYERS, HIDDEN, INTER, VOCAB, TOKENS = 8, 256, 768, 128, 8192
 BF16 = 2  # bytes
 
 
-def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTER,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+def _model():
+    return deep_llama(LAYERS, HIDDEN, INTER, VOCAB).to("cuda", torch.bfloat16)
 
 
 def _step(model, ids):

@@ -15,9 +15,11 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 LAYERS, HIDDEN, INTER, TOKENS = 8, 32, 64, 1024  # the memory tests' model and sequence
 
 
-def loss_and_grads(model, batch):
+def loss_and_grads(model, batch, bf16_autocast=False):
+    """Forward (under CPU bf16 autocast if asked), then backward outside it, as a training loop does."""
     model.train()
-    loss = model(**batch, use_cache=False).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+        loss = model(**batch, use_cache=False).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -37,20 +39,25 @@ def count_layer_runs(model):
     return calls
 
 
-@pytest.fixture(scope="module")
-def deep_model():
+def deep_llama(layers: int, hidden: int, inter: int, vocab: int) -> LlamaForCausalLM:
+    """A Llama with more layers than tests/helpers/models.py builds (memory scales with them), fp32 on CPU."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTER,
-        num_hidden_layers=LAYERS,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=8,
         tie_word_embeddings=False,
+        attn_implementation="sdpa",
     )
     return LlamaForCausalLM(config).float()
+
+
+@pytest.fixture(scope="module")
+def deep_model():
+    return deep_llama(LAYERS, HIDDEN, INTER, VOCAB)
 
 
 @pytest.mark.parametrize("mode", ["checkpoint", "offload"])
@@ -65,9 +72,8 @@ def test_loss_and_every_gradient_equal_no_checkpointing(mode):
 
 def test_bf16_autocast_offload_equals_no_checkpointing():
     model, batch = build("llama", kv_heads=2), make_batch(2, 24)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        want = loss_and_grads(copy.deepcopy(model), batch)
-        got = loss_and_grads(U.enable_activation_checkpointing(copy.deepcopy(model), "offload"), batch)
+    want = loss_and_grads(copy.deepcopy(model), batch, bf16_autocast=True)
+    got = loss_and_grads(U.enable_activation_checkpointing(copy.deepcopy(model), "offload"), batch, bf16_autocast=True)
     assert_same(got, want)
 
 

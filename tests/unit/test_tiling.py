@@ -16,9 +16,11 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 BF16_REL = 2e-2  # |g - g_ref| <= 2% of |g_ref| per parameter
 
 
-def loss_and_grads(model, batch, **kwargs):
+def loss_and_grads(model, batch, bf16_autocast=False):
+    """Forward (under CPU bf16 autocast if asked), then backward outside it, as a training loop does."""
     model.train()
-    loss = model(**batch, use_cache=False, **kwargs).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+        loss = model(**batch, use_cache=False).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -83,13 +85,11 @@ def test_default_chunk_is_a_function_of_the_hidden_size_only():
 
 def test_bf16_autocast_recomputes_under_autocast():
     model, batch = build("llama", kv_heads=2), make_batch(2, 24)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model), batch)
+    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model), batch, bf16_autocast=True)
     tiled = U.enable_tiled_mlp(copy.deepcopy(model), chunk_tokens=5)
     dtypes = []
     tiled.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, grads = loss_and_grads(tiled, batch)
+    loss, grads = loss_and_grads(tiled, batch, bf16_autocast=True)
     assert dtypes == [torch.bfloat16] * 10, dtypes  # 5 chunks forward, 5 recomputed in backward, all bf16
     torch.testing.assert_close(loss, ref_loss, rtol=BF16_REL, atol=0)
     assert_rel_close(grads, ref_grads)
