@@ -24,9 +24,9 @@ least 1024 rows. No collective runs per chunk (FSDP2 unshards a whole decoder la
 with different sequence lengths, hence different numbers of chunks, cannot deadlock.
 
 Mixture-of-experts blocks that route each token on its own and return a tensor (Mixtral, Qwen3-MoE in
-transformers 5) are tiled exactly. Refused with a ValueError: blocks that return anything but a tensor,
-and router-logit collection (``output_router_logits``) for an auxiliary loss, whose logits chunking would
-detach and split.
+transformers 5) are tiled exactly. Refused with a ValueError: blocks that return anything but a tensor or
+change their input in place (Mixtral's ``router_jitter_noise`` in training), and router-logit collection
+(``output_router_logits``) for an auxiliary loss, whose logits chunking would detach and split.
 """
 
 from __future__ import annotations

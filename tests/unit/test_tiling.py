@@ -74,6 +74,28 @@ def test_mlp_output_and_gradients_equal_untiled(chunk):
         torch.testing.assert_close(got, ref, **TOL)
 
 
+def test_dropout_masks_of_the_forward_are_replayed_in_backward():
+    """y = dropout(x) * w, so dL/dw = sum(dropout(x) * g) = sum(y / w * g): true only if backward's recompute
+    draws the forward's masks (chunks in the same order from the same RNG state)."""
+
+    class DropMLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.full((8,), 1.5))
+
+        def forward(self, x):
+            return torch.nn.functional.dropout(x, 0.5, training=True) * self.w
+
+    module = DropMLP()
+    module.forward = TiledMLP(module, 3)
+    x, g = torch.randn(2, 10, 8), torch.randn(2, 10, 8)
+    torch.manual_seed(0)
+    y = module(x)
+    torch.rand(100)  # the RNG moves on between forward and backward, as in training
+    (grad_w,) = torch.autograd.grad(y, [module.w], g)
+    torch.testing.assert_close(grad_w, (y / 1.5 * g).sum((0, 1)), **TOL)
+
+
 def test_default_chunk_is_a_function_of_the_hidden_size_only():
     assert default_chunk_tokens(64) == 1024 and default_chunk_tokens(4096) == 4096
     model = U.enable_tiled_mlp(build("llama"))
