@@ -1,7 +1,7 @@
 """Multi-rank cases for tiled MLP and activation checkpointing/offload, run by test_memory_features_parity.py.
 
 Each case trains one step of the same tiny model under Ulysses (sp=2, or dp=2 x sp=2 on 4 ranks) with the
-memory features on, wrapped in DDP or FSDP2 (``fully_shard`` per decoder layer and at the root on a CPU
+memory features on (once with the tiled loss too), wrapped in DDP or FSDP2 (``fully_shard`` per decoder layer and at the root on a CPU
 gloo mesh), and compares the loss and every parameter gradient with one process on the full batch running
 the plain transformers model (no ulysses_sp code, no tiling, no checkpointing).
 """
@@ -59,6 +59,7 @@ def check_features(
     batch=None,
     chunk=5,
     after_wrap=False,
+    tiled_loss=False,
 ):
     batch = batch if batch is not None else make_batch(2, 24, packed=(10, 14))
     model = build_model(arch, tied)
@@ -69,13 +70,18 @@ def check_features(
     if tiled:
         U.enable_tiled_mlp(par, chunk_tokens=chunk)  # 12 tokens per rank: chunks of 5, 5 and 2
     U.enable_activation_checkpointing(par, checkpointing)
+    if tiled_loss:
+        U.enable_tiled_loss(par, chunk_tokens=7)
     par.train()
     wrapped = wrapped or wrap(par, wrapper)
     rows = batch["input_ids"].shape[0] // layout.dp
     mine = {k: v[layout.dp_rank * rows : (layout.dp_rank + 1) * rows] for k, v in batch.items()}
     shard = U.shard_batch(mine, layout)
-    logits = wrapped(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-    loss = U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
+    if tiled_loss:
+        loss = U.causal_lm_loss(wrapped, shard, layout)
+    else:
+        logits = wrapped(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        loss = U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
     if checkpointing == "offload":  # one host copy of each decoder layer's input [b, n/sp, h] is held
         b, n, h = shard["input_ids"].shape[0], shard["input_ids"].shape[1], model.config.hidden_size
         held = offload_store(par).held_bytes()
@@ -132,6 +138,9 @@ def world2() -> dict[str, str]:
         cases[f"sp2_tiled_offload_enabled_after_{wrapper}"] = P(
             check_features, sp2, wrapper, tiled=True, checkpointing="offload", after_wrap=True
         )
+    cases["sp2_tiled_loss_tiled_mlp_offload_fsdp2_tied"] = P(
+        check_features, sp2, "fsdp2", tiled=True, checkpointing="offload", tied=True, tiled_loss=True
+    )
     cases["sp2_tiled_offload_padded_ddp"] = P(
         check_features, sp2, "ddp", tiled=True, checkpointing="offload", batch=make_batch(2, 23, pad="right")
     )
