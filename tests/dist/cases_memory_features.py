@@ -1,9 +1,9 @@
 """Multi-rank cases for tiled MLP and activation checkpointing/offload, run by test_memory_features_parity.py.
 
 Each case trains one step of the same tiny model under Ulysses (sp=2, or dp=2 x sp=2 on 4 ranks) with the
-memory features on (once with the tiled loss too), wrapped in DDP or FSDP2 (``fully_shard`` per decoder layer and at the root on a CPU
-gloo mesh), and compares the loss and every parameter gradient with one process on the full batch running
-the plain transformers model (no ulysses_sp code, no tiling, no checkpointing).
+memory features on (once with the tiled loss too), wrapped in DDP or FSDP2 (``fully_shard`` per decoder
+layer and at the root on a CPU gloo mesh), and compares the loss and every parameter gradient with one
+process on the full batch running the plain transformers model (no ulysses_sp code, tiling or checkpointing).
 """
 
 from __future__ import annotations

@@ -8,28 +8,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import ulysses_sp as U
 from tests.helpers.models import VOCAB, build, make_batch
+from tests.unit.test_tiling import assert_same, loss_and_grads
 from ulysses_sp.memory import PeakMemory, _StorageTracker
 from ulysses_sp.offload import offload_store
 
-TOL = dict(rtol=1e-5, atol=1e-6)
 LAYERS, HIDDEN, INTER, TOKENS = 8, 32, 64, 1024  # the memory tests' model and sequence
-
-
-def loss_and_grads(model, batch, bf16_autocast=False):
-    """Forward (under CPU bf16 autocast if asked), then backward outside it, as a training loop does."""
-    model.train()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
-        loss = model(**batch, use_cache=False).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_same(got, want):
-    (loss, grads), (ref_loss, ref_grads) = got, want
-    torch.testing.assert_close(loss, ref_loss, **TOL)
-    assert grads.keys() == ref_grads.keys(), grads.keys() ^ ref_grads.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def count_layer_runs(model):
