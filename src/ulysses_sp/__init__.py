@@ -16,8 +16,10 @@ from .cores import CORES, Segments
 from .layout import ParallelLayout
 from .loss import causal_lm_loss, count_valid_tokens, reduce_token_loss, sequence_parallel_cross_entropy, sync_gradients
 from .model import parallelize, plain_attention, ulysses_context, unparallelize
+from .offload import disable_activation_checkpointing, enable_activation_checkpointing
 from .sharding import shard_batch, shift_labels
 from .tiled_loss import disable_tiled_loss, enable_tiled_loss, tiled_cross_entropy_sum
+from .tiling import disable_tiled_mlp, enable_tiled_mlp
 
 __version__ = "0.1.0"
 
@@ -28,8 +30,12 @@ __all__ = [
     "Segments",
     "causal_lm_loss",
     "count_valid_tokens",
+    "disable_activation_checkpointing",
     "disable_tiled_loss",
+    "disable_tiled_mlp",
+    "enable_activation_checkpointing",
     "enable_tiled_loss",
+    "enable_tiled_mlp",
     "parallelize",
     "plain_attention",
     "reduce_token_loss",

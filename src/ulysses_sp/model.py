@@ -162,13 +162,13 @@ def _rope_hooks(
     return [(m, _GlobalRopeLength(pretrained, ctx, name)) for m in rotaries]
 
 
-def _find_pretrained(model: torch.nn.Module) -> PreTrainedModel:
+def _find_pretrained(model: torch.nn.Module, caller: str = "parallelize") -> PreTrainedModel:
     # The model itself, or the transformers model inside a wrapper (PEFT, DDP, ...).
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
             return module
     raise TypeError(
-        f"parallelize expects a transformers PreTrainedModel (or a wrapper around one, e.g. a PEFT model); "
+        f"{caller} expects a transformers PreTrainedModel (or a wrapper around one, e.g. a PEFT model); "
         f"got {type(model).__name__}"
     )
 
