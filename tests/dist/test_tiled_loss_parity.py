@@ -28,7 +28,7 @@ WORLD2 = [
     "sp2_fsdp2_lm_head_unit",
     "sp2_eval_no_grad",
 ]
-WORLD4 = ["dp2_sp2_fsdp2_tied", "dp2_sp2_ddp"]
+WORLD4 = ["dp2_sp2_fsdp2_tied", "dp2_sp2_ddp", "hybrid_2x2_fsdp2_packed"]
 
 
 @pytest.mark.parametrize("case", WORLD2)

@@ -241,6 +241,17 @@ class TrainConfig:
             "logits are never held (--no-tiled-loss: the model's plain logits path)."
         ),
     )
+    tiled_mlp: bool = field(
+        default=True,
+        metadata=_meta(
+            "Run each MLP over chunks of tokens and recompute them in backward, so the [tokens, intermediate] "
+            "activations are never held whole (--no-tiled-mlp: the plain MLP)."
+        ),
+    )
+    mlp_chunk_tokens: int | None = field(
+        default=None,
+        metadata=_meta("With --tiled-mlp: tokens per chunk; 'none' = max(1024, hidden size)."),
+    )
     loss_chunk_mib: int = field(
         default=1024,
         metadata=_meta("With --tiled-loss: memory (MiB) for one chunk of logits; tokens per chunk follow from it."),
@@ -383,6 +394,8 @@ class TrainConfig:
             f"--eval-every {self.eval_every} needs held-out documents: set --eval-fraction > 0 or --eval-every 0",
         )
         _at_least("loss_chunk_mib", self.loss_chunk_mib, 1)
+        if self.mlp_chunk_tokens is not None:
+            _at_least("mlp_chunk_tokens", self.mlp_chunk_tokens, 1)
         _at_least("log_every", self.log_every, 1)
         _at_least("save_every", self.save_every, 0)
         _at_least("keep_last", self.keep_last, 0)

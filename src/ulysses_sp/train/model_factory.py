@@ -5,7 +5,8 @@ from a config with random weights, seeded by ``--seed``, sized for the embedded 
 
 FSDP2 (the default, the ZeRO-3 equivalent): rank 0 materialises the full model on CPU (pretrained weights
 or the seeded random init); every rank builds the same architecture on the ``meta`` device (no memory),
-parallelizes it, enables gradient checkpointing and shards it with ``fully_shard`` per decoder layer and
+parallelizes it, turns on the memory features (tiled loss, tiled MLP, activation checkpointing or
+offload) and shards it with ``fully_shard`` per decoder layer and
 then at the root, over a 1-D mesh of ALL ranks (dp x sp: the loss's gradient convention wants the average
 over the whole world). The shards are then allocated and filled from rank 0 by broadcast, so at most one
 full copy ever exists, on rank 0's CPU. Buffers that are not in the state dict (RoPE frequencies) are
@@ -26,7 +27,9 @@ from torch import nn
 
 from ulysses_sp.layout import ParallelLayout, check_heads_split
 from ulysses_sp.model import parallelize
+from ulysses_sp.offload import enable_activation_checkpointing
 from ulysses_sp.tiled_loss import enable_tiled_loss
+from ulysses_sp.tiling import enable_tiled_mlp
 from ulysses_sp.train.config import TrainConfig
 
 __all__ = [
@@ -148,17 +151,16 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def _prepare(model: nn.Module, config: TrainConfig, layout: ParallelLayout) -> None:
-    """Ulysses attention, the tiled loss and activation checkpointing, before any wrapping."""
+    """Ulysses attention and the long-sequence memory features, before any wrapping."""
     model.config.use_cache = False
     parallelize(model, layout, core=_CORE_NAMES[config.attn_core])
     if config.tiled_loss:
         enable_tiled_loss(model, budget_bytes=config.loss_chunk_mib << 20)
-    if config.checkpointing_mode(layout.device.type) != "none":
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if config.tiled_mlp:
+        enable_tiled_mlp(model, chunk_tokens=config.mlp_chunk_tokens)
+    mode = config.checkpointing_mode(layout.device.type)
+    if mode != "none":
+        enable_activation_checkpointing(model, mode)
 
 
 def build_model(
