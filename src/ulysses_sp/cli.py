@@ -109,19 +109,22 @@ def run_rank(config) -> int:
     from ulysses_sp.train.launch import init_process_group
     from ulysses_sp.train.loop import Trainer, resolve_config
     from ulysses_sp.train.metrics import format_summary
+    from ulysses_sp.train.model_factory import resolve_ring
 
     _quiet_libraries()
     init_process_group(config.dist_timeout)
     rank = dist.get_rank()
     try:
-        layout = ParallelLayout.from_env(config.sp)
+        ring = resolve_ring(config)
+        layout = ParallelLayout.from_env(config.sp, ring=ring)
         if config.nproc is not None and config.nproc != layout.world_size:
             raise ValueError(f"--nproc {config.nproc} but the launcher started {layout.world_size} ranks")
         if layout.is_main:
             resolved = config_to_dict(resolve_config(config, layout.world_size))
             print("ulysses-sp train, resolved config:", flush=True)
             print(yaml.safe_dump(resolved, sort_keys=False).rstrip().replace("\n", "\n  ").join(["  ", ""]))
-            print(f"layout: world {layout.world_size} = dp {layout.dp} x sp {layout.sp} on {layout.device}")
+            hybrid = f" (ulysses {layout.ulysses} x ring {layout.ring})" if layout.ring > 1 else ""
+            print(f"layout: world {layout.world_size} = dp {layout.dp} x sp {layout.sp}{hybrid} on {layout.device}")
         summary = Trainer(config, layout).fit()
         if layout.is_main:
             print(format_summary(summary, os.path.join(config.output_dir, config.metrics_file)), flush=True)

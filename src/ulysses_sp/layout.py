@@ -32,6 +32,7 @@ __all__ = [
     "check_heads_split",
     "choose_ring_degree",
     "hybrid_layouts_for",
+    "resolve_ring_degree",
     "sp_degrees_for",
 ]
 
@@ -185,7 +186,7 @@ class ParallelLayout:
         """
         if not isinstance(sp, int) or sp < 1:
             raise ValueError(f"sp must be a positive int, got {sp!r}")
-        ring = _resolve_ring(sp, ring, num_heads, num_kv_heads)
+        ring = resolve_ring_degree(sp, ring, num_heads, num_kv_heads)
         launched = dist.is_initialized() or "WORLD_SIZE" in os.environ
         if not launched:
             if sp == 1:
@@ -340,8 +341,11 @@ def _ring_choices(sp: int) -> str:
     return f"ring degrees that divide sp={sp}: {', '.join(str(r) for r in _divisors(sp))}"
 
 
-def _resolve_ring(sp: int, ring: int | None, num_heads: int | None, num_kv_heads: int | None) -> int:
-    """The ring degree for :meth:`ParallelLayout.from_env` (see there), validated against the heads."""
+def resolve_ring_degree(sp: int, ring: int | None, num_heads: int | None, num_kv_heads: int | None = None) -> int:
+    """The ring degree for :meth:`ParallelLayout.from_env` (see there), validated against the heads.
+
+    Needs no process group, so a launcher can check ``--sp`` / ``--ring`` before any rank starts.
+    """
     if ring is None:
         return choose_ring_degree(sp, num_heads, num_kv_heads) if num_heads is not None else 1
     if not isinstance(ring, int) or ring < 1 or sp % ring:

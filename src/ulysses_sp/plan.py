@@ -62,7 +62,7 @@ class Features:
         loss_chunk_tokens: tokens per loss chunk; None = ``loss_budget_bytes // (V * 12)``.
         loss_budget_bytes: the logits working set one loss chunk may use (default 1 GiB).
         tiled_mlp: the MLP over sequence chunks with recompute (``[chunk, I]`` instead of ``[t, I]``).
-        mlp_chunk_tokens: tokens per MLP chunk; None = ``hidden_size`` tokens (ALST's choice).
+        mlp_chunk_tokens: tokens per MLP chunk; None = the tiled MLP's default, ``max(1024, hidden_size)``.
         activation_checkpointing: "none" (every layer keeps its activations), "checkpoint" (each layer
             keeps its ``[t, h]`` input on the GPU and recomputes in backward), "offload" (those inputs live
             in pinned host memory).
@@ -369,9 +369,9 @@ def _terms(shape: ModelShape, *, seq_len: int, sp: int, dp: int, features: Featu
     all_to_all = 2 * c * qkv_width if sp > 1 else 0
     # Gated MLP down(silu(gate(x)) * up(x)): saves gate, silu(gate), up and their product ([t, I] each);
     # its backward adds two more [t, I] gradients. Tiled: only the current chunk's, recomputed.
-    mlp_chunk = min(features.mlp_chunk_tokens or h, t)
-    if features.tiled_mlp:
-        mlp_saved, mlp_backward = 0.0, 6 * c * inter * mlp_chunk / t
+    mlp_chunk = min(features.mlp_chunk_tokens or max(1024, h), t)  # tiling.default_chunk_tokens
+    if features.tiled_mlp:  # plus the fp32 parameter-gradient sums (3 h I params) and one chunk's gradients
+        mlp_saved, mlp_backward = 0.0, 6 * c * inter * mlp_chunk / t + (4 + c) * 3 * h * inter / t
     else:
         mlp_saved, mlp_backward = 4 * c * inter, 2 * c * inter
     layer_input = c * h  # a layer's input: the checkpoint, or (fp32, no checkpointing) saved by its norm

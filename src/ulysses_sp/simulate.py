@@ -101,38 +101,17 @@ def _synthetic_batch(vocab: int, seq_len: int, micro_batch: int, seed: int) -> d
 
 
 def _apply_features(model: nn.Module, features: Features) -> None:
-    """Turn on the requested features through their modules; a clear error when one is not available."""
-    if features.tiled_loss:
-        from .tiled_loss import enable_tiled_loss
+    """Turn on the requested features through their modules, as ``ulysses-sp train`` does."""
+    from .offload import enable_activation_checkpointing
+    from .tiled_loss import enable_tiled_loss
+    from .tiling import enable_tiled_mlp
 
-        kwargs: dict[str, Any] = {"budget_bytes": features.loss_budget_bytes}
-        if features.loss_chunk_tokens is not None:
-            kwargs["chunk_tokens"] = features.loss_chunk_tokens
-        enable_tiled_loss(model, **kwargs)
+    if features.tiled_loss:
+        enable_tiled_loss(model, chunk_tokens=features.loss_chunk_tokens, budget_bytes=features.loss_budget_bytes)
     if features.tiled_mlp:
-        try:
-            from .tiling import enable_tiled_mlp  # type: ignore[attr-defined]
-        except ImportError:
-            raise ValueError("tiled_mlp was asked for, but this build has no ulysses_sp.tiling") from None
         enable_tiled_mlp(model, chunk_tokens=features.mlp_chunk_tokens)
-    mode = features.activation_checkpointing
-    if mode == "none":
-        return
-    try:
-        from .offload import enable_activation_checkpointing  # type: ignore[attr-defined]
-    except ImportError:
-        if mode == "offload":
-            raise ValueError(
-                "activation_checkpointing='offload' was asked for, but this build has no ulysses_sp.offload"
-            ) from None
-        # transformers' own gradient checkpointing (non-reentrant), as ulysses-sp train does
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        return
-    enable_activation_checkpointing(model, mode=mode)
+    if features.activation_checkpointing != "none":
+        enable_activation_checkpointing(model, mode=features.activation_checkpointing)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -159,6 +159,7 @@ def test_config_json_and_directory(tmp_path):
     [
         ("llama", 2, Features(tiled_loss=False, dtype="fp32")),
         ("qwen3", 2, Features(tiled_loss=True, loss_chunk_tokens=256, dtype="bf16")),
+        ("llama", 2, Features(loss_chunk_tokens=256, tiled_mlp=True, mlp_chunk_tokens=128, dtype="fp32")),
     ],
 )
 def test_simulate_on_cpu_agrees_with_the_plan(kind, sp, features):
@@ -169,7 +170,7 @@ def test_simulate_on_cpu_agrees_with_the_plan(kind, sp, features):
     assert not dist.is_initialized()  # the fake world is gone
 
 
-def test_simulate_refuses_features_this_build_lacks_and_ddp():
+def test_simulate_refuses_ddp():
     from ulysses_sp.simulate import simulate_step
 
     with pytest.raises(ValueError, match="FSDP2 only"):

@@ -98,8 +98,9 @@ def test_builtin_models_and_the_sp_check():
     assert hf_config.tie_word_embeddings and hf_config.max_position_embeddings >= config.seq_len
     for name in BUILTIN_MODELS:
         check_model_against_config(TrainConfig(model=name, sp=2))
-    with pytest.raises(ValueError, match=r"--sp 3 does not fit --model 'llama-tiny'.*sp values that work: 1, 2, 4"):
-        check_model_against_config(TrainConfig(sp=3, nproc=3))
+    check_model_against_config(TrainConfig(sp=3, nproc=3))  # 3 does not split 4 heads: ulysses 1 x ring 3
+    with pytest.raises(ValueError, match=r"--sp 3 --ring 1 does not fit --model 'llama-tiny'.*ulysses 1 x ring 3"):
+        check_model_against_config(TrainConfig(sp=3, ring=1, nproc=3))
     with pytest.raises(ValueError, match="--model"):
         hf_model_config(TrainConfig(model="./no/such/model"))
 
@@ -128,3 +129,13 @@ def test_expandable_segments_unless_the_user_configured_the_allocator():
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         mine = {name: "max_split_size_mb:128"}
         assert not use_expandable_segments(mine) and mine == {name: "max_split_size_mb:128"}
+
+
+def test_ring_degree_from_the_heads_or_the_flag():
+    from ulysses_sp.train.model_factory import resolve_ring
+
+    assert resolve_ring(TrainConfig(sp=2)) == 1  # llama-tiny: 4 heads, 2 kv heads split over 2 ranks
+    assert resolve_ring(TrainConfig(sp=8, nproc=8)) == 2  # 8 > 4 heads: ulysses 4 x ring 2
+    assert resolve_ring(TrainConfig(sp=4, ring=4, nproc=4)) == 4
+    with pytest.raises(ValueError, match=r"--sp 8 --ring 1 does not fit --model 'llama-tiny'.*ulysses 4 x ring 2"):
+        resolve_ring(TrainConfig(sp=8, ring=1, nproc=8))

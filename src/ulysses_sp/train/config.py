@@ -146,6 +146,14 @@ class TrainConfig:
             "or 1 when the run has a single rank (e.g. one GPU)."
         ),
     )
+    ring: int | None = field(
+        default=None,
+        metadata=_meta(
+            "Ring degree inside --sp (sp = ulysses x ring; hybrid Ulysses x Ring attention for more ranks than the "
+            "heads allow). 'none' = automatic: pure Ulysses whenever the model's heads split over --sp, else the "
+            "smallest ring that makes them split."
+        ),
+    )
     nproc: int | None = field(
         default=None,
         metadata=_meta("Number of processes to launch; 'none' = one per GPU, or 2 on a CPU-only machine."),
@@ -342,6 +350,9 @@ class TrainConfig:
         _require(bool(self.model.strip()), "--model must not be empty; give a hub id, a path or 'llama-tiny'")
         _at_least("sp", self.sp, 1)
         _at_least("seq_len", self.seq_len, self.sp, "--sp so every rank holds at least one token")
+        if self.ring is not None:
+            _at_least("ring", self.ring, 1)
+            _require(self.sp % self.ring == 0, f"--ring {self.ring} must divide --sp {self.sp}")
         for seq_len, _ in self.schedule().stages:
             _require(
                 seq_len >= self.sp,

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ulysses_sp.layout import ParallelLayout, check_heads_split
+from ulysses_sp.layout import ParallelLayout, resolve_ring_degree
 from ulysses_sp.model import parallelize
 from ulysses_sp.offload import enable_activation_checkpointing
 from ulysses_sp.tiled_loss import enable_tiled_loss
@@ -37,6 +37,7 @@ __all__ = [
     "build_model",
     "check_model_against_config",
     "hf_model_config",
+    "resolve_ring",
     "tokenizer_source",
     "training_flops_per_token",
 ]
@@ -98,16 +99,24 @@ def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | No
         ) from None
 
 
-def check_model_against_config(config: TrainConfig) -> None:
-    """Fail before any rank starts when the model's heads do not split over ``--sp``."""
-    text_config = hf_model_config(config).get_text_config()
+def resolve_ring(config: TrainConfig, hf_config: Any | None = None) -> int:
+    """The ring degree of the run: ``--ring``, or chosen from the model's heads (pure Ulysses when they split
+    over ``--sp``); ValueError naming the flags when the heads do not fit the layout."""
+    text_config = (hf_config if hf_config is not None else hf_model_config(config)).get_text_config()
     num_heads = getattr(text_config, "num_attention_heads", None)
     if num_heads is None:
         raise ValueError(f"--model {config.model!r}: its config has no num_attention_heads; is it a decoder LM?")
     try:
-        check_heads_split(num_heads, getattr(text_config, "num_key_value_heads", None), config.sp)
+        kv_heads = getattr(text_config, "num_key_value_heads", None)
+        return resolve_ring_degree(config.sp, config.ring, num_heads, kv_heads)
     except ValueError as error:
-        raise ValueError(f"--sp {config.sp} does not fit --model {config.model!r}: {error}") from None
+        flags = f"--sp {config.sp}" + (f" --ring {config.ring}" if config.ring is not None else "")
+        raise ValueError(f"{flags} does not fit --model {config.model!r}: {error}") from None
+
+
+def check_model_against_config(config: TrainConfig) -> None:
+    """Fail before any rank starts when the model's heads do not split over ``--sp`` (and ``--ring``)."""
+    resolve_ring(config)
 
 
 def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
