@@ -13,11 +13,10 @@ from types import SimpleNamespace
 
 import torch
 
+import ulysses_sp as U
 from tests.dist.cases_core import check_parity
 from tests.helpers.harness import run_cases
 from tests.helpers.models import VOCAB, build, make_batch
-
-import ulysses_sp as U
 
 # Every family of the issue, tiny: (arch, kv_heads). heads=4 so sp=4 splits them.
 PARITY_ARCHS = {

@@ -108,7 +108,7 @@ def different_lengths_per_rank(layout):
     (out.loss * n).backward()  # DDP averages over 2 ranks: sum of n_r * loss_r / 2
     grads = {name: p.grad for name, p in par.named_parameters()}
     want = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
-    for rank_batch, tokens in zip(batches, (13, 6)):
+    for rank_batch, tokens in zip(batches, (13, 6), strict=True):
         ref = copy.deepcopy(model)
         (ref(**rank_batch, use_cache=False).loss * tokens / 2).backward()
         for name, p in ref.named_parameters():

@@ -3,9 +3,7 @@
 Each world size is spawned once (on first use) and runs every case of tests/dist/cases_ring.py.
 """
 
-import pytest
-
-from tests.helpers.harness import assert_case, run_world
+from tests.helpers.harness import dist_suite
 
 WORLD2 = [
     "ring2_llama_gqa",
@@ -44,29 +42,4 @@ WORLD4 = [
     "automatic_choice",
 ]
 
-
-CASES = [(2, case) for case in WORLD2] + [(4, case) for case in WORLD4]
-
-
-@pytest.fixture(scope="module")
-def results():
-    """results(world): the {case: {rank: result}} of that world size, spawned on first use only."""
-    runs = {}
-
-    def get(world: int):
-        if world not in runs:
-            runs[world] = run_world(world, f"tests.dist.cases_ring:world{world}")
-        return runs[world]
-
-    return get
-
-
-@pytest.mark.parametrize("world,case", CASES)
-def test_case(results, world, case):
-    assert_case(results(world), case, world)
-
-
-@pytest.mark.parametrize("world,listed", [(2, WORLD2), (4, WORLD4)])
-def test_every_worker_case_is_checked(results, world, listed):
-    """A case added to a worker but not to the lists above would pass unseen: fail instead."""
-    assert set(results(world)) == set(listed), set(results(world)) ^ set(listed)
+results, test_case, test_every_worker_case_is_checked = dist_suite("tests.dist.cases_ring", {2: WORLD2, 4: WORLD4})
