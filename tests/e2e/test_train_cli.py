@@ -199,7 +199,7 @@ def test_kills_mid_run_and_mid_checkpoint_then_resume_match_the_uninterrupted_ru
     ("args", "needle"),
     [
         (["--seq-len", "0"], "--seq-len"),
-        (["--sp", "3", "--nproc", "3"], "--sp 3"),
+        (["--sp", "3", "--ring", "1", "--nproc", "3"], "--sp 3 --ring 1"),
         (["--lr", "fast"], "--lr"),
         (["--parallel", "ddp", "--cpu-offload-optimizer"], "--cpu-offload-optimizer"),
     ],
