@@ -106,3 +106,15 @@ def test_bad_flag_exits_2_naming_it(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["--size", "tiny", "--seq-len", "513", "--output-dir", str(out), "--no-markdown"]) == 2
     assert "--seq-len 513" in capsys.readouterr().err and not out.exists()
+
+
+def test_report_from_redraws_without_measuring(run, tmp_path):
+    from ulysses_sp.bench.runner import main
+
+    root, results = run
+    source = root / "out" / "results.json"
+    report = tmp_path / "AGAIN.md"
+    assert main(["--report-from", str(source), "--markdown", str(report), "--output-dir", str(tmp_path / "png")]) == 0
+    text = report.read_text()
+    assert "--report-from" in text and f"{results['memory'][0]['saved_bytes'] / 2**20:,.2f}" in text
+    assert (tmp_path / "png" / "memory.png").is_file()

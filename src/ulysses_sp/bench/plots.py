@@ -10,13 +10,13 @@ __all__ = ["write_plots"]
 _DPI = 90
 
 
-def _figure(panels: int):
+def _figure(panels: int, width: float = 4.2):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.2), dpi=_DPI)
+    fig, axes = plt.subplots(1, panels, figsize=(width * panels, 3.2), dpi=_DPI)
     return plt, fig, (axes if panels > 1 else [axes])
 
 
@@ -63,7 +63,7 @@ def _comm(results: dict[str, Any], path: Path) -> str:
             by_sp[s].get("all_to_all_per_layer", 0) + by_sp[s].get("p2p_steps_per_layer", 0) if s in by_sp else 0
             for s in sps
         ]
-        axes[0].bar(xs, sent, width, label=name)
+        axes[0].bar(xs, sent, width, label=name + (" (formula)" if name == "ring attention" else ""))
         axes[1].bar(xs, calls, width, label=name)
     for ax, label in zip(axes, ("MiB sent per layer (fwd+bwd)", "collectives / p2p steps per layer"), strict=True):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sps))], [f"P={s}" for s in sps])
@@ -74,12 +74,12 @@ def _comm(results: dict[str, Any], path: Path) -> str:
 
 
 def _steps(results: dict[str, Any], path: Path) -> str:
-    plt, fig, axes = _figure(1)
+    plt, fig, axes = _figure(1, width=6.5)
     ax = axes[0]
     labels, medians, lows, highs = [], [], [], []
     for world, result in results["worlds"].items():
         for name, ratio in result["ratios"].items():
-            labels.append(f"{name}\n(world {world})")
+            labels.append(name.replace(" / ", "\n/ ") + f"\nP={world}")
             medians.append(ratio["median"])
             lows.append(ratio["median"] - ratio["min"])
             highs.append(ratio["max"] - ratio["median"])

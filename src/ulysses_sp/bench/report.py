@@ -24,8 +24,12 @@ def _provenance(results: dict[str, Any]) -> list[str]:
     versions = (
         f"torch {env['torch']}, transformers {env['transformers']}, deepspeed {env['deepspeed'] or 'not installed'}"
     )
+    rendered = []
+    if "rendered_by" in results:
+        rendered = [f"- Report redrawn from the run's results.json by `{results['rendered_by']}`"]
     return [
         f"- Command: `{config['command']}` (total {results['wall_s']:.0f} s)",
+        *rendered,
         f"- Machine: {env['machine']}; GPU: {env['gpu'] or 'none'}",
         f"- Versions: Python {env['python']}, {versions}; ulysses-sp commit {env['ulysses_sp_commit'] or 'unknown'}",
         f"- Date: {env['date']}",
@@ -155,6 +159,15 @@ def _steps(results: dict[str, Any], image: str) -> list[str]:
         "is reported. DeepSpeed's attention runs without a ZeRO engine: its SP attention does not need one "
         "(ZeRO is what its Trainer integrations shard the model with), and leaving it out on both sides keeps "
         "the difference to the SP attention itself.",
+        "",
+        "DeepSpeed set-up (0.19, CPU, gloo; `DS_BUILD_OPS=0 pip install deepspeed`): "
+        '`deepspeed.init_distributed(dist_backend="gloo")` adopts the torch process group; '
+        '`UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, micro_batch_size=1, seq_length=N, '
+        "seq_length_is_variable=False)` builds its SP groups and replaces transformers' global "
+        '`ALL_ATTENTION_FUNCTIONS["sdpa"]` with its wrapper, so the benchmark installs that wrapper only around '
+        "DeepSpeed's steps (the no-SP baseline in the same process runs plain sdpa). Its batches are the shards "
+        "`UlyssesSPDataLoaderAdapter` makes (labels shifted, then every key sliced), identical to "
+        "`ulysses_sp.shard_batch`'s for these lengths.",
         "",
     ]
     if "deepspeed_skipped" in results:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PRESETS", "BenchConfig", "environment", "main", "run_bench"]
+__all__ = ["PRESETS", "BenchConfig", "environment", "main", "rerender", "run_bench"]
 
 
 @dataclass(kw_only=True)
@@ -40,7 +40,7 @@ class BenchConfig:
     memory_sp: tuple[int, ...] = (1, 2, 4)
     step_seq_len: int = 2048
     worlds: tuple[int, ...] = (2, 4)
-    reps: dict[int, int] = field(default_factory=lambda: {2: 7, 4: 5})
+    reps: dict[int, int] = field(default_factory=lambda: {2: 11, 4: 7})
     deepspeed: bool = True
     gpu: str = "auto"
     output_dir: str = "benchmarks/results"
@@ -264,12 +264,40 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu", choices=("auto", "off"), default="auto", help="auto: GPU mode when CUDA is present")
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length of the step-time worlds")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per world (after 1 warm-up)")
+    parser.add_argument(
+        "--report-from",
+        default=None,
+        metavar="RESULTS_JSON",
+        help="measure nothing: redraw the plots and rewrite the markdown from a results.json of an earlier run",
+    )
     return parser
+
+
+def rerender(results_path: Path, markdown: Path | None, out_dir: Path | None = None) -> None:
+    """Redraw the PNGs and rewrite the markdown of an earlier run from its ``results.json`` (no measuring)."""
+    from .plots import write_plots
+    from .report import write_markdown
+
+    results = json.loads(results_path.read_text())
+    results["rendered_by"] = f"ulysses-sp bench --report-from {results_path}"
+    out_dir = out_dir or results_path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results["plots"] = write_plots(results, out_dir)
+    if markdown is not None:
+        write_markdown(results, markdown, out_dir)
 
 
 def main(argv: Sequence[str]) -> int:
     """``ulysses-sp bench [flags]``; returns the exit status."""
     args = _parser().parse_args(list(argv))
+    if args.report_from is not None:
+        source = Path(args.report_from)
+        if not source.is_file():
+            print(f"ulysses-sp bench: error: --report-from {source}: no such file", file=sys.stderr)
+            return 2
+        markdown = None if args.no_markdown else Path(args.markdown or "BENCHMARKS.md")
+        rerender(source, markdown, Path(args.output_dir) if args.output_dir else None)
+        return 0
     fields: dict[str, Any] = dict(PRESETS[args.size])
     if args.output_dir is not None:
         fields["output_dir"] = args.output_dir
