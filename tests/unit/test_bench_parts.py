@@ -91,3 +91,16 @@ def test_ring_formula():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
 def test_gpu_mode_skips_cleanly_without_cuda():
     assert run_gpu() == {"skipped": "no CUDA device"}
+
+
+def test_dense_core_attends_over_the_whole_row():
+    # Under the fake group the gathered positions read as one document per shard; dense_core must ignore that.
+    from ulysses_sp.cores import Segments, sdpa_core
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=gen) for _ in range(3))
+    per_shard = Segments(batch=1, seq_len=8, spans=[[(0, 4), (4, 8)]], device=torch.device("cpu"))
+    dense = Segments(batch=1, seq_len=8, spans=[[(0, 8)]], device=torch.device("cpu"))
+    out = dense_core("sdpa")(q, k, v, per_shard)
+    torch.testing.assert_close(out, sdpa_core(q, k, v, dense))
+    assert not torch.allclose(out[:, 4:], sdpa_core(q, k, v, per_shard)[:, 4:])
