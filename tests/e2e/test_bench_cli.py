@@ -54,7 +54,7 @@ def test_writes_json_plots_and_markdown(run):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and 5_000 < len(data) < 200_000, (name, len(data))
     report = (root / "REPORT.md").read_text()
     assert "ulysses-sp bench --size tiny" in report  # the command that made it
-    for section in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "Machine:", "Versions:", "Date:"):
+    for section in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "Machine:", "Versions:", "Date:", "Load average"):
         assert section in report, section
     assert "](out/memory.png)" in report  # image links relative to the report
     assert results["environment"]["torch"] and results["environment"]["date"]

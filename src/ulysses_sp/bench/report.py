@@ -19,6 +19,19 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     return lines + [""]
 
 
+def _load_lines(results: dict[str, Any]) -> list[str]:
+    env, note = results["environment"], results["config"].get("note")
+    lines = [f"- Note: {note}"] if note else []
+    start, end = env.get("load_average_start"), env.get("load_average_end")
+    if start is not None and end is not None:
+        lines.append(
+            f"- Load average (1 min) {start:.1f} at the start and {end:.1f} at the end of the run: when it exceeds the "
+            "core count, other processes shared the CPUs, so absolute times are noisy; the ratios come from "
+            "interleaved repetitions in the same run"
+        )
+    return lines
+
+
 def _provenance(results: dict[str, Any]) -> list[str]:
     env, config = results["environment"], results["config"]
     versions = (
@@ -31,6 +44,7 @@ def _provenance(results: dict[str, Any]) -> list[str]:
         f"- Command: `{config['command']}` (total {results['wall_s']:.0f} s)",
         *rendered,
         f"- Machine: {env['machine']}; GPU: {env['gpu'] or 'none'}",
+        *_load_lines(results),
         f"- Versions: Python {env['python']}, {versions}; ulysses-sp commit {env['ulysses_sp_commit'] or 'unknown'}",
         f"- Date: {env['date']}",
         "",

@@ -45,6 +45,7 @@ class BenchConfig:
     gpu: str = "auto"
     output_dir: str = "benchmarks/results"
     markdown: str | None = "BENCHMARKS.md"
+    note: str | None = None
     command: str = "ulysses-sp bench"
 
 
@@ -68,6 +69,14 @@ def _run(command: list[str]) -> str | None:
         return None
 
 
+def _load_average() -> float | None:
+    """The 1-minute load average (how many processes wanted the CPUs): a shared machine shows here."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def environment() -> dict[str, Any]:
     """Machine, versions and date of this run."""
     import torch
@@ -84,6 +93,7 @@ def environment() -> dict[str, Any]:
         pass
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "load_average_start": _load_average(),
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({cpu})",
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "python": platform.python_version(),
@@ -241,6 +251,7 @@ def run_bench(config: BenchConfig, log=print) -> dict[str, Any]:
     results["comm"] = _comm_table(config, results["worlds"])
     results["gpu"] = run_gpu(log=log) if config.gpu == "auto" else {"skipped": "--gpu off"}
     results["wall_s"] = time.monotonic() - started
+    results["environment"]["load_average_end"] = _load_average()
     results["plots"] = write_plots(results, out_dir)
     with open(out_dir / "results.json", "w") as handle:
         json.dump(results, handle, indent=1)
@@ -264,6 +275,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu", choices=("auto", "off"), default="auto", help="auto: GPU mode when CUDA is present")
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length of the step-time worlds")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per world (after 1 warm-up)")
+    parser.add_argument("--note", default=None, help="a line about the machine for the report (e.g. 'shared')")
     parser.add_argument(
         "--report-from",
         default=None,
@@ -307,7 +319,7 @@ def main(argv: Sequence[str]) -> int:
         fields["markdown"] = None
     if args.seq_len is not None:
         fields["step_seq_len"] = args.seq_len
-    config = BenchConfig(**fields, deepspeed=not args.no_deepspeed, gpu=args.gpu)
+    config = BenchConfig(**fields, deepspeed=not args.no_deepspeed, gpu=args.gpu, note=args.note)
     if args.reps is not None:
         config.reps = {world: args.reps for world in config.worlds}
     config.command = " ".join(["ulysses-sp bench", *argv])
