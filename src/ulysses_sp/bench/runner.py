@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -322,7 +323,7 @@ def main(argv: Sequence[str]) -> int:
     config = BenchConfig(**fields, deepspeed=not args.no_deepspeed, gpu=args.gpu, note=args.note)
     if args.reps is not None:
         config.reps = {world: args.reps for world in config.worlds}
-    config.command = " ".join(["ulysses-sp bench", *argv])
+    config.command = shlex.join(["ulysses-sp", "bench", *argv])
     try:
         run_bench(config, log=lambda text: print(text, flush=True))
     except ValueError as error:
