@@ -13,11 +13,13 @@ Gradients come out right once averaged over dp x sp (DDP / FSDP2 over the world,
 
 from .comm import CommStats
 from .cores import CORES, Segments
-from .layout import ParallelLayout
+from .layout import ParallelLayout, choose_ring_degree
 from .loss import causal_lm_loss, count_valid_tokens, reduce_token_loss, sequence_parallel_cross_entropy, sync_gradients
 from .model import parallelize, plain_attention, ulysses_context, unparallelize
+from .offload import disable_activation_checkpointing, enable_activation_checkpointing
 from .sharding import shard_batch, shift_labels
 from .tiled_loss import disable_tiled_loss, enable_tiled_loss, tiled_cross_entropy_sum
+from .tiling import disable_tiled_mlp, enable_tiled_mlp
 
 __version__ = "0.1.0"
 
@@ -27,9 +29,14 @@ __all__ = [
     "ParallelLayout",
     "Segments",
     "causal_lm_loss",
+    "choose_ring_degree",
     "count_valid_tokens",
+    "disable_activation_checkpointing",
     "disable_tiled_loss",
+    "disable_tiled_mlp",
+    "enable_activation_checkpointing",
     "enable_tiled_loss",
+    "enable_tiled_mlp",
     "parallelize",
     "plain_attention",
     "reduce_token_loss",

@@ -11,21 +11,36 @@ checks that every rank of the SP group holds a shard of the same shape (one tiny
 mismatch is a ValueError on every rank instead of a hang) and gathers the global position_ids and
 padding mask (one all-gather of ``b x N`` integers) into :class:`~ulysses_sp.cores.Segments`. Every layer
 then reuses them: per attention layer the only collectives are the two all-to-alls.
+
+With a ring (``layout.ring > 1``, hybrid Ulysses x Ring) the all-to-alls run inside the Ulysses group and
+the core is :func:`ulysses_sp.ring.ring_attention` over the ring group; the gathered positions are put
+back from the zigzag order of :func:`ulysses_sp.shard_batch` into sequence order.
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
+import torch.nn.functional as F
 
 from .comm import CommStats, all_gather_tensor, heads_to_seq, qkv_seq_to_heads
 from .cores import Core, Segments
 from .layout import ParallelLayout
+from .ring import ring_attention, zigzag_order
+from .sharding import IGNORE_INDEX
 
 __all__ = ["UlyssesAttention", "ulysses_attention_forward", "ulysses_mask"]
 
 MODULE_ATTR = "_ulysses_sp"
+# The sliding window of an attention module read from its config by parallelize (None: full attention). Used
+# when the model does not pass ``sliding_window`` to the attention function itself (Qwen2-MoE, PhiMoE apply
+# their window only through the mask, which Ulysses does not build).
+WINDOW_ATTR = "_ulysses_sp_window"
+_UNSET = object()
+# Core names a ring accepts: both compute exact attention, as the ring's blockwise core does.
+RING_CORES = ("sdpa", "eager")
 
 
 class UlyssesAttention:
@@ -39,34 +54,65 @@ class UlyssesAttention:
         core_name: str,
         comm_dtype: torch.dtype | None = None,
         stats: CommStats | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.layout = layout
         self.core = core
         self.core_name = core_name
         self.comm_dtype = comm_dtype
         self.stats = stats if stats is not None else CommStats()
+        self.vocab_size = vocab_size  # input_ids / labels outside [0, vocab_size) are refused on every rank
         # id(position_ids of a forward pass) -> (weak ref to that tensor, its Segments). An entry lives as long
         # as its position_ids tensor (held by autograd while the forward may still be recomputed by
         # activation checkpointing), so a recomputed layer always finds its own documents.
         self._segments: dict[int, tuple[weakref.ref, Segments]] = {}
         self._latest: Segments | None = None
 
+    def __deepcopy__(self, memo: dict) -> UlyssesAttention:
+        # copy.deepcopy of a parallelized model (an EMA or reference copy): process groups cannot be copied, so
+        # the copy shares the layout and the core; it gets its own counters and its own forward passes.
+        new = UlyssesAttention(
+            self.layout,
+            self.core,
+            core_name=self.core_name,
+            comm_dtype=self.comm_dtype,
+            stats=copy.deepcopy(self.stats, memo),
+            vocab_size=self.vocab_size,
+        )
+        memo[id(self)] = new
+        return new
+
     # ---------------------------------------------------------------------------------- once per forward
     def begin_forward(
-        self, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch_size: int, seq_len: int
+        self,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        batch_size: int,
+        seq_len: int,
+        *,
+        input_ids: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
     ) -> None:
         """Validate this rank's shard against its SP group and work out the documents of the full rows.
 
-        position_ids ``[b or 1, n]`` hold global positions; attention_mask ``[b, n]`` (or None). Under
+        position_ids ``[b or 1, n]`` hold global positions; attention_mask ``[b, n]`` (or None); input_ids
+        and targets (labels given to the model, -100 ignored) are checked against ``vocab_size``. Under
         sp > 1 every check is agreed across the SP group before any other collective, so bad input on one
         rank raises a ValueError on every rank instead of leaving the others waiting.
         """
         layout = self.layout
         problem = _input_problem(position_ids, attention_mask, seq_len, layout.sp)
+        if input_ids is not None and (input_ids.is_floating_point() or input_ids.dtype == torch.bool):
+            problem = problem or f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; use .long()"
+            input_ids = None
+        device = layout.device
+        ranges = torch.stack([*_id_range(input_ids, None, device), *_id_range(targets, IGNORE_INDEX, device)])  # [4]
         if layout.sp > 1:
-            self._agree(batch_size, seq_len, attention_mask is not None, problem)
+            self._agree(batch_size, seq_len, attention_mask is not None, problem, ranges)
         elif problem is not None:
             raise ValueError(problem)
+        else:
+            self._check_ids([ranges.tolist()])
         if position_ids is None:  # sp == 1: the model's own default positions
             position_ids = torch.arange(seq_len, device=layout.device)[None]
         positions = position_ids.expand(batch_size, seq_len)
@@ -78,10 +124,11 @@ class UlyssesAttention:
         weakref.finalize(position_ids, self._segments.pop, key, None)
         self._latest = segments
 
-    def _agree(self, batch: int, seq_len: int, has_mask: bool, problem: str | None) -> None:
-        # One tiny all-gather of (batch, seq, mask?, bad input?) over the SP group.
-        report = torch.tensor([batch, seq_len, int(has_mask), int(problem is not None)], dtype=torch.long)
-        reports = all_gather_tensor(report.to(self.layout.device), self.layout.sp_group, self.stats).tolist()
+    def _agree(self, batch: int, seq_len: int, has_mask: bool, problem: str | None, ranges: torch.Tensor) -> None:
+        # One tiny all-gather of (batch, seq, mask?, bad input?, id ranges) over the SP group.
+        head = torch.tensor([batch, seq_len, int(has_mask), int(problem is not None)], dtype=torch.long)
+        report = torch.cat([head.to(ranges.device), ranges])
+        reports = all_gather_tensor(report, self.layout.sp_group, self.stats).tolist()
         if problem is not None:
             raise ValueError(problem)
         bad = [i for i, r in enumerate(reports) if r[3]]
@@ -96,6 +143,22 @@ class UlyssesAttention:
                 f"shape, got {described}; give every rank of an SP group the same batch and shard it with "
                 "ulysses_sp.shard_batch"
             )
+        self._check_ids([r[4:] for r in reports])
+
+    def _check_ids(self, ranges: list[list[int]]) -> None:
+        # ranges[r] = [ids min, ids max, targets min, targets max] of sp_rank r: the same verdict on every rank.
+        vocab = self.vocab_size
+        for rank, (ids_lo, ids_hi, tgt_lo, tgt_hi) in enumerate(ranges):
+            for name, lo, hi in (("input_ids", ids_lo, ids_hi), ("labels", tgt_lo, tgt_hi)):
+                value = lo if lo < 0 else (hi if vocab is not None and hi >= vocab else None)
+                if value is not None:
+                    where = f"sp_rank {rank}: " if len(ranges) > 1 else ""
+                    allowed = f"in [0, {vocab})" if vocab is not None else "non-negative"
+                    ignored = ", or -100 (ignored)" if name == "labels" else ""
+                    raise ValueError(
+                        f"{where}{name} holds id {value}, outside the vocabulary of {vocab} tokens (ids must be "
+                        f"{allowed}{ignored}); check the tokenizer and the model's vocab_size"
+                    )
 
     def _gather_rows(
         self, positions: torch.Tensor, attention_mask: torch.Tensor | None
@@ -108,6 +171,8 @@ class UlyssesAttention:
             rows.append(attention_mask.to(device=device, dtype=torch.long))
         gathered = all_gather_tensor(torch.stack(rows), layout.sp_group, self.stats)  # [P, 1|2, b, n]
         full = gathered.permute(1, 2, 0, 3).reshape(len(rows), batch, layout.sp * n)  # [1|2, b, N]
+        if layout.ring > 1:  # shard_batch dealt the tokens in zigzag order: back to sequence order
+            full = full.index_select(2, torch.argsort(zigzag_order(layout.sp * n, layout.ring, device)))
         return full[0], (full[1] if attention_mask is not None else None)
 
     def segments_for(self, position_ids: torch.Tensor | None) -> Segments:
@@ -144,12 +209,18 @@ class UlyssesAttention:
         *,
         dropout: float = 0.0,
         scaling: float | None = None,
-        sliding_window: int | None = None,
+        sliding_window: int | None | object = _UNSET,
         softcap: float | None = None,
         position_ids: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        """q ``[b, H, n, d]``, k/v ``[b, Hkv, n, d]`` (local tokens) -> ``([b, n, H, d], None)``."""
+        """q ``[b, H, n, d]``, k/v ``[b, Hkv, n, d]`` (local tokens) -> ``([b, n, H, d], None)``.
+
+        ``sliding_window``: as the model passes it (None = full attention); when the model passes nothing,
+        the window its config gives this layer (the one its own mask would apply).
+        """
+        if sliding_window is _UNSET:
+            sliding_window = getattr(module, WINDOW_ATTR, None)
         if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
             raise ValueError("Ulysses attention supports causal (decoder) attention only")
         for name in ("s_aux", "sinks"):
@@ -164,13 +235,46 @@ class UlyssesAttention:
                 "ulysses_sp.unparallelize(model) (or use `with plain_attention(model):`) before generating"
             )
         segments = self.segments_for(position_ids)
-        group, wire = self.layout.sp_group, self.comm_dtype
+        group, wire = self.layout.ulysses_group, self.comm_dtype
+        # MLA (DeepSeek-V2/V3) has a v head dim != the q/k head dim: zero-pad the narrower side to one width so
+        # q, k and v still travel in one all-to-all (zeros change no score and no output), slice it off after.
+        d_qk, d_v = query.shape[-1], value.shape[-1]
+        if d_v < d_qk:
+            value = F.pad(value, (0, d_qk - d_v))
+        elif d_v > d_qk:
+            scaling = scaling if scaling is not None else d_qk**-0.5
+            query, key = F.pad(query, (0, d_v - d_qk)), F.pad(key, (0, d_v - d_qk))
         q, k, v = qkv_seq_to_heads(query, key, value, group, comm_dtype=wire, stats=self.stats)
-        # q [b, H/P, N, d]; k/v [b, hkv, N, d]
-        out = self.core(
+        # q [b, H/U, N/R, d]; k/v [b, hkv, N/R, d] (U = ulysses, R = ring; N/R = N without a ring)
+        core = self.core if self.layout.ring == 1 else self._ring_core
+        out = core(
             q, k, v, segments, scaling=scaling, sliding_window=sliding_window, softcap=softcap, dropout=dropout
-        )  # [b, N, H/P, d]
-        return heads_to_seq(out, group, comm_dtype=wire, stats=self.stats), None  # [b, n, H, d]
+        )  # [b, N/R, H/U, d]
+        if out.shape[-1] != d_v:
+            out = out[..., :d_v]  # [b, N/R, H/U, d_v]
+        return heads_to_seq(out, group, comm_dtype=wire, stats=self.stats), None  # [b, n, H, d_v]
+
+    def _ring_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, **kwargs):
+        """The core of a hybrid layout: ring attention over ``layout.ring_group`` (see :mod:`ulysses_sp.ring`)."""
+        if self.core_name not in RING_CORES:
+            raise ValueError(
+                f"core={self.core_name!r} cannot run inside a ring (ring={self.layout.ring}): the ring uses its own "
+                f"blockwise core with an fp32 online-softmax merge; use core='sdpa' (the default) or 'eager'"
+            )
+        return ring_attention(q, k, v, segments, self.layout.ring_group, stats=self.stats, **kwargs)
+
+
+def _id_range(
+    ids: torch.Tensor | None, ignore_index: int | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of the ids as long tensors on ``device`` (no host sync); ignore_index and no ids count as 0."""
+    if ids is None or ids.numel() == 0:
+        zero = torch.zeros((), dtype=torch.long, device=device)
+        return zero, zero
+    ids = ids.to(device=device, dtype=torch.long)
+    if ignore_index is not None:
+        ids = ids.masked_fill(ids == ignore_index, 0)
+    return ids.min(), ids.max()
 
 
 def _input_problem(

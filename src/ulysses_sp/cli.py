@@ -1,5 +1,6 @@
 """The ``ulysses-sp`` command (also ``python -m ulysses_sp``).
 
+``ulysses-sp plan [flags]`` predicts memory and the longest sequence (:mod:`ulysses_sp.plan_cli`).
 ``ulysses-sp train [flags]`` trains a causal LM with Ulysses sequence parallelism; with no flags it runs the
 embedded CPU demo. Started plainly it launches its own local ranks; under torchrun, ``accelerate launch`` or
 Slurm it is one rank of theirs (see :mod:`ulysses_sp.train.launch`). Exit status: 0 done, 2 invalid
@@ -22,6 +23,8 @@ commands:
            `ulysses-sp train --help` lists every flag.
   bench    benchmark against DeepSpeed's Ulysses, ring attention and no SP; writes
            benchmarks/results/ (JSON + PNG) and BENCHMARKS.md. `ulysses-sp bench --help`.
+  plan     predict per-GPU memory and the longest trainable sequence for a model and layout;
+           `--simulate` measures one real step as one rank of it. `ulysses-sp plan --help`.
 """
 
 
@@ -36,6 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return train(rest)
     if command == "bench":
         return bench(rest)
+    if command == "plan":
+        from ulysses_sp.plan_cli import plan_command
+
+        return plan_command(rest)
     print(f"ulysses-sp: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
     return 2
 
@@ -113,19 +120,22 @@ def run_rank(config) -> int:
     from ulysses_sp.train.launch import init_process_group
     from ulysses_sp.train.loop import Trainer, resolve_config
     from ulysses_sp.train.metrics import format_summary
+    from ulysses_sp.train.model_factory import resolve_ring
 
     _quiet_libraries()
     init_process_group(config.dist_timeout)
     rank = dist.get_rank()
     try:
-        layout = ParallelLayout.from_env(config.sp)
+        ring = resolve_ring(config)
+        layout = ParallelLayout.from_env(config.sp, ring=ring)
         if config.nproc is not None and config.nproc != layout.world_size:
             raise ValueError(f"--nproc {config.nproc} but the launcher started {layout.world_size} ranks")
         if layout.is_main:
             resolved = config_to_dict(resolve_config(config, layout.world_size))
             print("ulysses-sp train, resolved config:", flush=True)
             print(yaml.safe_dump(resolved, sort_keys=False).rstrip().replace("\n", "\n  ").join(["  ", ""]))
-            print(f"layout: world {layout.world_size} = dp {layout.dp} x sp {layout.sp} on {layout.device}")
+            hybrid = f" (ulysses {layout.ulysses} x ring {layout.ring})" if layout.ring > 1 else ""
+            print(f"layout: world {layout.world_size} = dp {layout.dp} x sp {layout.sp}{hybrid} on {layout.device}")
         summary = Trainer(config, layout).fit()
         if layout.is_main:
             print(format_summary(summary, os.path.join(config.output_dir, config.metrics_file)), flush=True)

@@ -6,7 +6,8 @@ functions return). Documents packed in one row and padding are described by :cla
 once per forward pass; no core builds an O(N^2) mask:
 
 * ``sdpa``: ``scaled_dot_product_attention`` once per document (one call for the whole batch when every
-  row is one document); sliding windows in blocks of ``window`` queries, so memory is O(N * window).
+  row is one document); sliding windows in blocks of ``window`` queries, so memory is O(N * window). On
+  CUDA, rows packed with many documents go to one ``flex_attention`` call instead (:func:`packed_kernel`).
 * ``eager``: explicit softmax(q k^T) per document, the reference; supports ``softcap``.
 * ``flex_attention``: one ``flex_attention`` call with a document (+ window) ``BlockMask``.
 * ``flash_attention_2`` / ``flash_attention_3``: varlen kernels fed with ``cu_seqlens`` (CUDA only).
@@ -29,9 +30,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CORES", "Core", "Segments", "eager_core", "flex_core", "get_core", "sdpa_core"]
+__all__ = ["CORES", "Core", "Segments", "eager_core", "flex_core", "get_core", "packed_kernel", "sdpa_core"]
 
 Core = Callable[..., torch.Tensor]
+FLEX_MIN_HEAD_DIM_CUDA = 16  # torch's compiled flex_attention kernels reject smaller head dims
+# The sdpa core hands packed rows to flex_attention on CUDA above this many documents per row (on average):
+# below it the per-document sdpa loop is a few calls of the fastest kernel; not yet tuned on a GPU.
+FLEX_MIN_DOCS_PER_ROW = 4
 
 
 @dataclass(eq=False)
@@ -48,6 +53,7 @@ class Segments:
     seq_len: int
     spans: list[list[tuple[int, int]]]
     device: torch.device
+    max_position: int = 0  # the largest position id of the full rows (length-dependent RoPE reads it)
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -75,7 +81,8 @@ class Segments:
             ends = begin[1:] + [seq_len]
             row_valid = valid[row]
             spans.append([(s, e) for s, e in zip(begin, ends, strict=True) if bool(row_valid[s])])
-        return cls(batch=batch, seq_len=seq_len, spans=spans, device=position_ids.device)
+        largest = int(pos.max()) if pos.numel() else 0
+        return cls(batch=batch, seq_len=seq_len, spans=spans, device=position_ids.device, max_position=largest)
 
     @property
     def is_dense(self) -> bool:
@@ -200,7 +207,28 @@ def sdpa_core(
 
     if segments.is_dense and (sliding_window is None or segments.seq_len <= sliding_window):
         return causal(q, k, v).transpose(1, 2)
+    if packed_kernel(segments, q.device, q.shape[-1], dropout) == "flex":
+        return flex_core(q, k, v, segments, scaling=scaling, sliding_window=sliding_window)
     return _per_document(q, k, v, segments, windowed)
+
+
+def packed_kernel(segments: Segments, device: torch.device, head_dim: int, dropout: float = 0.0) -> str:
+    """How the sdpa core runs rows that hold several documents: ``"flex"`` or ``"per_document"``.
+
+    On CUDA, rows packed with many documents (on average more than :data:`FLEX_MIN_DOCS_PER_ROW`) take ONE
+    compiled ``flex_attention`` call with a document ``BlockMask`` instead of one sdpa call per document, so
+    packing costs one kernel launch per layer; when flex cannot run (CPU, where it is eager and dense; no
+    triton; attention dropout; a head dim < 16) the per-document loop stays. Both are exact.
+    """
+    if device.type != "cuda" or dropout or head_dim < FLEX_MIN_HEAD_DIM_CUDA or not _has_triton():
+        return "per_document"
+    documents = sum(len(row) for row in segments.spans)
+    return "flex" if documents > FLEX_MIN_DOCS_PER_ROW * segments.batch else "per_document"
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 # ---------------------------------------------------------------------------------------------- eager
@@ -251,6 +279,7 @@ def flex_core(
 
     if dropout:
         raise ValueError(f"the flex_attention core has no attention dropout (dropout={dropout}); use sdpa")
+    check_flex_head_dim(q.shape[-1], q.device)
     docs = segments.doc_ids()
     window = sliding_window
 
@@ -282,6 +311,15 @@ def flex_core(
     )
     valid = (docs >= 0).to(out.dtype)[:, None, :, None]  # padding rows -> 0, as in the other cores
     return (out * valid).transpose(1, 2)
+
+
+def check_flex_head_dim(head_dim: int, device: torch.device) -> None:
+    """ValueError when flex_attention cannot run this head dim on this device (CUDA needs >= 16)."""
+    if device.type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM_CUDA:
+        raise ValueError(
+            f"the flex_attention core needs a head dim >= {FLEX_MIN_HEAD_DIM_CUDA} on CUDA (its compiled kernel "
+            f"does not support less), got head dim {head_dim}; use core='sdpa' for this model"
+        )
 
 
 @functools.cache

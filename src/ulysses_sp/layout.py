@@ -4,7 +4,15 @@ Ranks are laid out as a ``[dp, sp]`` grid in row-major order, so every sequence-
 contiguous block of ``sp`` ranks (on one node when ``sp`` divides the GPUs per node, which keeps the
 all-to-alls on NVLink) and the data-parallel (DP) group of a rank holds the ranks with the same position
 inside their SP block. A third group, ``loss_group``, spans the whole world: token counts and the loss are
-reduced over it. A ring axis (Ulysses x Ring) will become one more mesh dimension between ``dp`` and ``sp``.
+reduced over it.
+
+Hybrid Ulysses x Ring: ``sp = ulysses x ring``. Ulysses needs the query heads divisible by its degree, so
+past the head count (or where the kv heads do not split) the rest of ``sp`` becomes a ring axis. The mesh
+is then ``("dp", "ring", "ulysses")``, the Ulysses axis innermost (its all-to-alls are the heavier
+exchange, so they stay on the closest ranks); ``sp_rank = ring_rank * ulysses + ulysses_rank``, and
+``sp_group`` / ``sp_rank`` / ``sp`` still mean "the ranks that split one sequence", so sharding and the
+loss do not care whether a ring is present. :func:`choose_ring_degree` picks the smallest ring that the
+head counts allow (pure Ulysses whenever it works).
 
 No group lives in module state: pass the layout to whoever needs a group. ``ParallelLayout.single()``
 describes one process with no process group at all; it is the reference every parallel run is compared to.
@@ -19,7 +27,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["ParallelLayout", "check_heads_split", "sp_degrees_for"]
+__all__ = [
+    "ParallelLayout",
+    "check_heads_split",
+    "choose_ring_degree",
+    "hybrid_layouts_for",
+    "resolve_ring_degree",
+    "sp_degrees_for",
+]
 
 ProcessGroup = dist.ProcessGroup
 
@@ -52,6 +67,27 @@ def check_heads_split(num_heads: int, num_kv_heads: int | None, sp: int) -> None
     )
 
 
+def hybrid_layouts_for(sp: int, num_heads: int, num_kv_heads: int | None = None) -> list[tuple[int, int]]:
+    """The ``(ulysses, ring)`` pairs with ``ulysses * ring == sp`` whose Ulysses degree the heads allow."""
+    allowed = set(sp_degrees_for(num_heads, num_kv_heads))
+    return [(u, sp // u) for u in sorted(_divisors(sp), reverse=True) if u in allowed]
+
+
+def _describe(pairs: list[tuple[int, int]]) -> str:
+    return ", ".join(f"ulysses {u} x ring {r}" for u, r in pairs)
+
+
+def choose_ring_degree(sp: int, num_heads: int, num_kv_heads: int | None = None) -> int:
+    """The ring degree for ``sp`` ranks: 1 (pure Ulysses) when the heads split over ``sp``, else the
+    smallest ring whose Ulysses degree ``sp / ring`` the heads allow (ring = sp, pure ring, always works).
+
+    Example: 2 query heads at sp=4 -> ring 2 (ulysses 2 x ring 2); 32 heads / 8 kv heads at sp=16 -> ring 2.
+    """
+    if not isinstance(sp, int) or sp < 1:
+        raise ValueError(f"sp must be a positive int, got {sp!r}")
+    return hybrid_layouts_for(sp, num_heads, num_kv_heads)[0][1]
+
+
 @dataclass(frozen=True, eq=False)
 class ParallelLayout:
     """Where this rank sits in a ``dp x sp`` grid, and the process groups along each axis.
@@ -61,15 +97,22 @@ class ParallelLayout:
 
     Attributes:
         dp: number of data-parallel replicas (SP groups).
-        sp: Ulysses degree: ranks that split one sequence.
+        sp: ranks that split one sequence (``ulysses x ring``).
         rank: this rank in the world (0 in a single process).
         sp_rank: this rank's index inside its SP group; its shard is tokens
-            ``[sp_rank * N / sp, (sp_rank + 1) * N / sp)`` of every row.
+            ``[sp_rank * N / sp, (sp_rank + 1) * N / sp)`` of every row (of the zigzag order when
+            ``ring > 1``, see :func:`ulysses_sp.ring.zigzag_order`).
         dp_rank: index of this rank's SP group; SP groups see different samples.
         sp_group / dp_group / loss_group: process groups (None when that axis has one rank and no
             process group exists). ``loss_group`` spans dp x sp.
         device: the device activations live on (cuda:LOCAL_RANK on GPU, cpu otherwise).
-        mesh: the ``DeviceMesh`` with dims ``("dp", "sp")`` when built by :meth:`from_env`.
+        mesh: the ``DeviceMesh`` built by :meth:`from_env`: dims ``("dp", "sp")``, or
+            ``("dp", "ring", "ulysses")`` when ``ring > 1``.
+        ring: ring degree (1: pure Ulysses); ``ulysses = sp // ring``.
+        ring_group: the ``ring`` ranks with this rank's Ulysses rank in the other Ulysses groups of its
+            SP group (None when ``ring == 1``); its group rank is :attr:`ring_rank`.
+        ulysses_group: the ``ulysses`` consecutive ranks of the SP group that exchange heads (the SP
+            group itself when ``ring == 1``; None when ``ulysses == 1``).
     """
 
     dp: int
@@ -82,12 +125,17 @@ class ParallelLayout:
     loss_group: ProcessGroup | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     mesh: DeviceMesh | None = None
+    ring: int = 1
+    ring_group: ProcessGroup | None = None
+    ulysses_group: ProcessGroup | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dp", "sp"):
+        for name in ("dp", "sp", "ring"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.sp % self.ring:
+            raise ValueError(f"ring={self.ring} does not divide sp={self.sp}; {_ring_choices(self.sp)}")
         if not 0 <= self.sp_rank < self.sp or not 0 <= self.dp_rank < self.dp:
             raise ValueError(
                 f"rank coordinates out of range: sp_rank={self.sp_rank} (sp={self.sp}), "
@@ -99,6 +147,14 @@ class ParallelLayout:
             raise ValueError(f"sp_group has {dist.get_world_size(self.sp_group)} ranks but sp={self.sp}")
         if self.dp_group is not None and dist.get_world_size(self.dp_group) != self.dp:
             raise ValueError(f"dp_group has {dist.get_world_size(self.dp_group)} ranks but dp={self.dp}")
+        if self.ring == 1 and self.ulysses_group is None:
+            object.__setattr__(self, "ulysses_group", self.sp_group)
+        for name, size in (("ring_group", self.ring), ("ulysses_group", self.ulysses)):
+            group = getattr(self, name)
+            if size > 1 and group is None:
+                raise ValueError(f"{name} is missing for {name.split('_')[0]} degree {size}")
+            if group is not None and dist.get_world_size(group) != size:
+                raise ValueError(f"{name} has {dist.get_world_size(group)} ranks but {name[:-6]} degree is {size}")
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -108,16 +164,29 @@ class ParallelLayout:
 
     @classmethod
     def from_env(
-        cls, sp: int, *, backend: str | None = None, device: torch.device | str | None = None
+        cls,
+        sp: int,
+        *,
+        ring: int | None = None,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        backend: str | None = None,
+        device: torch.device | str | None = None,
     ) -> ParallelLayout:
         """Build the layout for this process from the launcher's environment (RANK, WORLD_SIZE, ...).
 
         Initialises the default process group when it is not initialised yet (``nccl`` when CUDA is
         available, else ``gloo``). With no launcher environment and ``sp == 1`` it returns
         :meth:`single`. ``dp`` is ``world_size // sp``.
+
+        ``ring``: the ring degree (``sp = ulysses x ring``). None (default): chosen by
+        :func:`choose_ring_degree` from ``num_heads`` / ``num_kv_heads`` when they are given (pure Ulysses
+        whenever the heads allow it), else 1. With the head counts given, a ring whose Ulysses degree the
+        heads do not allow is a ValueError listing the ``(ulysses, ring)`` pairs that work.
         """
         if not isinstance(sp, int) or sp < 1:
             raise ValueError(f"sp must be a positive int, got {sp!r}")
+        ring = resolve_ring_degree(sp, ring, num_heads, num_kv_heads)
         launched = dist.is_initialized() or "WORLD_SIZE" in os.environ
         if not launched:
             if sp == 1:
@@ -142,19 +211,30 @@ class ParallelLayout:
             else:
                 device = torch.device("cpu")
         device = torch.device(device)
-        mesh = init_device_mesh(device.type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
         rank = dist.get_rank()
+        if ring == 1:
+            mesh = init_device_mesh(device.type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
+            sp_group, ring_group, ulysses_group = mesh.get_group("sp"), None, mesh.get_group("sp")
+        else:  # dp x ring x ulysses, Ulysses innermost; "sp" = ring x ulysses flattened (ring-major)
+            dims = ("dp", "ring", "ulysses")
+            mesh = init_device_mesh(device.type, (world // sp, ring, sp // ring), mesh_dim_names=dims)
+            sp_group = mesh["ring", "ulysses"]._flatten("sp").get_group()
+            ring_group = mesh.get_group("ring")
+            ulysses_group = mesh.get_group("ulysses") if sp > ring else None
         return cls(
             dp=world // sp,
             sp=sp,
             rank=rank,
             sp_rank=rank % sp,
             dp_rank=rank // sp,
-            sp_group=mesh.get_group("sp"),
+            sp_group=sp_group,
             dp_group=mesh.get_group("dp"),
             loss_group=dist.group.WORLD,
             device=device,
             mesh=mesh,
+            ring=ring,
+            ring_group=ring_group,
+            ulysses_group=ulysses_group,
         )
 
     @classmethod
@@ -164,15 +244,28 @@ class ParallelLayout:
         dp_group: ProcessGroup | None = None,
         *,
         loss_group: ProcessGroup | None = None,
+        ring_group: ProcessGroup | None = None,
+        ulysses_group: ProcessGroup | None = None,
         device: torch.device | str | None = None,
     ) -> ParallelLayout:
         """Wrap process groups made elsewhere (e.g. by Accelerate or your own ``new_group`` calls).
 
         ``loss_group`` defaults to the world group. The SP group of every rank must be a contiguous block
         of ranks in the same order as the sequence shards: shard ``i`` lives on the group's rank ``i``.
+        For a hybrid layout also pass ``ring_group`` and (when ``ulysses > 1``) ``ulysses_group``, with
+        ``sp_rank == ring_rank * ulysses + ulysses_rank``.
         """
         sp = dist.get_world_size(sp_group) if sp_group is not None else 1
         dp = dist.get_world_size(dp_group) if dp_group is not None else 1
+        ring = dist.get_world_size(ring_group) if ring_group is not None else 1
+        if ring > 1 and sp % ring == 0:
+            sp_rank = dist.get_rank(sp_group)
+            ulysses_rank = dist.get_rank(ulysses_group) if ulysses_group is not None else 0
+            if dist.get_rank(ring_group) * (sp // ring) + ulysses_rank != sp_rank:
+                raise ValueError(
+                    f"sp_rank {sp_rank} != ring_rank {dist.get_rank(ring_group)} x ulysses {sp // ring} + "
+                    f"ulysses_rank {ulysses_rank}: the ring and Ulysses groups do not tile the SP group ring-major"
+                )
         if loss_group is None and dist.is_initialized():
             loss_group = dist.group.WORLD
         world = dist.get_world_size(loss_group) if loss_group is not None else 1
@@ -188,6 +281,9 @@ class ParallelLayout:
             dp_group=dp_group,
             loss_group=loss_group,
             device=torch.device(device) if device is not None else torch.device("cpu"),
+            ring=ring,
+            ring_group=ring_group,
+            ulysses_group=ulysses_group if ring > 1 else sp_group,
         )
 
     # ------------------------------------------------------------------ derived facts
@@ -195,6 +291,21 @@ class ParallelLayout:
     def world_size(self) -> int:
         """dp x sp."""
         return self.dp * self.sp
+
+    @property
+    def ulysses(self) -> int:
+        """Ulysses degree: ranks that exchange heads by all-to-all (``sp // ring``)."""
+        return self.sp // self.ring
+
+    @property
+    def ulysses_rank(self) -> int:
+        """This rank's index in its Ulysses group."""
+        return self.sp_rank % self.ulysses
+
+    @property
+    def ring_rank(self) -> int:
+        """This rank's index in its ring group (0 when ``ring == 1``)."""
+        return self.sp_rank // self.ulysses
 
     @property
     def is_main(self) -> bool:
@@ -206,11 +317,46 @@ class ParallelLayout:
         return sp_degrees_for(num_heads, num_kv_heads)
 
     def check_heads(self, num_heads: int, num_kv_heads: int | None = None) -> None:
-        """Raise ValueError unless the heads split over ``sp`` ranks (see :func:`check_heads_split`)."""
-        check_heads_split(num_heads, num_kv_heads, self.sp)
+        """Raise ValueError unless the heads split over the Ulysses degree (see :func:`check_heads_split`);
+        the message lists the ``(ulysses, ring)`` layouts of this ``sp`` that would work."""
+        try:
+            check_heads_split(num_heads, num_kv_heads, self.ulysses)
+        except ValueError as err:
+            pairs = _describe(hybrid_layouts_for(self.sp, num_heads, num_kv_heads))
+            raise ValueError(
+                f"{err}. This layout is ulysses {self.ulysses} x ring {self.ring} = sp {self.sp}; the layouts "
+                f"of sp={self.sp} that work for these heads: {pairs} (ParallelLayout.from_env(sp={self.sp}, "
+                f"ring=...), or leave ring=None and pass num_heads/num_kv_heads to choose automatically)"
+            ) from None
 
     def __repr__(self) -> str:
+        ring = f", ulysses={self.ulysses}, ring={self.ring}" if self.ring > 1 else ""
         return (
-            f"ParallelLayout(dp={self.dp}, sp={self.sp}, rank={self.rank}, dp_rank={self.dp_rank}, "
+            f"ParallelLayout(dp={self.dp}, sp={self.sp}{ring}, rank={self.rank}, dp_rank={self.dp_rank}, "
             f"sp_rank={self.sp_rank}, device={self.device})"
         )
+
+
+def _ring_choices(sp: int) -> str:
+    return f"ring degrees that divide sp={sp}: {', '.join(str(r) for r in _divisors(sp))}"
+
+
+def resolve_ring_degree(sp: int, ring: int | None, num_heads: int | None, num_kv_heads: int | None = None) -> int:
+    """The ring degree for :meth:`ParallelLayout.from_env` (see there), validated against the heads.
+
+    Needs no process group, so a launcher can check ``--sp`` / ``--ring`` before any rank starts.
+    """
+    if ring is None:
+        return choose_ring_degree(sp, num_heads, num_kv_heads) if num_heads is not None else 1
+    if not isinstance(ring, int) or ring < 1 or sp % ring:
+        raise ValueError(f"ring must be a positive int dividing sp={sp}, got {ring!r}; {_ring_choices(sp)}")
+    if num_heads is not None:
+        pairs = hybrid_layouts_for(sp, num_heads, num_kv_heads)
+        if (sp // ring, ring) not in pairs:
+            raise ValueError(
+                f"ulysses {sp // ring} x ring {ring} cannot be formed for num_attention_heads={num_heads}, "
+                f"num_key_value_heads={num_kv_heads or num_heads} (query heads must be divisible by the Ulysses "
+                f"degree; kv heads divisible by it, or it by the kv heads); layouts of sp={sp} that work: "
+                f"{_describe(pairs)}"
+            )
+    return ring

@@ -18,7 +18,7 @@ import weakref
 from types import TracebackType
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["PeakMemory"]
@@ -40,6 +40,12 @@ class _StorageTracker(TorchDispatchMode):
             self.current -= nbytes
 
     def _track(self, tensor: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(tensor):  # e.g. a DTensor: count the local tensors it wraps
+            for name in tensor.__tensor_flatten__()[0]:
+                inner = getattr(tensor, name)
+                if isinstance(inner, torch.Tensor):
+                    self._track(inner)
+            return
         if tensor.device.type != self.device_type or tensor.is_meta:
             return
         storage = tensor.untyped_storage()

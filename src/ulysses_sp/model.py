@@ -6,12 +6,19 @@ mask function that builds no dense mask) with transformers' public ``AttentionIn
 ``set_attn_implementation``, points each attention module at the model's :class:`UlyssesAttention`, and
 adds one forward pre-hook on the decoder that works out documents once per forward pass. No model class is
 patched; :func:`unparallelize` (or ``with plain_attention(model):``) undoes all of it, e.g. to generate.
+
+Rotary embeddings whose frequencies depend on the sequence length (rope types ``dynamic`` and ``longrope``)
+read the largest position id they are given. Under SP each rank holds a slice of the positions, so a pair of
+hooks on such a rotary module appends the largest position of the FULL rows (gathered once per forward) to
+the position_ids it receives and drops that extra column from its cos/sin: every rank picks the frequencies
+one process would pick for the whole sequence.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -19,7 +26,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from .attention import MODULE_ATTR, UlyssesAttention, ulysses_attention_forward, ulysses_mask
+from .attention import MODULE_ATTR, WINDOW_ATTR, UlyssesAttention, ulysses_attention_forward, ulysses_mask
 from .comm import CommStats
 from .cores import CORES, Core, get_core
 from .layout import ParallelLayout
@@ -34,26 +41,157 @@ class _State:
     ctx: UlyssesAttention
     name: str
     original_impl: str
-    hook: torch.utils.hooks.RemovableHandle
+    hooks: list[torch.utils.hooks.RemovableHandle]
     modules: list[torch.nn.Module]
 
 
-def _find_pretrained(model: torch.nn.Module) -> PreTrainedModel:
+class _BeginForward:
+    """Forward pre-hook on the decoder: checks the shard and works out the documents once per forward pass.
+
+    A second pre-hook on the whole model (:meth:`take_targets`) hands it the labels given to the model, so
+    their ids are checked in the same agreement as the input's. Hooks are objects (not closures) so that
+    ``copy.deepcopy`` of a parallelized model gives a copy whose hooks serve the copy.
+    """
+
+    def __init__(self, pretrained: PreTrainedModel, ctx: UlyssesAttention, name: str) -> None:
+        self.pretrained, self.ctx, self.name = pretrained, ctx, name
+        self.targets: torch.Tensor | None = None
+
+    def active(self) -> bool:
+        return self.pretrained.config._attn_implementation == self.name  # False under plain_attention
+
+    def take_targets(self, module, args, kwargs):
+        self.targets = None
+        if self.active():
+            targets = kwargs.get("shift_labels")
+            if targets is None:
+                targets = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get("labels")
+            self.targets = targets if isinstance(targets, torch.Tensor) else None
+        return None
+
+    def __call__(self, module, args, kwargs):
+        targets, self.targets = self.targets, None
+        if not self.active():
+            return None  # switched back to plain attention (plain_attention): nothing to do
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        if bound.get("past_key_values") is not None:
+            raise ValueError(
+                "a KV cache (past_key_values) cannot be used under sequence parallelism; generate inside "
+                "`with ulysses_sp.plain_attention(model):` or after ulysses_sp.unparallelize(model)"
+            )
+        input_ids = bound.get("input_ids")
+        tokens = input_ids if input_ids is not None else bound.get("inputs_embeds")
+        if tokens is None:
+            raise ValueError("the model needs input_ids or inputs_embeds")
+        self.ctx.begin_forward(
+            bound.get("position_ids"),
+            bound.get("attention_mask"),
+            tokens.shape[0],
+            tokens.shape[1],
+            input_ids=input_ids,
+            targets=targets,
+        )
+        return args, {**kwargs, "use_cache": False}
+
+
+def _length_dependent(rope_type: object) -> bool:
+    # rope types whose transformers implementation (dynamic_rope_update) reads max(position_ids) every call
+    types = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+    return any(isinstance(t, str) and ("dynamic" in t or t == "longrope") for t in types)
+
+
+class _GlobalRopeLength:
+    """Hooks on a length-dependent rotary embedding: it sees the largest position of the full rows.
+
+    ``before`` appends one column holding that position to the ``[b, n]`` position_ids (``[b, n + 1]``), so
+    ``torch.max(position_ids)`` inside transformers' ``dynamic_rope_update`` is the global one; ``after``
+    drops the extra column from every returned ``[b, n + 1, d]`` tensor. cos/sin of a position do not depend
+    on the other positions of the call, so the n real columns are exactly what one process computes.
+    """
+
+    def __init__(self, pretrained: PreTrainedModel, ctx: UlyssesAttention, name: str) -> None:
+        self.pretrained, self.ctx, self.name = pretrained, ctx, name
+        self.appended = False
+
+    def before(self, module, args, kwargs):
+        self.appended = False
+        if self.pretrained.config._attn_implementation != self.name:
+            return None  # plain attention: the model runs on its own full input
+        in_kwargs = "position_ids" in kwargs
+        positions = kwargs["position_ids"] if in_kwargs else (args[1] if len(args) > 1 else None)
+        if positions is None or positions.dim() != 2:
+            raise ValueError(
+                f"{type(module).__name__} (rope type {module.rope_type!r}) derives its frequencies from the largest "
+                "position id; under Ulysses it needs position_ids of shape [batch, seq_len], got "
+                f"{None if positions is None else tuple(positions.shape)}"
+            )
+        largest = self.ctx.segments_for(positions).max_position
+        extended = torch.cat([positions, positions.new_full((positions.shape[0], 1), largest)], dim=1)  # [b, n+1]
+        self.appended = True
+        if in_kwargs:
+            return args, {**kwargs, "position_ids": extended}
+        return (args[0], extended, *args[2:]), kwargs
+
+    def after(self, module, args, kwargs, output):
+        if not self.appended:
+            return None
+        self.appended = False
+        if isinstance(output, torch.Tensor):
+            return output[:, :-1]  # [b, n+1, ...] -> [b, n, ...]
+        return type(output)(t[:, :-1] for t in output)  # (cos, sin): [b, n+1, d] -> [b, n, d]
+
+
+def _rope_hooks(
+    pretrained: PreTrainedModel, ctx: UlyssesAttention, name: str, config
+) -> list[tuple[torch.nn.Module, _GlobalRopeLength]]:
+    """The length-dependent rotary modules of the model and a hook object for each (nothing installed yet)."""
+    rotaries = [
+        m
+        for m in pretrained.modules()
+        if _length_dependent(getattr(m, "rope_type", None))
+        and any(name.endswith("inv_freq") for name, _ in m.named_buffers(recurse=False))
+    ]
+    params = getattr(config, "rope_parameters", None) or {}
+    flat = [params] if "rope_type" in params else [p for p in params.values() if isinstance(p, dict)]
+    if not rotaries and any(_length_dependent(p.get("rope_type")) for p in flat):
+        raise ValueError(
+            f"the config asks for a rope type whose frequencies depend on the sequence length ({params}), but no "
+            f"rotary module of {type(pretrained).__name__} exposes it; under Ulysses each rank would pick them from "
+            "its own shard, so this model is refused"
+        )
+    return [(m, _GlobalRopeLength(pretrained, ctx, name)) for m in rotaries]
+
+
+def _find_pretrained(model: torch.nn.Module, caller: str = "parallelize") -> PreTrainedModel:
     # The model itself, or the transformers model inside a wrapper (PEFT, DDP, ...).
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
             return module
     raise TypeError(
-        f"parallelize expects a transformers PreTrainedModel (or a wrapper around one, e.g. a PEFT model); "
+        f"{caller} expects a transformers PreTrainedModel (or a wrapper around one, e.g. a PEFT model); "
         f"got {type(model).__name__}"
     )
 
 
-def _decoder(pretrained: PreTrainedModel) -> torch.nn.Module:
-    base = pretrained.base_model
-    if "position_ids" not in inspect.signature(base.forward).parameters:
-        raise ValueError(f"{type(base).__name__}.forward takes no position_ids; Ulysses needs them for RoPE")
-    return base
+def _takes_tokens(module: torch.nn.Module) -> bool:
+    params = inspect.signature(module.forward).parameters
+    return "position_ids" in params and ("input_ids" in params or "inputs_embeds" in params)
+
+
+def _decoder(pretrained: PreTrainedModel, attention: list[torch.nn.Module]) -> torch.nn.Module:
+    """The module every forward pass enters before its attention layers: the innermost module that holds all
+    of them and takes input_ids/inputs_embeds and position_ids (``LlamaModel``; ``OPTDecoder``, which
+    ``OPTForCausalLM`` calls directly, skipping ``OPTModel``)."""
+    names = {id(m): n for n, m in pretrained.named_modules()}
+    common = os.path.commonprefix([names[id(m)].split(".") for m in attention])  # element-wise on lists
+    for depth in range(len(common), -1, -1):
+        module = pretrained.get_submodule(".".join(common[:depth]))
+        if not isinstance(module, torch.nn.ModuleList | torch.nn.ModuleDict) and _takes_tokens(module):
+            return module
+    raise ValueError(
+        f"no module of {type(pretrained).__name__} that holds its attention layers takes position_ids; Ulysses "
+        "needs the global positions of each shard (RoPE, documents), so this model is refused"
+    )
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -86,6 +224,28 @@ def _check_attention_features(config, core: str | None) -> None:
             f"the model uses attention logit softcapping (attn_logit_softcapping={config.attn_logit_softcapping}), "
             "which sdpa cannot apply; use core='eager' or core='flash_attention_2' (or flex_attention on GPU)"
         )
+
+
+def _layer_window(config, module: torch.nn.Module) -> int | None:
+    """The sliding window the model's own mask gives ``module`` (None: full causal), read from the config.
+
+    transformers builds a sliding-window mask for the layers whose ``layer_types`` entry is
+    ``"sliding_attention"``, or for every layer when the config sets ``sliding_window`` without layer types
+    (PhiMoE, Mistral); ``use_sliding_window=False`` turns it off (Qwen2 family).
+    """
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return int(window)
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int) or not 0 <= layer < len(layer_types):
+        raise ValueError(
+            f"{type(module).__name__} has no usable layer_idx ({layer!r}), so Ulysses cannot tell whether the "
+            f"sliding window of config.layer_types applies to it; this model is refused"
+        )
+    return int(window) if layer_types[layer] == "sliding_attention" else None
 
 
 def _register(name: str) -> None:
@@ -148,38 +308,33 @@ def parallelize(
             f"{type(pretrained).__name__} uses attention sinks, which Ulysses does not support yet (the sink "
             "logits would be silently dropped)"
         )
-    decoder = _decoder(pretrained)
-    signature = inspect.signature(decoder.forward)
+    decoder = _decoder(pretrained, modules)
+    embeddings = pretrained.get_input_embeddings()
+    vocab_size = getattr(embeddings, "num_embeddings", None) or getattr(text_config, "vocab_size", None)
+    ctx = UlyssesAttention(
+        layout, core_fn, core_name=core_name, comm_dtype=comm_dtype, stats=stats, vocab_size=vocab_size
+    )
+    name = f"ulysses_{core_name}" if isinstance(core, str) else "ulysses_custom"
+    rope_hooks = _rope_hooks(pretrained, ctx, name, text_config)
+    windows = [_layer_window(text_config, m) for m in modules]
 
     # All checks passed: from here on the model is changed.
-    ctx = UlyssesAttention(layout, core_fn, core_name=core_name, comm_dtype=comm_dtype, stats=stats)
-    name = f"ulysses_{core_name}" if isinstance(core, str) else "ulysses_custom"
     _register(name)
     original = pretrained.config._attn_implementation
     pretrained.set_attn_implementation(name)
-    for module in modules:
+    for module, window in zip(modules, windows, strict=True):
         object.__setattr__(module, MODULE_ATTR, ctx)
+        object.__setattr__(module, WINDOW_ATTR, window)
 
-    def pre_hook(module, args, kwargs):
-        if pretrained.config._attn_implementation != name:
-            return None  # switched back to plain attention (plain_attention): nothing to do
-        bound = signature.bind_partial(*args, **kwargs).arguments
-        if bound.get("past_key_values") is not None:
-            raise ValueError(
-                "a KV cache (past_key_values) cannot be used under sequence parallelism; generate inside "
-                "`with ulysses_sp.plain_attention(model):` or after ulysses_sp.unparallelize(model)"
-            )
-        tokens = bound.get("input_ids")
-        if tokens is None:
-            tokens = bound.get("inputs_embeds")
-        if tokens is None:
-            raise ValueError("the model needs input_ids or inputs_embeds")
-        ctx.begin_forward(bound.get("position_ids"), bound.get("attention_mask"), tokens.shape[0], tokens.shape[1])
-        kwargs = {**kwargs, "use_cache": False}
-        return args, kwargs
-
-    hook = decoder.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    setattr(pretrained, _STATE_ATTR, _State(ctx, name, original, hook, modules))
+    begin = _BeginForward(pretrained, ctx, name)
+    hooks = [
+        pretrained.register_forward_pre_hook(begin.take_targets, with_kwargs=True),
+        decoder.register_forward_pre_hook(begin, with_kwargs=True),
+    ]
+    for rotary, rope in rope_hooks:
+        hooks.append(rotary.register_forward_pre_hook(rope.before, with_kwargs=True))
+        hooks.append(rotary.register_forward_hook(rope.after, with_kwargs=True))
+    setattr(pretrained, _STATE_ATTR, _State(ctx, name, original, hooks, modules))
     return model
 
 
@@ -197,10 +352,12 @@ def unparallelize(model: torch.nn.Module) -> torch.nn.Module:
     state: _State | None = getattr(pretrained, _STATE_ATTR, None)
     if state is None:
         return model
-    state.hook.remove()
+    for hook in state.hooks:
+        hook.remove()
     for module in state.modules:
-        if MODULE_ATTR in module.__dict__:
-            object.__delattr__(module, MODULE_ATTR)
+        for attr in (MODULE_ATTR, WINDOW_ATTR):
+            if attr in module.__dict__:
+                object.__delattr__(module, attr)
     pretrained.set_attn_implementation(state.original_impl)
     delattr(pretrained, _STATE_ATTR)
     return model

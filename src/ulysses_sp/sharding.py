@@ -3,17 +3,24 @@
 :func:`shard_batch` pads the sequence to a multiple of ``sp`` (never dropping a token), shifts the labels
 BEFORE slicing (so the last token of a shard keeps its target, the first token of the next shard), builds
 global position_ids, and slices tokens ``[sp_rank * n, (sp_rank + 1) * n)`` of every row.
+
+With a ring (``layout.ring > 1``) the rows are first put in zigzag order (:func:`ulysses_sp.ring.zigzag_order`,
+padded to a multiple of ``lcm(sp, 2 * ring)``) so that causal attention costs every ring rank the same;
+every per-token key moves with its token, so the loss (a sum over tokens) is unchanged.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .comm import all_gather_tensor
 from .layout import ParallelLayout
+from .ring import zigzag_order
 
 __all__ = ["IGNORE_INDEX", "SHARDED_KEYS", "pad_to_multiple", "shard_batch", "shift_labels"]
 
@@ -53,6 +60,7 @@ def shard_batch(
     pad_token_id: int = 0,
     ignore_index: int = IGNORE_INDEX,
     check_same_batch: bool = True,
+    vocab_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Turn a full batch into this rank's shard.
 
@@ -62,88 +70,206 @@ def shard_batch(
             for each packed document). Other keys are passed through untouched.
         layout: the parallel layout; ``layout.sp`` ranks split the sequence.
         pad_token_id: id used to pad ``input_ids`` up to a multiple of ``sp``.
-        check_same_batch: compare a fingerprint of the full batch across the SP group (one all-gather of
-            4 integers) and raise ValueError on every rank if the ranks hold different batches — the usual
-            sign of a data sampler split over the whole world instead of over ``layout.dp``.
+        check_same_batch: compare a fingerprint of every per-token tensor of the full batch (input_ids,
+            labels, attention_mask, position_ids, shift_labels) across the SP group (one all-gather of 20
+            integers) and raise ValueError on every rank if the ranks hold different batches — the usual
+            sign of a data sampler split over the whole world instead of over ``layout.dp`` — or if any
+            rank's batch is malformed (so a bad batch on one rank never leaves the others waiting).
+        vocab_size: when given, input_ids and labels outside ``[0, vocab_size)`` (labels may also be
+            ``ignore_index``) raise a ValueError naming the id, on every rank of the group; without it
+            only negative ids are caught. Pass ``model.config.vocab_size``.
 
     Returns a dict with ``input_ids``, ``position_ids`` (global positions) and, when given,
     ``attention_mask`` of shape ``[b, n]`` with ``n = ceil(N / sp)``; with labels, also ``shift_labels``
     ``[b, n]`` (targets, shifted before slicing) and ``labels`` (the local slice, so transformers models
     still return a loss when given ``shift_labels``). The padding added for divisibility sits at the end
-    of each row, with ignored labels and positions that continue the row, so it changes nothing for the
-    real tokens of a causal model.
+    of each row as a document of its own (positions restarting at 0, ignored labels), so it changes nothing
+    for the real tokens of a causal model. With ``layout.ring > 1`` the row is padded to a multiple of
+    ``lcm(sp, 2 * ring)`` and dealt in zigzag order (see the module docstring).
     """
-    if "input_ids" not in batch:
-        raise ValueError(f"the batch needs input_ids; it has keys {sorted(batch)}")
-    input_ids = _as_2d("input_ids", batch["input_ids"])
+    full, problem = _validated(batch, vocab_size, ignore_index)
+    if check_same_batch and layout.sp > 1:
+        _check_same_batch(
+            full, problem, layout, vocab_size, ignore_index
+        )  # raises on every rank if any rank has a problem
+    elif problem is not None:
+        raise ValueError(problem.message)
+    input_ids, labels, mask, positions = (
+        full.get(k) for k in ("input_ids", "labels", "attention_mask", "position_ids")
+    )
+    given_targets = full.get("shift_labels") if labels is None else None  # already shifted by the caller
     b, seq_len = input_ids.shape
     sp = layout.sp
+    if positions is None:
+        positions = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
+    positions = positions.expand(b, seq_len).to(torch.long)
 
-    def check(name: str) -> torch.Tensor | None:
+    ring = getattr(layout, "ring", 1)
+    multiple = sp if ring == 1 else math.lcm(sp, 2 * ring)
+    extra = (-seq_len) % multiple
+    if extra:
+        # The padding is a document of its own (positions 0, 1, ...): it never raises the largest position,
+        # which length-dependent RoPE (dynamic, longrope) reads, and no real token attends to it.
+        tail = torch.arange(extra, device=positions.device).expand(b, extra)
+        positions = torch.cat([positions, tail], dim=1)
+        input_ids = pad_to_multiple(input_ids, multiple, pad_token_id)
+        if mask is not None:
+            mask = pad_to_multiple(mask, multiple, 0)
+    n = (seq_len + extra) // sp
+    order = zigzag_order(seq_len + extra, ring, input_ids.device) if ring > 1 else None
+
+    def local(x: torch.Tensor) -> torch.Tensor:  # [b, N] -> this rank's [b, n]
+        if order is not None:
+            x = x.index_select(1, order)
+        return x[:, layout.sp_rank * n : (layout.sp_rank + 1) * n].contiguous()
+
+    out: dict[str, torch.Tensor] = {k: v for k, v in batch.items() if k not in SHARDED_KEYS}  # type: ignore[misc]
+    out["input_ids"] = local(input_ids)
+    out["position_ids"] = local(positions)
+    if mask is not None:
+        out["attention_mask"] = local(mask)
+    if labels is not None:
+        out["shift_labels"] = local(pad_to_multiple(shift_labels(labels, ignore_index), multiple, ignore_index))
+        out["labels"] = local(pad_to_multiple(labels, multiple, ignore_index))
+    elif given_targets is not None:
+        out["shift_labels"] = local(pad_to_multiple(given_targets, multiple, ignore_index))
+    return out
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """What is wrong with this rank's batch; ``key``/``value`` name an out-of-vocabulary id, for every rank."""
+
+    message: str
+    key: int = -1  # index into SHARDED_KEYS of the tensor holding a bad id, or -1
+    value: int = 0  # that id
+
+
+def _bad_id(name: str, ids: torch.Tensor, vocab_size: int | None, ignore_index: int | None) -> _Problem | None:
+    # The first id outside [0, vocab_size) (ignore_index allowed for targets); without vocab_size: negatives only.
+    bad = ids < 0
+    if ignore_index is not None:
+        bad &= ids != ignore_index
+    if vocab_size is not None:
+        bad |= ids >= vocab_size
+    if not bool(bad.any()):
+        return None
+    where = torch.nonzero(bad)[0].tolist()
+    value = int(ids[tuple(where)])
+    return _Problem(_bad_id_message(name, value, vocab_size, ignore_index), SHARDED_KEYS.index(name), value)
+
+
+def _bad_id_message(name: str, value: int, vocab_size: int | None, ignore_index: int | None) -> str:
+    allowed = f"in [0, {vocab_size})" if vocab_size is not None else "non-negative"
+    extra = f" or {ignore_index} (ignored)" if ignore_index is not None else ""
+    size = f"outside the vocabulary of {vocab_size} tokens" if vocab_size is not None else "a negative id"
+    return f"{name} holds id {value}, {size}: ids must be {allowed}{extra}; check the tokenizer and vocab_size"
+
+
+def _validated(
+    batch: Mapping[str, object], vocab_size: int | None, ignore_index: int
+) -> tuple[dict[str, torch.Tensor], _Problem | None]:
+    """The batch's per-token tensors as ``[b, N]`` (positions ``[b, N]`` long), and what is wrong with it."""
+    if "input_ids" not in batch:
+        return {}, _Problem(f"the batch needs input_ids; it has keys {sorted(batch)}")
+    full: dict[str, torch.Tensor] = {}
+    try:
+        input_ids = _as_2d("input_ids", batch["input_ids"])
+    except ValueError as err:
+        return {}, _Problem(str(err))
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        return {}, _Problem(
+            f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; cast them with .long()"
+        )
+    full["input_ids"] = input_ids
+    b, seq_len = input_ids.shape
+    for name in ("labels", "attention_mask", "position_ids", "shift_labels"):
         value = batch.get(name)
-        if value is None:
-            return None
-        value = _as_2d(name, value).to(input_ids.device)
+        if value is None or (name == "shift_labels" and "labels" in full):
+            continue
+        try:
+            value = _as_2d(name, value).to(input_ids.device)
+        except ValueError as err:
+            return full, _Problem(str(err))
         if (
             value.shape[1] != seq_len
             or value.shape[0] not in (b, 1)
             or (name != "position_ids" and value.shape[0] != b)
         ):
-            raise ValueError(
+            return full, _Problem(
                 f"{name} has shape {tuple(value.shape)} but input_ids has shape {tuple(input_ids.shape)}; "
                 f"they must match (labels are the unshifted input ids, -100 where no loss is wanted)"
             )
-        return value
-
-    labels, mask, positions = check("labels"), check("attention_mask"), check("position_ids")
-    given_targets = check("shift_labels") if labels is None else None  # already shifted by the caller
-    if check_same_batch and layout.sp > 1:
-        _check_same_batch(input_ids, layout)
-    if positions is None:
-        positions = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
-    positions = positions.expand(b, seq_len).to(torch.long)
-
-    extra = (-seq_len) % sp
-    if extra:
-        tail = positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)
-        positions = torch.cat([positions, tail], dim=1)
-        input_ids = pad_to_multiple(input_ids, sp, pad_token_id)
-        if mask is not None:
-            mask = pad_to_multiple(mask, sp, 0)
-    n = (seq_len + extra) // sp
-    local = slice(layout.sp_rank * n, (layout.sp_rank + 1) * n)
-
-    out: dict[str, torch.Tensor] = {k: v for k, v in batch.items() if k not in SHARDED_KEYS}  # type: ignore[misc]
-    out["input_ids"] = input_ids[:, local].contiguous()
-    out["position_ids"] = positions[:, local].contiguous()
-    if mask is not None:
-        out["attention_mask"] = mask[:, local].contiguous()
-    if labels is not None:
-        targets = pad_to_multiple(shift_labels(labels, ignore_index), sp, ignore_index)
-        out["shift_labels"] = targets[:, local].contiguous()
-        out["labels"] = pad_to_multiple(labels, sp, ignore_index)[:, local].contiguous()
-    elif given_targets is not None:
-        out["shift_labels"] = pad_to_multiple(given_targets, sp, ignore_index)[:, local].contiguous()
-    return out
+        full[name] = value.expand(b, seq_len).to(torch.long) if name == "position_ids" else value
+    for name, ignored in (("input_ids", None), ("labels", ignore_index), ("shift_labels", ignore_index)):
+        if name in full:
+            problem = _bad_id(name, full[name], vocab_size, ignored)
+            if problem is not None:
+                return full, problem
+    return full, None
 
 
-def _check_same_batch(input_ids: torch.Tensor, layout: ParallelLayout) -> None:
-    # [batch, seq, weighted sum, plain sum] of the full batch, compared across the SP group.
-    ids = input_ids.reshape(-1).to(torch.long)
-    weights = torch.arange(ids.numel(), device=ids.device) % 65521 + 1
-    mine = torch.stack(
-        [
-            torch.tensor(input_ids.shape[0]),
-            torch.tensor(input_ids.shape[1]),
-            (ids * weights).sum().cpu(),
-            ids.sum().cpu(),
-        ]
-    )
-    prints = all_gather_tensor(mine.to(layout.device), layout.sp_group).tolist()
+def _fingerprint(x: torch.Tensor | None) -> list[torch.Tensor]:
+    # (present, position-weighted sum, plain sum) of one full [b, N] tensor.
+    if x is None:
+        return [torch.tensor(0)] * 3
+    flat = x.reshape(-1).to(torch.long)
+    weights = torch.arange(flat.numel(), device=flat.device) % 65521 + 1
+    return [torch.tensor(1), (flat * weights).sum().cpu(), flat.sum().cpu()]
+
+
+def _check_same_batch(
+    full: dict[str, torch.Tensor],
+    problem: _Problem | None,
+    layout: ParallelLayout,
+    vocab_size: int | None,
+    ignore_index: int,
+) -> None:
+    """One all-gather over the SP group of (problem, bad id, shape, a fingerprint of every per-token tensor).
+
+    Raises the same kind of ValueError on every rank if any rank's batch is malformed, holds an id outside
+    the vocabulary, or differs from the others' (input_ids, labels, attention_mask, position_ids or
+    shift_labels), so no rank goes on into a collective that the others never reach.
+    """
+    shape = full["input_ids"].shape if "input_ids" in full else (0, 0)
+    report = [
+        torch.tensor(int(problem is not None)),
+        torch.tensor(problem.key if problem is not None else -1),
+        torch.tensor(problem.value if problem is not None else 0),
+        torch.tensor(shape[0]),
+        torch.tensor(shape[1]),
+    ]
+    for name in SHARDED_KEYS:
+        report += _fingerprint(full.get(name))
+    reports = all_gather_tensor(torch.stack(report).to(layout.device), layout.sp_group).tolist()
+    if problem is not None:
+        raise ValueError(problem.message)
+    bad = {r: rep for r, rep in enumerate(reports) if rep[0]}
+    if bad:
+        described = "; ".join(
+            f"sp_rank {r}: "
+            + (
+                _bad_id_message(SHARDED_KEYS[rep[1]], rep[2], vocab_size, None if rep[1] == 0 else ignore_index)
+                if rep[1] >= 0
+                else "malformed batch"
+            )
+            for r, rep in bad.items()
+        )
+        raise ValueError(f"rank(s) of this sequence-parallel group rejected their batch ({described}); see their error")
+    prints = [rep[3:] for rep in reports]
     if any(p != prints[0] for p in prints):
+        differing = sorted(
+            {
+                name
+                for i, name in enumerate(SHARDED_KEYS)
+                for p in prints
+                if p[2 + 3 * i : 5 + 3 * i] != prints[0][2 + 3 * i : 5 + 3 * i]
+            }
+        )
+        shapes = [tuple(p[:2]) for p in prints]
         raise ValueError(
-            f"the ranks of sequence-parallel group {layout.dp_rank} hold different batches (batch/seq/fingerprint "
-            f"per sp_rank: {prints}); every rank of an SP group must get the SAME full batch: split your data "
-            f"over the {layout.dp} data-parallel groups (e.g. DistributedSampler(num_replicas=layout.dp, "
-            "rank=layout.dp_rank)), not over all ranks"
+            f"the ranks of sequence-parallel group {layout.dp_rank} hold different batches (differing: "
+            f"{', '.join(differing) or 'shape'}; batch x seq per sp_rank: {shapes}); every rank of an SP group must "
+            f"get the SAME full batch: split your data over the {layout.dp} data-parallel groups (e.g. "
+            "DistributedSampler(num_replicas=layout.dp, rank=layout.dp_rank)), not over all ranks"
         )

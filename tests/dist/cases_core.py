@@ -57,13 +57,14 @@ def check_parity(
     ref_attn="sdpa",
     rel=None,
     checkpointing=False,
+    train=True,
     **kwargs,
 ):
     batch = batch if batch is not None else make_batch(2, 24)
     model = build(arch, heads=heads, kv_heads=kv_heads, attn=ref_attn)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
+    model.train(checkpointing or train)  # built models start in train mode; the configs have no dropout
     ref_loss, ref_grads = reference(model, batch)
     loss, grads, _ = sequence_parallel(model, batch, layout, **kwargs)
     assert grads.keys() == ref_grads.keys()

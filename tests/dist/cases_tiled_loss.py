@@ -108,8 +108,10 @@ def world2() -> dict[str, str]:
 
 def world4() -> dict[str, str]:
     dp2sp2 = U.ParallelLayout.from_env(sp=2)
+    hybrid = U.ParallelLayout.from_env(sp=4, ring=2)  # ulysses 2 x ring 2: tokens dealt in zigzag order
     P = functools.partial
     cases = {
+        "hybrid_2x2_fsdp2_packed": P(check, hybrid, batch=make_batch(2, 26, packed=(9, 17)), how="fsdp2"),
         "dp2_sp2_fsdp2_tied": P(check, dp2sp2, batch=make_batch(4, 22), how="fsdp2", tied=True),
         "dp2_sp2_ddp": P(check, dp2sp2, batch=make_batch(4, 22, pad="left"), how="ddp"),
     }

@@ -3,20 +3,7 @@
 Each world size is spawned once (module-scoped fixture) and runs every case; each test checks one case.
 """
 
-import pytest
-
-from tests.helpers.harness import assert_case, run_world
-
-
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(2, "tests.dist.cases_core:world2")
-
-
-@pytest.fixture(scope="module")
-def world4():
-    return run_world(4, "tests.dist.cases_core:world4")
-
+from tests.helpers.harness import dist_suite
 
 WORLD2 = [
     "llama_mha_sdpa",
@@ -63,18 +50,4 @@ WORLD4 = [
     "world_not_divisible",
 ]
 
-
-@pytest.mark.parametrize("case", WORLD2)
-def test_world2(world2, case):
-    assert_case(world2, case, 2)
-
-
-@pytest.mark.parametrize("case", WORLD4)
-def test_world4(world4, case):
-    assert_case(world4, case, 4)
-
-
-def test_every_worker_case_is_checked(world2, world4):
-    """A case added to a worker but not to the lists above would pass unseen: fail instead."""
-    assert set(world2) == set(WORLD2), set(world2) ^ set(WORLD2)
-    assert set(world4) == set(WORLD4), set(world4) ^ set(WORLD4)
+results, test_case, test_every_worker_case_is_checked = dist_suite("tests.dist.cases_core", {2: WORLD2, 4: WORLD4})

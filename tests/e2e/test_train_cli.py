@@ -315,3 +315,19 @@ def test_rewind_new_settings_and_overwrite_never_lose_checkpoints(tmp_path, corp
     assert bad.returncode != 0 and [p.name for p in list_checkpoints(out)] == ["checkpoint-0000003"]
     _ok(run_cli([*base, "--max-steps", "1", "--overwrite"]))
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-0000001"]
+
+
+def test_ring_layout_trains_the_same_losses_as_pure_ulysses(tmp_path, corpus_file):
+    """--ring 2 (ulysses 1 x ring 2, zigzag shards) and pure Ulysses sp=2 see the same data and compute the
+    same loss: the per-step losses and the held-out loss agree to fp32 precision."""
+    common = [*TINY, "--dataset", str(corpus_file), "--max-steps", "3", "--eval-every", "3", "--no-final-save"]
+    runs = {}
+    for ring in ("1", "2"):
+        out = tmp_path / f"ring{ring}"
+        result = _ok(run_cli([*common, "--ring", ring, "--output-dir", str(out)]))
+        if ring == "2":
+            assert "ulysses 1 x ring 2" in result.stdout
+        runs[ring] = ([r["loss"] for r in records(out)], [r["eval_loss"] for r in records(out, "eval")])
+    assert len(runs["1"][0]) == 3 and len(runs["1"][1]) == 1
+    for got, want in zip(runs["2"], runs["1"], strict=True):
+        assert got == pytest.approx(want, rel=1e-5), (got, want)

@@ -37,12 +37,16 @@ def _loss_and_grads(model, batch, layout=None):
 
 
 @pytest.mark.parametrize("core", CORES)
-@pytest.mark.parametrize("arch,packed", [("llama", None), ("llama", (40, 88)), ("mistral", (70, 58))])
+# (16,) * 8: many short documents per row, which the sdpa core hands to one flex call (packed_kernel)
+@pytest.mark.parametrize(
+    "arch,packed", [("llama", None), ("llama", (40, 88)), ("mistral", (70, 58)), ("llama", (16,) * 8)]
+)
 def test_core_matches_plain_attention_bf16(core, arch, packed):
     device = torch.device("cuda")
     batch = {k: v.to(device) for k, v in make_batch(2, 128, packed=packed).items()}
-    ref = build(arch, kv_heads=2, window=32).to(device, torch.bfloat16)
-    par = build(arch, kv_heads=2, window=32).to(device, torch.bfloat16)
+    # head_dim 16: flex_attention on CUDA needs >= 16 (the flex core refuses less with a ValueError)
+    ref = build(arch, kv_heads=2, window=32, head_dim=16).to(device, torch.bfloat16)
+    par = build(arch, kv_heads=2, window=32, head_dim=16).to(device, torch.bfloat16)
     ref_loss, ref_grads = _loss_and_grads(ref, batch)
     layout = U.ParallelLayout.single(device)
     U.parallelize(par, layout, core=core)
@@ -53,3 +57,12 @@ def test_core_matches_plain_attention_bf16(core, arch, packed):
         assert (grad - ref_grad).norm() <= 5e-2 * ref_grad.norm(), (
             f"{name}: {(grad - ref_grad).norm()} vs {ref_grad.norm()}"
         )
+
+
+def test_flex_refuses_head_dim_below_16_on_cuda():
+    device = torch.device("cuda")
+    model = U.parallelize(
+        build("llama", kv_heads=2, head_dim=8).to(device), U.ParallelLayout.single(device), core="flex_attention"
+    )
+    with pytest.raises(ValueError, match="head dim >= 16 on CUDA"):
+        model(input_ids=torch.zeros(1, 32, dtype=torch.long, device=device))

@@ -103,3 +103,35 @@ def assert_case(results: dict[str, dict[int, str]], case: str, world: int) -> No
     assert per_rank is not None, f"case {case!r} did not run; ran: {sorted(results)}"
     failed = {r: msg for r, msg in per_rank.items() if msg != "ok"}
     assert not failed and len(per_rank) == world, "\n".join(f"--- rank {r}:\n{m}" for r, m in failed.items())
+
+
+def dist_suite(cases_module: str, worlds: dict[int, list[str]]):
+    """The pytest side of a multi-rank case module: ``(results, test_case, test_every_worker_case_is_checked)``.
+
+    Assign the three to module globals of a test file. Each world size in ``worlds`` is spawned once, on first
+    use, running ``{cases_module}:world{N}``; one test per listed case; and a test that fails when a worker
+    ran a case that is not listed (it would otherwise pass unseen).
+    """
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def results():
+        runs: dict[int, dict[str, dict[int, str]]] = {}
+
+        def get(world: int) -> dict[str, dict[int, str]]:
+            if world not in runs:
+                runs[world] = run_world(world, f"{cases_module}:world{world}")
+            return runs[world]
+
+        return get
+
+    @pytest.mark.parametrize("world,case", [(w, c) for w, cases in worlds.items() for c in cases])
+    def test_case(results, world, case):
+        assert_case(results(world), case, world)
+
+    @pytest.mark.parametrize("world", sorted(worlds))
+    def test_every_worker_case_is_checked(results, world):
+        listed = set(worlds[world])
+        assert set(results(world)) == listed, set(results(world)) ^ listed
+
+    return results, test_case, test_every_worker_case_is_checked

@@ -36,11 +36,18 @@ def _common(heads: int, kv_heads: int, head_dim: int = 8) -> dict:
 
 
 def build(
-    arch: str, *, heads: int = 4, kv_heads: int | None = None, seed: int = 0, attn: str = "sdpa", window: int = 6
+    arch: str,
+    *,
+    heads: int = 4,
+    kv_heads: int | None = None,
+    seed: int = 0,
+    attn: str = "sdpa",
+    window: int = 6,
+    head_dim: int = 8,
 ):
     """A tiny model of ``arch`` with deterministic random weights (same on every rank for the same seed)."""
     kv_heads = heads if kv_heads is None else kv_heads
-    common = _common(heads, kv_heads)
+    common = _common(heads, kv_heads, head_dim)
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation=attn))
@@ -108,7 +115,150 @@ def _more_archs() -> dict:
     }
 
 
-MORE_ARCHS = _more_archs()
+def _hardening_archs() -> dict:
+    """Architectures from issue 8: length-dependent RoPE (dynamic, longrope, yarn), windows applied only through
+    the mask (Qwen2-MoE, PhiMoE), MLA with a v head dim != the qk head dim (DeepSeek-V2/V3), a CausalLM that
+    calls its decoder directly (OPT), and the families that already were exact (kept exact by the suite)."""
+    import transformers as t
+
+    def cfg(common, **extra):  # special-token ids inside the tiny vocabulary, no dropout
+        return {**common, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0, **extra}
+
+    def dims(common):
+        return {k: common[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")}
+
+    def mla(c, v_head_dim, cls=None):
+        cls = cls or (t.DeepseekV3Config, t.DeepseekV3ForCausalLM)
+        extra = dict(
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=v_head_dim,
+            head_dim=4,  # the rotary part of the qk head dim
+            num_key_value_heads=c["num_attention_heads"],  # MLA: k and v have every head
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+        )
+        if cls[0] is t.DeepseekV3Config:
+            extra.update(n_group=1, topk_group=1, n_shared_experts=1)
+        else:
+            extra.update(n_group=1, topk_group=1, n_shared_experts=1, topk_method="greedy")
+        return cls[1](cls[0](**{**cfg(c), **extra}))
+
+    # The test rows hold documents longer than 12 tokens, so the long/dynamic frequencies are the ones in use
+    # for the whole row, while the first shard alone (positions < 12) would pick the short ones.
+    short = 12
+    return {
+        "llama_dynamic": lambda c, w, a: t.LlamaForCausalLM(
+            t.LlamaConfig(
+                **{**c, "max_position_embeddings": short},
+                rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                attn_implementation=a,
+            )
+        ),
+        "phi3_longrope": lambda c, w, a: t.Phi3ForCausalLM(
+            t.Phi3Config(
+                **cfg({**c, "max_position_embeddings": 4 * short}),
+                original_max_position_embeddings=short,
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 10000.0,
+                    "short_factor": [1.0 + 0.1 * i for i in range(c["head_dim"] // 2)],
+                    "long_factor": [2.0 + 0.5 * i for i in range(c["head_dim"] // 2)],
+                    "original_max_position_embeddings": short,
+                },
+                attn_implementation=a,
+            )
+        ),
+        "llama3_yarn": lambda c, w, a: t.LlamaForCausalLM(
+            t.LlamaConfig(
+                **{**c, "max_position_embeddings": 4 * short},
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "rope_theta": 10000.0,
+                    "original_max_position_embeddings": short,
+                },
+                attn_implementation=a,
+            )
+        ),
+        "qwen2_moe_window": lambda c, w, a: t.Qwen2MoeForCausalLM(
+            t.Qwen2MoeConfig(
+                **cfg(c),
+                use_sliding_window=True,
+                sliding_window=w,
+                max_window_layers=2,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=16,
+                num_experts=4,
+                num_experts_per_tok=2,
+                attn_implementation=a,
+            )
+        ),
+        "phimoe_window": lambda c, w, a: t.PhimoeForCausalLM(
+            t.PhimoeConfig(
+                **cfg(c), sliding_window=w, num_local_experts=4, num_experts_per_tok=2, attn_implementation=a
+            )
+        ),
+        "deepseek_v3_mla": lambda c, w, a: mla(c, 8),
+        "deepseek_v3_mla_v4": lambda c, w, a: mla(c, 4),
+        "deepseek_v2_mla_v4": lambda c, w, a: mla(c, 4, (t.DeepseekV2Config, t.DeepseekV2ForCausalLM)),
+        "opt": lambda c, w, a: t.OPTForCausalLM(
+            t.OPTConfig(
+                **dims(c),
+                ffn_dim=64,
+                max_position_embeddings=64,
+                dropout=0.0,
+                bos_token_id=0,
+                eos_token_id=1,
+                pad_token_id=0,
+                word_embed_proj_dim=c["hidden_size"],
+                attn_implementation=a,
+            )
+        ),
+        "stablelm": lambda c, w, a: t.StableLmForCausalLM(t.StableLmConfig(**cfg(c), attn_implementation=a)),
+        "granite": lambda c, w, a: t.GraniteForCausalLM(t.GraniteConfig(**cfg(c), attn_implementation=a)),
+        "starcoder2": lambda c, w, a: t.Starcoder2ForCausalLM(
+            t.Starcoder2Config(**cfg(c), sliding_window=w, residual_dropout=0.0, attn_implementation=a)
+        ),
+        "mixtral": lambda c, w, a: t.MixtralForCausalLM(
+            t.MixtralConfig(
+                **cfg(c), sliding_window=w, num_local_experts=4, num_experts_per_tok=2, attn_implementation=a
+            )
+        ),
+        "qwen3_moe": lambda c, w, a: t.Qwen3MoeForCausalLM(
+            t.Qwen3MoeConfig(
+                **cfg(c), moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, attn_implementation=a
+            )
+        ),
+        "smollm3": lambda c, w, a: t.SmolLM3ForCausalLM(t.SmolLM3Config(**cfg(c), attn_implementation=a)),
+        "glm": lambda c, w, a: t.GlmForCausalLM(t.GlmConfig(**cfg(c), attn_implementation=a)),
+        "glm4": lambda c, w, a: t.Glm4ForCausalLM(t.Glm4Config(**cfg(c), attn_implementation=a)),
+        "phi": lambda c, w, a: t.PhiForCausalLM(
+            t.PhiConfig(**cfg(c), resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation=a)
+        ),
+        "exaone4": lambda c, w, a: t.Exaone4ForCausalLM(
+            t.Exaone4Config(
+                **cfg(c), sliding_window=w, layer_types=["sliding_attention", "full_attention"], attn_implementation=a
+            )
+        ),
+        "olmo3": lambda c, w, a: t.Olmo3ForCausalLM(
+            t.Olmo3Config(
+                **cfg(c), sliding_window=w, layer_types=["sliding_attention", "full_attention"], attn_implementation=a
+            )
+        ),
+        "ministral": lambda c, w, a: t.MinistralForCausalLM(
+            t.MinistralConfig(
+                **cfg(c), sliding_window=w, layer_types=["sliding_attention", "full_attention"], attn_implementation=a
+            )
+        ),
+    }
+
+
+MORE_ARCHS = {**_more_archs(), **_hardening_archs()}
 
 
 def make_batch(

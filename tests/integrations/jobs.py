@@ -186,7 +186,10 @@ def bad_input() -> None:
             **kwargs,
         )
 
-    _expect(ValueError, "sp values that work: 1, 3", lambda: make(build("llama", heads=3)))
+    assert make(build("llama", heads=3)).sp_layout.ring == 2  # 3 heads over 2 ranks: ulysses 1 x ring 2
+    _expect(
+        ValueError, "layouts of sp=2 that work: ulysses 1 x ring 2", lambda: make(build("llama", heads=3), sp_ring=1)
+    )
     AttentionInterface.register("my_kernel", sdpa_attention_forward)
     _expect(
         ValueError,

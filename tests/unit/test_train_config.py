@@ -73,6 +73,8 @@ def test_bool_flags_and_resume_forms(tmp_path):
     assert load_config(["--no-pack"]).pack is False
     assert load_config(["--no-tiled-loss"]).tiled_loss is False and load_config([]).tiled_loss is True
     assert load_config(["--no-final-save"]).final_save is False
+    assert load_config(["--no-tiled-mlp"]).tiled_mlp is False and load_config([]).tiled_mlp is True
+    assert load_config(["--mlp-chunk-tokens", "512"]).mlp_chunk_tokens == 512
     assert load_config(["--activation-checkpointing", "none"]).activation_checkpointing == "none"
     auto = load_config([])
     assert (auto.checkpointing_mode("cpu"), auto.checkpointing_mode("cuda")) == ("checkpoint", "offload")
@@ -89,6 +91,7 @@ def test_bool_flags_and_resume_forms(tmp_path):
         (["--sp", "0"], "--sp must be >= 1, got 0"),
         (["--activation-checkpointing", "some"], "--activation-checkpointing: invalid choice: 'some'"),
         (["--loss-chunk-mib", "0"], "--loss-chunk-mib must be >= 1"),
+        (["--mlp-chunk-tokens", "0"], "--mlp-chunk-tokens must be >= 1"),
         (["--seq-len", "abc"], "--seq-len expects an integer"),
         (["--nproc", "3"], "--nproc must be a multiple of --sp"),
         (["--lr", "0"], "--lr must be > 0"),

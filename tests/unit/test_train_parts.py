@@ -81,11 +81,12 @@ def test_metrics_log_drops_the_lost_steps_of_an_interrupted_run(tmp_path):
 def test_summary_tells_where_the_checkpoint_is():
     summary = {
         "step": 16, "total_steps": 16, "first_loss": 10.8, "last_loss": 6.5, "eval_loss": 6.9, "time_s": 200.0,
-        "tokens_per_sec": 1310.0, "peak_mem_gb": 7.1, "data_exhausted": False, "epochs_completed": 0,
+        "tokens_per_sec": 1310.0, "peak_mem_gib": 7.1, "data_exhausted": False, "epochs_completed": 0,
         "checkpoint": "runs/x/checkpoint-0000016",
     }  # fmt: skip
     text = format_summary(summary, "runs/x/metrics.jsonl")
     assert "loss 10.8000 -> 6.5000, held-out 6.9000" in text and "1.3k tokens/s" in text
+    assert "peak memory 7.10 GiB (rank 0)" in text  # 2**30 bytes: GiB, not GB
     assert 'from_pretrained("runs/x/checkpoint-0000016")' in text and "runs/x/metrics.jsonl" in text
 
 
@@ -97,8 +98,9 @@ def test_builtin_models_and_the_sp_check():
     assert hf_config.tie_word_embeddings and hf_config.max_position_embeddings >= config.seq_len
     for name in BUILTIN_MODELS:
         check_model_against_config(TrainConfig(model=name, sp=2))
-    with pytest.raises(ValueError, match=r"--sp 3 does not fit --model 'llama-tiny'.*sp values that work: 1, 2, 4"):
-        check_model_against_config(TrainConfig(sp=3, nproc=3))
+    check_model_against_config(TrainConfig(sp=3, nproc=3))  # 3 does not split 4 heads: ulysses 1 x ring 3
+    with pytest.raises(ValueError, match=r"--sp 3 --ring 1 does not fit --model 'llama-tiny'.*ulysses 1 x ring 3"):
+        check_model_against_config(TrainConfig(sp=3, ring=1, nproc=3))
     with pytest.raises(ValueError, match="--model"):
         hf_model_config(TrainConfig(model="./no/such/model"))
 
@@ -127,3 +129,13 @@ def test_expandable_segments_unless_the_user_configured_the_allocator():
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         mine = {name: "max_split_size_mb:128"}
         assert not use_expandable_segments(mine) and mine == {name: "max_split_size_mb:128"}
+
+
+def test_ring_degree_from_the_heads_or_the_flag():
+    from ulysses_sp.train.model_factory import resolve_ring
+
+    assert resolve_ring(TrainConfig(sp=2)) == 1  # llama-tiny: 4 heads, 2 kv heads split over 2 ranks
+    assert resolve_ring(TrainConfig(sp=8, nproc=8)) == 2  # 8 > 4 heads: ulysses 4 x ring 2
+    assert resolve_ring(TrainConfig(sp=4, ring=4, nproc=4)) == 4
+    with pytest.raises(ValueError, match=r"--sp 8 --ring 1 does not fit --model 'llama-tiny'.*ulysses 4 x ring 2"):
+        resolve_ring(TrainConfig(sp=8, ring=1, nproc=8))

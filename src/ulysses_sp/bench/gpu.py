@@ -31,7 +31,7 @@ from ulysses_sp.layout import ParallelLayout
 from ulysses_sp.model import parallelize, unparallelize
 from ulysses_sp.tiled_loss import enable_tiled_loss
 
-from .models import GPU_MODELS, build_model
+from .models import GPU_MODELS, build_gpu_model
 from .rankmem import dense_core, measure_step, random_batch, standin_rank
 
 __all__ = ["enable_memory_features", "run_gpu", "search_max_seq"]
@@ -192,8 +192,8 @@ def run_gpu(
     device = torch.device("cuda", 0)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "models": {}}
     for name in models or list(GPU_MODELS):
-        shape = GPU_MODELS[name]
-        model = build_model(shape, max_positions=limit, dtype=torch.bfloat16, device=device)
+        model = build_gpu_model(name, dtype=torch.bfloat16, device=device)
+        vocab = model.config.vocab_size
         entry: dict[str, Any] = {"layouts": {}}
         for sp in sp_sizes:
             with standin_rank(sp, rank=sp - 1, device=device) as layout:
@@ -201,16 +201,16 @@ def run_gpu(
                 if "features" not in entry:
                     entry["features"] = enable_memory_features(model, device)
                 found, trials, complete = search_max_seq(
-                    _fits(model, layout, shape["vocab_size"], device, budget_s),
+                    _fits(model, layout, vocab, device, budget_s),
                     start=start * sp,
                     limit=limit * sp,
                     granularity=granularity * sp,
                 )
                 row: dict[str, Any] = {"max_seq_len": found, "trials": trials, "search_complete": complete}
                 if found:
-                    row.update(measure_step(model, random_batch(shape["vocab_size"], found), layout))
+                    row.update(measure_step(model, random_batch(vocab, found), layout))
                     if sp == 1:
-                        row.update(_throughput(model, layout, shape["vocab_size"], found, steps))
+                        row.update(_throughput(model, layout, vocab, found, steps))
                 log(f"gpu: {name} sp={sp}: max sequence {found} tokens ({len(trials)} trials)")
                 entry["layouts"][str(sp)] = row
                 unparallelize(model)

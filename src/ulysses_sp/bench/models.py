@@ -1,8 +1,8 @@
 """The model shapes the benchmarks run: small Llamas for the CPU, real model shapes for the GPU mode.
 
 All models get random weights (no hub access is needed): speed and memory depend on the shapes only.
-``QWEN3_4B`` and ``LLAMA31_8B`` copy the shapes of the published configs of Qwen/Qwen3-4B and
-meta-llama/Llama-3.1-8B (the models of the HF blog's SP benchmark and of the ALST paper).
+:data:`GPU_MODELS` names the published shapes of Qwen/Qwen3-4B and meta-llama/Llama-3.1-8B in
+:mod:`ulysses_sp.shapes` (the models of the HF blog's SP benchmark and of the ALST paper).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CPU_MODELS", "GPU_MODELS", "build_model", "model_config"]
+__all__ = ["CPU_MODELS", "GPU_MODELS", "build_gpu_model", "build_model", "model_config"]
 
 # CPU benchmark Llamas (GQA: 2 query heads per kv head), sized for a 2-core machine.
 CPU_MODELS: dict[str, dict[str, Any]] = {
@@ -38,40 +38,12 @@ CPU_MODELS: dict[str, dict[str, Any]] = {
     ),
 }
 
-QWEN3_4B = dict(
-    arch="qwen3",
-    hidden_size=2560,
-    intermediate_size=9728,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=151936,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-)
-LLAMA31_8B = dict(
-    arch="llama",
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=128256,
-    rope_theta=500_000.0,
-    rms_norm_eps=1e-5,
-    rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
-    ),
-    tie_word_embeddings=False,
-)
-GPU_MODELS: dict[str, dict[str, Any]] = {"Qwen3-4B": QWEN3_4B, "Llama-3.1-8B": LLAMA31_8B}
+# GPU mode: the published shapes of :mod:`ulysses_sp.shapes` (display name -> shape name).
+GPU_MODELS: dict[str, str] = {"Qwen3-4B": "qwen3-4b", "Llama-3.1-8B": "llama-3.1-8b"}
 
 
 def model_config(shape: dict[str, Any], max_positions: int) -> Any:
-    """The transformers config of ``shape`` (a dict of :data:`CPU_MODELS` / :data:`GPU_MODELS`)."""
+    """The transformers config of ``shape`` (a dict of :data:`CPU_MODELS`)."""
     from transformers import LlamaConfig, Qwen3Config
 
     fields = {k: v for k, v in shape.items() if k != "arch"}
@@ -104,3 +76,16 @@ def build_model(
             model_config(shape, max_positions), dtype=dtype, attn_implementation="sdpa"
         )
     return model
+
+
+def build_gpu_model(name: str, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> nn.Module:
+    """A model of :data:`GPU_MODELS` ``name`` (real size) with seeded random weights, on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_sp.shapes import shape_config
+
+    config = shape_config(GPU_MODELS[name])
+    config.use_cache = False
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")

@@ -33,7 +33,7 @@ from ..layout import ParallelLayout
 from ..loss import causal_lm_loss, count_valid_tokens, sequence_parallel_cross_entropy
 from ..model import parallelize
 from ..tiled_loss import enable_tiled_loss
-from .data import SequenceParallelCollator, check_world_size, deal_batches_over_dp
+from .data import SequenceParallelCollator, check_world_size, deal_batches_over_dp, layout_for_model
 
 __all__ = ["SequenceParallelConfig", "SequenceParallelLoss"]
 
@@ -79,6 +79,7 @@ class SequenceParallelConfig:
         core: local attention core (``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"``, ...).
         pad_token_id: id of the tokens added to make a sequence length divisible by ``sp_size``.
         comm_dtype: dtype of the all-to-all payload (default: the activations' dtype).
+        ring: ring degree inside ``sp_size`` (hybrid Ulysses x Ring); default: chosen from the model's heads.
         tiled_loss: compute the loss with the tiled lm_head + cross-entropy when the loss function is called as
             ``loss_fn(model, batch)`` (default True).
     """
@@ -88,6 +89,7 @@ class SequenceParallelConfig:
     pad_token_id: int = 0
     comm_dtype: torch.dtype | None = field(default=None)
     tiled_loss: bool = True
+    ring: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sp_size, int) or isinstance(self.sp_size, bool) or self.sp_size < 1:
@@ -102,7 +104,7 @@ class SequenceParallelConfig:
         Raises ValueError before any training for heads that do not split over ``sp_size``, an unknown core,
         or a world size that is not a multiple of ``sp_size``.
         """
-        layout = ParallelLayout.from_env(self.sp_size, device=accelerator.device)
+        layout = layout_for_model(model, self.sp_size, accelerator.device, ring=self.ring)
         check_world_size(accelerator.num_processes, layout, "on a CPU-only machine create Accelerator(cpu=True)")
         parallelize(model, layout, core=self.core, comm_dtype=self.comm_dtype)
         if self.tiled_loss:

@@ -26,6 +26,7 @@ __all__ = [
     "SequenceParallelCollator",
     "check_world_size",
     "deal_batches_over_dp",
+    "layout_for_model",
     "shard_full_batch",
 ]
 
@@ -163,6 +164,17 @@ def deal_batches_over_dp(dataloader: Any, layout: ParallelLayout) -> Any:
             # partial batch (with dp > 1 accelerate repeats a few, exactly as under plain DDP).
             shard.even_batches = False
     return dataloader
+
+
+def layout_for_model(model: torch.nn.Module, sp_size: int, device: Any, ring: int | None = None) -> ParallelLayout:
+    """The layout for ``sp_size`` ranks per sequence: ``ring`` if given, else pure Ulysses when the model's heads
+    split over them, else hybrid Ulysses x Ring with the smallest ring that makes them split
+    (see ``choose_ring_degree``)."""
+    from ..model import _find_pretrained
+
+    text = _find_pretrained(model).config.get_text_config()
+    heads, kv_heads = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
+    return ParallelLayout.from_env(sp_size, ring=ring, num_heads=heads, num_kv_heads=kv_heads, device=device)
 
 
 def check_world_size(framework_world: int, layout: ParallelLayout, fix: str) -> None:

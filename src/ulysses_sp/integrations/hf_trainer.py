@@ -35,11 +35,10 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from ..cores import CORES
-from ..layout import ParallelLayout
 from ..model import _find_pretrained, parallelize
 from ..sharding import IGNORE_INDEX
 from ..tiled_loss import enable_tiled_loss
-from .data import SequenceParallelCollator, check_world_size, deal_batches_over_dp
+from .data import SequenceParallelCollator, check_world_size, deal_batches_over_dp, layout_for_model
 
 __all__ = ["UlyssesTrainer", "UlyssesTrainerMixin", "resolve_core"]
 
@@ -75,6 +74,8 @@ class UlyssesTrainerMixin:
             launch``) must be a multiple of it, and ``dp = world // sp_size`` SP groups see different samples.
         sp_core: local attention core (``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"``,
             ...); by default the model's own ``attn_implementation``.
+        sp_ring: ring degree inside ``sp_size`` (hybrid Ulysses x Ring); default: pure Ulysses when the model's heads
+            split over ``sp_size``, else the smallest ring that makes them split.
         sp_tiled_loss: compute the loss with the tiled lm_head + cross-entropy (default: on, except under TRL's
             SFTTrainer, whose own fused LM head already never builds the logits).
 
@@ -89,6 +90,7 @@ class UlyssesTrainerMixin:
         sp_size: int = 1,
         sp_core: str | None = None,
         sp_tiled_loss: bool | None = None,
+        sp_ring: int | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
@@ -96,7 +98,7 @@ class UlyssesTrainerMixin:
         super().__init__(*args, **kwargs)
         self._check_supported(sp_size)
         core = resolve_core(self.model, sp_core)
-        self.sp_layout = ParallelLayout.from_env(sp_size, device=self.args.device)
+        self.sp_layout = layout_for_model(self.model, sp_size, self.args.device, ring=sp_ring)
         check_world_size(
             self.args.world_size, self.sp_layout, "on a CPU-only machine pass TrainingArguments(use_cpu=True)"
         )

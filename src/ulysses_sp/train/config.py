@@ -141,7 +141,18 @@ class TrainConfig:
     )
     sp: int = field(
         default=2,
-        metadata=_meta("Sequence-parallel degree: ranks that share one sequence (must divide --nproc)."),
+        metadata=_meta(
+            "Sequence-parallel degree: ranks that share one sequence (must divide --nproc). Not given: 2, "
+            "or 1 when the run has a single rank (e.g. one GPU)."
+        ),
+    )
+    ring: int | None = field(
+        default=None,
+        metadata=_meta(
+            "Ring degree inside --sp (sp = ulysses x ring; hybrid Ulysses x Ring attention for more ranks than the "
+            "heads allow). 'none' = automatic: pure Ulysses whenever the model's heads split over --sp, else the "
+            "smallest ring that makes them split."
+        ),
     )
     nproc: int | None = field(
         default=None,
@@ -238,6 +249,17 @@ class TrainConfig:
             "logits are never held (--no-tiled-loss: the model's plain logits path)."
         ),
     )
+    tiled_mlp: bool = field(
+        default=True,
+        metadata=_meta(
+            "Run each MLP over chunks of tokens and recompute them in backward, so the [tokens, intermediate] "
+            "activations are never held whole (--no-tiled-mlp: the plain MLP)."
+        ),
+    )
+    mlp_chunk_tokens: int | None = field(
+        default=None,
+        metadata=_meta("With --tiled-mlp: tokens per chunk; 'none' = max(1024, hidden size)."),
+    )
     loss_chunk_mib: int = field(
         default=1024,
         metadata=_meta("With --tiled-loss: memory (MiB) for one chunk of logits; tokens per chunk follow from it."),
@@ -328,6 +350,9 @@ class TrainConfig:
         _require(bool(self.model.strip()), "--model must not be empty; give a hub id, a path or 'llama-tiny'")
         _at_least("sp", self.sp, 1)
         _at_least("seq_len", self.seq_len, self.sp, "--sp so every rank holds at least one token")
+        if self.ring is not None:
+            _at_least("ring", self.ring, 1)
+            _require(self.sp % self.ring == 0, f"--ring {self.ring} must divide --sp {self.sp}")
         for seq_len, _ in self.schedule().stages:
             _require(
                 seq_len >= self.sp,
@@ -380,6 +405,8 @@ class TrainConfig:
             f"--eval-every {self.eval_every} needs held-out documents: set --eval-fraction > 0 or --eval-every 0",
         )
         _at_least("loss_chunk_mib", self.loss_chunk_mib, 1)
+        if self.mlp_chunk_tokens is not None:
+            _at_least("mlp_chunk_tokens", self.mlp_chunk_tokens, 1)
         _at_least("log_every", self.log_every, 1)
         _at_least("save_every", self.save_every, 0)
         _at_least("keep_last", self.keep_last, 0)
@@ -613,11 +640,23 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
         for name, raw in namespace.items():
             kinds, optional = field_types[name]
             values[name] = _coerce(name, raw, kinds, optional)
+        if "sp" not in values:  # no --sp: 2, or 1 on a single rank (so the plain command runs on one GPU)
+            import torch
+
+            from .launch import expected_world_size
+
+            world = expected_world_size(values.get("nproc"), torch.cuda.device_count(), os.environ)
+            values["sp"] = default_sp(world)
         config = TrainConfig(**values)
         config.validate()
     except ValueError as error:
         parser.error(str(error))
     return config
+
+
+def default_sp(world_size: int) -> int:
+    """``--sp`` when none is given: 2 (the CPU demo's 2 ranks, or dp x 2 on several GPUs), 1 on a single rank."""
+    return min(2, world_size)
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import MutableMapping, Sequence
 
-__all__ = ["apply_slurm_env", "init_process_group", "launch_local", "under_launcher"]
+__all__ = ["apply_slurm_env", "expected_world_size", "init_process_group", "launch_local", "under_launcher"]
 
 
 def apply_slurm_env(environ: MutableMapping[str, str]) -> bool:
@@ -50,6 +50,19 @@ def apply_slurm_env(environ: MutableMapping[str, str]) -> bool:
 def under_launcher(environ: MutableMapping[str, str]) -> bool:
     """True when a launcher already made this process one rank of a group."""
     return "WORLD_SIZE" in environ and "RANK" in environ
+
+
+def expected_world_size(nproc: int | None, num_gpus: int, environ: MutableMapping[str, str]) -> int:
+    """How many ranks the run will have, known before any starts: the launcher's ``WORLD_SIZE`` (or the
+    Slurm step's task count), else ``--nproc``, else one per GPU, else 2 on a CPU-only machine."""
+    if "WORLD_SIZE" in environ:
+        return int(environ["WORLD_SIZE"])
+    tasks = int(environ.get("SLURM_STEP_NUM_TASKS", "1") or "1") if "SLURM_PROCID" in environ else 1
+    if tasks > 1:
+        return tasks
+    if nproc is not None:
+        return nproc
+    return num_gpus if num_gpus > 0 else 2
 
 
 def init_process_group(timeout_s: int) -> None:

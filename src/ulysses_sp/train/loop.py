@@ -41,7 +41,7 @@ from ulysses_sp.train.checkpoint import (
 from ulysses_sp.train.config import TrainConfig, config_to_dict
 from ulysses_sp.train.data import build_data, load_tokenizer, pad_token_id
 from ulysses_sp.train.faults import Fault
-from ulysses_sp.train.metrics import MetricsLog, Progress, peak_memory_gb, peak_tflops
+from ulysses_sp.train.metrics import MetricsLog, Progress, peak_memory_gib, peak_tflops
 from ulysses_sp.train.model_factory import (
     BUILTIN_MODELS,
     build_model,
@@ -211,7 +211,7 @@ class Trainer:
             "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
             "step_time_s": step_time,
             "epoch": loader.epoch,
-            "peak_mem_gb": peak_memory_gb(self.device),
+            "peak_mem_gib": peak_memory_gib(self.device),
         }
 
     def _flops(self, seq_len: int) -> float:
@@ -381,7 +381,7 @@ class Trainer:
             "tokens": self.tokens_seen - start_tokens,
             "tokens_per_sec": (self.tokens_seen - start_tokens) / elapsed if elapsed > 0 else None,
             "time_s": elapsed,
-            "peak_mem_gb": peak_memory_gb(self.device),
+            "peak_mem_gib": peak_memory_gib(self.device),
             "checkpoint": str(checkpoint) if checkpoint else None,
             "world_size": layout.world_size,
             "sp": layout.sp,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MetricsLog", "Progress", "format_summary", "peak_memory_gb", "peak_tflops"]
+__all__ = ["MetricsLog", "Progress", "format_summary", "peak_memory_gib", "peak_tflops"]
 
 # Dense bf16 tensor-core peaks (TFLOPs, no sparsity), matched against torch.cuda.get_device_name().
 _PEAK_BF16_TFLOPS = (
@@ -47,7 +47,7 @@ def peak_tflops(device: torch.device) -> float | None:
     return None
 
 
-def peak_memory_gb(device: torch.device) -> float:
+def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this process: allocated GPU memory on CUDA, else the peak resident set size (RSS)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -153,7 +153,7 @@ def format_summary(summary: dict[str, Any], metrics_path: str | os.PathLike[str]
             f"done: step {summary['step']}/{summary['total_steps']} in {summary['time_s']:.1f} s, "
             f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}{held_out}, "
             f"{_format_rate(summary['tokens_per_sec'] or 0.0)} tokens/s, "
-            f"peak memory {summary['peak_mem_gb']:.2f} GB (rank 0)"
+            f"peak memory {summary['peak_mem_gib']:.2f} GiB (rank 0)"
         )
     if summary["data_exhausted"]:
         lines.append(f"the training data ran out after {summary['epochs_completed']} epoch(s)")

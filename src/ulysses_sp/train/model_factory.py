@@ -5,7 +5,8 @@ from a config with random weights, seeded by ``--seed``, sized for the embedded 
 
 FSDP2 (the default, the ZeRO-3 equivalent): rank 0 materialises the full model on CPU (pretrained weights
 or the seeded random init); every rank builds the same architecture on the ``meta`` device (no memory),
-parallelizes it, enables gradient checkpointing and shards it with ``fully_shard`` per decoder layer and
+parallelizes it, turns on the memory features (tiled loss, tiled MLP, activation checkpointing or
+offload) and shards it with ``fully_shard`` per decoder layer and
 then at the root, over a 1-D mesh of ALL ranks (dp x sp: the loss's gradient convention wants the average
 over the whole world). The shards are then allocated and filled from rank 0 by broadcast, so at most one
 full copy ever exists, on rank 0's CPU. Buffers that are not in the state dict (RoPE frequencies) are
@@ -24,9 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ulysses_sp.layout import ParallelLayout, check_heads_split
+from ulysses_sp.layout import ParallelLayout, resolve_ring_degree
 from ulysses_sp.model import parallelize
+from ulysses_sp.offload import enable_activation_checkpointing
 from ulysses_sp.tiled_loss import enable_tiled_loss
+from ulysses_sp.tiling import enable_tiled_mlp
 from ulysses_sp.train.config import TrainConfig
 
 __all__ = [
@@ -34,6 +37,7 @@ __all__ = [
     "build_model",
     "check_model_against_config",
     "hf_model_config",
+    "resolve_ring",
     "tokenizer_source",
     "training_flops_per_token",
 ]
@@ -95,16 +99,24 @@ def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | No
         ) from None
 
 
-def check_model_against_config(config: TrainConfig) -> None:
-    """Fail before any rank starts when the model's heads do not split over ``--sp``."""
-    text_config = hf_model_config(config).get_text_config()
+def resolve_ring(config: TrainConfig, hf_config: Any | None = None) -> int:
+    """The ring degree of the run: ``--ring``, or chosen from the model's heads (pure Ulysses when they split
+    over ``--sp``); ValueError naming the flags when the heads do not fit the layout."""
+    text_config = (hf_config if hf_config is not None else hf_model_config(config)).get_text_config()
     num_heads = getattr(text_config, "num_attention_heads", None)
     if num_heads is None:
         raise ValueError(f"--model {config.model!r}: its config has no num_attention_heads; is it a decoder LM?")
     try:
-        check_heads_split(num_heads, getattr(text_config, "num_key_value_heads", None), config.sp)
+        kv_heads = getattr(text_config, "num_key_value_heads", None)
+        return resolve_ring_degree(config.sp, config.ring, num_heads, kv_heads)
     except ValueError as error:
-        raise ValueError(f"--sp {config.sp} does not fit --model {config.model!r}: {error}") from None
+        flags = f"--sp {config.sp}" + (f" --ring {config.ring}" if config.ring is not None else "")
+        raise ValueError(f"{flags} does not fit --model {config.model!r}: {error}") from None
+
+
+def check_model_against_config(config: TrainConfig) -> None:
+    """Fail before any rank starts when the model's heads do not split over ``--sp`` (and ``--ring``)."""
+    resolve_ring(config)
 
 
 def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -148,17 +160,16 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def _prepare(model: nn.Module, config: TrainConfig, layout: ParallelLayout) -> None:
-    """Ulysses attention, the tiled loss and activation checkpointing, before any wrapping."""
+    """Ulysses attention and the long-sequence memory features, before any wrapping."""
     model.config.use_cache = False
     parallelize(model, layout, core=_CORE_NAMES[config.attn_core])
     if config.tiled_loss:
         enable_tiled_loss(model, budget_bytes=config.loss_chunk_mib << 20)
-    if config.checkpointing_mode(layout.device.type) != "none":
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if config.tiled_mlp:
+        enable_tiled_mlp(model, chunk_tokens=config.mlp_chunk_tokens)
+    mode = config.checkpointing_mode(layout.device.type)
+    if mode != "none":
+        enable_activation_checkpointing(model, mode)
 
 
 def build_model(

@@ -1,0 +1,222 @@
+"""Activation checkpointing per decoder layer, with the kept layer inputs optionally offloaded to host memory.
+
+Modes of :func:`enable_activation_checkpointing`:
+
+* ``"none"``: every layer keeps all its activations for backward (checkpointing off).
+* ``"checkpoint"``: each decoder layer keeps only its input ``[b, n, h]``; backward recomputes the layer
+  (``torch.utils.checkpoint`` without reentrancy, what transformers' gradient checkpointing runs).
+* ``"offload"``: the same, but the kept input lives in host memory. On CUDA the forward copies it
+  asynchronously on a side stream into pinned host memory (the device copy is freed as soon as that copy
+  is done), and in backward, when layer ``i`` starts its recompute, the input of layer ``i - 1`` (the next
+  one backward recomputes) is copied back on the side stream while layer ``i`` computes. Events order
+  every read after its copy; ``record_stream`` keeps the allocator from reusing a device buffer that a
+  pending copy or computation still reads. Device memory then holds no per-layer activation between
+  forward and backward: only what lies outside the decoder layers (embeddings, final norm, logits and
+  loss) and, in backward, the layer being recomputed plus one prefetched input.
+
+How it plugs in: through transformers' own checkpointing hook. Decoder layers are
+``GradientCheckpointingLayer``s that call ``self._gradient_checkpointing_func(forward, *args)`` when
+``gradient_checkpointing`` is set and the model is training; ``PreTrainedModel._set_gradient_checkpointing``
+sets both on every such module (the one route that accepts our own checkpoint function; the public
+``activation_checkpointing_enable`` only passes keyword arguments to ``torch.utils.checkpoint``). The
+offload function runs ``torch.utils.checkpoint`` inside ``saved_tensors_hooks``: the checkpoint saves the
+layer's positional inputs (``hidden_states``) as saved tensors BEFORE it installs its own hooks, so exactly
+those go through the host store, while everything inside the layer stays with the checkpoint. The
+flags and functions each module had before are restored by :func:`disable_activation_checkpointing`.
+
+On a CPU-only machine the compute device is the host: ``"offload"`` still moves each kept input into the
+store's own host copy (one memcpy per layer), so the mechanism runs and can be measured there.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .model import _find_pretrained
+
+__all__ = [
+    "MODES",
+    "HostActivationStore",
+    "disable_activation_checkpointing",
+    "enable_activation_checkpointing",
+    "offload_store",
+]
+
+MODES = ("none", "checkpoint", "offload")
+_STATE_ATTR = "_ulysses_sp_checkpointing"
+_MISSING = object()
+_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")  # what _set_gradient_checkpointing sets
+
+
+class _Stored:
+    """One kept tensor: its host copy, and (on an accelerator) its way back to the device."""
+
+    __slots__ = ("__weakref__", "arrived", "device", "host", "on_device", "previous")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, previous: _Stored | None) -> None:
+        self.host = host
+        self.device = device
+        self.previous = weakref.ref(previous) if previous is not None else None  # packed just before this one
+        self.on_device: torch.Tensor | None = None  # a prefetched device copy, not yet handed out
+        self.arrived: torch.cuda.Event | None = None  # recorded on the side stream after the copy back
+
+
+class HostActivationStore:
+    """Saved-tensor hooks that keep tensors in host memory (pinned on CUDA) and prefetch them back.
+
+    ``pack`` runs in forward for each tensor the checkpoint saves; ``unpack`` in backward when the layer's
+    recompute needs it, and then prefetches the tensor packed just before it (the next layer backward
+    will recompute). Everything lives as long as autograd's graph holds the packed handles.
+    """
+
+    def __init__(self) -> None:
+        self._live: weakref.WeakSet[_Stored] = weakref.WeakSet()
+        self._last: weakref.ref[_Stored] | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __deepcopy__(self, memo: dict) -> HostActivationStore:
+        return type(self)()  # a copied model starts with an empty store of its own
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The host tensors held now (one per kept layer input that autograd still references)."""
+        return [entry.host for entry in list(self._live)]
+
+    def held_bytes(self) -> int:
+        """Bytes of host storage held now."""
+        return sum(t.untyped_storage().nbytes() for t in self.held_tensors())
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def pack(self, tensor: torch.Tensor) -> _Stored:
+        source = tensor.detach()
+        if source.device.type == "cuda":
+            stream = self._side_stream(source.device)
+            stream.wait_stream(torch.cuda.current_stream(source.device))  # the tensor has been computed
+            with torch.cuda.stream(stream):
+                host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+                host.copy_(source, non_blocking=True)
+            source.record_stream(stream)  # its memory is not reused before the copy has read it
+        else:
+            host = torch.empty_like(source, device="cpu")
+            host.copy_(source)
+        previous = self._last() if self._last is not None else None
+        entry = _Stored(host, source.device, previous)
+        self._live.add(entry)
+        self._last = weakref.ref(entry)
+        return entry
+
+    def _fetch(self, entry: _Stored) -> None:
+        """Start copying ``entry`` back to its device on the side stream (ordered after its offload)."""
+        if entry.on_device is not None or entry.device.type == "cpu":
+            return
+        stream = self._side_stream(entry.device)
+        with torch.cuda.stream(stream):
+            entry.on_device = entry.host.to(entry.device, non_blocking=True)
+            entry.arrived = torch.cuda.Event()
+            entry.arrived.record(stream)
+
+    def unpack(self, entry: _Stored) -> torch.Tensor:
+        if entry.device.type == "cpu":
+            return entry.host
+        if entry.device.type != "cuda":
+            return entry.host.to(entry.device)
+        self._fetch(entry)
+        tensor, entry.on_device = entry.on_device, None
+        compute = torch.cuda.current_stream(entry.device)
+        compute.wait_event(entry.arrived)  # read only once the copy has arrived
+        tensor.record_stream(compute)  # freed only after the compute stream is done with it
+        previous = entry.previous() if entry.previous is not None else None
+        if previous is not None:
+            self._fetch(previous)
+        return tensor
+
+
+class _OffloadedCheckpoint:
+    """A ``_gradient_checkpointing_func``: non-reentrant checkpoint whose kept inputs go to the host store."""
+
+    def __init__(self, store: HostActivationStore) -> None:
+        self.store = store
+
+    def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        with torch.autograd.graph.saved_tensors_hooks(self.store.pack, self.store.unpack):
+            return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+@dataclass
+class _State:
+    mode: str
+    store: HostActivationStore | None
+    previous: list[tuple[nn.Module, Any, Any]]  # (module, its own gradient_checkpointing, its own func)
+
+
+def enable_activation_checkpointing(model: nn.Module, mode: str = "checkpoint") -> nn.Module:
+    """Checkpoint every decoder layer of ``model`` (in place; returns ``model``).
+
+    Args:
+        model: a transformers model (or a wrapper around one: PEFT, DDP, ...), before or after FSDP2.
+        mode: ``"none"``, ``"checkpoint"`` or ``"offload"`` (see the module docstring). Like transformers'
+            own checkpointing it acts while the model is in training mode.
+
+    Loss and gradients are exactly those without checkpointing. Raises ValueError for an unknown mode, a
+    model whose layers do not support checkpointing, or a model already set up by this function.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    pretrained = _find_pretrained(model, "enable_activation_checkpointing")
+    if getattr(pretrained, _STATE_ATTR, None) is not None:
+        raise ValueError(
+            "activation checkpointing is already set up on this model; call "
+            "ulysses_sp.disable_activation_checkpointing(model) first"
+        )
+    name = type(pretrained).__name__
+    if not getattr(pretrained, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{name} does not support activation checkpointing (supports_gradient_checkpointing=False)")
+    if "value" in inspect.signature(pretrained._set_gradient_checkpointing).parameters:
+        raise ValueError(f"{name} uses transformers' pre-4.35 checkpointing hook, which takes no checkpoint function")
+    previous = [
+        (m, *(m.__dict__.get(attr, _MISSING) for attr in _ATTRS))
+        for m in pretrained.modules()
+        if hasattr(m, "gradient_checkpointing")
+    ]
+    store = HostActivationStore() if mode == "offload" else None
+    if mode == "none":
+        pretrained._set_gradient_checkpointing(enable=False)
+    else:
+        func = _OffloadedCheckpoint(store) if store is not None else functools.partial(checkpoint, use_reentrant=False)
+        pretrained._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
+    setattr(pretrained, _STATE_ATTR, _State(mode, store, previous))
+    return model
+
+
+def disable_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable_activation_checkpointing`: every module gets back the flag and function it had."""
+    pretrained = _find_pretrained(model, "disable_activation_checkpointing")
+    state: _State | None = getattr(pretrained, _STATE_ATTR, None)
+    if state is None:
+        return model
+    for module, *values in state.previous:
+        for attr, value in zip(_ATTRS, values, strict=True):
+            if value is _MISSING:
+                module.__dict__.pop(attr, None)
+            else:
+                setattr(module, attr, value)
+    delattr(pretrained, _STATE_ATTR)
+    return model
+
+
+def offload_store(model: nn.Module) -> HostActivationStore | None:
+    """The host store of a model in ``"offload"`` mode (None otherwise), e.g. to measure what it holds."""
+    state: _State | None = getattr(_find_pretrained(model, "offload_store"), _STATE_ATTR, None)
+    return state.store if state is not None else None

@@ -1,0 +1,312 @@
+"""Tiled MLP: each decoder layer's MLP runs over chunks of the sequence and keeps only its input for backward.
+
+Why: at long sequences the MLP's intermediate activations dominate a layer's memory. A SwiGLU MLP keeps
+about ``4 I`` values per token for backward (gate and up projections, the activation, their product) next
+to the ``h`` values of its input, and its forward holds ``[b, n, I]`` tensors all at once. Tiled, the MLP
+keeps only its input ``[b, n, h]``; forward and backward each hold the intermediates of ONE chunk of
+``c`` tokens (``[b, c, I]``), whatever ``n`` is. Cost: one extra MLP forward per step.
+
+How: :func:`enable_tiled_mlp` sets each MLP module's ``forward`` to a :class:`TiledMLP` (an instance
+attribute, which ``nn.Module.__call__`` finds before the class's method). The module itself stays where it
+was, so the module tree, parameter names, ``state_dict`` keys, module hooks, FSDP2 / DDP wrapping and PEFT
+adapters inside the MLP are all untouched; :func:`disable_tiled_mlp` removes the attribute again.
+:class:`TiledMLP` calls a custom autograd Function whose forward runs the chunks under ``no_grad`` into one
+output buffer and saves only the input; its backward recomputes each chunk with grad enabled (same
+autocast state and RNG state as the forward) and backpropagates it at once, writing the input gradient
+into one buffer and summing the parameter gradients over the chunks (in fp32 for bf16/fp16 parameters).
+Each parameter is an input of the Function, so autograd sees ONE gradient per parameter per backward:
+DDP's "mark a variable ready only once" and FSDP2's reduce-scatter see exactly what an untiled MLP gives.
+
+Chunks: ``chunk_tokens`` tokens along the sequence (dim -2 of the MLP input); by default
+:func:`default_chunk_tokens` ``= max(1024, hidden_size)``: a chunk's intermediate ``c x I`` is then about
+one MLP weight matrix (the size of the fp32 gradient buffers the step holds anyway), and matmuls keep at
+least 1024 rows. No collective runs per chunk (FSDP2 unshards a whole decoder layer around it), so ranks
+with different sequence lengths, hence different numbers of chunks, cannot deadlock.
+
+Mixture-of-experts blocks that route each token on its own and return a tensor (Mixtral, Qwen3-MoE in
+transformers 5) are tiled exactly. Refused with a ValueError: blocks that return anything but a tensor or
+change their input in place (Mixtral's ``router_jitter_noise`` in training), and router-logit collection
+(``output_router_logits``) for an auxiliary loss, whose logits chunking would detach and split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from .model import _find_pretrained
+
+__all__ = [
+    "TiledMLP",
+    "decoder_layers",
+    "default_chunk_tokens",
+    "disable_tiled_mlp",
+    "enable_tiled_mlp",
+]
+
+# The attribute that holds a decoder layer's MLP, in the order tried (transformers' names for it).
+MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
+MIN_CHUNK_TOKENS = 1024
+
+
+def decoder_layers(pretrained: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: modules whose class is in ``_no_split_modules``, else ``base_model.layers``."""
+    names = set(getattr(pretrained, "_no_split_modules", None) or ())
+    layers = [m for m in pretrained.modules() if type(m).__name__ in names]
+    if not layers:
+        layers = list(getattr(getattr(pretrained, "base_model", None), "layers", None) or [])
+    return layers
+
+
+def default_chunk_tokens(hidden_size: int) -> int:
+    """Tokens per chunk when none is given: ``max(1024, hidden_size)`` (see the module docstring)."""
+    return max(MIN_CHUNK_TOKENS, hidden_size)
+
+
+def _spans(length: int, chunk: int) -> list[tuple[int, int]]:
+    return [(start, min(chunk, length - start)) for start in range(0, length, chunk)]
+
+
+class _Replay:
+    """The autocast and RNG state of a forward, to recompute it identically in backward."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        types = dict.fromkeys(("cpu", device.type))
+        self.autocast = [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        devices = [self.device] if self.cuda_rng is not None else []
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=devices))
+            torch.set_rng_state(self.cpu_rng)
+            if self.cuda_rng is not None:
+                torch.cuda.set_rng_state(self.cuda_rng, self.device)
+            for device_type, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+            yield
+
+
+class _TiledMLPFunction(torch.autograd.Function):
+    """``out = mlp(x)`` chunk by chunk; saves only ``x``; backward recomputes chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, tiled: TiledMLP, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.tiled, ctx.num_params = tiled, len(params)
+        ctx.replay = _Replay(x.device)
+        ctx.save_for_backward(x)
+        return tiled.run_chunks(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        tiled: TiledMLP = ctx.tiled
+        params = tiled.trainable_parameters()
+        if len(params) != ctx.num_params:
+            raise RuntimeError(
+                f"{type(tiled.module).__name__} had {ctx.num_params} trainable parameters in forward and "
+                f"{len(params)} in backward; do not change requires_grad between forward and backward"
+            )
+        need_x, need_params = ctx.needs_input_grad[1], ctx.needs_input_grad[2:]
+        wanted = [p for p, need in zip(params, need_params, strict=True) if need]
+        spans = _spans(x.shape[-2], tiled.chunk_size(x))
+        grad_x = torch.empty_like(x) if need_x and len(spans) > 1 else None
+        sums: list[torch.Tensor | None] = [None] * len(wanted)
+        with ctx.replay(), torch.enable_grad():
+            for start, length in spans:
+                chunk = x.narrow(-2, start, length).detach().contiguous().requires_grad_(need_x)  # [b, c, h]
+                out = tiled.call_module(chunk)
+                inputs = ([chunk] if need_x else []) + wanted
+                grads = torch.autograd.grad(out, inputs, grad_out.narrow(-2, start, length), allow_unused=True)
+                if need_x:
+                    grad_chunk, grads = grads[0], grads[1:]
+                    if grad_chunk is None:
+                        grad_chunk = torch.zeros_like(chunk)
+                    if grad_x is None:
+                        grad_x = grad_chunk
+                    else:
+                        grad_x.narrow(-2, start, length).copy_(grad_chunk)
+                for i, grad in enumerate(grads):
+                    if grad is None:
+                        continue
+                    if sums[i] is None:
+                        wide = grad.dtype in (torch.bfloat16, torch.float16) and len(spans) > 1
+                        sums[i] = grad.float() if wide else grad
+                    else:
+                        sums[i].add_(grad)
+        summed = iter(sums)
+        param_grads = []
+        for p, need in zip(params, need_params, strict=True):
+            grad = next(summed) if need else None
+            param_grads.append(grad.to(p.dtype) if grad is not None else None)
+        return (None, grad_x, *param_grads)
+
+
+class TiledMLP:
+    """The ``forward`` that :func:`enable_tiled_mlp` installs on one MLP module.
+
+    Args:
+        module: the MLP (``LlamaMLP``, a MoE block, ... possibly holding PEFT adapters).
+        chunk_tokens: tokens per chunk along the sequence, or None for :func:`default_chunk_tokens`.
+        previous: the module's own instance-level ``forward`` if it had one (e.g. a hook of another
+            library), called per chunk and restored by :func:`disable_tiled_mlp`.
+
+    Called as ``mlp(hidden_states)`` with ``hidden_states [..., n, h]``; returns ``[..., n, h_out]``.
+    """
+
+    def __init__(self, module: nn.Module, chunk_tokens: int | None, previous: Callable | None = None) -> None:
+        self.module = module
+        self.chunk_tokens = chunk_tokens
+        self.previous = previous
+
+    def chunk_size(self, x: torch.Tensor) -> int:
+        return self.chunk_tokens if self.chunk_tokens is not None else default_chunk_tokens(x.shape[-1])
+
+    def call_module(self, chunk: torch.Tensor) -> torch.Tensor:
+        """The original forward on one chunk (``[..., c, h]``)."""
+        if self.previous is not None:
+            return self.previous(chunk)
+        return type(self.module).forward(self.module, chunk)
+
+    def trainable_parameters(self) -> list[torch.Tensor]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def run_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP over ``x [..., n, h]`` one chunk at a time, into one ``[..., n, h_out]`` buffer."""
+        name = type(self.module).__name__
+        out: torch.Tensor | None = None
+        version = x._version
+        for start, length in _spans(x.shape[-2], self.chunk_size(x)):
+            chunk = x.narrow(-2, start, length).contiguous()  # [b, c, h]; a copy when b > 1
+            result = self.call_module(chunk)
+            if not isinstance(result, torch.Tensor):
+                raise ValueError(
+                    f"{name}.forward returns {type(result).__name__}, not a tensor (e.g. router logits for an "
+                    "auxiliary loss), which tiling would split and detach; call ulysses_sp.disable_tiled_mlp(model)"
+                )
+            if result.shape[:-1] != chunk.shape[:-1]:
+                raise ValueError(
+                    f"{name} maps {tuple(chunk.shape)} to {tuple(result.shape)}: not token by token, so it cannot "
+                    "be tiled along the sequence; call ulysses_sp.disable_tiled_mlp(model)"
+                )
+            if x._version != version:
+                raise ValueError(
+                    f"{name}.forward modifies its input in place (e.g. router_jitter_noise > 0 in training), "
+                    "which tiling cannot recompute; turn that off or call ulysses_sp.disable_tiled_mlp(model)"
+                )
+            if length == x.shape[-2]:
+                return result
+            if out is None:
+                out = result.new_empty(*x.shape[:-1], result.shape[-1])
+            out.narrow(-2, start, length).copy_(result)
+        assert out is not None, "an empty sequence has no chunks"
+        return out
+
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 2:
+            raise ValueError(
+                f"tiled {type(self.module).__name__} expects to be called as mlp(hidden_states [b, n, h]); got "
+                f"{len(args)} more positional and {sorted(kwargs)} keyword arguments; call "
+                "ulysses_sp.disable_tiled_mlp(model) for this model"
+            )
+        if hidden_states.shape[-2] == 0:
+            return self.call_module(hidden_states)
+        if _collecting_router_logits():
+            raise ValueError(
+                "router logits are being collected (output_router_logits=True, for the auxiliary loss): tiled "
+                "MoE blocks would record them per chunk and without gradient; pass output_router_logits=False "
+                "or call ulysses_sp.disable_tiled_mlp(model)"
+            )
+        params = self.trainable_parameters()
+        if not torch.is_grad_enabled() or not (hidden_states.requires_grad or params):
+            with torch.no_grad():
+                return self.run_chunks(hidden_states)
+        return _TiledMLPFunction.apply(self, hidden_states, *params)
+
+
+def _collecting_router_logits() -> bool:
+    """True while transformers records router logits in this forward (its output-capturing context)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # other transformers versions: the config check in enable_tiled_mlp still applies
+        return False
+    collected = _active_collector.get()
+    return bool(collected) and any("router" in key for key in collected)
+
+
+def _mlps(pretrained: nn.Module) -> list[nn.Module]:
+    layers = decoder_layers(pretrained)
+    found = []
+    for layer in layers:
+        for name in MLP_NAMES:
+            child = layer._modules.get(name)
+            if isinstance(child, nn.Module):
+                found.append(child)
+                break
+    if not found:
+        layer_names = sorted({type(layer).__name__ for layer in layers}) or "none found"
+        raise ValueError(
+            f"{type(pretrained).__name__} has no recognisable MLP to tile: looked for a child named one of "
+            f"{list(MLP_NAMES)} in its decoder layers ({layer_names})"
+        )
+    return found
+
+
+def _installed(module: nn.Module) -> TiledMLP | None:
+    forward = module.__dict__.get("forward")
+    return forward if isinstance(forward, TiledMLP) else None
+
+
+def enable_tiled_mlp(model: nn.Module, *, chunk_tokens: int | None = None) -> nn.Module:
+    """Tile the MLP of every decoder layer of ``model`` along the sequence (in place; returns ``model``).
+
+    Args:
+        model: a transformers causal LM or a wrapper around one (PEFT, DDP, ...); FSDP2 ``fully_shard``
+            may come before or after.
+        chunk_tokens: tokens per chunk, or None for ``max(1024, hidden_size)``.
+
+    Loss and gradients equal the untiled model's (up to fp32 rounding of the summed chunk gradients).
+    Raises ValueError if the model is already tiled, has no recognisable MLP, ``chunk_tokens`` is not a
+    positive int, or its config collects router logits (``output_router_logits=True``).
+    """
+    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)):
+        raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens}")
+    pretrained = _find_pretrained(model, "enable_tiled_mlp")
+    mlps = _mlps(pretrained)
+    if any(_installed(m) is not None for m in mlps):
+        raise ValueError("the MLPs of this model are already tiled; call ulysses_sp.disable_tiled_mlp(model) first")
+    if getattr(pretrained.config.get_text_config(), "output_router_logits", False):
+        raise ValueError(
+            f"{type(pretrained).__name__} has output_router_logits=True (router logits for an auxiliary loss): "
+            "tiled MoE blocks would record them per chunk and without gradient; set "
+            "model.config.output_router_logits = False to tile its MLPs"
+        )
+    for mlp in mlps:
+        previous = mlp.__dict__.get("forward")
+        mlp.forward = TiledMLP(mlp, chunk_tokens, previous)
+    return model
+
+
+def disable_tiled_mlp(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable_tiled_mlp`: every MLP gets its own forward back (a no-op on an untiled model)."""
+    pretrained = _find_pretrained(model, "disable_tiled_mlp")
+    for module in pretrained.modules():
+        tiled = _installed(module)
+        if tiled is None:
+            continue
+        if tiled.previous is not None:
+            module.forward = tiled.previous
+        else:
+            del module.forward
+    return model

@@ -1,0 +1,169 @@
+"""Multi-rank cases for issue 8 (exactness and hardening), run inside gloo workers by tests/dist/test_hardening.py.
+
+Parity cases compare loss and every gradient with one process on the full batch (plain transformers attention,
+the model's own mask), as in :mod:`tests.dist.cases_core`; the other cases check that bad input on ONE rank
+raises a ValueError on EVERY rank before any collective can hang.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from types import SimpleNamespace
+
+import torch
+
+import ulysses_sp as U
+from tests.dist.cases_core import check_parity
+from tests.helpers.harness import run_cases
+from tests.helpers.models import VOCAB, build, make_batch
+
+# Every family of the issue, tiny: (arch, kv_heads). heads=4 so sp=4 splits them.
+PARITY_ARCHS = {
+    "llama_dynamic": 2,  # rope "dynamic": frequencies from the largest position
+    "phi3_longrope": 2,  # rope "longrope": long or short factors from the largest position
+    "llama3_yarn": 2,
+    "qwen2_moe_window": 2,  # sliding window only through the mask
+    "phimoe_window": 2,  # sliding window only through the mask
+    "deepseek_v3_mla": None,  # MLA, v head dim == qk head dim
+    "deepseek_v3_mla_v4": None,  # MLA, v head dim 4 != qk head dim 8
+    "deepseek_v2_mla_v4": None,
+    "opt": None,  # the CausalLM calls its decoder directly
+    "stablelm": 2,
+    "granite": 2,
+    "starcoder2": 2,
+    "mixtral": 2,
+    "qwen3_moe": 2,
+    "smollm3": 2,
+    "glm": 2,
+    "glm4": 2,
+    "phi": None,
+    "exaone4": 2,
+    "olmo3": 2,
+    "ministral": 2,
+}
+# PhiMoE's router samples (Gumbel) in train mode: two runs never route alike, so it is compared in eval only.
+EVAL_ONLY = {"phimoe_window"}
+
+
+def parity_cases(layout, prefix: str, seq_len: int, modes: tuple[str, ...]) -> dict:
+    """One parity case per architecture and mode; an EVAL_ONLY architecture runs in eval whatever ``modes``."""
+    P = functools.partial
+    cases = {}
+    for arch, kv in PARITY_ARCHS.items():
+        batch = make_batch(2, seq_len, packed=(seq_len - 9, 9)) if arch != "opt" else make_batch(2, seq_len)
+        for mode in ("eval",) if arch in EVAL_ONLY else modes:
+            train = mode == "train"
+            cases[f"{prefix}_{arch}_{mode}"] = P(check_parity, layout, arch, kv_heads=kv, batch=batch, train=train)
+    return cases
+
+
+def raises_everywhere(fn, *needles: str) -> None:
+    """``fn()`` must raise a ValueError on this rank whose message holds every needle."""
+    try:
+        fn()
+    except ValueError as err:
+        assert all(n in str(err) for n in needles), (needles, str(err))
+    else:
+        raise AssertionError(f"no ValueError (expected one mentioning {needles})")
+
+
+def batch_differs_in(layout, key: str) -> None:
+    """Same input_ids on both ranks; only ``key`` differs on sp_rank 1: caught by shard_batch on every rank."""
+    batch = make_batch(2, 16, packed=(7, 9), pad="right")
+    if layout.sp_rank == 1:
+        batch[key] = batch[key].clone()
+        batch[key][1, 3] += 1 if key != "labels" else 5
+    raises_everywhere(lambda: U.shard_batch(batch, layout), "hold different batches", key)
+
+
+def bad_id_in_shard_batch(layout, key: str, value: int) -> None:
+    """An id outside the vocabulary on sp_rank 1 only: every rank raises naming the id and the vocab size."""
+    batch = make_batch(1, 16)
+    if layout.sp_rank == 1:
+        batch[key][0, 5] = value
+    raises_everywhere(lambda: U.shard_batch(batch, layout, vocab_size=VOCAB), str(value), str(VOCAB), key)
+
+
+def bad_id_in_forward(layout, key: str) -> None:
+    """An out-of-vocabulary token (or label given to the model) on sp_rank 1 only, no vocab_size given to
+    shard_batch: the model's agreement step raises on every rank before the first all-to-all (no hang)."""
+    model = U.parallelize(build("llama"), layout)
+    shard = U.shard_batch(make_batch(1, 16), layout)
+    if layout.sp_rank == 1:
+        shard[key] = shard[key].clone()
+        shard[key][0, 2] = VOCAB + 7
+    inputs = {k: shard[k] for k in ("input_ids", "position_ids", "labels")}
+    raises_everywhere(lambda: model(**inputs), str(VOCAB + 7), str(VOCAB), "sp_rank 1")
+
+
+def float_input_ids(layout) -> None:
+    """Float input_ids: a ValueError (not a raw embedding error), on every rank, from shard_batch and the model."""
+    batch = make_batch(1, 16)
+    batch["input_ids"] = batch["input_ids"].float()
+    raises_everywhere(lambda: U.shard_batch(batch, layout), "integer token ids", "float32")
+    model = U.parallelize(build("llama"), layout)
+    shard = U.shard_batch(make_batch(1, 16), layout)
+    ids = shard["input_ids"].float() if layout.sp_rank == 0 else shard["input_ids"]
+    needle = "integer token ids" if layout.sp_rank == 0 else "sp_rank(s) [0] of this sequence-parallel group rejected"
+    raises_everywhere(lambda: model(input_ids=ids, position_ids=shard["position_ids"]), needle)
+
+
+def deepcopy_parallelized(layout) -> None:
+    """copy.deepcopy of a parallelized model (EMA / reference copies): the copy runs SP on the same layout with
+    the same loss and gradients, has its own hooks and counters, and unparallelizing it leaves the original."""
+    model = U.parallelize(build("llama_dynamic", kv_heads=2), layout)
+    twin = copy.deepcopy(model)
+    assert U.ulysses_context(twin) is not U.ulysses_context(model)
+    assert U.ulysses_context(twin).layout is layout
+    shard = U.shard_batch(make_batch(2, 24, packed=(15, 9)), layout)
+    losses, grads = [], []
+    for m in (model, twin):
+        logits = m(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        loss = U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0)
+    assert U.ulysses_context(twin).stats.calls["all_to_all"] == U.ulysses_context(model).stats.calls["all_to_all"]
+    U.unparallelize(twin)
+    assert twin.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation.startswith("ulysses_")
+    with torch.no_grad():  # the original still runs under SP (its hooks were not removed with the copy's)
+        model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+
+
+def world2_cases(sp2) -> dict:
+    P = functools.partial
+    return {
+        **parity_cases(sp2, "sp2", 24, ("eval", "train")),
+        # 23 tokens: the padding shard_batch adds must not raise the largest position dynamic RoPE reads
+        "sp2_llama_dynamic_padded_to_sp": P(check_parity, sp2, "llama_dynamic", kv_heads=2, batch=make_batch(2, 23)),
+        **{f"batch_differs_in_{k}": P(batch_differs_in, sp2, k) for k in ("position_ids", "labels", "attention_mask")},
+        "bad_token_id_in_shard_batch": P(bad_id_in_shard_batch, sp2, "input_ids", VOCAB + 3),
+        "negative_token_id_in_shard_batch": P(bad_id_in_shard_batch, sp2, "input_ids", -2),
+        "bad_label_id_in_shard_batch": P(bad_id_in_shard_batch, sp2, "labels", VOCAB),
+        "bad_token_id_in_forward": P(bad_id_in_forward, sp2, "input_ids"),
+        "bad_label_id_in_forward": P(bad_id_in_forward, sp2, "labels"),
+        "float_input_ids": P(float_input_ids, sp2),
+        "deepcopy_parallelized": P(deepcopy_parallelized, sp2),
+    }
+
+
+def world4_cases(sp4) -> dict:
+    return parity_cases(sp4, "sp4", 26, ("train",))  # train mode: forward and backward as in training
+
+
+def world2() -> dict[str, str]:
+    return run_cases(world2_cases(U.ParallelLayout.from_env(sp=2)))
+
+
+def world4() -> dict[str, str]:
+    return run_cases(world4_cases(U.ParallelLayout.from_env(sp=4)))
+
+
+_NAMES = SimpleNamespace(sp=1, sp_rank=0, dp=1, dp_rank=0)  # case names only: no process group needed
+WORLD2 = sorted(world2_cases(_NAMES))
+WORLD4 = sorted(world4_cases(_NAMES))

@@ -1,0 +1,225 @@
+"""Multi-rank cases for ring and hybrid Ulysses x Ring attention, run by tests/dist/test_ring_parity.py.
+
+Parity cases reuse cases_core.check_parity: the same model in one process on the full batch (plain
+transformers attention) against the ring / hybrid run, loss and every parameter gradient in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import ulysses_sp as U
+from tests.dist.cases_core import check_parity
+from tests.helpers.harness import run_cases
+from tests.helpers.models import build, make_batch
+from ulysses_sp.cores import Segments
+from ulysses_sp.ring import ring_attention, ring_bytes_per_layer, zigzag_order
+
+P = functools.partial
+
+
+def ring_layout(sp: int, ring: int, **heads) -> U.ParallelLayout:
+    layout = U.ParallelLayout.from_env(sp=sp, ring=ring, **heads)
+    assert (layout.sp, layout.ring, layout.ulysses) == (sp, ring, sp // ring), layout
+    assert dist.get_world_size(layout.sp_group) == sp
+    if ring > 1:
+        assert dist.get_world_size(layout.ring_group) == ring
+        assert dist.get_rank(layout.ring_group) == layout.ring_rank
+    return layout
+
+
+# ---------------------------------------------------------------------------------------------- bytes
+def _run_counted(layout, heads, kv_heads, seq_len):
+    stats = U.CommStats()
+    model = U.parallelize(build("llama", heads=heads, kv_heads=kv_heads), layout, stats=stats)
+    shard = U.shard_batch(make_batch(1, seq_len), layout)
+    logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+    forward = (stats.calls.copy(), stats.bytes.copy())
+    U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout).backward()
+    return model.config.num_hidden_layers, forward, (stats.calls, stats.bytes)
+
+
+def byte_counts(layout, heads, kv_heads, seq_len=16):
+    """Bytes per attention layer and rank, counted by CommStats, against the formulas (fp32, b = 1, d = 8).
+
+    Ulysses (U ranks, n = N/sp tokens per rank, hkv = max(Hkv/U, 1)): (H + 2*hkv*U)*n*d + H*n*d elements
+    forward, the same backward. Ring (R ranks, blocks of N/R tokens): (R-1) k/v messages of 2*hkv*(N/R)*d
+    forward; backward (R-1) k/v messages plus R fp32 gradient messages of the same size.
+    """
+    layers, (fwd_calls, fwd_bytes), (calls, total) = _run_counted(layout, heads, kv_heads, seq_len)
+    u, r, d = layout.ulysses, layout.ring, 8
+    hkv = max(kv_heads // u, 1)
+    n = seq_len // layout.sp
+    a2a = ((heads + 2 * hkv * u) * n * d + heads * n * d) * 4 if u > 1 else 0
+    ring_fwd, ring_bwd = ring_bytes_per_layer(
+        batch=1, kv_heads=hkv, block_len=seq_len // r, head_dim=d, ring=r, element_size=4
+    )
+    assert ring_fwd == (r - 1) * 2 * hkv * (seq_len // r) * d * 4  # the CONTEXT.md figure: ~2*N*Hkv*d
+    assert fwd_bytes["all_to_all"] == layers * a2a, (fwd_bytes, layers * a2a)
+    assert fwd_bytes["ring_p2p"] == layers * ring_fwd, (fwd_bytes, layers * ring_fwd)
+    assert fwd_calls["ring_p2p"] == layers * (r - 1), fwd_calls
+    assert fwd_calls["all_to_all"] == (2 * layers if u > 1 else 0), fwd_calls
+    assert total["all_to_all"] == 2 * layers * a2a, total
+    assert total["ring_p2p"] == layers * (ring_fwd + ring_bwd), (total, layers * (ring_fwd + ring_bwd))
+    assert calls["ring_p2p"] == (layers * (r - 1 + r - 1 + r) if r > 1 else 0), calls
+
+
+# ---------------------------------------------------------------------------------------------- bf16 merge
+def _attention_errors(ring_group, dtype=torch.bfloat16, seq_len=64, batch=2, heads=4, kv_heads=2, d=16, chunk=None):
+    """RMS error of ring attention (output, dq, dk, dv) in ``dtype`` against float64 attention on the same
+    (rounded) inputs, over the whole sequence (squared errors summed over the ring)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, grad = (
+        torch.randn(batch, h, seq_len, d, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads, heads)
+    )
+    ref = [x.double().requires_grad_() for x in (q, k, v)]
+    groups = heads // kv_heads
+    ref_out = F.scaled_dot_product_attention(
+        ref[0], ref[1].repeat_interleave(groups, 1), ref[2].repeat_interleave(groups, 1), is_causal=True
+    )
+    ref_out.backward(grad.double())
+    size = 1 if ring_group is None else dist.get_world_size(ring_group)
+    rank = 0 if ring_group is None else dist.get_rank(ring_group)
+    n = seq_len // size
+    mine = zigzag_order(seq_len, size)[rank * n : (rank + 1) * n]
+    local = [x[:, :, mine].clone().requires_grad_() for x in (q, k, v)]
+    segments = Segments.from_positions(torch.arange(seq_len).expand(batch, seq_len))
+    out = ring_attention(*local, segments, ring_group, query_chunk=chunk)  # [b, n, h, d]
+    assert out.dtype == dtype
+    out.transpose(1, 2).backward(grad[:, :, mine])
+    pairs = [(out.transpose(1, 2), ref_out)] + [(x.grad, r.grad) for x, r in zip(local, ref, strict=True)]
+    with torch.no_grad():
+        sums = torch.stack(
+            [torch.stack([(a.double() - b[:, :, mine]).pow(2).sum(), b[:, :, mine].pow(2).sum()]) for a, b in pairs]
+        )
+    if ring_group is not None:
+        dist.all_reduce(sums, group=ring_group)
+    return (sums[:, 0] / sums[:, 1]).sqrt()  # relative RMS error of out, dq, dk, dv
+
+
+def bf16_merge_error(ring2: U.ParallelLayout, ring4: U.ParallelLayout):
+    """The fp32 merge adds no error that grows with the ring: bf16 errors at ring 2 and 4 stay those of
+    one process (the bf16 rounding of inputs and output); a bf16 accumulator would add one rounding per step."""
+    err1 = _attention_errors(None)
+    err2 = _attention_errors(ring2.ring_group)
+    err4 = _attention_errors(ring4.ring_group)
+    names = ("out", "dq", "dk", "dv")
+    for name, e1, e2, e4 in zip(names, err1, err2, err4, strict=True):
+        assert 0 < e1 < 1e-2, (name, e1)
+        assert e2 <= 1.02 * e1 and e4 <= 1.02 * e1, f"{name}: ring 1/2/4 errors {e1:.3e} {e2:.3e} {e4:.3e}"
+        assert e4 <= 1.5 * e2, f"{name}: error grew from ring 2 ({e2:.3e}) to ring 4 ({e4:.3e})"
+    fp32 = _attention_errors(ring4.ring_group, torch.float32, chunk=3)  # queries in chunks of 3
+    assert (fp32 < 1e-5).all(), fp32
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def _raises(fn, *needles):
+    try:
+        fn()
+    except ValueError as err:
+        for needle in needles:
+            assert needle in str(err), (needle, str(err))
+    else:
+        raise AssertionError(f"no ValueError (expected one mentioning {needles})")
+
+
+def bad_layouts(sp: int):
+    """Layouts that cannot be formed: ValueError naming the ones that can, on every rank, before any group."""
+    _raises(lambda: U.ParallelLayout.from_env(sp=sp, ring=3), "ring must be a positive int dividing", "1, 2")
+    if sp == 4:
+        _raises(
+            lambda: U.ParallelLayout.from_env(sp=4, ring=1, num_heads=2),
+            "ulysses 4 x ring 1 cannot be formed",
+            "ulysses 2 x ring 2, ulysses 1 x ring 4",
+        )
+        hybrid = U.ParallelLayout.from_env(sp=4, ring=2)
+        _raises(  # 3 heads cannot split over ulysses 2
+            lambda: U.parallelize(build("llama", heads=3), hybrid), "ulysses 2 x ring 2", "ulysses 1 x ring 4"
+        )
+    ring = U.ParallelLayout.from_env(sp=2, ring=2)
+    model = U.parallelize(build("llama"), ring, core="flex_attention")
+    shard = U.shard_batch(make_batch(1, 8), ring)
+    _raises(lambda: model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]), "core='flex_attention'")
+
+
+def hybrid_from_groups() -> U.ParallelLayout:
+    """ulysses 2 x ring 2 from new_group calls: sp [0..3], ring [0, 2] / [1, 3], Ulysses [0, 1] / [2, 3]."""
+    rank = dist.get_rank()
+    sp_group = dist.new_group([0, 1, 2, 3])
+    rings = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    ulysses = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    layout = U.ParallelLayout.from_groups(sp_group, ring_group=rings[rank % 2], ulysses_group=ulysses[rank // 2])
+    assert (layout.ulysses, layout.ring, layout.ring_rank, layout.ulysses_rank) == (2, 2, rank // 2, rank % 2)
+    return layout
+
+
+def automatic_choice():
+    """ring=None with head counts: pure Ulysses when the heads allow it, else the smallest ring."""
+    world = dist.get_world_size()
+    assert U.ParallelLayout.from_env(sp=world, num_heads=4, num_kv_heads=2).ring == 1
+    layout = U.ParallelLayout.from_env(sp=world, num_heads=2, num_kv_heads=1)
+    assert (layout.ulysses, layout.ring) == (2, world // 2), layout
+    assert U.ParallelLayout.from_env(sp=world).ring == 1  # no head counts: pure Ulysses as before
+
+
+# ---------------------------------------------------------------------------------------------- workers
+def world2() -> dict[str, str]:
+    ring2 = ring_layout(2, 2)
+    cases = {
+        "ring2_llama_gqa": P(check_parity, ring2, "llama", kv_heads=2),
+        "ring2_mha_eager_core": P(check_parity, ring2, "llama", core="eager"),
+        "ring2_mqa": P(check_parity, ring2, "qwen3", kv_heads=1),
+        "ring2_packed": P(check_parity, ring2, "llama", kv_heads=2, batch=make_batch(2, 24, packed=(5, 9, 10))),
+        "ring2_padded_right": P(check_parity, ring2, "llama", batch=make_batch(2, 24, pad="right")),
+        "ring2_padded_left": P(check_parity, ring2, "llama", kv_heads=2, batch=make_batch(2, 24, pad="left")),
+        "ring2_seq_not_divisible": P(check_parity, ring2, "llama", batch=make_batch(2, 23)),
+        "ring2_sliding_window_packed": P(check_parity, ring2, "mistral", batch=make_batch(2, 30, packed=(13, 17))),
+        "ring2_qwen2_mixed_window": P(check_parity, ring2, "qwen2", kv_heads=2),
+        "ring2_gemma2_softcap": P(check_parity, ring2, "gemma2", kv_heads=2, ref_attn="eager", core="eager"),
+        "ring2_gradient_checkpointing": P(
+            check_parity, ring2, "qwen3", kv_heads=2, checkpointing=True, batch=make_batch(2, 24, packed=(10, 14))
+        ),
+        "ring2_bytes": P(byte_counts, ring2, heads=4, kv_heads=2),
+        "ulysses2_bytes": P(byte_counts, ring_layout(2, 1), heads=4, kv_heads=2),
+        "bad_layouts": P(bad_layouts, 2),
+        "automatic_choice": automatic_choice,
+    }
+    return run_cases(cases)
+
+
+def world4() -> dict[str, str]:
+    ring4 = ring_layout(4, 4)
+    hybrid = ring_layout(4, 2, num_heads=2)  # a model with 2 heads at sp=4: ulysses 2 x ring 2
+    dp2_ring2 = ring_layout(2, 2)
+    assert dp2_ring2.dp == 2
+    by_hand = hybrid_from_groups()
+    cases = {
+        "ring4_llama": P(check_parity, ring4, "llama", kv_heads=2),
+        "ring4_packed": P(check_parity, ring4, "llama", batch=make_batch(2, 30, packed=(11, 19))),
+        "ring4_padded_not_divisible": P(
+            check_parity, ring4, "mistral", kv_heads=2, batch=make_batch(2, 26, pad="right")
+        ),
+        "hybrid_2x2_llama": P(check_parity, hybrid, "llama", heads=2),
+        "hybrid_2x2_mqa_packed": P(
+            check_parity, hybrid, "llama", heads=2, kv_heads=1, batch=make_batch(2, 24, packed=(7, 10, 7))
+        ),
+        "hybrid_2x2_padded_left": P(check_parity, hybrid, "qwen3", heads=2, batch=make_batch(2, 21, pad="left")),
+        "hybrid_2x2_gemma3_packed_window": P(
+            check_parity, hybrid, "gemma3", heads=2, batch=make_batch(2, 30, packed=(11, 19))
+        ),
+        "hybrid_2x2_from_groups": P(check_parity, by_hand, "llama", heads=2, batch=make_batch(2, 22, pad="right")),
+        "dp2_ring2": P(check_parity, dp2_ring2, "llama", kv_heads=2, batch=make_batch(4, 22)),
+        "dp2_ring2_packed": P(check_parity, dp2_ring2, "qwen2", batch=make_batch(2, 24, packed=(9, 15))),
+        "bf16_merge_error_ring2_vs_ring4": P(bf16_merge_error, dp2_ring2, ring4),
+        "ring4_bytes": P(byte_counts, ring4, heads=4, kv_heads=2),
+        "hybrid_2x2_bytes": P(byte_counts, hybrid, heads=2, kv_heads=2),
+        "hybrid_2x2_bytes_kv_lt_ulysses": P(byte_counts, hybrid, heads=2, kv_heads=1),
+        "ulysses4_bytes": P(byte_counts, ring_layout(4, 1), heads=4, kv_heads=2),
+        "bad_layouts": P(bad_layouts, 4),
+        "automatic_choice": automatic_choice,
+    }
+    return run_cases(cases)

@@ -1,0 +1,53 @@
+"""``ulysses-sp plan`` as a subprocess: the table, --json, and exit 2 naming the flag."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "ulysses_sp", "plan", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_table_and_json():
+    table = run(
+        "--model", "qwen3-4b", "--seq-len", "262144", "--gpus-per-node", "8", "--sp", "8", "--host-memory", "1TiB"
+    )
+    assert table.returncode == 0, table.stderr
+    for text in ("per-GPU memory at the peak", "all to all", "longest trainable sequence", "recommendation"):
+        assert text in table.stdout
+    out = run(
+        "--model",
+        "qwen3-4b",
+        "--seq-len",
+        "36864",
+        "--gpus-per-node",
+        "1",
+        "--no-tiled-loss",
+        "--cpu-offload-optimizer",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["plan"]["fits"] and 36864 <= data["max_seq_len"] < 40960
+    assert data["recommendation"]["reaches_target"]
+
+
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (["--sp", "3"], "--sp"),
+        (["--dp", "3"], "--dp"),
+        (["--gpu-memory", "80XB"], "--gpu-memory"),
+        (["--activation-checkpointing", "sometimes"], "--activation-checkpointing"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(args, flag):
+    result = run("--model", "qwen3-4b", "--seq-len", "8192", "--gpus-per-node", "8", *args)
+    assert result.returncode == 2 and flag in result.stderr, result.stderr

@@ -1,0 +1,81 @@
+"""Activation offload and tiled MLP on a CUDA device in bf16 (skipped without one).
+
+Offload copies each decoder layer's input to pinned host memory on a side stream and prefetches it back
+in backward: the gradients must equal plain checkpointing, and after forward the device must hold none of
+the L layer inputs [b, n, h] that checkpointing keeps there.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import ulysses_sp as U
+from tests.unit.test_offload import deep_llama
+from ulysses_sp.memory import PeakMemory
+from ulysses_sp.offload import offload_store
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+LAYERS, HIDDEN, INTER, VOCAB, TOKENS = 8, 256, 768, 128, 8192
+BF16 = 2  # bytes
+
+
+def _model():
+    return deep_llama(LAYERS, HIDDEN, INTER, VOCAB).to("cuda", torch.bfloat16)
+
+
+def _step(model, ids):
+    """Device bytes that the forward left allocated (its output included), then the gradients."""
+    model.train()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    logits = model(input_ids=ids, use_cache=False).logits  # [b, n, V] bf16
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before
+    held = offload_store(model).held_bytes() if offload_store(model) is not None else 0
+    torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).backward()
+    torch.cuda.synchronize()
+    return kept, held, {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def test_offload_matches_checkpoint_and_frees_the_layer_inputs_on_the_device():
+    base = _model()
+    ids = torch.randint(0, VOCAB, (1, TOKENS), device="cuda")
+    results = {}
+    for mode in ("checkpoint", "offload"):
+        results[mode] = _step(U.enable_activation_checkpointing(copy.deepcopy(base), mode), ids)
+    (kept_ckpt, _, grads_ckpt), (kept_off, held, grads_off) = results["checkpoint"], results["offload"]
+    layer_inputs = LAYERS * TOKENS * HIDDEN * BF16
+    assert held == layer_inputs  # pinned host copies of the 8 layer inputs
+    assert kept_ckpt >= layer_inputs, (kept_ckpt, layer_inputs)
+    assert kept_off <= kept_ckpt - layer_inputs, (kept_off, kept_ckpt)
+    # what offload leaves on the device lies outside the layers: logits [b, n, V], the final norm's
+    # tensors (fp32 inside: at most 4 [b, n, h] fp32) and RoPE cos/sin
+    assert kept_off <= TOKENS * (VOCAB * BF16 + 4 * HIDDEN * 4 + 2 * HIDDEN * BF16), kept_off
+    for name, grad in grads_off.items():
+        ref = grads_ckpt[name]
+        assert (grad - ref).norm() <= 1e-2 * ref.norm() + 1e-12, name
+
+
+def test_tiled_mlp_matches_untiled_in_bf16_and_lowers_the_peak():
+    base = _model()
+    ids = torch.randint(0, VOCAB, (1, TOKENS), device="cuda")
+    peaks, grads = {}, {}
+    for tiled in (False, True):
+        model = copy.deepcopy(base)
+        if tiled:
+            U.enable_tiled_mlp(model, chunk_tokens=1024)
+        U.enable_activation_checkpointing(model, "checkpoint")
+        torch.cuda.synchronize()
+        with PeakMemory("cuda") as peak:
+            grads[tiled] = _step(model, ids)[2]
+        peaks[tiled] = peak.peak_bytes
+    for name, grad in grads[True].items():
+        ref = grads[False][name]
+        assert (grad - ref).norm() <= 2e-2 * ref.norm() + 1e-12, name
+    # untiled, the recomputed layer's MLP holds >= 4 [b, n, I] bf16 tensors at once; tiled, [b, 1024, I] chunks
+    assert peaks[False] - peaks[True] >= 3 * TOKENS * INTER * BF16, peaks

@@ -1,0 +1,174 @@
+"""Single-process tests for issue 8: window and decoder discovery, MLA head dims, id checks, deepcopy."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ulysses_sp as U
+from tests.helpers.models import VOCAB, build, make_batch
+from tests.unit.test_core_single import fake_layout
+from ulysses_sp.attention import UlyssesAttention
+from ulysses_sp.cores import check_flex_head_dim, sdpa_core
+from ulysses_sp.model import _decoder, _layer_window
+
+
+def _windows(model):
+    return [_layer_window(model.config, layer.self_attn) for layer in model.model.layers]
+
+
+@pytest.mark.parametrize(
+    ("arch", "expected"),
+    [
+        ("qwen2_moe_window", [6, None]),  # layer_types from use_sliding_window + max_window_layers
+        ("phimoe_window", [6, 6]),  # sliding_window without layer types: every layer
+        ("qwen2", [None, 6]),
+        ("llama", [None, None]),
+        ("qwen3", [None, None]),  # use_sliding_window=False
+    ],
+)
+def test_layer_window_follows_the_models_own_mask(arch, expected):
+    assert _windows(build(arch, kv_heads=2)) == expected
+
+
+def test_decoder_hook_is_where_the_causal_lm_enters():
+    """OPTForCausalLM calls model.decoder directly (skipping OPTModel): the hook must sit on OPTDecoder."""
+    opt = build("opt")
+    attention = [layer.self_attn for layer in opt.model.decoder.layers]
+    assert _decoder(opt, attention) is opt.model.decoder
+    llama = build("llama")
+    assert _decoder(llama, [layer.self_attn for layer in llama.model.layers]) is llama.model
+
+
+@pytest.mark.parametrize(("d_qk", "d_v"), [(12, 8), (8, 12)])
+def test_v_head_dim_differs_from_qk_head_dim(d_qk, d_v):
+    """MLA-style heads: the padded exchange gives exactly sdpa on the unpadded tensors (both directions)."""
+    ctx = UlyssesAttention(U.ParallelLayout.single(), sdpa_core, core_name="sdpa")
+    positions = torch.arange(10)[None]
+    ctx.begin_forward(positions, None, 2, 10)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 4, 10, d_qk, generator=gen) for _ in range(2))
+    v = torch.randn(2, 4, 10, d_v, generator=gen)
+    out, _ = ctx(torch.nn.Module(), q, k, v, None, scaling=None, position_ids=positions)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    assert out.shape == (2, 10, 4, d_v)
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "vocab", "needles"),
+    [
+        ("input_ids", VOCAB + 1, VOCAB, [f"input_ids holds id {VOCAB + 1}", f"vocabulary of {VOCAB} tokens"]),
+        ("input_ids", -3, None, ["input_ids holds id -3", "negative"]),
+        ("labels", VOCAB, VOCAB, [f"labels holds id {VOCAB}", "-100 (ignored)"]),
+        ("labels", -5, None, ["labels holds id -5"]),
+    ],
+)
+def test_shard_batch_refuses_ids_outside_the_vocabulary(key, value, vocab, needles):
+    batch = make_batch(1, 8)
+    batch[key][0, 3] = value
+    with pytest.raises(ValueError) as err:
+        U.shard_batch(batch, fake_layout(2, 0), vocab_size=vocab)
+    assert all(n in str(err.value) for n in needles), str(err.value)
+
+
+def test_ignored_labels_and_valid_ids_pass():
+    batch = make_batch(1, 8, pad="right", pad_lengths=(3,))  # labels -100 on the padding
+    U.shard_batch(batch, fake_layout(2, 0), vocab_size=VOCAB)
+
+
+def test_float_input_ids_are_refused_with_a_value_error():
+    batch = make_batch(1, 8)
+    batch["input_ids"] = batch["input_ids"].float()
+    with pytest.raises(ValueError, match="integer token ids"):
+        U.shard_batch(batch, fake_layout(2, 0))
+    model = U.parallelize(build("llama"), U.ParallelLayout.single())
+    with pytest.raises(ValueError, match="integer token ids"):
+        model(input_ids=batch["input_ids"])
+
+
+def test_forward_refuses_token_ids_outside_the_embedding():
+    model = U.parallelize(build("llama"), U.ParallelLayout.single())
+    ids = torch.tensor([[1, 2, VOCAB + 4]])
+    with pytest.raises(ValueError, match=f"input_ids holds id {VOCAB + 4}, outside the vocabulary of {VOCAB}"):
+        model(input_ids=ids)
+
+
+def test_deepcopy_is_parallelized_on_its_own():
+    model = U.parallelize(build("llama"), U.ParallelLayout.single())
+    twin = copy.deepcopy(model)
+    U.unparallelize(twin)
+    assert not hasattr(twin, "_ulysses_sp_state") and hasattr(model, "_ulysses_sp_state")
+    ids = torch.randint(0, VOCAB, (1, 8))
+    with U.plain_attention(model):  # the original's hooks survived the copy's unparallelize
+        reference = model(input_ids=ids).logits
+    torch.testing.assert_close(model(input_ids=ids).logits, reference)
+    torch.testing.assert_close(twin(input_ids=ids).logits, reference)
+
+
+def test_flex_head_dim_check_is_for_cuda_only():
+    check_flex_head_dim(8, torch.device("cpu"))  # CPU flex runs eagerly: any head dim
+    check_flex_head_dim(16, torch.device("cuda"))
+    with pytest.raises(ValueError, match="head dim >= 16 on CUDA.*got head dim 8; use core='sdpa'"):
+        check_flex_head_dim(8, torch.device("cuda"))
+
+
+@pytest.mark.parametrize(
+    ("nproc", "gpus", "environ", "world"),
+    [
+        (None, 0, {}, 2),  # CPU-only machine: 2 local ranks
+        (None, 1, {}, 1),  # one GPU: one rank
+        (None, 8, {}, 8),
+        (4, 8, {}, 4),
+        (None, 8, {"WORLD_SIZE": "1", "RANK": "0"}, 1),  # under torchrun
+        (None, 0, {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "4"}, 4),
+    ],
+)
+def test_expected_world_size(nproc, gpus, environ, world):
+    from ulysses_sp.train.launch import expected_world_size
+
+    assert expected_world_size(nproc, gpus, environ) == world
+
+
+def test_default_sp_runs_on_one_rank(monkeypatch):
+    """No --sp: 2 (the 2 CPU ranks, or dp x 2 on several GPUs), 1 on a single rank so one GPU runs it."""
+    from ulysses_sp.train.config import default_sp, load_config
+
+    assert [default_sp(w) for w in (1, 2, 4, 8)] == [1, 2, 2, 2]
+    monkeypatch.setenv("WORLD_SIZE", "1")  # e.g. torchrun --nproc-per-node 1, or one GPU
+    monkeypatch.setenv("RANK", "0")
+    assert load_config([]).sp == 1
+    assert load_config(["--sp", "2", "--nproc", "2"]).sp == 2
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    assert load_config(["--nproc", "2"]).sp == 2
+
+
+def test_packed_kernel_choice(monkeypatch):
+    """On CUDA, rows packed with many documents take one flex call; few documents, CPU, dropout or a small
+    head dim keep the per-document sdpa loop."""
+    from ulysses_sp import cores
+
+    monkeypatch.setattr(cores, "_has_triton", lambda: True)
+    many = U.Segments.from_positions(torch.arange(8).repeat(2, 8))  # 2 rows x 8 documents of 8
+    few = U.Segments.from_positions(torch.cat([torch.arange(40), torch.arange(24)]).expand(2, 64))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert cores.packed_kernel(many, cuda, 64) == "flex"
+    assert cores.packed_kernel(few, cuda, 64) == "per_document"
+    assert cores.packed_kernel(many, cpu, 64) == "per_document"
+    assert cores.packed_kernel(many, cuda, 64, dropout=0.1) == "per_document"
+    assert cores.packed_kernel(many, cuda, 8) == "per_document"
+    monkeypatch.setattr(cores, "_has_triton", lambda: False)
+    assert cores.packed_kernel(many, cuda, 64) == "per_document"
+
+
+def test_packed_attention_benchmark_runs_and_saves(tmp_path, monkeypatch):
+    import runpy
+    import sys
+
+    argv = ["packed_attention.py", "--device", "cpu", "--seq-len", "64", "--docs", "1", "4", "--repeats", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(tmp_path)])
+    runpy.run_path("benchmarks/packed_attention.py", run_name="__main__")
+    table = (tmp_path / "packed_attention_cpu.md").read_text()
+    assert "| cpu | 64 | 4 | per_document |" in table

@@ -1,0 +1,23 @@
+"""The code base stays ruff-clean (lint and format), as DESIGN.md asks; ruff comes with the test extra."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _ruff() -> list[str]:
+    exe = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    if not Path(exe).exists():
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    return [exe]
+
+
+@pytest.mark.parametrize("args", [["check", "."], ["format", "--check", "."]])
+def test_ruff(args):
+    result = subprocess.run([*_ruff(), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
