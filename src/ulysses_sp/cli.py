@@ -21,6 +21,8 @@ commands:
   train    train a causal LM on long sequences with Ulysses sequence parallelism;
            with no flags: a small Llama on the King James Bible, 16K tokens, sp=2 on 2 CPU ranks.
            `ulysses-sp train --help` lists every flag.
+  bench    benchmark against DeepSpeed's Ulysses, ring attention and no SP; writes
+           benchmarks/results/ (JSON + PNG) and BENCHMARKS.md. `ulysses-sp bench --help`.
   plan     predict per-GPU memory and the longest trainable sequence for a model and layout;
            `--simulate` measures one real step as one rank of it. `ulysses-sp plan --help`.
 """
@@ -35,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command == "train":
         return train(rest)
+    if command == "bench":
+        return bench(rest)
     if command == "plan":
         from ulysses_sp.plan_cli import plan_command
 
@@ -86,6 +90,13 @@ def train(argv: Sequence[str]) -> int:
     if nproc == 1:
         return run_rank(config)
     return launch_local(argv, nproc)
+
+
+def bench(argv: Sequence[str]) -> int:
+    """``ulysses-sp bench``: run the benchmarks (see :mod:`ulysses_sp.bench.runner`)."""
+    from ulysses_sp.bench.runner import main as bench_main
+
+    return bench_main(argv)
 
 
 def _quiet_libraries() -> None:

@@ -1,0 +1,46 @@
+"""Bytes per attention layer and rank from the shapes: the Ulysses exchange (to check the measured counts
+against) and ring attention (a formula until a measured ring row exists).
+
+``b`` rows, ``N`` tokens, ``P`` ranks, ``n = N / P``, ``H`` / ``Hkv`` query / kv heads, ``d`` head dim,
+``e`` bytes per element. Bytes are what one rank hands to the collectives (the whole send buffer).
+"""
+
+from __future__ import annotations
+
+__all__ = ["ring_bytes_per_layer", "ulysses_bytes_per_layer"]
+
+
+def ulysses_bytes_per_layer(
+    *, batch: int, seq_len: int, sp: int, heads: int, kv_heads: int, head_dim: int, element_size: int
+) -> int:
+    """Forward + backward all-to-all bytes of one Ulysses attention layer on one rank.
+
+    q/k/v out: ``b n d (H + 2 hkv P)`` elements with ``hkv = max(Hkv / P, 1)`` kv heads per destination;
+    attention output back: ``b n H d``; the backward sends the same again (gradients).
+    """
+    if sp == 1:
+        return 0
+    n = seq_len // sp
+    hkv = max(kv_heads // sp, 1)
+    forward = batch * n * head_dim * (heads + 2 * hkv * sp) + batch * n * heads * head_dim
+    return 2 * forward * element_size
+
+
+def ring_bytes_per_layer(
+    *, batch: int, seq_len: int, ring: int, kv_heads: int, head_dim: int, element_size: int
+) -> dict[str, int]:
+    """Ring attention over ``ring`` ranks (each holds ``N / ring`` tokens, all kv heads), one layer, one rank.
+
+    Forward: ``ring - 1`` steps, each passing this rank's current k and v block on
+    (``2 b Hkv n d`` elements). Backward (the usual ring backward): k/v travel again (``ring - 1`` steps) and
+    their fp32 gradient accumulators travel ``ring`` hops. Returns bytes and point-to-point steps.
+    """
+    if ring == 1:
+        return {"forward_bytes": 0, "backward_bytes": 0, "forward_steps": 0, "backward_steps": 0}
+    kv = 2 * batch * kv_heads * (seq_len // ring) * head_dim
+    return {
+        "forward_bytes": (ring - 1) * kv * element_size,
+        "backward_bytes": (ring - 1) * kv * element_size + ring * kv * 4,
+        "forward_steps": ring - 1,
+        "backward_steps": ring,
+    }

@@ -1,0 +1,332 @@
+"""``ulysses-sp bench``: run every benchmark, write the JSON of results, the plots and BENCHMARKS.md.
+
+Sections (each measured in this run; ratios are taken against a baseline measured in the same run):
+
+1. per-rank saved-activation bytes and peak memory vs sequence length, sp = 1, 2, 4 (one process standing
+   in for one rank, checked against a real gloo rank in section 3's world);
+2. collectives and bytes per attention layer: ulysses-sp and DeepSpeed measured by one counter, ring
+   attention from its formula;
+3. train-step time of ulysses-sp against DeepSpeed's ``UlyssesSPAttentionHF`` in the same world, and the
+   loss/gradient agreement of the two (and of each with one process);
+4. step time with SP against no SP (dp over the same ranks) at the same tokens per rank;
+5. GPU mode (only with CUDA): see :mod:`ulysses_sp.bench.gpu`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PRESETS", "BenchConfig", "environment", "main", "rerender", "run_bench"]
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    """What ``ulysses-sp bench`` measures and where it writes."""
+
+    model: str = "llama-bench-small"
+    memory_seq_lens: tuple[int, ...] = (512, 1024, 2048, 4096)
+    memory_sp: tuple[int, ...] = (1, 2, 4)
+    step_seq_len: int = 2048
+    worlds: tuple[int, ...] = (2, 4)
+    reps: dict[int, int] = field(default_factory=lambda: {2: 11, 4: 7})
+    deepspeed: bool = True
+    gpu: str = "auto"
+    output_dir: str = "benchmarks/results"
+    markdown: str | None = "BENCHMARKS.md"
+    note: str | None = None
+    command: str = "ulysses-sp bench"
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "small": {},
+    # For the test suite: a tiny model, seconds per section.
+    "tiny": dict(
+        model="llama-bench-tiny",
+        memory_seq_lens=(256, 512),
+        step_seq_len=512,
+        worlds=(2,),
+        reps={2: 3},
+    ),
+}
+
+
+def _run(command: list[str]) -> str | None:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (how many processes wanted the CPUs): a shared machine shows here."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """Machine, versions and date of this run."""
+    import torch
+    import transformers
+
+    from .deepspeed_ref import deepspeed_version
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "load_average_start": _load_average(),
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({cpu})",
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "deepspeed": deepspeed_version(),
+        "ulysses_sp_commit": _run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"]),
+    }
+
+
+def _memory_section(config: BenchConfig, log) -> list[dict[str, Any]]:
+    import ulysses_sp
+
+    from .models import CPU_MODELS, build_model
+    from .rankmem import dense_core, measure_step, random_batch, standin_rank
+
+    shape = CPU_MODELS[config.model]
+    rows = []
+    for sp in config.memory_sp:
+        with standin_rank(sp, rank=sp - 1) as layout:
+            model = build_model(shape, max_positions=max(config.memory_seq_lens))
+            ulysses_sp.parallelize(model, layout, core=dense_core() if sp > 1 else "sdpa")
+            for seq_len in config.memory_seq_lens:
+                measured = measure_step(model, random_batch(shape["vocab_size"], seq_len), layout)
+                rows.append({"sp": sp, "seq_len": seq_len, **measured})
+                log(f"memory: sp={sp} seq={seq_len}: saved {measured['saved_bytes'] / 2**20:.1f} MiB")
+    return rows
+
+
+def _ratios(numerator: list[float], denominator: list[float]) -> dict[str, float]:
+    """Per-repetition ratios (the two were measured back to back), summarised."""
+    ratios = sorted(a / b for a, b in zip(numerator, denominator, strict=True))
+    return {
+        "median": statistics.median(ratios),
+        "min": ratios[0],
+        "max": ratios[-1],
+        "reps": len(ratios),
+        "median_time_s": statistics.median(numerator),
+        "baseline_median_time_s": statistics.median(denominator),
+    }
+
+
+def _world_section(config: BenchConfig, log) -> dict[str, Any]:
+    from .world import run_world
+
+    worlds = {}
+    for world in config.worlds:
+        params = {
+            "model": config.model,
+            "seq_len": config.step_seq_len,
+            "reps": config.reps.get(world, 3),
+            "warmup": 1,
+            "deepspeed": config.deepspeed,
+        }
+        start = time.monotonic()
+        result = run_world(world, "ulysses_sp.bench.steptime:worker", params)[0]
+        times = result["step_times_s"]
+        ratios = {"ulysses-sp / no-sp": _ratios(times["ulysses-sp"], times["no-sp"])}
+        if "deepspeed" in times:
+            ratios["deepspeed / ulysses-sp"] = _ratios(times["deepspeed"], times["ulysses-sp"])
+        result["ratios"] = ratios
+        worlds[str(world)] = result
+        log(
+            f"world {world}: done in {time.monotonic() - start:.0f} s; "
+            + ", ".join(f"{k} {v['median']:.3f}" for k, v in ratios.items())
+        )
+    return worlds
+
+
+def _comm_table(config: BenchConfig, worlds: dict[str, Any]) -> list[dict[str, Any]]:
+    from .formulas import ring_bytes_per_layer, ulysses_bytes_per_layer
+    from .models import CPU_MODELS
+
+    shape = CPU_MODELS[config.model]
+    rows = []
+    for world, result in worlds.items():
+        sp, layers, seq_len = int(world), result["num_layers"], result["seq_len"]
+        for name, counted in result["collectives"].items():
+            calls, sent = counted["calls"], counted["bytes"]
+            rows.append(
+                {
+                    "sp": sp,
+                    "implementation": name,
+                    "source": "measured",
+                    "all_to_all_per_layer": calls.get("all_to_all", 0) / layers,
+                    "all_to_all_bytes_per_layer": sent.get("all_to_all", 0) / layers,
+                    "all_gather_per_step": calls.get("all_gather", 0),
+                    "all_gather_bytes_per_step": sent.get("all_gather", 0),
+                    "p2p_steps_per_layer": 0,
+                }
+            )
+        ring = ring_bytes_per_layer(
+            batch=1,
+            seq_len=seq_len,
+            ring=sp,
+            kv_heads=shape["num_key_value_heads"],
+            head_dim=shape["head_dim"],
+            element_size=4,
+        )
+        rows.append(
+            {
+                "sp": sp,
+                "implementation": "ring attention",
+                "source": "formula",
+                "all_to_all_per_layer": 0,
+                "all_to_all_bytes_per_layer": 0,
+                "p2p_bytes_per_layer": ring["forward_bytes"] + ring["backward_bytes"],
+                "p2p_steps_per_layer": ring["forward_steps"] + ring["backward_steps"],
+                "all_gather_per_step": 0,
+                "all_gather_bytes_per_step": 0,
+            }
+        )
+        rows.append(
+            {
+                "sp": sp,
+                "implementation": "ulysses formula",
+                "source": "formula",
+                "all_to_all_bytes_per_layer": ulysses_bytes_per_layer(
+                    batch=1,
+                    seq_len=seq_len,
+                    sp=sp,
+                    heads=shape["num_attention_heads"],
+                    kv_heads=shape["num_key_value_heads"],
+                    head_dim=shape["head_dim"],
+                    element_size=4,
+                ),
+            }
+        )
+    return rows
+
+
+def run_bench(config: BenchConfig, log=print) -> dict[str, Any]:
+    """Run every section, write ``results.json``, the PNGs and the markdown; returns the results."""
+    from .deepspeed_ref import deepspeed_available
+    from .gpu import run_gpu
+    from .models import CPU_MODELS
+    from .plots import write_plots
+    from .report import write_markdown
+
+    if config.model not in CPU_MODELS:
+        raise ValueError(f"--model {config.model!r} is not a benchmark model; choose one of {sorted(CPU_MODELS)}")
+    if config.gpu not in ("auto", "off"):
+        raise ValueError(f"--gpu must be 'auto' or 'off', got {config.gpu!r}")
+    for world in config.worlds:
+        if config.step_seq_len % world:
+            raise ValueError(f"--seq-len {config.step_seq_len} must be divisible by every world size {config.worlds}")
+    out_dir = Path(config.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    results: dict[str, Any] = {"config": asdict(config), "environment": environment()}
+    if config.deepspeed and not deepspeed_available():
+        results["deepspeed_skipped"] = "deepspeed is not installed (pip install 'ulysses-sp[deepspeed]')"
+    results["memory"] = _memory_section(config, log)
+    results["worlds"] = _world_section(config, log)
+    results["comm"] = _comm_table(config, results["worlds"])
+    results["gpu"] = run_gpu(log=log) if config.gpu == "auto" else {"skipped": "--gpu off"}
+    results["wall_s"] = time.monotonic() - started
+    results["environment"]["load_average_end"] = _load_average()
+    results["plots"] = write_plots(results, out_dir)
+    with open(out_dir / "results.json", "w") as handle:
+        json.dump(results, handle, indent=1)
+    if config.markdown:
+        write_markdown(results, Path(config.markdown), out_dir)
+    log(f"bench: wrote {out_dir / 'results.json'}" + (f" and {config.markdown}" if config.markdown else ""))
+    return results
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ulysses-sp bench",
+        description="Benchmark ulysses-sp against DeepSpeed's Ulysses, ring attention and no SP; writes "
+        "results.json, PNG plots and BENCHMARKS.md.",
+    )
+    parser.add_argument("--size", choices=sorted(PRESETS), default="small", help="preset sizes (tiny: seconds)")
+    parser.add_argument("--output-dir", default=None, help="where results.json and the PNGs go (benchmarks/results)")
+    parser.add_argument("--markdown", default=None, help="the markdown report to write (BENCHMARKS.md)")
+    parser.add_argument("--no-markdown", action="store_true", help="do not write the markdown report")
+    parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out even when installed")
+    parser.add_argument("--gpu", choices=("auto", "off"), default="auto", help="auto: GPU mode when CUDA is present")
+    parser.add_argument("--seq-len", type=int, default=None, help="sequence length of the step-time worlds")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per world (after 1 warm-up)")
+    parser.add_argument("--note", default=None, help="a line about the machine for the report (e.g. 'shared')")
+    parser.add_argument(
+        "--report-from",
+        default=None,
+        metavar="RESULTS_JSON",
+        help="measure nothing: redraw the plots and rewrite the markdown from a results.json of an earlier run",
+    )
+    return parser
+
+
+def rerender(results_path: Path, markdown: Path | None, out_dir: Path | None = None) -> None:
+    """Redraw the PNGs and rewrite the markdown of an earlier run from its ``results.json`` (no measuring)."""
+    from .plots import write_plots
+    from .report import write_markdown
+
+    results = json.loads(results_path.read_text())
+    results["rendered_by"] = f"ulysses-sp bench --report-from {results_path}"
+    out_dir = out_dir or results_path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results["plots"] = write_plots(results, out_dir)
+    if markdown is not None:
+        write_markdown(results, markdown, out_dir)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``ulysses-sp bench [flags]``; returns the exit status."""
+    args = _parser().parse_args(list(argv))
+    if args.report_from is not None:
+        source = Path(args.report_from)
+        if not source.is_file():
+            print(f"ulysses-sp bench: error: --report-from {source}: no such file", file=sys.stderr)
+            return 2
+        markdown = None if args.no_markdown else Path(args.markdown or "BENCHMARKS.md")
+        rerender(source, markdown, Path(args.output_dir) if args.output_dir else None)
+        return 0
+    fields: dict[str, Any] = dict(PRESETS[args.size])
+    if args.output_dir is not None:
+        fields["output_dir"] = args.output_dir
+    if args.markdown is not None:
+        fields["markdown"] = args.markdown
+    if args.no_markdown:
+        fields["markdown"] = None
+    if args.seq_len is not None:
+        fields["step_seq_len"] = args.seq_len
+    config = BenchConfig(**fields, deepspeed=not args.no_deepspeed, gpu=args.gpu, note=args.note)
+    if args.reps is not None:
+        config.reps = {world: args.reps for world in config.worlds}
+    config.command = shlex.join(["ulysses-sp", "bench", *argv])
+    try:
+        run_bench(config, log=lambda text: print(text, flush=True))
+    except ValueError as error:
+        print(f"ulysses-sp bench: error: {error}", file=sys.stderr)
+        return 2
+    return 0

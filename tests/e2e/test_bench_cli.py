@@ -1,0 +1,120 @@
+"""``ulysses-sp bench`` at tiny sizes, as a subprocess: the files it writes and the sanity of their numbers.
+
+DeepSpeed is optional: where it is not installed the DeepSpeed rows must be absent and the report must say
+so; where it is, its rows are checked too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ulysses_sp.bench.deepspeed_ref import deepspeed_available
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT = 240
+
+
+def _bench(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    command = [sys.executable, "-m", "ulysses_sp", "bench", *args]
+    process = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"ulysses-sp bench {' '.join(args)} did not finish in {TIMEOUT} s\n{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[Path, dict]:
+    root = tmp_path_factory.mktemp("bench")
+    result = _bench(["--size", "tiny", "--gpu", "off", "--output-dir", "out", "--markdown", "REPORT.md"], root)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return root, json.loads((root / "out" / "results.json").read_text())
+
+
+def test_writes_json_plots_and_markdown(run):
+    root, results = run
+    for name in ("memory.png", "comm.png", "steptime.png"):
+        data = (root / "out" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and 5_000 < len(data) < 200_000, (name, len(data))
+    report = (root / "REPORT.md").read_text()
+    assert "ulysses-sp bench --size tiny" in report  # the command that made it
+    for section in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "Machine:", "Versions:", "Date:", "Load average"):
+        assert section in report, section
+    assert "](out/memory.png)" in report  # image links relative to the report
+    assert results["environment"]["torch"] and results["environment"]["date"]
+    assert results["gpu"] == {"skipped": "--gpu off"}
+
+
+def test_memory_falls_with_sp_and_matches_a_real_rank(run):
+    _, results = run
+    rows = {(r["sp"], r["seq_len"]): r for r in results["memory"]}
+    seq_lens = sorted({n for _, n in rows})
+    for n in seq_lens:
+        saved = [rows[sp, n]["saved_bytes"] for sp in (1, 2, 4)]
+        assert saved[0] > saved[1] > saved[2] > 0, saved
+        assert all(rows[sp, n]["peak_bytes"] >= rows[sp, n]["saved_bytes"] for sp in (1, 2, 4))
+    assert rows[1, seq_lens[1]]["saved_bytes"] > rows[1, seq_lens[0]]["saved_bytes"]
+    world = results["worlds"]["2"]
+    # One process standing in for rank 1 of 2 saves exactly what the real gloo rank 0 saves.
+    assert world["rank_memory"]["saved_bytes"] == rows[2, world["seq_len"]]["saved_bytes"]
+
+
+def test_collectives_and_agreement(run):
+    _, results = run
+    comm = {(r["sp"], r["implementation"]): r for r in results["comm"]}
+    ours = comm[2, "ulysses-sp"]
+    assert ours["all_to_all_per_layer"] == 4  # fused q/k/v + output, forward and backward
+    assert ours["all_to_all_bytes_per_layer"] == comm[2, "ulysses formula"]["all_to_all_bytes_per_layer"]
+    assert ours["all_gather_per_step"] == 2  # shapes + positions, once per forward
+    assert comm[2, "ring attention"]["p2p_bytes_per_layer"] > 0
+    world = results["worlds"]["2"]
+    agreement = world["agreement"]["ulysses-sp vs one process"]
+    assert agreement["loss_abs_diff"] < 1e-5 and agreement["grad_max_rel_diff"] < 1e-4, agreement
+    for ratio in world["ratios"].values():
+        assert math.isfinite(ratio["median"]) and 0.05 < ratio["median"] < 20, ratio
+        assert ratio["reps"] == 3
+    if deepspeed_available():
+        ds = comm[2, "deepspeed"]
+        assert ds["all_to_all_per_layer"] == 8  # q, k, v, out, forward and backward
+        assert ds["all_gather_per_step"] == world["num_layers"]  # position_ids in every layer
+        assert world["agreement"]["ulysses-sp vs deepspeed"]["grad_max_rel_diff"] < 1e-4
+        assert "deepspeed / ulysses-sp" in world["ratios"]
+    else:
+        assert (2, "deepspeed") not in comm and "deepspeed / ulysses-sp" not in world["ratios"]
+        assert "deepspeed is not installed" in results["deepspeed_skipped"]
+
+
+def test_bad_flag_exits_2_naming_it(tmp_path, capsys):
+    from ulysses_sp.bench.runner import main
+
+    out = tmp_path / "out"
+    assert main(["--size", "tiny", "--seq-len", "513", "--output-dir", str(out), "--no-markdown"]) == 2
+    assert "--seq-len 513" in capsys.readouterr().err and not out.exists()
+
+
+def test_report_from_redraws_without_measuring(run, tmp_path):
+    from ulysses_sp.bench.runner import main
+
+    root, results = run
+    source = root / "out" / "results.json"
+    report = tmp_path / "AGAIN.md"
+    assert main(["--report-from", str(source), "--markdown", str(report), "--output-dir", str(tmp_path / "png")]) == 0
+    text = report.read_text()
+    assert "--report-from" in text and f"{results['memory'][0]['saved_bytes'] / 2**20:,.2f}" in text
+    assert (tmp_path / "png" / "memory.png").is_file()

@@ -1,0 +1,106 @@
+"""Parts of the benchmark that need no second process: the collective counter, the max-sequence search, the
+per-rank stand-in and the formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ulysses_sp
+from ulysses_sp.bench.collectives import CollectiveCounter
+from ulysses_sp.bench.formulas import ring_bytes_per_layer, ulysses_bytes_per_layer
+from ulysses_sp.bench.gpu import run_gpu, search_max_seq
+from ulysses_sp.bench.models import CPU_MODELS, build_model
+from ulysses_sp.bench.rankmem import SavedActivations, dense_core, measure_step, random_batch, standin_rank
+
+
+@pytest.mark.parametrize("capacity", [0, 5000, 8192, 20000, 100_000, 10**9])
+def test_search_finds_the_largest_length_that_fits(capacity):
+    found, trials, complete = search_max_seq(lambda n: n <= capacity, start=8192, limit=1 << 20, granularity=1024)
+    assert complete
+    assert found == min(capacity // 1024 * 1024, 1 << 20)
+    assert len(trials) <= 12 + 10  # doublings + bisection steps
+
+
+def test_search_stops_when_the_budget_is_spent():
+    found, trials, complete = search_max_seq(
+        lambda n: None if n > 40_000 else True, start=8192, limit=1 << 20, granularity=1024
+    )
+    assert (found, complete) == (32768, False) and [t for t, _ in trials] == [8192, 16384, 32768]
+
+
+def test_counter_sees_every_collective_and_the_stand_in_matches_the_formula():
+    shape = CPU_MODELS["llama-bench-tiny"]
+    with standin_rank(4, rank=3) as layout:
+        assert dist.get_world_size() == 4 and layout.sp == 4
+        model = ulysses_sp.parallelize(build_model(shape, max_positions=512), layout, core=dense_core())
+        shard = ulysses_sp.shard_batch(random_batch(shape["vocab_size"], 512), layout)
+        with CollectiveCounter() as counter:
+            ulysses_sp.causal_lm_loss(model, shard, layout).backward()
+        stats = ulysses_sp.ulysses_context(model).stats
+    assert not dist.is_initialized()
+    layers = shape["num_hidden_layers"]
+    assert counter.calls["all_to_all"] == 4 * layers == stats.calls["all_to_all"]
+    assert counter.bytes["all_to_all"] == stats.bytes["all_to_all"]
+    expected = ulysses_bytes_per_layer(
+        batch=1, seq_len=512, sp=4, heads=4, kv_heads=2, head_dim=16, element_size=4
+    )  # kv heads (2) < sp (4): each kv head goes to 2 ranks
+    assert counter.bytes["all_to_all"] == layers * expected
+    assert counter.calls["all_reduce"] == 2  # the token-weighted loss, forward and backward
+
+
+def test_stand_in_memory_scales_with_the_shard():
+    shape = CPU_MODELS["llama-bench-tiny"]
+    saved = {}
+    for sp in (1, 2):
+        with standin_rank(sp, rank=sp - 1) as layout:
+            model = ulysses_sp.parallelize(build_model(shape, max_positions=512), layout, core=dense_core())
+            saved[sp] = measure_step(model, random_batch(shape["vocab_size"], 512), layout)["saved_bytes"]
+    assert 0.45 < saved[2] / saved[1] < 0.6, saved  # half the tokens per rank, plus full-length attention stats
+
+
+def test_saved_activations_dedupes_storages_and_skips_parameters():
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedActivations(torch.nn.Linear(1, 1)) as saved_all:
+        y = x @ weight
+        (y * y).sum()  # y saved twice (one storage)
+    assert saved_all.bytes == x.numel() * 4 + weight.numel() * 4 + y.numel() * 4
+    module = torch.nn.Linear(8, 8, bias=False)
+    with SavedActivations(module) as saved:
+        module(x).sum()
+    assert saved.bytes == x.numel() * 4  # the weight is a parameter, not an activation
+
+
+def test_ring_formula():
+    ring = ring_bytes_per_layer(batch=1, seq_len=1024, ring=4, kv_heads=2, head_dim=16, element_size=2)
+    kv = 2 * 2 * 256 * 16
+    assert ring == {
+        "forward_bytes": 3 * kv * 2,
+        "backward_bytes": 3 * kv * 2 + 4 * kv * 4,
+        "forward_steps": 3,
+        "backward_steps": 4,
+    }
+    assert (
+        ring_bytes_per_layer(batch=1, seq_len=1024, ring=1, kv_heads=2, head_dim=16, element_size=2)["forward_bytes"]
+        == 0
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+def test_gpu_mode_skips_cleanly_without_cuda():
+    assert run_gpu() == {"skipped": "no CUDA device"}
+
+
+def test_dense_core_attends_over_the_whole_row():
+    # Under the fake group the gathered positions read as one document per shard; dense_core must ignore that.
+    from ulysses_sp.cores import Segments, sdpa_core
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=gen) for _ in range(3))
+    per_shard = Segments(batch=1, seq_len=8, spans=[[(0, 4), (4, 8)]], device=torch.device("cpu"))
+    dense = Segments(batch=1, seq_len=8, spans=[[(0, 8)]], device=torch.device("cpu"))
+    out = dense_core("sdpa")(q, k, v, per_shard)
+    torch.testing.assert_close(out, sdpa_core(q, k, v, dense))
+    assert not torch.allclose(out[:, 4:], sdpa_core(q, k, v, per_shard)[:, 4:])
