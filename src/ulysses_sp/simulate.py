@@ -114,12 +114,6 @@ def _apply_features(model: nn.Module, features: Features) -> None:
         enable_activation_checkpointing(model, mode=features.activation_checkpointing)
 
 
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    return layers or list(model.base_model.layers)
-
-
 def _materialise(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate this rank's shards on ``device`` and fill them (normal(0, 0.02); ones for 1-D weights);
     recompute the non-persistent buffers (RoPE frequencies) that meta construction left empty."""
@@ -167,10 +161,9 @@ def measure_step(
     ``{"peak_bytes", "resident_bytes", "step_peak_bytes", "loss"}``: the peak is the bytes held on
     ``layout.device`` before the step (parameter shards, buffers, AdamW states) plus the step's own peak.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
+    from .fsdp import fully_shard_layers
     from .loss import causal_lm_loss
     from .model import parallelize
     from .sharding import shard_batch
@@ -186,19 +179,8 @@ def measure_step(
     model.config.use_cache = False
     parallelize(model, layout, core=core)
     _apply_features(model, features)
-    if mesh is None:
-        mesh = init_device_mesh(device.type, (layout.world_size,), mesh_dim_names=("world",))
     offload = features.cpu_offload_optimizer and device.type == "cuda"
-    policy = {
-        "mesh": mesh,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-        if compute != torch.float32
-        else MixedPrecisionPolicy(),
-        "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
-    }
-    for layer in _decoder_layers(model):
-        fully_shard(layer, **policy)
-    fully_shard(model, **policy)
+    fully_shard_layers(model, device, layout.world_size, compute_dtype=compute, offload_to_cpu=offload, mesh=mesh)
     _materialise(model, torch.device("cpu") if offload else device, seed)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)

@@ -7,76 +7,39 @@ processes, each calls the target ``fn()`` which returns ``{case: "ok" | tracebac
 
 from __future__ import annotations
 
-import datetime
 import importlib
-import json
-import multiprocessing as mp
-import os
-import socket
-import tempfile
-import time
 import traceback
 from collections.abc import Callable
+from typing import Any
+
+from ulysses_sp.bench.world import free_port, spawn_ranks
+
+__all__ = ["assert_case", "dist_suite", "free_port", "run_cases", "run_world"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, target: str, outdir: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    results: dict[str, str] = {}
-    try:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
-        module, name = target.split(":")
-        results = getattr(importlib.import_module(module), name)()
-    except Exception:  # report the failure to the parent instead of dying silently
-        results["<setup>"] = traceback.format_exc()
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _call(params: dict[str, Any]) -> dict[str, str]:
+    """On each rank: call ``params["target"]()`` (a case function of the suites, which takes no arguments)."""
+    module, name = params["target"].split(":")
+    return getattr(importlib.import_module(module), name)()
 
 
 def run_world(world: int, target: str, timeout: float = 900.0) -> dict[str, dict[int, str]]:
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as outdir:
-        port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, target, outdir)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        merged: dict[str, dict[int, str]] = {}
-        for r in range(world):
-            path = os.path.join(outdir, f"rank{r}.json")
-            if not os.path.exists(path):
-                why = "timed out" if r in hung else f"died with exit code {procs[r].exitcode}"
-                merged.setdefault("<process>", {})[r] = f"rank {r} {why} before reporting"
-                continue
-            with open(path) as f:
-                for case, result in json.load(f).items():
-                    merged.setdefault(case, {})[r] = result
-        return merged
+    """``{case: {rank: "ok" | traceback}}`` from ``target()`` on ``world`` gloo ranks (1 thread each).
+
+    A rank whose setup raised is reported under ``"<setup>"``, one that died or timed out under ``"<process>"``.
+    """
+    params = {"target": target, "threads_per_rank": 1, "collective_timeout_s": 90}
+    reports = spawn_ranks(world, "tests.helpers.harness:_call", params, timeout_s=timeout)
+    merged: dict[str, dict[int, str]] = {}
+    for rank, report in enumerate(reports):
+        if "died" in report:
+            merged.setdefault("<process>", {})[rank] = report["died"]
+        elif "error" in report:
+            merged.setdefault("<setup>", {})[rank] = report["error"]
+        else:
+            for case, result in report["ok"].items():
+                merged.setdefault(case, {})[rank] = result
+    return merged
 
 
 def run_cases(cases: dict[str, Callable[[], None]]) -> dict[str, str]:

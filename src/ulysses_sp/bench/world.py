@@ -19,10 +19,11 @@ import time
 import traceback
 from typing import Any
 
-__all__ = ["run_world"]
+__all__ = ["free_port", "run_world", "spawn_ranks"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for MASTER_PORT)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -45,7 +46,7 @@ def _worker(rank: int, world: int, port: int, target: str, params: dict[str, Any
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=params.get("collective_timeout_s", 300)))
         module, name = target.split(":")
         result = {"ok": getattr(importlib.import_module(module), name)(params)}
-    except Exception:  # reported to the parent, which raises with it
+    except Exception:  # reported to the parent
         result = {"error": traceback.format_exc()}
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)
@@ -53,11 +54,16 @@ def _worker(rank: int, world: int, port: int, target: str, params: dict[str, Any
         dist.destroy_process_group()
 
 
-def run_world(world: int, target: str, params: dict[str, Any], *, timeout_s: float = 1800.0) -> list[Any]:
-    """Run ``target`` (``"module:function"``) on ``world`` gloo ranks; returns each rank's result."""
+def spawn_ranks(world: int, target: str, params: dict[str, Any], *, timeout_s: float) -> list[dict[str, Any]]:
+    """Run ``target(params)`` on ``world`` spawned gloo ranks; one report per rank, never hanging.
+
+    Each report is ``{"ok": result}``, ``{"error": traceback}`` (the target or the group setup raised) or
+    ``{"died": why}`` (the process exited without reporting, or outlived ``timeout_s`` and was killed).
+    ``params`` may set ``threads_per_rank`` (default 1) and ``collective_timeout_s`` (default 300).
+    """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, world, port, target, params, outdir)) for r in range(world)]
         for proc in procs:
             proc.start()
@@ -69,18 +75,29 @@ def run_world(world: int, target: str, params: dict[str, Any], *, timeout_s: flo
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        results, errors = [], []
+        reports: list[dict[str, Any]] = []
         for rank, proc in enumerate(procs):
             path = os.path.join(outdir, f"rank{rank}.json")
             if not os.path.exists(path):
                 why = f"timed out after {timeout_s:.0f} s" if rank in hung else f"died (exit code {proc.exitcode})"
-                errors.append(f"rank {rank} {why}")
+                reports.append({"died": f"rank {rank} {why} before reporting"})
                 continue
             with open(path) as handle:
-                result = json.load(handle)
-            if "error" in result:
-                errors.append(f"rank {rank}:\n{result['error']}")
-            results.append(result.get("ok"))
-        if errors:
-            raise RuntimeError(f"{target} on {world} ranks failed:\n" + "\n".join(errors))
-        return results
+                reports.append(json.load(handle))
+        return reports
+
+
+def run_world(world: int, target: str, params: dict[str, Any], *, timeout_s: float = 1800.0) -> list[Any]:
+    """Run ``target`` (``"module:function"``) on ``world`` gloo ranks; returns each rank's result.
+
+    Raises RuntimeError with every failing rank's traceback (or why it died) when any rank did not succeed.
+    """
+    reports = spawn_ranks(world, target, params, timeout_s=timeout_s)
+    errors = [
+        report.get("died") or f"rank {rank}:\n{report['error']}"
+        for rank, report in enumerate(reports)
+        if "ok" not in report
+    ]
+    if errors:
+        raise RuntimeError(f"{target} on {world} ranks failed:\n" + "\n".join(errors))
+    return [report["ok"] for report in reports]

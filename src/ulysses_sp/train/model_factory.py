@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ulysses_sp.fsdp import fully_shard_layers
 from ulysses_sp.layout import ParallelLayout, resolve_ring_degree
 from ulysses_sp.model import parallelize
 from ulysses_sp.offload import enable_activation_checkpointing
@@ -148,17 +149,6 @@ def _full_model(config: TrainConfig, hf_config: Any, source: str | None) -> nn.M
     return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="sdpa")
 
 
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks (the classes transformers lists in ``_no_split_modules``)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        layers = list(getattr(model.base_model, "layers", []))
-    if not layers:
-        raise ValueError(f"found no decoder layers in {type(model).__name__} to shard with FSDP2; use --parallel ddp")
-    return layers
-
-
 def _prepare(model: nn.Module, config: TrainConfig, layout: ParallelLayout) -> None:
     """Ulysses attention and the long-sequence memory features, before any wrapping."""
     model.config.use_cache = False
@@ -199,8 +189,6 @@ def build_model(
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids), model
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
     full = _full_model(config, hf_config, source) if layout.is_main else None
@@ -210,17 +198,7 @@ def build_model(
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="sdpa")
     _prepare(model, config, layout)
     offload = config.cpu_offload_optimizer and device.type == "cuda"
-    mesh = init_device_mesh(device.type, (layout.world_size,), mesh_dim_names=("world",))
-    policy = {
-        "mesh": mesh,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        if compute_dtype != torch.float32
-        else MixedPrecisionPolicy(),
-        "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
-    }
-    for layer in _decoder_layers(model):
-        fully_shard(layer, **policy)
-    fully_shard(model, **policy)
+    fully_shard_layers(model, device, layout.world_size, compute_dtype=compute_dtype, offload_to_cpu=offload)
     model.to_empty(device="cpu" if offload else device)
     set_model_state_dict(
         model,
