@@ -26,7 +26,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from .attention import MODULE_ATTR, WINDOW_ATTR, UlyssesAttention, ulysses_attention_forward, ulysses_mask
+from .attention import MODULE_ATTR, RING_CORES, WINDOW_ATTR, UlyssesAttention, ulysses_attention_forward, ulysses_mask
 from .comm import CommStats
 from .cores import CORES, Core, get_core
 from .layout import ParallelLayout
@@ -201,8 +201,8 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
-def _check_attention_features(config, core: str | None) -> None:
-    """Refuse, before training, attention variants that Ulysses would get silently wrong."""
+def _check_model_features(config, core: str | None) -> None:
+    """Refuse, before training, model features that Ulysses would get silently wrong (attention, MoE aux loss)."""
     layer_types = set(getattr(config, "layer_types", None) or [])
     if layer_types - _SUPPORTED_LAYER_TYPES:
         raise ValueError(
@@ -218,6 +218,13 @@ def _check_attention_features(config, core: str | None) -> None:
         raise ValueError(
             "attn_temperature_tuning scales queries by positions computed per shard; it is not supported under "
             "Ulysses (set attn_temperature_tuning=False if the model allows it)"
+        )
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            f"output_router_logits=True (router_aux_loss_coef={getattr(config, 'router_aux_loss_coef', None)}): "
+            "transformers computes the MoE load-balancing loss from each shard's tokens alone and ulysses-sp's "
+            "token-weighted loss does not add it, so the loss would differ from one process's; set "
+            "model.config.output_router_logits = False (no auxiliary loss) before parallelize"
         )
     if core == "sdpa" and getattr(config, "attn_logit_softcapping", None):
         raise ValueError(
@@ -287,14 +294,18 @@ def parallelize(
         raise ValueError(f"{type(pretrained).__name__} config has no num_attention_heads; is it a decoder LM?")
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
     layout.check_heads(num_heads, num_kv_heads)
-    _check_attention_features(text_config, core if isinstance(core, str) else None)
+    _check_model_features(text_config, core if isinstance(core, str) else None)
 
-    if callable(core):
-        core_fn, core_name = core, getattr(core, "__name__", "custom")
-    elif isinstance(core, str):
-        core_fn, core_name = get_core(core), core
-    else:
+    if not callable(core) and not isinstance(core, str):
         raise ValueError(f"core must be one of {sorted(CORES)} or a callable, got {core!r}")
+    core_name = core if isinstance(core, str) else getattr(core, "__name__", "custom")
+    if layout.ring > 1 and core_name not in RING_CORES:  # before resolving it: whatever it is, it cannot run here
+        raise ValueError(
+            f"core={core_name!r} cannot run inside a ring (layout ring={layout.ring}): the ring uses its own "
+            f"blockwise core with an fp32 online-softmax merge; use core='sdpa' (the default) or 'eager', or a "
+            "layout without a ring"
+        )
+    core_fn = core if callable(core) else get_core(core)
     if not pretrained._can_set_attn_implementation():
         raise ValueError(
             f"{type(pretrained).__name__} does not dispatch attention through transformers' AttentionInterface, "

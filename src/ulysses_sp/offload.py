@@ -99,7 +99,12 @@ class HostActivationStore:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    def pack(self, tensor: torch.Tensor) -> _Stored:
+    def pack(self, tensor: torch.Tensor) -> _Stored | torch.Tensor:
+        if tensor.numel() <= 1:
+            # Scalars and the empty placeholder some torch versions save next to each checkpoint's inputs stay
+            # as they are: worth nothing to offload, and as entries they would break the prefetch chain
+            # (each layer input's ``previous`` must be the layer input packed before it).
+            return tensor
         source = tensor.detach()
         if source.device.type == "cuda":
             stream = self._side_stream(source.device)
@@ -127,7 +132,9 @@ class HostActivationStore:
             entry.arrived = torch.cuda.Event()
             entry.arrived.record(stream)
 
-    def unpack(self, entry: _Stored) -> torch.Tensor:
+    def unpack(self, entry: _Stored | torch.Tensor) -> torch.Tensor:
+        if isinstance(entry, torch.Tensor):  # kept as it was by pack
+            return entry
         if entry.device.type == "cpu":
             return entry.host
         if entry.device.type != "cuda":

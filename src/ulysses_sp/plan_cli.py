@@ -20,6 +20,7 @@ from typing import Any
 from .plan import (
     CHECKPOINT_MODES,
     DTYPES,
+    LOSS_BUDGET_BYTES,
     PARALLEL_MODES,
     Features,
     MemoryPlan,
@@ -95,24 +96,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="lm_head + cross-entropy in chunks recomputed in backward (default: on).",
     )
     add(
+        "--loss-chunk-mib",
+        type=_positive,
+        default=LOSS_BUDGET_BYTES >> 20,
+        help="The logits working set of one loss chunk in MiB, as `ulysses-sp train --loss-chunk-mib` "
+        f"(default: {LOSS_BUDGET_BYTES >> 20}).",
+    )
+    add(
         "--loss-chunk-tokens",
         type=_positive,
         default=None,
-        help="Tokens per loss chunk (default: a 1 GiB logits budget).",
+        help="Tokens per loss chunk, instead of --loss-chunk-mib (default: from --loss-chunk-mib).",
     )
     add(
         "--tiled-mlp",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="MLP over sequence chunks with recompute (default: off).",
+        default=True,
+        help="MLP over sequence chunks with recompute (default: on, as in `ulysses-sp train`).",
     )
-    add("--mlp-chunk-tokens", type=_positive, default=None, help="Tokens per MLP chunk (default: hidden size).")
+    add(
+        "--mlp-chunk-tokens",
+        type=_positive,
+        default=None,
+        help="Tokens per MLP chunk (default: max(1024, hidden size)).",
+    )
     add(
         "--activation-checkpointing",
         choices=CHECKPOINT_MODES,
-        default="checkpoint",
+        default="offload",
         help="none | checkpoint (layer inputs on the GPU) | offload (layer inputs in host memory) "
-        "(default: checkpoint).",
+        "(default: offload, what `ulysses-sp train` does on a GPU).",
     )
     add(
         "--cpu-offload-optimizer",
@@ -137,6 +150,7 @@ def _features(args: argparse.Namespace) -> Features:
     return Features(
         tiled_loss=args.tiled_loss,
         loss_chunk_tokens=args.loss_chunk_tokens,
+        loss_budget_bytes=args.loss_chunk_mib << 20,
         tiled_mlp=args.tiled_mlp,
         mlp_chunk_tokens=args.mlp_chunk_tokens,
         activation_checkpointing=args.activation_checkpointing,

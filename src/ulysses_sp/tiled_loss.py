@@ -213,11 +213,12 @@ _PROBE_TOKENS = 4
 
 @dataclass
 class _TiledLossState:
-    original_forward: object  # the bound forward the class defines
+    original_forward: object  # the forward the instance had: the class's, or a wrapper set on the instance
     head: LogitsHead
     chunk_tokens: int | None
     budget_bytes: int
     verified: bool = False
+    instance_forward: object = None  # ``forward`` in the instance's __dict__ before enabling (restored after)
 
 
 def _find_causal_lm(model: nn.Module) -> nn.Module:
@@ -276,7 +277,13 @@ def enable_tiled_loss(
     parameters = inspect.signature(causal_lm.forward).parameters
     if "labels" not in parameters and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
         raise ValueError(f"{type(causal_lm).__name__}.forward takes no labels; it is not a causal LM")
-    state = _TiledLossState(causal_lm.forward, LogitsHead.from_config(causal_lm.config), chunk_tokens, budget_bytes)
+    state = _TiledLossState(
+        causal_lm.forward,
+        LogitsHead.from_config(causal_lm.config),
+        chunk_tokens,
+        budget_bytes,
+        instance_forward=causal_lm.__dict__.get("forward"),
+    )
     setattr(causal_lm, _STATE_ATTR, state)
     causal_lm.forward = types.MethodType(_tiled_forward, causal_lm)
     return model
@@ -287,19 +294,27 @@ def disable_tiled_loss(model: nn.Module) -> nn.Module:
     causal_lm = _find_causal_lm(model)
     if getattr(causal_lm, _STATE_ATTR, None) is None:
         return model
-    del causal_lm.forward  # the instance attribute; the class's forward shows through again
+    state: _TiledLossState = getattr(causal_lm, _STATE_ATTR)
+    if state.instance_forward is not None:  # e.g. Accelerate's autocast wrapper, installed before enabling
+        causal_lm.forward = state.instance_forward
+    else:
+        del causal_lm.forward  # the instance attribute; the class's forward shows through again
     delattr(causal_lm, _STATE_ATTR)
     return model
 
 
 @contextlib.contextmanager
 def _decoder_returning(causal_lm: nn.Module, hidden: torch.Tensor) -> Iterator[None]:
-    """Temporarily replace the decoder by a module that returns ``hidden`` as its last hidden state."""
-    from transformers.modeling_outputs import BaseModelOutputWithPast
+    """Temporarily replace the decoder by a module that returns ``hidden`` as its last hidden state.
+
+    The output is the MoE variant (``router_logits=None`` besides the dense fields): MoE causal LMs read it
+    from their decoder's output even when no router logits were asked for.
+    """
+    from transformers.modeling_outputs import MoeModelOutputWithPast
 
     class _Fixed(nn.Module):
         def forward(self, *args, **kwargs):
-            return BaseModelOutputWithPast(last_hidden_state=hidden)
+            return MoeModelOutputWithPast(last_hidden_state=hidden)
 
     prefix = causal_lm.base_model_prefix
     decoder = getattr(causal_lm, prefix)
@@ -385,6 +400,13 @@ def _tiled_forward(
             use_cache=use_cache,
             logits_to_keep=logits_to_keep,
             **kwargs,
+        )
+    router = kwargs.get("output_router_logits")
+    if router or (router is None and getattr(self.config, "output_router_logits", False)):
+        raise ValueError(
+            "output_router_logits=True: the tiled loss returns the cross-entropy only and would drop the MoE "
+            "load-balancing loss; set model.config.output_router_logits = False, or call disable_tiled_loss(model) "
+            "to use the model's own loss"
         )
     num_items = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)

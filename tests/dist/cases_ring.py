@@ -141,9 +141,8 @@ def bad_layouts(sp: int):
             lambda: U.parallelize(build("llama", heads=3), hybrid), "ulysses 2 x ring 2", "ulysses 1 x ring 4"
         )
     ring = U.ParallelLayout.from_env(sp=2, ring=2)
-    model = U.parallelize(build("llama"), ring, core="flex_attention")
-    shard = U.shard_batch(make_batch(1, 8), ring)
-    _raises(lambda: model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]), "core='flex_attention'")
+    for core in ("flex_attention", "flash_attention_2"):  # refused at parallelize, before any step
+        _raises(lambda core=core: U.parallelize(build("llama"), ring, core=core), f"core={core!r}", "'sdpa'")
 
 
 def hybrid_from_groups() -> U.ParallelLayout:

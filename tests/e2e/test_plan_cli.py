@@ -29,7 +29,10 @@ def test_table_and_json():
         "36864",
         "--gpus-per-node",
         "1",
-        "--no-tiled-loss",
+        "--no-tiled-loss",  # the measured H100 baseline: plain loss and MLP, checkpoints on the GPU
+        "--no-tiled-mlp",
+        "--activation-checkpointing",
+        "checkpoint",
         "--cpu-offload-optimizer",
         "--json",
     )
@@ -37,6 +40,10 @@ def test_table_and_json():
     data = json.loads(out.stdout)
     assert data["plan"]["fits"] and 36864 <= data["max_seq_len"] < 40960
     assert data["recommendation"]["reaches_target"]
+    defaults = json.loads(run("--model", "qwen3-4b", "--seq-len", "65536", "--gpus-per-node", "1", "--json").stdout)
+    features = defaults["plan"]["features"]  # the defaults are those of `ulysses-sp train` on a GPU
+    assert features["tiled_loss"] and features["tiled_mlp"] and features["activation_checkpointing"] == "offload"
+    assert features["loss_budget_bytes"] == 1 << 30
 
 
 @pytest.mark.parametrize(

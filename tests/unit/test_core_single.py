@@ -195,6 +195,17 @@ def test_chunked_attention_is_rejected():
         U.parallelize(Llama4ForCausalLM(cfg), U.ParallelLayout.single())
 
 
+def test_moe_router_auxiliary_loss_is_rejected_before_training():
+    model = build("qwen3_moe")
+    model.config.output_router_logits = True
+    with pytest.raises(
+        ValueError, match=r"output_router_logits=True \(router_aux_loss_coef=.*output_router_logits = False"
+    ):
+        U.parallelize(model, U.ParallelLayout.single())
+    model.config.output_router_logits = False
+    U.parallelize(model, U.ParallelLayout.single())
+
+
 def test_softcap_with_sdpa_is_rejected_before_training():
     model = build("gemma2", kv_heads=2, attn="eager")
     with pytest.raises(ValueError, match="attn_logit_softcapping=50.0.*core='eager'"):

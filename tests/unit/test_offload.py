@@ -156,6 +156,22 @@ def test_eval_mode_and_no_grad_keep_nothing():
     assert offload_store(model).held_bytes() == 0 and out.logits.requires_grad
 
 
+def test_store_passes_scalars_and_empty_placeholders_through_and_chains_layer_inputs():
+    """Older torch saves an empty tensor next to each checkpoint's inputs: it must not become the ``previous``
+    of the next layer input (the prefetch would fetch nothing)."""
+    from ulysses_sp.offload import HostActivationStore
+
+    store = HostActivationStore()
+    first = store.pack(torch.randn(4, 8))
+    placeholder = torch.empty(0)
+    assert store.pack(placeholder) is placeholder and store.unpack(placeholder) is placeholder
+    scalar = torch.tensor(2.0)
+    assert store.pack(scalar) is scalar
+    second = store.pack(torch.randn(4, 8))
+    assert second.previous() is first and len(store.held_tensors()) == 2
+    torch.testing.assert_close(store.unpack(first), first.host)
+
+
 def test_errors():
     with pytest.raises(ValueError, match=r"mode must be one of \['none', 'checkpoint', 'offload'\], got 'cpu'"):
         U.enable_activation_checkpointing(build("llama"), "cpu")

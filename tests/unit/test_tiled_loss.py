@@ -94,7 +94,9 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama_tied", "granite", "cohere", "gemma2", "gpt_neox"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "llama_tied", "granite", "cohere", "gemma2", "gpt_neox", "qwen3_moe", "mixtral"]
+)
 def test_model_loss_and_grads_equal_plain(arch):
     model = _model(arch).float()
     batch = make_batch(2, 24, pad="right")
@@ -145,6 +147,38 @@ def test_refusals():
         U.enable_tiled_loss(build("llama"), chunk_tokens=0)
     with pytest.raises(TypeError, match="causal LM"):
         U.enable_tiled_loss(torch.nn.Linear(2, 2))
+
+
+def test_moe_router_auxiliary_loss_is_refused_not_dropped():
+    plain = build("qwen3_moe")
+    model = U.enable_tiled_loss(copy.deepcopy(plain))
+    batch = make_batch(1, 16)
+    # no router logits asked for: the cross-entropy is the whole loss, as in the model's own forward
+    torch.testing.assert_close(model(**batch).loss, plain(**batch).loss, **TOL)
+    with pytest.raises(ValueError, match="output_router_logits=True: the tiled loss .* drop the MoE"):
+        model(**batch, output_router_logits=True)
+    model.config.output_router_logits = True
+    with pytest.raises(ValueError, match="output_router_logits = False"):
+        model(**batch)
+
+
+def test_disable_restores_a_forward_wrapper_set_on_the_instance_before():
+    model = build("llama")
+    calls = []
+
+    def wrapper(*args, **kwargs):  # as Accelerate's autocast wrapper: an instance attribute over the class's
+        calls.append(1)
+        return type(model).forward(model, *args, **kwargs)
+
+    model.forward = wrapper
+    batch = make_batch(1, 8)
+    U.enable_tiled_loss(model)
+    model(input_ids=batch["input_ids"])  # no labels: the previous forward (the wrapper) runs
+    assert calls == [1]
+    U.disable_tiled_loss(model)
+    assert model.__dict__["forward"] is wrapper
+    model(**batch)
+    assert calls == [1, 1]
 
 
 def test_lora_on_lm_head_refused_lora_elsewhere_exact():

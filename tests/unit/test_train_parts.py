@@ -139,3 +139,12 @@ def test_ring_degree_from_the_heads_or_the_flag():
     assert resolve_ring(TrainConfig(sp=4, ring=4, nproc=4)) == 4
     with pytest.raises(ValueError, match=r"--sp 8 --ring 1 does not fit --model 'llama-tiny'.*ulysses 4 x ring 2"):
         resolve_ring(TrainConfig(sp=8, ring=1, nproc=8))
+
+
+def test_a_ring_with_a_core_that_cannot_run_in_it_is_refused_before_any_rank_starts():
+    from ulysses_sp.train.model_factory import resolve_ring
+
+    for core in ("flex", "flash"):
+        with pytest.raises(ValueError, match=rf"--attn-core {core} cannot run inside a ring \(ring degree 2"):
+            resolve_ring(TrainConfig(sp=8, nproc=8, attn_core=core))  # 8 > 4 heads: the ring is automatic
+    assert resolve_ring(TrainConfig(sp=2, attn_core="flex")) == 1  # no ring: any core

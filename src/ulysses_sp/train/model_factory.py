@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ulysses_sp.attention import RING_CORES
 from ulysses_sp.fsdp import fully_shard_layers
 from ulysses_sp.layout import ParallelLayout, resolve_ring_degree
 from ulysses_sp.model import parallelize
@@ -109,10 +110,17 @@ def resolve_ring(config: TrainConfig, hf_config: Any | None = None) -> int:
         raise ValueError(f"--model {config.model!r}: its config has no num_attention_heads; is it a decoder LM?")
     try:
         kv_heads = getattr(text_config, "num_key_value_heads", None)
-        return resolve_ring_degree(config.sp, config.ring, num_heads, kv_heads)
+        ring = resolve_ring_degree(config.sp, config.ring, num_heads, kv_heads)
     except ValueError as error:
         flags = f"--sp {config.sp}" + (f" --ring {config.ring}" if config.ring is not None else "")
         raise ValueError(f"{flags} does not fit --model {config.model!r}: {error}") from None
+    if ring > 1 and _CORE_NAMES[config.attn_core] not in RING_CORES:
+        chosen = "--ring" if config.ring is not None else f"the ring chosen from the heads ({num_heads} heads, --sp)"
+        raise ValueError(
+            f"--attn-core {config.attn_core} cannot run inside a ring (ring degree {ring}, from {chosen}): the ring "
+            f"uses its own blockwise core; use --attn-core sdpa or eager, or an --sp the heads split over"
+        )
+    return ring
 
 
 def check_model_against_config(config: TrainConfig) -> None:
