@@ -104,3 +104,18 @@ def test_dense_core_attends_over_the_whole_row():
     out = dense_core("sdpa")(q, k, v, per_shard)
     torch.testing.assert_close(out, sdpa_core(q, k, v, dense))
     assert not torch.allclose(out[:, 4:], sdpa_core(q, k, v, per_shard)[:, 4:])
+
+
+def test_gpu_mode_turns_on_the_memory_features_train_uses():
+    from ulysses_sp.bench.gpu import enable_memory_features
+    from ulysses_sp.offload import offload_store
+    from ulysses_sp.tiled_loss import tiled_loss_enabled
+    from ulysses_sp.tiling import enable_tiled_mlp
+
+    model = build_model(CPU_MODELS["llama-bench-tiny"], max_positions=64)
+    features = enable_memory_features(model, torch.device("cpu"))
+    assert features == {"tiled_loss": True, "tiled_mlp": True, "activation_checkpointing": "checkpoint"}
+    assert tiled_loss_enabled(model) and offload_store(model) is None  # checkpoints stay on a CPU device
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    with pytest.raises(ValueError, match="already tiled"):
+        enable_tiled_mlp(model)

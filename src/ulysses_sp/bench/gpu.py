@@ -1,8 +1,7 @@
 """GPU mode: the longest sequence one GPU trains, for real model shapes, and per-rank memory of SP layouts.
 
 For each model of :data:`~ulysses_sp.bench.models.GPU_MODELS` (random weights, bf16 on the GPU) with the
-library's long-sequence memory features on (:func:`enable_memory_features` records which ones this build
-has), :func:`search_max_seq` finds the longest sequence for which one training step (forward, loss,
+library's long-sequence memory features on (:func:`enable_memory_features`), :func:`search_max_seq` finds the longest sequence for which one training step (forward, loss,
 backward) fits: doubling until ``torch.cuda.OutOfMemoryError``, then bisection to ``granularity``
 tokens. At that length it times a few steps: tokens/s, model TFLOPs (``6 N + 6 L H d T`` per token,
 :func:`ulysses_sp.train.model_factory.training_flops_per_token`, recomputation not counted) and MFU against
@@ -29,7 +28,9 @@ from torch import nn
 
 from ulysses_sp.layout import ParallelLayout
 from ulysses_sp.model import parallelize, unparallelize
+from ulysses_sp.offload import enable_activation_checkpointing
 from ulysses_sp.tiled_loss import enable_tiled_loss
+from ulysses_sp.tiling import enable_tiled_mlp
 
 from .models import GPU_MODELS, build_gpu_model
 from .rankmem import dense_core, measure_step, random_batch, standin_rank
@@ -86,31 +87,16 @@ def search_max_seq(
 
 
 def enable_memory_features(model: nn.Module, device: torch.device) -> dict[str, Any]:
-    """Turn on the long-sequence memory features this build has; returns which ones are on.
+    """Turn on the long-sequence memory features; returns which ones are on.
 
-    The tiled lm_head + loss always; the tiled MLP (``ulysses_sp.tiling``) and activation checkpointing
-    with host offload on CUDA (``ulysses_sp.offload``) when present in this build, else transformers' own
-    activation checkpointing.
+    The tiled lm_head + loss, the tiled MLP, and activation checkpointing with the layer inputs offloaded to
+    host memory on CUDA (kept on the device elsewhere): what ``ulysses-sp train`` runs on a GPU.
     """
-    features: dict[str, Any] = {}
-    enable_tiled_loss(model)
-    features["tiled_loss"] = True
-    try:
-        from ulysses_sp.tiling import enable_tiled_mlp
-    except ImportError:
-        features["tiled_mlp"] = False
-    else:
-        enable_tiled_mlp(model)
-        features["tiled_mlp"] = True
     mode = "offload" if device.type == "cuda" else "checkpoint"
-    try:
-        from ulysses_sp.offload import enable_activation_checkpointing
-    except ImportError:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        features["activation_checkpointing"] = "checkpoint (transformers)"
-    else:
-        enable_activation_checkpointing(model, mode)
-        features["activation_checkpointing"] = mode
+    enable_tiled_loss(model)
+    enable_tiled_mlp(model)
+    enable_activation_checkpointing(model, mode)
+    features: dict[str, Any] = {"tiled_loss": True, "tiled_mlp": True, "activation_checkpointing": mode}
     model.train()
     return features
 
