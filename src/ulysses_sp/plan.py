@@ -393,12 +393,21 @@ def _terms(shape: ModelShape, *, seq_len: int, sp: int, dp: int, features: Featu
     if features.tiled_loss:
         chunk = features.loss_chunk_tokens or max(1, features.loss_budget_bytes // (vocab * _LOSS_BYTES_PER_LOGIT))
         chunk = min(chunk, t)
-        # Forward per chunk: logits in the compute dtype, their fp32 copy, logsumexp's fp32 temporary.
-        loss_forward = (c + u + 4) * chunk * vocab
-        # Backward: the hidden-state gradient [t, h], the fp32 weight-gradient accumulator [V, h], the
-        # chunk's weight-gradient product (compute dtype + its fp32 copy), and per chunk: logits (compute
-        # dtype + fp32), softmax / its gradient (fp32) and the gradient cast to the compute dtype.
-        loss_backward = c * h * t + 4 * vocab * h + (c + u) * vocab * h + (c + u + 4 + 4 + c) * chunk * vocab
+        # Forward per chunk: logits in the compute dtype, then their fp32 copy (the compute-dtype ones are
+        # freed as the copy returns) and logsumexp's fp32 temporary.
+        loss_forward = max(c + u, 8) * chunk * vocab
+        # Backward (tiled_loss._TiledHeadLoss.backward, one chunk at a time): the hidden-state gradient
+        # [t, h] and the fp32 weight-gradient accumulator [V, h] live throughout; on top of them, at three
+        # successive moments: (1) fp32 logits + softmax-gradient + its scaled copy + that cast to the compute
+        # dtype, 12 (+ c under bf16) bytes per logit; (2) the compute-dtype logit gradient + the chunk's
+        # weight-gradient product (compute dtype + its fp32 copy); (3) at the end, the accumulator cast to
+        # the weight's (compute) dtype: the unsharded lm_head gradient.
+        per_logit = 12 + (c if c < 4 else 0)
+        loss_backward = (
+            c * h * t
+            + 4 * vocab * h
+            + max(per_logit * chunk * vocab, c * chunk * vocab + (c + u) * vocab * h, head_grad)
+        )
     else:
         # lm_head's [t, V] logits, their fp32 copy (a no-op under fp32), log_softmax's saved fp32 output;
         # backward holds three fp32 [t, V] tensors at once (saved log-probs, their gradient, the logits').
@@ -411,7 +420,7 @@ def _terms(shape: ModelShape, *, seq_len: int, sp: int, dp: int, features: Featu
         "loss forward": {**base, "layer_activations": all_layers + final_norm, "logits_loss": loss_forward},
         "loss backward": {
             **base,
-            "gradients": head_grad,
+            "gradients": 0 if features.tiled_loss else head_grad,  # tiled: made at its end (in logits_loss)
             "layer_activations": all_layers + final_norm,
             "logits_loss": loss_backward,
         },

@@ -160,13 +160,15 @@ def test_config_json_and_directory(tmp_path):
         ("llama", 2, Features(tiled_loss=False, dtype="fp32")),
         ("qwen3", 2, Features(tiled_loss=True, loss_chunk_tokens=256, dtype="bf16")),
         ("llama", 2, Features(loss_chunk_tokens=256, tiled_mlp=True, mlp_chunk_tokens=128, dtype="fp32")),
+        # one loss chunk holds every token: the tiled loss's backward is the peak (was over-predicted by 15%)
+        ("llama", 4, Features(tiled_loss=True, dtype="bf16")),
     ],
 )
 def test_simulate_on_cpu_agrees_with_the_plan(kind, sp, features):
     from ulysses_sp.simulate import simulate_step
 
     result = simulate_step(tiny(kind, kv=2), seq_len=2048, sp=sp, dp=2, features=features)
-    assert 0.85 <= result["ratio"] <= 1.15, result
+    assert 0.93 <= result["ratio"] <= 1.07, result
     assert not dist.is_initialized()  # the fake world is gone
 
 

@@ -1,9 +1,10 @@
 """GPU mode: the longest sequence one GPU trains, for real model shapes, and per-rank memory of SP layouts.
 
 For each model of :data:`~ulysses_sp.bench.models.GPU_MODELS` (random weights, bf16 on the GPU) with the
-library's long-sequence memory features on (:func:`enable_memory_features`), :func:`search_max_seq` finds the longest sequence for which one training step (forward, loss,
-backward) fits: doubling until ``torch.cuda.OutOfMemoryError``, then bisection to ``granularity``
-tokens. At that length it times a few steps: tokens/s, model TFLOPs (``6 N + 6 L H d T`` per token,
+library's long-sequence memory features on (:func:`enable_memory_features`), :func:`search_max_seq` finds the
+longest sequence for which one training step (forward, loss, backward) fits: doubling until
+``torch.cuda.OutOfMemoryError``, then bisection to ``granularity`` tokens. At that length it times a few
+steps: tokens/s, model TFLOPs (``6 N + 6 L H d T`` per token,
 :func:`ulysses_sp.train.model_factory.training_flops_per_token`, recomputation not counted) and MFU against
 the device's bf16 peak.
 
