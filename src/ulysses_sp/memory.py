@@ -6,14 +6,20 @@ memory, the quantity a memory plan predicts).
 
 * CUDA: the caching allocator's own counters (``torch.cuda.max_memory_allocated``), reset on entry.
 * CPU: PyTorch keeps no allocation counters for the CPU, so a :class:`TorchDispatchMode` sees the output of
-  every operator (forward and backward), records each new storage once (views share their base's storage)
-  and subtracts it when the storage is freed. It counts tensor storages, not allocator slack or kernels'
-  internal scratch space, which is what ``torch.cuda.max_memory_allocated`` counts too. It slows every
-  operator a little, so use it for measurements, not in training.
+  every operator (forward and backward), records each storage once (views share their base's storage) and
+  subtracts it when the storage is freed. Storages that already existed when the block began (the weights,
+  the optimizer states: every tensor the garbage collector can reach then) count only by what they grow
+  inside it, and those are re-read after every operator: FSDP2 allocates and frees its unsharded
+  parameters by resizing such storages in place, which no operator reports (so measure FSDP2 from its
+  second step on: the first creates those storages inside the block). It counts tensor storages, not
+  allocator slack or kernels' internal scratch space. It slows every operator a little, so use it for
+  measurements, not in training. (The profiler's CPU memory events are not used instead: a free that
+  happens on another thread, e.g. gloo's, is missing from them, so their running sum drifts upward.)
 """
 
 from __future__ import annotations
 
+import gc
 import weakref
 from types import TracebackType
 
@@ -25,44 +31,88 @@ __all__ = ["PeakMemory"]
 
 
 class _StorageTracker(TorchDispatchMode):
-    """Live bytes of the storages created by operators inside the mode, and their peak."""
+    """Live bytes of the storages that operators inside the mode create or grow, and their peak.
+
+    ``live`` maps each counted storage (by its ``data_ptr`` when last seen) to the bytes it counts for.
+    """
 
     def __init__(self, device_type: str) -> None:
         super().__init__()
         self.device_type = device_type
-        self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
+        self._counted: dict[int, tuple[int, int]] = {}  # storage id -> (data_ptr, bytes counted)
+        self._baseline: dict[int, int] = {}  # storage id -> bytes it had when the mode was entered
+        self._resizable: dict[int, torch.UntypedStorage] = {}  # older storages seen inside: re-read each op
+
+    @property
+    def live(self) -> dict[int, int]:
+        return {ptr: nbytes for ptr, nbytes in self._counted.values() if nbytes}
+
+    def __enter__(self) -> _StorageTracker:
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor):
+                for tensor in _local_tensors(obj):
+                    if tensor.device.type == self.device_type and not tensor.is_meta:
+                        storage = tensor.untyped_storage()
+                        self._baseline[storage._cdata] = storage.nbytes()
+        return super().__enter__()
+
+    def __exit__(self, *args) -> None:
+        super().__exit__(*args)
+        self._resizable.clear()
 
     def _free(self, key: int) -> None:
-        nbytes = self.live.pop(key, None)
-        if nbytes is not None:
-            self.current -= nbytes
+        entry = self._counted.pop(key, None)
+        self._resizable.pop(key, None)
+        if entry is not None:
+            self.current -= entry[1]
 
-    def _track(self, tensor: torch.Tensor) -> None:
-        if is_traceable_wrapper_subclass(tensor):  # e.g. a DTensor: count the local tensors it wraps
-            for name in tensor.__tensor_flatten__()[0]:
-                inner = getattr(tensor, name)
-                if isinstance(inner, torch.Tensor):
-                    self._track(inner)
-            return
-        if tensor.device.type != self.device_type or tensor.is_meta:
-            return
-        storage = tensor.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes == 0 or key in self.live:
-            return
-        self.live[key] = nbytes
-        self.current += nbytes
+    def _count(self, key: int, storage: torch.UntypedStorage) -> None:
+        nbytes = max(0, storage.nbytes() - self._baseline.get(key, 0))
+        ptr, counted = self._counted.get(key, (0, 0))
+        self._counted[key] = (storage.data_ptr(), nbytes)
+        self.current += nbytes - counted
         self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._free, key)
+
+    def _track(self, tensor: torch.Tensor, inputs: set[int]) -> None:
+        for local in _local_tensors(tensor):
+            if local.device.type != self.device_type or local.is_meta:
+                continue
+            storage = local.untyped_storage()
+            key = storage._cdata
+            if key in self._counted:
+                continue
+            weakref.finalize(storage, self._free, key)
+            if key in self._baseline or key in inputs:  # not made by this operator: maybe resized in place
+                self._resizable[key] = storage
+            self._count(key, storage)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for item in tree_flatten(out)[0]:
-            if isinstance(item, torch.Tensor):
-                self._track(item)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for key, storage in list(self._resizable.items()):  # resized in place since the last operator?
+            self._count(key, storage)
+        outputs = [item for item in tree_flatten(out)[0] if isinstance(item, torch.Tensor)]
+        if outputs:
+            inputs = {
+                local.untyped_storage()._cdata
+                for item in tree_flatten((args, kwargs))[0]
+                if isinstance(item, torch.Tensor)
+                for local in _local_tensors(item)
+                if not local.is_meta
+            }
+            for item in outputs:
+                self._track(item, inputs)
         return out
+
+
+def _local_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``tensor``'s data (the local tensors a DTensor wraps)."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    inner = (getattr(tensor, name) for name in tensor.__tensor_flatten__()[0])
+    return [t for item in inner if isinstance(item, torch.Tensor) for t in _local_tensors(item)]
 
 
 class PeakMemory:

@@ -1,9 +1,11 @@
-"""PeakMemory on the CPU counts what a block allocates, views once, and frees."""
+"""PeakMemory on the CPU counts what a block allocates, views once, and frees; older storages only as they grow."""
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from ulysses_sp.memory import PeakMemory
+from ulysses_sp.memory import PeakMemory, _StorageTracker
+from ulysses_sp.simulate import _fake_world
 
 MiB = 2**20
 
@@ -29,3 +31,32 @@ def test_cross_entropy_backward_holds_three_logit_sized_tensors():
     with PeakMemory("cpu") as peak:
         F.cross_entropy(F.linear(x, w), y).backward()
     assert 3 * logits_bytes <= peak.peak_bytes < 3.2 * logits_bytes
+
+
+def test_an_older_tensor_read_through_a_view_costs_nothing():
+    w, h = torch.randn(4096, 64), torch.randn(256, 64)  # F.linear reads w through w.t()
+    with PeakMemory("cpu") as peak:
+        F.linear(h, w)
+    assert peak.peak_bytes == 256 * 4096 * 4
+
+
+def test_fsdp2_parameters_gathered_and_freed_by_resizing_are_followed():
+    """FSDP2 allocates each layer's unsharded weight by resizing its storage and frees it the same way."""
+    from torch.distributed.fsdp import fully_shard
+
+    layer_bytes = 1024 * 1024 * 4
+    with _fake_world(2):
+        model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(8)])
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        x = torch.randn(16, 1024)
+        model(x).sum().backward()  # the first step creates the unsharded storages
+        model.zero_grad(set_to_none=True)
+        with _StorageTracker("cpu") as tracker:
+            model(x).sum().backward()
+        grads = sum(p.grad.to_local().numel() * 4 for p in model.parameters())
+    assert grads == 8 * layer_bytes // 2
+    assert tracker.current == grads  # every unsharded weight and gradient was freed again
+    # the sharded gradients, one layer's weight and gradient, their collective buffers; never all 8 weights
+    assert tracker.peak <= grads + 4 * layer_bytes, (tracker.peak, grads)
