@@ -50,7 +50,7 @@ FRAGMENTATION = 0.05
 CONTEXT_BYTES = 1 * GiB
 # Defaults of the features' working sets (mirrored from tiled_loss.py and tiling.py, which are not imported).
 LOSS_BUDGET_BYTES = 1 << 30
-_LOSS_BYTES_PER_LOGIT = 12  # tiled_loss.loss_chunk_tokens: fp32 logits + fp32 softmax + matmul-dtype logits
+_LOSS_BYTES_PER_LOGIT = 8  # tiled_loss.loss_chunk_tokens: fp32 logits + one fp32 temporary of their shape
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -326,11 +326,14 @@ def _terms(shape: ModelShape, *, seq_len: int, sp: int, dp: int, features: Featu
         # next one prefetched.
         master = 0 if offload_states else 4 * params // world
         weights = master + c * root_params + 2 * c * layer_params
-        # Sharded fp32 grads exist after the reduce-scatters (all of them at the optimizer step); the
-        # layer being back-propagated holds its unsharded grads in the compute dtype, plus an fp32 copy
-        # for the fp32 reduce-scatter under bf16.
+        # Sharded fp32 grads exist after the reduce-scatters (all of them at the optimizer step). The layer
+        # being back-propagated holds its unsharded grads in the compute dtype as they are made: during its
+        # MLP's backward the MLP's (made by the tiled MLP inside its own working set, counted there), during
+        # its attention's the MLP's and the attention's. Their fp32 copy for the reduce-scatter comes after
+        # the layer's activations are freed.
         sharded_grads = 0 if offload_states else 4 * params // world
-        layer_grads = c * layer_params + u * layer_params
+        layer_grads = c * layer_params
+        mlp_grads = 0 if features.tiled_mlp else c * 3 * h * inter
         # AdamW exp_avg + exp_avg_sq (fp32, sharded); its foreach step on CUDA makes one more state-sized
         # temporary (sqrt of exp_avg_sq); the CPU for-loop step one per parameter.
         states = 0 if offload_states else 8 * params // world
@@ -340,7 +343,7 @@ def _terms(shape: ModelShape, *, seq_len: int, sp: int, dp: int, features: Featu
         master = 4 * params
         weights = master + (c * params if c < 4 else 0)
         sharded_grads = 4 * params + 4 * params  # .grad + DDP's gradient buckets
-        layer_grads = 0
+        layer_grads = mlp_grads = 0
         states = 8 * params
         step_temp = 4 * params if device == "cuda" else 4 * layer_params
     head_grad = c * vocab * h  # the unsharded lm_head (or tied embedding) gradient, from loss backward on
@@ -395,18 +398,14 @@ def _terms(shape: ModelShape, *, seq_len: int, sp: int, dp: int, features: Featu
         chunk = min(chunk, t)
         # Forward per chunk: logits in the compute dtype, then their fp32 copy (the compute-dtype ones are
         # freed as the copy returns) and logsumexp's fp32 temporary.
-        loss_forward = max(c + u, 8) * chunk * vocab
+        loss_forward = max(c + u, _LOSS_BYTES_PER_LOGIT) * chunk * vocab
         # Backward (tiled_loss._TiledHeadLoss.backward, one chunk at a time): the hidden-state gradient
-        # [t, h] and the fp32 weight-gradient accumulator [V, h] live throughout; on top of them, at three
-        # successive moments: (1) fp32 logits + softmax-gradient + its scaled copy + that cast to the compute
-        # dtype, 12 (+ c under bf16) bytes per logit; (2) the compute-dtype logit gradient + the chunk's
-        # weight-gradient product (compute dtype + its fp32 copy); (3) at the end, the accumulator cast to
-        # the weight's (compute) dtype: the unsharded lm_head gradient.
-        per_logit = 12 + (c if c < 4 else 0)
+        # [t, h] and the fp32 weight-gradient accumulator [V, h] live throughout; on top of them, the larger
+        # of: the chunk's fp32 logits and softmax (everything after is in place, the cast to the compute
+        # dtype and the blocked weight-gradient product need less), and at the end the accumulator cast to
+        # the weight's compute dtype (none under fp32: the accumulator is the gradient).
         loss_backward = (
-            c * h * t
-            + 4 * vocab * h
-            + max(per_logit * chunk * vocab, c * chunk * vocab + (c + u) * vocab * h, head_grad)
+            c * h * t + 4 * vocab * h + max(_LOSS_BYTES_PER_LOGIT * chunk * vocab, head_grad if c < 4 else 0)
         )
     else:
         # lm_head's [t, V] logits, their fp32 copy (a no-op under fp32), log_softmax's saved fp32 output;
@@ -426,7 +425,7 @@ def _terms(shape: ModelShape, *, seq_len: int, sp: int, dp: int, features: Featu
         },
         "backward: last layer's MLP": {
             **base,
-            "gradients": head_grad + layer_grads,
+            "gradients": head_grad + mlp_grads,
             "layer_activations": others + own_input + (norm_in + o_proj_input + norm_post + grad_stream) * t,
             "attention": attention_saved * t,
             "mlp": (mlp_saved + mlp_backward) * t,

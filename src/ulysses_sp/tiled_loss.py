@@ -50,9 +50,9 @@ __all__ = [
 ]
 
 DEFAULT_LOSS_BUDGET_BYTES = 1 << 30
-# Bytes per logit held while a chunk is live: fp32 logits (4) + fp32 softmax / gradient (4) + the logits
-# in the matmul dtype (up to 4).
-_BYTES_PER_LOGIT = 12
+# Bytes per logit held while a chunk is live, forward or backward: the fp32 logits (4) and one fp32 tensor of
+# the same shape (logsumexp's temporary; the softmax that becomes the gradient). Everything else is in place.
+_BYTES_PER_LOGIT = 8
 
 
 def loss_chunk_tokens(vocab_size: int, budget_bytes: int = DEFAULT_LOSS_BUDGET_BYTES) -> int:
@@ -88,6 +88,14 @@ class LogitsHead:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
 
+    def apply_(self, raw: torch.Tensor) -> torch.Tensor:
+        """:meth:`apply` in place on ``raw`` (a temporary the caller owns); returns ``raw``."""
+        if self.scale != 1.0:
+            raw.mul_(self.scale)
+        if self.softcap is not None:
+            raw.div_(self.softcap).tanh_().mul_(self.softcap)
+        return raw
+
     def grad(self, logits: torch.Tensor) -> torch.Tensor | float:
         """d logits / d raw, given the logits (a tensor, or a float when the head is linear)."""
         if self.softcap is None:
@@ -95,10 +103,33 @@ class LogitsHead:
         tanh = logits / self.softcap
         return (1 - tanh * tanh) * self.scale
 
+    def grad_(self, logits: torch.Tensor) -> torch.Tensor | float:
+        """:meth:`grad`, overwriting ``logits`` (no longer needed) when the result is a tensor."""
+        if self.softcap is None:
+            return self.scale
+        return logits.div_(self.softcap).square_().neg_().add_(1.0).mul_(self.scale)
+
 
 def _chunks(total: int, chunk: int) -> Iterator[tuple[int, int]]:
     for start in range(0, total, chunk):
         yield start, min(start + chunk, total)
+
+
+def _accumulate_weight_grad(acc: torch.Tensor, grad: torch.Tensor, h: torch.Tensor) -> None:
+    """``acc += grad^T @ h`` with a transient no larger than half the chunk's ``grad``.
+
+    acc [V, h] fp32; grad [c, V], h [c, h] in the compute dtype. In fp32 the product goes straight into the
+    accumulator. Otherwise it is made in blocks of vocabulary rows, each added to the fp32 accumulator in place
+    (the reduction over tokens is the same, so the sums are those of one [V, h] product), so that the
+    product never costs a [V, h] tensor in the compute dtype and its fp32 copy (a vocabulary of 152K and a
+    hidden size of 2560 would make those 2.3 GB).
+    """
+    if grad.dtype == acc.dtype:
+        acc.addmm_(grad.t(), h)
+        return
+    rows = max(1, grad.numel() // (2 * max(1, h.shape[1])))  # block [rows, h] <= half of grad's elements
+    for v0 in range(0, acc.shape[0], rows):
+        acc[v0 : v0 + rows] += grad[:, v0 : v0 + rows].t() @ h
 
 
 class _TiledHeadLoss(torch.autograd.Function):
@@ -112,7 +143,7 @@ class _TiledHeadLoss(torch.autograd.Function):
             b = bias.to(compute_dtype) if bias is not None else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start, end in _chunks(hidden.shape[0], chunk):
-                logits = head.apply(F.linear(hidden[start:end].to(compute_dtype), w, b).float())  # [c, V]
+                logits = head.apply_(F.linear(hidden[start:end].to(compute_dtype), w, b).float())  # [c, V]
                 target = targets[start:end]
                 valid = target != ignore_index
                 picked = logits.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)  # [c]
@@ -135,19 +166,26 @@ class _TiledHeadLoss(torch.autograd.Function):
             scale = grad_total.float()
             for start, end in _chunks(hidden.shape[0], ctx.chunk):
                 h = hidden[start:end].to(dtype)  # [c, h]
-                logits = head.apply(F.linear(h, w, b).float())  # [c, V]
+                logits = head.apply_(F.linear(h, w, b).float())  # [c, V] fp32
                 target = targets[start:end]
                 valid = (target != ctx.ignore_index).unsqueeze(1)  # [c, 1]
                 grad = torch.softmax(logits, dim=1)  # d CE / d logits = softmax - onehot(target)
                 grad.scatter_add_(1, target.clamp(min=0).unsqueeze(1), torch.full_like(grad[:, :1], -1.0))
-                grad = (grad * head.grad(logits)).mul_(valid * scale).to(dtype)  # d loss / d raw [c, V]
-                del logits
+                factor = valid * scale  # [c, 1]
+                d_logits = head.grad_(logits)  # d logits / d raw: a float, or written over the logits
+                if isinstance(d_logits, torch.Tensor):
+                    grad.mul_(d_logits)
+                else:
+                    factor = factor * d_logits
+                del logits, d_logits
+                grad = grad.mul_(factor).to(dtype)  # d loss / d raw [c, V]
                 if grad_hidden is not None:
                     grad_hidden[start:end] = grad @ w
                 if grad_weight is not None:
-                    grad_weight += (grad.t() @ h).float()
+                    _accumulate_weight_grad(grad_weight, grad, h)
                 if grad_bias is not None:
-                    grad_bias += grad.float().sum(0)
+                    grad_bias += grad.sum(0, dtype=torch.float32)
+                del grad  # before the next chunk's logits exist
         return (
             grad_hidden,
             grad_weight.to(weight.dtype) if grad_weight is not None else None,
