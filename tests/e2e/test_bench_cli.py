@@ -83,9 +83,15 @@ def test_collectives_and_agreement(run):
     assert ours["all_to_all_bytes_per_layer"] == comm[2, "ulysses formula"]["all_to_all_bytes_per_layer"]
     assert ours["all_gather_per_step"] == 2  # shapes + positions, once per forward
     assert comm[2, "ring attention"]["p2p_bytes_per_layer"] > 0
+    ring, formula = comm[2, "ulysses-sp ring"], comm[2, "ring attention"]
+    assert ring["source"] == "measured" and ring["all_to_all_per_layer"] == 0
+    assert ring["p2p_bytes_per_layer"] == formula["p2p_bytes_per_layer"]  # the ring sends what its formula says
+    assert ring["p2p_sends_per_layer"] == formula["p2p_sends_per_layer"]
     world = results["worlds"]["2"]
-    agreement = world["agreement"]["ulysses-sp vs one process"]
-    assert agreement["loss_abs_diff"] < 1e-5 and agreement["grad_max_rel_diff"] < 1e-4, agreement
+    for name in ("ulysses-sp", "ulysses-sp ring"):
+        agreement = world["agreement"][f"{name} vs one process"]
+        assert agreement["loss_abs_diff"] < 1e-5 and agreement["grad_max_rel_diff"] < 1e-4, (name, agreement)
+    assert "ulysses-sp ring / ulysses-sp" in world["ratios"]
     for ratio in world["ratios"].values():
         assert math.isfinite(ratio["median"]) and 0.05 < ratio["median"] < 20, ratio
         assert ratio["reps"] == 3

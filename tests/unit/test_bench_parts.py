@@ -79,8 +79,8 @@ def test_ring_formula():
     assert ring == {
         "forward_bytes": 3 * kv * 2,
         "backward_bytes": 3 * kv * 2 + 4 * kv * 4,
-        "forward_steps": 3,
-        "backward_steps": 4,
+        "forward_sends": 3,
+        "backward_sends": 7,  # k/v 3 times, their gradients 4 hops
     }
     assert (
         ring_bytes_per_layer(batch=1, seq_len=1024, ring=1, kv_heads=2, head_dim=16, element_size=2)["forward_bytes"]

@@ -1,11 +1,13 @@
-"""Bytes per attention layer and rank from the shapes: the Ulysses exchange (to check the measured counts
-against) and ring attention (a formula until a measured ring row exists).
+"""Bytes per attention layer and rank from the shapes: the Ulysses exchange and ring attention, to check the
+measured counts against.
 
 ``b`` rows, ``N`` tokens, ``P`` ranks, ``n = N / P``, ``H`` / ``Hkv`` query / kv heads, ``d`` head dim,
 ``e`` bytes per element. Bytes are what one rank hands to the collectives (the whole send buffer).
 """
 
 from __future__ import annotations
+
+from ulysses_sp.ring import ring_bytes_per_layer as _ring_bytes
 
 __all__ = ["ring_bytes_per_layer", "ulysses_bytes_per_layer"]
 
@@ -31,16 +33,22 @@ def ring_bytes_per_layer(
 ) -> dict[str, int]:
     """Ring attention over ``ring`` ranks (each holds ``N / ring`` tokens, all kv heads), one layer, one rank.
 
-    Forward: ``ring - 1`` steps, each passing this rank's current k and v block on
-    (``2 b Hkv n d`` elements). Backward (the usual ring backward): k/v travel again (``ring - 1`` steps) and
-    their fp32 gradient accumulators travel ``ring`` hops. Returns bytes and point-to-point steps.
+    Forward: ``ring - 1`` sends, each passing this rank's current k and v block on (``2 b Hkv n d``
+    elements). Backward (the usual ring backward): k/v travel again (``ring - 1`` sends) and their fp32
+    gradient accumulators travel ``ring`` hops (``ring`` sends). Bytes: :func:`ulysses_sp.ring.ring_bytes_per_layer`.
     """
-    if ring == 1:
-        return {"forward_bytes": 0, "backward_bytes": 0, "forward_steps": 0, "backward_steps": 0}
-    kv = 2 * batch * kv_heads * (seq_len // ring) * head_dim
+    forward, backward = _ring_bytes(
+        batch=batch,
+        kv_heads=kv_heads,
+        block_len=seq_len // ring,
+        head_dim=head_dim,
+        ring=ring,
+        element_size=element_size,
+    )
+    sends = ring > 1
     return {
-        "forward_bytes": (ring - 1) * kv * element_size,
-        "backward_bytes": (ring - 1) * kv * element_size + ring * kv * 4,
-        "forward_steps": ring - 1,
-        "backward_steps": ring,
+        "forward_bytes": forward,
+        "backward_bytes": backward,
+        "forward_sends": (ring - 1) * sends,
+        "backward_sends": (2 * ring - 1) * sends,
     }

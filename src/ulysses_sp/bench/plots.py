@@ -47,7 +47,9 @@ def _memory(results: dict[str, Any], path: Path) -> str:
 def _comm(results: dict[str, Any], path: Path) -> str:
     plt, fig, axes = _figure(2)
     rows = [r for r in results["comm"] if r["implementation"] != "ulysses formula"]
-    names = sorted({r["implementation"] for r in rows}, key=["ulysses-sp", "deepspeed", "ring attention"].index)
+    names = sorted(
+        {r["implementation"] for r in rows}, key=["ulysses-sp", "deepspeed", "ulysses-sp ring", "ring attention"].index
+    )
     sps = sorted({r["sp"] for r in rows})
     width = 0.8 / len(names)
     for i, name in enumerate(names):
@@ -60,12 +62,12 @@ def _comm(results: dict[str, Any], path: Path) -> str:
             for s in sps
         ]
         calls = [
-            by_sp[s].get("all_to_all_per_layer", 0) + by_sp[s].get("p2p_steps_per_layer", 0) if s in by_sp else 0
+            by_sp[s].get("all_to_all_per_layer", 0) + by_sp[s].get("p2p_sends_per_layer", 0) if s in by_sp else 0
             for s in sps
         ]
         axes[0].bar(xs, sent, width, label=name + (" (formula)" if name == "ring attention" else ""))
         axes[1].bar(xs, calls, width, label=name)
-    for ax, label in zip(axes, ("MiB sent per layer (fwd+bwd)", "collectives / p2p steps per layer"), strict=True):
+    for ax, label in zip(axes, ("MiB sent per layer (fwd+bwd)", "collectives / p2p sends per layer"), strict=True):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sps))], [f"P={s}" for s in sps])
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, axis="y")

@@ -101,7 +101,7 @@ def _comm(results: dict[str, Any], image: str) -> list[str]:
                 r["source"],
                 f"{r.get('all_to_all_per_layer', 0):g}",
                 _mib(r.get("all_to_all_bytes_per_layer", 0)),
-                f"{r.get('p2p_steps_per_layer', 0)}",
+                f"{r.get('p2p_sends_per_layer', 0):g}",
                 _mib(p2p) if p2p is not None else "0",
                 f"{r.get('all_gather_per_step', 0)} ({r.get('all_gather_bytes_per_step', 0):,} B)",
             ]
@@ -123,11 +123,12 @@ def _comm(results: dict[str, Any], image: str) -> list[str]:
         "",
         f"Same model, {world['seq_len']:,} tokens, batch 1, fp32, one forward + backward, per rank. ulysses-sp and "
         "DeepSpeed are counted by the same counter (a TorchDispatchMode that sees every c10d collective, and "
-        "DeepSpeed's `deepspeed::dim_zero_all_to_all` operator). Ring attention is a **formula** (forward: "
-        "P-1 steps passing k and v; backward: k/v again plus fp32 gradient accumulators, P hops), not a "
-        "measurement: a measured ring row is added once the ring core merges. All-gathers are per step "
-        "(whole model): ulysses-sp gathers shapes and positions once per forward, DeepSpeed gathers "
-        "position_ids in every layer. The loss all-reduce (2 per step) is the same for both and not listed.",
+        "DeepSpeed's `deepspeed::dim_zero_all_to_all` operator; `ulysses-sp ring` is ulysses-sp's ring "
+        "attention over the same P ranks, its point-to-point sends counted by the same counter). `ring "
+        "attention` is the **formula** for a ring (forward: P-1 steps passing k and v; backward: k/v again "
+        "plus fp32 gradient accumulators, P hops), which the measured ring row should match. All-gathers are "
+        "per step (whole model): ulysses-sp gathers shapes and positions once per forward, DeepSpeed gathers "
+        "position_ids in every layer. The loss all-reduce (2 per step) is the same for all and not listed.",
         "",
         *_table(
             [
@@ -136,7 +137,7 @@ def _comm(results: dict[str, Any], image: str) -> list[str]:
                 "source",
                 "all-to-alls / layer",
                 "all-to-all MiB / layer",
-                "p2p steps / layer",
+                "p2p sends / layer",
                 "p2p MiB / layer",
                 "all-gathers / step (bytes)",
             ],

@@ -4,10 +4,10 @@ Sections (each measured in this run; ratios are taken against a baseline measure
 
 1. per-rank saved-activation bytes and peak memory vs sequence length, sp = 1, 2, 4 (one process standing
    in for one rank, checked against a real gloo rank in section 3's world);
-2. collectives and bytes per attention layer: ulysses-sp and DeepSpeed measured by one counter, ring
-   attention from its formula;
-3. train-step time of ulysses-sp against DeepSpeed's ``UlyssesSPAttentionHF`` in the same world, and the
-   loss/gradient agreement of the two (and of each with one process);
+2. collectives and bytes per attention layer: ulysses-sp, its ring attention and DeepSpeed measured by one
+   counter, next to the formulas;
+3. train-step time of ulysses-sp against DeepSpeed's ``UlyssesSPAttentionHF`` and ulysses-sp's ring in the
+   same world, and the loss/gradient agreement of each with one process (and of ulysses-sp with DeepSpeed);
 4. step time with SP against no SP (dp over the same ranks) at the same tokens per rank;
 5. GPU mode (only with CUDA): see :mod:`ulysses_sp.bench.gpu`.
 """
@@ -138,6 +138,7 @@ def _ratios(numerator: list[float], denominator: list[float]) -> dict[str, float
 
 
 def _world_section(config: BenchConfig, log) -> dict[str, Any]:
+    from .steptime import RING
     from .world import run_world
 
     worlds = {}
@@ -155,6 +156,8 @@ def _world_section(config: BenchConfig, log) -> dict[str, Any]:
         ratios = {"ulysses-sp / no-sp": _ratios(times["ulysses-sp"], times["no-sp"])}
         if "deepspeed" in times:
             ratios["deepspeed / ulysses-sp"] = _ratios(times["deepspeed"], times["ulysses-sp"])
+        if RING in times:
+            ratios[f"{RING} / ulysses-sp"] = _ratios(times[RING], times["ulysses-sp"])
         result["ratios"] = ratios
         worlds[str(world)] = result
         log(
@@ -183,7 +186,8 @@ def _comm_table(config: BenchConfig, worlds: dict[str, Any]) -> list[dict[str, A
                     "all_to_all_bytes_per_layer": sent.get("all_to_all", 0) / layers,
                     "all_gather_per_step": calls.get("all_gather", 0),
                     "all_gather_bytes_per_step": sent.get("all_gather", 0),
-                    "p2p_steps_per_layer": 0,
+                    "p2p_sends_per_layer": calls.get("send", 0) / layers,
+                    "p2p_bytes_per_layer": sent.get("send", 0) / layers,
                 }
             )
         ring = ring_bytes_per_layer(
@@ -202,7 +206,7 @@ def _comm_table(config: BenchConfig, worlds: dict[str, Any]) -> list[dict[str, A
                 "all_to_all_per_layer": 0,
                 "all_to_all_bytes_per_layer": 0,
                 "p2p_bytes_per_layer": ring["forward_bytes"] + ring["backward_bytes"],
-                "p2p_steps_per_layer": ring["forward_steps"] + ring["backward_steps"],
+                "p2p_sends_per_layer": ring["forward_sends"] + ring["backward_sends"],
                 "all_gather_per_step": 0,
                 "all_gather_bytes_per_step": 0,
             }

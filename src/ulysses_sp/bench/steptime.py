@@ -1,9 +1,10 @@
 """The multi-rank benchmark: step time, collectives and loss/gradient agreement, measured side by side.
 
 Runs on every rank of a gloo world (``run_world(world, "ulysses_sp.bench.steptime:worker", params)``).
-In ONE world it builds, from the same seed, the same model three (or four) times:
+In ONE world it builds, from the same seed, the same model four (or five) times:
 
 * ``ulysses-sp``: :func:`ulysses_sp.parallelize` with sp = world, each rank a shard of the same rows;
+* ``ulysses-sp ring``: the same with ulysses-sp's ring attention (ring = world, zigzag shards);
 * ``deepspeed``: DeepSpeed's ``UlyssesSPAttentionHF`` with sp = world, same shards (when installed);
 * ``no-sp``: plain transformers sdpa with dp = world: every rank its own rows of ``N / world`` tokens,
   i.e. the same tokens per rank as under SP;
@@ -12,7 +13,7 @@ In ONE world it builds, from the same seed, the same model three (or four) times
 First, from identical weights, one forward + backward of each SP variant: loss and gradients (averaged
 over the world, the library's convention) are compared with each other and with the reference, and the
 collectives of that step are counted (:class:`~ulysses_sp.bench.collectives.CollectiveCounter`, the same
-counter for both implementations). Then training steps (forward, loss, backward, gradient all-reduce,
+counter for every implementation). Then training steps (forward, loss, backward, gradient all-reduce,
 AdamW) are timed interleaved: in every repetition each variant runs once, in a rotating order, between
 barriers, so machine noise hits all of them alike; the results are per-repetition times whose ratios
 are taken repetition by repetition.
@@ -40,7 +41,10 @@ from .deepspeed_ref import DeepSpeedUlysses, deepspeed_available
 from .models import CPU_MODELS, build_model
 from .rankmem import measure_step, random_batch
 
-__all__ = ["worker"]
+__all__ = ["RING", "worker"]
+
+RING = "ulysses-sp ring"  # the variant running ulysses-sp's ring attention (ring degree = world)
+_SP_VARIANTS = ("ulysses-sp", "deepspeed", RING)
 
 
 @dataclass
@@ -121,13 +125,17 @@ def worker(params: dict[str, Any]) -> dict[str, Any]:
             variants["deepspeed"] = _Variant(model, sp_layout, shard_batch(batch, sp_layout), active=ds.active)
         except Exception as error:  # recorded in the report, with the exact message
             ds_error = f"{type(error).__name__}: {error}"
+    # The ring core of ulysses-sp over the same ranks (pure ring: ulysses 1 x ring P, zigzag shards).
+    ring_layout = ParallelLayout.from_env(sp=world, ring=world)
+    ring_model = parallelize(fresh(), ring_layout)
+    variants[RING] = _Variant(ring_model, ring_layout, shard_batch(batch, ring_layout))
     own_rows = random_batch(shape["vocab_size"], seq_len // world, seed=100 + rank)
     variants["no-sp"] = _Variant(fresh(), dp_layout, shard_batch(own_rows, dp_layout))
 
     out: dict[str, Any] = {"world": world, "seq_len": seq_len, "model": params["model"], "deepspeed_error": ds_error}
 
     # Agreement, from identical weights, before any optimizer step.
-    results = {name: variants[name].loss_and_grads() for name in ("ulysses-sp", "deepspeed") if name in variants}
+    results = {name: variants[name].loss_and_grads() for name in _SP_VARIANTS if name in variants}
     reference = None
     if rank == 0:
         ref_model, single = fresh(), ParallelLayout.single()
@@ -142,7 +150,7 @@ def worker(params: dict[str, Any]) -> dict[str, Any]:
     out["losses"] = {name: loss.item() for name, (loss, _) in results.items()}
 
     # Collectives of one forward + backward, counted the same way for every implementation.
-    out["collectives"] = {name: _count(variants[name]) for name in ("ulysses-sp", "deepspeed") if name in variants}
+    out["collectives"] = {name: _count(variants[name]) for name in _SP_VARIANTS if name in variants}
     out["num_layers"] = shape["num_hidden_layers"]
 
     # This rank's activation memory, to check the one-process stand-in measurement against.
