@@ -51,8 +51,8 @@ class _StorageTracker(TorchDispatchMode):
 
     def __enter__(self) -> _StorageTracker:
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
-                for tensor in _local_tensors(obj):
+            if issubclass(type(obj), torch.Tensor):  # not isinstance: it reads __class__, which warns on some
+                for tensor in _local_tensors(obj):  # deprecated torch objects
                     if tensor.device.type == self.device_type and not tensor.is_meta:
                         storage = tensor.untyped_storage()
                         self._baseline[storage._cdata] = storage.nbytes()
