@@ -52,10 +52,8 @@ class _StorageTracker(TorchDispatchMode):
     def __enter__(self) -> _StorageTracker:
         for obj in gc.get_objects():
             if issubclass(type(obj), torch.Tensor):  # not isinstance: it reads __class__, which warns on some
-                for tensor in _local_tensors(obj):  # deprecated torch objects
-                    if tensor.device.type == self.device_type and not tensor.is_meta:
-                        storage = tensor.untyped_storage()
-                        self._baseline[storage._cdata] = storage.nbytes()
+                for storage in self._storages(obj):  # deprecated torch objects
+                    self._baseline[storage._cdata] = storage.nbytes()
         return super().__enter__()
 
     def __exit__(self, *args) -> None:
@@ -75,11 +73,16 @@ class _StorageTracker(TorchDispatchMode):
         self.current += nbytes - counted
         self.peak = max(self.peak, self.current)
 
+    def _storages(self, tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+        """The storages on the tracked device that hold ``tensor``'s data."""
+        return [
+            local.untyped_storage()
+            for local in _local_tensors(tensor)
+            if local.device.type == self.device_type and not local.is_meta
+        ]
+
     def _track(self, tensor: torch.Tensor, inputs: set[int]) -> None:
-        for local in _local_tensors(tensor):
-            if local.device.type != self.device_type or local.is_meta:
-                continue
-            storage = local.untyped_storage()
+        for storage in self._storages(tensor):
             key = storage._cdata
             if key in self._counted:
                 continue
@@ -96,11 +99,10 @@ class _StorageTracker(TorchDispatchMode):
         outputs = [item for item in tree_flatten(out)[0] if isinstance(item, torch.Tensor)]
         if outputs:
             inputs = {
-                local.untyped_storage()._cdata
+                storage._cdata
                 for item in tree_flatten((args, kwargs))[0]
                 if isinstance(item, torch.Tensor)
-                for local in _local_tensors(item)
-                if not local.is_meta
+                for storage in self._storages(item)
             }
             for item in outputs:
                 self._track(item, inputs)

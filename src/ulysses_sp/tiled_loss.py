@@ -96,18 +96,11 @@ class LogitsHead:
             raw.div_(self.softcap).tanh_().mul_(self.softcap)
         return raw
 
-    def grad(self, logits: torch.Tensor) -> torch.Tensor | float:
-        """d logits / d raw, given the logits (a tensor, or a float when the head is linear)."""
-        if self.softcap is None:
-            return self.scale
-        tanh = logits / self.softcap
-        return (1 - tanh * tanh) * self.scale
-
-    def grad_(self, logits: torch.Tensor) -> torch.Tensor | float:
-        """:meth:`grad`, overwriting ``logits`` (no longer needed) when the result is a tensor."""
-        if self.softcap is None:
-            return self.scale
-        return logits.div_(self.softcap).square_().neg_().add_(1.0).mul_(self.scale)
+    def softcap_grad_(self, logits: torch.Tensor) -> torch.Tensor:
+        """d softcap(x) / d x at the softcapped ``logits`` (``1 - tanh^2``), written over them; the whole
+        d logits / d raw is this times :attr:`scale`. Only with a softcap."""
+        assert self.softcap is not None
+        return logits.div_(self.softcap).square_().neg_().add_(1.0)
 
 
 def _chunks(total: int, chunk: int) -> Iterator[tuple[int, int]]:
@@ -171,14 +164,10 @@ class _TiledHeadLoss(torch.autograd.Function):
                 valid = (target != ctx.ignore_index).unsqueeze(1)  # [c, 1]
                 grad = torch.softmax(logits, dim=1)  # d CE / d logits = softmax - onehot(target)
                 grad.scatter_add_(1, target.clamp(min=0).unsqueeze(1), torch.full_like(grad[:, :1], -1.0))
-                factor = valid * scale  # [c, 1]
-                d_logits = head.grad_(logits)  # d logits / d raw: a float, or written over the logits
-                if isinstance(d_logits, torch.Tensor):
-                    grad.mul_(d_logits)
-                else:
-                    factor = factor * d_logits
-                del logits, d_logits
-                grad = grad.mul_(factor).to(dtype)  # d loss / d raw [c, V]
+                if head.softcap is not None:
+                    grad.mul_(head.softcap_grad_(logits))  # the logits are overwritten
+                del logits
+                grad = grad.mul_(valid * (scale * head.scale)).to(dtype)  # d loss / d raw [c, V]
                 if grad_hidden is not None:
                     grad_hidden[start:end] = grad @ w
                 if grad_weight is not None:

@@ -114,7 +114,7 @@ def test_checkpointing_lowers_the_peak_of_forward_and_backward(deep_model):
         peaks[mode] = peak.peak_bytes
     mlp_saved = TOKENS * (HIDDEN + 4 * INTER) * 4
     assert peaks["none"] - peaks["checkpoint"] >= (LAYERS - 2) * mlp_saved, peaks
-    assert peaks["checkpoint"] * 4 < peaks["none"], peaks  # measured 4.0 MiB against 19.4 MiB
+    assert peaks["checkpoint"] * 4 < peaks["none"], peaks  # measured 3.7 MiB against 19.1 MiB
 
 
 def test_modes_are_reversible_and_none_turns_transformers_checkpointing_off():
