@@ -39,7 +39,8 @@ MODULE_ATTR = "_ulysses_sp"
 # their window only through the mask, which Ulysses does not build).
 WINDOW_ATTR = "_ulysses_sp_window"
 _UNSET = object()
-# Core names a ring accepts: both compute exact attention, as the ring's blockwise core does.
+# Core names a ring accepts: both compute exact attention, as the ring's block kernels do (sdpa: the device's
+# fused kernel, eager: the plain-PyTorch reference kernel; see ulysses_sp.ring_kernels).
 RING_CORES = ("sdpa", "eager")
 
 
@@ -261,7 +262,8 @@ class UlyssesAttention:
                 f"core={self.core_name!r} cannot run inside a ring (ring={self.layout.ring}): the ring uses its own "
                 f"blockwise core with an fp32 online-softmax merge; use core='sdpa' (the default) or 'eager'"
             )
-        return ring_attention(q, k, v, segments, self.layout.ring_group, stats=self.stats, **kwargs)
+        kernel = "plain" if self.core_name == "eager" else None  # eager: the plain-PyTorch reference kernel
+        return ring_attention(q, k, v, segments, self.layout.ring_group, stats=self.stats, kernel=kernel, **kwargs)
 
 
 def _id_range(

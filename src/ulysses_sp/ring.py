@@ -16,22 +16,19 @@ permutation is applied once, by :func:`ulysses_sp.shard_batch` (sp rank ``r`` ta
 the zigzag-ordered row, so the Ulysses all-to-all of a ring rank's ``ulysses`` shards assembles exactly its
 two chunks). Tokens, labels, positions and the padding mask move together, and the loss is a sum over
 tokens, so nothing else needs to know; :class:`~ulysses_sp.attention.UlyssesAttention` undoes the order on
-the gathered positions so that documents are still read from the true sequence. Doing the balance inside
-the core instead would cost an extra exchange of queries in every layer.
+the gathered positions so that documents are still read from the true sequence.
 
-Masking uses global sequence indices: a key is visible to a query iff it is in the same document (from
-:class:`~ulysses_sp.cores.Segments`, which also marks padding), it is not after the query, and (with a
-sliding window ``W``) it is less than ``W`` tokens before it. Softcapping is supported; attention dropout
-is refused.
+Block kernels. Documents, padding, causality and a sliding window are never a mask: each block pair is cut
+into rectangles that are fully visible or causal (:mod:`ulysses_sp.ring_blocks`), and each rectangle goes
+to a fused kernel that returns its LSE (:mod:`ulysses_sp.ring_kernels`: ``cpu_flash`` on CPU, the CUDA
+sdpa ops on GPUs, ``plain`` PyTorch as the reference and for softcap), chosen per call (``kernel=``).
+Nothing ``O(q x k)`` is held; attention dropout is refused.
 
 Backward is the standard ring backward: k/v travel the ring again, and with them fp32 accumulators of
-their gradients, which take one last hop home; the softmax is recomputed per block from the saved LSE, so
-the result is exact (no approximation), and nothing ``O(N^2)`` is kept between forward and backward.
-"fp32" here means the accumulation dtype: fp32 for fp32/bf16/fp16 inputs, fp64 for fp64 inputs.
-
-The block kernel here is plain PyTorch (it materialises the ``[q, k]`` scores of one block in fp32): the
-reference path, correct on any device; a fused kernel returning the LSE can replace :func:`block_forward`
-/ :func:`block_backward` without touching the ring.
+their gradients, which take one last hop home; each rectangle's gradients come from the kernel's backward
+given the FINAL output and LSE of its rows, so the result is exact, and nothing ``O(N^2)`` is kept between
+forward and backward. "fp32" here means the accumulation dtype: fp32 for fp32/bf16/fp16 inputs, fp64 for
+fp64 inputs.
 
 Bytes per rank and attention layer (``b`` rows, ``hkv`` kv heads per rank after the Ulysses exchange,
 ``n = N / ring`` tokens per block, ``d`` head dim, ``e`` bytes per element of k/v): forward
@@ -41,18 +38,21 @@ for the fp32 gradients (see :func:`ring_bytes_per_layer`), all counted as ``"rin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from .comm import CommStats
 from .cores import Segments
+from .ring_blocks import Piece, ring_pieces
+from .ring_kernels import default_ring_kernel, get_ring_kernel
 
 __all__ = [
-    "block_backward",
-    "block_forward",
+    "GroupTransport",
+    "RingTransport",
     "merge_partial",
     "ring_attention",
     "ring_bytes_per_layer",
@@ -60,7 +60,6 @@ __all__ = [
 ]
 
 _KV_TAG, _GRAD_TAG = 11, 12
-_SCORES_BUDGET = 1 << 24  # elements of one [b, h, chunk, n] score tensor
 
 
 # ---------------------------------------------------------------------------------------------- token order
@@ -88,87 +87,7 @@ def ring_bytes_per_layer(
     return (ring - 1) * kv * element_size, (ring - 1) * kv * element_size + ring * kv * 4
 
 
-# ---------------------------------------------------------------------------------------------- block math
-def _acc(x: torch.Tensor) -> torch.dtype:
-    # the accumulation dtype: fp32 for 16-bit inputs, else the input's own (fp64 stays fp64)
-    return torch.promote_types(x.dtype, torch.float32)
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None):
-    # q [b, hkv, g, nq, d], k [b, hkv, nk, d] -> fp32 scores [b, hkv, g, nq, nk] (and tanh for softcap)
-    acc = _acc(q)
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", q.to(acc), k.to(acc)) * scale
-    if softcap is None:
-        return scores, None
-    capped = torch.tanh(scores / softcap)
-    return capped * softcap, capped
-
-
-def _group(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    # [b, h, n, d] -> [b, hkv, h/hkv, n, d]: query heads grouped by the kv head they read (GQA)
-    b, h, n, d = q.shape
-    return q.reshape(b, kv_heads, h // kv_heads, n, d)
-
-
-def block_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    visible: torch.Tensor,
-    *,
-    scale: float,
-    softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q ``[b, h, nq, d]`` to k/v ``[b, hkv, nk, d]`` where ``visible`` ``[b, nq, nk]``.
-
-    Returns ``(out [b, h, nq, d], lse [b, h, nq])`` in fp32 (fp64 for fp64 inputs); a query that sees no
-    key gets out 0 and lse ``-inf``.
-    """
-    b, h, nq, d = q.shape
-    hkv = k.shape[1]
-    scores, _ = _scores(_group(q, hkv), k, scale, softcap)
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [b, hkv, g, nq]
-    probs = torch.exp(scores - _finite(lse)[..., None])
-    out = torch.einsum("bhgqk,bhkd->bhgqd", probs, v.to(probs.dtype))
-    return out.reshape(b, h, nq, d), lse.reshape(b, h, nq)
-
-
-def block_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    grad_out: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    visible: torch.Tensor,
-    *,
-    scale: float,
-    softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one block given the FINAL lse and ``delta = sum(grad_out * out, -1)`` of the rows.
-
-    q/grad_out ``[b, h, nq, d]``, lse/delta ``[b, h, nq]``, k/v ``[b, hkv, nk, d]`` -> (dq, dk, dv) in fp32
-    (fp64 for fp64 inputs).
-    """
-    b, h, nq, d = q.shape
-    hkv = k.shape[1]
-    qg = _group(q, hkv)
-    scores, capped = _scores(qg, k, scale, softcap)
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    probs = torch.exp(scores - _finite(_group(lse[..., None], hkv)))  # [b, hkv, g, nq, nk]
-    acc = probs.dtype
-    dout = _group(grad_out, hkv).to(acc)
-    dv = torch.einsum("bhgqk,bhgqd->bhkd", probs, dout)
-    dprobs = torch.einsum("bhgqd,bhkd->bhgqk", dout, v.to(acc))
-    dscores = probs * (dprobs - _group(delta[..., None], hkv).to(acc))
-    if capped is not None:
-        dscores = dscores * (1 - capped * capped)
-    dq = torch.einsum("bhgqk,bhkd->bhgqd", dscores, k.to(acc)) * scale
-    dk = torch.einsum("bhgqk,bhgqd->bhkd", dscores, qg.to(acc)) * scale
-    return dq.reshape(b, h, nq, d), dk, dv
-
-
+# ---------------------------------------------------------------------------------------------- merge
 def merge_partial(
     out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,72 +98,98 @@ def merge_partial(
     ``e^(lse_part - lse)``. Rows where both sides saw no key stay (0, -inf).
     """
     new_lse = torch.logaddexp(lse, block_lse)
-    base = _finite(new_lse)
+    base = torch.where(torch.isfinite(new_lse), new_lse, torch.zeros_like(new_lse))  # -inf rows: exp(-inf) = 0
     merged = out * torch.exp(lse - base)[..., None] + block_out * torch.exp(block_lse - base)[..., None]
     return merged, new_lse
 
 
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    # -inf (a row that sees no key) -> 0, so exp(-inf - 0) = 0 instead of exp(nan)
-    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, piece: Piece, part: torch.Tensor, part_lse: torch.Tensor):
+    # out [b, h, n, d] / lse [b, h, n] accumulators (fp32); part [b', h, rows, d] / part_lse of the piece's rows.
+    # Every row of a piece sees a key (part_lse is finite), so the merged lse is finite too.
+    acc, acc_lse = out[piece.rows, :, piece.q0 : piece.q1], lse[piece.rows, :, piece.q0 : piece.q1]
+    new_lse = torch.logaddexp(acc_lse, part_lse)
+    acc.mul_(torch.exp(acc_lse - new_lse)[..., None]).add_(part * torch.exp(part_lse - new_lse)[..., None])
+    acc_lse.copy_(new_lse)
+
+
+# ---------------------------------------------------------------------------------------------- transport
+class RingTransport(Protocol):
+    """How k/v blocks and their gradients move to the next ring rank (``rank``/``size`` of the ring)."""
+
+    rank: int
+    size: int
+
+    def exchange(self, send: torch.Tensor, tag: int) -> Callable[[], torch.Tensor]:
+        """Start sending ``send`` to the next rank and receiving the previous rank's tensor of the same shape;
+        the returned function waits for both and gives the received tensor."""
+        ...
+
+
+class GroupTransport:
+    """The ring over a process group: ``isend`` to the next rank, ``irecv`` from the previous (None: one rank)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, stats: CommStats | None = None) -> None:
+        self.group, self.stats = group, stats
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+
+    def exchange(self, send: torch.Tensor, tag: int) -> Callable[[], torch.Tensor]:
+        recv = torch.empty_like(send)
+        nxt = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+        prv = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+        ops = [dist.P2POp(dist.isend, send, nxt, self.group, tag), dist.P2POp(dist.irecv, recv, prv, self.group, tag)]
+        works = dist.batch_isend_irecv(ops)
+        if self.stats is not None:
+            self.stats.record("ring_p2p", send)
+
+        def wait(send=send) -> torch.Tensor:  # holds `send` until it is out
+            for work in works:
+                work.wait()
+            return recv
+
+        return wait
 
 
 # ---------------------------------------------------------------------------------------------- the ring
 @dataclass
 class _Ring:
-    """What one call needs to know about its ring and the tokens of every ring rank."""
+    """What one call needs: the transport, the kernel, and the rectangles of each source block."""
 
-    group: dist.ProcessGroup | None
-    rank: int
-    size: int
-    docs: torch.Tensor  # [R, b, n] document id of each token of each ring rank's block (-1 = padding)
-    index: torch.Tensor  # [R, n] sequence index of each token of each ring rank's block
+    transport: RingTransport
+    kernel: object
+    dtype: torch.dtype  # what the kernel computes in
+    pieces: Callable[[int], list[Piece]]  # source ring rank -> rectangles of my queries x its keys
     scale: float
     softcap: float | None
-    window: int | None
-    stats: CommStats | None
-    query_chunk: int  # queries per block computation: bounds the [b, h, chunk, n] scores
 
-    def peers(self) -> tuple[int, int]:
-        """(next, previous) ring rank as global ranks."""
-        nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        return dist.get_global_rank(self.group, nxt), dist.get_global_rank(self.group, prv)
+    def forward_piece(self, piece: Piece, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) of the piece's queries against its keys; q ``[b, h, n, d]``, k/v ``[b, hkv, n, d]``."""
+        q, k, v = (x[piece.rows, :, lo:hi] for x, lo, hi in _spans(piece, q, k, v))
+        if piece.kind == "anti":  # keys at or after the query: reversed, that is causal
+            q, k, v = q.flip(2), k.flip(2), v.flip(2)
+        out, lse = self.kernel.forward(q, k, v, causal=piece.kind != "full", scale=self.scale, softcap=self.softcap)
+        return (out.flip(2), lse.flip(-1)) if piece.kind == "anti" else (out, lse)
 
-    def blocks(self, source: int) -> Iterator[tuple[slice, slice, torch.Tensor]]:
-        """(query rows, key columns, visible [b, rows, cols]) of my queries against ``source``'s block,
-        in chunks of at most ``query_chunk`` rows.
-
-        Zigzag: a block before mine is visible only through its first chunk; for a block after mine only
-        my second chunk sees anything (see the module docstring). Documents, causality and the window
-        are then applied from the global indices.
-        """
-        n = self.index.shape[1]
-        half = n // 2
-        cols = slice(None, half) if source < self.rank else slice(None)
-        kj, kd = self.index[source, cols], self.docs[source][:, cols]
-        for start in range(half if source > self.rank else 0, n, self.query_chunk):
-            rows = slice(start, min(start + self.query_chunk, n))
-            qi, qd = self.index[self.rank, rows], self.docs[self.rank][:, rows]
-            visible = (qd[:, :, None] == kd[:, None, :]) & (qd >= 0)[:, :, None]
-            visible &= (kj[None, :] <= qi[:, None])[None]
-            if self.window is not None:
-                visible &= (kj[None, :] > qi[:, None] - self.window)[None]
-            yield rows, cols, visible
-
-    def exchange(self, send: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
-        """Send ``send`` to the next rank and receive the previous rank's tensor of the same shape."""
-        recv = torch.empty_like(send)
-        nxt, prv = self.peers()
-        ops = [dist.P2POp(dist.isend, send, nxt, self.group, tag), dist.P2POp(dist.irecv, recv, prv, self.group, tag)]
-        works = dist.batch_isend_irecv(ops)
-        if self.stats is not None:
-            self.stats.record("ring_p2p", send)
-        return recv, works
+    def backward_piece(self, piece: Piece, grad_out, q, k, v, out, lse):
+        """(dq, dk, dv) of the piece given the final out/lse of its rows."""
+        rows = slice(piece.q0, piece.q1)
+        q, k, v = (x[piece.rows, :, lo:hi] for x, lo, hi in _spans(piece, q, k, v))
+        grad_out, out, lse = grad_out[piece.rows, :, rows], out[piece.rows, :, rows], lse[piece.rows, :, rows]
+        flip = piece.kind == "anti"
+        if flip:
+            q, k, v, grad_out, out, lse = q.flip(2), k.flip(2), v.flip(2), grad_out.flip(2), out.flip(2), lse.flip(-1)
+        grads = self.kernel.backward(
+            grad_out, q, k, v, out, lse, causal=piece.kind != "full", scale=self.scale, softcap=self.softcap
+        )
+        return tuple(g.flip(2) for g in grads) if flip else grads
 
 
-def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
+def _spans(piece: Piece, q, k, v):
+    return ((q, piece.q0, piece.q1), (k, piece.k0, piece.k1), (v, piece.k0, piece.k1))
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -253,20 +198,17 @@ class _RingAttention(torch.autograd.Function):
         # q [b, h, n, d]; k/v [b, hkv, n, d] -> out [b, h, n, d] in q's dtype
         b, h, n, d = q.shape
         out = torch.zeros(b, h, n, d, dtype=_acc(q), device=q.device)
-        lse = torch.full((b, h, n), float("-inf"), dtype=_acc(q), device=q.device)
-        kv = torch.stack([k, v]).contiguous()  # [2, b, hkv, n, d]: one message per step
-        for step in range(ring.size):
-            source = (ring.rank - step) % ring.size
-            pending = ring.exchange(kv, _KV_TAG) if step < ring.size - 1 else None
-            for rows, cols, visible in ring.blocks(source):
-                block_out, block_lse = block_forward(
-                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], visible, scale=ring.scale, softcap=ring.softcap
-                )
-                out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
-            if pending is not None:  # wait (for the send too) before the sent block may be freed
-                recv, works = pending
-                _wait(works)
-                kv = recv
+        lse = torch.full((b, h, n), float("-inf"), dtype=_acc(q), device=q.device)  # -inf: padding rows
+        transport, qc = ring.transport, q.to(ring.dtype)
+        kv = torch.stack([k, v])  # [2, b, hkv, n, d]: one message per step
+        for step in range(transport.size):
+            source = (transport.rank - step) % transport.size
+            pending = transport.exchange(kv, _KV_TAG) if step < transport.size - 1 else None
+            kvc = kv.to(ring.dtype)
+            for piece in ring.pieces(source):
+                _merge_into(out, lse, piece, *ring.forward_piece(piece, qc, kvc[0], kvc[1]))
+            if pending is not None:  # waits for the send too, before the sent block may be freed
+                kv = pending()
         result = out.to(q.dtype)
         ctx.ring = ring
         ctx.save_for_backward(q, k, v, result, lse)
@@ -276,58 +218,30 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         ring: _Ring = ctx.ring
-        acc = _acc(q)
-        delta = (grad_out.to(acc) * out.to(acc)).sum(-1)  # [b, h, n]
+        transport, acc = ring.transport, _acc(q)
+        qc, grad_c, out_c = (x.to(ring.dtype) for x in (q, grad_out, out))
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
+        kv = torch.stack([k, v])
         dkv, grad_pending = None, None  # fp32 [2, b, hkv, n, d], travelling with the k/v block it belongs to
-        for step in range(ring.size):
-            source = (ring.rank - step) % ring.size
-            kv_pending = ring.exchange(kv, _KV_TAG) if step < ring.size - 1 else None
+        for step in range(transport.size):
+            source = (transport.rank - step) % transport.size
+            kv_pending = transport.exchange(kv, _KV_TAG) if step < transport.size - 1 else None
+            kvc = kv.to(ring.dtype)
             step_dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # this step's share of dk/dv
-            for rows, cols, visible in ring.blocks(source):
-                dq_block, dk_block, dv_block = block_backward(
-                    q[:, :, rows],
-                    kv[0][:, :, cols],
-                    kv[1][:, :, cols],
-                    grad_out[:, :, rows],
-                    lse[:, :, rows],
-                    delta[:, :, rows],
-                    visible,
-                    scale=ring.scale,
-                    softcap=ring.softcap,
-                )
-                dq[:, :, rows] += dq_block
-                step_dkv[0][:, :, cols] += dk_block
-                step_dkv[1][:, :, cols] += dv_block
-            if grad_pending is None:
-                dkv = step_dkv
-            else:  # the block's gradient so far, from the ranks it visited before me
-                recv, works = grad_pending
-                _wait(works)
-                dkv = recv + step_dkv
-            if ring.size > 1:  # to the next rank; after the last step that is the block's home
-                grad_pending = ring.exchange(dkv, _GRAD_TAG)
+            for piece in ring.pieces(source):
+                dq_part, dk_part, dv_part = ring.backward_piece(piece, grad_c, qc, kvc[0], kvc[1], out_c, lse)
+                dq[piece.rows, :, piece.q0 : piece.q1] += dq_part
+                step_dkv[0][piece.rows, :, piece.k0 : piece.k1] += dk_part
+                step_dkv[1][piece.rows, :, piece.k0 : piece.k1] += dv_part
+            # the block's gradient so far, from the ranks it visited before me
+            dkv = step_dkv if grad_pending is None else grad_pending().add_(step_dkv)
+            if transport.size > 1:  # to the next rank; after the last step that is the block's home
+                grad_pending = transport.exchange(dkv, _GRAD_TAG)
             if kv_pending is not None:
-                recv, works = kv_pending
-                _wait(works)
-                kv = recv
+                kv = kv_pending()
         if grad_pending is not None:  # my own block's gradient, home from its last rank
-            recv, works = grad_pending
-            _wait(works)
-            dkv = recv
+            dkv = grad_pending()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
-
-
-def _ring_tokens(segments: Segments, ring: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    # (docs [R, b, n], index [R, n]) of every ring rank's zigzag block, once per forward pass
-    def build():
-        order = zigzag_order(segments.seq_len, ring, device)
-        docs = segments.doc_ids().to(device).index_select(1, order)  # [b, N] in zigzag order
-        n = segments.seq_len // ring
-        return docs.view(segments.batch, ring, n).transpose(0, 1), order.view(ring, n)
-
-    return segments.cached(("ring", ring, str(device)), build)  # type: ignore[return-value]
 
 
 def ring_attention(
@@ -335,7 +249,7 @@ def ring_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     segments: Segments,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | RingTransport | None,
     *,
     scaling: float | None = None,
     sliding_window: int | None = None,
@@ -343,20 +257,25 @@ def ring_attention(
     dropout: float = 0.0,
     stats: CommStats | None = None,
     query_chunk: int | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Exact causal attention of this ring rank's zigzag block against the whole sequence.
 
     q ``[b, h, n, d]``, k/v ``[b, hkv, n, d]`` with ``n = N / ring`` the tokens of this rank's two chunks
     (:func:`zigzag_order`), ``segments`` the documents and padding of the full rows ``[b, N]`` in sequence
-    order -> ``[b, n, h, d]`` (the layout the local cores return). With one rank (or no group) it is
-    plain blockwise attention over the block. Padding queries get a zero output. ``query_chunk``: queries
-    per block computation (default: as many as keep the fp32 scores of one computation under 2^24
-    elements, 64 MiB).
+    order -> ``[b, n, h, d]`` (the layout the local cores return). ``group``: the ring's process group (None:
+    one rank), or any :class:`RingTransport`. Padding queries get a zero output. ``kernel``: a name of
+    :data:`~ulysses_sp.ring_kernels.RING_KERNELS` (default: the device's fused kernel, ``plain`` for softcap
+    where it has none); ``query_chunk``: queries per computation of the ``plain`` kernel (default: scores of
+    at most 2^24 elements).
     """
     if dropout:
         raise ValueError(f"ring attention has no attention dropout (dropout={dropout}); set attention_dropout=0")
-    size = 1 if group is None else dist.get_world_size(group)
-    rank = 0 if group is None else dist.get_rank(group)
+    if group is None or isinstance(group, dist.ProcessGroup):
+        transport: RingTransport = GroupTransport(group, stats)
+    else:
+        transport = group
+    size, rank = transport.size, transport.rank
     if q.shape[2] * size != segments.seq_len or segments.seq_len % (2 * size):
         raise ValueError(
             f"ring attention got {q.shape[2]} tokens per rank on {size} ranks for rows of {segments.seq_len} "
@@ -365,17 +284,23 @@ def ring_attention(
         )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads do not group over {k.shape[1]} kv heads")
-    docs, index = _ring_tokens(segments, size, q.device)
+    name = kernel or default_ring_kernel(q.device, q.dtype, q.shape[-1], softcap)
+    block_kernel = get_ring_kernel(name, query_chunk=query_chunk)
+    if softcap is not None and not block_kernel.supports_softcap:
+        raise ValueError(f"ring kernel {name!r} cannot apply softcap={softcap}; use kernel='plain'")
+
+    def pieces(source: int) -> list[Piece]:
+        key = ("ring_pieces", size, rank, source, sliding_window)
+        return segments.cached(  # type: ignore[return-value]
+            key, lambda: ring_pieces(segments.spans, segments.seq_len, size, rank, source, sliding_window)
+        )
+
     ring = _Ring(
-        group=group,
-        rank=rank,
-        size=size,
-        docs=docs,
-        index=index,
+        transport=transport,
+        kernel=block_kernel,
+        dtype=block_kernel.compute_dtype(q.dtype),
+        pieces=pieces,
         scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
         softcap=softcap,
-        window=sliding_window,
-        stats=stats,
-        query_chunk=query_chunk or max(1, _SCORES_BUDGET // (q.shape[0] * q.shape[1] * q.shape[2])),
     )
     return _RingAttention.apply(q, k, v, ring).transpose(1, 2)

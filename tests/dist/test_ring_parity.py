@@ -1,5 +1,7 @@
 """Ring and hybrid Ulysses x Ring runs on 2 and 4 gloo ranks against one process on the full batch.
 
+The sdpa core runs the ring's fused kernel (cpu_flash here), the eager core its plain-PyTorch kernel.
+
 Each world size is spawned once (on first use) and runs every case of tests/dist/cases_ring.py.
 """
 
@@ -16,6 +18,8 @@ WORLD2 = [
     "ring2_sliding_window_packed",
     "ring2_qwen2_mixed_window",
     "ring2_gemma2_softcap",
+    "ring2_window_padded_left",
+    "ring2_plain_kernel_packed_window",
     "ring2_gradient_checkpointing",
     "ring2_bytes",
     "ulysses2_bytes",
@@ -26,7 +30,10 @@ WORLD4 = [
     "ring4_llama",
     "ring4_packed",
     "ring4_padded_not_divisible",
+    "ring4_mqa_packed_window",
+    "ring4_plain_kernel_packed",
     "hybrid_2x2_llama",
+    "hybrid_2x2_kv1_window_padded_right",
     "hybrid_2x2_mqa_packed",
     "hybrid_2x2_padded_left",
     "hybrid_2x2_gemma3_packed_window",

@@ -1,5 +1,9 @@
-"""Single-process tests of the ring attention math: zigzag order, block kernel, online-softmax merge, layouts."""
+"""Single-process tests of the ring attention math: zigzag order, block kernels, rectangles, merge, layouts.
 
+Rings of several ranks run here as threads of one process (tests/helpers/ring_sim.py), with the real ring code.
+"""
+
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -8,9 +12,12 @@ import torch.nn.functional as F
 
 import ulysses_sp as U
 from tests.helpers.models import make_batch
+from tests.helpers.ring_sim import one_process_error_sums, ring_error_sums, run_threads
 from ulysses_sp.cores import Segments, eager_core
 from ulysses_sp.layout import choose_ring_degree, hybrid_layouts_for
-from ulysses_sp.ring import block_backward, block_forward, merge_partial, ring_attention, zigzag_order
+from ulysses_sp.ring import merge_partial, ring_attention, zigzag_order
+from ulysses_sp.ring_blocks import band_pieces, ring_pieces
+from ulysses_sp.ring_kernels import PlainKernel, get_ring_kernel
 
 
 def _qkv(b=2, h=4, hkv=2, n=12, d=8, seed=0, dtype=torch.float64):
@@ -19,14 +26,13 @@ def _qkv(b=2, h=4, hkv=2, n=12, d=8, seed=0, dtype=torch.float64):
 
 
 def _reference(q, k, v, visible, scale, softcap=None):
-    # plain softmax attention with a [b, nq, nk] visibility mask; rows that see nothing give 0
+    # plain softmax attention with a [nq, nk] visibility mask (every row sees a key)
     groups = q.shape[1] // k.shape[1]
     scores = q @ k.repeat_interleave(groups, 1).transpose(2, 3) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    probs = torch.softmax(scores, -1).nan_to_num(0.0)
-    return probs @ v.repeat_interleave(groups, 1)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+    return probs @ v.repeat_interleave(groups, 1), torch.logsumexp(scores.masked_fill(~visible, float("-inf")), -1)
 
 
 def test_zigzag_order():
@@ -45,36 +51,118 @@ def test_zigzag_balances_causal_work():
     assert len(set(work)) == 1, work
 
 
+@pytest.mark.parametrize("kernel", ["plain", "cpu_flash"])
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_block_forward_and_backward_match_autograd(softcap):
-    q, k, v = _qkv()
-    gen = torch.Generator().manual_seed(3)
-    visible = torch.rand(2, 12, 12, generator=gen) > 0.4
-    visible[0, 5] = False  # a query that sees no key: output 0, lse -inf, no NaN
-    scale = 0.3
-    out, lse = block_forward(q, k, v, visible, scale=scale, softcap=softcap)
+def test_kernels_match_autograd(kernel, causal, softcap):
+    """Each kernel's (out, lse) and its backward from the final (out, lse) equal autograd of plain attention
+    (GQA: 4 query heads over 2 kv heads; a full rectangle has fewer queries than keys)."""
+    q, k, v = _qkv(n=12)
+    if not causal:
+        q = q[:, :, :7]
+    block = get_ring_kernel(kernel)
+    if softcap is not None and not block.supports_softcap:
+        with pytest.raises(ValueError, match="softcap"):
+            block.forward(q, k, v, causal=causal, scale=0.3, softcap=softcap)
+        return
+    visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool)
+    visible = visible.tril() if causal else visible
+    out, lse = block.forward(q, k, v, causal=causal, scale=0.3, softcap=softcap)
     inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = _reference(*inputs, visible, scale, softcap)
-    torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-6)
-    assert torch.isneginf(lse[0, :, 5]).all() and (out[0, :, 5] == 0).all()
+    ref, ref_lse = _reference(*inputs, visible, 0.3, softcap)
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, ref_lse.detach(), rtol=1e-10, atol=1e-10)
     grad = torch.randn_like(ref)
     ref.backward(grad)
-    delta = (grad * out.double()).sum(-1)
-    grads = block_backward(q, k, v, grad, lse, delta, visible, scale=scale, softcap=softcap)
+    grads = block.backward(grad, q, k, v, out, lse, causal=causal, scale=0.3, softcap=softcap)
     for got, x in zip(grads, inputs, strict=True):
-        torch.testing.assert_close(got.double(), x.grad, rtol=1e-5, atol=1e-6)
-        assert torch.isfinite(got).all()
+        assert got.shape == x.shape
+        torch.testing.assert_close(got, x.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_cpu_flash_runs_bf16_in_fp32():
+    """The CPU fused kernel computes 16-bit inputs in fp32 (its bf16 backward is much slower)."""
+    assert get_ring_kernel("cpu_flash").compute_dtype(torch.bfloat16) == torch.float32
+    assert get_ring_kernel("cpu_flash").compute_dtype(torch.float64) == torch.float64
+    with pytest.raises(ValueError, match="unknown ring kernel 'nope'"):
+        get_ring_kernel("nope")
+
+
+@pytest.mark.parametrize("name", ["cuda_flash", "cuda_efficient", "cuda_cudnn"])
+def test_cuda_kernels_call_their_ops_on_meta(name):
+    """The CUDA kernels' calls match the aten schemas and give the shapes the ring expects (meta tensors: no
+    numbers, those are checked in tests/gpu)."""
+    block = get_ring_kernel(name)
+    q, k, v = (torch.empty(2, h, 40, 64, device="meta", dtype=torch.bfloat16) for h in (8, 2, 2))
+    out, lse = block.forward(q, k, v, causal=True, scale=0.125)
+    assert out.shape == q.shape and lse.shape == (2, 8, 40) and lse.dtype == torch.float32
+    dq, dk, dv = block.backward(out, q, k, v, out, lse, causal=True, scale=0.125)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def _paint(boxes, nq, nk, q_first=0, k_first=0):
+    # the [nq, nk] count of how many rectangles cover each (query, key) pair
+    covered = torch.zeros(nq, nk, dtype=torch.int)
+    for q0, q1, k0, k1, kind in boxes:
+        i, j = torch.arange(q1 - q0)[:, None], torch.arange(k1 - k0)[None]
+        assert kind == "full" or q1 - q0 == k1 - k0, (kind, q0, q1, k0, k1)
+        part = {"full": torch.ones_like(i * j), "causal": j <= i, "anti": j >= i}[kind]
+        covered[q0 - q_first : q1 - q_first, k0 - k_first : k1 - k_first] += part.int()
+    return covered
+
+
+def test_band_pieces_cover_exactly_the_band():
+    """Rectangles of a window band: every visible pair exactly once, nothing else (brute force)."""
+    rng = random.Random(0)
+    for _ in range(1500):
+        qa, ka = rng.randint(0, 40), rng.randint(0, 60)
+        qb, kb = qa + rng.randint(1, 30), ka + rng.randint(1, 30)
+        window = rng.choice([None, 1, 2, 3, 5, 8, 13, 100])
+        q, k = torch.arange(qa, qb)[:, None], torch.arange(ka, kb)[None]
+        want = (k <= q) & ((k > q - window) if window else True)
+        got = _paint(band_pieces(qa, qb, ka, kb, window), qb - qa, kb - ka, qa, ka)
+        assert torch.equal(got, want.int()), (qa, qb, ka, kb, window)
+
+
+def test_ring_pieces_cover_exactly_the_visible_pairs():
+    """For random rings, documents, padding and windows, the rectangles of every (rank, source) pair cover
+    exactly the pairs in the same document, causal and inside the window."""
+    rng = random.Random(1)
+    for _ in range(250):
+        ring, chunk, batch = rng.choice([1, 2, 3, 4]), rng.randint(1, 6), rng.randint(1, 3)
+        seq_len = 2 * ring * chunk
+        spans = []
+        for _row in range(batch):
+            cuts = sorted(rng.sample(range(1, seq_len), rng.randint(0, min(4, seq_len - 1))))
+            row = list(zip([0, *cuts], [*cuts, seq_len], strict=True))
+            row = row[rng.random() < 0.3 :]  # left padding
+            spans.append(row[: len(row) - (rng.random() < 0.3)])  # right padding
+        if rng.random() < 0.3:
+            spans = [spans[0]] * batch
+        window = rng.choice([None, 1, 2, 3, 7])
+        order, n = zigzag_order(seq_len, ring).view(ring, -1), seq_len // ring
+        for rank in range(ring):
+            for source in range(ring):
+                pieces = ring_pieces(spans, seq_len, ring, rank, source, window)
+                for row in range(batch):
+                    boxes = [(p.q0, p.q1, p.k0, p.k1, p.kind) for p in pieces if p.rows.start in (None, row)]
+                    docs = torch.full((seq_len,), -1)
+                    for doc, (s, e) in enumerate(spans[row]):
+                        docs[s:e] = doc
+                    qi, kj = order[rank][:, None], order[source][None]
+                    want = (docs[qi] == docs[kj]) & (docs[qi] >= 0) & (kj <= qi)
+                    want &= (kj > qi - window) if window else True
+                    assert torch.equal(_paint(boxes, n, n), want.int()), (ring, spans, window, rank, source, row)
 
 
 def test_merge_of_key_blocks_equals_full_softmax():
     q, k, v = _qkv(n=16)
-    visible = torch.ones(2, 16, 16, dtype=torch.bool).tril()
-    full, full_lse = block_forward(q, k, v, visible, scale=0.35)
+    block = PlainKernel()
+    full, full_lse = block.forward(q, k, v, causal=False, scale=0.35)
     out = torch.zeros_like(full)
     lse = torch.full_like(full_lse, float("-inf"))
-    for cols in torch.arange(16).split(5):  # 4 uneven key blocks; the last rows see keys of several blocks
-        part = block_forward(q, k[:, :, cols], v[:, :, cols], visible[:, :, cols], scale=0.35)
-        out, lse = merge_partial(out, lse, *part)
+    for cols in torch.arange(16).split(5):  # 4 uneven key blocks
+        out, lse = merge_partial(out, lse, *block.forward(q, k[:, :, cols], v[:, :, cols], causal=False, scale=0.35))
     torch.testing.assert_close(out, full, rtol=1e-12, atol=1e-12)  # float64 throughout
     torch.testing.assert_close(lse, full_lse, rtol=1e-12, atol=1e-12)
 
@@ -83,14 +171,14 @@ def test_fp32_merge_error_does_not_grow_with_blocks():
     """bf16 block outputs merged in fp32: the error vs float64 stays that of one bf16 rounding however many
     blocks; merging into a bf16 accumulator (the failure this guards against) grows with the block count."""
     q, k, v = (x.to(torch.bfloat16) for x in _qkv(b=1, h=4, hkv=4, n=256, d=16, seed=5, dtype=torch.float32))
-    visible = torch.ones(1, 256, 256, dtype=torch.bool)
-    exact, _ = block_forward(q.double(), k.double(), v.double(), visible, scale=0.25)
+    block = PlainKernel()
+    exact, _ = block.forward(q.double(), k.double(), v.double(), causal=False, scale=0.25)
 
     def error(blocks, accumulate_bf16):
         out = torch.zeros(1, 4, 256, 16)
         lse = torch.full((1, 4, 256), float("-inf"))
         for cols in torch.arange(256).chunk(blocks):
-            part_out, part_lse = block_forward(q, k[:, :, cols], v[:, :, cols], visible[:, :, cols], scale=0.25)
+            part_out, part_lse = block.forward(q, k[:, :, cols], v[:, :, cols], causal=False, scale=0.25)
             out, lse = merge_partial(out, lse, part_out.to(torch.bfloat16).float(), part_lse)  # bf16 like a kernel
             if accumulate_bf16:
                 out = out.to(torch.bfloat16).float()
@@ -102,22 +190,64 @@ def test_fp32_merge_error_does_not_grow_with_blocks():
     assert bad[2] > 1.5 * bad[0] and bad[2] > 1.5 * good[2], (good, bad)
 
 
-@pytest.mark.parametrize("window,query_chunk", [(None, None), (4, None), (None, 5)])
-def test_ring_of_one_matches_eager_core(window, query_chunk):
-    """ring_attention without a group (ring 1) over packed documents and padding equals the eager core,
-    also when the queries are computed in chunks."""
-    batch = make_batch(2, 24, packed=(7, 10, 7), pad="right")
-    segments = Segments.from_positions(batch["position_ids"], batch["attention_mask"])
-    q, k, v = (x.float().requires_grad_() for x in _qkv(n=24))
-    out = ring_attention(q, k, v, segments, None, scaling=0.3, sliding_window=window, query_chunk=query_chunk)
-    ref_inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    ref = eager_core(*ref_inputs, segments, scaling=0.3, sliding_window=window)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    grad = torch.randn_like(ref)
-    out.backward(grad)
+def _ring_vs_eager(size, batch, window, kernel, *, heads=4, kv_heads=2, query_chunk=None):
+    """Ring attention on ``size`` thread ranks (fp32) against the eager core on the full rows: out and grads."""
+    length = batch["input_ids"].shape[1]
+    positions = batch.get("position_ids", torch.arange(length).expand(batch["input_ids"].shape))
+    segments = Segments.from_positions(positions, batch.get("attention_mask"))
+    seq_len = segments.seq_len
+    q, k, v = (x.float() for x in _qkv(b=segments.batch, h=heads, hkv=kv_heads, n=seq_len, seed=3))
+    grad = torch.randn(segments.batch, seq_len, heads, 8, generator=torch.Generator().manual_seed(4))
+    ref_inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = eager_core(*ref_inputs, segments, scaling=0.3, sliding_window=window)  # [b, N, h, d]
     ref.backward(grad)
-    for got, want in zip((q, k, v), ref_inputs, strict=True):
-        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+    order = zigzag_order(seq_len, size)
+    n = seq_len // size
+
+    def rank_run(transport):
+        mine = order[transport.rank * n : (transport.rank + 1) * n]
+        local = [x[:, :, mine].clone().requires_grad_() for x in (q, k, v)]
+        out = ring_attention(
+            *local, segments, transport, scaling=0.3, sliding_window=window, kernel=kernel, query_chunk=query_chunk
+        )
+        out.backward(grad[:, mine])
+        return mine, out.detach(), [x.grad for x in local]
+
+    for mine, out, grads in run_threads(size, rank_run):
+        torch.testing.assert_close(out, ref.detach()[:, mine], rtol=1e-5, atol=1e-6)
+        for got, want in zip(grads, ref_inputs, strict=True):
+            torch.testing.assert_close(got, want.grad[:, :, mine], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["cpu_flash", "plain"])
+@pytest.mark.parametrize("window,query_chunk", [(None, None), (4, None), (None, 5)])
+def test_ring_of_one_matches_eager_core(kernel, window, query_chunk):
+    """ring_attention without a group (ring 1) over packed documents and padding equals the eager core,
+    also when the plain kernel computes the queries in chunks."""
+    _ring_vs_eager(1, make_batch(2, 24, packed=(7, 10, 7), pad="right"), window, kernel, query_chunk=query_chunk)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+@pytest.mark.parametrize("kernel", ["cpu_flash", "plain"])
+def test_thread_ring_matches_eager_core(size, kernel):
+    """Rings of 2-8 ranks (threads) with packed documents, left padding, windows and MQA equal the eager core."""
+    length = 16 * size
+    cuts = (length // 3, length - length // 3 - 5, 5)
+    _ring_vs_eager(size, make_batch(2, length, packed=cuts), None, kernel)
+    _ring_vs_eager(size, make_batch(2, length, pad="left", pad_lengths=(3, 9)), 6, kernel, kv_heads=1)
+
+
+def test_bf16_error_does_not_grow_with_the_ring():
+    """bf16 ring attention at ring 2, 4 and 8 (threads) has no larger error against float64 than one bf16 process
+    running sdpa on the whole sequence (output, dq, dk, dv)."""
+    one = one_process_error_sums()
+    one_error = (one[:, 0] / one[:, 1]).sqrt()
+    for size in (2, 4, 8):
+        sums = sum(run_threads(size, lambda t: ring_error_sums(t, t.rank, t.size)))
+        error = (sums[:, 0] / sums[:, 1]).sqrt()
+        assert (error <= one_error).all() and (error > 0).all(), (size, error, one_error)
+    fp32 = sum(run_threads(8, lambda t: ring_error_sums(t, t.rank, t.size, dtype=torch.float32)))
+    assert ((fp32[:, 0] / fp32[:, 1]).sqrt() < 1e-5).all(), fp32
 
 
 def test_ring_refuses_dropout_and_bad_lengths():
@@ -127,6 +257,8 @@ def test_ring_refuses_dropout_and_bad_lengths():
         ring_attention(q, k, v, segments, None, dropout=0.1)
     with pytest.raises(ValueError, match="shard_batch"):
         ring_attention(q[:, :, :6], k[:, :, :6], v[:, :, :6], segments, None)
+    with pytest.raises(ValueError, match="'cpu_flash' cannot apply softcap"):
+        ring_attention(q, k, v, segments, None, softcap=5.0, kernel="cpu_flash")
 
 
 def test_choose_ring_degree_and_layouts():
