@@ -13,7 +13,7 @@ Gradients come out right once averaged over dp x sp (DDP / FSDP2 over the world,
 
 from .comm import CommStats
 from .cores import CORES, Segments
-from .layout import ParallelLayout, choose_ring_degree
+from .layout import ParallelLayout, choose_layout, choose_ring_degree
 from .loss import causal_lm_loss, count_valid_tokens, reduce_token_loss, sequence_parallel_cross_entropy, sync_gradients
 from .model import parallelize, plain_attention, ulysses_context, unparallelize
 from .offload import disable_activation_checkpointing, enable_activation_checkpointing
@@ -29,6 +29,7 @@ __all__ = [
     "ParallelLayout",
     "Segments",
     "causal_lm_loss",
+    "choose_layout",
     "choose_ring_degree",
     "count_valid_tokens",
     "disable_activation_checkpointing",

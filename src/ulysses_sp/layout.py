@@ -11,8 +11,9 @@ past the head count (or where the kv heads do not split) the rest of ``sp`` beco
 is then ``("dp", "ring", "ulysses")``, the Ulysses axis innermost (its all-to-alls are the heavier
 exchange, so they stay on the closest ranks); ``sp_rank = ring_rank * ulysses + ulysses_rank``, and
 ``sp_group`` / ``sp_rank`` / ``sp`` still mean "the ranks that split one sequence", so sharding and the
-loss do not care whether a ring is present. :func:`choose_ring_degree` picks the smallest ring that the
-head counts allow (pure Ulysses whenever it works).
+loss do not care whether a ring is present. :func:`choose_layout` picks ``ulysses x ring`` from the head
+counts and the node size: the largest Ulysses degree the heads allow whose groups stay inside one node, the
+ring across nodes (pure Ulysses whenever it works).
 
 No group lives in module state: pass the layout to whoever needs a group. ``ParallelLayout.single()``
 describes one process with no process group at all; it is the reference every parallel run is compared to.
@@ -30,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 __all__ = [
     "ParallelLayout",
     "check_heads_split",
+    "choose_layout",
     "choose_ring_degree",
     "hybrid_layouts_for",
     "resolve_ring_degree",
@@ -77,15 +79,60 @@ def _describe(pairs: list[tuple[int, int]]) -> str:
     return ", ".join(f"ulysses {u} x ring {r}" for u, r in pairs)
 
 
-def choose_ring_degree(sp: int, num_heads: int, num_kv_heads: int | None = None) -> int:
-    """The ring degree for ``sp`` ranks: 1 (pure Ulysses) when the heads split over ``sp``, else the
-    smallest ring whose Ulysses degree ``sp / ring`` the heads allow (ring = sp, pure ring, always works).
+def choose_layout(
+    sp: int, num_heads: int | None, num_kv_heads: int | None = None, gpus_per_node: int | None = None
+) -> tuple[int, int, str]:
+    """``(ulysses, ring, reason)`` for ``sp`` ranks: the largest Ulysses degree that the heads allow and whose
+    groups lie inside one node, the ring across nodes for the rest (``ulysses x ring == sp``).
 
-    Example: 2 query heads at sp=4 -> ring 2 (ulysses 2 x ring 2); 32 heads / 8 kv heads at sp=16 -> ring 2.
+    Ulysses runs two all-to-alls per layer among its ranks, so they belong on the fast links inside a node;
+    the ring's k/v passes are point-to-point and overlap with compute, so they can cross nodes (dp sits on
+    top, outermost). Ranks are laid out ``[dp, ring, ulysses]`` with Ulysses innermost, so a Ulysses group
+    is ``ulysses`` consecutive ranks starting at a multiple of ``ulysses``: it lies inside one node exactly
+    when ``ulysses`` divides ``gpus_per_node`` (torchrun numbers the ranks of a node consecutively).
+
+    ``num_heads=None``: the heads set no limit (checked later by :func:`ulysses_sp.parallelize`).
+    ``gpus_per_node=None``: the topology sets no limit. ``reason`` says in one sentence why, for a log line.
+    Example: 32 heads / 8 kv heads at sp=16 on nodes of 8 GPUs -> ``(8, 2, "ulysses 8 x ring 2: ...")``.
     """
     if not isinstance(sp, int) or sp < 1:
         raise ValueError(f"sp must be a positive int, got {sp!r}")
-    return hybrid_layouts_for(sp, num_heads, num_kv_heads)[0][1]
+    if gpus_per_node is not None and (not isinstance(gpus_per_node, int) or gpus_per_node < 1):
+        raise ValueError(f"gpus_per_node must be a positive int or None, got {gpus_per_node!r}")
+    if num_heads is None:
+        pairs = [(u, sp // u) for u in sorted(_divisors(sp), reverse=True)]
+        heads = "no head counts given"
+    else:
+        pairs = hybrid_layouts_for(sp, num_heads, num_kv_heads)
+        heads = f"{num_heads} query / {num_kv_heads or num_heads} kv heads allow ulysses {pairs[0][0]}"
+    fits = [(u, r) for u, r in pairs if gpus_per_node is None or gpus_per_node % u == 0]
+    ulysses, ring = fits[0]
+    if gpus_per_node is None:
+        where = ""
+    elif ulysses < pairs[0][0]:
+        where = (
+            f"; ulysses {pairs[0][0]} would not fit inside a node of {gpus_per_node} GPUs, so the all-to-alls stay "
+            f"inside each node (ulysses divides {gpus_per_node}) and the ring of {ring} crosses nodes"
+        )
+    else:
+        where = f"; each Ulysses group lies inside a node of {gpus_per_node} GPUs"
+    if ring == 1:
+        name = f"pure Ulysses (ulysses {sp})"
+    elif ulysses == 1:
+        name = f"pure ring (ring {sp})"
+    else:
+        name = f"ulysses {ulysses} x ring {ring}"
+    return ulysses, ring, f"{name} for sp={sp}: {heads}{where}"
+
+
+def choose_ring_degree(sp: int, num_heads: int, num_kv_heads: int | None = None) -> int:
+    """The ring degree for ``sp`` ranks: 1 (pure Ulysses) when the heads split over ``sp``, else the
+    smallest ring whose Ulysses degree ``sp / ring`` the heads allow (ring = sp, pure ring, always works).
+    The topology-blind case of :func:`choose_layout`.
+
+    Example: 2 query heads at sp=4 -> ring 2 (ulysses 2 x ring 2); 32 heads / 8 kv heads at sp=16 -> ring 2.
+    """
+    return choose_layout(sp, num_heads, num_kv_heads)[1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -170,6 +217,7 @@ class ParallelLayout:
         ring: int | None = None,
         num_heads: int | None = None,
         num_kv_heads: int | None = None,
+        gpus_per_node: int | None = None,
         backend: str | None = None,
         device: torch.device | str | None = None,
     ) -> ParallelLayout:
@@ -179,14 +227,18 @@ class ParallelLayout:
         available, else ``gloo``). With no launcher environment and ``sp == 1`` it returns
         :meth:`single`. ``dp`` is ``world_size // sp``.
 
-        ``ring``: the ring degree (``sp = ulysses x ring``). None (default): chosen by
-        :func:`choose_ring_degree` from ``num_heads`` / ``num_kv_heads`` when they are given (pure Ulysses
-        whenever the heads allow it), else 1. With the head counts given, a ring whose Ulysses degree the
-        heads do not allow is a ValueError listing the ``(ulysses, ring)`` pairs that work.
+        ``ring``: the ring degree (``sp = ulysses x ring``). None (default): chosen by :func:`choose_layout`
+        from ``num_heads`` / ``num_kv_heads`` and ``gpus_per_node`` (default: ``LOCAL_WORLD_SIZE``, the
+        processes torchrun starts per node): the largest Ulysses degree that the heads allow and that keeps
+        every Ulysses group inside one node, the ring across nodes (pure Ulysses when neither limits it).
+        With the head counts given, a ring whose Ulysses degree the heads do not allow is a ValueError
+        listing the ``(ulysses, ring)`` pairs that work.
         """
         if not isinstance(sp, int) or sp < 1:
             raise ValueError(f"sp must be a positive int, got {sp!r}")
-        ring = resolve_ring_degree(sp, ring, num_heads, num_kv_heads)
+        if gpus_per_node is None and os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+            gpus_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        ring = resolve_ring_degree(sp, ring, num_heads, num_kv_heads, gpus_per_node)
         launched = dist.is_initialized() or "WORLD_SIZE" in os.environ
         if not launched:
             if sp == 1:
@@ -341,13 +393,19 @@ def _ring_choices(sp: int) -> str:
     return f"ring degrees that divide sp={sp}: {', '.join(str(r) for r in _divisors(sp))}"
 
 
-def resolve_ring_degree(sp: int, ring: int | None, num_heads: int | None, num_kv_heads: int | None = None) -> int:
+def resolve_ring_degree(
+    sp: int,
+    ring: int | None,
+    num_heads: int | None,
+    num_kv_heads: int | None = None,
+    gpus_per_node: int | None = None,
+) -> int:
     """The ring degree for :meth:`ParallelLayout.from_env` (see there), validated against the heads.
 
     Needs no process group, so a launcher can check ``--sp`` / ``--ring`` before any rank starts.
     """
     if ring is None:
-        return choose_ring_degree(sp, num_heads, num_kv_heads) if num_heads is not None else 1
+        return choose_layout(sp, num_heads, num_kv_heads, gpus_per_node)[1]
     if not isinstance(ring, int) or ring < 1 or sp % ring:
         raise ValueError(f"ring must be a positive int dividing sp={sp}, got {ring!r}; {_ring_choices(sp)}")
     if num_heads is not None:

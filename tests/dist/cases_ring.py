@@ -7,6 +7,7 @@ transformers attention) against the ring / hybrid run, loss and every parameter 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -142,6 +143,24 @@ def automatic_choice():
     assert U.ParallelLayout.from_env(sp=world).ring == 1  # no head counts: pure Ulysses as before
 
 
+def topology_choice():
+    """With nodes of 2 (LOCAL_WORLD_SIZE=2), sp=4 over heads that allow pure Ulysses becomes ulysses 2 x ring 2,
+    and every Ulysses group is 2 consecutive ranks of one node."""
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        layout = U.ParallelLayout.from_env(sp=4, num_heads=4, num_kv_heads=4)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE")
+        if saved is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+    assert (layout.ulysses, layout.ring) == (2, 2), layout
+    ranks = dist.get_process_group_ranks(layout.ulysses_group)
+    assert ranks == [2 * (dist.get_rank() // 2), 2 * (dist.get_rank() // 2) + 1], ranks
+    assert U.ParallelLayout.from_env(sp=4, num_heads=4, num_kv_heads=4, gpus_per_node=4).ring == 1
+    check_parity(layout, "llama", kv_heads=2, batch=make_batch(2, 24, packed=(9, 15)))
+
+
 # ---------------------------------------------------------------------------------------------- workers
 def world2() -> dict[str, str]:
     ring2 = ring_layout(2, 2)
@@ -210,5 +229,6 @@ def world4() -> dict[str, str]:
         "ulysses4_bytes": P(byte_counts, ring_layout(4, 1), heads=4, kv_heads=2),
         "bad_layouts": P(bad_layouts, 4),
         "automatic_choice": automatic_choice,
+        "topology_choice": topology_choice,
     }
     return run_cases(cases)

@@ -47,6 +47,7 @@ WORLD4 = [
     "ulysses4_bytes",
     "bad_layouts",
     "automatic_choice",
+    "topology_choice",
 ]
 
 results, test_case, test_every_worker_case_is_checked = dist_suite("tests.dist.cases_ring", {2: WORLD2, 4: WORLD4})

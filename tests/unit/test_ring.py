@@ -14,7 +14,7 @@ import ulysses_sp as U
 from tests.helpers.models import make_batch
 from tests.helpers.ring_sim import one_process_error_sums, ring_error_sums, run_threads
 from ulysses_sp.cores import Segments, eager_core
-from ulysses_sp.layout import choose_ring_degree, hybrid_layouts_for
+from ulysses_sp.layout import choose_layout, choose_ring_degree, hybrid_layouts_for, resolve_ring_degree
 from ulysses_sp.ring import merge_partial, ring_attention, zigzag_order
 from ulysses_sp.ring_blocks import band_pieces, ring_pieces
 from ulysses_sp.ring_kernels import PlainKernel, get_ring_kernel
@@ -268,6 +268,26 @@ def test_choose_ring_degree_and_layouts():
     assert choose_ring_degree(6, 4, 4) == 3  # ulysses 2 x ring 3
     assert choose_ring_degree(3, 4) == 3  # nothing but a pure ring
     assert hybrid_layouts_for(4, 2) == [(2, 2), (1, 4)]
+
+
+def test_choose_layout_keeps_ulysses_inside_a_node():
+    """The heads AND the node size pick ulysses x ring: the all-to-all inside a node, the ring across nodes."""
+    assert choose_layout(8, 32, 8)[:2] == (8, 1)
+    assert choose_layout(16, 32, 8)[:2] == (16, 1)  # one node of 16 (or no topology known): pure Ulysses
+    ulysses, ring, reason = choose_layout(16, 32, 8, gpus_per_node=8)
+    assert (ulysses, ring) == (8, 2)
+    assert reason.startswith("ulysses 8 x ring 2 for sp=16") and "ring of 2 crosses nodes" in reason, reason
+    assert choose_layout(16, 32, 8, gpus_per_node=4)[:2] == (4, 4)
+    assert choose_layout(8, 32, 8, gpus_per_node=8)[2].startswith("pure Ulysses (ulysses 8) for sp=8")
+    assert choose_layout(4, 2, 2, gpus_per_node=8)[:2] == (2, 2)  # the heads limit it, not the node
+    assert choose_layout(6, 4, 4, gpus_per_node=8)[:2] == (2, 3)
+    assert choose_layout(4, 4, 4, gpus_per_node=6)[:2] == (2, 2)  # groups of 4 would straddle nodes of 6
+    assert choose_layout(3, 4)[2].startswith("pure ring (ring 3)")
+    assert choose_layout(16, None, gpus_per_node=8)[:2] == (8, 2)  # no head counts: the node alone
+    assert choose_layout(16, None)[:2] == (16, 1)
+    assert resolve_ring_degree(16, None, 32, 8, gpus_per_node=8) == 2  # what from_env uses (LOCAL_WORLD_SIZE)
+    with pytest.raises(ValueError, match="gpus_per_node must be a positive int"):
+        choose_layout(8, 8, gpus_per_node=0)
 
 
 def test_bad_ring_layout_is_refused_before_any_process_group(monkeypatch):

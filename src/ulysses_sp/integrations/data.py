@@ -168,8 +168,8 @@ def deal_batches_over_dp(dataloader: Any, layout: ParallelLayout) -> Any:
 
 def layout_for_model(model: torch.nn.Module, sp_size: int, device: Any, ring: int | None = None) -> ParallelLayout:
     """The layout for ``sp_size`` ranks per sequence: ``ring`` if given, else pure Ulysses when the model's heads
-    split over them, else hybrid Ulysses x Ring with the smallest ring that makes them split
-    (see ``choose_ring_degree``)."""
+    split over them and the ranks fit in a node, else hybrid Ulysses x Ring with the smallest ring that makes them
+    split and keeps each Ulysses group inside a node (see ``ulysses_sp.layout.choose_layout``)."""
     from ..model import _find_pretrained
 
     text = _find_pretrained(model).config.get_text_config()
