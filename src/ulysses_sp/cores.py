@@ -30,7 +30,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CORES", "Core", "Segments", "eager_core", "flex_core", "get_core", "packed_kernel", "sdpa_core"]
+__all__ = [
+    "CORES",
+    "Core",
+    "Segments",
+    "compiled_flex",
+    "eager_core",
+    "flex_compiles",
+    "flex_core",
+    "get_core",
+    "packed_kernel",
+    "sdpa_core",
+]
 
 Core = Callable[..., torch.Tensor]
 FLEX_MIN_HEAD_DIM_CUDA = 16  # torch's compiled flex_attention kernels reject smaller head dims
@@ -220,10 +231,15 @@ def packed_kernel(segments: Segments, device: torch.device, head_dim: int, dropo
     packing costs one kernel launch per layer; when flex cannot run (CPU, where it is eager and dense; no
     triton; attention dropout; a head dim < 16) the per-document loop stays. Both are exact.
     """
-    if device.type != "cuda" or dropout or head_dim < FLEX_MIN_HEAD_DIM_CUDA or not _has_triton():
+    if dropout or not flex_compiles(device, head_dim):
         return "per_document"
     documents = sum(len(row) for row in segments.spans)
     return "flex" if documents > FLEX_MIN_DOCS_PER_ROW * segments.batch else "per_document"
+
+
+def flex_compiles(device: torch.device, head_dim: int) -> bool:
+    """True where a compiled ``flex_attention`` (forward and backward) runs: CUDA, triton, head dim >= 16."""
+    return device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM_CUDA and _has_triton()
 
 
 @functools.cache
@@ -299,7 +315,7 @@ def flex_core(
             mask_mod, segments.batch, None, segments.seq_len, segments.seq_len, device=q.device, _compile=compiled
         ),
     )
-    attend = _compiled_flex() if compiled else flex_attention
+    attend = compiled_flex() if compiled else flex_attention
     score_mod = None
     if softcap is not None:
 
@@ -323,7 +339,8 @@ def check_flex_head_dim(head_dim: int, device: torch.device) -> None:
 
 
 @functools.cache
-def _compiled_flex() -> Callable:
+def compiled_flex() -> Callable:
+    """``flex_attention`` compiled once per process (static shapes)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import CommStats
-from .cores import Segments
+from .cores import Segments, packed_kernel
 from .ring_blocks import Piece, ring_pieces
 from .ring_kernels import default_ring_kernel, get_ring_kernel
 
@@ -153,34 +153,60 @@ class GroupTransport:
 # ---------------------------------------------------------------------------------------------- the ring
 @dataclass
 class _Ring:
-    """What one call needs: the transport, the kernel, and the rectangles of each source block."""
+    """What one call needs: the transport, the kernel, and how my queries see each source block: as
+    rectangles (``pieces``) for the rectangle kernels, or as one ``BlockMask`` (``masks``) for ``flex``."""
 
     transport: RingTransport
     kernel: object
     dtype: torch.dtype  # what the kernel computes in
-    pieces: Callable[[int], list[Piece]]  # source ring rank -> rectangles of my queries x its keys
     scale: float
     softcap: float | None
+    pieces: Callable[[int], list[Piece]]  # source ring rank -> rectangles of my queries x its keys
+    masks: Callable[[int], object] | None = None  # source ring rank -> flex BlockMask (kernel "flex")
 
-    def forward_piece(self, piece: Piece, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out, lse) of the piece's queries against its keys; q ``[b, h, n, d]``, k/v ``[b, hkv, n, d]``."""
+    def forward_step(self, source: int, q, k, v, out, lse) -> None:
+        """Merge my queries' attention to ``source``'s k/v into out ``[b, h, n, d]`` / lse ``[b, h, n]`` (fp32)."""
+        if self.masks is not None:
+            part, part_lse = self.kernel.forward(q, k, v, block_mask=self.masks(source), **self._mods())
+            merged, merged_lse = merge_partial(out, lse, part, part_lse)  # rows that see nothing: -inf
+            out.copy_(merged)
+            lse.copy_(merged_lse)
+            return
+        for piece in self.pieces(source):
+            _merge_into(out, lse, piece, *self._forward_piece(piece, q, k, v))
+
+    def backward_step(self, source: int, grad_out, q, k, v, out, lse, dq, dkv) -> None:
+        """Add this block's share to dq ``[b, h, n, d]`` and dkv ``[2, b, hkv, n, d]`` (fp32)."""
+        if self.masks is not None:
+            grads = self.kernel.backward(grad_out, q, k, v, out, lse, block_mask=self.masks(source), **self._mods())
+            dq += grads[0]
+            dkv[0] += grads[1]
+            dkv[1] += grads[2]
+            return
+        for piece in self.pieces(source):
+            dq_part, dk_part, dv_part = self._backward_piece(piece, grad_out, q, k, v, out, lse)
+            dq[piece.rows, :, piece.q0 : piece.q1] += dq_part
+            dkv[0][piece.rows, :, piece.k0 : piece.k1] += dk_part
+            dkv[1][piece.rows, :, piece.k0 : piece.k1] += dv_part
+
+    def _mods(self) -> dict:
+        return {"scale": self.scale, "softcap": self.softcap}
+
+    def _forward_piece(self, piece: Piece, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v = (x[piece.rows, :, lo:hi] for x, lo, hi in _spans(piece, q, k, v))
         if piece.kind == "anti":  # keys at or after the query: reversed, that is causal
             q, k, v = q.flip(2), k.flip(2), v.flip(2)
-        out, lse = self.kernel.forward(q, k, v, causal=piece.kind != "full", scale=self.scale, softcap=self.softcap)
+        out, lse = self.kernel.forward(q, k, v, causal=piece.kind != "full", **self._mods())
         return (out.flip(2), lse.flip(-1)) if piece.kind == "anti" else (out, lse)
 
-    def backward_piece(self, piece: Piece, grad_out, q, k, v, out, lse):
-        """(dq, dk, dv) of the piece given the final out/lse of its rows."""
+    def _backward_piece(self, piece: Piece, grad_out, q, k, v, out, lse):
         rows = slice(piece.q0, piece.q1)
         q, k, v = (x[piece.rows, :, lo:hi] for x, lo, hi in _spans(piece, q, k, v))
         grad_out, out, lse = grad_out[piece.rows, :, rows], out[piece.rows, :, rows], lse[piece.rows, :, rows]
         flip = piece.kind == "anti"
         if flip:
             q, k, v, grad_out, out, lse = q.flip(2), k.flip(2), v.flip(2), grad_out.flip(2), out.flip(2), lse.flip(-1)
-        grads = self.kernel.backward(
-            grad_out, q, k, v, out, lse, causal=piece.kind != "full", scale=self.scale, softcap=self.softcap
-        )
+        grads = self.kernel.backward(grad_out, q, k, v, out, lse, causal=piece.kind != "full", **self._mods())
         return tuple(g.flip(2) for g in grads) if flip else grads
 
 
@@ -205,8 +231,7 @@ class _RingAttention(torch.autograd.Function):
             source = (transport.rank - step) % transport.size
             pending = transport.exchange(kv, _KV_TAG) if step < transport.size - 1 else None
             kvc = kv.to(ring.dtype)
-            for piece in ring.pieces(source):
-                _merge_into(out, lse, piece, *ring.forward_piece(piece, qc, kvc[0], kvc[1]))
+            ring.forward_step(source, qc, kvc[0], kvc[1], out, lse)
             if pending is not None:  # waits for the send too, before the sent block may be freed
                 kv = pending()
         result = out.to(q.dtype)
@@ -228,11 +253,7 @@ class _RingAttention(torch.autograd.Function):
             kv_pending = transport.exchange(kv, _KV_TAG) if step < transport.size - 1 else None
             kvc = kv.to(ring.dtype)
             step_dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # this step's share of dk/dv
-            for piece in ring.pieces(source):
-                dq_part, dk_part, dv_part = ring.backward_piece(piece, grad_c, qc, kvc[0], kvc[1], out_c, lse)
-                dq[piece.rows, :, piece.q0 : piece.q1] += dq_part
-                step_dkv[0][piece.rows, :, piece.k0 : piece.k1] += dk_part
-                step_dkv[1][piece.rows, :, piece.k0 : piece.k1] += dv_part
+            ring.backward_step(source, grad_c, qc, kvc[0], kvc[1], out_c, lse, dq, step_dkv)
             # the block's gradient so far, from the ranks it visited before me
             dkv = step_dkv if grad_pending is None else grad_pending().add_(step_dkv)
             if transport.size > 1:  # to the next rank; after the last step that is the block's home
@@ -242,6 +263,26 @@ class _RingAttention(torch.autograd.Function):
         if grad_pending is not None:  # my own block's gradient, home from its last rank
             dkv = grad_pending()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def _flex_mask(segments: Segments, ring: int, rank: int, source: int, window: int | None, device: torch.device):
+    """The ``BlockMask`` of my zigzag block's queries against ``source``'s keys: same document, not after the
+    query, inside the window (global indices), built once per forward pass."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n = segments.seq_len // ring
+    order = zigzag_order(segments.seq_len, ring, device).view(ring, n)
+    mine, theirs = order[rank], order[source]  # [n] sequence index of each local token
+    docs = segments.doc_ids().to(device)  # [b, N], -1 for padding
+    q_docs, k_docs = docs[:, mine], docs[:, theirs]  # [b, n]
+
+    def mask_mod(b, h, qi, kj):
+        keep = (q_docs[b, qi] == k_docs[b, kj]) & (q_docs[b, qi] >= 0) & (theirs[kj] <= mine[qi])
+        if window is not None:
+            keep = keep & (theirs[kj] > mine[qi] - window)
+        return keep
+
+    return create_block_mask(mask_mod, segments.batch, None, n, n, device=device, _compile=device.type == "cuda")
 
 
 def ring_attention(
@@ -284,7 +325,8 @@ def ring_attention(
         )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads do not group over {k.shape[1]} kv heads")
-    name = kernel or default_ring_kernel(q.device, q.dtype, q.shape[-1], softcap)
+    many_documents = packed_kernel(segments, q.device, q.shape[-1]) == "flex"  # the sdpa core's own test
+    name = kernel or default_ring_kernel(q.device, q.dtype, q.shape[-1], softcap, many_documents)
     block_kernel = get_ring_kernel(name, query_chunk=query_chunk)
     if softcap is not None and not block_kernel.supports_softcap:
         raise ValueError(f"ring kernel {name!r} cannot apply softcap={softcap}; use kernel='plain'")
@@ -295,12 +337,17 @@ def ring_attention(
             key, lambda: ring_pieces(segments.spans, segments.seq_len, size, rank, source, sliding_window)
         )
 
+    def masks(source: int) -> object:
+        key = ("ring_flex", size, rank, source, sliding_window, str(q.device))
+        return segments.cached(key, lambda: _flex_mask(segments, size, rank, source, sliding_window, q.device))
+
     ring = _Ring(
         transport=transport,
         kernel=block_kernel,
         dtype=block_kernel.compute_dtype(q.dtype),
-        pieces=pieces,
         scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
         softcap=softcap,
+        pieces=pieces,
+        masks=masks if name == "flex" else None,
     )
     return _RingAttention.apply(q, k, v, ring).transpose(1, 2)

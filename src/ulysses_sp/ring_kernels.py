@@ -25,6 +25,8 @@ the ring hands the kernel.
   and their ``_backward`` (as torch's ``context_parallel`` calls them); kv heads are repeated for them.
 * ``flash_attn``: the flash-attn package (>= 2.7) ``_flash_attn_forward`` / ``_flash_attn_backward``;
   groups kv heads itself and applies ``softcap``.
+* ``flex``: compiled ``flex_attention(return_lse=True)`` over a whole block pair with a ``BlockMask``
+  (CUDA): one call for rows packed with many documents, and softcap; takes ``block_mask=`` for ``causal=``.
 
 The CUDA kernels are written against the ops' schemas and checked on the ``meta`` device in CI
 (tests/unit/test_ring_kernels.py), but have NOT been run on a GPU yet (tests/gpu/test_gpu_ring.py is).
@@ -36,6 +38,8 @@ import importlib.util
 from collections.abc import Iterator
 
 import torch
+
+from .cores import compiled_flex, flex_compiles
 
 __all__ = ["RING_KERNELS", "default_ring_kernel", "get_ring_kernel"]
 
@@ -302,6 +306,50 @@ class FlashAttnKernel:
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
+# ---------------------------------------------------------------------------------------------- flex
+class FlexKernel:
+    """Compiled ``flex_attention(return_lse=True)`` over a WHOLE block pair with a ``BlockMask`` (documents,
+    causality, window from global indices): one call where the other kernels need one per document.
+
+    ``forward``/``backward`` take ``block_mask=`` instead of ``causal=``. Rows that see no key get out 0 and
+    lse -inf. Backward recomputes the block with autograd and feeds it the gradients that the ring's merge
+    gives a block: ``w * grad_out`` for its output and ``w * (grad_out . out_block - delta)`` for its lse,
+    ``w = exp(lse_block - lse_final)``, ``delta = grad_out . out_final`` (exact; one extra forward).
+    """
+
+    name = "flex"
+    supports_softcap = True
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
+    @staticmethod
+    def _call(q, k, v, block_mask, scale, softcap):
+        def capped(score, b, h, qi, kj):
+            return torch.tanh(score / softcap) * softcap
+
+        return compiled_flex()(
+            q, k, v, score_mod=capped if softcap is not None else None, block_mask=block_mask, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1], return_lse=True,
+        )  # fmt: skip
+
+    def forward(self, q, k, v, *, block_mask, scale: float, softcap: float | None = None):
+        with torch.no_grad():
+            return self._call(q, k, v, block_mask, scale, softcap)
+
+    def backward(self, grad_out, q, k, v, out, lse, *, block_mask, scale: float, softcap: float | None = None):
+        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+        with torch.enable_grad():
+            part, part_lse = self._call(*inputs, block_mask, scale, softcap)
+        acc = _acc(q.dtype)
+        weight = torch.where(torch.isfinite(part_lse), torch.exp(part_lse - lse), 0.0)  # [b, h, n]
+        dout = grad_out.to(acc)
+        delta = (dout * out.to(acc)).sum(-1)
+        grad_lse = weight * ((dout * part.detach().to(acc)).sum(-1) - delta)
+        grad_part = (weight[..., None] * dout).to(part.dtype)
+        return torch.autograd.grad([part, part_lse], inputs, [grad_part, grad_lse.to(part_lse.dtype)])
+
+
 # ---------------------------------------------------------------------------------------------- choice
 RING_KERNELS: dict[str, type] = {
     "plain": PlainKernel,
@@ -310,6 +358,7 @@ RING_KERNELS: dict[str, type] = {
     "cuda_efficient": CudaEfficientKernel,
     "cuda_cudnn": CudaCudnnKernel,
     "flash_attn": FlashAttnKernel,
+    "flex": FlexKernel,
 }
 
 
@@ -318,16 +367,22 @@ def _flash_attn_usable(dtype: torch.dtype, head_dim: int) -> bool:
     return fits and importlib.util.find_spec("flash_attn") is not None
 
 
-def default_ring_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, softcap: float | None) -> str:
+def default_ring_kernel(
+    device: torch.device, dtype: torch.dtype, head_dim: int, softcap: float | None, many_documents: bool = False
+) -> str:
     """The kernel a ring uses when none is named: the device's fused kernel, ``plain`` where none fits.
 
-    CPU: ``cpu_flash`` (``plain`` for softcap). CUDA: ``cuda_flash`` for fp16/bf16 with head dim <= 256
-    (multiple of 8), else ``cuda_efficient``; with softcap ``flash_attn`` when installed, else ``plain``.
+    CPU: ``cpu_flash`` (``plain`` for softcap). CUDA: ``flex`` where compiled flex runs (triton, head dim >= 16)
+    and the rows hold many documents (``many_documents``, the sdpa core's own test) or softcap is asked for;
+    else ``cuda_flash`` for fp16/bf16 with head dim <= 256 (multiple of 8), ``cuda_efficient`` otherwise;
+    softcap without flex: ``flash_attn`` when installed, else ``plain``.
     """
     if device.type == "cpu":
         return "plain" if softcap is not None else "cpu_flash"
     if device.type != "cuda":
         return "plain"
+    if (many_documents or softcap is not None) and flex_compiles(device, head_dim):
+        return "flex"
     if softcap is not None:
         return "flash_attn" if _flash_attn_usable(dtype, head_dim) else "plain"
     if dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256:

@@ -21,7 +21,13 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-KERNELS = ["cuda_flash", "cuda_efficient", "cuda_cudnn", "plain", None]
+KERNELS = ["cuda_flash", "cuda_efficient", "cuda_cudnn", "flex", "plain", None]
+
+
+def test_default_kernel_packed_rows_take_flex():
+    """Rows packed with many documents take the flex kernel on CUDA (as the sdpa core does), and it is exact."""
+    batch = make_batch(2, 512, packed=(50, 60, 70, 80, 90, 100, 62))
+    _check(None, 2, batch, window=100)
 
 
 def _check(kernel, size, batch, window=None, softcap=None, dtype=torch.bfloat16, heads=8, kv_heads=2, d=64):
@@ -75,6 +81,6 @@ def test_ring_fp32_on_cuda_uses_a_kernel_that_takes_fp32():
     _check(None, 2, make_batch(2, 256), dtype=torch.float32)
 
 
-@pytest.mark.parametrize("kernel", ["flash_attn", "plain"])
+@pytest.mark.parametrize("kernel", ["flash_attn", "flex", "plain"])
 def test_ring_softcap_on_cuda(kernel):
     _check(kernel, 2, make_batch(2, 256), softcap=20.0)

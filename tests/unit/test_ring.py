@@ -190,7 +190,7 @@ def test_fp32_merge_error_does_not_grow_with_blocks():
     assert bad[2] > 1.5 * bad[0] and bad[2] > 1.5 * good[2], (good, bad)
 
 
-def _ring_vs_eager(size, batch, window, kernel, *, heads=4, kv_heads=2, query_chunk=None):
+def _ring_vs_eager(size, batch, window, kernel, *, heads=4, kv_heads=2, query_chunk=None, softcap=None):
     """Ring attention on ``size`` thread ranks (fp32) against the eager core on the full rows: out and grads."""
     length = batch["input_ids"].shape[1]
     positions = batch.get("position_ids", torch.arange(length).expand(batch["input_ids"].shape))
@@ -199,7 +199,7 @@ def _ring_vs_eager(size, batch, window, kernel, *, heads=4, kv_heads=2, query_ch
     q, k, v = (x.float() for x in _qkv(b=segments.batch, h=heads, hkv=kv_heads, n=seq_len, seed=3))
     grad = torch.randn(segments.batch, seq_len, heads, 8, generator=torch.Generator().manual_seed(4))
     ref_inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = eager_core(*ref_inputs, segments, scaling=0.3, sliding_window=window)  # [b, N, h, d]
+    ref = eager_core(*ref_inputs, segments, scaling=0.3, sliding_window=window, softcap=softcap)  # [b, N, h, d]
     ref.backward(grad)
     order = zigzag_order(seq_len, size)
     n = seq_len // size
@@ -208,8 +208,9 @@ def _ring_vs_eager(size, batch, window, kernel, *, heads=4, kv_heads=2, query_ch
         mine = order[transport.rank * n : (transport.rank + 1) * n]
         local = [x[:, :, mine].clone().requires_grad_() for x in (q, k, v)]
         out = ring_attention(
-            *local, segments, transport, scaling=0.3, sliding_window=window, kernel=kernel, query_chunk=query_chunk
-        )
+            *local, segments, transport, scaling=0.3, sliding_window=window, softcap=softcap, kernel=kernel,
+            query_chunk=query_chunk,
+        )  # fmt: skip
         out.backward(grad[:, mine])
         return mine, out.detach(), [x.grad for x in local]
 
@@ -235,6 +236,35 @@ def test_thread_ring_matches_eager_core(size, kernel):
     cuts = (length // 3, length - length // 3 - 5, 5)
     _ring_vs_eager(size, make_batch(2, length, packed=cuts), None, kernel)
     _ring_vs_eager(size, make_batch(2, length, pad="left", pad_lengths=(3, 9)), 6, kernel, kv_heads=1)
+
+
+def _dense_flex(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_lse=True):
+    """flex_attention's contract computed densely with autograd (flex has no CPU backward): (out, lse), rows
+    that see no key give out 0 and lse -inf."""
+    groups = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(groups, 1).transpose(2, 3) * scale
+    if score_mod is not None:
+        scores = score_mod(scores, None, None, None, None)
+    index = [torch.arange(n) for n in (q.shape[0], q.shape[2], k.shape[2])]
+    keep = block_mask.mask_mod(index[0][:, None, None], None, index[1][None, :, None], index[2][None, None, :])
+    keep = keep[:, None]  # [b, 1, nq, nk]
+    lse = torch.logsumexp(torch.where(keep, scores, torch.finfo(scores.dtype).min), -1)
+    lse = torch.where(keep.any(-1), lse, float("-inf"))
+    probs = torch.where(keep, torch.exp(scores - torch.where(keep.any(-1), lse, 0)[..., None]), 0)
+    return probs @ v.repeat_interleave(groups, 1), lse
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_flex_kernel_ring_with_a_dense_stand_in(monkeypatch, size):
+    """The ``flex`` path (one BlockMask per block pair, backward from the block's lse gradient) with compiled
+    flex_attention replaced by a dense autograd stand-in of its contract: packed, padded, windowed, softcap."""
+    from ulysses_sp import ring_kernels
+
+    monkeypatch.setattr(ring_kernels, "compiled_flex", lambda: _dense_flex)
+    length = 16 * size
+    _ring_vs_eager(size, make_batch(2, length, packed=(5, length - 9, 4)), 6, "flex")
+    _ring_vs_eager(size, make_batch(2, length, pad="right", pad_lengths=(0, 7)), None, "flex", kv_heads=1)
+    _ring_vs_eager(size, make_batch(2, length), None, "flex", softcap=3.0)
 
 
 def test_bf16_error_does_not_grow_with_the_ring():
