@@ -28,8 +28,9 @@ the ring hands the kernel.
 * ``flex``: compiled ``flex_attention(return_lse=True)`` over a whole block pair with a ``BlockMask``
   (CUDA): one call for rows packed with many documents, and softcap; takes ``block_mask=`` for ``causal=``.
 
-The CUDA kernels are written against the ops' schemas and checked on the ``meta`` device in CI
-(tests/unit/test_ring_kernels.py), but have NOT been run on a GPU yet (tests/gpu/test_gpu_ring.py is).
+The CUDA kernels (and ``flex`` on CUDA) have NOT been run on a GPU yet: the aten calls are checked against
+the ops' schemas on the ``meta`` device and ``flex``'s backward with a dense stand-in, in
+tests/unit/test_ring.py; tests/gpu/test_gpu_ring.py runs them all where a GPU is present.
 """
 
 from __future__ import annotations
