@@ -141,7 +141,11 @@ class PlainKernel:
 
 # ---------------------------------------------------------------------------------------------- CPU
 class CpuFlashKernel:
-    """``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``), in fp32 (fp64 for fp64)."""
+    """``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``), in fp32 (fp64 for fp64).
+
+    Never given a mask: with one, a fully masked row comes back as out 0 and lse 0 (not -inf), which a merge
+    would weigh as if it had seen keys. Its lse is ``[b, h, nq]`` stored ``[b, nq, h]``-major (any strides work).
+    """
 
     name = "cpu_flash"
     supports_softcap = False
