@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from .comm import all_gather_tensor
 from .layout import ParallelLayout
 from .ring import zigzag_order
+from .validation import IGNORE_INDEX, bad_id_message, first_bad_id
 
 __all__ = ["IGNORE_INDEX", "SHARDED_KEYS", "pad_to_multiple", "shard_batch", "shift_labels"]
 
-IGNORE_INDEX = -100
 # The per-token keys shard_batch slices over the sequence; any other key passes through untouched.
 SHARDED_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")
 
@@ -146,24 +146,10 @@ class _Problem:
 
 
 def _bad_id(name: str, ids: torch.Tensor, vocab_size: int | None, ignore_index: int | None) -> _Problem | None:
-    # The first id outside [0, vocab_size) (ignore_index allowed for targets); without vocab_size: negatives only.
-    bad = ids < 0
-    if ignore_index is not None:
-        bad &= ids != ignore_index
-    if vocab_size is not None:
-        bad |= ids >= vocab_size
-    if not bool(bad.any()):
+    value = first_bad_id(ids, vocab_size, ignore_index)
+    if value is None:
         return None
-    where = torch.nonzero(bad)[0].tolist()
-    value = int(ids[tuple(where)])
-    return _Problem(_bad_id_message(name, value, vocab_size, ignore_index), SHARDED_KEYS.index(name), value)
-
-
-def _bad_id_message(name: str, value: int, vocab_size: int | None, ignore_index: int | None) -> str:
-    allowed = f"in [0, {vocab_size})" if vocab_size is not None else "non-negative"
-    extra = f" or {ignore_index} (ignored)" if ignore_index is not None else ""
-    size = f"outside the vocabulary of {vocab_size} tokens" if vocab_size is not None else "a negative id"
-    return f"{name} holds id {value}, {size}: ids must be {allowed}{extra}; check the tokenizer and vocab_size"
+    return _Problem(bad_id_message(name, value, vocab_size, ignore_index), SHARDED_KEYS.index(name), value)
 
 
 def _validated(
@@ -249,7 +235,7 @@ def _check_same_batch(
         described = "; ".join(
             f"sp_rank {r}: "
             + (
-                _bad_id_message(SHARDED_KEYS[rep[1]], rep[2], vocab_size, None if rep[1] == 0 else ignore_index)
+                bad_id_message(SHARDED_KEYS[rep[1]], rep[2], vocab_size, None if rep[1] == 0 else ignore_index)
                 if rep[1] >= 0
                 else "malformed batch"
             )

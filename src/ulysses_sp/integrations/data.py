@@ -170,10 +170,9 @@ def layout_for_model(model: torch.nn.Module, sp_size: int, device: Any, ring: in
     """The layout for ``sp_size`` ranks per sequence: ``ring`` if given, else pure Ulysses when the model's heads
     split over them, else hybrid Ulysses x Ring with the smallest ring that makes them split
     (see ``choose_ring_degree``)."""
-    from ..model import _find_pretrained
+    from ..hf import find_pretrained, head_counts
 
-    text = _find_pretrained(model).config.get_text_config()
-    heads, kv_heads = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
+    heads, kv_heads = head_counts(find_pretrained(model))
     return ParallelLayout.from_env(sp_size, ring=ring, num_heads=heads, num_kv_heads=kv_heads, device=device)
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ulysses_sp.attention import RING_CORES
+from ulysses_sp.attention import check_ring_core
 from ulysses_sp.fsdp import fully_shard_layers
 from ulysses_sp.layout import ParallelLayout, resolve_ring_degree
 from ulysses_sp.model import parallelize
@@ -114,12 +114,11 @@ def resolve_ring(config: TrainConfig, hf_config: Any | None = None) -> int:
     except ValueError as error:
         flags = f"--sp {config.sp}" + (f" --ring {config.ring}" if config.ring is not None else "")
         raise ValueError(f"{flags} does not fit --model {config.model!r}: {error}") from None
-    if ring > 1 and _CORE_NAMES[config.attn_core] not in RING_CORES:
+    try:
+        check_ring_core(_CORE_NAMES[config.attn_core], ring)
+    except ValueError as error:
         chosen = "--ring" if config.ring is not None else f"the ring chosen from the heads ({num_heads} heads, --sp)"
-        raise ValueError(
-            f"--attn-core {config.attn_core} cannot run inside a ring (ring degree {ring}, from {chosen}): the ring "
-            f"uses its own blockwise core; use --attn-core sdpa or eager, or an --sp the heads split over"
-        )
+        raise ValueError(f"--attn-core {config.attn_core}: {error} (the ring comes from {chosen})") from None
     return ring
 
 
