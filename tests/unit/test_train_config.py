@@ -188,4 +188,5 @@ def test_resolved_nproc_and_dtype():
         TrainConfig(sp=3).resolved_nproc(num_gpus=8)
     assert TrainConfig().torch_dtype("cpu") == torch.float32
     assert TrainConfig().torch_dtype("cuda") == torch.bfloat16
-    assert TrainConfig(dtype="fp16").torch_dtype("cuda") == torch.float16
+    with pytest.raises(ValueError, match="--dtype must be one of auto, bf16, fp32"):  # fp16 would need loss scaling
+        TrainConfig(dtype="fp16").validate()
