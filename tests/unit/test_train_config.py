@@ -77,7 +77,10 @@ def test_bool_flags_and_resume_forms(tmp_path):
     assert load_config(["--mlp-chunk-tokens", "512"]).mlp_chunk_tokens == 512
     assert load_config(["--activation-checkpointing", "none"]).activation_checkpointing == "none"
     auto = load_config([])
-    assert (auto.checkpointing_mode("cpu"), auto.checkpointing_mode("cuda")) == ("checkpoint", "offload")
+    assert (auto.resolve("cpu").activation_checkpointing, auto.resolve("cuda").activation_checkpointing) == (
+        "checkpoint",
+        "offload",
+    )
     assert load_config(["--resume"]).resume is True
     assert load_config(["--resume", "runs/x/checkpoint-0000010"]).resume == "runs/x/checkpoint-0000010"
     path = _write_yaml(tmp_path, {"resume": True})

@@ -13,18 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from ulysses_sp import cli_config
-from ulysses_sp.cli_config import check_choices, flag_name, from_mapping, option, parse_config, save_yaml, to_mapping
+from ulysses_sp.cli_config import flag_name, from_mapping, option, parse_config, save_yaml, to_mapping
+from ulysses_sp.features import Features
 from ulysses_sp.train.schedule import SeqLenSchedule
 
-DTYPE_CHOICES = ("auto", "bf16", "fp32")  # fp16 would need loss scaling
-PARALLEL_CHOICES = ("fsdp2", "ddp")
 ATTN_CORE_CHOICES = ("sdpa", "flash", "flex", "eager")
-CHECKPOINTING_CHOICES = ("auto", "none", "checkpoint", "offload")
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
-    """Everything ``ulysses-sp train`` needs; each field is a CLI flag and a YAML key."""
+class TrainConfig(Features):
+    """Everything ``ulysses-sp train`` needs; each field is a CLI flag and a YAML key (the memory features'
+    fields come from :class:`~ulysses_sp.features.Features`)."""
 
     # --- model and sequence ---------------------------------------------------------------------
     model: str = option(
@@ -117,47 +116,6 @@ class TrainConfig:
         1234,
         help="Random seed for weights, data order and the held-out split.",
     )
-    dtype: str = option(
-        "auto",
-        help="Compute dtype (bf16 = autocast, with fp32 master weights and optimizer states): "
-        "'auto' = bf16 on GPU, fp32 on CPU.",
-        choices=DTYPE_CHOICES,
-    )
-    activation_checkpointing: str = option(
-        "auto",
-        help="Keep only each decoder layer's input and recompute the layer in backward: 'checkpoint' keeps the "
-        "inputs on the device, 'offload' in (pinned) host memory, 'none' keeps every activation; "
-        "'auto' = offload on GPU, checkpoint on CPU.",
-        choices=CHECKPOINTING_CHOICES,
-    )
-    tiled_loss: bool = option(
-        True,
-        help="Compute lm_head + cross-entropy in chunks of tokens, recomputed in backward, so the [tokens, vocab] "
-        "logits are never held (--no-tiled-loss: the model's plain logits path).",
-    )
-    tiled_mlp: bool = option(
-        True,
-        help="Run each MLP over chunks of tokens and recompute them in backward, so the [tokens, intermediate] "
-        "activations are never held whole (--no-tiled-mlp: the plain MLP).",
-    )
-    mlp_chunk_tokens: int | None = option(
-        None,
-        help="With --tiled-mlp: tokens per chunk; 'none' = max(1024, hidden size).",
-    )
-    loss_chunk_mib: int = option(
-        1024,
-        help="With --tiled-loss: memory (MiB) for one chunk of logits; tokens per chunk follow from it.",
-    )
-    parallel: str = option(
-        "fsdp2",
-        help="Data-parallel wrapper over the whole world: 'fsdp2' (sharded) or 'ddp'.",
-        choices=PARALLEL_CHOICES,
-    )
-    cpu_offload_optimizer: bool = option(
-        False,
-        help="FSDP2 only, on GPU: keep the sharded parameters, gradients and optimizer states in CPU memory "
-        "(the optimizer steps on CPU); a no-op on a CPU-only machine.",
-    )
     attn_core: str = option(
         "sdpa",
         help="Local attention kernel run on each rank's heads after the all-to-all.",
@@ -217,6 +175,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Check every value; raise ValueError naming the flag, the value and what is allowed."""
+        super().validate()
         _require(bool(self.model.strip()), "--model must not be empty; give a hub id, a path or 'llama-tiny'")
         _at_least("sp", self.sp, 1)
         _at_least("seq_len", self.seq_len, self.sp, "--sp so every rank holds at least one token")
@@ -256,7 +215,6 @@ class TrainConfig:
         _require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
         _require(self.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (0 = no clipping), got {self.max_grad_norm}")
         _at_least("seed", self.seed, 0)
-        check_choices(self)
         _at_least("eval_every", self.eval_every, 0)
         _at_least("eval_batches", self.eval_batches, 1)
         _require(
@@ -267,17 +225,10 @@ class TrainConfig:
             self.eval_every == 0 or self.eval_fraction > 0,
             f"--eval-every {self.eval_every} needs held-out documents: set --eval-fraction > 0 or --eval-every 0",
         )
-        _at_least("loss_chunk_mib", self.loss_chunk_mib, 1)
-        if self.mlp_chunk_tokens is not None:
-            _at_least("mlp_chunk_tokens", self.mlp_chunk_tokens, 1)
         _at_least("log_every", self.log_every, 1)
         _at_least("save_every", self.save_every, 0)
         _at_least("keep_last", self.keep_last, 0)
         _at_least("dist_timeout", self.dist_timeout, 1)
-        _require(
-            not self.cpu_offload_optimizer or self.parallel == "fsdp2",
-            "--cpu-offload-optimizer needs --parallel fsdp2 (DDP keeps full states on every GPU)",
-        )
         _require(
             not (self.overwrite and self.resume),
             "--overwrite deletes the checkpoints that --resume would continue from; pass only one of them",
@@ -306,21 +257,6 @@ class TrainConfig:
                 f"--sp {self.sp}; pass --nproc explicitly or change --sp"
             )
         return nproc
-
-    def checkpointing_mode(self, device_type: str) -> str:
-        """``activation_checkpointing`` with 'auto' resolved: 'offload' on GPU, 'checkpoint' on CPU."""
-        if self.activation_checkpointing != "auto":
-            return self.activation_checkpointing
-        return "checkpoint" if device_type == "cpu" else "offload"
-
-    def torch_dtype(self, device_type: str) -> Any:
-        """The ``torch.dtype`` for ``dtype`` on ``device_type`` ('cuda' or 'cpu'); 'auto' = bf16 on GPU, else fp32."""
-        import torch
-
-        name = self.dtype
-        if name == "auto":
-            name = "fp32" if device_type == "cpu" else "bf16"
-        return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
 def _require(ok: bool, message: str) -> None:
