@@ -162,6 +162,17 @@ def _default_text(f: dataclasses.Field) -> str:
     return "none" if default is None else repr(default) if default == "" else str(default)
 
 
+def _fields_by_class(cls: type) -> list[tuple[type, list[dataclasses.Field]]]:
+    """The dataclass fields of ``cls`` grouped by the class that declares them, ``cls`` first."""
+    result = []
+    for owner in cls.__mro__:
+        names = set(vars(owner).get("__annotations__", {}))
+        own = [f for f in fields(cls) if f.name in names]
+        if own and dataclasses.is_dataclass(owner):
+            result.append((owner, own))
+    return result
+
+
 def build_parser(cls: type, *, prog: str, description: str, config_file: bool = True) -> argparse.ArgumentParser:
     """The argument parser of config class ``cls``: one flag per field, help texts and defaults from the fields.
 
@@ -176,16 +187,23 @@ def build_parser(cls: type, *, prog: str, description: str, config_file: bool = 
             help="YAML file with config keys (the flag names with underscores); flags given here win over it.",
         )
     kinds = _kinds(cls)
-    for f in fields(cls):
-        flag, meta, kind = flag_name(f.name), f.metadata, kinds[f.name]
-        help_text = f"{meta['help']} (default: {_default_text(f)})"
-        if kind.types == (bool,) and not kind.sequence:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
-        elif bool in kind.types:  # bool-or-path
-            parser.add_argument(flag, nargs="?", const=True, metavar=meta.get("metavar"), help=help_text)
-            parser.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=argparse.SUPPRESS)
-        else:
-            parser.add_argument(flag, metavar=meta.get("metavar"), choices=meta.get("choices"), help=help_text)
+    for owner, own in _fields_by_class(cls):
+        # the class's own flags first; inherited ones (e.g. the memory features) under their class's heading
+        group = (
+            parser
+            if owner is cls
+            else parser.add_argument_group((owner.__doc__ or owner.__name__).split("\n")[0].rstrip("."))
+        )
+        for f in own:
+            flag, meta, kind = flag_name(f.name), f.metadata, kinds[f.name]
+            help_text = f"{meta['help']} (default: {_default_text(f)})"
+            if kind.types == (bool,) and not kind.sequence:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+            elif bool in kind.types:  # bool-or-path
+                group.add_argument(flag, nargs="?", const=True, metavar=meta.get("metavar"), help=help_text)
+                group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=argparse.SUPPRESS)
+            else:
+                group.add_argument(flag, metavar=meta.get("metavar"), choices=meta.get("choices"), help=help_text)
     return parser
 
 

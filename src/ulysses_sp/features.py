@@ -27,7 +27,9 @@ DTYPES = ("auto", "bf16", "fp32")  # fp16 would need loss scaling
 
 @dataclass(kw_only=True)
 class Features:
-    """How a step is run. ``"auto"`` values depend on the device: see :meth:`resolve`.
+    """Memory features and parallel wrapper (the same flags for ulysses-sp train and plan).
+
+    How a step is run. ``"auto"`` values depend on the device: see :meth:`resolve`.
 
     Defaults are what ``ulysses-sp train`` runs: tiled loss and MLP, checkpoints offloaded to host memory on
     a GPU (kept on the device on a CPU), FSDP2, bf16 on a GPU (fp32 on a CPU).

@@ -77,7 +77,7 @@ def recommend(
     sequence is returned with ``reaches_target=False``.
     """
     shape = model_shape(model_config)
-    base = (features or Features()).features()
+    base = (features or Features()).resolve("cuda")
     sps = [p for p in sp_degrees_for(shape.num_heads, shape.num_kv_heads) if world_size % p == 0]
     if not sps:
         raise ValueError(f"no sp divides world_size={world_size} and the model's heads")
