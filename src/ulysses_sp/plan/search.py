@@ -5,10 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..features import Features
 from .memory import plan_memory
 from .shape import model_shape
-from .units import GiB
 
 __all__ = ["max_seq_len", "search_longest"]
 
@@ -51,39 +49,17 @@ def search_longest(
     return low, trials, True
 
 
-def max_seq_len(
-    model_config: Any,
-    *,
-    sp: int = 1,
-    dp: int = 1,
-    gpu_memory_bytes: int = 80 * GiB,
-    host_memory_bytes: int = 0,
-    gpus_per_node: int | None = None,
-    features: Features | None = None,
-    micro_batch: int = 1,
-    device: str = "cuda",
-    granularity: int = 1024,
-) -> int:
+def max_seq_len(model_config: Any, *, sp: int = 1, granularity: int = 1024, **settings: Any) -> int:
     """The longest ``seq_len`` (a multiple of ``granularity x sp``) whose plan fits; 0 if none does.
 
+    ``settings`` are :func:`~ulysses_sp.plan.plan_memory`'s (``dp``, ``gpu_memory_bytes``, ``features``, ...).
     Memory grows with the sequence, so a doubling search followed by bisection finds the boundary.
     """
     shape = model_shape(model_config)
     unit = granularity * sp
 
     def fits(length: int) -> bool:
-        return plan_memory(
-            shape,
-            seq_len=length,
-            sp=sp,
-            dp=dp,
-            gpu_memory_bytes=gpu_memory_bytes,
-            host_memory_bytes=host_memory_bytes,
-            gpus_per_node=gpus_per_node,
-            features=features,
-            micro_batch=micro_batch,
-            device=device,
-        ).fits
+        return plan_memory(shape, seq_len=length, sp=sp, **settings).fits
 
     # at most 2^24 units: past that, memory does not bound the length
     return search_longest(fits, start=unit, limit=unit << 24, granularity=unit)[0]
