@@ -29,9 +29,9 @@ from .comm import CommStats, all_gather_tensor, heads_to_seq, qkv_seq_to_heads
 from .cores import Core, Segments
 from .layout import ParallelLayout
 from .ring import ring_attention, zigzag_order
-from .sharding import IGNORE_INDEX
+from .validation import IGNORE_INDEX, check_id_ranges, id_range, input_problem
 
-__all__ = ["UlyssesAttention", "ulysses_attention_forward", "ulysses_mask"]
+__all__ = ["RING_CORES", "UlyssesAttention", "check_ring_core", "ulysses_attention_forward", "ulysses_mask"]
 
 MODULE_ATTR = "_ulysses_sp"
 # The sliding window of an attention module read from its config by parallelize (None: full attention). Used
@@ -102,18 +102,18 @@ class UlyssesAttention:
         rank raises a ValueError on every rank instead of leaving the others waiting.
         """
         layout = self.layout
-        problem = _input_problem(position_ids, attention_mask, seq_len, layout.sp)
+        problem = input_problem(position_ids, attention_mask, seq_len, layout.sp)
         if input_ids is not None and (input_ids.is_floating_point() or input_ids.dtype == torch.bool):
             problem = problem or f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; use .long()"
             input_ids = None
         device = layout.device
-        ranges = torch.stack([*_id_range(input_ids, None, device), *_id_range(targets, IGNORE_INDEX, device)])  # [4]
+        ranges = torch.stack([*id_range(input_ids, None, device), *id_range(targets, IGNORE_INDEX, device)])  # [4]
         if layout.sp > 1:
             self._agree(batch_size, seq_len, attention_mask is not None, problem, ranges)
         elif problem is not None:
             raise ValueError(problem)
         else:
-            self._check_ids([ranges.tolist()])
+            check_id_ranges([ranges.tolist()], self.vocab_size)
         if position_ids is None:  # sp == 1: the model's own default positions
             position_ids = torch.arange(seq_len, device=layout.device)[None]
         positions = position_ids.expand(batch_size, seq_len)
@@ -144,22 +144,7 @@ class UlyssesAttention:
                 f"shape, got {described}; give every rank of an SP group the same batch and shard it with "
                 "ulysses_sp.shard_batch"
             )
-        self._check_ids([r[4:] for r in reports])
-
-    def _check_ids(self, ranges: list[list[int]]) -> None:
-        # ranges[r] = [ids min, ids max, targets min, targets max] of sp_rank r: the same verdict on every rank.
-        vocab = self.vocab_size
-        for rank, (ids_lo, ids_hi, tgt_lo, tgt_hi) in enumerate(ranges):
-            for name, lo, hi in (("input_ids", ids_lo, ids_hi), ("labels", tgt_lo, tgt_hi)):
-                value = lo if lo < 0 else (hi if vocab is not None and hi >= vocab else None)
-                if value is not None:
-                    where = f"sp_rank {rank}: " if len(ranges) > 1 else ""
-                    allowed = f"in [0, {vocab})" if vocab is not None else "non-negative"
-                    ignored = ", or -100 (ignored)" if name == "labels" else ""
-                    raise ValueError(
-                        f"{where}{name} holds id {value}, outside the vocabulary of {vocab} tokens (ids must be "
-                        f"{allowed}{ignored}); check the tokenizer and the model's vocab_size"
-                    )
+        check_id_ranges([r[4:] for r in reports], self.vocab_size)
 
     def _gather_rows(
         self, positions: torch.Tensor, attention_mask: torch.Tensor | None
@@ -257,47 +242,18 @@ class UlyssesAttention:
 
     def _ring_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, **kwargs):
         """The core of a hybrid layout: ring attention over ``layout.ring_group`` (see :mod:`ulysses_sp.ring`)."""
-        if self.core_name not in RING_CORES:
-            raise ValueError(
-                f"core={self.core_name!r} cannot run inside a ring (ring={self.layout.ring}): the ring uses its own "
-                f"blockwise core with an fp32 online-softmax merge; use core='sdpa' (the default) or 'eager'"
-            )
         kernel = "plain" if self.core_name == "eager" else None  # eager: the plain-PyTorch reference kernel
         return ring_attention(q, k, v, segments, self.layout.ring_group, stats=self.stats, kernel=kernel, **kwargs)
 
 
-def _id_range(
-    ids: torch.Tensor | None, ignore_index: int | None, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(min, max) of the ids as long tensors on ``device`` (no host sync); ignore_index and no ids count as 0."""
-    if ids is None or ids.numel() == 0:
-        zero = torch.zeros((), dtype=torch.long, device=device)
-        return zero, zero
-    ids = ids.to(device=device, dtype=torch.long)
-    if ignore_index is not None:
-        ids = ids.masked_fill(ids == ignore_index, 0)
-    return ids.min(), ids.max()
-
-
-def _input_problem(
-    position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, seq_len: int, sp: int
-) -> str | None:
-    """What is wrong with this rank's input (None if nothing): checked locally, agreed across the group."""
-    if position_ids is None:
-        if sp > 1:
-            return (
-                "under sequence parallelism the model needs position_ids with the GLOBAL positions of this "
-                "rank's tokens (else RoPE restarts at 0 on every shard); pass the output of "
-                "ulysses_sp.shard_batch(batch, layout) to the model"
-            )
-    elif position_ids.dim() != 2 or position_ids.shape[-1] != seq_len:
-        return f"position_ids must be [batch, {seq_len}], got shape {tuple(position_ids.shape)}"
-    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[-1] != seq_len):
-        return (
-            f"attention_mask must be a 2-D padding mask [batch, {seq_len}] under Ulysses, got shape "
-            f"{tuple(attention_mask.shape)}; 4-D masks are not supported (documents come from position_ids)"
+def check_ring_core(core_name: str, ring: int) -> None:
+    """ValueError unless the core ``core_name`` may run in a layout with ``ring`` ring ranks (:data:`RING_CORES`)."""
+    if ring > 1 and core_name not in RING_CORES:
+        usable = " or ".join(map(repr, RING_CORES))
+        raise ValueError(
+            f"core={core_name!r} cannot run inside a ring (ring degree {ring}): the ring uses its own blockwise "
+            f"core with an fp32 online-softmax merge; use core={usable}, or a layout without a ring"
         )
-    return None
 
 
 def _context(module: torch.nn.Module) -> UlyssesAttention:

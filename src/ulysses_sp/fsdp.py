@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .tiling import decoder_layers
+from .hf import decoder_layers
 
 __all__ = ["fully_shard_layers"]
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .comm import CommStats, all_reduce_sum
 from .layout import ParallelLayout
-from .sharding import IGNORE_INDEX
+from .validation import IGNORE_INDEX
 
 __all__ = [
     "causal_lm_loss",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,9 +25,17 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from .attention import MODULE_ATTR, RING_CORES, WINDOW_ATTR, UlyssesAttention, ulysses_attention_forward, ulysses_mask
+from .attention import (
+    MODULE_ATTR,
+    WINDOW_ATTR,
+    UlyssesAttention,
+    check_ring_core,
+    ulysses_attention_forward,
+    ulysses_mask,
+)
 from .comm import CommStats
 from .cores import CORES, Core, get_core
+from .hf import attention_modules, decoder_module, find_pretrained, head_counts
 from .layout import ParallelLayout
 
 __all__ = ["parallelize", "plain_attention", "ulysses_context", "unparallelize"]
@@ -162,42 +169,6 @@ def _rope_hooks(
     return [(m, _GlobalRopeLength(pretrained, ctx, name)) for m in rotaries]
 
 
-def _find_pretrained(model: torch.nn.Module, caller: str = "parallelize") -> PreTrainedModel:
-    # The model itself, or the transformers model inside a wrapper (PEFT, DDP, ...).
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            return module
-    raise TypeError(
-        f"{caller} expects a transformers PreTrainedModel (or a wrapper around one, e.g. a PEFT model); "
-        f"got {type(model).__name__}"
-    )
-
-
-def _takes_tokens(module: torch.nn.Module) -> bool:
-    params = inspect.signature(module.forward).parameters
-    return "position_ids" in params and ("input_ids" in params or "inputs_embeds" in params)
-
-
-def _decoder(pretrained: PreTrainedModel, attention: list[torch.nn.Module]) -> torch.nn.Module:
-    """The module every forward pass enters before its attention layers: the innermost module that holds all
-    of them and takes input_ids/inputs_embeds and position_ids (``LlamaModel``; ``OPTDecoder``, which
-    ``OPTForCausalLM`` calls directly, skipping ``OPTModel``)."""
-    names = {id(m): n for n, m in pretrained.named_modules()}
-    common = os.path.commonprefix([names[id(m)].split(".") for m in attention])  # element-wise on lists
-    for depth in range(len(common), -1, -1):
-        module = pretrained.get_submodule(".".join(common[:depth]))
-        if not isinstance(module, torch.nn.ModuleList | torch.nn.ModuleDict) and _takes_tokens(module):
-            return module
-    raise ValueError(
-        f"no module of {type(pretrained).__name__} that holds its attention layers takes position_ids; Ulysses "
-        "needs the global positions of each shard (RoPE, documents), so this model is refused"
-    )
-
-
-def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "num_key_value_groups") or type(m).__name__.endswith("Attention")]
-
-
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
@@ -285,33 +256,32 @@ def parallelize(
     Returns the same model. Raises ValueError before any training if the heads do not split over
     ``layout.sp`` or the core is unknown.
     """
-    pretrained = _find_pretrained(model)
+    pretrained = find_pretrained(model)
+    if layout.is_view:
+        raise ValueError(
+            "parallelize needs a layout with process groups; ParallelLayout.rank_view only describes where a "
+            "rank sits (use ParallelLayout.from_env, from_groups or single)"
+        )
     if getattr(pretrained, _STATE_ATTR, None) is not None:
         raise ValueError("this model is already parallelized; call ulysses_sp.unparallelize(model) first")
     text_config = pretrained.config.get_text_config()
-    num_heads = getattr(text_config, "num_attention_heads", None)
+    num_heads, num_kv_heads = head_counts(text_config)
     if num_heads is None:
         raise ValueError(f"{type(pretrained).__name__} config has no num_attention_heads; is it a decoder LM?")
-    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
     layout.check_heads(num_heads, num_kv_heads)
     _check_model_features(text_config, core if isinstance(core, str) else None)
 
     if not callable(core) and not isinstance(core, str):
         raise ValueError(f"core must be one of {sorted(CORES)} or a callable, got {core!r}")
     core_name = core if isinstance(core, str) else getattr(core, "__name__", "custom")
-    if layout.ring > 1 and core_name not in RING_CORES:  # before resolving it: whatever it is, it cannot run here
-        raise ValueError(
-            f"core={core_name!r} cannot run inside a ring (layout ring={layout.ring}): the ring uses its own "
-            f"blockwise core with an fp32 online-softmax merge; use core='sdpa' (the default) or 'eager', or a "
-            "layout without a ring"
-        )
+    check_ring_core(core_name, layout.ring)  # before resolving it: whatever it is, it cannot run here
     core_fn = core if callable(core) else get_core(core)
     if not pretrained._can_set_attn_implementation():
         raise ValueError(
             f"{type(pretrained).__name__} does not dispatch attention through transformers' AttentionInterface, "
             "so Ulysses cannot be plugged in without patching it"
         )
-    modules = _attention_modules(pretrained)
+    modules = attention_modules(pretrained)
     if not modules:
         raise ValueError(f"found no attention modules in {type(pretrained).__name__}")
     if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in modules):
@@ -319,7 +289,7 @@ def parallelize(
             f"{type(pretrained).__name__} uses attention sinks, which Ulysses does not support yet (the sink "
             "logits would be silently dropped)"
         )
-    decoder = _decoder(pretrained, modules)
+    decoder = decoder_module(pretrained, modules)
     embeddings = pretrained.get_input_embeddings()
     vocab_size = getattr(embeddings, "num_embeddings", None) or getattr(text_config, "vocab_size", None)
     ctx = UlyssesAttention(
@@ -351,7 +321,7 @@ def parallelize(
 
 def ulysses_context(model: torch.nn.Module) -> UlyssesAttention:
     """The :class:`UlyssesAttention` of a parallelized model (layout, core, ``stats``)."""
-    state = getattr(_find_pretrained(model), _STATE_ATTR, None)
+    state = getattr(find_pretrained(model), _STATE_ATTR, None)
     if state is None:
         raise ValueError("this model is not parallelized; call ulysses_sp.parallelize(model, layout) first")
     return state.ctx
@@ -359,7 +329,7 @@ def ulysses_context(model: torch.nn.Module) -> UlyssesAttention:
 
 def unparallelize(model: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`parallelize`: the original attention implementation, no hook, no module attributes."""
-    pretrained = _find_pretrained(model)
+    pretrained = find_pretrained(model)
     state: _State | None = getattr(pretrained, _STATE_ATTR, None)
     if state is None:
         return model
@@ -377,7 +347,7 @@ def unparallelize(model: torch.nn.Module) -> torch.nn.Module:
 @contextlib.contextmanager
 def plain_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Temporarily run the model's original attention (e.g. to ``generate`` on one rank's full input)."""
-    pretrained = _find_pretrained(model)
+    pretrained = find_pretrained(model)
     state: _State | None = getattr(pretrained, _STATE_ATTR, None)
     if state is None:
         yield model

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .model import _find_pretrained
+from .hf import find_pretrained
 
 __all__ = [
     "MODES",
@@ -181,7 +181,7 @@ def enable_activation_checkpointing(model: nn.Module, mode: str = "checkpoint") 
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
-    pretrained = _find_pretrained(model, "enable_activation_checkpointing")
+    pretrained = find_pretrained(model, "enable_activation_checkpointing")
     if getattr(pretrained, _STATE_ATTR, None) is not None:
         raise ValueError(
             "activation checkpointing is already set up on this model; call "
@@ -209,7 +209,7 @@ def enable_activation_checkpointing(model: nn.Module, mode: str = "checkpoint") 
 
 def disable_activation_checkpointing(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_activation_checkpointing`: every module gets back the flag and function it had."""
-    pretrained = _find_pretrained(model, "disable_activation_checkpointing")
+    pretrained = find_pretrained(model, "disable_activation_checkpointing")
     state: _State | None = getattr(pretrained, _STATE_ATTR, None)
     if state is None:
         return model
@@ -225,5 +225,5 @@ def disable_activation_checkpointing(model: nn.Module) -> nn.Module:
 
 def offload_store(model: nn.Module) -> HostActivationStore | None:
     """The host store of a model in ``"offload"`` mode (None otherwise), e.g. to measure what it holds."""
-    state: _State | None = getattr(_find_pretrained(model, "offload_store"), _STATE_ATTR, None)
+    state: _State | None = getattr(find_pretrained(model, "offload_store"), _STATE_ATTR, None)
     return state.store if state is not None else None

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from .comm import all_gather_tensor
 from .layout import ParallelLayout
 from .ring import zigzag_order
+from .validation import IGNORE_INDEX, bad_id_message, first_bad_id
 
 __all__ = ["IGNORE_INDEX", "SHARDED_KEYS", "pad_to_multiple", "shard_batch", "shift_labels"]
 
-IGNORE_INDEX = -100
 # The per-token keys shard_batch slices over the sequence; any other key passes through untouched.
 SHARDED_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")
 
@@ -75,6 +75,7 @@ def shard_batch(
             integers) and raise ValueError on every rank if the ranks hold different batches — the usual
             sign of a data sampler split over the whole world instead of over ``layout.dp`` — or if any
             rank's batch is malformed (so a bad batch on one rank never leaves the others waiting).
+            Skipped for a :meth:`~ulysses_sp.ParallelLayout.rank_view` (no group to compare over).
         vocab_size: when given, input_ids and labels outside ``[0, vocab_size)`` (labels may also be
             ``ignore_index``) raise a ValueError naming the id, on every rank of the group; without it
             only negative ids are caught. Pass ``model.config.vocab_size``.
@@ -88,7 +89,7 @@ def shard_batch(
     ``lcm(sp, 2 * ring)`` and dealt in zigzag order (see the module docstring).
     """
     full, problem = _validated(batch, vocab_size, ignore_index)
-    if check_same_batch and layout.sp > 1:
+    if check_same_batch and layout.sp > 1 and not layout.is_view:
         _check_same_batch(
             full, problem, layout, vocab_size, ignore_index
         )  # raises on every rank if any rank has a problem
@@ -104,7 +105,7 @@ def shard_batch(
         positions = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
     positions = positions.expand(b, seq_len).to(torch.long)
 
-    ring = getattr(layout, "ring", 1)
+    ring = layout.ring
     multiple = sp if ring == 1 else math.lcm(sp, 2 * ring)
     extra = (-seq_len) % multiple
     if extra:
@@ -146,24 +147,10 @@ class _Problem:
 
 
 def _bad_id(name: str, ids: torch.Tensor, vocab_size: int | None, ignore_index: int | None) -> _Problem | None:
-    # The first id outside [0, vocab_size) (ignore_index allowed for targets); without vocab_size: negatives only.
-    bad = ids < 0
-    if ignore_index is not None:
-        bad &= ids != ignore_index
-    if vocab_size is not None:
-        bad |= ids >= vocab_size
-    if not bool(bad.any()):
+    value = first_bad_id(ids, vocab_size, ignore_index)
+    if value is None:
         return None
-    where = torch.nonzero(bad)[0].tolist()
-    value = int(ids[tuple(where)])
-    return _Problem(_bad_id_message(name, value, vocab_size, ignore_index), SHARDED_KEYS.index(name), value)
-
-
-def _bad_id_message(name: str, value: int, vocab_size: int | None, ignore_index: int | None) -> str:
-    allowed = f"in [0, {vocab_size})" if vocab_size is not None else "non-negative"
-    extra = f" or {ignore_index} (ignored)" if ignore_index is not None else ""
-    size = f"outside the vocabulary of {vocab_size} tokens" if vocab_size is not None else "a negative id"
-    return f"{name} holds id {value}, {size}: ids must be {allowed}{extra}; check the tokenizer and vocab_size"
+    return _Problem(bad_id_message(name, value, vocab_size, ignore_index), SHARDED_KEYS.index(name), value)
 
 
 def _validated(
@@ -249,7 +236,7 @@ def _check_same_batch(
         described = "; ".join(
             f"sp_rank {r}: "
             + (
-                _bad_id_message(SHARDED_KEYS[rep[1]], rep[2], vocab_size, None if rep[1] == 0 else ignore_index)
+                bad_id_message(SHARDED_KEYS[rep[1]], rep[2], vocab_size, None if rep[1] == 0 else ignore_index)
                 if rep[1] >= 0
                 else "malformed batch"
             )

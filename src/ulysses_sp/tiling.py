@@ -39,28 +39,16 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .model import _find_pretrained
+from .hf import find_pretrained, mlp_modules, text_config
 
 __all__ = [
     "TiledMLP",
-    "decoder_layers",
     "default_chunk_tokens",
     "disable_tiled_mlp",
     "enable_tiled_mlp",
 ]
 
-# The attribute that holds a decoder layer's MLP, in the order tried (transformers' names for it).
-MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
 MIN_CHUNK_TOKENS = 1024
-
-
-def decoder_layers(pretrained: nn.Module) -> list[nn.Module]:
-    """The transformer blocks: modules whose class is in ``_no_split_modules``, else ``base_model.layers``."""
-    names = set(getattr(pretrained, "_no_split_modules", None) or ())
-    layers = [m for m in pretrained.modules() if type(m).__name__ in names]
-    if not layers:
-        layers = list(getattr(getattr(pretrained, "base_model", None), "layers", None) or [])
-    return layers
 
 
 def default_chunk_tokens(hidden_size: int) -> int:
@@ -243,24 +231,6 @@ def _collecting_router_logits() -> bool:
     return bool(collected) and any("router" in key for key in collected)
 
 
-def _mlps(pretrained: nn.Module) -> list[nn.Module]:
-    layers = decoder_layers(pretrained)
-    found = []
-    for layer in layers:
-        for name in MLP_NAMES:
-            child = layer._modules.get(name)
-            if isinstance(child, nn.Module):
-                found.append(child)
-                break
-    if not found:
-        layer_names = sorted({type(layer).__name__ for layer in layers}) or "none found"
-        raise ValueError(
-            f"{type(pretrained).__name__} has no recognisable MLP to tile: looked for a child named one of "
-            f"{list(MLP_NAMES)} in its decoder layers ({layer_names})"
-        )
-    return found
-
-
 def _installed(module: nn.Module) -> TiledMLP | None:
     forward = module.__dict__.get("forward")
     return forward if isinstance(forward, TiledMLP) else None
@@ -282,11 +252,11 @@ def enable_tiled_mlp(model: nn.Module, *, chunk_tokens: int | None = None) -> nn
         raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens}")
-    pretrained = _find_pretrained(model, "enable_tiled_mlp")
-    mlps = _mlps(pretrained)
+    pretrained = find_pretrained(model, "enable_tiled_mlp")
+    mlps = mlp_modules(pretrained)
     if any(_installed(m) is not None for m in mlps):
         raise ValueError("the MLPs of this model are already tiled; call ulysses_sp.disable_tiled_mlp(model) first")
-    if getattr(pretrained.config.get_text_config(), "output_router_logits", False):
+    if getattr(text_config(pretrained), "output_router_logits", False):
         raise ValueError(
             f"{type(pretrained).__name__} has output_router_logits=True (router logits for an auxiliary loss): "
             "tiled MoE blocks would record them per chunk and without gradient; set "
@@ -300,7 +270,7 @@ def enable_tiled_mlp(model: nn.Module, *, chunk_tokens: int | None = None) -> nn
 
 def disable_tiled_mlp(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_tiled_mlp`: every MLP gets its own forward back (a no-op on an untiled model)."""
-    pretrained = _find_pretrained(model, "disable_tiled_mlp")
+    pretrained = find_pretrained(model, "disable_tiled_mlp")
     for module in pretrained.modules():
         tiled = _installed(module)
         if tiled is None:

@@ -11,7 +11,8 @@ from tests.helpers.models import VOCAB, build, make_batch
 from tests.unit.test_core_single import fake_layout
 from ulysses_sp.attention import UlyssesAttention
 from ulysses_sp.cores import check_flex_head_dim, sdpa_core
-from ulysses_sp.model import _decoder, _layer_window
+from ulysses_sp.hf import decoder_module
+from ulysses_sp.model import _layer_window
 
 
 def _windows(model):
@@ -36,9 +37,9 @@ def test_decoder_hook_is_where_the_causal_lm_enters():
     """OPTForCausalLM calls model.decoder directly (skipping OPTModel): the hook must sit on OPTDecoder."""
     opt = build("opt")
     attention = [layer.self_attn for layer in opt.model.decoder.layers]
-    assert _decoder(opt, attention) is opt.model.decoder
+    assert decoder_module(opt, attention) is opt.model.decoder
     llama = build("llama")
-    assert _decoder(llama, [layer.self_attn for layer in llama.model.layers]) is llama.model
+    assert decoder_module(llama, [layer.self_attn for layer in llama.model.layers]) is llama.model
 
 
 @pytest.mark.parametrize(("d_qk", "d_v"), [(12, 8), (8, 12)])

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..features import Features
 from ..layout import ParallelLayout
 from ..sharding import SHARDED_KEYS, shard_batch
 
@@ -170,11 +171,16 @@ def layout_for_model(model: torch.nn.Module, sp_size: int, device: Any, ring: in
     """The layout for ``sp_size`` ranks per sequence: ``ring`` if given, else pure Ulysses when the model's heads
     split over them and the ranks fit in a node, else hybrid Ulysses x Ring with the smallest ring that makes them
     split and keeps each Ulysses group inside a node (see ``ulysses_sp.layout.choose_layout``)."""
-    from ..model import _find_pretrained
+    from ..hf import find_pretrained, head_counts
 
-    text = _find_pretrained(model).config.get_text_config()
-    heads, kv_heads = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
+    heads, kv_heads = head_counts(find_pretrained(model))
     return ParallelLayout.from_env(sp_size, ring=ring, num_heads=heads, num_kv_heads=kv_heads, device=device)
+
+
+def loss_only_features(tiled_loss: bool) -> Features:
+    """The memory features the integrations switch on: the tiled loss (or not). Activation checkpointing is the
+    framework's own (``TrainingArguments(gradient_checkpointing=...)``); the tiled MLP is left to the user."""
+    return Features(tiled_loss=tiled_loss, tiled_mlp=False, activation_checkpointing="none")
 
 
 def check_world_size(framework_world: int, layout: ParallelLayout, fix: str) -> None:

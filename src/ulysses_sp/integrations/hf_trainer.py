@@ -35,10 +35,17 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from ..cores import CORES
-from ..model import _find_pretrained, parallelize
-from ..sharding import IGNORE_INDEX
-from ..tiled_loss import enable_tiled_loss
-from .data import SequenceParallelCollator, check_world_size, deal_batches_over_dp, layout_for_model
+from ..features import apply_features
+from ..hf import find_pretrained, text_config
+from ..model import parallelize
+from ..validation import IGNORE_INDEX
+from .data import (
+    SequenceParallelCollator,
+    check_world_size,
+    deal_batches_over_dp,
+    layout_for_model,
+    loss_only_features,
+)
 
 __all__ = ["UlyssesTrainer", "UlyssesTrainerMixin", "resolve_core"]
 
@@ -52,7 +59,7 @@ def resolve_core(model: torch.nn.Module, core: str | None) -> str:
     """
     if core is not None:
         return core
-    impl = _find_pretrained(model).config._attn_implementation or "sdpa"
+    impl = find_pretrained(model).config._attn_implementation or "sdpa"
     if impl.startswith("ulysses_"):
         raise ValueError("the model is already parallelized; pass the original model (or unparallelize it first)")
     if impl not in CORES:
@@ -103,8 +110,8 @@ class UlyssesTrainerMixin:
             self.args.world_size, self.sp_layout, "on a CPU-only machine pass TrainingArguments(use_cpu=True)"
         )
         parallelize(self.model, self.sp_layout, core=core)
-        if self.sp_tiled_loss_default if sp_tiled_loss is None else sp_tiled_loss:
-            enable_tiled_loss(self.model)
+        tiled = self.sp_tiled_loss_default if sp_tiled_loss is None else sp_tiled_loss
+        apply_features(self.model, loss_only_features(tiled), self.sp_layout.device.type)
         self.data_collator = SequenceParallelCollator(
             self.data_collator, self.sp_layout, pad_token_id=self._pad_token_id()
         )
@@ -143,7 +150,7 @@ class UlyssesTrainerMixin:
             problems.append("a parallelism_config with sp_size or cp_size > 1 (sp_size= here replaces it)")
         if not self.model_accepts_loss_kwargs:
             problems.append(
-                f"{type(_find_pretrained(self.model)).__name__}, which does not accept loss kwargs "
+                f"{type(find_pretrained(self.model)).__name__}, which does not accept loss kwargs "
                 "(shift_labels, num_items_in_batch), so its loss cannot be weighted by the tokens of all shards"
             )
         if problems:
@@ -152,7 +159,7 @@ class UlyssesTrainerMixin:
     def _pad_token_id(self) -> int:
         pad = getattr(self.processing_class, "pad_token_id", None)
         if pad is None:
-            pad = getattr(_find_pretrained(self.model).config.get_text_config(), "pad_token_id", None)
+            pad = getattr(text_config(find_pretrained(self.model)), "pad_token_id", None)
         return int(pad) if pad is not None else 0
 
     # ------------------------------------------------------------------------------------- data

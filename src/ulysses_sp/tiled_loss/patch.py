@@ -1,0 +1,249 @@
+"""The model side of the tiled loss: a transformers causal LM computes its loss with the tiled kernel.
+
+:func:`enable_tiled_loss` replaces the model's ``forward`` on the instance (not the class;
+:func:`disable_tiled_loss` restores it) by one that runs the decoder and, when ``labels`` or ``shift_labels``
+are passed, returns the tiled loss with the semantics of transformers' causal-LM loss and ``logits=None``.
+Without labels the original forward runs. The loss is computed inside a call of the lm_head module, so DDP
+and FSDP2 see it as part of the model (FSDP2 gathers the weight once per forward and once per backward).
+
+Logit post-processing: known scalings are read from the config (:meth:`LogitsHead.from_config`); on its
+first forward the model checks, with a few random hidden states pushed through its own forward, that the
+tiled head reproduces its logits, and raises ValueError naming the model if not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..hf import find_causal_lm
+from ..validation import IGNORE_INDEX
+from .kernel import DEFAULT_LOSS_BUDGET_BYTES, LogitsHead, loss_chunk_tokens, tiled_cross_entropy_sum
+
+__all__ = ["disable_tiled_loss", "enable_tiled_loss", "tiled_loss_enabled"]
+
+_STATE_ATTR = "_ulysses_tiled_loss"
+_PROBE_TOKENS = 4
+
+
+@dataclass
+class _TiledLossState:
+    original_forward: object  # the forward the instance had: the class's, or a wrapper set on the instance
+    head: LogitsHead
+    chunk_tokens: int | None
+    budget_bytes: int
+    verified: bool = False
+    instance_forward: object = None  # ``forward`` in the instance's __dict__ before enabling (restored after)
+
+
+def tiled_loss_enabled(model: nn.Module) -> bool:
+    """Whether :func:`enable_tiled_loss` is in effect on ``model`` (or the causal LM inside it)."""
+    try:
+        return getattr(find_causal_lm(model), _STATE_ATTR, None) is not None
+    except TypeError:
+        return False
+
+
+def enable_tiled_loss(
+    model: nn.Module, *, chunk_tokens: int | None = None, budget_bytes: int = DEFAULT_LOSS_BUDGET_BYTES
+) -> nn.Module:
+    """Make the causal LM compute its loss with :func:`tiled_cross_entropy_sum` (in place; returns ``model``).
+
+    Args:
+        model: a transformers causal LM, or a wrapper around one (PEFT, DDP, FSDP2-sharded).
+        chunk_tokens: tokens per chunk; default: as many as fit ``budget_bytes`` of logits working set.
+        budget_bytes: the logits working set one chunk may use (default 1 GiB).
+
+    With ``labels`` or ``shift_labels``, ``model(...)`` returns ``loss`` and ``logits=None``: the loss is
+    transformers' (shifted targets; ``num_items_in_batch`` -> sum / num_items_in_batch, else the mean over
+    valid targets, 0 when there is none). Without them the original forward runs. Raises ValueError if the
+    output embedding is not a plain ``nn.Linear`` (e.g. LoRA on lm_head) or the model is already tiled; the
+    first forward raises ValueError if the model post-processes logits in a way the tiled head cannot copy.
+    """
+    causal_lm = find_causal_lm(model)
+    if getattr(causal_lm, _STATE_ATTR, None) is not None:
+        raise ValueError("the tiled loss is already enabled on this model; call disable_tiled_loss(model) first")
+    output = causal_lm.get_output_embeddings()
+    if not isinstance(output, nn.Linear) or type(output).forward is not nn.Linear.forward:
+        raise ValueError(
+            f"the tiled loss needs the output embedding to be a plain torch.nn.Linear, but "
+            f"{type(causal_lm).__name__}'s is {type(output).__name__} (e.g. LoRA on lm_head); leave lm_head out "
+            "of the adapters or disable the tiled loss"
+        )
+    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
+        raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
+    if budget_bytes < 1:
+        raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+    prefix = causal_lm.base_model_prefix
+    if not isinstance(getattr(causal_lm, prefix, None), nn.Module):
+        raise ValueError(f"{type(causal_lm).__name__} has no decoder at .{prefix}; the tiled loss cannot run it")
+    parameters = inspect.signature(causal_lm.forward).parameters
+    if "labels" not in parameters and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        raise ValueError(f"{type(causal_lm).__name__}.forward takes no labels; it is not a causal LM")
+    state = _TiledLossState(
+        causal_lm.forward,
+        LogitsHead.from_config(causal_lm.config),
+        chunk_tokens,
+        budget_bytes,
+        instance_forward=causal_lm.__dict__.get("forward"),
+    )
+    setattr(causal_lm, _STATE_ATTR, state)
+    causal_lm.forward = types.MethodType(_tiled_forward, causal_lm)
+    return model
+
+
+def disable_tiled_loss(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable_tiled_loss`: the model's own forward and loss again."""
+    causal_lm = find_causal_lm(model)
+    if getattr(causal_lm, _STATE_ATTR, None) is None:
+        return model
+    state: _TiledLossState = getattr(causal_lm, _STATE_ATTR)
+    if state.instance_forward is not None:  # e.g. Accelerate's autocast wrapper, installed before enabling
+        causal_lm.forward = state.instance_forward
+    else:
+        del causal_lm.forward  # the instance attribute; the class's forward shows through again
+    delattr(causal_lm, _STATE_ATTR)
+    return model
+
+
+@contextlib.contextmanager
+def _decoder_returning(causal_lm: nn.Module, hidden: torch.Tensor) -> Iterator[None]:
+    """Temporarily replace the decoder by a module that returns ``hidden`` as its last hidden state.
+
+    The output is the MoE variant (``router_logits=None`` besides the dense fields): MoE causal LMs read it
+    from their decoder's output even when no router logits were asked for.
+    """
+    from transformers.modeling_outputs import MoeModelOutputWithPast
+
+    class _Fixed(nn.Module):
+        def forward(self, *args, **kwargs):
+            return MoeModelOutputWithPast(last_hidden_state=hidden)
+
+    prefix = causal_lm.base_model_prefix
+    decoder = getattr(causal_lm, prefix)
+    setattr(causal_lm, prefix, _Fixed())
+    try:
+        yield
+    finally:
+        setattr(causal_lm, prefix, decoder)
+
+
+def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tensor) -> None:
+    """Push a few random hidden states through the model's own forward and compare with the tiled head."""
+    output = causal_lm.get_output_embeddings()
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    probe = torch.randn(1, _PROBE_TOKENS, like.shape[-1], generator=generator).to(like.device, like.dtype)
+    ids = torch.zeros(1, _PROBE_TOKENS, dtype=torch.long, device=like.device)
+    with torch.no_grad(), torch.autocast(like.device.type, enabled=False), _decoder_returning(causal_lm, probe):
+        theirs = state.original_forward(input_ids=ids, use_cache=False).logits
+        ours = state.head.apply(output(probe).float())  # the module call: FSDP2 gathers a sharded lm_head
+    # fp32: the same arithmetic; 16-bit: the model post-processes in 16 bits, the tiled head in fp32
+    tol = 1e-3 if like.dtype == torch.float32 else 3e-2
+    close = theirs is not None and theirs.shape == ours.shape
+    if not close or not torch.allclose(theirs.float(), ours, rtol=tol, atol=tol * float(ours.abs().max())):
+        got = "no logits" if theirs is None else f"logits {tuple(theirs.shape)}"
+        raise ValueError(
+            f"the tiled loss cannot reproduce {type(causal_lm).__name__}'s logits (its forward post-processes them "
+            f"in a way the tiled head {state.head} does not: {got} vs {tuple(ours.shape)}); disable the tiled loss "
+            "for this model (tiled_loss=False / --no-tiled-loss)"
+        )
+    state.verified = True
+
+
+def _head_loss(output: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The tiled loss computed INSIDE a call of the lm_head module, so that whatever wraps that module sees
+    a normal call: FSDP2 (when lm_head is its own FSDP unit) gathers the weight before and registers its
+    gradient hooks after, exactly as for ``lm_head(hidden)``."""
+
+    def forward(module: nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
+        return tiled_cross_entropy_sum(hidden_states, module.weight, targets, bias=module.bias, **kwargs)
+
+    output.forward = types.MethodType(forward, output)
+    try:
+        return output(hidden)
+    finally:
+        del output.forward
+
+
+def _shifted_targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
+    if shift_labels is not None:
+        return shift_labels
+    assert labels is not None
+    return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
+def _tiled_forward(
+    self: nn.Module,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    past_key_values=None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    **kwargs,
+):
+    """The forward :func:`enable_tiled_loss` installs (transformers' causal-LM signature)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    state: _TiledLossState = getattr(self, _STATE_ATTR)
+    shift_labels = kwargs.pop("shift_labels", None)
+    wants_loss = labels is not None or shift_labels is not None
+    if not wants_loss or not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        if shift_labels is not None:
+            kwargs["shift_labels"] = shift_labels
+        return state.original_forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
+    router = kwargs.get("output_router_logits")
+    if router or (router is None and getattr(self.config, "output_router_logits", False)):
+        raise ValueError(
+            "output_router_logits=True: the tiled loss returns the cross-entropy only and would drop the MoE "
+            "load-balancing loss; set model.config.output_router_logits = False, or call disable_tiled_loss(model) "
+            "to use the model's own loss"
+        )
+    num_items = kwargs.pop("num_items_in_batch", None)
+    ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
+    outputs = getattr(self, self.base_model_prefix)(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        **kwargs,
+    )
+    hidden = outputs.last_hidden_state  # [b, n, h]
+    if not state.verified:
+        _verify_head(self, state, hidden)
+    targets = _shifted_targets(labels, shift_labels, ignore_index).to(hidden.device)
+    output = self.get_output_embeddings()
+    chunk = state.chunk_tokens or loss_chunk_tokens(output.weight.shape[0], state.budget_bytes)
+    total = _head_loss(output, hidden, targets, head=state.head, chunk_tokens=chunk, ignore_index=ignore_index)
+    if num_items is not None:
+        loss = total / torch.as_tensor(num_items, device=total.device)
+    else:
+        loss = total / (targets != ignore_index).sum().clamp(min=1)
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=None,
+        past_key_values=getattr(outputs, "past_key_values", None),
+        hidden_states=getattr(outputs, "hidden_states", None),
+        attentions=getattr(outputs, "attentions", None),
+    )

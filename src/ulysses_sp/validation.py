@@ -1,0 +1,81 @@
+"""Checks of a batch or a shard that must give the same verdict on every rank: token ids against the vocabulary,
+and the shape of the per-token inputs under sequence parallelism.
+
+Used by :func:`ulysses_sp.shard_batch` (on the full batch) and by the model's once-per-forward agreement
+(:meth:`ulysses_sp.attention.UlyssesAttention.begin_forward`, on the shard): both report the offending id
+with the same message, and both agree across the SP group before any rank raises, so no peer is left waiting.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["IGNORE_INDEX", "bad_id_message", "check_id_ranges", "first_bad_id", "id_range", "input_problem"]
+
+IGNORE_INDEX = -100  # a target with this id carries no loss (transformers' and PyTorch's convention)
+
+
+def bad_id_message(name: str, value: int, vocab_size: int | None, ignore_index: int | None) -> str:
+    """The error for id ``value`` of ``name`` outside ``[0, vocab_size)`` (``ignore_index`` allowed for targets)."""
+    allowed = f"in [0, {vocab_size})" if vocab_size is not None else "non-negative"
+    extra = f" or {ignore_index} (ignored)" if ignore_index is not None else ""
+    size = f"outside the vocabulary of {vocab_size} tokens" if vocab_size is not None else "a negative id"
+    return f"{name} holds id {value}, {size}: ids must be {allowed}{extra}; check the tokenizer and vocab_size"
+
+
+def first_bad_id(ids: torch.Tensor, vocab_size: int | None, ignore_index: int | None) -> int | None:
+    """The first id outside ``[0, vocab_size)`` (``ignore_index`` allowed); without vocab_size: negatives only."""
+    bad = ids < 0
+    if ignore_index is not None:
+        bad &= ids != ignore_index
+    if vocab_size is not None:
+        bad |= ids >= vocab_size
+    if not bool(bad.any()):
+        return None
+    return int(ids[tuple(torch.nonzero(bad)[0].tolist())])
+
+
+def id_range(
+    ids: torch.Tensor | None, ignore_index: int | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of the ids as long tensors on ``device`` (no host sync); ignore_index and no ids count as 0."""
+    if ids is None or ids.numel() == 0:
+        zero = torch.zeros((), dtype=torch.long, device=device)
+        return zero, zero
+    ids = ids.to(device=device, dtype=torch.long)
+    if ignore_index is not None:
+        ids = ids.masked_fill(ids == ignore_index, 0)
+    return ids.min(), ids.max()
+
+
+def check_id_ranges(ranges: list[list[int]], vocab_size: int | None) -> None:
+    """``ranges[r] = [ids min, ids max, targets min, targets max]`` of sp_rank ``r`` (:func:`id_range` of the
+    input_ids and of the targets): ValueError naming the rank and the id when any lies outside the vocabulary.
+    Every rank holds the same ``ranges``, so every rank gives the same verdict."""
+    for rank, (ids_lo, ids_hi, tgt_lo, tgt_hi) in enumerate(ranges):
+        for name, lo, hi, ignored in (("input_ids", ids_lo, ids_hi, None), ("labels", tgt_lo, tgt_hi, IGNORE_INDEX)):
+            value = lo if lo < 0 else (hi if vocab_size is not None and hi >= vocab_size else None)
+            if value is not None:
+                where = f"sp_rank {rank}: " if len(ranges) > 1 else ""
+                raise ValueError(where + bad_id_message(name, value, vocab_size, ignored))
+
+
+def input_problem(
+    position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, seq_len: int, sp: int
+) -> str | None:
+    """What is wrong with a rank's model input under ``sp`` ranks (None if nothing), checked locally."""
+    if position_ids is None:
+        if sp > 1:
+            return (
+                "under sequence parallelism the model needs position_ids with the GLOBAL positions of this "
+                "rank's tokens (else RoPE restarts at 0 on every shard); pass the output of "
+                "ulysses_sp.shard_batch(batch, layout) to the model"
+            )
+    elif position_ids.dim() != 2 or position_ids.shape[-1] != seq_len:
+        return f"position_ids must be [batch, {seq_len}], got shape {tuple(position_ids.shape)}"
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[-1] != seq_len):
+        return (
+            f"attention_mask must be a 2-D padding mask [batch, {seq_len}] under Ulysses, got shape "
+            f"{tuple(attention_mask.shape)}; 4-D masks are not supported (documents come from position_ids)"
+        )
+    return None
