@@ -126,6 +126,7 @@ def qkv_seq_to_heads(
     if comm_dtype is not None:
         send = send.to(comm_dtype)
     recv = all_to_all(send, group, stats).to(dtype)  # [P(src shard), b, H/P + 2 hkv, n, d]
+    del send  # freed before the reshape's copy: at most two payload-sized buffers at once
     full = recv.permute(1, 2, 0, 3, 4).reshape(b, heads_q + 2 * hkv, sp * n, d)  # [b, h, N, d]
     # split (not slicing): its backward concatenates the three gradients instead of zero-filling three
     # buffers of the full size and adding them.
@@ -151,6 +152,7 @@ def heads_to_seq(
     if comm_dtype is not None:
         send = send.to(comm_dtype)
     recv = all_to_all(send, group, stats).to(dtype)  # [P(src heads), b, n, H/P, d]
+    del send
     return recv.permute(1, 2, 0, 3, 4).reshape(b, n, sp * heads_local, d)
 
 

@@ -110,6 +110,7 @@ def simulate_step(
     seq_len: int,
     sp: int = 1,
     dp: int = 1,
+    ring: int | None = None,
     device: torch.device | str = "cpu",
     features: Features | None = None,
     micro_batch: int = 1,
@@ -118,6 +119,8 @@ def simulate_step(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Run one training step as rank 0 of ``dp x sp`` ranks on ``device`` and measure its peak memory.
+
+    ``ring``: the ring degree inside ``sp`` (None: chosen from the heads, as :func:`plan_memory` does).
 
     Returns ``{"measured_peak_bytes", "predicted_peak_bytes", "ratio", "plan", "loss", "device", ...}``
     where ``plan`` is :func:`ulysses_sp.plan.plan_memory`'s prediction for the same settings (as a dict)
@@ -141,9 +144,10 @@ def simulate_step(
         micro_batch=micro_batch,
         gpu_memory_bytes=gpu_memory_bytes or 80 * (1 << 30),
         device=device.type,
+        ring=ring,
     )
     batch = random_batch(config.get_text_config().vocab_size, seq_len, batch=micro_batch, seed=seed)
-    with StandIn(sp=sp, dp=dp, sp_rank=0, device=device) as rank:
+    with StandIn(sp=sp, dp=dp, ring=plan.ring, sp_rank=0, device=device) as rank:
         mesh = init_device_mesh(device.type, (sp * dp,), mesh_dim_names=("world",))
         measured = sharded_step_peak(
             config, rank.layout, rank.shard(batch), features=features, mesh=mesh, core=core, seed=seed
@@ -153,6 +157,7 @@ def simulate_step(
         "model": name,
         "seq_len": seq_len,
         "sp": sp,
+        "ring": plan.ring,
         "dp": dp,
         "device": str(device),
         "measured_peak_bytes": measured["peak_bytes"],

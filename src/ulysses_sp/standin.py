@@ -110,35 +110,44 @@ class StandIn:
 
     ``rank.layout`` is its :class:`~ulysses_sp.ParallelLayout` in a fake world of ``dp x sp`` ranks (also for
     one rank, so that FSDP2 finds a default group); ``rank.shard(batch)`` cuts its shard of a full batch and
-    tells the simulated SP group every peer's.
+    tells the simulated SP group every peer's. ``ring > 1``: a hybrid layout (``sp = ulysses x ring``) whose
+    Ulysses and ring groups are fake-backend groups (their all-to-alls and point-to-point passes move no
+    data, which memory does not depend on).
     """
 
-    def __init__(self, *, sp: int, dp: int = 1, sp_rank: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, *, sp: int, dp: int = 1, ring: int = 1, sp_rank: int = 0, device: torch.device | str = "cpu"
+    ) -> None:
         if not 0 <= sp_rank < sp:
             raise ValueError(f"sp_rank must be in [0, {sp}), got {sp_rank}")
-        self.sp, self.dp, self.sp_rank, self.device = sp, dp, sp_rank, torch.device(device)
+        if ring < 1 or sp % ring:
+            raise ValueError(f"ring must be a positive divisor of sp={sp}, got {ring}")
+        self.sp, self.dp, self.ring, self.sp_rank, self.device = sp, dp, ring, sp_rank, torch.device(device)
         self._world: contextlib.AbstractContextManager | None = None
         self.layout = ParallelLayout.single(self.device)  # until the fake world exists
 
     def __enter__(self) -> StandIn:
-        from torch.distributed.device_mesh import init_device_mesh
-
         self._world = fake_world(self.sp * self.dp, rank=self.sp_rank)
         self._world.__enter__()
-        dp_group = None
-        if self.dp > 1:
-            dp_group = init_device_mesh(self.device.type, (self.dp, self.sp), mesh_dim_names=("dp", "sp")).get_group(
-                "dp"
-            )
+        sp, ulysses, rank = self.sp, self.sp // self.ring, self.sp_rank  # this rank: dp_rank 0
+
+        def group(ranks: list[int]) -> dist.ProcessGroup | None:
+            return dist.new_group(ranks) if len(ranks) > 1 else None
+
+        ring_rank, ulysses_rank = divmod(rank, ulysses)
+        simulated = SimulatedGroup(rank, sp) if sp > 1 else None
         self.layout = ParallelLayout(
             dp=self.dp,
-            sp=self.sp,
-            rank=self.sp_rank,
-            sp_rank=self.sp_rank,
-            sp_group=SimulatedGroup(self.sp_rank, self.sp) if self.sp > 1 else None,
-            dp_group=dp_group,
+            sp=sp,
+            rank=rank,
+            sp_rank=rank,
+            sp_group=simulated,
+            dp_group=group([d * sp + rank for d in range(self.dp)]),
             loss_group=dist.group.WORLD,
             device=self.device,
+            ring=self.ring,
+            ring_group=group([r * ulysses + ulysses_rank for r in range(self.ring)]) if self.ring > 1 else None,
+            ulysses_group=group([ring_rank * ulysses + u for u in range(ulysses)]) if self.ring > 1 else simulated,
         )
         return self
 
@@ -151,7 +160,7 @@ class StandIn:
         """This rank's shard of ``batch`` (``shard_batch``'s keyword arguments pass through), on its device."""
         from .sharding import shard_batch
 
-        views = [ParallelLayout.rank_view(self.sp, r, device=self.device) for r in range(self.sp)]
+        views = [ParallelLayout.rank_view(self.sp, r, ring=self.ring, device=self.device) for r in range(self.sp)]
         shards = [shard_batch(batch, view, **kwargs) for view in views]
         group = self.layout.sp_group
         if isinstance(group, SimulatedGroup):

@@ -58,3 +58,15 @@ def test_table_and_json():
 def test_bad_flags_exit_2_naming_the_flag(args, flag):
     result = run("--model", "qwen3-4b", "--seq-len", "8192", "--gpus-per-node", "8", *args)
     assert result.returncode == 2 and flag in result.stderr, result.stderr
+
+
+def test_a_hybrid_layout_across_nodes():
+    out = run("--model", "llama-3.1-8b", "--seq-len", "4194304", "--sp", "64", "--gpus-per-node", "8", "--nodes", "8")
+    assert out.returncode == 0, out.stderr
+    assert "layout: ulysses 8 x ring 8 for sp=64" in out.stdout and "ring p2p" in out.stdout
+    data = json.loads(
+        run("--model", "llama-3.1-8b", "--seq-len", "4194304", "--sp", "64", "--nodes", "8", "--json").stdout
+    )
+    assert (data["plan"]["ulysses"], data["plan"]["ring"]) == (8, 8)
+    bad = run("--model", "llama-3.1-8b", "--seq-len", "65536", "--sp", "8", "--ring", "3")
+    assert bad.returncode == 2 and "--ring 3" in bad.stderr

@@ -9,13 +9,13 @@ import torch.distributed as dist
 
 import ulysses_sp
 from ulysses_sp.bench.collectives import CollectiveCounter
-from ulysses_sp.bench.formulas import ring_p2p_per_layer, ulysses_bytes_per_layer
 from ulysses_sp.bench.gpu import run_gpu
 from ulysses_sp.bench.runner import bench_model
 from ulysses_sp.memory import SavedActivations
 from ulysses_sp.plan import search_longest
 from ulysses_sp.shapes import SHAPES
 from ulysses_sp.standin import StandIn, fake_world, measure_step, random_batch
+from ulysses_sp.traffic import ring_p2p_per_layer, ulysses_bytes_per_layer
 
 
 @pytest.mark.parametrize("capacity", [0, 5000, 8192, 20000, 100_000, 10**9])

@@ -111,10 +111,11 @@ def test_terms_follow_their_formulas():
     # AdamW: two fp32 states per parameter, sharded over dp x sp
     plan = plan_memory(shape, seq_len=n * 8, sp=8, features=Features())
     assert plan.phases["optimizer step"]["optimizer"] == 8 * shape.params // world + 4 * shape.params // world
-    attention = "backward: last layer's attention"
-    # Ulysses buffers: send + receive of (H + 2 hkv P) n d bf16 elements; hkv = max(Hkv / P, 1) = 1
-    assert plan.phases[attention]["all_to_all"] == 2 * 2 * (32 + 2 * 1 * 8) * n * 128
-    assert plan_memory(shape, seq_len=n, sp=1).phases[attention]["all_to_all"] == 0
+    exchange = "backward: last layer's exchange"
+    # The backward exchange of q/k/v's gradients (measured on CPU): their concatenation, its contiguous copy and
+    # the receive buffer, each (H + 2 hkv P) n d bf16 elements; hkv = max(Hkv / P, 1) = 1
+    assert plan.phases[exchange]["all_to_all"] == 3 * 2 * (32 + 2 * 1 * 8) * n * 128
+    assert exchange not in plan_memory(shape, seq_len=n, sp=1).phases  # no exchange without sp
     # plain loss: three fp32 [t, V] tensors in the loss backward
     plain = plan_memory(shape, seq_len=n, features=Features(tiled_loss=False))
     assert plain.logits_loss == 12 * n * shape.vocab_size
@@ -139,8 +140,9 @@ def test_recommend_reaches_or_reports_the_longest():
 
 
 def test_bad_input_names_the_value():
-    with pytest.raises(ValueError, match="sp values that work"):
-        plan_memory("qwen3-4b", seq_len=1024, sp=3)
+    with pytest.raises(ValueError, match="layouts of sp=3 that work: ulysses 1 x ring 3"):
+        plan_memory("qwen3-4b", seq_len=1024, sp=3, ring=1)
+    assert plan_memory("qwen3-4b", seq_len=1024, sp=3).ring == 3  # chosen from the heads, as train does
     with pytest.raises(ValueError, match="seq_len"):
         plan_memory("qwen3-4b", seq_len=4, sp=8)
     with pytest.raises(ValueError, match="--activation-checkpointing must be one of"):
@@ -190,3 +192,51 @@ def test_simulate_refuses_ddp():
     with pytest.raises(ValueError, match="FSDP2 only"):
         simulate_step(tiny(), seq_len=256, features=Features(parallel="ddp"))
     assert not dist.is_initialized()
+
+
+def attention_heavy() -> LlamaConfig:
+    """Wide heads over a thin MLP and a small vocabulary: the attention (and the ring's buffers) is the peak."""
+    return LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1 << 16,
+        tie_word_embeddings=False,
+    )
+
+
+@pytest.mark.parametrize("sp,ring,dtype", [(2, 1, "fp32"), (2, 2, "fp32"), (2, 2, "bf16"), (4, 2, "bf16")])
+def test_the_planner_models_the_exchanges_and_the_ring(sp, ring, dtype):
+    """Planner vs one measured step of a rank (fake process group) where attention is the peak: pure Ulysses,
+    pure ring and ulysses 2 x ring 2, within 5% on CPU."""
+    from ulysses_sp.simulate import simulate_step
+
+    features = Features(dtype=dtype, activation_checkpointing="checkpoint", loss_chunk_tokens=256)
+    result = simulate_step(attention_heavy(), seq_len=8192, sp=sp, ring=ring, features=features)
+    assert result["ring"] == ring
+    assert "last layer's attention" in result["plan"]["phase"]  # the peak is where these terms live
+    assert 0.95 <= result["ratio"] <= 1.05, result
+    if ring > 1:
+        assert result["plan"]["breakdown_bytes"]["ring_buffers"] > 0
+
+
+def test_a_ring_across_nodes():
+    """sp=64 on 8 nodes of 8: the all-to-alls stay inside a node (ulysses 8), the ring of 8 crosses nodes; its
+    bytes per layer are the formula's."""
+    from ulysses_sp.ring import ring_bytes_per_layer
+
+    shape = ModelShape.from_config(shape_config("llama-3.1-8b"))
+    n = 1 << 22
+    plan = plan_memory(shape, seq_len=n, sp=64, gpus_per_node=8, features=Features(cpu_offload_optimizer=True))
+    assert (plan.sp // plan.ring, plan.ring) == (8, 8) and "crosses nodes" in plan.layout_reason
+    forward, backward = ring_bytes_per_layer(
+        batch=1, kv_heads=1, block_len=n // 8, head_dim=128, ring=8, element_size=2
+    )  # 8 kv heads over ulysses 8: one per rank
+    assert plan.comm_bytes_per_layer["ring_p2p"] == forward + backward
+    assert plan.phases["backward: last layer's attention"]["ring_buffers"] > 0
+    one_node = plan_memory(shape, seq_len=n, sp=8, gpus_per_node=8, features=Features(cpu_offload_optimizer=True))
+    assert one_node.ring == 1 and one_node.comm_bytes_per_layer["ring_p2p"] == 0

@@ -145,8 +145,7 @@ def _world_section(config: BenchConfig, log) -> dict[str, Any]:
 
 def _comm_table(config: BenchConfig, worlds: dict[str, Any]) -> list[dict[str, Any]]:
     from ulysses_sp.shapes import SHAPES
-
-    from .formulas import ring_p2p_per_layer, ulysses_bytes_per_layer
+    from ulysses_sp.traffic import ring_p2p_per_layer, ulysses_bytes_per_layer
 
     shape = SHAPES[config.model]
     rows = []

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..cli_config import option, parse_config
 from ..features import Features
-from ..layout import check_heads_split
+from ..layout import resolve_ring_degree
 from .memory import MemoryPlan, plan_memory
 from .recommend import recommend
 from .search import max_seq_len
@@ -45,7 +45,12 @@ class PlanConfig(Features):
         help="Host memory per node, e.g. 1TiB; 0 = do not check. Offloaded optimizer states and activations "
         "must fit in it.",
     )
-    sp: int = option(1, help="Sequence-parallel degree.")
+    sp: int = option(1, help="Sequence-parallel degree (ulysses x ring).")
+    ring: int | None = option(
+        None,
+        help="Ring degree inside --sp; 'none' = as `ulysses-sp train` chooses: the largest Ulysses degree the heads "
+        "allow whose groups stay inside a node (--gpus-per-node), the ring across nodes.",
+    )
     dp: int | None = option(None, help="Data-parallel degree; 'none' = world / --sp. --sp x --dp = the world size.")
     micro_batch: int = option(1, help="Sequences per micro-batch per SP group.")
     simulate: bool = option(
@@ -75,7 +80,7 @@ class PlanConfig(Features):
             )
         if self.seq_len < self.sp:
             raise ValueError(f"--seq-len {self.seq_len} must be >= --sp {self.sp} (every rank holds a token)")
-        _check_heads(self.model_config[0], self.sp)
+        _check_heads(self.model_config[0], self.sp, self.ring, self.gpus_per_node)
 
     @functools.cached_property
     def model_config(self) -> tuple[Any, str]:
@@ -124,16 +129,20 @@ def _table(plan: MemoryPlan) -> str:
             f"host memory per node: {format_bytes(plan.host_bytes_per_node)} of {host}"
             + ("" if plan.fits_host else ": DOES NOT FIT")
         )
+    sent = ", ".join(
+        f"{name.replace('_', ' ')} {format_bytes(value)}" for name, value in plan.comm_bytes_per_layer.items()
+    )
+    lines.append(f"sent per attention layer and rank (forward + backward): {sent}")
     return "\n".join(lines)
 
 
-def _check_heads(config: Any, sp: int) -> None:
+def _check_heads(config: Any, sp: int, ring: int | None, gpus_per_node: int) -> None:
     from ..hf import head_counts
 
     try:
-        check_heads_split(*head_counts(config), sp)
+        resolve_ring_degree(sp, ring, *head_counts(config), gpus_per_node)
     except ValueError as error:
-        raise ValueError(f"--sp: {error}") from None
+        raise ValueError(f"--sp {sp}" + (f" --ring {ring}" if ring else "") + f": {error}") from None
 
 
 def plan_command(argv: Sequence[str]) -> int:
@@ -152,8 +161,8 @@ def plan_command(argv: Sequence[str]) -> int:
         gpus_per_node=args.gpus_per_node,
         micro_batch=args.micro_batch,
     )
-    plan = plan_memory(config, seq_len=args.seq_len, sp=args.sp, dp=dp, features=features, **common)
-    longest = max_seq_len(config, sp=args.sp, dp=dp, features=features, **common)
+    plan = plan_memory(config, seq_len=args.seq_len, sp=args.sp, dp=dp, ring=args.ring, features=features, **common)
+    longest = max_seq_len(config, sp=args.sp, dp=dp, ring=args.ring, features=features, **common)
     advice = recommend(config, seq_len=args.seq_len, world_size=args.world_size, features=features, **common)
     simulated = None
     if args.simulate:
@@ -167,6 +176,7 @@ def plan_command(argv: Sequence[str]) -> int:
             seq_len=args.seq_len,
             sp=args.sp,
             dp=dp,
+            ring=plan.ring,
             device=device,
             features=features,
             micro_batch=args.micro_batch,
@@ -182,6 +192,7 @@ def plan_command(argv: Sequence[str]) -> int:
         f"ulysses-sp plan: {name}, seq_len {args.seq_len:,} = sp {args.sp} x {plan.tokens_per_rank:,} tokens "
         f"per rank, dp {dp}, micro-batch {args.micro_batch}, {args.world_size} GPUs"
     )
+    print(f"layout: {plan.layout_reason}")
     print(f"features: {plan.features.describe()}")
     print(_table(plan))
     print(f"longest trainable sequence with these settings: {longest:,} tokens ({longest // args.sp:,} per rank)")

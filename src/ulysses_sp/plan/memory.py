@@ -22,9 +22,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..features import Features
-from ..layout import check_heads_split
+from ..layout import choose_layout, resolve_ring_degree
+from ..ring import ring_bytes_per_layer
 from ..tiled_loss import BYTES_PER_LOGIT, loss_chunk_tokens
 from ..tiling import default_chunk_tokens
+from ..traffic import ulysses_bytes_per_layer
 from .shape import ModelShape, model_shape
 from .units import GiB
 
@@ -47,6 +49,7 @@ _COMPONENTS = (
     "mlp",
     "logits_loss",
     "all_to_all",
+    "ring_buffers",
     "rope",
 )
 
@@ -60,13 +63,17 @@ class MemoryPlan:
     temporaries), ``checkpoints`` (the layer inputs kept for recompute), ``layer_activations`` (what the
     layers being held save besides attention and MLP: norms, projection inputs, the gradient stream),
     ``attention`` (q/k/v over the full sequence for H/P heads, output, log-sum-exp, gradients),
-    ``mlp``, ``logits_loss``, ``all_to_all`` (Ulysses send/receive buffers), ``rope`` (cos/sin).
+    ``mlp``, ``logits_loss``, ``all_to_all`` (Ulysses send/receive buffers), ``ring`` (the ring's k/v blocks in
+    flight and fp32 accumulators, hybrid layouts only), ``rope`` (cos/sin). ``comm_bytes_per_layer``: what one
+    rank sends per attention layer, forward + backward (Ulysses all-to-all, ring point-to-point).
     """
 
     model: str
     seq_len: int
     sp: int
     dp: int
+    ring: int
+    layout_reason: str
     micro_batch: int
     tokens_per_rank: int
     features: Features
@@ -80,7 +87,9 @@ class MemoryPlan:
     mlp: int = 0
     logits_loss: int = 0
     all_to_all: int = 0
+    ring_buffers: int = 0
     rope: int = 0
+    comm_bytes_per_layer: dict[str, int] = field(default_factory=dict)
     gpu_memory_bytes: int = 0
     usable_bytes: int = 0
     host_bytes_per_node: int = 0
@@ -112,12 +121,16 @@ class MemoryPlan:
             "model": self.model,
             "seq_len": self.seq_len,
             "sp": self.sp,
+            "ulysses": self.sp // self.ring,
+            "ring": self.ring,
+            "layout_reason": self.layout_reason,
             "dp": self.dp,
             "micro_batch": self.micro_batch,
             "tokens_per_rank": self.tokens_per_rank,
             "features": asdict(self.features),
             "phase": self.phase,
             "breakdown_bytes": self.breakdown(),
+            "comm_bytes_per_layer": self.comm_bytes_per_layer,
             "peak_bytes": self.peak_bytes,
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "usable_bytes": self.usable_bytes,
@@ -135,7 +148,9 @@ def usable_gpu_bytes(gpu_memory_bytes: int) -> int:
     return max(0, int(gpu_memory_bytes * (1 - FRAGMENTATION)) - CONTEXT_BYTES)
 
 
-def _terms(shape: ModelShape, *, seq_len: int, sp: int, dp: int, features: Features, micro_batch: int, device: str):
+def _terms(
+    shape: ModelShape, *, seq_len: int, sp: int, ring: int, dp: int, features: Features, micro_batch: int, device: str
+):
     """Per-moment component dicts (bytes on this rank) and the host bytes of this rank."""
     c = 2 if features.dtype == "bf16" else 4
     u = 4 if c < 4 else 0  # an fp32 upcast is a separate tensor only when computing in bf16
@@ -148,7 +163,9 @@ def _terms(shape: ModelShape, *, seq_len: int, sp: int, dp: int, features: Featu
     )
     heads, kv_heads = shape.num_heads, shape.num_kv_heads
     world = sp * dp
-    t = micro_batch * math.ceil(seq_len / sp)  # tokens on this rank
+    ulysses = sp // ring
+    multiple = sp if ring == 1 else math.lcm(sp, 2 * ring)  # shard_batch pads to it (zigzag with a ring)
+    t = micro_batch * math.ceil(seq_len / multiple) * multiple // sp  # tokens on this rank
     params, layer_params, root_params = shape.params, shape.layer_params, shape.root_params
     fsdp = features.parallel == "fsdp2"
     offload_states = features.cpu_offload_optimizer and device == "cuda"
@@ -187,7 +204,10 @@ def _terms(shape: ModelShape, *, seq_len: int, sp: int, dp: int, features: Featu
     # Backward runs the layer in reverse: MLP, post-attention norm, o_proj, attention, q/k/v, input norm;
     # what each part saved is freed once its backward is done, so the MLP side and the attention side
     # peak at different moments.
-    qkv_width = (heads + 2 * max(kv_heads // sp, 1) * sp) * d if sp > 1 else (heads + 2 * kv_heads) * d
+    # After the exchange a rank holds H/U query heads and hkv = max(Hkv/U, 1) kv heads over N/R tokens
+    # (U = ulysses, R = ring), i.e. per local token H query and hkv x U kv head-rows.
+    kv_rows = max(kv_heads // ulysses, 1) * ulysses
+    qkv_width = (heads + 2 * kv_rows) * d
     # RMSNorm saves its fp32 input (an upcast copy under bf16), the normalised tensor cast back and its
     # output (saved by the projections after it). Input norm: under fp32 its input IS the layer input
     # (counted with the layer input), hence u; post-attention norm: the residual sum, always 4 bytes.
@@ -195,16 +215,28 @@ def _terms(shape: ModelShape, *, seq_len: int, sp: int, dp: int, features: Featu
     if shape.qk_norm:  # per-head q/k norms: fp32 input + normalised copy (their output feeds RoPE, not saved)
         norm_in += (4 + c) * (heads + kv_heads) * d
     norm_post = (4 + 2 * c) * h
-    # Attention over the FULL sequence for H/P heads (flash / cuDNN / CPU-flash sdpa: no N^2): sdpa saves
-    # q/k/v after the exchange ([H/P + 2 hkv, N, d] = qkv_width per local token), its output [H/P, N, d]
-    # and the fp32 log-sum-exp [H/P, N]; o_proj saves the output made contiguous again.
-    attention_saved = c * qkv_width + c * heads * d + 4 * heads
-    o_proj_input = c * heads * d
-    # Backward of attention: the output's gradient and q/k/v's gradients.
-    attention_backward = c * heads * d + c * qkv_width
-    # Ulysses all-to-all: a send and a receive buffer the size of the q/k/v payload live next to it
-    # ((H + 2 hkv P) n d elements per rank; the output exchange, H n d, is smaller); none when sp == 1.
-    all_to_all = 2 * c * qkv_width if sp > 1 else 0
+    # Attention over the FULL sequence for H/U heads (flash / cuDNN / CPU-flash sdpa: no N^2): sdpa saves
+    # q/k/v after the exchange ([H/U + 2 hkv, N/R, d] = qkv_width per local token), its output and the fp32
+    # log-sum-exp; o_proj saves the output made contiguous again.
+    q_width, kv_width = heads * d, 2 * kv_rows * d  # per local token, after the exchange
+    attention_saved = c * qkv_width + c * q_width + 4 * heads
+    o_proj_input = c * q_width
+    # Backward of the core: the output's gradient and q/k/v's gradients.
+    attention_backward = c * q_width + c * qkv_width
+    # The exchanges (ulysses > 1), measured moment by moment: forward, q/k/v's receive buffer next to their
+    # rearranged copy (the send buffer is freed first), then the output's send and receive buffers next to the
+    # core's output; backward, the gradients' concatenation, its contiguous copy and the receive buffer.
+    local_qkv = c * (heads + 2 * kv_heads) * d  # the projections' outputs, alive through the forward exchange
+    exchange = ulysses > 1
+    forward_exchange = max(2 * c * qkv_width, c * qkv_width + 3 * c * q_width) if exchange else c * q_width
+    all_to_all = 3 * c * qkv_width if exchange else 0  # the backward exchange's three buffers
+    if ring > 1:  # the ring's forward: fp32 output and lse accumulators, the k/v block and the one arriving
+        kernel = 4 if device == "cpu" else c
+        forward_exchange = max(
+            forward_exchange,
+            (c * qkv_width if exchange else 0) + 4 * q_width + 4 * heads + 2 * c * kv_width + kernel * q_width,
+        )
+    ring_backward = _ring_backward(q_width, kv_width, c, device, ring) if ring > 1 else 0  # mid-ring
     # Gated MLP down(silu(gate(x)) * up(x)): saves gate, silu(gate), up and their product ([t, I] each);
     # its backward adds two more [t, I] gradients. Tiled: only the current chunk's, recomputed.
     mlp_chunk = min(features.mlp_chunk_tokens or default_chunk_tokens(h), t)
@@ -263,18 +295,68 @@ def _terms(shape: ModelShape, *, seq_len: int, sp: int, dp: int, features: Featu
             "attention": attention_saved * t,
             "mlp": (mlp_saved + mlp_backward) * t,
         },
+        "recompute: last layer's attention": {
+            **base,
+            "gradients": head_grad,
+            "layer_activations": others + own_input + norm_in * t,
+            "attention": (local_qkv + forward_exchange) * t,
+        },
         "backward: last layer's attention": {
             **base,
             "gradients": head_grad + layer_grads,
             "layer_activations": others + own_input + (norm_in + grad_stream) * t,
-            "attention": (attention_saved + attention_backward) * t,
-            "all_to_all": all_to_all * t,
+            "attention": (attention_saved + (0 if ring > 1 else attention_backward)) * t,
+            "ring_buffers": ring_backward * t,  # the ring's backward instead of the core's
         },
+        **(
+            {
+                "backward: last layer's exchange": {
+                    **base,
+                    "gradients": head_grad + layer_grads,
+                    "layer_activations": others + own_input + (norm_in + grad_stream) * t,
+                    "all_to_all": all_to_all * t,
+                }
+            }
+            if exchange
+            else {}
+        ),
         "optimizer step": {"weights": master, "gradients": sharded_grads, "optimizer": states + step_temp},
     }
     # Host memory of this rank: offloaded states (fp32 params, grads, AdamW) and offloaded checkpoints.
     host = (16 * params // world if offload_states else 0) + (layers * layer_input * t if mode == "offload" else 0)
     return phases, host, t
+
+
+def _comm_bytes(
+    shape: ModelShape, seq_len: int, batch: int, ulysses: int, ring: int, features: Features
+) -> dict[str, int]:
+    """Bytes one rank sends per attention layer, forward + backward, in the compute dtype."""
+    c = 2 if features.dtype == "bf16" else 4
+    heads = dict(kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, element_size=c)
+    all_to_all = ulysses_bytes_per_layer(
+        batch=batch, seq_len=seq_len // ring, sp=ulysses, heads=shape.num_heads, **heads
+    )
+    kv_heads = max(shape.num_kv_heads // ulysses, 1)
+    forward, backward = ring_bytes_per_layer(
+        batch=batch, kv_heads=kv_heads, block_len=seq_len // ring, head_dim=shape.head_dim, ring=ring, element_size=c
+    )
+    return {"all_to_all": all_to_all, "ring_p2p": forward + backward}
+
+
+def _ring_backward(q_width: int, kv_width: int, c: int, device: str, ring: int) -> int:
+    """Bytes per local token the ring's backward holds besides the attention's saved tensors (:mod:`ulysses_sp.ring`):
+    the output's gradient and the fp32 dq accumulator; at the first step (the diagonal block) this step's fp32
+    k/v-gradient share, the k/v block and the one arriving, and the kernel's gradients of the whole block; at a
+    later step three fp32 k/v-gradient blocks (this step's share, the one travelling, the one arriving), one k/v
+    block (two before the last step) and the gradients of a half-visible block. Where the kernel computes in
+    fp32 but the step runs in bf16 (the CPU kernel), its fp32 copies of q, the output, its gradient and the k/v
+    block too."""
+    kernel = 4 if device == "cpu" else c
+    casts = kernel * (3 * q_width + kv_width) if kernel != c else 0
+    first = 4 * kv_width + 2 * c * kv_width + kernel * (q_width + kv_width)
+    half_block = kernel * max(q_width + kv_width // 2, q_width // 2 + kv_width)
+    later = 3 * 4 * kv_width + (2 if ring > 2 else 1) * c * kv_width + half_block
+    return c * q_width + 4 * q_width + casts + max(first, later)
 
 
 def plan_memory(
@@ -283,6 +365,7 @@ def plan_memory(
     seq_len: int,
     sp: int = 1,
     dp: int = 1,
+    ring: int | None = None,
     gpu_memory_bytes: int = 80 * GiB,
     host_memory_bytes: int = 0,
     gpus_per_node: int | None = None,
@@ -297,6 +380,8 @@ def plan_memory(
             accepts (a built-in shape name such as ``"qwen3-4b"``, a config.json, a directory, a hub id).
         seq_len: tokens per sequence (the full sequence, before the split over ``sp``).
         sp, dp: sequence- and data-parallel degrees; FSDP2 shards over ``dp x sp`` ranks.
+        ring: the ring degree inside ``sp`` (``sp = ulysses x ring``); None: chosen from the heads and
+            ``gpus_per_node`` as ``ulysses-sp train`` does (:func:`ulysses_sp.layout.choose_layout`).
         gpu_memory_bytes: memory of one GPU (the plan fits if its peak is within the usable part).
         host_memory_bytes: host memory per node (0 = unchecked); ``gpus_per_node`` ranks share it
             (default: ``min(dp x sp, 8)``).
@@ -318,9 +403,13 @@ def plan_memory(
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     features = (features or Features()).resolve(device)
-    check_heads_split(shape.num_heads, shape.num_kv_heads, sp)
+    if ring is None:
+        ulysses, ring, reason = choose_layout(sp, shape.num_heads, shape.num_kv_heads, gpus_per_node)
+    else:
+        ring = resolve_ring_degree(sp, ring, shape.num_heads, shape.num_kv_heads)
+        ulysses, reason = sp // ring, f"ulysses {sp // ring} x ring {ring} for sp={sp}: as given"
     phases, host, tokens = _terms(
-        shape, seq_len=seq_len, sp=sp, dp=dp, features=features, micro_batch=micro_batch, device=device
+        shape, seq_len=seq_len, sp=sp, ring=ring, dp=dp, features=features, micro_batch=micro_batch, device=device
     )
     breakdowns = {name: {k: int(v) for k, v in parts.items()} for name, parts in phases.items()}
     phase = max(breakdowns, key=lambda name: sum(breakdowns[name].values()))
@@ -330,8 +419,11 @@ def plan_memory(
         seq_len=seq_len,
         sp=sp,
         dp=dp,
+        ring=ring,
+        layout_reason=reason,
         micro_batch=micro_batch,
         tokens_per_rank=tokens,
+        comm_bytes_per_layer=_comm_bytes(shape, tokens * sp // micro_batch, micro_batch, ulysses, ring, features),
         features=features,
         phase=phase,
         gpu_memory_bytes=gpu_memory_bytes,

@@ -7,7 +7,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..features import Features
-from ..layout import sp_degrees_for
 from .memory import MemoryPlan, plan_memory
 from .search import max_seq_len
 from .shape import model_shape
@@ -71,16 +70,14 @@ def recommend(
 ) -> Recommendation:
     """The cheapest settings (sp, features) on ``world_size`` GPUs that train ``seq_len`` tokens.
 
-    Candidates: every sp that divides the world and splits the heads (smallest first: least
-    communication, most data parallelism), and the feature sets of increasing cost (see
+    Candidates: every sp that divides the world (smallest first: least communication, most data parallelism;
+    the ring inside it chosen as ``ulysses-sp train`` does), and the feature sets of increasing cost (see
     ``_candidate_features``). If none reaches ``seq_len``, the candidate with the longest trainable
     sequence is returned with ``reaches_target=False``.
     """
     shape = model_shape(model_config)
     base = (features or Features()).resolve("cuda")
-    sps = [p for p in sp_degrees_for(shape.num_heads, shape.num_kv_heads) if world_size % p == 0]
-    if not sps:
-        raise ValueError(f"no sp divides world_size={world_size} and the model's heads")
+    sps = [p for p in range(1, world_size + 1) if world_size % p == 0]  # past the heads: a ring inside sp
     common = dict(
         gpu_memory_bytes=gpu_memory_bytes,
         host_memory_bytes=host_memory_bytes,

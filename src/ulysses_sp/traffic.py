@@ -1,5 +1,5 @@
-"""Bytes per attention layer and rank from the shapes: the Ulysses exchange and ring attention, to check the
-measured counts against.
+"""Bytes per attention layer and rank from the shapes: the Ulysses exchange and ring attention (the planner
+reports them; the benchmark checks its measured counts against them).
 
 ``b`` rows, ``N`` tokens, ``P`` ranks, ``n = N / P``, ``H`` / ``Hkv`` query / kv heads, ``d`` head dim,
 ``e`` bytes per element. Bytes are what one rank hands to the collectives (the whole send buffer).
@@ -7,7 +7,7 @@ measured counts against.
 
 from __future__ import annotations
 
-from ulysses_sp.ring import ring_bytes_per_layer
+from .ring import ring_bytes_per_layer
 
 __all__ = ["ring_p2p_per_layer", "ulysses_bytes_per_layer"]
 
