@@ -60,11 +60,15 @@ class MetricsLog:
 
     ``resume_step=None`` starts a new file; otherwise records with a step after ``resume_step`` are
     dropped (they belong to the interrupted run's lost steps) and a ``resume`` record is appended.
+    A fresh run never meets an earlier run's file here: the launcher refused that folder without --overwrite.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, enabled: bool, resume_step: int | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, enabled: bool, resume_step: int | None = None, reporter: Any = None
+    ) -> None:
         self.path = Path(path)
         self.enabled = enabled
+        self.reporter = reporter  # e.g. TensorBoard (ulysses_sp.train.tracking): gets every record too
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,6 +94,14 @@ class MetricsLog:
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record, allow_nan=True) + "\n")
             handle.flush()
+        if self.reporter is not None:
+            self.reporter.log(record)
+
+    def close(self) -> None:
+        """Flush and close the reporter (the JSON lines are flushed as they are written)."""
+        if self.reporter is not None:
+            self.reporter.close()
+            self.reporter = None
 
 
 def _format_rate(tokens_per_sec: float) -> str:
@@ -157,10 +169,15 @@ def format_summary(summary: dict[str, Any], metrics_path: str | os.PathLike[str]
         )
     if summary["data_exhausted"]:
         lines.append(f"the training data ran out after {summary['epochs_completed']} epoch(s)")
+    if summary.get("skipped_steps"):
+        lines.append(f"skipped {summary['skipped_steps']} step(s) whose loss or gradient norm was not finite")
+    if summary.get("stopped"):
+        lines.append(f"stopped by {summary['stopped']} at step {summary['step']} after saving its checkpoint")
     if summary["checkpoint"]:
         path = summary["checkpoint"]
         lines.append(f"checkpoint: {path}")
         lines.append(f'  load it:  AutoModelForCausalLM.from_pretrained("{path}")  (plain transformers, no SP)')
-        lines.append("  continue: the same command with --resume and a larger --max-steps")
+        more = "" if summary.get("stopped") else " and a larger --max-steps"
+        lines.append(f"  continue: the same command with --resume{more}")
     lines.append(f"metrics:    {metrics_path}")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ state when it wraps the model.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,8 +74,11 @@ def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | No
         )
     from transformers import AutoConfig
 
+    name = source or config.model
+    if name.startswith((".", "/", "~")) and not Path(name).expanduser().exists():
+        raise ValueError(f"--model {name!r}: no such directory; give a model directory, a hub id or a built-in name")
     try:
-        return AutoConfig.from_pretrained(source or config.model)
+        return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as error:
         builtins = ", ".join(SHAPES)
         raise ValueError(
