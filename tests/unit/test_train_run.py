@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from ulysses_sp.train.config import TrainConfig, load_config
-from ulysses_sp.train.errors import disk_error, read_rank_error, report_error
+from ulysses_sp.train.errors import disk_error, read_rank_errors, report_error
 from ulysses_sp.train.lifeline import RankSignals
 from ulysses_sp.train.outdir import OutputDirLock, prepare_output_dir, previous_run_files, remove_previous_run
 from ulysses_sp.train.runspec import RunSpec, resolve_run, resume_point
@@ -89,9 +89,9 @@ def test_a_full_disk_deep_in_a_library_is_one_line(tmp_path):
 
 def test_a_rank_hands_its_one_line_to_the_launcher(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("ulysses_sp.train.errors._HANDOFF_S", 0.0)  # no launcher here to stop the rank
-    assert read_rank_error(tmp_path) is None
+    assert read_rank_errors(tmp_path) == {}
     assert report_error("bad --dataset", 2, 1, {"ULYSSES_SP_ERROR_DIR": str(tmp_path)}) == 2
-    assert read_rank_error(tmp_path) == (1, 2, "bad --dataset")
+    assert read_rank_errors(tmp_path) == {1: (2, "bad --dataset")}
     assert capsys.readouterr().err == ""
     report_error("disk full", 1, 0, {})
     assert capsys.readouterr().err == "ulysses-sp train: error: disk full\n"

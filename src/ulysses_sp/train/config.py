@@ -157,8 +157,9 @@ class TrainConfig(Features):
     )
     overwrite: bool = option(
         False,
-        help="Start fresh even though --output-dir holds checkpoints: they are deleted first. Without it, a "
-        "fresh run refuses such a directory (use --resume to continue it).",
+        help="Start fresh even though --output-dir holds an earlier run's files (checkpoints, the metrics file, "
+        "TensorBoard events, the loss curve): they are deleted once the new run has loaded everything. Without it, "
+        "a fresh run refuses such a directory (use --resume to continue it).",
     )
     final_save: bool = option(
         True,

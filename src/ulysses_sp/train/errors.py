@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-__all__ = ["ERROR_DIR_ENV", "RunError", "disk_error", "first_line", "read_rank_error", "report_error"]
+__all__ = ["ERROR_DIR_ENV", "RunError", "disk_error", "first_line", "read_rank_errors", "report_error"]
 
 ERROR_DIR_ENV = "ULYSSES_SP_ERROR_DIR"
 _DISK_ERRNOS = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded"}
@@ -103,13 +103,14 @@ def report_error(message: str, status: int, rank: int, environ: Mapping[str, str
     return status
 
 
-def read_rank_error(error_dir: str | os.PathLike[str]) -> tuple[int, int, str] | None:
-    """``(rank, status, message)`` of the first error a rank handed over with :func:`report_error`, or None."""
+def read_rank_errors(error_dir: str | os.PathLike[str]) -> dict[int, tuple[int, str]]:
+    """``{rank: (status, message)}`` handed over with :func:`report_error`, in the order they were written."""
     handed = sorted(Path(error_dir).glob("rank-*.txt"), key=lambda path: (path.stat().st_mtime_ns, path.name))
+    errors = {}
     for path in handed:
         try:
             status, message = path.read_text(encoding="utf-8").split("\n", 1)
-            return int(path.stem.removeprefix("rank-")), int(status), message.strip()
+            errors[int(path.stem.removeprefix("rank-"))] = (int(status), message.strip())
         except (OSError, ValueError):
             continue
-    return None
+    return errors

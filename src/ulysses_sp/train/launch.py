@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from ulysses_sp.train.errors import ERROR_DIR_ENV, read_rank_error
+from ulysses_sp.train.errors import ERROR_DIR_ENV, read_rank_errors
 from ulysses_sp.train.lifeline import LAUNCHER_PID_ENV, PREEMPTED_STATUS
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
 SPEC_ENV = "ULYSSES_SP_RUN_SPEC"  # the run spec file our launcher hands its ranks (see runspec.py)
 _POLL_S = 0.1
 _STOP_GRACE_S = 120.0  # how long the other ranks may take to finish once one stopped after a SIGTERM save
+_CLOSE_GRACE_S = 8.0  # how long rank 0 may take to close its logs once a rank handed over an error
 
 
 def apply_slurm_env(environ: MutableMapping[str, str]) -> bool:
@@ -170,7 +171,7 @@ def launch_local(argv: Sequence[str], nproc: int, spec_file: Path, *, lock_fd: i
 def _monitor(run: _Run, error_dir: Path, save_on_sigterm: bool) -> int:
     """Wait for the ranks; act on the first failure or signal; returns the exit status."""
     nproc = len(run.processes)
-    forwarded, stopping_since = False, None
+    forwarded, stopping_since, handed_since = False, None, None
     while True:
         time.sleep(_POLL_S)
         if run.signals:
@@ -185,10 +186,16 @@ def _monitor(run: _Run, error_dir: Path, save_on_sigterm: bool) -> int:
             saved = " without saving (--no-save-on-sigterm)" if signum == signal.SIGTERM else ""
             print(f"ulysses-sp train: {how}{saved}; all {nproc} ranks were stopped", file=sys.stderr, flush=True)
             return 128 + signum
-        handed = read_rank_error(error_dir)  # a rank's own one-line error: stop everyone before peers fail noisily
+        # A rank's own one-line error: stop everyone before a peer fails on the closed connection and prints
+        # pages of its own, once rank 0 (which writes the logs) has had time to hand over its error or end.
+        handed = read_rank_errors(error_dir)
         statuses = [process.poll() for process in run.processes]
         failed = [rank for rank, status in enumerate(statuses) if status not in (None, 0, PREEMPTED_STATUS)]
-        if handed is not None or failed:
+        if handed and not failed and 0 not in handed and statuses[0] is None:
+            handed_since = handed_since or time.monotonic()
+            if time.monotonic() - handed_since < _CLOSE_GRACE_S:
+                continue
+        if handed or failed:
             return _report_failure(run, failed, error_dir)
         if all(status is not None for status in statuses):
             return PREEMPTED_STATUS if PREEMPTED_STATUS in statuses else 0
@@ -203,9 +210,10 @@ def _monitor(run: _Run, error_dir: Path, save_on_sigterm: bool) -> int:
 def _report_failure(run: _Run, failed: list[int], error_dir: Path) -> int:
     """Stop the other ranks; print the failed rank's own error line, or how it ended; returns the status."""
     run.kill()
-    handed = read_rank_error(error_dir)
-    if handed is not None:
-        rank, status, message = handed
+    handed = read_rank_errors(error_dir)
+    if handed:
+        rank = 0 if 0 in handed else next(iter(handed))  # rank 0's when it has one, else the first written
+        status, message = handed[rank]
         where = f" (rank {rank})" if rank else ""
         print(f"ulysses-sp train: error{where}: {message}", file=sys.stderr, flush=True)
         return status

@@ -134,6 +134,7 @@ class Progress:
             self.bar.update(1)
         elif record["step"] % self.log_every == 0 or record["step"] == self.total:
             text = "  ".join(f"{k} {v}" for k, v in fields.items())
+            text += "  SKIPPED (not finite)" if record.get("skipped") else ""
             print(
                 f"step {record['step']}/{self.total}  {text}  lr {record['lr']:.2e}  "
                 f"seq {record['seq_len']}  {record['step_time_s']:.2f} s/step",

@@ -36,7 +36,6 @@ from ulysses_sp.train.config import TrainConfig
 
 __all__ = [
     "build_model",
-    "check_model_against_config",
     "hf_model_config",
     "resolve_ring",
     "tokenizer_source",
@@ -106,11 +105,6 @@ def resolve_ring(config: TrainConfig, hf_config: Any | None = None) -> int:
         chosen = "--ring" if config.ring is not None else f"the ring chosen from the heads ({num_heads} heads, --sp)"
         raise ValueError(f"--attn-core {config.attn_core}: {error} (the ring comes from {chosen})") from None
     return ring
-
-
-def check_model_against_config(config: TrainConfig) -> None:
-    """Fail before any rank starts when the model's heads do not split over ``--sp`` (and ``--ring``)."""
-    resolve_ring(config)
 
 
 def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
