@@ -162,8 +162,9 @@ def format_summary(summary: dict[str, Any], metrics_path: str | os.PathLike[str]
         lines.append(f"nothing to train: already at step {summary['step']} of {summary['total_steps']}")
     else:
         held_out = f", held-out {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
+        verb = "stopped" if summary.get("stopped") else "done"
         lines.append(
-            f"done: step {summary['step']}/{summary['total_steps']} in {summary['time_s']:.1f} s, "
+            f"{verb}: step {summary['step']}/{summary['total_steps']} in {summary['time_s']:.1f} s, "
             f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}{held_out}, "
             f"{_format_rate(summary['tokens_per_sec'] or 0.0)} tokens/s, "
             f"peak memory {summary['peak_mem_gib']:.2f} GiB (rank 0)"
@@ -173,7 +174,7 @@ def format_summary(summary: dict[str, Any], metrics_path: str | os.PathLike[str]
     if summary.get("skipped_steps"):
         lines.append(f"skipped {summary['skipped_steps']} step(s) whose loss or gradient norm was not finite")
     if summary.get("stopped"):
-        lines.append(f"stopped by {summary['stopped']} at step {summary['step']} after saving its checkpoint")
+        lines.append(f"stopped by {summary['stopped']}: every rank saved step {summary['step']} together")
     if summary["checkpoint"]:
         path = summary["checkpoint"]
         lines.append(f"checkpoint: {path}")

@@ -130,8 +130,10 @@ def _full_model(config: TrainConfig, hf_config: Any, source: str | None) -> nn.M
     """The full fp32 model on CPU: from ``source`` (pretrained files) or a seeded random init."""
     from transformers import AutoModelForCausalLM
 
-    if source is not None:
-        return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa")
+    if source is not None:  # the config the run resolved (not read again from the files)
+        return AutoModelForCausalLM.from_pretrained(
+            source, config=hf_config, dtype=torch.float32, attn_implementation="sdpa"
+        )
     return random_model(hf_config, seed=config.seed)
 
 
