@@ -25,7 +25,7 @@ from ulysses_sp.shapes import SHAPES
 from ulysses_sp.train.checkpoint import find_latest_checkpoint, list_checkpoints, resolve_checkpoint
 from ulysses_sp.train.config import TrainConfig, config_from_dict
 from ulysses_sp.train.documents import EMBEDDED_TOKENIZER, check_dataset, load_tokenizer
-from ulysses_sp.train.integrity import newest_intact_checkpoint, verify_checkpoint
+from ulysses_sp.train.integrity import MANIFEST, newest_intact_checkpoint, verify_checkpoint
 from ulysses_sp.train.model_factory import hf_model_config, resolve_ring, tokenizer_source
 from ulysses_sp.train.outdir import previous_run_files
 
@@ -184,6 +184,8 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
         config, nproc=world_size, tokenizer=source or EMBEDDED_TOKENIZER, lr=config.peak_lr(), report_to=report_to
     )
     if resume is not None:
+        if not (resume / MANIFEST).is_file():
+            notes.append(f"{resume.name} has no {MANIFEST} (saved before checksums existed): not verified")
         saved = _saved_config(resume)
         check_same_batch_plan(saved, resolved)
         notes += [f"changed since the checkpoint: {line}" for line in changed_settings(saved, resolved)]
