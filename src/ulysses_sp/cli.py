@@ -3,8 +3,9 @@
 ``ulysses-sp plan [flags]`` predicts memory and the longest sequence (:mod:`ulysses_sp.plan.cli`).
 ``ulysses-sp train [flags]`` trains a causal LM with Ulysses sequence parallelism; with no flags it runs the
 embedded CPU demo. Started plainly it launches its own local ranks; under torchrun, ``accelerate launch`` or
-Slurm it is one rank of theirs (see :mod:`ulysses_sp.train.launch`). Exit status: 0 done, 2 invalid
-configuration (the message names the flag), 1 any other failure (the message names the failed rank).
+Slurm it is one rank of theirs (see :mod:`ulysses_sp.train.run`). Exit status: 0 done, 2 invalid
+configuration (one line naming the flag or file), 1 any other failure, 130 Ctrl-C, 143 stopped by SIGTERM
+after saving a checkpoint.
 """
 
 from __future__ import annotations
@@ -47,12 +48,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
-def _config_error(error: ValueError, rank: int | None = None) -> int:
-    where = f" (rank {rank})" if rank else ""
-    print(f"ulysses-sp train: error{where}: {error}", file=sys.stderr, flush=True)
-    return 2
-
-
 ALLOCATOR_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
@@ -67,29 +62,11 @@ def use_expandable_segments(environ) -> bool:
 
 
 def train(argv: Sequence[str]) -> int:
-    """``ulysses-sp train``: validate, then run as a launcher's rank or launch local ranks."""
-    from ulysses_sp.train.config import load_config
-    from ulysses_sp.train.launch import apply_slurm_env, launch_local, under_launcher
+    """``ulysses-sp train``: see :mod:`ulysses_sp.train.run`."""
+    from ulysses_sp.train.run import train_command
 
-    config = load_config(list(argv))  # exits with status 2 and the flag's name on a bad value
-    use_expandable_segments(os.environ)
-    try:
-        apply_slurm_env(os.environ)
-        if under_launcher(os.environ):
-            return run_rank(config)
-        import torch
-
-        from ulysses_sp.train.loop import resume_point
-        from ulysses_sp.train.model_factory import check_model_against_config
-
-        nproc = config.resolved_nproc(torch.cuda.device_count())
-        check_model_against_config(config)  # fail before starting any rank
-        resume_point(config)
-    except ValueError as error:
-        return _config_error(error)
-    if nproc == 1:
-        return run_rank(config)
-    return launch_local(argv, nproc)
+    use_expandable_segments(os.environ)  # before any CUDA call, so the ranks started here inherit it
+    return train_command(argv)
 
 
 def bench(argv: Sequence[str]) -> int:
@@ -97,50 +74,3 @@ def bench(argv: Sequence[str]) -> int:
     from ulysses_sp.bench.runner import main as bench_main
 
     return bench_main(argv)
-
-
-def _quiet_libraries() -> None:
-    """No per-file progress bars or info logs from transformers/datasets in the ranks' output."""
-    import datasets
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    datasets.utils.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
-
-
-def run_rank(config) -> int:
-    """Train as one rank (or as the only process); returns the exit status."""
-    import torch.distributed as dist
-    import yaml
-
-    from ulysses_sp.layout import ParallelLayout
-    from ulysses_sp.train.config import config_to_dict
-    from ulysses_sp.train.launch import init_process_group
-    from ulysses_sp.train.loop import Trainer, resolve_config
-    from ulysses_sp.train.metrics import format_summary
-    from ulysses_sp.train.model_factory import resolve_ring
-
-    _quiet_libraries()
-    init_process_group(config.dist_timeout)
-    rank = dist.get_rank()
-    try:
-        ring = resolve_ring(config)
-        layout = ParallelLayout.from_env(config.sp, ring=ring)
-        if config.nproc is not None and config.nproc != layout.world_size:
-            raise ValueError(f"--nproc {config.nproc} but the launcher started {layout.world_size} ranks")
-        if layout.is_main:
-            resolved = config_to_dict(resolve_config(config, layout.world_size))
-            print("ulysses-sp train, resolved config:", flush=True)
-            print(yaml.safe_dump(resolved, sort_keys=False).rstrip().replace("\n", "\n  ").join(["  ", ""]))
-            hybrid = f" (ulysses {layout.ulysses} x ring {layout.ring})" if layout.ring > 1 else ""
-            print(f"layout: world {layout.world_size} = dp {layout.dp} x sp {layout.sp}{hybrid} on {layout.device}")
-        summary = Trainer(config, layout).fit()
-        if layout.is_main:
-            print(format_summary(summary, os.path.join(config.output_dir, config.metrics_file)), flush=True)
-        return 0
-    except ValueError as error:
-        return _config_error(error, rank)
-    finally:
-        dist.destroy_process_group()

@@ -16,71 +16,29 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from tests.e2e.train_cli_helpers import (
+    TINY,
+    assert_gone,
+    cli_env,
+    rank_pids,
+    records,
+    run_cli,
+    start_cli,
+    wait_for_step,
+)
+from tests.e2e.train_cli_helpers import corpus_file as _corpus_file
+from tests.e2e.train_cli_helpers import ok as _ok
 from ulysses_sp.train.checkpoint import list_checkpoints, load_model_state_dict
 from ulysses_sp.train.config import TrainConfig, load_config
-from ulysses_sp.train.data import SequenceLoader, load_bible, load_tokenizer, split_documents, tokenize_documents
+from ulysses_sp.train.data import SequenceLoader
+from ulysses_sp.train.documents import load_tokenizer, split_documents, tokenize_documents
 
 pytestmark = pytest.mark.slow
-
-TIMEOUT = 240  # seconds for any one command
-TINY = ["--model", "llama-tiny", "--seq-len", "256", "--nproc", "2", "--sp", "2", "--log-every", "1"]
-_LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("SLURM_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    env.pop("ULYSSES_SP_TEST_FAULT", None)
-    env.update(extra)
-    return env
-
-
-def start_cli(args: list[str], env: dict[str, str], stdout: int = subprocess.PIPE) -> subprocess.Popen:
-    """Start the command in its own process group (so a test can kill the launcher and all its ranks)."""
-    command = [sys.executable, "-m", "ulysses_sp", "train", *args]
-    return subprocess.Popen(command, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def run_cli(args: list[str], timeout: float = TIMEOUT, **env: str) -> subprocess.CompletedProcess:
-    """Run the command to completion (killed as a whole on timeout)."""
-    process = start_cli(args, _env(**env))
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"ulysses-sp train {' '.join(args)} did not finish in {timeout} s\n{stdout}\n{stderr}")
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
-def records(output_dir: Path, event: str = "train") -> list[dict]:
-    path = output_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in lines if r["event"] == event]
-
-
-def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    return result
-
-
-@pytest.fixture(scope="module")
-def corpus_file(tmp_path_factory) -> Path:
-    """A jsonl of Bible text: 24 single verses (far shorter than 256 tokens) and 6 chapters (longer)."""
-    books = load_bible()
-    documents = []
-    for book in books[:24]:
-        documents.append(book.split("\n")[3])  # one verse
-    for book in books[30:36]:
-        documents.append("\n".join(book.split("\n")[:40]))  # the title and the first ~40 verses
-    path = tmp_path_factory.mktemp("data") / "bible.jsonl"
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
-    return path
+corpus_file = _corpus_file  # the shared fixture: a jsonl of short and long Bible documents
 
 
 def test_loss_falls_and_the_checkpoint_is_a_plain_hf_model(tmp_path, corpus_file):
@@ -90,8 +48,19 @@ def test_loss_falls_and_the_checkpoint_is_a_plain_hf_model(tmp_path, corpus_file
     out = tmp_path / "run"
     args = [*TINY, "--dataset", str(corpus_file), "--max-steps", "14", "--output-dir", str(out)]
     args += ["--eval-every", "7", "--save-every", "7", "--lr", "5e-3", "--batch-size", "2"]
+    args += ["--report-to", "tensorboard"]
     result = _ok(run_cli(args))
     train = records(out)
+    # TensorBoard got every step's loss (as float32) and held-out loss; a loss curve lies beside metrics.jsonl
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert logged == [(r["step"], float(np.float32(r["loss"]))) for r in train]
+    held_out = [(e.step, e.value) for e in events.Scalars("eval/loss")]
+    assert held_out == [(r["step"], float(np.float32(r["eval_loss"]))) for r in records(out, "eval")]
+    assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     losses = [r["loss"] for r in train]
     assert len(losses) == 14 and losses[0] > 10.0
     assert sum(losses[-3:]) / 3 < losses[0] - 2.0, losses
@@ -131,18 +100,6 @@ def test_loss_falls_and_the_checkpoint_is_a_plain_hf_model(tmp_path, corpus_file
     assert load_config(["--config", str(further / "checkpoint-0000002" / "config.yaml")]).tokenizer == str(checkpoint)
 
 
-def _wait_for_step(output_dir: Path, step: int, process: subprocess.Popen, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(r["step"] >= step for r in records(output_dir)):
-            return
-        if process.poll() is not None:
-            pytest.fail(f"the run ended (exit {process.returncode}) before step {step}: {process.stderr.read()}")
-        time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGKILL)
-    pytest.fail(f"step {step} did not appear in {timeout} s")
-
-
 def test_kills_mid_run_and_mid_checkpoint_then_resume_match_the_uninterrupted_run(tmp_path, corpus_file):
     """Bitwise on CPU: losses, held-out losses and final weights of a run that was killed twice (once
     inside a checkpoint write, once between steps) and resumed equal those of an uninterrupted run.
@@ -173,10 +130,12 @@ def test_kills_mid_run_and_mid_checkpoint_then_resume_match_the_uninterrupted_ru
 
     # 2. resume from step 4; the whole run (launcher and ranks) is SIGKILLed while step 7 runs on
     resumed = [*common, "--output-dir", str(broken), "--resume"]
-    process = start_cli(resumed, _env(ULYSSES_SP_TEST_FAULT="pause:7"), stdout=subprocess.DEVNULL)
-    _wait_for_step(broken, 7, process)
-    os.killpg(process.pid, signal.SIGKILL)
+    process = start_cli(resumed, cli_env(ULYSSES_SP_TEST_FAULT="pause:7"), stdout=subprocess.DEVNULL)
+    wait_for_step(broken, 7, process)
+    ranks = rank_pids(process.pid)
+    os.killpg(process.pid, signal.SIGKILL)  # the launcher's process group: the ranks run in sessions of their own
     process.wait(timeout=30)
+    assert_gone(ranks)  # the paused ranks die with their launcher (they used to sleep on for an hour)
     assert [p.name for p in list_checkpoints(broken)][-1] == "checkpoint-0000006"
 
     # 3. resume from step 6 and finish
@@ -216,9 +175,16 @@ def test_a_fresh_run_refuses_a_directory_with_checkpoints_and_bad_yaml(tmp_path)
     script = Path(sys.executable).parent / "ulysses-sp"  # the console script, where pip installed it
     command = [str(script), "train"] if script.is_file() else [sys.executable, "-m", "ulysses_sp", "train"]
     result = subprocess.run(
-        [*command, "--output-dir", str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=120
+        [*command, "--output-dir", str(tmp_path)], env=cli_env(), capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 2 and "--resume" in result.stderr and "--overwrite" in result.stderr
+    # a folder that holds only an earlier run's metrics: refused too, the file untouched
+    metrics_only = tmp_path / "metrics-only"
+    metrics_only.mkdir()
+    (metrics_only / "metrics.jsonl").write_text('{"event": "train", "step": 1, "loss": 10.8}\n')
+    result = run_cli(["--output-dir", str(metrics_only)], timeout=120)
+    assert result.returncode == 2 and "metrics.jsonl" in result.stderr and "--overwrite" in result.stderr, result.stderr
+    assert (metrics_only / "metrics.jsonl").read_text() == '{"event": "train", "step": 1, "loss": 10.8}\n'
     config = tmp_path / "c.yaml"
     config.write_text("seq_lenn: 128\n")
     result = run_cli(["--config", str(config)], timeout=120)
@@ -247,7 +213,7 @@ def test_under_slurm_a_dead_peer_ends_the_survivor_within_the_timeout(tmp_path, 
     args += ["--dist-timeout", "30"]
     processes = []
     for rank in (0, 1):
-        env = _env(
+        env = cli_env(
             SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_STEP_NUM_TASKS="2", SLURM_JOB_ID="7",
             SLURM_LAUNCH_NODE_IPADDR="127.0.0.1", MASTER_PORT=port, ULYSSES_SP_TEST_FAULT="exit:2:1",
         )  # fmt: skip

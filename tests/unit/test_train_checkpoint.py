@@ -16,16 +16,15 @@ import pytest
 import torch
 
 from ulysses_sp.train.checkpoint import (
-    capture_rng_state,
     checkpoint_name,
     clean_incomplete_checkpoints,
     find_latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    restore_rng_state,
     save_checkpoint,
 )
 from ulysses_sp.train.config import TrainConfig, config_to_dict
+from ulysses_sp.train.rng import capture_rng_state, restore_rng_state
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -72,7 +71,7 @@ def _plain_save(output_dir, step, **kwargs):
 def test_round_trip_of_all_contents(tmp_path, tiny_model):
     from transformers import LlamaForCausalLM
 
-    from ulysses_sp.train.data import load_tokenizer
+    from ulysses_sp.train.documents import load_tokenizer
 
     optimizer, scheduler = _train_one_step(tiny_model)
     config = TrainConfig(seq_len=128, sp=1, nproc=1)

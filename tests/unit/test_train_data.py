@@ -9,11 +9,9 @@ import pytest
 import torch
 
 from ulysses_sp.train.config import TrainConfig
-from ulysses_sp.train.data import (
-    IGNORE_INDEX,
-    SequenceLoader,
+from ulysses_sp.train.data import SequenceLoader, build_data
+from ulysses_sp.train.documents import (
     TokenizedCorpus,
-    build_data,
     load_bible,
     load_documents,
     load_tokenizer,
@@ -21,6 +19,7 @@ from ulysses_sp.train.data import (
     tokenize_documents,
 )
 from ulysses_sp.train.schedule import SeqLenSchedule
+from ulysses_sp.validation import IGNORE_INDEX
 
 KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
 

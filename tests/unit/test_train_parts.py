@@ -14,8 +14,8 @@ from ulysses_sp.train.faults import Fault
 from ulysses_sp.train.launch import apply_slurm_env, under_launcher
 from ulysses_sp.train.metrics import MetricsLog, format_summary
 from ulysses_sp.train.model_factory import (
-    check_model_against_config,
     hf_model_config,
+    resolve_ring,
     tokenizer_source,
     training_flops_per_token,
 )
@@ -97,10 +97,10 @@ def test_builtin_models_and_the_sp_check():
     assert (hf_config.hidden_size, hf_config.num_attention_heads, hf_config.vocab_size) == (64, 4, 50257)
     assert hf_config.tie_word_embeddings and hf_config.max_position_embeddings >= config.seq_len
     for name in SHAPES:
-        check_model_against_config(TrainConfig(model=name, sp=2))
-    check_model_against_config(TrainConfig(sp=3, nproc=3))  # 3 does not split 4 heads: ulysses 1 x ring 3
+        resolve_ring(TrainConfig(model=name, sp=2))
+    resolve_ring(TrainConfig(sp=3, nproc=3))  # 3 does not split 4 heads: ulysses 1 x ring 3
     with pytest.raises(ValueError, match=r"--sp 3 --ring 1 does not fit --model 'llama-tiny'.*ulysses 1 x ring 3"):
-        check_model_against_config(TrainConfig(sp=3, ring=1, nproc=3))
+        resolve_ring(TrainConfig(sp=3, ring=1, nproc=3))
     with pytest.raises(ValueError, match="--model"):
         hf_model_config(TrainConfig(model="./no/such/model"))
 

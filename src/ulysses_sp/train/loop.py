@@ -11,16 +11,18 @@ full sequence is never gathered on one rank.
 Checkpoints (see :mod:`ulysses_sp.train.checkpoint`) hold the model in Hugging Face format, the optimizer
 states sharded with ``torch.distributed.checkpoint`` (resharded on load if the world size changes), the
 scheduler, every rank's RNG states and the data position, so a resumed run repeats the uninterrupted one.
+
+After the gradients, one small all-reduce per step makes every rank agree on two flags: a non-finite loss
+or gradient norm on any rank (the step is skipped, and past ``--max-skipped-steps`` the run stops without
+saving), and a SIGTERM received by any rank (all ranks save this step together, then stop).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import itertools
-import os
-import shutil
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -30,98 +32,59 @@ import torch.distributed as dist
 
 from ulysses_sp.layout import ParallelLayout
 from ulysses_sp.loss import causal_lm_loss, count_valid_tokens
-from ulysses_sp.shapes import SHAPES
 from ulysses_sp.sharding import shard_batch
-from ulysses_sp.train.checkpoint import (
-    find_latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    resolve_checkpoint,
-    save_checkpoint,
-)
-from ulysses_sp.train.config import TrainConfig, config_to_dict
-from ulysses_sp.train.data import build_data, load_tokenizer, pad_token_id
+from ulysses_sp.train.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, set_aside_newer
+from ulysses_sp.train.config import config_to_dict
+from ulysses_sp.train.data import build_data
+from ulysses_sp.train.documents import load_tokenizer, pad_token_id
+from ulysses_sp.train.errors import RunError
 from ulysses_sp.train.faults import Fault
+from ulysses_sp.train.lifeline import RankSignals
 from ulysses_sp.train.metrics import MetricsLog, Progress, peak_memory_gib, peak_tflops
-from ulysses_sp.train.model_factory import (
-    build_model,
-    hf_model_config,
-    tokenizer_source,
-    training_flops_per_token,
-)
+from ulysses_sp.train.model_factory import build_model, training_flops_per_token
 from ulysses_sp.train.optim import build_optimizer, build_scheduler, planned_steps
+from ulysses_sp.train.outdir import remove_previous_run, run_artifacts
+from ulysses_sp.train.runspec import RunSpec
+from ulysses_sp.train.tracking import make_reporter, write_loss_curve
 
-__all__ = ["Trainer", "resolve_config", "resume_point"]
-
-# Settings that may change when resuming without changing what the run computes next.
-_FREE_ON_RESUME = {"resume", "overwrite", "nproc", "max_steps", "epochs", "eval_every", "eval_batches", "log_every"}
-_FREE_ON_RESUME |= {"output_dir", "save_every", "keep_last", "metrics_file", "dist_timeout", "final_save"}
-# Memory features: the same step, computed with less memory.
-_FREE_ON_RESUME |= {"activation_checkpointing", "tiled_loss", "loss_chunk_mib", "tiled_mlp", "mlp_chunk_tokens"}
-
-
-def resolve_config(config: TrainConfig, world_size: int) -> TrainConfig:
-    """The config as this run uses it: ``nproc`` = the world size, ``tokenizer`` = what is loaded, ``lr``."""
-    tokenizer = tokenizer_source(config) or "gpt2-bpe"
-    return dataclasses.replace(config, nproc=world_size, tokenizer=tokenizer, lr=config.peak_lr())
-
-
-def resume_point(config: TrainConfig) -> Path | None:
-    """The checkpoint this run starts from (None = fresh); ValueError if a fresh start would mix runs.
-
-    A fresh run into an ``--output-dir`` that holds checkpoints is refused unless ``--overwrite`` is given
-    (their steps would interleave with the new run's and ``--resume`` would pick the wrong one).
-    """
-    output_dir = Path(config.output_dir)
-    if isinstance(config.resume, str):
-        return resolve_checkpoint(config.resume)
-    if config.resume:
-        return find_latest_checkpoint(output_dir)
-    existing = list_checkpoints(output_dir)
-    if existing and not config.overwrite:
-        raise ValueError(
-            f"--output-dir {str(output_dir)!r} already holds checkpoints (newest: {existing[-1].name}); pass "
-            "--resume to continue from it, --overwrite to delete them and start fresh, or another --output-dir"
-        )
-    return None
+__all__ = ["Trainer"]
 
 
 class Trainer:
-    """Builds everything for one rank from a config and a layout, then :meth:`fit` trains."""
+    """Builds everything for one rank from the run's :class:`RunSpec` and a layout, then :meth:`fit` trains.
 
-    def __init__(self, config: TrainConfig, layout: ParallelLayout) -> None:
-        self.config = config
-        self.layout = layout
+    ``signals`` (this rank's :class:`RankSignals`) carries a SIGTERM: the ranks agree on it at the next step
+    boundary, save that step together and stop (``summary["stopped"] == "SIGTERM"``).
+    """
+
+    def __init__(self, spec: RunSpec, layout: ParallelLayout, signals: RankSignals | None = None) -> None:
+        config = spec.config
+        self.spec, self.config, self.layout, self.signals = spec, config, layout, signals
         self.device = layout.device
         self.output_dir = Path(config.output_dir)
         self.fault = Fault.from_env()
         self.compute_dtype = config.torch_dtype(self.device.type)
-        resume_dir = resume_point(config)
+        resume_dir = Path(spec.resume_from) if spec.resume_from else None
         # Saving and loading keep one rank busy with files while the others wait: those waits go through a
         # group with a long timeout, so a slow filesystem is not mistaken for a dead rank.
         self.io_group = _io_group(config.dist_timeout)
 
-        self.tokenizer = load_tokenizer(tokenizer_source(config))
+        # objects every rank needs and that cannot travel in the spec: loaded from what the spec resolved
+        self.tokenizer = load_tokenizer(config.tokenizer)
         self.pad_id = pad_token_id(self.tokenizer)
         self.data = build_data(config, self.tokenizer, dp_rank=layout.dp_rank, dp_size=layout.dp)
-        source = str(resume_dir) if resume_dir else (None if config.model in SHAPES else config.model)
-        hf_config = hf_model_config(config, self.tokenizer, source=source)
-        vocab_size = hf_config.get_text_config().vocab_size
-        if len(self.tokenizer) > vocab_size:
-            raise ValueError(
-                f"--tokenizer {tokenizer_source(config) or 'gpt2-bpe'!r} has {len(self.tokenizer)} tokens but "
-                f"--model {config.model!r} has a vocabulary of {vocab_size}; use the model's own tokenizer"
-            )
-        self.model, self.hf_model = build_model(config, layout, hf_config, source, wait=self._io_barrier)
+        self.model, self.hf_model = build_model(
+            config, layout, spec.model_config(), spec.model_source, wait=self._io_barrier
+        )
         self.optimizer = build_optimizer(self.model, config)
         self._weight_decays = [group["weight_decay"] for group in self.optimizer.param_groups]
         in_epochs = self.data.train.total_micro_batches(config.epochs) if config.epochs else None
         self.total_steps = planned_steps(config, in_epochs)
         self.scheduler = build_scheduler(self.optimizer, config, self.total_steps)
-        self.resolved_config = resolve_config(config, layout.world_size)
         self.step = 0
         self.tokens_seen = 0
-        self.changed_settings: list[str] = []
+        self.skipped_steps = 0
+        self.stop_requested = False
         self._flops_per_token: dict[int, float] = {}
         self.peak_tflops = peak_tflops(self.device)
         if resume_dir is not None:
@@ -130,16 +93,23 @@ class Trainer:
         self.set_aside: list[Path] = []
         if layout.is_main:  # only now that everything loaded: a bad flag must not cost the old checkpoints
             if config.overwrite and resume_dir is None:
-                for path in list_checkpoints(self.output_dir):
-                    _remove_checkpoint(path)
+                remove_previous_run(self.output_dir, config)
             if resume_dir is not None:
-                self.set_aside = _set_aside_newer(self.output_dir, self.step)
+                self.set_aside = set_aside_newer(self.output_dir, self.step)
         self._io_barrier()
-        self.metrics = MetricsLog(
-            self.output_dir / config.metrics_file,
-            enabled=layout.is_main,
-            resume_step=self.step if resume_dir is not None else None,
-        )
+        artifacts = run_artifacts(self.output_dir, config)
+        self.metrics_path, self.loss_curve_path = artifacts["metrics"], artifacts["loss_curve"]
+        resume_step = self.step if config.resume else None  # --resume without a checkpoint: from step 0
+        reporter = None
+        if layout.is_main:
+            reporter = make_reporter(
+                config.report_to,
+                output_dir=self.output_dir,
+                tensorboard_dir=artifacts["tensorboard"],
+                config=config_to_dict(config),
+                resume_step=resume_step,
+            )
+        self.metrics = MetricsLog(self.metrics_path, enabled=layout.is_main, resume_step=resume_step, reporter=reporter)
 
     # --- one optimizer step ------------------------------------------------------------------------
 
@@ -185,8 +155,13 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
             grad_norm = grad_norm.full_tensor()
+        finite = math.isfinite(loss_total) and math.isfinite(float(grad_norm))
+        skip, self.stop_requested = self._agree(not finite, self.signals is not None and self.signals.sigterm)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        if skip:  # no update from a non-finite loss or gradient (counted; fit() stops past the limit)
+            self.skipped_steps += 1
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
@@ -212,7 +187,18 @@ class Trainer:
             "step_time_s": step_time,
             "epoch": loader.epoch,
             "peak_mem_gib": peak_memory_gib(self.device),
-        }
+        } | ({"skipped": True, "skipped_steps": self.skipped_steps} if skip else {})
+
+    def _agree(self, *flags: bool) -> list[bool]:
+        """Each flag OR-ed over every rank (one small all-reduce), so that all ranks act on the same step."""
+        values = torch.tensor([float(flag) for flag in flags], device=self.device)
+        if self.layout.world_size > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return [bool(value) for value in values.tolist()]
+
+    def _newest_checkpoint(self) -> str:
+        latest = find_latest_checkpoint(self.output_dir)
+        return f"the newest checkpoint is {latest}" if latest else "no checkpoint was saved"
 
     def _flops(self, seq_len: int) -> float:
         if seq_len not in self._flops_per_token:
@@ -250,7 +236,14 @@ class Trainer:
     # --- checkpoints -------------------------------------------------------------------------------
 
     def save(self) -> Path:
-        """Write ``checkpoint-{step}`` (collective: every rank calls it)."""
+        """Write ``checkpoint-{step}`` (collective: every rank calls it); RunError instead when a weight is not
+        finite (a good checkpoint is never replaced by a broken one)."""
+        local = (p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters())
+        if self._agree(not all(bool(torch.isfinite(t).all()) for t in local))[0]:
+            raise RunError(
+                f"step {self.step}: the weights are not finite, so they were not saved; {self._newest_checkpoint()} "
+                "(lower --lr, or check the data)"
+            )
         from torch.distributed import checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -272,10 +265,10 @@ class Trainer:
                 self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             ),
             tokenizer=self.tokenizer,
-            config=self.resolved_config,
+            config=self.config,
             scheduler_state=self.scheduler.state_dict(),
             data_state=self.data.train.state_dict(),
-            metrics={"tokens_seen": self.tokens_seen},
+            metrics={"tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps},
             write_sharded=write_sharded,
             keep_last=self.config.keep_last,
             rank=self.layout.rank,
@@ -291,8 +284,7 @@ class Trainer:
         from torch.distributed import checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-        checkpoint = load_checkpoint(path, rank=self.layout.rank)
-        _check_same_batch_plan(checkpoint.config or {}, self.resolved_config)  # same on every rank: no hang
+        checkpoint = load_checkpoint(path, rank=self.layout.rank)  # verified and checked by resolve_run
         state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
         dcp.load(state, checkpoint_id=path / "optimizer", process_group=self.io_group)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
@@ -304,7 +296,7 @@ class Trainer:
         checkpoint.restore_rng()
         self.step = checkpoint.step
         self.tokens_seen = int(checkpoint.metrics.get("tokens_seen", 0))
-        self.changed_settings = _changed_settings(checkpoint.config or {}, self.resolved_config)
+        self.skipped_steps = int(checkpoint.metrics.get("skipped_steps", 0))
 
     def _apply_optimizer_settings(self) -> None:
         """After a restore: this run's --lr and --weight-decay (the saved state carries the old ones), and the
@@ -333,7 +325,18 @@ class Trainer:
     # --- the run -----------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
-        """Train to the planned step (or the end of the data); returns the summary record."""
+        """Train to the planned step (or the end of the data, or an agreed SIGTERM); returns the summary record.
+        RunError when training stops being finite (past ``--max-skipped-steps``)."""
+        try:
+            return self._fit()
+        finally:
+            self.metrics.close()
+            if self.layout.is_main and self.metrics_path.is_file():
+                note = write_loss_curve(self.metrics_path, self.loss_curve_path)
+                if note:
+                    print(f"note: {note}", flush=True)
+
+    def _fit(self) -> dict[str, Any]:
         config, layout = self.config, self.layout
         progress = Progress(
             enabled=layout.is_main, total=self.total_steps, initial=self.step, log_every=config.log_every
@@ -342,12 +345,12 @@ class Trainer:
             progress.message(f"resumed from {self.resumed_from} at step {self.step}")
             for path in self.set_aside:
                 progress.message(f"  note: {path.name} is newer than the resumed step; moved aside, not deleted")
-            for line in self.changed_settings:
-                progress.message(f"  note: changed since the checkpoint: {line}")
+        for note in self.spec.notes:
+            progress.message(f"  note: {note}")
         start, first_loss, last_loss = time.perf_counter(), None, None
         start_step, start_tokens = self.step, self.tokens_seen
         evaluation, eval_step, checkpoint, saved_step = None, None, None, start_step
-        stopped_early = False
+        stopped_early, stopped = False, None
         while self.step < self.total_steps and not self.data.train.exhausted:
             record = self._train_step()
             if record is None:
@@ -357,14 +360,26 @@ class Trainer:
             last_loss = record["loss"]
             self.metrics.write(record)
             progress.update(record)
+            if record.get("skipped") and self.skipped_steps > config.max_skipped_steps:
+                progress.close()
+                raise RunError(
+                    f"step {self.step}: the loss ({record['loss']}) or the gradient norm ({record['grad_norm']}) is "
+                    f"not finite; {self.skipped_steps} step(s) skipped, more than --max-skipped-steps "
+                    f"{config.max_skipped_steps}, so the run stopped without saving; {self._newest_checkpoint()} "
+                    "(lower --lr, or allow more skipped steps)"
+                )
             if self.fault is not None:
                 self.fault.after_step(self.step, layout.rank)
-            if config.eval_every and self.step % config.eval_every == 0:
+            if config.eval_every and self.step % config.eval_every == 0 and not self.stop_requested:
                 evaluation, eval_step = self._evaluate_and_log(progress), self.step
-            if config.save_every and self.step % config.save_every == 0:
+            if (config.save_every and self.step % config.save_every == 0) or self.stop_requested:
                 checkpoint, saved_step = self._save_and_log(), self.step
+            if self.stop_requested:
+                stopped = "SIGTERM"
+                self.metrics.write({"event": "stopped", "step": self.step, "signal": stopped, "path": str(checkpoint)})
+                break
         progress.close()
-        if config.eval_every and eval_step != self.step and self.step > start_step:
+        if config.eval_every and eval_step != self.step and self.step > start_step and stopped is None:
             evaluation = self._evaluate_and_log(progress)
         if saved_step != self.step and config.final_save:
             checkpoint = self._save_and_log()
@@ -386,6 +401,8 @@ class Trainer:
             "world_size": layout.world_size,
             "sp": layout.sp,
             "dp": layout.dp,
+            "skipped_steps": self.skipped_steps,
+            "stopped": stopped,
         }
         self.metrics.write(summary)
         return summary
@@ -399,49 +416,3 @@ def _io_group(dist_timeout: int) -> dist.ProcessGroup | None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     return dist.new_group(timeout=datetime.timedelta(seconds=max(dist_timeout, _IO_TIMEOUT_S)))
-
-
-def _remove_checkpoint(path: Path) -> None:
-    """Rename, then delete: a kill half-way never leaves a ``checkpoint-N`` that looks complete."""
-    doomed = path.with_name(".deleting-" + path.name)
-    os.replace(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def _set_aside_newer(output_dir: Path, step: int) -> list[Path]:
-    """Resuming from an older step (a rewind): rename the newer checkpoints ``abandoned-checkpoint-N`` so that
-    pruning keeps the new line of training and a later bare ``--resume`` continues it. Nothing is deleted."""
-    moved = []
-    for path in list_checkpoints(output_dir):
-        if int(path.name.split("-")[-1]) > step:
-            target = path.with_name(f"abandoned-{path.name}-{int(time.time())}")
-            os.replace(path, target)
-            moved.append(target)
-    return moved
-
-
-def _check_same_batch_plan(saved: dict[str, Any], current: TrainConfig) -> None:
-    """Refuse a resume that would change what a step consumes (and so what the run computes next)."""
-    saved_dp = (saved.get("nproc") or 0) // max(saved.get("sp") or 1, 1)
-    current_dp = (current.nproc or 0) // current.sp
-    problems = []
-    if "grad_accum" in saved and saved["grad_accum"] != current.grad_accum:
-        problems.append(f"--grad-accum {saved['grad_accum']} -> {current.grad_accum}")
-    if saved_dp and saved_dp != current_dp:
-        problems.append(f"data-parallel groups (--nproc / --sp) {saved_dp} -> {current_dp}")
-    if problems:
-        raise ValueError(
-            "cannot resume with a different batch per step (" + "; ".join(problems) + "): the data position and "
-            "the sequence-length schedule count micro-batches; resume with the saved values, or start a new run "
-            "from the checkpoint's weights with --model <checkpoint dir>"
-        )
-
-
-def _changed_settings(saved: dict[str, Any], current: TrainConfig) -> list[str]:
-    """``"lr: 0.001 -> 0.003"`` for every setting that differs from the checkpoint's and matters."""
-    now = config_to_dict(current)
-    return [
-        f"{key}: {saved[key]!r} -> {now[key]!r}"
-        for key in now
-        if key in saved and key not in _FREE_ON_RESUME and saved[key] != now[key]
-    ]

@@ -60,11 +60,15 @@ class MetricsLog:
 
     ``resume_step=None`` starts a new file; otherwise records with a step after ``resume_step`` are
     dropped (they belong to the interrupted run's lost steps) and a ``resume`` record is appended.
+    A fresh run never meets an earlier run's file here: the launcher refused that folder without --overwrite.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, enabled: bool, resume_step: int | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, enabled: bool, resume_step: int | None = None, reporter: Any = None
+    ) -> None:
         self.path = Path(path)
         self.enabled = enabled
+        self.reporter = reporter  # e.g. TensorBoard (ulysses_sp.train.tracking): gets every record too
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,6 +94,14 @@ class MetricsLog:
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record, allow_nan=True) + "\n")
             handle.flush()
+        if self.reporter is not None:
+            self.reporter.log(record)
+
+    def close(self) -> None:
+        """Flush and close the reporter (the JSON lines are flushed as they are written)."""
+        if self.reporter is not None:
+            self.reporter.close()
+            self.reporter = None
 
 
 def _format_rate(tokens_per_sec: float) -> str:
@@ -122,6 +134,7 @@ class Progress:
             self.bar.update(1)
         elif record["step"] % self.log_every == 0 or record["step"] == self.total:
             text = "  ".join(f"{k} {v}" for k, v in fields.items())
+            text += "  SKIPPED (not finite)" if record.get("skipped") else ""
             print(
                 f"step {record['step']}/{self.total}  {text}  lr {record['lr']:.2e}  "
                 f"seq {record['seq_len']}  {record['step_time_s']:.2f} s/step",
@@ -149,18 +162,24 @@ def format_summary(summary: dict[str, Any], metrics_path: str | os.PathLike[str]
         lines.append(f"nothing to train: already at step {summary['step']} of {summary['total_steps']}")
     else:
         held_out = f", held-out {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
+        verb = "stopped" if summary.get("stopped") else "done"
         lines.append(
-            f"done: step {summary['step']}/{summary['total_steps']} in {summary['time_s']:.1f} s, "
+            f"{verb}: step {summary['step']}/{summary['total_steps']} in {summary['time_s']:.1f} s, "
             f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}{held_out}, "
             f"{_format_rate(summary['tokens_per_sec'] or 0.0)} tokens/s, "
             f"peak memory {summary['peak_mem_gib']:.2f} GiB (rank 0)"
         )
     if summary["data_exhausted"]:
         lines.append(f"the training data ran out after {summary['epochs_completed']} epoch(s)")
+    if summary.get("skipped_steps"):
+        lines.append(f"skipped {summary['skipped_steps']} step(s) whose loss or gradient norm was not finite")
+    if summary.get("stopped"):
+        lines.append(f"stopped by {summary['stopped']}: every rank saved step {summary['step']} together")
     if summary["checkpoint"]:
         path = summary["checkpoint"]
         lines.append(f"checkpoint: {path}")
         lines.append(f'  load it:  AutoModelForCausalLM.from_pretrained("{path}")  (plain transformers, no SP)')
-        lines.append("  continue: the same command with --resume and a larger --max-steps")
+        more = "" if summary.get("stopped") else " and a larger --max-steps"
+        lines.append(f"  continue: the same command with --resume{more}")
     lines.append(f"metrics:    {metrics_path}")
     return "\n".join(lines)

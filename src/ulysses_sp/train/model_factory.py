@@ -19,6 +19,7 @@ state when it wraps the model.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,6 @@ from ulysses_sp.train.config import TrainConfig
 
 __all__ = [
     "build_model",
-    "check_model_against_config",
     "hf_model_config",
     "resolve_ring",
     "tokenizer_source",
@@ -73,8 +73,11 @@ def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | No
         )
     from transformers import AutoConfig
 
+    name = source or config.model
+    if name.startswith((".", "/", "~")) and not Path(name).expanduser().exists():
+        raise ValueError(f"--model {name!r}: no such directory; give a model directory, a hub id or a built-in name")
     try:
-        return AutoConfig.from_pretrained(source or config.model)
+        return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as error:
         builtins = ", ".join(SHAPES)
         raise ValueError(
@@ -104,11 +107,6 @@ def resolve_ring(config: TrainConfig, hf_config: Any | None = None) -> int:
     return ring
 
 
-def check_model_against_config(config: TrainConfig) -> None:
-    """Fail before any rank starts when the model's heads do not split over ``--sp`` (and ``--ring``)."""
-    resolve_ring(config)
-
-
 def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Model FLOPs per trained token (forward + backward, no recompute): ``6 N + 6 L H d T``.
 
@@ -132,8 +130,10 @@ def _full_model(config: TrainConfig, hf_config: Any, source: str | None) -> nn.M
     """The full fp32 model on CPU: from ``source`` (pretrained files) or a seeded random init."""
     from transformers import AutoModelForCausalLM
 
-    if source is not None:
-        return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa")
+    if source is not None:  # the config the run resolved (not read again from the files)
+        return AutoModelForCausalLM.from_pretrained(
+            source, config=hf_config, dtype=torch.float32, attn_implementation="sdpa"
+        )
     return random_model(hf_config, seed=config.seed)
 
 

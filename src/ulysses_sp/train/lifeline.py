@@ -1,0 +1,92 @@
+"""What a rank does about signals and about its launcher.
+
+- :func:`die_with_launcher`: a rank started by our own launcher dies with it, however the launcher ends
+  (``kill -9``, the OOM killer). The launcher starts each rank in a session of its own (so a terminal's
+  Ctrl-C reaches only the launcher), which also means nothing else stops the ranks when it dies: on Linux
+  ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` asks the kernel to kill the rank when its parent ends, and a watchdog
+  thread checks the parent pid every half second as a fallback (other systems, or a parent thread that
+  exits). Without this, orphaned ranks trained on, writing and pruning checkpoints under a new run.
+- :class:`RankSignals`: SIGTERM (a preemption notice) only sets a flag, which the training loop agrees on
+  across ranks at the next step boundary to save and stop together; under a launcher, SIGINT ends the rank
+  at once and silently (the launcher prints the one line about it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from types import FrameType
+
+__all__ = ["LAUNCHER_PID_ENV", "PREEMPTED_STATUS", "RankSignals", "die_with_launcher"]
+
+LAUNCHER_PID_ENV = "ULYSSES_SP_LAUNCHER_PID"
+PREEMPTED_STATUS = 128 + signal.SIGTERM  # 143: stopped by SIGTERM after saving a checkpoint
+_PR_SET_PDEATHSIG = 1
+_WATCH_INTERVAL_S = 0.5
+
+
+def _parent_death_signal(signum: int) -> bool:
+    """Ask the kernel to send ``signum`` to this process when its parent ends (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(_WATCH_INTERVAL_S)
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_launcher(environ: Mapping[str, str]) -> bool:
+    """When our launcher started this rank (``ULYSSES_SP_LAUNCHER_PID``), make the rank end with it; True then."""
+    launcher = environ.get(LAUNCHER_PID_ENV, "")
+    if not launcher.isdigit():
+        return False
+    _parent_death_signal(signal.SIGKILL)
+    if os.getppid() != int(launcher):  # the launcher died before the line above: nobody is left to wait for us
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(int(launcher),), name="launcher-watchdog", daemon=True).start()
+    return True
+
+
+class RankSignals:
+    """This rank's signal handlers for a run; :meth:`restore` puts the previous ones back.
+
+    ``save_on_sigterm``: SIGTERM sets :attr:`sigterm` (else SIGTERM keeps its default: the process ends).
+    ``under_launcher``: SIGINT ends the rank at once with status 130 and no traceback.
+    """
+
+    def __init__(self, *, save_on_sigterm: bool, under_launcher: bool) -> None:
+        self.sigterm = False
+        self._previous: dict[int, object] = {}
+        if save_on_sigterm:
+            self._install(signal.SIGTERM, self._on_sigterm)
+        if under_launcher:
+            self._install(signal.SIGINT, self._on_sigint)
+
+    def _install(self, signum: int, handler: object) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous[signum] = signal.signal(signum, handler)  # type: ignore[arg-type]
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self.sigterm = True
+
+    @staticmethod
+    def _on_sigint(signum: int, frame: FrameType | None) -> None:
+        os._exit(130)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        self._previous.clear()

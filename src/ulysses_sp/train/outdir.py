@@ -1,0 +1,140 @@
+"""The output directory of a run: usable, held by one run at a time, and never emptied by accident.
+
+- :func:`prepare_output_dir` creates ``--output-dir`` and refuses a file or a read-only place, before any
+  rank starts.
+- :class:`OutputDirLock` holds an exclusive ``flock`` on ``--output-dir/.ulysses-sp.lock`` for the whole
+  run: a second run into the same folder is refused, naming the holder's pid. The kernel drops the lock
+  when the last process holding it ends (however it ends: a killed run never leaves it stuck); our launcher
+  passes the locked descriptor to its ranks, so the folder stays held until every rank is gone.
+- :func:`previous_run_files` lists what an earlier run left (checkpoints, the metrics log, TensorBoard
+  events, the loss curve): a fresh run refuses such a folder unless ``--overwrite`` is given.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import os
+import socket
+import time
+from pathlib import Path
+
+from ulysses_sp.train.checkpoint import list_checkpoints, remove_checkpoint
+from ulysses_sp.train.config import TrainConfig
+
+__all__ = [
+    "LOCK_FILE",
+    "OutputDirLock",
+    "prepare_output_dir",
+    "previous_run_files",
+    "remove_previous_run",
+    "run_artifacts",
+]
+
+LOCK_FILE = ".ulysses-sp.lock"
+TENSORBOARD_DIR = "tensorboard"
+LOSS_CURVE = "loss_curve.png"
+
+
+def prepare_output_dir(output_dir: str) -> Path:
+    """Create ``output_dir`` (and its parents); ValueError naming ``--output-dir`` when it cannot hold a run."""
+    path = Path(output_dir).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(
+            f"--output-dir {output_dir!r} is not a directory (a file of that name, or of one of its parents, "
+            "exists); remove it or choose another --output-dir"
+        ) from None
+    except OSError as error:
+        raise ValueError(_unwritable(output_dir, error)) from None
+    return path
+
+
+def _unwritable(output_dir: str, error: OSError) -> str:
+    reason = error.strerror or str(error)
+    return f"--output-dir {output_dir!r} is not writable ({reason}); choose a directory this user can write to"
+
+
+class OutputDirLock:
+    """An exclusive lock on ``output_dir`` for the life of this process (and of the ranks it passes
+    :meth:`fileno` to); ValueError naming the holder when another run has it. Waits ``wait_s`` seconds first,
+    so the ranks of a run killed a moment ago can finish dying."""
+
+    def __init__(self, output_dir: str | os.PathLike[str], *, wait_s: float = 3.0) -> None:
+        self.path = Path(output_dir) / LOCK_FILE
+        try:
+            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise ValueError(_unwritable(str(output_dir), error)) from None
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    continue
+                holder = os.pread(self._fd, 512, 0).decode("utf-8", "replace").strip() or "another process"
+                self.release()
+                raise ValueError(
+                    f"--output-dir {str(output_dir)!r} is in use by another ulysses-sp train run ({holder}); wait "
+                    "for it to end (or stop it), or choose another --output-dir"
+                ) from None
+            except OSError as error:  # a filesystem without flock (some network mounts): run unlocked
+                if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                return
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode(), 0)
+
+    def fileno(self) -> int:
+        """The locked descriptor (to pass to the ranks, which then hold the lock too)."""
+        assert self._fd is not None, "the lock was released"
+        return self._fd
+
+    def release(self) -> None:
+        """Let go of the lock (the kernel does it too when the process ends)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> OutputDirLock:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def run_artifacts(output_dir: str | os.PathLike[str], config: TrainConfig) -> dict[str, Path]:
+    """Where a run writes its logs: the metrics file, TensorBoard's event folder, the loss-curve PNG."""
+    metrics = Path(output_dir) / config.metrics_file
+    return {
+        "metrics": metrics,
+        "tensorboard": Path(output_dir) / TENSORBOARD_DIR,
+        "loss_curve": metrics.with_name(LOSS_CURVE),
+    }
+
+
+def previous_run_files(output_dir: str | os.PathLike[str], config: TrainConfig) -> list[Path]:
+    """What an earlier run left in ``output_dir``: its complete checkpoints and its logs."""
+    logs = [path for path in run_artifacts(output_dir, config).values() if path.exists()]
+    return [*list_checkpoints(output_dir), *logs]
+
+
+def remove_previous_run(output_dir: str | os.PathLike[str], config: TrainConfig) -> list[Path]:
+    """``--overwrite``: delete an earlier run's checkpoints and logs (checkpoints renamed first); returns them."""
+    import shutil
+
+    removed = previous_run_files(output_dir, config)
+    for path in removed:
+        if path.name.startswith("checkpoint-"):
+            remove_checkpoint(path)
+        elif path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return removed

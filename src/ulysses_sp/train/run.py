@@ -1,0 +1,177 @@
+"""The flow of ``ulysses-sp train``: resolve the run once, then train in this process, in local ranks that this
+process launches, or as one rank of torchrun / accelerate / Slurm.
+
+- Plain command: the config is validated, ``--output-dir`` is created and locked, and :func:`resolve_run`
+  checks everything that needs no rank (exit 2 with one line on bad input). Then one rank runs here
+  (``--nproc 1``) or :func:`launch_local` starts the ranks, which read the resolved :class:`RunSpec`.
+- Under another launcher: every rank parses the flags; rank 0 takes the lock and resolves the spec, and
+  broadcasts it (or its error) to the others.
+
+Exit status: 0 done, 2 bad input (one line naming the flag or file), 1 a failure (one line when it is one a
+user can act on, such as a full disk or non-finite training), 130 Ctrl-C, 143 stopped by SIGTERM after saving.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ulysses_sp.train.errors import RunError, disk_error, first_line, report_error
+from ulysses_sp.train.lifeline import PREEMPTED_STATUS, RankSignals, die_with_launcher
+from ulysses_sp.train.outdir import OutputDirLock, prepare_output_dir
+
+if TYPE_CHECKING:
+    from ulysses_sp.train.config import TrainConfig
+    from ulysses_sp.train.runspec import RunSpec
+
+__all__ = ["run_rank", "train_command"]
+
+
+def _print_error(message: str) -> int:
+    print(f"ulysses-sp train: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def train_command(argv: Sequence[str]) -> int:
+    """``ulysses-sp train ARGV``; returns the exit status (see the module docstring)."""
+    from ulysses_sp.train.launch import SPEC_ENV, apply_slurm_env, launch_local, under_launcher
+
+    if SPEC_ENV in os.environ:  # a rank of our own launcher: the run is resolved already
+        from ulysses_sp.train.runspec import RunSpec
+
+        return run_rank(RunSpec.load(os.environ[SPEC_ENV]))
+    from ulysses_sp.train.config import load_config
+
+    config = load_config(list(argv))  # exits with status 2 and the flag's name on a bad value
+    try:
+        apply_slurm_env(os.environ)
+        if under_launcher(os.environ):
+            return run_rank(None, config)
+        import torch
+
+        from ulysses_sp.train.runspec import resolve_run
+
+        nproc = config.resolved_nproc(torch.cuda.device_count())
+        lock = OutputDirLock(prepare_output_dir(config.output_dir))
+    except ValueError as error:
+        return _print_error(str(error))
+    except KeyboardInterrupt:
+        return _interrupted()
+    with lock:
+        try:
+            spec = resolve_run(config, nproc)
+        except ValueError as error:
+            return _print_error(str(error))
+        except KeyboardInterrupt:
+            return _interrupted()
+        if nproc == 1:
+            return run_rank(spec)
+        try:
+            with tempfile.TemporaryDirectory(prefix="ulysses-sp-run-") as tmp:
+                spec_file = spec.save(Path(tmp) / "run.json")
+                return launch_local(
+                    argv, nproc, spec_file, lock_fd=lock.fileno(), save_on_sigterm=spec.config.save_on_sigterm
+                )
+        except KeyboardInterrupt:  # before the launcher's own handlers are in place
+            return _interrupted()
+
+
+def _interrupted() -> int:
+    print("ulysses-sp train: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+    return 130
+
+
+def _quiet_libraries() -> None:
+    """No per-file progress bars or logs from transformers/datasets in the ranks' output (errors are ours)."""
+    import logging
+
+    import datasets
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.utils.logging.set_verbosity(logging.CRITICAL)
+    datasets.disable_progress_bars()
+
+
+def _spec_from_rank_0(config: TrainConfig) -> tuple[RunSpec, OutputDirLock | None]:
+    """Under another launcher: rank 0 locks ``--output-dir`` and resolves the run, every rank gets the spec
+    (ValueError on every rank when rank 0 found bad input; only rank 0 reports it)."""
+    import torch.distributed as dist
+
+    from ulysses_sp.train.runspec import RunSpec, resolve_run
+
+    lock, payload = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            if config.nproc is not None and config.nproc != dist.get_world_size():
+                raise ValueError(f"--nproc {config.nproc} but the launcher started {dist.get_world_size()} ranks")
+            lock = OutputDirLock(prepare_output_dir(config.output_dir))
+            payload = [("spec", resolve_run(config, dist.get_world_size()).to_json())]
+        except ValueError as error:
+            payload = [("error", str(error))]
+    dist.broadcast_object_list(payload, src=0)
+    kind, text = payload[0]
+    if kind == "error":
+        if lock is not None:
+            lock.release()
+        raise ValueError(text if dist.get_rank() == 0 else "")
+    return RunSpec.from_json(text), lock
+
+
+def run_rank(spec: RunSpec | None, config: TrainConfig | None = None) -> int:
+    """Train as one rank (or as the only process) on ``spec``; under another launcher ``spec`` is None and
+    rank 0 resolves it from ``config``. Returns the exit status."""
+    import torch.distributed as dist
+    import yaml
+
+    from ulysses_sp.layout import ParallelLayout
+    from ulysses_sp.train.config import config_to_dict
+    from ulysses_sp.train.launch import init_process_group, under_launcher
+    from ulysses_sp.train.loop import Trainer
+    from ulysses_sp.train.metrics import format_summary
+
+    _quiet_libraries()
+    die_with_launcher(os.environ)
+    launched = under_launcher(os.environ)
+    settings = spec.config if spec is not None else config
+    signals = RankSignals(save_on_sigterm=settings.save_on_sigterm, under_launcher=launched)
+    init_process_group(settings.dist_timeout)
+    rank, lock = dist.get_rank(), None
+    try:
+        if spec is None:
+            spec, lock = _spec_from_rank_0(config)
+        config = spec.config
+        layout = ParallelLayout.from_env(config.sp, ring=spec.ring)  # uses the group started above
+        assert config.nproc == layout.world_size, "the spec was resolved for this world size"
+        if layout.is_main:
+            print("ulysses-sp train, resolved config:", flush=True)
+            resolved = yaml.safe_dump(config_to_dict(config), sort_keys=False).rstrip()
+            print(resolved.replace("\n", "\n  ").join(["  ", ""]))
+            hybrid = f" (ulysses {layout.ulysses} x ring {layout.ring})" if layout.ring > 1 else ""
+            print(f"layout: world {layout.world_size} = dp {layout.dp} x sp {layout.sp}{hybrid} on {layout.device}")
+        summary = Trainer(spec, layout, signals).fit()
+        if layout.is_main:
+            metrics = os.path.join(config.output_dir, config.metrics_file)
+            print(format_summary(summary, metrics), flush=True)
+        return PREEMPTED_STATUS if summary["stopped"] else 0
+    except ValueError as error:
+        return report_error(str(error), 2, rank) if str(error) else 2
+    except RunError as error:
+        return report_error(str(error), error.status, rank)
+    except KeyboardInterrupt:  # one process, no launcher: Ctrl-C
+        return _interrupted()
+    except Exception as error:
+        message = disk_error(error, settings.output_dir)
+        if message is None:
+            raise
+        return report_error(f"{message} ({first_line(error)})", 1, rank)
+    finally:
+        signals.restore()
+        dist.destroy_process_group()
+        if lock is not None:
+            lock.release()

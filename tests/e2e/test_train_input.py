@@ -1,0 +1,74 @@
+"""End-to-end: bad input to ``ulysses-sp train`` is refused with one line naming the flag or the file and the
+fix (exit 2), before any rank starts where it can be checked there."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.train_cli_helpers import TINY, error_lines, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def _binary(tmp_path: Path) -> tuple[list[str], list[str]]:
+    path = tmp_path / "weights.txt"
+    path.write_bytes(bytes(range(256)) * 64)
+    return ["--dataset", str(path)], ["--dataset", "weights.txt"]
+
+
+def _malformed(tmp_path: Path) -> tuple[list[str], list[str]]:
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"text": "In the beginning"}\n{"text": "unterminated\n')
+    return ["--dataset", str(path)], ["--dataset", "broken.jsonl"]
+
+
+def _empty(tmp_path: Path) -> tuple[list[str], list[str]]:
+    path = tmp_path / "empty.jsonl"
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in ("", "  ", "\n")))
+    return ["--dataset", str(path)], ["--dataset", "no text"]
+
+
+def _hub(tmp_path: Path) -> tuple[list[str], list[str]]:
+    return ["--dataset", "no-such-org/no-such-dataset"], ["--dataset", "no-such-org/no-such-dataset"]
+
+
+def _tokenizer(tmp_path: Path) -> tuple[list[str], list[str]]:
+    return ["--tokenizer", str(tmp_path / "no-tokenizer")], ["--tokenizer", "no-tokenizer"]
+
+
+def _output_is_a_file(tmp_path: Path) -> tuple[list[str], list[str]]:
+    path = tmp_path / "a-file"
+    path.write_text("not a directory")
+    return ["--output-dir", str(path)], ["--output-dir", "a-file", "not a directory"]
+
+
+@pytest.mark.parametrize("case", [_binary, _malformed, _empty, _hub, _tokenizer, _output_is_a_file])
+def test_bad_data_tokenizer_or_output_dir_is_one_line(case, tmp_path):
+    args, needles = case(tmp_path)
+    if "--output-dir" not in args:
+        args += ["--output-dir", str(tmp_path / "out")]
+    result = run_cli([*TINY, "--max-steps", "1", *args], timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    for needle in needles:
+        assert needle in result.stderr, (needle, result.stderr)
+    assert "Traceback" not in result.stderr and len(error_lines(result)) <= 2, result.stderr
+    assert "--eval-fraction" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle", "not_blamed"),
+    [
+        (["--lr", "inf"], "--lr", None),
+        (["--max-grad-norm", "nan"], "--max-grad-norm", None),
+        (["--nproc", "0"], "--nproc", "--sp"),
+    ],
+)
+def test_non_finite_numbers_and_nproc_0_name_their_flag(args, needle, not_blamed, tmp_path):
+    result = run_cli([*args, "--output-dir", str(tmp_path)], timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr and "Traceback" not in result.stderr, result.stderr
+    if not_blamed is not None:
+        assert not_blamed not in error_lines(result)[-1], result.stderr

@@ -1,0 +1,119 @@
+"""The parts around a run in one process: the output directory's lock and checks, the refusal of an earlier
+run's files, the resolved RunSpec, one-line errors, the rank's signals, tracking and the loss curve."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+
+import pytest
+
+from ulysses_sp.train.config import TrainConfig, load_config
+from ulysses_sp.train.errors import disk_error, read_rank_errors, report_error
+from ulysses_sp.train.lifeline import RankSignals
+from ulysses_sp.train.outdir import OutputDirLock, prepare_output_dir, previous_run_files, remove_previous_run
+from ulysses_sp.train.runspec import RunSpec, resolve_run, resume_point
+from ulysses_sp.train.tracking import make_reporter, write_loss_curve
+
+
+def test_one_run_at_a_time_and_the_lock_never_sticks(tmp_path):
+    first = OutputDirLock(tmp_path, wait_s=0)
+    with pytest.raises(ValueError, match=rf"in use by another ulysses-sp train run \(pid {os.getpid()} on "):
+        OutputDirLock(tmp_path, wait_s=0.2)  # a second open file description: flock refuses it
+    first.release()
+    with OutputDirLock(tmp_path, wait_s=0) as again:
+        assert again.fileno() >= 0
+
+
+def test_output_dir_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="--output-dir .*file.* is not a directory"):
+        prepare_output_dir(str(tmp_path / "file" / "run"))
+    assert prepare_output_dir(str(tmp_path / "new" / "run")).is_dir()
+
+
+def test_a_fresh_run_refuses_an_earlier_runs_files_unless_overwrite(tmp_path):
+    config = TrainConfig(output_dir=str(tmp_path))
+    assert resume_point(config) is None and previous_run_files(tmp_path, config) == []
+    (tmp_path / "metrics.jsonl").write_text('{"event": "train", "step": 1}\n')
+    (tmp_path / "tensorboard").mkdir()
+    with pytest.raises(ValueError, match=r"metrics\.jsonl.*--resume.*--overwrite"):
+        resume_point(config)
+    assert resume_point(TrainConfig(output_dir=str(tmp_path), resume=True)) is None  # nothing to resume: fresh
+    overwrite = TrainConfig(output_dir=str(tmp_path), overwrite=True)
+    assert resume_point(overwrite) is None
+    assert {p.name for p in remove_previous_run(tmp_path, overwrite)} == {"metrics.jsonl", "tensorboard"}
+    assert previous_run_files(tmp_path, config) == []
+
+
+def test_the_run_spec_is_resolved_once_and_travels_as_json(tmp_path):
+    config = load_config(["--output-dir", str(tmp_path), "--seq-len", "256", "--report-to", "wandb"])
+    spec = resolve_run(config, world_size=2)
+    assert (spec.config.nproc, spec.config.tokenizer, spec.config.lr, spec.ring) == (2, "gpt2-bpe", 1e-2, 1)
+    assert spec.resume_from is None and spec.model_source is None
+    if spec.config.report_to == "none":  # wandb is not a test dependency: skipped with a note, not an error
+        assert "wandb" in spec.notes[0] and "pip install" in spec.notes[0]
+    again = RunSpec.load(spec.save(tmp_path / "run.json"))
+    assert again == spec and again.model_config().to_dict() == spec.model_config().to_dict()
+    assert spec.model_config().num_attention_heads == 4
+    with pytest.raises(ValueError, match="--tokenizer: .*no such directory"):
+        resolve_run(TrainConfig(output_dir=str(tmp_path), tokenizer=str(tmp_path / "none")), world_size=2)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--lr", "inf"], ["--weight-decay", "nan"], ["--min-lr-ratio", "-inf"], ["--nproc", "0"]],
+)
+def test_non_finite_numbers_and_nproc_0_exit_2_naming_their_flag(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_config(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert argv[0] in error and "--sp" not in error, error
+
+
+def test_a_full_disk_deep_in_a_library_is_one_line(tmp_path):
+    wrapped = RuntimeError("checkpoint failed")
+    wrapped.__cause__ = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
+    message = disk_error(wrapped, tmp_path)
+    assert message.startswith("No space left on device while writing to --output-dir") and str(tmp_path) in message
+    copied = RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert disk_error(copied, tmp_path) is not None  # safetensors copies the OS message into its own error
+    failures = type("CheckpointException", (Exception,), {})("dcp")
+    failures.failures = {1: (OSError(errno.EROFS, "Read-only file system"), None)}
+    assert disk_error(failures, tmp_path).startswith("Read-only file system")
+    assert disk_error(ValueError("shapes differ"), tmp_path) is None
+
+
+def test_a_rank_hands_its_one_line_to_the_launcher(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("ulysses_sp.train.errors._HANDOFF_S", 0.0)  # no launcher here to stop the rank
+    assert read_rank_errors(tmp_path) == {}
+    assert report_error("bad --dataset", 2, 1, {"ULYSSES_SP_ERROR_DIR": str(tmp_path)}) == 2
+    assert read_rank_errors(tmp_path) == {1: (2, "bad --dataset")}
+    assert capsys.readouterr().err == ""
+    report_error("disk full", 1, 0, {})
+    assert capsys.readouterr().err == "ulysses-sp train: error: disk full\n"
+
+
+def test_sigterm_only_sets_a_flag_and_the_handlers_are_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    signals = RankSignals(save_on_sigterm=True, under_launcher=False)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert signals.sigterm
+    signals.restore()
+    assert signal.getsignal(signal.SIGTERM) is before
+    RankSignals(save_on_sigterm=False, under_launcher=False)  # --no-save-on-sigterm: SIGTERM keeps its default
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_loss_curve_and_no_reporter_for_none(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"event": "train", "step": s, "loss": 10.0 - s} for s in range(1, 6)]
+    rows += [{"event": "eval", "step": 5, "eval_loss": 5.5}, {"event": "summary", "step": 5}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"event": "tr')  # a line cut by a kill
+    assert write_loss_curve(metrics, tmp_path / "loss_curve.png") is None
+    assert (tmp_path / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    kwargs = {"output_dir": tmp_path, "tensorboard_dir": tmp_path / "tb", "config": {}, "resume_step": None}
+    assert make_reporter("none", **kwargs) is None
