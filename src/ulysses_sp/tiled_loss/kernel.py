@@ -1,14 +1,16 @@
 """The tiled lm_head + cross-entropy kernel: the causal-LM loss without ever holding ``[tokens, vocab]`` logits.
 
 Tokens are cut into chunks; each chunk's logits are computed, reduced to token losses and dropped. The loss is
-the end of the graph, so when a gradient is needed the forward also makes each chunk's gradient (as fused
+the end of the graph, so when autograd will need a gradient the forward also makes each chunk's (as fused
 linear cross-entropy kernels do: Apple's Cut Cross Entropy, Liger's FLCE): it writes the chunk's hidden-state
 gradient into one buffer and adds its weight gradient into one fp32 accumulator. Backward only scales those by
-the incoming ``grad_output`` and returns them: three lm_head-sized matmuls in all, as the plain path, instead of
-four with a recompute. Exact: the same arithmetic in the same dtypes as ``lm_head`` +
-``F.cross_entropy(logits.float())``, summed in a different order; the
-scaling by ``grad_output`` comes after the chunk sums (under fp32 the gradients differ from scaling each
-chunk's only in the last bit). A live chunk costs :data:`BYTES_PER_LOGIT` bytes per logit, forward or backward.
+the incoming ``grad_output``, in place, and returns them: three lm_head-sized matmuls in all, as the plain
+path, instead of four with a recompute (``recompute=True``). Under no_grad the forward makes the loss only.
+
+Exact: the same arithmetic in the same dtypes as ``lm_head`` + ``F.cross_entropy(logits.float())``, summed in
+a different order, and scaled by ``grad_output`` after the chunk sums rather than before (under fp32 that
+moves the gradients' rounding by the last bit). A live chunk holds at most :data:`BYTES_PER_LOGIT` bytes per
+logit.
 """
 
 from __future__ import annotations
@@ -154,17 +156,21 @@ class _HeadGrads:
     bias: torch.Tensor | None
 
     @classmethod
-    def empty(cls, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wanted) -> _HeadGrads:
+    def empty(
+        cls, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wanted: tuple[bool, ...]
+    ) -> _HeadGrads:
         fp32 = dict(dtype=torch.float32, device=weight.device)
         return cls(
-            torch.empty_like(hidden) if wanted[0] else None,
+            torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if wanted[0] else None,
             torch.zeros(weight.shape, **fp32) if wanted[1] else None,
             torch.zeros(weight.shape[0], **fp32) if bias is not None and wanted[2] else None,
         )
 
     def add(self, start: int, end: int, grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> None:
         """Tokens [start, end): ``grad`` = d loss / d raw logits [c, V], ``h`` [c, h], ``w`` [V, h]."""
-        if self.hidden is not None:
+        if self.hidden is not None and self.hidden.dtype == grad.dtype:
+            torch.mm(grad, w, out=self.hidden[start:end])  # rows of a contiguous buffer: written in place
+        elif self.hidden is not None:
             self.hidden[start:end] = grad @ w
         if self.weight is not None:
             _accumulate_weight_grad(self.weight, grad, h)
@@ -176,7 +182,7 @@ class _HeadGrads:
             if grad is not None:
                 grad.mul_(factor)
 
-    def result(self, weight_dtype: torch.dtype, bias_dtype: torch.dtype | None) -> tuple:
+    def result(self, weight_dtype: torch.dtype, bias_dtype: torch.dtype | None) -> tuple[torch.Tensor | None, ...]:
         weight = self.weight.to(weight_dtype) if self.weight is not None else None
         bias = self.bias.to(bias_dtype) if self.bias is not None else None
         return self.hidden, weight, bias
@@ -191,7 +197,14 @@ def _chunk_loss_(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor
     return sums, torch.where(valid, sums.log() + top - picked, 0.0).sum()
 
 
-def _logits_grad_(exps, sums, target, valid, scale, slope: torch.Tensor | None) -> torch.Tensor:
+def _logits_grad_(
+    exps: torch.Tensor,
+    sums: torch.Tensor,
+    target: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float | torch.Tensor,
+    slope: torch.Tensor | None,
+) -> torch.Tensor:
     """d loss / d raw logits [c, V] fp32 over ``exps`` (from :func:`_chunk_loss_`): ``(softmax - onehot(target))
     * valid * scale``, times ``slope`` (d softcap / d x) with a softcap. ``scale``: head.scale x grad_output."""
     factor = valid * scale  # [c, 1]
@@ -200,7 +213,15 @@ def _logits_grad_(exps, sums, target, valid, scale, slope: torch.Tensor | None) 
     return grad.mul_(slope) if slope is not None else grad
 
 
-def _run_chunks(hidden, weight, bias, targets, args, grads: _HeadGrads | None, scale) -> torch.Tensor:
+def _run_chunks(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    args: tuple[int, LogitsHead, int, torch.dtype],
+    grads: _HeadGrads | None,
+    scale: float | torch.Tensor,
+) -> torch.Tensor:
     """The summed loss over all chunks; with ``grads``, each chunk's gradients (times ``scale``) added into them."""
     chunk, head, ignore_index, dtype = args
     w = weight.to(dtype)
