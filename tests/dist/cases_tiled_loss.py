@@ -1,12 +1,13 @@
 """Multi-rank cases for the tiled lm_head + loss, run by tests/dist/test_tiled_loss_parity.py.
 
 Each case runs a sequence-parallel model with the tiled loss (alone, under DDP, under FSDP2, with tied and
-untied embeddings, dp x sp) and compares the loss and every parameter gradient with one process on the full
-batch running the model's own (untiled) loss and attention.
+untied embeddings, dp x sp, with gradient accumulation) and compares the loss and every parameter gradient
+with one process on the full batch running the model's own (untiled) loss and attention.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 
@@ -76,6 +77,26 @@ def check(layout, arch="llama", *, batch=None, tied=False, attn="sdpa", **kwargs
         torch.testing.assert_close(grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def accumulate(layout, how):
+    """Gradient accumulation: two micro-batches, each forward then backward (DDP: no_sync on the first), against
+    the sum of the one-process gradients of the two."""
+    model = build("llama", kv_heads=2)
+    batch = make_batch(4, 24, pad="right")
+    micro = [{k: v[rows] for k, v in batch.items()} for rows in (slice(0, 2), slice(2, 4))]
+    ref_grads: dict[str, torch.Tensor] = {}
+    for part in micro:
+        for name, grad in reference(model, part)[1].items():
+            ref_grads[name] = ref_grads[name] + grad if name in ref_grads else grad
+    par = wrap(U.enable_tiled_loss(U.parallelize(copy.deepcopy(model), layout), chunk_tokens=5), how)
+    for i, part in enumerate(micro):
+        with par.no_sync() if how == "ddp" and i == 0 else contextlib.nullcontext():
+            U.causal_lm_loss(par, U.shard_batch(part, layout), layout).backward()
+    grads = full_grads(par)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def eval_loss(layout):
     """Under no_grad (evaluation) the tiled loss equals the one-process loss and keeps no graph."""
     model = build("llama", kv_heads=2)
@@ -102,6 +123,8 @@ def world2() -> dict[str, str]:
         "sp2_fsdp2_tied": P(check, sp2, how="fsdp2", tied=True),
         "sp2_fsdp2_lm_head_unit": P(check, sp2, how="fsdp2_head_unit"),
         "sp2_eval_no_grad": P(eval_loss, sp2),
+        "sp2_ddp_grad_accumulation": P(accumulate, sp2, "ddp"),
+        "sp2_fsdp2_grad_accumulation": P(accumulate, sp2, "fsdp2"),
     }
     return run_cases(cases)
 

@@ -14,6 +14,8 @@ WORLD2 = [
     "sp2_fsdp2_tied",
     "sp2_fsdp2_lm_head_unit",
     "sp2_eval_no_grad",
+    "sp2_ddp_grad_accumulation",
+    "sp2_fsdp2_grad_accumulation",
 ]
 WORLD4 = ["dp2_sp2_fsdp2_tied", "dp2_sp2_ddp", "hybrid_2x2_fsdp2_packed"]
 

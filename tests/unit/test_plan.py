@@ -174,7 +174,7 @@ def test_config_json_and_directory(tmp_path):
             2,
             Features(loss_chunk_tokens=256, mlp_chunk_tokens=128, activation_checkpointing="checkpoint", dtype="fp32"),
         ),
-        # one loss chunk holds every token: the tiled loss's backward is the peak (was over-predicted by 15%)
+        # one loss chunk holds every token (the loss phases were over-predicted by 15%)
         ("llama", 4, Features(dtype="bf16", **CHECKPOINTED)),
     ],
 )
@@ -184,6 +184,19 @@ def test_simulate_on_cpu_agrees_with_the_plan(kind, sp, features):
     result = simulate_step(tiny(kind, kv=2), seq_len=2048, sp=sp, dp=2, features=features)
     assert 0.93 <= result["ratio"] <= 1.07, result
     assert not dist.is_initialized()  # the fake world is gone
+
+
+@pytest.mark.parametrize("dtype,chunk", [("bf16", None), ("bf16", 128), ("fp32", None)])
+def test_simulate_agrees_where_the_tiled_loss_forward_is_the_peak(dtype, chunk):
+    """Vocabulary 128 x hidden: the tiled loss's forward (its gradient buffers and one chunk) is the peak."""
+    from ulysses_sp.simulate import simulate_step
+
+    config = tiny("llama", kv=2)
+    config.vocab_size = 8192
+    features = Features(dtype=dtype, loss_chunk_tokens=chunk, tiled_mlp=True, activation_checkpointing="checkpoint")
+    result = simulate_step(config, seq_len=2048, sp=2, dp=1, features=features)
+    assert result["plan"]["phase"] == "loss forward"
+    assert 0.97 <= result["ratio"] <= 1.03, result
 
 
 def test_simulate_refuses_ddp():

@@ -24,7 +24,7 @@ from typing import Any
 from ..features import Features
 from ..layout import choose_layout, resolve_ring_degree
 from ..ring import ring_bytes_per_layer
-from ..tiled_loss import BYTES_PER_LOGIT, loss_chunk_tokens
+from ..tiled_loss import chunk_bytes_per_logit, loss_chunk_tokens
 from ..tiling import default_chunk_tokens
 from ..traffic import ulysses_bytes_per_layer
 from .shape import ModelShape, model_shape
@@ -259,19 +259,20 @@ def _terms(
         checkpoints, others, own_input = min(2, layers) * layer_input * t, 0, 0
 
     # --- logits and loss --------------------------------------------------------------------------------
-    final_norm = (u + 2 * c) * h * t  # the final RMSNorm's saved tensors (its output feeds lm_head)
+    final_norm = (u + 2 * c) * h * t  # the final RMSNorm's saved tensors and its output (lm_head's input)
+    norm_after_loss = final_norm  # what of it is left once the loss forward has returned
     if features.tiled_loss:
         chunk = features.loss_chunk_tokens or loss_chunk_tokens(vocab, features.loss_budget_bytes)
         chunk = min(chunk, t)
-        # Forward per chunk: logits in the compute dtype, then their fp32 copy (the compute-dtype ones are
-        # freed as the copy returns) and logsumexp's fp32 temporary.
-        loss_forward = max(c + u, BYTES_PER_LOGIT) * chunk * vocab
-        # Backward (tiled_loss._TiledHeadLoss.backward, one chunk at a time): the hidden-state gradient
-        # [t, h] and the fp32 weight-gradient accumulator [V, h] live throughout; on top of them, the larger
-        # of: the chunk's fp32 logits and softmax (everything after is in place, the cast to the compute
-        # dtype and the blocked weight-gradient product need less), and at the end the accumulator cast to
-        # the weight's compute dtype (none under fp32: the accumulator is the gradient).
-        loss_backward = c * h * t + 4 * vocab * h + max(BYTES_PER_LOGIT * chunk * vocab, head_grad if c < 4 else 0)
+        # Forward (tiled_loss.kernel: each chunk's gradient made in the forward): the hidden-state gradient
+        # [t, h] and the fp32 weight-gradient accumulator [V, h] live from its start, and one chunk's working
+        # set on top of them (the blocked weight-gradient product needs less).
+        buffers = c * h * t + 4 * vocab * h
+        loss_forward = buffers + chunk_bytes_per_logit(c, shape.logit_softcap) * chunk * vocab
+        # Backward only scales the buffers in place and, but under fp32, casts the accumulator to the
+        # weight's compute dtype. Nothing saved the norm's output: it was freed with the loss forward.
+        loss_backward = buffers + (head_grad if c < 4 else 0)
+        norm_after_loss = final_norm - c * h * t
     else:
         # lm_head's [t, V] logits, their fp32 copy (a no-op under fp32), log_softmax's saved fp32 output;
         # backward holds three fp32 [t, V] tensors at once (saved log-probs, their gradient, the logits').
@@ -285,7 +286,7 @@ def _terms(
         "loss backward": {
             **base,
             "gradients": 0 if features.tiled_loss else head_grad,  # tiled: made at its end (in logits_loss)
-            "layer_activations": all_layers + final_norm,
+            "layer_activations": all_layers + norm_after_loss,
             "logits_loss": loss_backward,
         },
         "backward: last layer's MLP": {

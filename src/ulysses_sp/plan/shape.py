@@ -22,6 +22,7 @@ class ModelShape:
     tie_word_embeddings: bool
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma3)
     attention_bias: bool = False
+    logit_softcap: bool = False  # final_logit_softcapping (Gemma 2/3): the tiled loss holds its slope too
     name: str = ""
 
     @classmethod
@@ -40,6 +41,7 @@ class ModelShape:
             tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
             qk_norm=getattr(text, "model_type", "") in ("qwen3", "gemma3_text", "gemma3"),
             attention_bias=bool(getattr(text, "attention_bias", False)),
+            logit_softcap=bool(getattr(text, "final_logit_softcapping", None)),
             name=name or getattr(config, "_name_or_path", "") or getattr(text, "model_type", ""),
         )
 

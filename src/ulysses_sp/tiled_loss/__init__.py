@@ -1,12 +1,20 @@
 """Tiled lm_head + cross-entropy: the kernel (:mod:`.kernel`) and the causal-LM forward that uses it (:mod:`.patch`)."""
 
-from .kernel import BYTES_PER_LOGIT, DEFAULT_LOSS_BUDGET_BYTES, LogitsHead, loss_chunk_tokens, tiled_cross_entropy_sum
+from .kernel import (
+    BYTES_PER_LOGIT,
+    DEFAULT_LOSS_BUDGET_BYTES,
+    LogitsHead,
+    chunk_bytes_per_logit,
+    loss_chunk_tokens,
+    tiled_cross_entropy_sum,
+)
 from .patch import disable_tiled_loss, enable_tiled_loss, tiled_loss_enabled
 
 __all__ = [
     "BYTES_PER_LOGIT",
     "DEFAULT_LOSS_BUDGET_BYTES",
     "LogitsHead",
+    "chunk_bytes_per_logit",
     "disable_tiled_loss",
     "enable_tiled_loss",
     "loss_chunk_tokens",

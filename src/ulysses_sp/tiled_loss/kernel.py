@@ -1,28 +1,52 @@
 """The tiled lm_head + cross-entropy kernel: the causal-LM loss without ever holding ``[tokens, vocab]`` logits.
 
-Tokens are cut into chunks; each chunk's logits are computed, reduced to token losses and dropped. Backward
-recomputes each chunk's logits from the saved hidden states and the lm_head weight (one extra lm_head
-matmul), writes the chunk's hidden-state gradient into one buffer and adds the weight gradient into one
-fp32 accumulator. Exact: the same arithmetic in the same dtypes as ``lm_head`` + ``F.cross_entropy(logits.float())``,
-summed in a different order. A live chunk costs :data:`BYTES_PER_LOGIT` bytes per logit.
+Tokens are cut into chunks; each chunk's logits are computed, reduced to token losses and dropped. The loss is
+the end of the graph, so when autograd will need a gradient the forward also makes each chunk's (as fused
+linear cross-entropy kernels do: Apple's Cut Cross Entropy, Liger's FLCE): it writes the chunk's hidden-state
+gradient into one buffer and adds its weight gradient into one fp32 accumulator. Backward only scales those by
+the incoming ``grad_output``, in place, and returns them: three lm_head-sized matmuls in all, as the plain
+path, instead of four with a recompute (``recompute=True``). Under no_grad the forward makes the loss only.
+
+Exact: the same arithmetic in the same dtypes as ``lm_head`` + ``F.cross_entropy(logits.float())``, summed in
+a different order, and scaled by ``grad_output`` after the chunk sums rather than before (under fp32 that
+moves the gradients' rounding by the last bit). A live chunk holds at most :data:`BYTES_PER_LOGIT` bytes per
+logit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ..validation import IGNORE_INDEX
 
-__all__ = ["BYTES_PER_LOGIT", "DEFAULT_LOSS_BUDGET_BYTES", "LogitsHead", "loss_chunk_tokens", "tiled_cross_entropy_sum"]
+__all__ = [
+    "BYTES_PER_LOGIT",
+    "DEFAULT_LOSS_BUDGET_BYTES",
+    "LogitsHead",
+    "chunk_bytes_per_logit",
+    "loss_chunk_tokens",
+    "tiled_cross_entropy_sum",
+]
 
 DEFAULT_LOSS_BUDGET_BYTES = 1 << 30
-# Bytes per logit held while a chunk is live, forward or backward: the fp32 logits (4) and one fp32 tensor of
-# the same shape (logsumexp's temporary; the softmax that becomes the gradient). Everything else is in place.
+# Bytes per logit a live chunk may hold, forward or backward (the budget's unit): at most the fp32 logits (4)
+# and one more tensor of the same shape (see :func:`chunk_bytes_per_logit`). Everything else is in place.
 BYTES_PER_LOGIT = 8
+
+
+def chunk_bytes_per_logit(compute_bytes: int, softcap: bool) -> int:
+    """Bytes per logit a live chunk holds at its peak (<= :data:`BYTES_PER_LOGIT`): the fp32 logits, which
+    become the softmax and then the gradient in place (4), plus the larger of: the logits and the gradient in
+    a 16-bit compute dtype (before their fp32 copy / after their cast: ``compute_bytes`` when < 4) and, with a
+    softcap, its slope ``1 - tanh^2`` (4)."""
+    return 4 + max(compute_bytes if compute_bytes < 4 else 0, 4 if softcap else 0)
 
 
 def loss_chunk_tokens(vocab_size: int, budget_bytes: int = DEFAULT_LOSS_BUDGET_BYTES) -> int:
@@ -78,83 +102,184 @@ def _chunks(total: int, chunk: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + chunk, total)
 
 
+@functools.cache
+def _fp32_product_mode(device_type: str, dtype: torch.dtype) -> str | None:
+    """How this build multiplies two ``dtype`` matrices into an fp32 product on ``device_type`` (probed once).
+
+    ``"addmm"``: ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` adds it into an fp32 tensor in
+    place; ``"mm"``: ``torch.mm(a, b, out_dtype=torch.float32)`` makes it; None: neither (the CPU build of
+    torch 2.13 has no such kernels), so the product is rounded to ``dtype`` before it is added.
+    """
+    a = torch.ones(2, 3, dtype=dtype, device=device_type)
+    with contextlib.suppress(RuntimeError, TypeError):
+        acc = torch.full((2, 2), 0.5, device=device_type)
+        torch.addmm(acc, a, a.t(), out_dtype=torch.float32, out=acc)
+        if bool((acc == 3.5).all()):
+            return "addmm"
+    with contextlib.suppress(RuntimeError, TypeError):
+        if torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32:
+            return "mm"
+    return None
+
+
 def _accumulate_weight_grad(acc: torch.Tensor, grad: torch.Tensor, h: torch.Tensor) -> None:
     """``acc += grad^T @ h`` with a transient no larger than half the chunk's ``grad``.
 
-    acc [V, h] fp32; grad [c, V], h [c, h] in the compute dtype. In fp32 the product goes straight into the
-    accumulator. Otherwise it is made in blocks of vocabulary rows, each added to the fp32 accumulator in place
-    (the reduction over tokens is the same, so the sums are those of one [V, h] product), so that the
-    product never costs a [V, h] tensor in the compute dtype and its fp32 copy (a vocabulary of 152K and a
-    hidden size of 2560 would make those 2.3 GB).
+    acc [V, h] fp32; grad [c, V], h [c, h] in the compute dtype. In fp32 (or where :func:`_fp32_product_mode`
+    is ``"addmm"``) the product goes straight into the accumulator. Otherwise it is made in blocks of
+    vocabulary rows (in fp32 where the build can, else rounded to the compute dtype), each added to the fp32
+    accumulator in place (the reduction over tokens is the same, so the sums are those of one [V, h] product),
+    so that the product never costs a [V, h] tensor and its fp32 copy (2.3 GB for a vocabulary of 152K and a
+    hidden size of 2560).
     """
     if grad.dtype == acc.dtype:
         acc.addmm_(grad.t(), h)
         return
-    rows = max(1, grad.numel() // (2 * max(1, h.shape[1])))  # block [rows, h] <= half of grad's elements
+    mode = _fp32_product_mode(acc.device.type, grad.dtype)
+    if mode == "addmm":
+        torch.addmm(acc, grad.t(), h, out_dtype=torch.float32, out=acc)
+        return
+    product_size = 4 if mode == "mm" else grad.element_size()
+    rows = max(1, grad.numel() * grad.element_size() // (2 * product_size * max(1, h.shape[1])))
     for v0 in range(0, acc.shape[0], rows):
-        acc[v0 : v0 + rows] += grad[:, v0 : v0 + rows].t() @ h
+        block = grad[:, v0 : v0 + rows].t()  # [rows, c]
+        acc[v0 : v0 + rows] += torch.mm(block, h, out_dtype=torch.float32) if mode == "mm" else block @ h
+
+
+@dataclass
+class _HeadGrads:
+    """The gradients the chunks fill: ``hidden`` [T, h] (in hidden's dtype), ``weight`` [V, h] and ``bias``
+    [V] in fp32 (None where not wanted)."""
+
+    hidden: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    @classmethod
+    def empty(
+        cls, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wanted: tuple[bool, ...]
+    ) -> _HeadGrads:
+        fp32 = dict(dtype=torch.float32, device=weight.device)
+        return cls(
+            torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if wanted[0] else None,
+            torch.zeros(weight.shape, **fp32) if wanted[1] else None,
+            torch.zeros(weight.shape[0], **fp32) if bias is not None and wanted[2] else None,
+        )
+
+    def add(self, start: int, end: int, grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> None:
+        """Tokens [start, end): ``grad`` = d loss / d raw logits [c, V], ``h`` [c, h], ``w`` [V, h]."""
+        if self.hidden is not None and self.hidden.dtype == grad.dtype:
+            torch.mm(grad, w, out=self.hidden[start:end])  # rows of a contiguous buffer: written in place
+        elif self.hidden is not None:
+            self.hidden[start:end] = grad @ w
+        if self.weight is not None:
+            _accumulate_weight_grad(self.weight, grad, h)
+        if self.bias is not None:
+            self.bias += grad.sum(0, dtype=torch.float32)
+
+    def scale_(self, factor: torch.Tensor) -> None:
+        for grad in (self.hidden, self.weight, self.bias):
+            if grad is not None:
+                grad.mul_(factor)
+
+    def result(self, weight_dtype: torch.dtype, bias_dtype: torch.dtype | None) -> tuple[torch.Tensor | None, ...]:
+        weight = self.weight.to(weight_dtype) if self.weight is not None else None
+        bias = self.bias.to(bias_dtype) if self.bias is not None else None
+        return self.hidden, weight, bias
+
+
+def _chunk_loss_(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Overwrite fp32 ``logits`` [c, V] by ``exp(logits - max)``; return their row sums [c, 1] and the summed
+    loss of the valid rows (``max + log(sum) - logit[target]``: torch.logsumexp's arithmetic)."""
+    picked = logits.gather(1, target.clamp(min=0).unsqueeze(1))  # [c, 1]
+    top = logits.amax(1, keepdim=True)  # [c, 1]
+    sums = logits.sub_(top).exp_().sum(1, keepdim=True)  # [c, 1]
+    return sums, torch.where(valid, sums.log() + top - picked, 0.0).sum()
+
+
+def _logits_grad_(
+    exps: torch.Tensor,
+    sums: torch.Tensor,
+    target: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float | torch.Tensor,
+    slope: torch.Tensor | None,
+) -> torch.Tensor:
+    """d loss / d raw logits [c, V] fp32 over ``exps`` (from :func:`_chunk_loss_`): ``(softmax - onehot(target))
+    * valid * scale``, times ``slope`` (d softcap / d x) with a softcap. ``scale``: head.scale x grad_output."""
+    factor = valid * scale  # [c, 1]
+    grad = exps.mul_(factor / sums)
+    grad.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -factor)
+    return grad.mul_(slope) if slope is not None else grad
+
+
+def _run_chunks(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    args: tuple[int, LogitsHead, int, torch.dtype],
+    grads: _HeadGrads | None,
+    scale: float | torch.Tensor,
+) -> torch.Tensor:
+    """The summed loss over all chunks; with ``grads``, each chunk's gradients (times ``scale``) added into them."""
+    chunk, head, ignore_index, dtype = args
+    w = weight.to(dtype)
+    b = bias.to(dtype) if bias is not None else None
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start, end in _chunks(hidden.shape[0], chunk):
+        h = hidden[start:end].to(dtype)  # [c, h]
+        logits = head.apply_(F.linear(h, w, b).float())  # [c, V] fp32
+        target = targets[start:end]
+        valid = (target != ignore_index).unsqueeze(1)  # [c, 1]
+        slope = head.softcap_grad_(logits.clone()) if grads is not None and head.softcap is not None else None
+        sums, loss = _chunk_loss_(logits, target, valid)  # the logits are overwritten
+        total += loss
+        if grads is None:
+            del logits  # before the next chunk's logits exist
+            continue
+        grad = _logits_grad_(logits, sums, target, valid, scale * head.scale, slope)
+        del logits, slope  # (grad is the logits, overwritten)
+        grad = grad.to(dtype)  # d loss / d raw [c, V] in the compute dtype (the fp32 one is freed)
+        grads.add(start, end, grad, h, w)
+        del grad  # before the next chunk's logits exist
+    return total
 
 
 class _TiledHeadLoss(torch.autograd.Function):
     """sum over valid tokens of CE(head(hidden @ W^T + b), target); see :func:`tiled_cross_entropy_sum`."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk, head, ignore_index, compute_dtype):  # type: ignore[override]
-        # hidden [T, h]; weight [V, h]; bias [V] or None; targets [T]
+    def forward(ctx, hidden, weight, bias, targets, args, wanted, recompute):  # type: ignore[override]
+        # hidden [T, h]; weight [V, h]; bias [V] or None; targets [T]; args: (chunk, head, ignore_index, dtype)
+        make = any(wanted) and not recompute
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(compute_dtype)
-            b = bias.to(compute_dtype) if bias is not None else None
-            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for start, end in _chunks(hidden.shape[0], chunk):
-                logits = head.apply_(F.linear(hidden[start:end].to(compute_dtype), w, b).float())  # [c, V]
-                target = targets[start:end]
-                valid = target != ignore_index
-                picked = logits.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)  # [c]
-                total += torch.where(valid, torch.logsumexp(logits, dim=1) - picked, 0.0).sum()
-        ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.chunk, ctx.head, ctx.ignore_index, ctx.compute_dtype = chunk, head, ignore_index, compute_dtype
+            grads = _HeadGrads.empty(hidden, weight, bias, wanted) if make else None
+            total = _run_chunks(hidden, weight, bias, targets, args, grads, 1.0)
+        if recompute:
+            ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.grads, ctx.args, ctx.recompute = grads, args, recompute
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return total
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_total):  # type: ignore[override]
-        hidden, weight, bias, targets = ctx.saved_tensors
-        head, dtype = ctx.head, ctx.compute_dtype
-        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)
-            b = bias.to(dtype) if bias is not None else None
-            grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
-            grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias else None
-            scale = grad_total.float()
-            for start, end in _chunks(hidden.shape[0], ctx.chunk):
-                h = hidden[start:end].to(dtype)  # [c, h]
-                logits = head.apply_(F.linear(h, w, b).float())  # [c, V] fp32
-                target = targets[start:end]
-                valid = (target != ctx.ignore_index).unsqueeze(1)  # [c, 1]
-                grad = torch.softmax(logits, dim=1)  # d CE / d logits = softmax - onehot(target)
-                grad.scatter_add_(1, target.clamp(min=0).unsqueeze(1), torch.full_like(grad[:, :1], -1.0))
-                if head.softcap is not None:
-                    grad.mul_(head.softcap_grad_(logits))  # the logits are overwritten
-                del logits
-                grad = grad.mul_(valid * (scale * head.scale)).to(dtype)  # d loss / d raw [c, V]
-                if grad_hidden is not None:
-                    grad_hidden[start:end] = grad @ w
-                if grad_weight is not None:
-                    _accumulate_weight_grad(grad_weight, grad, h)
-                if grad_bias is not None:
-                    grad_bias += grad.sum(0, dtype=torch.float32)
-                del grad  # before the next chunk's logits exist
-        return (
-            grad_hidden,
-            grad_weight.to(weight.dtype) if grad_weight is not None else None,
-            grad_bias.to(bias.dtype) if grad_bias is not None else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        scale = grad_total.float()
+        if ctx.recompute:  # the chunks again, their logits recomputed: one more lm_head-sized matmul each
+            hidden, weight, bias, targets = ctx.saved_tensors
+            with torch.autocast(hidden.device.type, enabled=False):
+                grads = _HeadGrads.empty(hidden, weight, bias, ctx.needs_input_grad[:3])
+                _run_chunks(hidden, weight, bias, targets, ctx.args, grads, scale)
+        else:  # made by the forward for a grad_output of 1: scaled after the chunk sums, in place
+            grads, ctx.grads = ctx.grads, None
+            if grads is None:
+                raise RuntimeError(
+                    "the tiled loss's gradients were made in its forward and consumed by a first backward; to "
+                    "back-propagate through it twice (retain_graph=True), pass recompute=True"
+                )
+            grads.scale_(scale)
+        return (*grads.result(*ctx.dtypes), None, None, None, None)
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -173,6 +298,7 @@ def tiled_cross_entropy_sum(
     head: LogitsHead | None = None,
     chunk_tokens: int | None = None,
     ignore_index: int = IGNORE_INDEX,
+    recompute: bool = False,
 ) -> torch.Tensor:
     """Sum over valid targets of ``cross_entropy(head(hidden @ weight^T + bias), target)``, in chunks.
 
@@ -182,6 +308,10 @@ def tiled_cross_entropy_sum(
         targets: ``[...]`` target ids, already shifted (``shift_labels``); ``ignore_index`` = no target.
         head: scaling / soft-capping applied to the logits (default: none).
         chunk_tokens: tokens per chunk (default: :func:`loss_chunk_tokens` for a 1 GiB budget).
+        recompute: make the gradients in backward, recomputing each chunk's logits (one more lm_head-sized
+            matmul; holds only the inputs between forward and backward, and allows ``retain_graph=True``).
+            Default: made in the forward, when autograd will need them (grad mode on and an input that
+            requires grad), and only scaled by ``grad_output`` in backward.
 
     Returns an fp32 scalar. Under autocast the matmuls run in the autocast dtype (as ``lm_head`` would).
     """
@@ -197,7 +327,7 @@ def tiled_cross_entropy_sum(
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [T, h]
     flat_targets = targets.reshape(-1).to(device=hidden.device, dtype=torch.long)  # [T]
-    dtype = _compute_dtype(hidden, weight)
-    return _TiledHeadLoss.apply(
-        flat_hidden, weight, bias, flat_targets, chunk, head or LogitsHead(), ignore_index, dtype
-    )
+    grad_on = torch.is_grad_enabled()  # (always off inside Function.forward: read it here)
+    wanted = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias))
+    args = (chunk, head or LogitsHead(), ignore_index, _compute_dtype(hidden, weight))
+    return _TiledHeadLoss.apply(flat_hidden, weight, bias, flat_targets, args, wanted, recompute)
