@@ -31,13 +31,16 @@ from .layout import ParallelLayout
 from .ring import ring_attention, zigzag_order
 from .validation import IGNORE_INDEX, check_id_ranges, id_range, input_problem
 
-__all__ = ["RING_CORES", "UlyssesAttention", "check_ring_core", "ulysses_attention_forward", "ulysses_mask"]
+__all__ = [
+    "RING_CORES",
+    "SlidingWindowMask",
+    "UlyssesAttention",
+    "check_ring_core",
+    "ulysses_attention_forward",
+    "ulysses_mask",
+]
 
 MODULE_ATTR = "_ulysses_sp"
-# The sliding window of an attention module read from its config by parallelize (None: full attention). Used
-# when the model does not pass ``sliding_window`` to the attention function itself (Qwen2-MoE, PhiMoE apply
-# their window only through the mask, which Ulysses does not build).
-WINDOW_ATTR = "_ulysses_sp_window"
 _UNSET = object()
 # Core names a ring accepts: both compute exact attention, as the ring's blockwise core does.
 RING_CORES = ("sdpa", "eager")
@@ -201,11 +204,19 @@ class UlyssesAttention:
     ) -> tuple[torch.Tensor, None]:
         """q ``[b, H, n, d]``, k/v ``[b, Hkv, n, d]`` (local tokens) -> ``([b, n, H, d], None)``.
 
-        ``sliding_window``: as the model passes it (None = full attention); when the model passes nothing,
-        the window its config gives this layer (the one its own mask would apply).
+        The window is the one the model's own mask gives this layer: ``attention_mask`` is what
+        :func:`ulysses_mask` returned for it (None: causal, a :class:`SlidingWindowMask`: that window); any
+        other mask is one the model made itself, which Ulysses cannot apply (ValueError). A ``sliding_window``
+        the model passes must agree with its mask (OLMoE passes the config's key but masks causally).
         """
-        if sliding_window is _UNSET:
-            sliding_window = getattr(module, WINDOW_ATTR, None)
+        window = None if attention_mask is None else _mask_window(module, attention_mask)
+        if sliding_window is not _UNSET and (sliding_window or None) != window:
+            raise ValueError(
+                f"{type(module).__name__} passes sliding_window={sliding_window} to its attention function, but the "
+                f"mask its model builds for this layer applies {f'a window of {window}' if window else 'no window'} "
+                "(transformers applies the first under flash attention and the second under sdpa/eager, so one "
+                "process gives different losses); make them agree, e.g. remove sliding_window from the config"
+            )
         if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
             raise ValueError("Ulysses attention supports causal (decoder) attention only")
         for name in ("s_aux", "sinks"):
@@ -233,11 +244,12 @@ class UlyssesAttention:
         # q [b, H/U, N/R, d]; k/v [b, hkv, N/R, d] (U = ulysses, R = ring; N/R = N without a ring)
         core = self.core if self.layout.ring == 1 else self._ring_core
         out = core(
-            q, k, v, segments, scaling=scaling, sliding_window=sliding_window, softcap=softcap, dropout=dropout
+            q, k, v, segments, scaling=scaling, sliding_window=window, softcap=softcap, dropout=dropout
         )  # [b, N/R, H/U, d]
         if out.shape[-1] != d_v:
             out = out[..., :d_v]  # [b, N/R, H/U, d_v]
-        return heads_to_seq(out, group, comm_dtype=wire, stats=self.stats), None  # [b, n, H, d_v]
+        # contiguous, as transformers' own attention functions return it (JetMoE .view()s it)
+        return heads_to_seq(out, group, comm_dtype=wire, stats=self.stats).contiguous(), None  # [b, n, H, d_v]
 
     def _ring_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, **kwargs):
         """The core of a hybrid layout: ring attention over ``layout.ring_group`` (see :mod:`ulysses_sp.ring`)."""
@@ -275,10 +287,68 @@ def ulysses_attention_forward(
     return _context(module)(module, query, key, value, attention_mask, **kwargs)
 
 
-def ulysses_mask(*args, **kwargs) -> None:
+class SlidingWindowMask:
+    """What :func:`ulysses_mask` returns in place of a sliding-window mask: the window alone, no tensor.
+
+    The model hands each layer the mask it built for it, so the attention function learns each layer's window
+    from the model itself (never from a config key the model may not use). A model that computes with its
+    mask (reads an attribute, indexes it) gets a ValueError: there is no dense mask under Ulysses.
+    """
+
+    __slots__ = ("window",)
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+
+    def __repr__(self) -> str:
+        return f"SlidingWindowMask({self.window})"
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise _computes_with_mask(f"reads attention_mask.{name}")
+
+    def __getitem__(self, key: object):
+        raise _computes_with_mask("indexes the attention mask")
+
+
+def _computes_with_mask(what: str) -> ValueError:
+    return ValueError(
+        f"the model {what}, but under Ulysses no dense attention mask exists (each layer's window is applied by "
+        "the Ulysses core, documents come from position_ids); a model that computes with its mask cannot be "
+        "parallelized"
+    )
+
+
+def _mask_window(module: torch.nn.Module, mask: object) -> int:
+    """The window of a mask that reached the attention function; ValueError for one the model made itself."""
+    if type(mask) is SlidingWindowMask:
+        return mask.window
+    described = f"a {type(mask).__name__} of shape {tuple(mask.shape)}" if hasattr(mask, "shape") else repr(mask)
+    raise ValueError(
+        f"{type(module).__name__} passes its own attention mask to the attention function ({described}) instead "
+        "of the one transformers builds for Ulysses (None or a sliding window): Ulysses cannot apply a mask with "
+        "content (e.g. Doge's dynamic mask, built from learned parameters), so the loss would be wrong and those "
+        "parameters would get no gradient; this model cannot be parallelized"
+    )
+
+
+def ulysses_mask(*args, local_size: int | None = None, config=None, use_vmap: bool = False, **kwargs):
     """Registered with transformers' ``AttentionMaskInterface``: Ulysses needs no dense mask.
 
     Padding and documents are read once per forward pass from the 2-D mask and position_ids
-    (:meth:`UlyssesAttention.begin_forward`), so transformers never materialises an ``N x N`` mask.
+    (:meth:`UlyssesAttention.begin_forward`), so transformers never materialises an ``N x N`` mask. A causal
+    mask is None; a sliding-window one (transformers passes its window as ``local_size``) is a
+    :class:`SlidingWindowMask`, which tells the layers that receive it their window. Mask functions added on top
+    (``or_mask_function`` / ``and_mask_function``, which transformers marks with ``use_vmap``) are refused.
     """
-    return None
+    if use_vmap:
+        raise ValueError(
+            "the model builds its attention mask with an extra mask function (or_mask_function / and_mask_function, "
+            "e.g. bidirectional attention over image tokens), which Ulysses cannot apply; this input cannot be "
+            "parallelized"
+        )
+    chunk = getattr(config, "attention_chunk_size", None)
+    if local_size is None or local_size == chunk:  # chunked masks are refused by parallelize
+        return None
+    return SlidingWindowMask(int(local_size))

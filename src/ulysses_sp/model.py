@@ -27,7 +27,6 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import (
     MODULE_ATTR,
-    WINDOW_ATTR,
     UlyssesAttention,
     check_ring_core,
     ulysses_attention_forward,
@@ -204,28 +203,6 @@ def _check_model_features(config, core: str | None) -> None:
         )
 
 
-def _layer_window(config, module: torch.nn.Module) -> int | None:
-    """The sliding window the model's own mask gives ``module`` (None: full causal), read from the config.
-
-    transformers builds a sliding-window mask for the layers whose ``layer_types`` entry is
-    ``"sliding_attention"``, or for every layer when the config sets ``sliding_window`` without layer types
-    (PhiMoE, Mistral); ``use_sliding_window=False`` turns it off (Qwen2 family).
-    """
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if not layer_types:
-        return int(window)
-    layer = getattr(module, "layer_idx", None)
-    if not isinstance(layer, int) or not 0 <= layer < len(layer_types):
-        raise ValueError(
-            f"{type(module).__name__} has no usable layer_idx ({layer!r}), so Ulysses cannot tell whether the "
-            f"sliding window of config.layer_types applies to it; this model is refused"
-        )
-    return int(window) if layer_types[layer] == "sliding_attention" else None
-
-
 def _register(name: str) -> None:
     AttentionInterface.register(name, ulysses_attention_forward)
     AttentionMaskInterface.register(name, ulysses_mask)
@@ -292,15 +269,13 @@ def parallelize(
     )
     name = f"ulysses_{core_name}" if isinstance(core, str) else "ulysses_custom"
     rope_hooks = _rope_hooks(pretrained, ctx, name, text_config)
-    windows = [_layer_window(text_config, m) for m in modules]
 
     # All checks passed: from here on the model is changed.
     _register(name)
     original = pretrained.config._attn_implementation
     pretrained.set_attn_implementation(name)
-    for module, window in zip(modules, windows, strict=True):
+    for module in modules:
         object.__setattr__(module, MODULE_ATTR, ctx)
-        object.__setattr__(module, WINDOW_ATTR, window)
 
     begin = _BeginForward(pretrained, ctx, name)
     hooks = [
@@ -331,9 +306,8 @@ def unparallelize(model: torch.nn.Module) -> torch.nn.Module:
     for hook in state.hooks:
         hook.remove()
     for module in state.modules:
-        for attr in (MODULE_ATTR, WINDOW_ATTR):
-            if attr in module.__dict__:
-                object.__delattr__(module, attr)
+        if MODULE_ATTR in module.__dict__:
+            object.__delattr__(module, MODULE_ATTR)
     pretrained.set_attn_implementation(state.original_impl)
     delattr(pretrained, _STATE_ATTR)
     return model

@@ -1,4 +1,5 @@
-"""Multi-rank cases for issue 8 (exactness and hardening), run inside gloo workers by tests/dist/test_hardening.py.
+"""Multi-rank cases for issues 8 and 19 (exactness and hardening), run inside gloo workers by
+tests/dist/test_hardening.py.
 
 Parity cases compare loss and every gradient with one process on the full batch (plain transformers attention,
 the model's own mask), as in :mod:`tests.dist.cases_core`; the other cases check that bad input on ONE rank
@@ -16,7 +17,7 @@ import torch
 import ulysses_sp as U
 from tests.dist.cases_core import check_parity
 from tests.helpers.harness import run_cases
-from tests.helpers.models import VOCAB, build, make_batch
+from tests.helpers.models import VOCAB, build, build_generic, make_batch
 
 # Every family of the issue, tiny: (arch, kv_heads). heads=4 so sp=4 splits them.
 PARITY_ARCHS = {
@@ -41,6 +42,7 @@ PARITY_ARCHS = {
     "exaone4": 2,
     "olmo3": 2,
     "ministral": 2,
+    "llama_unused_window": 2,  # a sliding_window key that Llama's own mask never applies
 }
 # PhiMoE's router samples (Gumbel) in train mode: two runs never route alike, so it is compared in eval only.
 EVAL_ONLY = {"phimoe_window"}
@@ -109,6 +111,14 @@ def float_input_ids(layout) -> None:
     raises_everywhere(lambda: model(input_ids=ids, position_ids=shard["position_ids"]), needle)
 
 
+def own_mask_refused(layout) -> None:
+    """Doge passes a dynamic mask of its own to the attention function: every rank refuses at the first layer."""
+    model = U.parallelize(build_generic("doge"), layout)
+    shard = U.shard_batch(make_batch(1, 16), layout)
+    inputs = {k: shard[k] for k in ("input_ids", "position_ids")}
+    raises_everywhere(lambda: model(**inputs), "DogeAttention passes its own attention mask")
+
+
 def deepcopy_parallelized(layout) -> None:
     """copy.deepcopy of a parallelized model (EMA / reference copies): the copy runs SP on the same layout with
     the same loss and gradients, has its own hooks and counters, and unparallelizing it leaves the original."""
@@ -149,6 +159,7 @@ def world2_cases(sp2) -> dict:
         "bad_label_id_in_forward": P(bad_id_in_forward, sp2, "labels"),
         "float_input_ids": P(float_input_ids, sp2),
         "deepcopy_parallelized": P(deepcopy_parallelized, sp2),
+        "own_mask_refused": P(own_mask_refused, sp2),
     }
 
 

@@ -259,6 +259,19 @@ def _hardening_archs() -> dict:
 
 
 MORE_ARCHS = {**_more_archs(), **_hardening_archs()}
+# Llama whose config carries a sliding_window that its model never applies (it builds a causal mask only)
+MORE_ARCHS["llama_unused_window"] = lambda c, w, a: LlamaForCausalLM(LlamaConfig(**c, sliding_window=w // 2))
+
+
+def build_generic(model_type: str, *, seed: int = 0, **extra):
+    """A tiny causal LM of any transformers ``model_type`` from one generic config (as outside testers build
+    ~1,300 of them): 4 heads, 2 kv heads, head dim 8, 2 layers; ``extra`` adds or overrides config keys."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    generic = {**_common(4, 2), "max_position_embeddings": 128, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
+    config = AutoConfig.for_model(model_type, **{**generic, **extra})
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
 
 
 def make_batch(

@@ -1,4 +1,5 @@
-"""Single-process tests for issue 8: window and decoder discovery, MLA head dims, id checks, deepcopy."""
+"""Single-process tests for issues 8 and 19: window and decoder discovery, MLA head dims, id checks, deepcopy,
+masks the model builds itself."""
 
 import copy
 
@@ -7,16 +8,25 @@ import torch
 import torch.nn.functional as F
 
 import ulysses_sp as U
-from tests.helpers.models import VOCAB, build, make_batch
+from tests.helpers.models import VOCAB, build, build_generic, make_batch
 from tests.unit.test_core_single import fake_layout
 from ulysses_sp.attention import UlyssesAttention
 from ulysses_sp.cores import check_flex_head_dim, sdpa_core
 from ulysses_sp.hf import decoder_module
-from ulysses_sp.model import _layer_window
 
 
-def _windows(model):
-    return [_layer_window(model.config, layer.self_attn) for layer in model.model.layers]
+def _applied_windows(model) -> list:
+    """The sliding window each attention layer hands the core in one forward pass (None: full causal)."""
+    seen = []
+
+    def core(q, k, v, segments, **kwargs):
+        seen.append(kwargs["sliding_window"])
+        return sdpa_core(q, k, v, segments, **kwargs)
+
+    par = U.parallelize(model, U.ParallelLayout.single(), core=core)
+    with torch.no_grad():
+        par(input_ids=torch.randint(0, VOCAB, (1, 8)))
+    return seen
 
 
 @pytest.mark.parametrize(
@@ -27,10 +37,71 @@ def _windows(model):
         ("qwen2", [None, 6]),
         ("llama", [None, None]),
         ("qwen3", [None, None]),  # use_sliding_window=False
+        ("llama_unused_window", [None, None]),  # the config's key is never applied by Llama's mask
+        ("gemma3", [6, None]),
     ],
 )
 def test_layer_window_follows_the_models_own_mask(arch, expected):
-    assert _windows(build(arch, kv_heads=2)) == expected
+    assert _applied_windows(build(arch, kv_heads=2)) == expected
+
+
+# Families whose mask ignores a sliding_window key in their config (issue 19, item 1): loss off by up to 2e-2.
+UNUSED_WINDOW_TYPES = [
+    "llama",
+    "olmo2",
+    "gpt_neox",
+    "granite",
+    "internlm3",
+    "jetmoe",
+    "hunyuan_v1_moe",
+    "olmo",
+    "bitnet",
+]
+
+
+@pytest.mark.parametrize("model_type", UNUSED_WINDOW_TYPES)
+def test_a_window_the_model_never_applies_is_not_applied(model_type):
+    model = build_generic(model_type, sliding_window=4)
+    batch = make_batch(2, 24)
+    with torch.no_grad():
+        want = model(**batch, use_cache=False).loss
+        single = U.ParallelLayout.single()
+        par = U.parallelize(copy.deepcopy(model), single)
+        got = U.causal_lm_loss(par, U.shard_batch(batch, single), single)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_window_passed_to_attention_that_the_mask_does_not_apply_is_refused():
+    """OLMoE passes config.sliding_window to its attention function but masks causally: under sdpa one process
+    applies no window, under flash attention it does. Ulysses refuses instead of picking one."""
+    par = U.parallelize(build_generic("olmoe", sliding_window=4), U.ParallelLayout.single())
+    with pytest.raises(ValueError, match="passes sliding_window=4 .* applies no window"):
+        par(input_ids=torch.randint(0, VOCAB, (1, 8)))
+
+
+def test_a_mask_the_model_builds_itself_is_refused():
+    """Doge adds a dynamic mask made from learned parameters (A, dt_proj) to its attention: Ulysses would drop it
+    (wrong loss, no gradient for them), so the first forward raises a ValueError naming the module."""
+    model = build_generic("doge")
+    for layer in model.model.layers:
+        torch.nn.init.normal_(layer.self_attn.A)
+    par = U.parallelize(model, U.ParallelLayout.single())
+    with pytest.raises(ValueError, match="DogeAttention passes its own attention mask .* shape \\(1, 4, 8, 8\\)"):
+        par(input_ids=torch.randint(0, VOCAB, (1, 8)))
+    window = U.parallelize(build_generic("doge", sliding_window=4), U.ParallelLayout.single())
+    with pytest.raises(ValueError, match="reads attention_mask.dtype"):  # it computes with its sliding mask
+        window(input_ids=torch.randint(0, VOCAB, (1, 8)))
+
+
+def test_mask_overlays_are_refused():
+    """An extra mask function on top of the causal one (e.g. bidirectional image tokens) is not dropped silently."""
+    from transformers.masking_utils import create_causal_mask
+
+    par = U.parallelize(build("llama"), U.ParallelLayout.single())
+    embeds = torch.zeros(1, 8, par.config.hidden_size)
+    with pytest.raises(ValueError, match="extra mask function"):
+        create_causal_mask(par.config, embeds, None, None, or_mask_function=lambda b, h, q, k: q == k)
+    assert create_causal_mask(par.config, embeds, None, None) is None
 
 
 def test_decoder_hook_is_where_the_causal_lm_enters():
