@@ -28,17 +28,11 @@ import torch.nn.functional as F
 from .comm import CommStats, all_gather_tensor, heads_to_seq, qkv_seq_to_heads
 from .cores import Core, Segments
 from .layout import ParallelLayout
+from .masks import DecoderMasks, left_padding_problem, mask_window
 from .ring import ring_attention, zigzag_order
 from .validation import IGNORE_INDEX, check_id_ranges, id_range, input_problem
 
-__all__ = [
-    "RING_CORES",
-    "SlidingWindowMask",
-    "UlyssesAttention",
-    "check_ring_core",
-    "ulysses_attention_forward",
-    "ulysses_mask",
-]
+__all__ = ["RING_CORES", "UlyssesAttention", "check_ring_core", "ulysses_attention_forward"]
 
 MODULE_ATTR = "_ulysses_sp"
 _UNSET = object()
@@ -58,6 +52,7 @@ class UlyssesAttention:
         comm_dtype: torch.dtype | None = None,
         stats: CommStats | None = None,
         vocab_size: int | None = None,
+        masks: DecoderMasks | None = None,
     ) -> None:
         self.layout = layout
         self.core = core
@@ -65,6 +60,7 @@ class UlyssesAttention:
         self.comm_dtype = comm_dtype
         self.stats = stats if stats is not None else CommStats()
         self.vocab_size = vocab_size  # input_ids / labels outside [0, vocab_size) are refused on every rank
+        self.masks = masks if masks is not None else DecoderMasks()  # what the model's own mask does
         # id(position_ids of a forward pass) -> (weak ref to that tensor, its Segments). An entry lives as long
         # as its position_ids tensor (held by autograd while the forward may still be recomputed by
         # activation checkpointing), so a recomputed layer always finds its own documents.
@@ -81,6 +77,7 @@ class UlyssesAttention:
             comm_dtype=self.comm_dtype,
             stats=copy.deepcopy(self.stats, memo),
             vocab_size=self.vocab_size,
+            masks=self.masks,
         )
         memo[id(self)] = new
         return new
@@ -116,12 +113,23 @@ class UlyssesAttention:
             raise ValueError(problem)
         else:
             check_id_ranges([ranges.tolist()], self.vocab_size)
-        if position_ids is None:  # sp == 1: the model's own default positions
+        given = position_ids is not None
+        if not given:  # sp == 1: the model's own default positions
             position_ids = torch.arange(seq_len, device=layout.device)[None]
         positions = position_ids.expand(batch_size, seq_len)
         if layout.sp > 1:
             positions, attention_mask = self._gather_rows(positions, attention_mask)
-        segments = Segments.from_positions(positions, attention_mask)
+        # the full rows from here on: every check below gives the same verdict on every rank
+        problem = left_padding_problem(positions, attention_mask, self.masks) if given else None
+        if problem is not None:
+            raise ValueError(problem)
+        segments = Segments.from_positions(positions, attention_mask, documents=self.masks.documents is not False)
+        if self.masks.documents is None and any(len(row) > 1 for row in segments.spans):
+            raise ValueError(
+                f"{self.masks.decoder} builds its attention mask in a way Ulysses cannot read, so it cannot tell "
+                "whether one process keeps packed documents apart; give one document per row (pad instead of "
+                "packing) for this model"
+            )
         key = id(position_ids)
         self._segments[key] = (weakref.ref(position_ids), segments)
         weakref.finalize(position_ids, self._segments.pop, key, None)
@@ -209,7 +217,7 @@ class UlyssesAttention:
         other mask is one the model made itself, which Ulysses cannot apply (ValueError). A ``sliding_window``
         the model passes must agree with its mask (OLMoE passes the config's key but masks causally).
         """
-        window = None if attention_mask is None else _mask_window(module, attention_mask)
+        window = mask_window(module, attention_mask)
         if sliding_window is not _UNSET and (sliding_window or None) != window:
             raise ValueError(
                 f"{type(module).__name__} passes sliding_window={sliding_window} to its attention function, but the "
@@ -285,70 +293,3 @@ def ulysses_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The function registered with ``transformers.AttentionInterface`` (same signature as ``sdpa``'s)."""
     return _context(module)(module, query, key, value, attention_mask, **kwargs)
-
-
-class SlidingWindowMask:
-    """What :func:`ulysses_mask` returns in place of a sliding-window mask: the window alone, no tensor.
-
-    The model hands each layer the mask it built for it, so the attention function learns each layer's window
-    from the model itself (never from a config key the model may not use). A model that computes with its
-    mask (reads an attribute, indexes it) gets a ValueError: there is no dense mask under Ulysses.
-    """
-
-    __slots__ = ("window",)
-
-    def __init__(self, window: int) -> None:
-        self.window = window
-
-    def __repr__(self) -> str:
-        return f"SlidingWindowMask({self.window})"
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise _computes_with_mask(f"reads attention_mask.{name}")
-
-    def __getitem__(self, key: object):
-        raise _computes_with_mask("indexes the attention mask")
-
-
-def _computes_with_mask(what: str) -> ValueError:
-    return ValueError(
-        f"the model {what}, but under Ulysses no dense attention mask exists (each layer's window is applied by "
-        "the Ulysses core, documents come from position_ids); a model that computes with its mask cannot be "
-        "parallelized"
-    )
-
-
-def _mask_window(module: torch.nn.Module, mask: object) -> int:
-    """The window of a mask that reached the attention function; ValueError for one the model made itself."""
-    if type(mask) is SlidingWindowMask:
-        return mask.window
-    described = f"a {type(mask).__name__} of shape {tuple(mask.shape)}" if hasattr(mask, "shape") else repr(mask)
-    raise ValueError(
-        f"{type(module).__name__} passes its own attention mask to the attention function ({described}) instead "
-        "of the one transformers builds for Ulysses (None or a sliding window): Ulysses cannot apply a mask with "
-        "content (e.g. Doge's dynamic mask, built from learned parameters), so the loss would be wrong and those "
-        "parameters would get no gradient; this model cannot be parallelized"
-    )
-
-
-def ulysses_mask(*args, local_size: int | None = None, config=None, use_vmap: bool = False, **kwargs):
-    """Registered with transformers' ``AttentionMaskInterface``: Ulysses needs no dense mask.
-
-    Padding and documents are read once per forward pass from the 2-D mask and position_ids
-    (:meth:`UlyssesAttention.begin_forward`), so transformers never materialises an ``N x N`` mask. A causal
-    mask is None; a sliding-window one (transformers passes its window as ``local_size``) is a
-    :class:`SlidingWindowMask`, which tells the layers that receive it their window. Mask functions added on top
-    (``or_mask_function`` / ``and_mask_function``, which transformers marks with ``use_vmap``) are refused.
-    """
-    if use_vmap:
-        raise ValueError(
-            "the model builds its attention mask with an extra mask function (or_mask_function / and_mask_function, "
-            "e.g. bidirectional attention over image tokens), which Ulysses cannot apply; this input cannot be "
-            "parallelized"
-        )
-    chunk = getattr(config, "attention_chunk_size", None)
-    if local_size is None or local_size == chunk:  # chunked masks are refused by parallelize
-        return None
-    return SlidingWindowMask(int(local_size))

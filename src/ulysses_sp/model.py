@@ -30,12 +30,12 @@ from .attention import (
     UlyssesAttention,
     check_ring_core,
     ulysses_attention_forward,
-    ulysses_mask,
 )
 from .comm import CommStats
 from .cores import CORES, Core, get_core
 from .hf import attention_modules, decoder_module, find_pretrained, head_counts
 from .layout import ParallelLayout
+from .masks import read_decoder_masks, ulysses_mask
 
 __all__ = ["parallelize", "plain_attention", "ulysses_context", "unparallelize"]
 
@@ -265,7 +265,13 @@ def parallelize(
     embeddings = pretrained.get_input_embeddings()
     vocab_size = getattr(embeddings, "num_embeddings", None) or getattr(text_config, "vocab_size", None)
     ctx = UlyssesAttention(
-        layout, core_fn, core_name=core_name, comm_dtype=comm_dtype, stats=stats, vocab_size=vocab_size
+        layout,
+        core_fn,
+        core_name=core_name,
+        comm_dtype=comm_dtype,
+        stats=stats,
+        vocab_size=vocab_size,
+        masks=read_decoder_masks(decoder),
     )
     name = f"ulysses_{core_name}" if isinstance(core, str) else "ulysses_custom"
     rope_hooks = _rope_hooks(pretrained, ctx, name, text_config)

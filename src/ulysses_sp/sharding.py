@@ -79,12 +79,13 @@ def shard_batch(
             ``ignore_index``) raise a ValueError naming the id, on every rank of the group; without it
             only negative ids are caught. Pass ``model.config.vocab_size``.
 
-    Returns a dict with ``input_ids``, ``position_ids`` (global positions) and, when given,
-    ``attention_mask`` of shape ``[b, n]`` with ``n = ceil(N / sp)``; with labels, also ``shift_labels``
-    ``[b, n]`` (targets, shifted before slicing) and ``labels`` (the local slice, so transformers models
-    still return a loss when given ``shift_labels``). The padding added for divisibility sits at the end
-    of each row as a document of its own (positions restarting at 0, ignored labels), so it changes nothing
-    for the real tokens of a causal model. With ``layout.ring > 1`` the row is padded to a multiple of
+    Returns a dict with ``input_ids``, ``position_ids`` (global positions) and, when given or when padding
+    was added, ``attention_mask`` of shape ``[b, n]`` with ``n = ceil(N / sp)``; with labels, also
+    ``shift_labels`` ``[b, n]`` (targets, shifted before slicing) and ``labels`` (the local slice, so
+    transformers models still return a loss when given ``shift_labels``). The padding added for divisibility
+    sits at the end of each row, masked, with positions restarting at 0 and ignored labels, so it changes
+    nothing for the real tokens of a causal model (nor for statistics over them, such as the MoE
+    load-balancing loss). With ``layout.ring > 1`` the row is padded to a multiple of
     ``lcm(sp, 2 * ring)`` and dealt in zigzag order (see the module docstring).
     """
     full, problem = _validated(batch, vocab_size, ignore_index)
@@ -113,8 +114,9 @@ def shard_batch(
         tail = torch.arange(extra, device=positions.device).expand(b, extra)
         positions = torch.cat([positions, tail], dim=1)
         input_ids = pad_to_multiple(input_ids, multiple, pad_token_id)
-        if mask is not None:
-            mask = pad_to_multiple(mask, multiple, 0)
+        # ... and it is padding: masked (a mask is made when the batch has none), so no statistic over the
+        # tokens (the MoE load-balancing loss) counts it
+        mask = pad_to_multiple(mask if mask is not None else torch.ones_like(input_ids[:, :seq_len]), multiple, 0)
     n = (seq_len + extra) // sp
     order = zigzag_order(seq_len + extra, ring, input_ids.device) if ring > 1 else None
 

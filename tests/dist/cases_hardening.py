@@ -43,6 +43,8 @@ PARITY_ARCHS = {
     "olmo3": 2,
     "ministral": 2,
     "llama_unused_window": 2,  # a sliding_window key that Llama's own mask never applies
+    "biogpt": None,  # masks built without position_ids: packed documents attend to each other, as in one process
+    "afmoe": 2,
 }
 # PhiMoE's router samples (Gumbel) in train mode: two runs never route alike, so it is compared in eval only.
 EVAL_ONLY = {"phimoe_window"}
@@ -53,7 +55,7 @@ def parity_cases(layout, prefix: str, seq_len: int, modes: tuple[str, ...]) -> d
     P = functools.partial
     cases = {}
     for arch, kv in PARITY_ARCHS.items():
-        batch = make_batch(2, seq_len, packed=(seq_len - 9, 9)) if arch != "opt" else make_batch(2, seq_len)
+        batch = make_batch(2, seq_len, packed=(seq_len - 9, 9))
         for mode in ("eval",) if arch in EVAL_ONLY else modes:
             train = mode == "train"
             cases[f"{prefix}_{arch}_{mode}"] = P(check_parity, layout, arch, kv_heads=kv, batch=batch, train=train)
@@ -119,6 +121,19 @@ def own_mask_refused(layout) -> None:
     raises_everywhere(lambda: model(**inputs), "DogeAttention passes its own attention mask")
 
 
+def left_padding(layout, arch: str) -> None:
+    """Left padding: OPT derives its positions from the mask, so shard_batch's 0, 1, ... are refused on every rank
+    and the model's own positions are exact; BioGPT numbers tokens 0, 1, ... itself: exact as it is."""
+    batch = make_batch(2, 24, pad="left", pad_lengths=(0, 7))
+    if arch == "biogpt":
+        return check_parity(layout, arch, batch=batch)
+    model = U.parallelize(build(arch), layout)
+    shard = U.shard_batch(batch, layout)
+    raises_everywhere(lambda: U.causal_lm_loss(model, shard, layout), "OPTDecoder derives position ids", "row 1")
+    mask = batch["attention_mask"]
+    check_parity(layout, arch, batch=batch, sp_batch={**batch, "position_ids": mask.cumsum(-1) * mask - 1})
+
+
 def deepcopy_parallelized(layout) -> None:
     """copy.deepcopy of a parallelized model (EMA / reference copies): the copy runs SP on the same layout with
     the same loss and gradients, has its own hooks and counters, and unparallelizing it leaves the original."""
@@ -160,6 +175,8 @@ def world2_cases(sp2) -> dict:
         "float_input_ids": P(float_input_ids, sp2),
         "deepcopy_parallelized": P(deepcopy_parallelized, sp2),
         "own_mask_refused": P(own_mask_refused, sp2),
+        "opt_left_padding": P(left_padding, sp2, "opt"),
+        "biogpt_left_padding": P(left_padding, sp2, "biogpt"),
     }
 
 

@@ -104,6 +104,68 @@ def test_mask_overlays_are_refused():
     assert create_causal_mask(par.config, embeds, None, None) is None
 
 
+def _single_loss(model, batch, sharded=None):
+    """(the model's own loss on the full batch, the Ulysses loss at sp=1 on ``sharded`` or the same batch)."""
+    single = U.ParallelLayout.single()
+    with torch.no_grad():
+        want = model(**batch, use_cache=False).loss
+        par = U.parallelize(copy.deepcopy(model), single)
+        got = U.causal_lm_loss(par, U.shard_batch(sharded or batch, single), single)
+    return got, want
+
+
+@pytest.mark.parametrize(
+    ("arch", "documents", "from_mask"),
+    [("llama", True, False), ("opt", False, True), ("biogpt", False, False), ("afmoe", False, False)],
+)
+def test_what_the_decoder_does_with_positions_is_read_from_its_code(arch, documents, from_mask):
+    from ulysses_sp.hf import attention_modules
+    from ulysses_sp.masks import read_decoder_masks
+
+    model = build(arch, kv_heads=2 if arch != "opt" else None)
+    reading = read_decoder_masks(decoder_module(model, attention_modules(model)))
+    assert (reading.documents, reading.positions_from_mask) == (documents, from_mask)
+
+
+@pytest.mark.parametrize("arch", ["opt", "biogpt", "afmoe"])
+def test_packed_documents_attend_to_each_other_where_the_models_mask_ignores_positions(arch):
+    """OPT, BioGPT and AFMoE build their mask without position_ids: one process lets packed documents attend to
+    each other, and so must Ulysses (it used to keep them apart: a different loss)."""
+    got, want = _single_loss(build(arch, kv_heads=2 if arch == "afmoe" else None), make_batch(2, 24, packed=(10, 14)))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_left_padding_on_a_model_that_derives_positions_from_the_mask():
+    """OPT numbers tokens with cumsum(mask) * mask - 1: shard_batch's positions 0, 1, ... (padding included) are
+    refused for left-padded rows; the model's own positions, given to shard_batch, are exact."""
+    model, batch = build("opt"), make_batch(2, 24, pad="left")
+    with pytest.raises(ValueError, match="OPTDecoder derives position ids from the attention mask .* row 1"):
+        _single_loss(model, batch)
+    mask = batch["attention_mask"]
+    own = {**batch, "position_ids": mask.cumsum(-1) * mask - 1}
+    got, want = _single_loss(model, batch, sharded=own)  # the reference derives them itself
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    got, want = _single_loss(model, make_batch(2, 23, pad="right"))  # right padding carries no target
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    got, want = _single_loss(build("biogpt"), batch)  # BioGPT numbers tokens 0, 1, ... like shard_batch
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_packed_rows_are_refused_when_the_mask_cannot_be_read():
+    from ulysses_sp.masks import DecoderMasks
+
+    ctx = UlyssesAttention(U.ParallelLayout.single(), sdpa_core, core_name="sdpa", masks=DecoderMasks(documents=None))
+    ctx.begin_forward(torch.arange(8)[None], None, 1, 8)  # one document: fine
+    with pytest.raises(ValueError, match="one document per row"):
+        ctx.begin_forward(torch.cat([torch.arange(3), torch.arange(5)])[None], None, 1, 8)
+
+
+def test_shard_batch_masks_the_padding_it_adds():
+    shard = U.shard_batch(make_batch(2, 7), fake_layout(2, 1))
+    assert shard["attention_mask"].tolist() == [[1, 1, 1, 0]] * 2
+    assert "attention_mask" not in U.shard_batch(make_batch(2, 8), fake_layout(2, 1))
+
+
 def test_decoder_hook_is_where_the_causal_lm_enters():
     """OPTForCausalLM calls model.decoder directly (skipping OPTModel): the hook must sit on OPTDecoder."""
     opt = build("opt")
