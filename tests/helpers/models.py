@@ -279,6 +279,7 @@ MORE_ARCHS.update(
         "biogpt": lambda c, w, a: _from_config(
             "biogpt", c, a, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
         ),
+        "gpt2": lambda c, w, a: _from_config("gpt2", c, a, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
         "afmoe": lambda c, w, a: _from_config(
             "afmoe",
             c,
@@ -294,11 +295,11 @@ MORE_ARCHS.update(
 )
 
 
-def build_generic(model_type: str, *, seed: int = 0, **extra):
+def build_generic(model_type: str, *, seed: int = 0, attn: str = "sdpa", **extra):
     """A tiny causal LM of any transformers ``model_type`` from one generic config (as outside testers build
     ~1,300 of them): 4 heads, 2 kv heads, head dim 8, 2 layers; ``extra`` adds or overrides config keys."""
     torch.manual_seed(seed)
-    return _from_config(model_type, _common(4, 2), **extra).float()
+    return _from_config(model_type, _common(4, 2), attn, **extra).float()
 
 
 def make_batch(

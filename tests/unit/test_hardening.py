@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 import ulysses_sp as U
 from tests.helpers.models import VOCAB, build, build_generic, make_batch
@@ -306,3 +307,46 @@ def test_packed_attention_benchmark_runs_and_saves(tmp_path, monkeypatch):
     runpy.run_path("benchmarks/packed_attention.py", run_name="__main__")
     table = (tmp_path / "packed_attention_cpu.md").read_text()
     assert "| cpu | 64 | 4 | per_document |" in table
+
+
+# ---------------------------------------------------------------------------------------------- issue 19, item 4
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_bigcode", "biogpt", "opt"])
+def test_tiled_loss_where_the_causal_lm_reads_more_than_the_last_hidden_state(model_type):
+    """GPT-2 and GPTBigCode read cross_attentions from their decoder's output, OPT calls model.decoder directly:
+    the first-forward probe raised AttributeError on every rank. Now exact (eval mode: these configs drop out)."""
+    model = build_generic(model_type).eval()
+    batch = make_batch(2, 24, pad="right")
+    plain = copy.deepcopy(model)
+    want = plain(**batch).loss
+    want.backward()
+    tiled = U.enable_tiled_loss(copy.deepcopy(model), chunk_tokens=5)
+    got = tiled(**batch).loss
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(tiled.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _SlightlyScaledLogits(transformers.LlamaForCausalLM):
+    """Post-processes its logits by a factor of 1.0015: a different loss, which the probe must not accept."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 1.0015
+        return out
+
+
+def test_the_probe_accepts_fp32_rounding_only():
+    torch.manual_seed(0)
+    model = U.enable_tiled_loss(_SlightlyScaledLogits(build("llama").config))
+    with pytest.raises(ValueError, match="cannot reproduce _SlightlyScaledLogits's logits"):
+        model(**make_batch(1, 8))
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "granite", "cohere"])
+def test_the_probe_accepts_16_bit_post_processing(model_type):
+    """Softcapping (Gemma 2), logits_scaling (Granite) and logit_scale (Cohere) computed by the model in bf16 and by
+    the tiled head in fp32 differ by bf16 rounding only: not refused."""
+    extra = {"gemma2": {"attn": "eager"}, "granite": {"logits_scaling": 4.0}, "cohere": {}}
+    model = build_generic(model_type, **extra[model_type]).to(torch.bfloat16)
+    U.enable_tiled_loss(model)(**make_batch(1, 8))

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..hf import find_causal_lm
+from ..hf import attention_modules, decoder_module, find_causal_lm
 from ..validation import IGNORE_INDEX
 from .kernel import DEFAULT_LOSS_BUDGET_BYTES, LogitsHead, loss_chunk_tokens, tiled_cross_entropy_sum
 
@@ -113,26 +113,49 @@ def disable_tiled_loss(model: nn.Module) -> nn.Module:
     return model
 
 
+class _ProbeOutputs:
+    """The decoder's output during the probe: ``hidden`` as its last hidden state, None for every other field
+    (past_key_values, cross_attentions, router_logits, ... whatever the causal LM reads from it)."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.last_hidden_state = hidden
+
+    def __getitem__(self, index):
+        return (self.last_hidden_state,)[index]
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+    def to_tuple(self) -> tuple[torch.Tensor]:
+        return (self.last_hidden_state,)
+
+
 @contextlib.contextmanager
 def _decoder_returning(causal_lm: nn.Module, hidden: torch.Tensor) -> Iterator[None]:
-    """Temporarily replace the decoder by a module that returns ``hidden`` as its last hidden state.
-
-    The output is the MoE variant (``router_logits=None`` besides the dense fields): MoE causal LMs read it
-    from their decoder's output even when no router logits were asked for.
-    """
-    from transformers.modeling_outputs import MoeModelOutputWithPast
+    """Temporarily replace the decoder the causal LM calls (the innermost module holding every attention layer
+    and taking position ids: ``model`` for Llama, ``model.decoder`` for OPT) by one that returns ``hidden``."""
 
     class _Fixed(nn.Module):
         def forward(self, *args, **kwargs):
-            return MoeModelOutputWithPast(last_hidden_state=hidden)
+            return _ProbeOutputs(hidden)
 
-    prefix = causal_lm.base_model_prefix
-    decoder = getattr(causal_lm, prefix)
-    setattr(causal_lm, prefix, _Fixed())
+    decoder = decoder_module(causal_lm, attention_modules(causal_lm))
+    name = next(n for n, m in causal_lm.named_modules() if m is decoder)
+    parent_name, _, attr = name.rpartition(".")
+    parent = causal_lm.get_submodule(parent_name)
+    setattr(parent, attr, _Fixed())
     try:
         yield
     finally:
-        setattr(causal_lm, prefix, decoder)
+        setattr(parent, attr, decoder)
+
+
+def _probe_tolerance(dtype: torch.dtype) -> float:
+    """How far the tiled head may be from the model's own logits (relative): fp32 rounding of the same arithmetic
+    in fp32, a few roundings where the model post-processes in 16 bits and the tiled head in fp32."""
+    return 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
 
 
 def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tensor) -> None:
@@ -141,11 +164,18 @@ def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tenso
     generator = torch.Generator(device="cpu").manual_seed(0)
     probe = torch.randn(1, _PROBE_TOKENS, like.shape[-1], generator=generator).to(like.device, like.dtype)
     ids = torch.zeros(1, _PROBE_TOKENS, dtype=torch.long, device=like.device)
-    with torch.no_grad(), torch.autocast(like.device.type, enabled=False), _decoder_returning(causal_lm, probe):
-        theirs = state.original_forward(input_ids=ids, use_cache=False).logits
+    try:
+        with torch.no_grad(), torch.autocast(like.device.type, enabled=False), _decoder_returning(causal_lm, probe):
+            theirs = state.original_forward(input_ids=ids, use_cache=False).logits
+    except Exception as err:  # the model's forward does something with its decoder's output we cannot fake
+        raise ValueError(
+            f"the tiled loss cannot check how {type(causal_lm).__name__} turns hidden states into logits (its "
+            f"forward failed on a probe: {type(err).__name__}: {err}); disable the tiled loss for this model "
+            "(tiled_loss=False / --no-tiled-loss)"
+        ) from err
+    with torch.no_grad():
         ours = state.head.apply(output(probe).float())  # the module call: FSDP2 gathers a sharded lm_head
-    # fp32: the same arithmetic; 16-bit: the model post-processes in 16 bits, the tiled head in fp32
-    tol = 1e-3 if like.dtype == torch.float32 else 3e-2
+    tol = _probe_tolerance(like.dtype)
     close = theirs is not None and theirs.shape == ours.shape
     if not close or not torch.allclose(theirs.float(), ours, rtol=tol, atol=tol * float(ours.abs().max())):
         got = "no logits" if theirs is None else f"logits {tuple(theirs.shape)}"
