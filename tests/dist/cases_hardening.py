@@ -101,6 +101,19 @@ def bad_id_in_forward(layout, key: str) -> None:
     raises_everywhere(lambda: model(**inputs), str(VOCAB + 7), str(VOCAB), "sp_rank 1")
 
 
+def bad_label_in_plain_loss(layout) -> None:
+    """An out-of-vocabulary label on sp_rank 1 only, plain loss (no tiled loss, no vocab_size given to shard_batch):
+    the labels never reach the model's agreement; every rank raises from the loss's own all-reduce instead of
+    sp_rank 1 raising IndexError while sp_rank 0 waits."""
+    model = U.parallelize(build("llama"), layout)
+    shard = U.shard_batch(make_batch(1, 16), layout)
+    if layout.sp_rank == 1:
+        shard["shift_labels"] = shard["shift_labels"].clone()
+        shard["shift_labels"][0, 2] = VOCAB + 7
+    needle = f"id {VOCAB + 7}" if layout.sp_rank == 1 else "1 target id(s) of this step"
+    raises_everywhere(lambda: U.causal_lm_loss(model, shard, layout), needle, f"vocabulary of {VOCAB} logits")
+
+
 def float_input_ids(layout) -> None:
     """Float input_ids: a ValueError (not a raw embedding error), on every rank, from shard_batch and the model."""
     batch = make_batch(1, 16)
@@ -172,6 +185,7 @@ def world2_cases(sp2) -> dict:
         "bad_label_id_in_shard_batch": P(bad_id_in_shard_batch, sp2, "labels", VOCAB),
         "bad_token_id_in_forward": P(bad_id_in_forward, sp2, "input_ids"),
         "bad_label_id_in_forward": P(bad_id_in_forward, sp2, "labels"),
+        "bad_label_id_in_plain_loss": P(bad_label_in_plain_loss, sp2),
         "float_input_ids": P(float_input_ids, sp2),
         "deepcopy_parallelized": P(deepcopy_parallelized, sp2),
         "own_mask_refused": P(own_mask_refused, sp2),

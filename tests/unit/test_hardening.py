@@ -350,3 +350,16 @@ def test_the_probe_accepts_16_bit_post_processing(model_type):
     extra = {"gemma2": {"attn": "eager"}, "granite": {"logits_scaling": 4.0}, "cohere": {}}
     model = build_generic(model_type, **extra[model_type]).to(torch.bfloat16)
     U.enable_tiled_loss(model)(**make_batch(1, 8))
+
+
+# ---------------------------------------------------------------------------------------------- issue 19, item 5
+@pytest.mark.parametrize("label", [VOCAB + 2, -5])
+def test_plain_loss_refuses_targets_outside_the_vocabulary(label):
+    """causal_lm_loss without the tiled loss and shard_batch without vocab_size (the README's loop): the targets
+    never reach the model, and cross_entropy raised IndexError on the rank holding the bad one."""
+    single = U.ParallelLayout.single()
+    model = U.parallelize(build("llama"), single)
+    shard = U.shard_batch(make_batch(1, 8), single)
+    shard["shift_labels"][0, 4] = label  # (shard_batch itself catches negative labels)
+    with pytest.raises(ValueError, match=f"1 target id.* outside the vocabulary of {VOCAB} logits .*id {label}"):
+        U.causal_lm_loss(model, shard, single)
