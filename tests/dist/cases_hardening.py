@@ -81,6 +81,15 @@ def batch_differs_in(layout, key: str) -> None:
     raises_everywhere(lambda: U.shard_batch(batch, layout), "hold different batches", key)
 
 
+def paired_edits(layout) -> None:
+    """sp_rank 1's input_ids differ by +1 and -1 at two tokens 65521 apart (they cancelled in the old fingerprint)."""
+    batch = make_batch(1, 65536)
+    batch["input_ids"][0, [3, 3 + 65521]] = 10
+    if layout.sp_rank == 1:
+        batch["input_ids"][0, [3, 3 + 65521]] += torch.tensor([1, -1])
+    raises_everywhere(lambda: U.shard_batch(batch, layout), "hold different batches", "input_ids")
+
+
 def bad_id_in_shard_batch(layout, key: str, value: int) -> None:
     """An id outside the vocabulary on sp_rank 1 only: every rank raises naming the id and the vocab size."""
     batch = make_batch(1, 16)
@@ -180,6 +189,7 @@ def world2_cases(sp2) -> dict:
         # 23 tokens: the padding shard_batch adds must not raise the largest position dynamic RoPE reads
         "sp2_llama_dynamic_padded_to_sp": P(check_parity, sp2, "llama_dynamic", kv_heads=2, batch=make_batch(2, 23)),
         **{f"batch_differs_in_{k}": P(batch_differs_in, sp2, k) for k in ("position_ids", "labels", "attention_mask")},
+        "batch_differs_by_paired_edits": P(paired_edits, sp2),
         "bad_token_id_in_shard_batch": P(bad_id_in_shard_batch, sp2, "input_ids", VOCAB + 3),
         "negative_token_id_in_shard_batch": P(bad_id_in_shard_batch, sp2, "input_ids", -2),
         "bad_label_id_in_shard_batch": P(bad_id_in_shard_batch, sp2, "labels", VOCAB),

@@ -363,3 +363,20 @@ def test_plain_loss_refuses_targets_outside_the_vocabulary(label):
     shard["shift_labels"][0, 4] = label  # (shard_batch itself catches negative labels)
     with pytest.raises(ValueError, match=f"1 target id.* outside the vocabulary of {VOCAB} logits .*id {label}"):
         U.causal_lm_loss(model, shard, single)
+
+
+# ---------------------------------------------------------------------------------------------- issue 19, item 6
+def test_fingerprint_sees_edits_that_cancel_in_sums():
+    """Paired +1/-1 edits 65521 tokens apart (equal weights), or +1, -2, +1 on weights 1, 2, 3, left the old
+    (weighted sum, sum) fingerprint unchanged: ranks holding different batches went unnoticed."""
+    from ulysses_sp.sharding import _fingerprint
+
+    ids = torch.full((1, 65536), 10)
+    paired = ids.clone()
+    paired[0, 3] += 1
+    paired[0, 3 + 65521] -= 1
+    triple = ids.clone()
+    triple[0, :3] += torch.tensor([1, -2, 1])
+    prints = [tuple(int(v) for v in _fingerprint(x)) for x in (ids, paired, triple)]
+    assert len(set(prints)) == 3, prints
+    assert _fingerprint(ids.int())[1:] == _fingerprint(ids)[1:]  # the values count, not the dtype
