@@ -12,6 +12,9 @@ read the largest position id they are given. Under SP each rank holds a slice of
 hooks on such a rotary module appends the largest position of the FULL rows (gathered once per forward) to
 the position_ids it receives and drops that extra column from its cos/sin: every rank picks the frequencies
 one process would pick for the whole sequence.
+
+In training under sp > 1 a pair of hooks on the decoder gives each SP rank its own dropout stream
+(:class:`_DropoutStream`), so masks do not repeat along the sequence.
 """
 
 from __future__ import annotations
@@ -100,6 +103,50 @@ class _BeginForward:
         return args, {**kwargs, "use_cache": False}
 
 
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: base + sp_rank * stride differs for every sp_rank (mod 2**63)
+
+
+class _DropoutStream:
+    """Hooks on the decoder: in training under sp > 1, each SP rank draws its dropout masks from its own stream.
+
+    Without them every rank of an SP group would draw the same masks for its own tokens (same generator state,
+    same shapes): masks repeating along the sequence, unlike one process. Before the decoder runs, one number is
+    drawn from the global CPU generator (the same draw on every rank, so the global generators stay identical
+    across the group and advance once per forward); the CPU and device generators are seeded with it and the
+    sp_rank, and get their state back after the decoder (also when it raised). Activation checkpointing and the
+    tiled MLP replay the state each layer started from, so a recomputed layer draws the masks it drew.
+    Reproducible: the same run on the same layout draws the same masks; they are not one process's masks.
+    """
+
+    def __init__(self, ctx: UlyssesAttention, begin: _BeginForward) -> None:
+        self.ctx, self.begin = ctx, begin
+        self.saved: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def before(self, module, args, kwargs):
+        layout = self.ctx.layout
+        if not module.training or layout.sp == 1 or not self.begin.active():
+            return None
+        base = int(torch.empty((), dtype=torch.int64).random_())  # the global CPU generator, alike on every rank
+        device = layout.device if layout.device.type == "cuda" else None
+        self.saved = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device is not None else None)
+        seed = (base + layout.sp_rank * _SEED_STRIDE) % 2**63
+        torch.default_generator.manual_seed(seed)
+        if device is not None:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        return None
+
+    def after(self, module, args, kwargs, output):
+        if self.saved is None:
+            return None
+        cpu, cuda = self.saved
+        self.saved = None
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.ctx.layout.device)
+        return None
+
+
 def _length_dependent(rope_type: object) -> bool:
     # rope types whose transformers implementation (dynamic_rope_update) reads max(position_ids) every call
     types = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
@@ -183,6 +230,12 @@ def _check_model_features(config, core: str | None) -> None:
         raise ValueError(
             f"chunked attention (attention_chunk_size={config.attention_chunk_size}) is not supported by Ulysses "
             "attention: its chunk mask would be silently ignored"
+        )
+    if getattr(config, "layerdrop", 0.0):
+        raise ValueError(
+            f"LayerDrop (layerdrop={config.layerdrop}) draws in training whether to skip each layer; under Ulysses "
+            "each rank of an SP group draws from its own dropout stream, so ranks would skip different layers; set "
+            "layerdrop=0"
         )
     if getattr(config, "attn_temperature_tuning", False):
         raise ValueError(
@@ -284,9 +337,12 @@ def parallelize(
         object.__setattr__(module, MODULE_ATTR, ctx)
 
     begin = _BeginForward(pretrained, ctx, name)
+    dropout = _DropoutStream(ctx, begin)
     hooks = [
         pretrained.register_forward_pre_hook(begin.take_targets, with_kwargs=True),
         decoder.register_forward_pre_hook(begin, with_kwargs=True),
+        decoder.register_forward_pre_hook(dropout.before, with_kwargs=True),  # after the shard's checks
+        decoder.register_forward_hook(dropout.after, with_kwargs=True, always_call=True),
     ]
     for rotary, rope in rope_hooks:
         hooks.append(rotary.register_forward_pre_hook(rope.before, with_kwargs=True))

@@ -156,6 +156,40 @@ def left_padding(layout, arch: str) -> None:
     check_parity(layout, arch, batch=batch, sp_batch={**batch, "position_ids": mask.cumsum(-1) * mask - 1})
 
 
+def dropout_streams(layout) -> None:
+    """Each SP rank draws its own dropout masks (they used to repeat: same generator state, same shapes); the run
+    is deterministic, the global generator stays alike on every rank, and activation checkpointing recomputes
+    the masks it drew (same loss and gradients as without it)."""
+    import torch.distributed as dist
+
+    def step(checkpointing: bool):
+        model = U.parallelize(build_generic("gpt2", embd_pdrop=0.5, resid_pdrop=0.3, attn_pdrop=0.3), layout)
+        if checkpointing:
+            U.enable_activation_checkpointing(model, "checkpoint")
+        masks = []
+        model.transformer.drop.register_forward_hook(lambda m, i, out: masks.append(out == 0))
+        torch.manual_seed(7)
+        loss = U.causal_lm_loss(model.train(), U.shard_batch(make_batch(1, 32), layout), layout)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        return loss.detach(), masks[0], grads, torch.get_rng_state()
+
+    loss, mask, grads, state = step(False)
+    again = step(False)
+    torch.testing.assert_close(again[0], loss, rtol=0, atol=0)
+    assert torch.equal(again[1], mask)
+    masks = [torch.empty_like(mask) for _ in range(layout.sp)]
+    dist.all_gather(masks, mask, group=layout.sp_group)
+    assert not torch.equal(masks[0], masks[1]), "both sp ranks drew the same dropout masks"
+    states = [torch.empty_like(state) for _ in range(layout.sp)]
+    dist.all_gather(states, state, group=layout.sp_group)
+    assert torch.equal(states[0], states[1]), "the global generator differs across the SP group"
+    recomputed = step(True)
+    torch.testing.assert_close(recomputed[0], loss, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(recomputed[2][name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def deepcopy_parallelized(layout) -> None:
     """copy.deepcopy of a parallelized model (EMA / reference copies): the copy runs SP on the same layout with
     the same loss and gradients, has its own hooks and counters, and unparallelizing it leaves the original."""
@@ -199,6 +233,7 @@ def world2_cases(sp2) -> dict:
         "float_input_ids": P(float_input_ids, sp2),
         "deepcopy_parallelized": P(deepcopy_parallelized, sp2),
         "own_mask_refused": P(own_mask_refused, sp2),
+        "dropout_streams_per_sp_rank": P(dropout_streams, sp2),
         "opt_left_padding": P(left_padding, sp2, "opt"),
         "biogpt_left_padding": P(left_padding, sp2, "biogpt"),
     }

@@ -380,3 +380,25 @@ def test_fingerprint_sees_edits_that_cancel_in_sums():
     prints = [tuple(int(v) for v in _fingerprint(x)) for x in (ids, paired, triple)]
     assert len(set(prints)) == 3, prints
     assert _fingerprint(ids.int())[1:] == _fingerprint(ids)[1:]  # the values count, not the dtype
+
+
+# ---------------------------------------------------------------------------------------------- issue 19, item 7
+def test_dropout_at_sp1_draws_what_the_model_draws():
+    """Per-rank dropout streams exist under sp > 1 only (tests/dist/cases_hardening.py): one process draws exactly
+    the plain model's masks, and the global generator ends where the plain model leaves it."""
+    model = build_generic("gpt2").train()
+    batch = make_batch(2, 24)
+    torch.manual_seed(3)
+    want = copy.deepcopy(model)(**batch).loss
+    state = torch.get_rng_state()
+    single = U.ParallelLayout.single()
+    par = U.parallelize(copy.deepcopy(model), single)
+    torch.manual_seed(3)
+    got = U.causal_lm_loss(par, U.shard_batch(batch, single), single)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_layerdrop_is_refused():
+    with pytest.raises(ValueError, match="layerdrop=0.1.*set layerdrop=0"):
+        U.parallelize(build_generic("opt", layerdrop=0.1), U.ParallelLayout.single())
