@@ -176,19 +176,45 @@ def causal_lm_loss(
             optionally ``attention_mask``).
         num_items_in_batch: as in :func:`sequence_parallel_cross_entropy`.
 
-    Returns the same scalar on every rank, equal to the one-process loss (gradient convention as above).
+    Returns the same scalar on every rank, equal to the one-process loss (gradient convention as above). A MoE
+    model with ``config.output_router_logits`` gets its load-balancing loss added as transformers adds it
+    (``router_aux_loss_coef * aux``), computed over the whole batch of every shard and replica
+    (:mod:`ulysses_sp.moe`), in the same all-reduce.
     """
-    from .tiled_loss import tiled_loss_enabled
+    from .moe import router_aux_loss
+    from .tiled_loss import ROUTER_LOGITS_TO_CALLER, tiled_loss_enabled
 
     device = layout.device
     inputs = {key: shard[key].to(device) for key in MODEL_INPUTS if shard.get(key) is not None}
     targets = shard["shift_labels"].to(device)
+    aux = router_aux_loss(model)
+    common = dict(num_items_in_batch=num_items_in_batch, stats=stats)
     if tiled_loss_enabled(model):
         # num_items_in_batch=1: transformers' convention for "return the sum of the token losses"
-        token_loss_sum = model(**inputs, shift_labels=targets, num_items_in_batch=1).loss
-        return reduce_token_loss(token_loss_sum, targets, layout, num_items_in_batch=num_items_in_batch, stats=stats)
-    logits = model(**inputs).logits  # [b, n, V]
-    return sequence_parallel_cross_entropy(logits, targets, layout, num_items_in_batch=num_items_in_batch, stats=stats)
+        extra = {ROUTER_LOGITS_TO_CALLER: True} if aux is not None else {}
+        out = model(**inputs, shift_labels=targets, num_items_in_batch=1, **extra)
+        statistics = _router_statistics(aux, out, inputs)
+        mean, sums = _token_mean(out.loss, targets, layout, extra=statistics, **common)
+    else:
+        out = model(**inputs)
+        statistics = _router_statistics(aux, out, inputs)
+        mean, sums = _cross_entropy_mean(out.logits, targets, layout, extra=statistics, **common)  # logits [b, n, V]
+    if aux is None:
+        return mean
+    return (mean.double() + aux.coef * aux.loss(sums)).to(torch.float32)
+
+
+def _router_statistics(aux, out, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """This shard's load-balancing sums (:meth:`ulysses_sp.moe.RouterAuxLoss.statistics`), or None without aux."""
+    if aux is None:
+        return None
+    router_logits = getattr(out, "router_logits", None)
+    if not router_logits:
+        raise ValueError(
+            "config.output_router_logits is set but the model returned no router_logits, so its load-balancing "
+            "loss cannot be added; set model.config.output_router_logits = False"
+        )
+    return aux.statistics(tuple(router_logits), inputs.get("attention_mask"))
 
 
 def sync_gradients(model: torch.nn.Module, layout: ParallelLayout, *, bucket_numel: int = 1 << 25) -> None:

@@ -39,6 +39,7 @@ from .cores import CORES, Core, get_core
 from .hf import attention_modules, decoder_module, find_pretrained, head_counts
 from .layout import ParallelLayout
 from .masks import read_decoder_masks, ulysses_mask
+from .moe import router_aux_loss
 
 __all__ = ["parallelize", "plain_attention", "ulysses_context", "unparallelize"]
 
@@ -72,9 +73,19 @@ class _BeginForward:
     def take_targets(self, module, args, kwargs):
         self.targets = None
         if self.active():
+            labels = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get("labels")
+            router = kwargs.get("output_router_logits")
+            if router is None:
+                router = getattr(self.pretrained.config.get_text_config(), "output_router_logits", False)
+            if labels is not None and router and self.ctx.layout.sp > 1:
+                raise ValueError(
+                    f"{type(module).__name__} was given labels with output_router_logits=True: its own loss would add "
+                    "a load-balancing loss computed from this shard's tokens alone; train with "
+                    "ulysses_sp.causal_lm_loss(model, shard, layout), which adds it over the whole sequence, or set "
+                    "model.config.output_router_logits = False"
+                )
             targets = kwargs.get("shift_labels")
-            if targets is None:
-                targets = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get("labels")
+            targets = labels if targets is None else targets
             self.targets = targets if isinstance(targets, torch.Tensor) else None
         return None
 
@@ -219,7 +230,7 @@ _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
 def _check_model_features(config, core: str | None) -> None:
-    """Refuse, before training, model features that Ulysses would get silently wrong (attention, MoE aux loss)."""
+    """Refuse, before training, model features that Ulysses would get silently wrong."""
     layer_types = set(getattr(config, "layer_types", None) or [])
     if layer_types - _SUPPORTED_LAYER_TYPES:
         raise ValueError(
@@ -241,13 +252,6 @@ def _check_model_features(config, core: str | None) -> None:
         raise ValueError(
             "attn_temperature_tuning scales queries by positions computed per shard; it is not supported under "
             "Ulysses (set attn_temperature_tuning=False if the model allows it)"
-        )
-    if getattr(config, "output_router_logits", False):
-        raise ValueError(
-            f"output_router_logits=True (router_aux_loss_coef={getattr(config, 'router_aux_loss_coef', None)}): "
-            "transformers computes the MoE load-balancing loss from each shard's tokens alone and ulysses-sp's "
-            "token-weighted loss does not add it, so the loss would differ from one process's; set "
-            "model.config.output_router_logits = False (no auxiliary loss) before parallelize"
         )
     if core == "sdpa" and getattr(config, "attn_logit_softcapping", None):
         raise ValueError(
@@ -295,6 +299,8 @@ def parallelize(
         raise ValueError(f"{type(pretrained).__name__} config has no num_attention_heads; is it a decoder LM?")
     layout.check_heads(num_heads, num_kv_heads)
     _check_model_features(text_config, core if isinstance(core, str) else None)
+    if getattr(text_config, "output_router_logits", False):
+        router_aux_loss(model)  # ValueError unless its load-balancing loss is the one causal_lm_loss computes
 
     if not callable(core) and not isinstance(core, str):
         raise ValueError(f"core must be one of {sorted(CORES)} or a callable, got {core!r}")

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 import ulysses_sp as U
-from tests.dist.cases_core import check_parity
+from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, check_parity, reference
 from tests.helpers.harness import run_cases
 from tests.helpers.models import VOCAB, build, build_generic, make_batch
 
@@ -190,6 +190,50 @@ def dropout_streams(layout) -> None:
         torch.testing.assert_close(recomputed[2][name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def with_router_aux(arch: str, coef: float = 0.5):
+    """``arch`` collecting router logits, with a load-balancing coefficient large enough that an aux loss off by
+    1% shows in the loss (transformers' default, 1e-3, would hide it under rtol 1e-5)."""
+    model = build(arch, kv_heads=2)
+    model.config.output_router_logits = True
+    model.config.router_aux_loss_coef = model.router_aux_loss_coef = coef
+    return model
+
+
+def router_aux_parity(layout, arch: str, *, tiled: bool, batch) -> None:
+    """Loss (cross-entropy + coef x load-balancing loss) and every gradient against one process on the full batch of
+    all dp replicas' rows, the model's own loss; under SP via causal_lm_loss, with or without the tiled loss."""
+    model = with_router_aux(arch)
+    ref_loss, ref_grads = reference(model, batch)
+    par = U.parallelize(copy.deepcopy(model), layout)
+    if tiled:
+        U.enable_tiled_loss(par, chunk_tokens=5)
+    rows = batch["input_ids"].shape[0] // layout.dp
+    mine = {k: v[layout.dp_rank * rows : (layout.dp_rank + 1) * rows] for k, v in batch.items()}
+    loss = U.causal_lm_loss(par, U.shard_batch(mine, layout), layout)
+    loss.backward()
+    U.sync_gradients(par, layout)
+    torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
+    for name, param in par.named_parameters():
+        torch.testing.assert_close(param.grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def router_aux_own_loss_refused(layout) -> None:
+    """Under SP the model's own loss would add a load-balancing loss of one shard: refused on every rank."""
+    model = U.parallelize(with_router_aux("mixtral"), layout)
+    shard = U.shard_batch(make_batch(1, 16), layout)
+    inputs = {k: shard[k] for k in ("input_ids", "position_ids", "labels")}
+    raises_everywhere(lambda: model(**inputs), "output_router_logits=True", "ulysses_sp.causal_lm_loss")
+
+
+def router_aux_cases(layout, prefix: str, batch, tiled: tuple[bool, ...]) -> dict:
+    P = functools.partial
+    return {
+        f"{prefix}_{arch}_router_aux{'_tiled' if t else ''}": P(router_aux_parity, layout, arch, tiled=t, batch=batch)
+        for arch in ("mixtral", "qwen3_moe", "qwen2_moe_window")
+        for t in tiled
+    }
+
+
 def deepcopy_parallelized(layout) -> None:
     """copy.deepcopy of a parallelized model (EMA / reference copies): the copy runs SP on the same layout with
     the same loss and gradients, has its own hooks and counters, and unparallelizing it leaves the original."""
@@ -233,14 +277,20 @@ def world2_cases(sp2) -> dict:
         "float_input_ids": P(float_input_ids, sp2),
         "deepcopy_parallelized": P(deepcopy_parallelized, sp2),
         "own_mask_refused": P(own_mask_refused, sp2),
+        **router_aux_cases(sp2, "sp2", make_batch(2, 23, pad="right"), (False, True)),
+        "router_aux_own_loss_refused": P(router_aux_own_loss_refused, sp2),
         "dropout_streams_per_sp_rank": P(dropout_streams, sp2),
         "opt_left_padding": P(left_padding, sp2, "opt"),
         "biogpt_left_padding": P(left_padding, sp2, "biogpt"),
     }
 
 
-def world4_cases(sp4) -> dict:
-    return parity_cases(sp4, "sp4", 26, ("train",))  # train mode: forward and backward as in training
+def world4_cases(sp4, dp2sp2) -> dict:
+    return {
+        **parity_cases(sp4, "sp4", 26, ("train",)),  # train mode: forward and backward as in training
+        **router_aux_cases(sp4, "sp4", make_batch(2, 26, packed=(9, 17)), (True,)),
+        **router_aux_cases(dp2sp2, "dp2_sp2", make_batch(4, 22, pad="left"), (False,)),
+    }
 
 
 def world2() -> dict[str, str]:
@@ -248,9 +298,9 @@ def world2() -> dict[str, str]:
 
 
 def world4() -> dict[str, str]:
-    return run_cases(world4_cases(U.ParallelLayout.from_env(sp=4)))
+    return run_cases(world4_cases(U.ParallelLayout.from_env(sp=4), U.ParallelLayout.from_env(sp=2)))
 
 
 _NAMES = SimpleNamespace(sp=1, sp_rank=0, dp=1, dp_rank=0)  # case names only: no process group needed
 WORLD2 = sorted(world2_cases(_NAMES))
-WORLD4 = sorted(world4_cases(_NAMES))
+WORLD4 = sorted(world4_cases(_NAMES, _NAMES))

@@ -402,3 +402,38 @@ def test_dropout_at_sp1_draws_what_the_model_draws():
 def test_layerdrop_is_refused():
     with pytest.raises(ValueError, match="layerdrop=0.1.*set layerdrop=0"):
         U.parallelize(build_generic("opt", layerdrop=0.1), U.ParallelLayout.single())
+
+
+# ---------------------------------------------------------------------------------------------- issue 19, item 8
+@pytest.mark.parametrize("tiled", [False, True], ids=["plain_loss", "tiled_loss"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe_window"])
+def test_router_aux_loss_is_added_as_the_model_adds_it(arch, tiled):
+    """causal_lm_loss = cross-entropy + router_aux_loss_coef x load-balancing loss, as the model's own loss (one
+    process here, padded rows; sp=2, sp=4, dp2 x sp2 in tests/dist/cases_hardening.py)."""
+    from tests.dist.cases_hardening import with_router_aux
+
+    model = with_router_aux(arch)
+    batch = make_batch(2, 23, pad="right")
+    plain = copy.deepcopy(model)
+    out = plain(**batch, use_cache=False)
+    out.loss.backward()
+    assert float(out.aux_loss) > 1  # the 0.5 coefficient makes it count
+    single = U.ParallelLayout.single()
+    par = U.parallelize(copy.deepcopy(model), single)
+    if tiled:
+        U.enable_tiled_loss(par, chunk_tokens=5)
+    got = U.causal_lm_loss(par, U.shard_batch(batch, single), single)
+    got.backward()
+    torch.testing.assert_close(got, out.loss, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(par.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_router_logits_of_a_model_without_load_balancing_loss_change_nothing():
+    """DeepSeek-V3 collects router logits but adds no load-balancing loss: nothing to add, nothing refused."""
+    from ulysses_sp.moe import router_aux_loss
+
+    model = build("deepseek_v3_mla")
+    model.config.output_router_logits = True
+    assert router_aux_loss(model) is None
+    U.parallelize(model, U.ParallelLayout.single())

@@ -27,9 +27,12 @@ from ..hf import attention_modules, decoder_module, find_causal_lm
 from ..validation import IGNORE_INDEX
 from .kernel import DEFAULT_LOSS_BUDGET_BYTES, LogitsHead, loss_chunk_tokens, tiled_cross_entropy_sum
 
-__all__ = ["disable_tiled_loss", "enable_tiled_loss", "tiled_loss_enabled"]
+__all__ = ["ROUTER_LOGITS_TO_CALLER", "disable_tiled_loss", "enable_tiled_loss", "tiled_loss_enabled"]
 
 _STATE_ATTR = "_ulysses_tiled_loss"
+# A keyword ulysses_sp.causal_lm_loss passes to the tiled forward: return the router logits with the cross-entropy
+# (it adds the load-balancing loss of the whole sequence itself) instead of refusing them.
+ROUTER_LOGITS_TO_CALLER = "ulysses_sp_router_logits_to_caller"
 _PROBE_TOKENS = 4
 
 
@@ -173,7 +176,7 @@ def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tenso
             f"forward failed on a probe: {type(err).__name__}: {err}); disable the tiled loss for this model "
             "(tiled_loss=False / --no-tiled-loss)"
         ) from err
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(like.device.type, enabled=False):
         ours = state.head.apply(output(probe).float())  # the module call: FSDP2 gathers a sharded lm_head
     tol = _probe_tolerance(like.dtype)
     close = theirs is not None and theirs.shape == ours.shape
@@ -222,7 +225,7 @@ def _tiled_forward(
     **kwargs,
 ):
     """The forward :func:`enable_tiled_loss` installs (transformers' causal-LM signature)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
     state: _TiledLossState = getattr(self, _STATE_ATTR)
     shift_labels = kwargs.pop("shift_labels", None)
@@ -241,12 +244,14 @@ def _tiled_forward(
             logits_to_keep=logits_to_keep,
             **kwargs,
         )
+    to_caller = kwargs.pop(ROUTER_LOGITS_TO_CALLER, False)
     router = kwargs.get("output_router_logits")
-    if router or (router is None and getattr(self.config, "output_router_logits", False)):
+    if not to_caller and (router or (router is None and getattr(self.config, "output_router_logits", False))):
         raise ValueError(
             "output_router_logits=True: the tiled loss returns the cross-entropy only and would drop the MoE "
-            "load-balancing loss; set model.config.output_router_logits = False, or call disable_tiled_loss(model) "
-            "to use the model's own loss"
+            "load-balancing loss; train with ulysses_sp.causal_lm_loss (which adds it, over the whole sequence), "
+            "set model.config.output_router_logits = False, or call disable_tiled_loss(model) to use the model's "
+            "own loss"
         )
     num_items = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
@@ -270,10 +275,11 @@ def _tiled_forward(
         loss = total / torch.as_tensor(num_items, device=total.device)
     else:
         loss = total / (targets != ignore_index).sum().clamp(min=1)
-    return CausalLMOutputWithPast(
+    return MoeCausalLMOutputWithPast(
         loss=loss,
         logits=None,
         past_key_values=getattr(outputs, "past_key_values", None),
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
+        router_logits=getattr(outputs, "router_logits", None) if to_caller else None,
     )
