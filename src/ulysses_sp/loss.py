@@ -128,20 +128,20 @@ def _token_mean(
     shift_labels: torch.Tensor,
     layout: ParallelLayout,
     *,
-    num_items_in_batch: int | torch.Tensor | None = None,
-    ignore_index: int = IGNORE_INDEX,
-    stats: CommStats | None = None,
     bad: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     extra: torch.Tensor | None = None,
+    **options,  # num_items_in_batch, ignore_index, stats: as in reduce_token_loss
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`reduce_token_loss` in ONE all-reduce of ``[sum, count, bad targets, *extra]`` over dp x sp; returns
     the mean and the reduced ``extra``. ``bad``: (``[b, n]`` flags of targets outside the vocabulary, the targets,
     vocab size): any flagged on any rank is a ValueError on every rank."""
+    ignore_index = options.get("ignore_index", IGNORE_INDEX)
+    num_items_in_batch = options.get("num_items_in_batch")
     local_count = (shift_labels != ignore_index).sum().to(token_loss_sum.device)
     flagged = bad[0].sum() if bad is not None else torch.zeros((), dtype=torch.long)
     head = torch.stack([token_loss_sum.double(), local_count.double(), flagged.to(local_count.device).double()])
     parts = [head] if extra is None else [head, extra.to(head.device).double()]
-    totals = all_reduce_sum(torch.cat(parts), layout.loss_group, stats)  # [3 + len(extra)]
+    totals = all_reduce_sum(torch.cat(parts), layout.loss_group, options.get("stats"))  # [3 + len(extra)]
     if bad is not None and bool(totals[2] > 0):
         _, targets, vocab_size = bad
         here = first_bad_id(targets, vocab_size, ignore_index)
