@@ -78,7 +78,13 @@ def cpu_simulate() -> dict:
         head_dim=16,
         max_position_embeddings=1 << 16,
     )
-    result = simulate_step(config, seq_len=8192, sp=4, dp=2, features=Features(tiled_loss=True, dtype="bf16"))
+    result = simulate_step(
+        config,
+        seq_len=8192,
+        sp=4,
+        dp=2,
+        features=Features(tiled_mlp=False, activation_checkpointing="checkpoint", dtype="bf16"),
+    )
     return {
         k: result[k] for k in ("seq_len", "sp", "dp", "device", "measured_peak_bytes", "predicted_peak_bytes", "ratio")
     }

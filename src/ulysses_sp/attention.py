@@ -267,9 +267,10 @@ class UlyssesAttention:
 def check_ring_core(core_name: str, ring: int) -> None:
     """ValueError unless the core ``core_name`` may run in a layout with ``ring`` ring ranks (:data:`RING_CORES`)."""
     if ring > 1 and core_name not in RING_CORES:
+        usable = " or ".join(map(repr, RING_CORES))
         raise ValueError(
             f"core={core_name!r} cannot run inside a ring (ring degree {ring}): the ring uses its own blockwise "
-            f"core with an fp32 online-softmax merge; use one of {', '.join(RING_CORES)}, or a layout without a ring"
+            f"core with an fp32 online-softmax merge; use core={usable}, or a layout without a ring"
         )
 
 

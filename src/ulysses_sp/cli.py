@@ -1,6 +1,6 @@
 """The ``ulysses-sp`` command (also ``python -m ulysses_sp``).
 
-``ulysses-sp plan [flags]`` predicts memory and the longest sequence (:mod:`ulysses_sp.plan_cli`).
+``ulysses-sp plan [flags]`` predicts memory and the longest sequence (:mod:`ulysses_sp.plan.cli`).
 ``ulysses-sp train [flags]`` trains a causal LM with Ulysses sequence parallelism; with no flags it runs the
 embedded CPU demo. Started plainly it launches its own local ranks; under torchrun, ``accelerate launch`` or
 Slurm it is one rank of theirs (see :mod:`ulysses_sp.train.launch`). Exit status: 0 done, 2 invalid
@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "bench":
         return bench(rest)
     if command == "plan":
-        from ulysses_sp.plan_cli import plan_command
+        from ulysses_sp.plan.cli import plan_command
 
         return plan_command(rest)
     print(f"ulysses-sp: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)

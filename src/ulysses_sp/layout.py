@@ -113,6 +113,7 @@ class ParallelLayout:
             SP group (None when ``ring == 1``); its group rank is :attr:`ring_rank`.
         ulysses_group: the ``ulysses`` consecutive ranks of the SP group that exchange heads (the SP
             group itself when ``ring == 1``; None when ``ulysses == 1``).
+        is_view: True for :meth:`rank_view`: one rank's coordinates without process groups.
     """
 
     dp: int
@@ -128,6 +129,7 @@ class ParallelLayout:
     ring: int = 1
     ring_group: ProcessGroup | None = None
     ulysses_group: ProcessGroup | None = None
+    is_view: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "sp", "ring"):
@@ -141,6 +143,8 @@ class ParallelLayout:
                 f"rank coordinates out of range: sp_rank={self.sp_rank} (sp={self.sp}), "
                 f"dp_rank={self.dp_rank} (dp={self.dp})"
             )
+        if self.is_view:  # coordinates only (see rank_view): no group to check
+            return
         if self.sp > 1 and self.sp_group is None:
             raise ValueError(f"sp={self.sp} needs an sp_group; build the layout with ParallelLayout.from_env")
         if self.sp_group is not None and dist.get_world_size(self.sp_group) != self.sp:
@@ -161,6 +165,31 @@ class ParallelLayout:
     def single(cls, device: torch.device | str | None = None) -> ParallelLayout:
         """One process, sp=1, dp=1, no process group: the reference layout."""
         return cls(dp=1, sp=1, device=torch.device(device) if device is not None else torch.device("cpu"))
+
+    @classmethod
+    def rank_view(
+        cls,
+        sp: int,
+        sp_rank: int,
+        *,
+        dp: int = 1,
+        dp_rank: int = 0,
+        ring: int = 1,
+        device: torch.device | str | None = None,
+    ) -> ParallelLayout:
+        """Where rank ``sp_rank`` of an SP group of ``sp`` ranks sits, with no process group: enough for
+        :func:`ulysses_sp.shard_batch` to cut any rank's shard in one process (``check_same_batch`` needs a
+        group, so it is skipped), not for training (:func:`ulysses_sp.parallelize` refuses a view)."""
+        return cls(
+            dp=dp,
+            sp=sp,
+            rank=dp_rank * sp + sp_rank,
+            sp_rank=sp_rank,
+            dp_rank=dp_rank,
+            device=torch.device(device) if device is not None else torch.device("cpu"),
+            ring=ring,
+            is_view=True,
+        )
 
     @classmethod
     def from_env(
@@ -311,10 +340,6 @@ class ParallelLayout:
     def is_main(self) -> bool:
         """True on global rank 0 (the rank that prints and writes files)."""
         return self.rank == 0
-
-    def sp_degrees_for(self, num_heads: int, num_kv_heads: int | None = None) -> list[int]:
-        """The sp values that work for a model with these head counts (see :meth:`check_heads`)."""
-        return sp_degrees_for(num_heads, num_kv_heads)
 
     def check_heads(self, num_heads: int, num_kv_heads: int | None = None) -> None:
         """Raise ValueError unless the heads split over the Ulysses degree (see :func:`check_heads_split`);

@@ -24,10 +24,11 @@ import weakref
 from types import TracebackType
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["PeakMemory"]
+__all__ = ["PeakMemory", "SavedActivations"]
 
 
 class _StorageTracker(TorchDispatchMode):
@@ -156,3 +157,37 @@ class PeakMemory:
             assert self._tracker is not None
             self._tracker.__exit__(exc_type, exc, tb)
             self.peak_bytes = self._tracker.peak
+
+
+class SavedActivations:
+    """``with SavedActivations(model) as saved: loss = ...`` then ``saved.bytes``: what backward will read.
+
+    Counts every tensor autograd saves inside the block, one storage once, leaving out the storages of
+    ``model``'s parameters (weights are not activations; a cast copy of a weight, e.g. under autocast, is
+    counted because it is allocated for this step).
+    """
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        params = [t for p in model.parameters() for t in _local_tensors(p)] if model is not None else []
+        self._params = {t.untyped_storage().data_ptr() for t in params}
+        self._seen: set[int] = set()
+        self.bytes = 0
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self._params and key not in self._seen:
+                self._seen.add(key)
+                self.bytes += storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        assert self._hooks is not None
+        self._hooks.__exit__(*exc)

@@ -291,6 +291,11 @@ def parallelize(
     ``layout.sp`` or the core is unknown.
     """
     pretrained = find_pretrained(model)
+    if layout.is_view:
+        raise ValueError(
+            "parallelize needs a layout with process groups; ParallelLayout.rank_view only describes where a "
+            "rank sits (use ParallelLayout.from_env, from_groups or single)"
+        )
     if getattr(pretrained, _STATE_ATTR, None) is not None:
         raise ValueError("this model is already parallelized; call ulysses_sp.unparallelize(model) first")
     text_config = pretrained.config.get_text_config()

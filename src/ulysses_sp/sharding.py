@@ -76,6 +76,7 @@ def shard_batch(
             all-gather of 20 integers) and raise ValueError on every rank if the ranks hold different batches
             — the usual sign of a data sampler split over the whole world instead of over ``layout.dp`` — or
             if any rank's batch is malformed (so a bad batch on one rank never leaves the others waiting).
+            Skipped for a :meth:`~ulysses_sp.ParallelLayout.rank_view` (no group to compare over).
         vocab_size: when given, input_ids and labels outside ``[0, vocab_size)`` (labels may also be
             ``ignore_index``) raise a ValueError naming the id, on every rank of the group; without it
             only negative ids are caught. Pass ``model.config.vocab_size``.
@@ -90,7 +91,7 @@ def shard_batch(
     ``lcm(sp, 2 * ring)`` and dealt in zigzag order (see the module docstring).
     """
     full, problem = _validated(batch, vocab_size, ignore_index)
-    if check_same_batch and layout.sp > 1:
+    if check_same_batch and layout.sp > 1 and not layout.is_view:
         _check_same_batch(
             full, problem, layout, vocab_size, ignore_index
         )  # raises on every rank if any rank has a problem
@@ -106,7 +107,7 @@ def shard_batch(
         positions = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
     positions = positions.expand(b, seq_len).to(torch.long)
 
-    ring = getattr(layout, "ring", 1)
+    ring = layout.ring
     multiple = sp if ring == 1 else math.lcm(sp, 2 * ring)
     extra = (-seq_len) % multiple
     if extra:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import functools
-from types import SimpleNamespace
 
 import torch
 
@@ -301,6 +300,6 @@ def world4() -> dict[str, str]:
     return run_cases(world4_cases(U.ParallelLayout.from_env(sp=4), U.ParallelLayout.from_env(sp=2)))
 
 
-_NAMES = SimpleNamespace(sp=1, sp_rank=0, dp=1, dp_rank=0)  # case names only: no process group needed
+_NAMES = U.ParallelLayout.rank_view(1, 0)  # case names only: no process group needed
 WORLD2 = sorted(world2_cases(_NAMES))
 WORLD4 = sorted(world4_cases(_NAMES, _NAMES))

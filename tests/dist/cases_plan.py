@@ -3,15 +3,19 @@
 import json
 import os
 
+import ulysses_sp as U
 from tests.unit.test_plan import tiny
 from ulysses_sp import ParallelLayout
-from ulysses_sp.plan import Features
-from ulysses_sp.simulate import measure_step
+from ulysses_sp.features import Features
+from ulysses_sp.simulate import sharded_step_peak
+from ulysses_sp.standin import random_batch
 
 SEQ_LEN = 2048
 FEATURES = {
-    "fp32-plain": Features(tiled_loss=False, dtype="fp32"),
-    "bf16-tiled": Features(tiled_loss=True, loss_chunk_tokens=256, dtype="bf16"),
+    "fp32-plain": Features(tiled_loss=False, tiled_mlp=False, activation_checkpointing="checkpoint", dtype="fp32"),
+    "bf16-tiled": Features(
+        tiled_loss=True, loss_chunk_tokens=256, tiled_mlp=False, activation_checkpointing="checkpoint", dtype="bf16"
+    ),
 }
 
 
@@ -20,7 +24,8 @@ def world2() -> dict[str, str]:
     results, measured = {}, {}
     for name, features in FEATURES.items():
         try:
-            measured[name] = measure_step(tiny("qwen3", kv=2), layout, seq_len=SEQ_LEN, features=features)["peak_bytes"]
+            shard = U.shard_batch(random_batch(512, SEQ_LEN, seed=0), layout)
+            measured[name] = sharded_step_peak(tiny("qwen3", kv=2), layout, shard, features=features)["peak_bytes"]
             results[name] = "ok"
         except Exception as error:  # reported to the parent
             results[name] = repr(error)

@@ -43,7 +43,7 @@ def test_table_and_json():
     defaults = json.loads(run("--model", "qwen3-4b", "--seq-len", "65536", "--gpus-per-node", "1", "--json").stdout)
     features = defaults["plan"]["features"]  # the defaults are those of `ulysses-sp train` on a GPU
     assert features["tiled_loss"] and features["tiled_mlp"] and features["activation_checkpointing"] == "offload"
-    assert features["loss_budget_bytes"] == 1 << 30
+    assert features["loss_chunk_mib"] == 1024  # 1 GiB of logits per loss chunk
 
 
 @pytest.mark.parametrize(

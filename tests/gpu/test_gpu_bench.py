@@ -11,8 +11,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_gpu_mode_finds_a_length_and_measures_throughput():
-    results = run_gpu(models=["Qwen3-4B"], sp_sizes=(1, 4), start=4096, limit=16384, granularity=4096, budget_s=300)
-    entry = results["models"]["Qwen3-4B"]
+    results = run_gpu(models=("qwen3-4b",), sp_sizes=(1, 4), start=4096, limit=16384, granularity=4096, budget_s=300)
+    entry = results["models"]["qwen3-4b"]
     assert entry["features"]["tiled_loss"] is True
     one = entry["layouts"]["1"]
     assert one["max_seq_len"] >= 4096 and one["tokens_per_s"] > 0 and one["tflops"] > 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -16,8 +14,8 @@ from ulysses_sp.integrations.hf_trainer import resolve_core
 
 
 def fake_layout(sp: int, sp_rank: int, dp: int = 1, dp_rank: int = 0):
-    """The collator reads sp / sp_rank; deal_batches_over_dp reads sp / dp / dp_rank / world_size."""
-    return SimpleNamespace(sp=sp, sp_rank=sp_rank, dp=dp, dp_rank=dp_rank, world_size=dp * sp)
+    """Where a rank sits (no process groups): the collator cuts its shard, deal_batches_over_dp its batches."""
+    return ParallelLayout.rank_view(sp, sp_rank, dp=dp, dp_rank=dp_rank)
 
 
 def shards(collate, features, sp: int) -> list[dict[str, torch.Tensor]]:

@@ -9,32 +9,38 @@ import torch.distributed as dist
 
 import ulysses_sp
 from ulysses_sp.bench.collectives import CollectiveCounter
-from ulysses_sp.bench.formulas import ring_bytes_per_layer, ulysses_bytes_per_layer
-from ulysses_sp.bench.gpu import run_gpu, search_max_seq
-from ulysses_sp.bench.models import CPU_MODELS, build_model
-from ulysses_sp.bench.rankmem import SavedActivations, dense_core, measure_step, random_batch, standin_rank
+from ulysses_sp.bench.formulas import ring_p2p_per_layer, ulysses_bytes_per_layer
+from ulysses_sp.bench.gpu import run_gpu
+from ulysses_sp.bench.runner import bench_model
+from ulysses_sp.memory import SavedActivations
+from ulysses_sp.plan import search_longest
+from ulysses_sp.shapes import SHAPES
+from ulysses_sp.standin import StandIn, fake_world, measure_step, random_batch
 
 
 @pytest.mark.parametrize("capacity", [0, 5000, 8192, 20000, 100_000, 10**9])
 def test_search_finds_the_largest_length_that_fits(capacity):
-    found, trials, complete = search_max_seq(lambda n: n <= capacity, start=8192, limit=1 << 20, granularity=1024)
+    found, trials, complete = search_longest(lambda n: n <= capacity, start=8192, limit=1 << 20, granularity=1024)
     assert complete
     assert found == min(capacity // 1024 * 1024, 1 << 20)
     assert len(trials) <= 12 + 10  # doublings + bisection steps
 
 
 def test_search_stops_when_the_budget_is_spent():
-    found, trials, complete = search_max_seq(
+    found, trials, complete = search_longest(
         lambda n: None if n > 40_000 else True, start=8192, limit=1 << 20, granularity=1024
     )
     assert (found, complete) == (32768, False) and [t for t, _ in trials] == [8192, 16384, 32768]
 
 
 def test_counter_sees_every_collective_and_the_stand_in_matches_the_formula():
-    shape = CPU_MODELS["llama-bench-tiny"]
-    with standin_rank(4, rank=3) as layout:
+    # The fake backend's own group: its collectives go through the c10d operators the counter sees (the
+    # stand-in's simulated SP group is a Python process group, which bypasses them).
+    shape = SHAPES["llama-bench-tiny"]
+    with fake_world(4, rank=3):
+        layout = ulysses_sp.ParallelLayout.from_groups(dist.group.WORLD)
         assert dist.get_world_size() == 4 and layout.sp == 4
-        model = ulysses_sp.parallelize(build_model(shape, max_positions=512), layout, core=dense_core())
+        model = ulysses_sp.parallelize(bench_model("llama-bench-tiny", 512), layout)
         shard = ulysses_sp.shard_batch(random_batch(shape["vocab_size"], 512), layout)
         with CollectiveCounter() as counter:
             ulysses_sp.causal_lm_loss(model, shard, layout).backward()
@@ -51,12 +57,13 @@ def test_counter_sees_every_collective_and_the_stand_in_matches_the_formula():
 
 
 def test_stand_in_memory_scales_with_the_shard():
-    shape = CPU_MODELS["llama-bench-tiny"]
+    shape = SHAPES["llama-bench-tiny"]
     saved = {}
     for sp in (1, 2):
-        with standin_rank(sp, rank=sp - 1) as layout:
-            model = ulysses_sp.parallelize(build_model(shape, max_positions=512), layout, core=dense_core())
-            saved[sp] = measure_step(model, random_batch(shape["vocab_size"], 512), layout)["saved_bytes"]
+        with StandIn(sp=sp, sp_rank=sp - 1) as rank:
+            model = ulysses_sp.parallelize(bench_model("llama-bench-tiny", 512), rank.layout)
+            shard = rank.shard(random_batch(shape["vocab_size"], 512))
+            saved[sp] = measure_step(model, shard, rank.layout)["saved_bytes"]
     assert 0.45 < saved[2] / saved[1] < 0.6, saved  # half the tokens per rank, plus full-length attention stats
 
 
@@ -74,7 +81,7 @@ def test_saved_activations_dedupes_storages_and_skips_parameters():
 
 
 def test_ring_formula():
-    ring = ring_bytes_per_layer(batch=1, seq_len=1024, ring=4, kv_heads=2, head_dim=16, element_size=2)
+    ring = ring_p2p_per_layer(batch=1, seq_len=1024, ring=4, kv_heads=2, head_dim=16, element_size=2)
     kv = 2 * 2 * 256 * 16
     assert ring == {
         "forward_bytes": 3 * kv * 2,
@@ -83,8 +90,7 @@ def test_ring_formula():
         "backward_sends": 7,  # k/v 3 times, their gradients 4 hops
     }
     assert (
-        ring_bytes_per_layer(batch=1, seq_len=1024, ring=1, kv_heads=2, head_dim=16, element_size=2)["forward_bytes"]
-        == 0
+        ring_p2p_per_layer(batch=1, seq_len=1024, ring=1, kv_heads=2, head_dim=16, element_size=2)["forward_bytes"] == 0
     )
 
 
@@ -93,28 +99,31 @@ def test_gpu_mode_skips_cleanly_without_cuda():
     assert run_gpu() == {"skipped": "no CUDA device"}
 
 
-def test_dense_core_attends_over_the_whole_row():
-    # Under the fake group the gathered positions read as one document per shard; dense_core must ignore that.
-    from ulysses_sp.cores import Segments, sdpa_core
+def test_the_stand_in_rank_sees_the_documents_of_the_full_row():
+    """The simulated SP group answers Ulysses' position all-gather with each peer's own shard, so the stand-in
+    rank works out the documents of the whole row, as a real rank does (not one document per shard)."""
+    batch = random_batch(SHAPES["llama-bench-tiny"]["vocab_size"], 256)
+    batch["position_ids"] = torch.cat([torch.arange(100), torch.arange(156)])[None]  # two packed documents
+    with StandIn(sp=2, sp_rank=1) as rank:
+        model = ulysses_sp.parallelize(bench_model("llama-bench-tiny", 256), rank.layout)
+        shard = rank.shard(batch)
+        context = ulysses_sp.ulysses_context(model)
+        context.begin_forward(shard["position_ids"], None, 1, 128, input_ids=shard["input_ids"])
+        segments = context.segments_for(shard["position_ids"])
+    assert segments.spans == [[(0, 100), (100, 256)]]
+    assert torch.equal(shard["position_ids"], torch.arange(28, 156)[None])  # sp_rank 1's half of the row
 
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 8, 4, generator=gen) for _ in range(3))
-    per_shard = Segments(batch=1, seq_len=8, spans=[[(0, 4), (4, 8)]], device=torch.device("cpu"))
-    dense = Segments(batch=1, seq_len=8, spans=[[(0, 8)]], device=torch.device("cpu"))
-    out = dense_core("sdpa")(q, k, v, per_shard)
-    torch.testing.assert_close(out, sdpa_core(q, k, v, dense))
-    assert not torch.allclose(out[:, 4:], sdpa_core(q, k, v, per_shard)[:, 4:])
 
-
-def test_gpu_mode_turns_on_the_memory_features_train_uses():
-    from ulysses_sp.bench.gpu import enable_memory_features
+def test_the_default_features_are_what_train_turns_on():
+    from ulysses_sp.features import Features, apply_features
     from ulysses_sp.offload import offload_store
     from ulysses_sp.tiled_loss import tiled_loss_enabled
     from ulysses_sp.tiling import enable_tiled_mlp
 
-    model = build_model(CPU_MODELS["llama-bench-tiny"], max_positions=64)
-    features = enable_memory_features(model, torch.device("cpu"))
-    assert features == {"tiled_loss": True, "tiled_mlp": True, "activation_checkpointing": "checkpoint"}
+    model = bench_model("llama-bench-tiny", 64)
+    features = apply_features(model, Features(), "cpu")  # the GPU mode applies Features() the same way on CUDA
+    assert (features.tiled_loss, features.tiled_mlp, features.activation_checkpointing) == (True, True, "checkpoint")
+    assert Features().resolve("cuda").activation_checkpointing == "offload"
     assert tiled_loss_enabled(model) and offload_store(model) is None  # checkpoints stay on a CPU device
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     with pytest.raises(ValueError, match="already tiled"):

@@ -1,18 +1,18 @@
 """Single-process tests of the core: sharding, segments, loss, layout and bad input."""
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import ulysses_sp as U
 from tests.helpers.models import build, make_batch
+from ulysses_sp.layout import sp_degrees_for
 
 
 def fake_layout(sp: int, sp_rank: int):
-    """shard_batch reads sp and sp_rank (and the SP group for its same-batch check: none here)."""
-    return SimpleNamespace(sp=sp, sp_rank=sp_rank, sp_group=None, dp=1, dp_rank=0, device=torch.device("cpu"))
+    """Where sp rank ``sp_rank`` sits, without process groups: shard_batch cuts its shard in this process."""
+    return U.ParallelLayout.rank_view(sp, sp_rank)
 
 
 def test_shard_batch_pads_shifts_and_keeps_every_token():
@@ -133,7 +133,7 @@ def test_layout_validation():
     with pytest.raises(ValueError, match="needs an sp_group"):
         U.ParallelLayout(dp=1, sp=2)
     layout = U.ParallelLayout.single()
-    assert layout.sp_degrees_for(12, 4) == [1, 2, 4, 12]
+    assert sp_degrees_for(12, 4) == [1, 2, 4, 12]
     layout.check_heads(12, 4)  # sp=1 always works
     three = U.ParallelLayout.single()
     object.__setattr__(three, "sp", 3)  # check_heads only reads sp

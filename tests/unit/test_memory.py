@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ulysses_sp.memory import PeakMemory, _StorageTracker
-from ulysses_sp.simulate import _fake_world
+from ulysses_sp.standin import fake_world
 
 MiB = 2**20
 
@@ -45,7 +45,7 @@ def test_fsdp2_parameters_gathered_and_freed_by_resizing_are_followed():
     from torch.distributed.fsdp import fully_shard
 
     layer_bytes = 1024 * 1024 * 4
-    with _fake_world(2):
+    with fake_world(2):
         model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(8)])
         for layer in model:
             fully_shard(layer)

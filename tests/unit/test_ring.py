@@ -1,7 +1,5 @@
 """Single-process tests of the ring attention math: zigzag order, block kernel, online-softmax merge, layouts."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -157,10 +155,7 @@ def test_shard_batch_zigzag_keeps_every_token_with_its_label():
     and each token keeps its own target and position."""
     batch = make_batch(2, 21, packed=(9, 12))
     sp, ring = 4, 2
-    shards = [
-        U.shard_batch(batch, SimpleNamespace(sp=sp, sp_rank=r, ring=ring, sp_group=None, dp=1, dp_rank=0, device="cpu"))
-        for r in range(sp)
-    ]
+    shards = [U.shard_batch(batch, U.ParallelLayout.rank_view(sp, r, ring=ring)) for r in range(sp)]
     length = 24  # padded to a multiple of lcm(sp, 2 x ring) = 4
     order = zigzag_order(length, ring)
     padded = F.pad(batch["input_ids"], (0, length - 21))

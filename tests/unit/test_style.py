@@ -1,4 +1,4 @@
-"""The code base stays ruff-clean (lint and format), as DESIGN.md asks; ruff comes with the test extra."""
+"""The code base stays ruff-clean (lint and format, configured in pyproject.toml); ruff comes with the test extra."""
 
 import shutil
 import subprocess

@@ -77,7 +77,10 @@ def test_bool_flags_and_resume_forms(tmp_path):
     assert load_config(["--mlp-chunk-tokens", "512"]).mlp_chunk_tokens == 512
     assert load_config(["--activation-checkpointing", "none"]).activation_checkpointing == "none"
     auto = load_config([])
-    assert (auto.checkpointing_mode("cpu"), auto.checkpointing_mode("cuda")) == ("checkpoint", "offload")
+    assert (auto.resolve("cpu").activation_checkpointing, auto.resolve("cuda").activation_checkpointing) == (
+        "checkpoint",
+        "offload",
+    )
     assert load_config(["--resume"]).resume is True
     assert load_config(["--resume", "runs/x/checkpoint-0000010"]).resume == "runs/x/checkpoint-0000010"
     path = _write_yaml(tmp_path, {"resume": True})
@@ -188,4 +191,5 @@ def test_resolved_nproc_and_dtype():
         TrainConfig(sp=3).resolved_nproc(num_gpus=8)
     assert TrainConfig().torch_dtype("cpu") == torch.float32
     assert TrainConfig().torch_dtype("cuda") == torch.bfloat16
-    assert TrainConfig(dtype="fp16").torch_dtype("cuda") == torch.float16
+    with pytest.raises(ValueError, match="--dtype must be one of auto, bf16, fp32"):  # fp16 would need loss scaling
+        TrainConfig(dtype="fp16").validate()

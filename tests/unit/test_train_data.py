@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ulysses_sp.train.config import SeqLenSchedule, TrainConfig
+from ulysses_sp.train.config import TrainConfig
 from ulysses_sp.train.data import (
     IGNORE_INDEX,
     SequenceLoader,
@@ -20,6 +20,7 @@ from ulysses_sp.train.data import (
     split_documents,
     tokenize_documents,
 )
+from ulysses_sp.train.schedule import SeqLenSchedule
 
 KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
 

@@ -8,12 +8,12 @@ import math
 
 import pytest
 
+from ulysses_sp.shapes import SHAPES
 from ulysses_sp.train.config import TrainConfig
 from ulysses_sp.train.faults import Fault
 from ulysses_sp.train.launch import apply_slurm_env, under_launcher
 from ulysses_sp.train.metrics import MetricsLog, format_summary
 from ulysses_sp.train.model_factory import (
-    BUILTIN_MODELS,
     check_model_against_config,
     hf_model_config,
     tokenizer_source,
@@ -96,7 +96,7 @@ def test_builtin_models_and_the_sp_check():
     hf_config = hf_model_config(config)
     assert (hf_config.hidden_size, hf_config.num_attention_heads, hf_config.vocab_size) == (64, 4, 50257)
     assert hf_config.tie_word_embeddings and hf_config.max_position_embeddings >= config.seq_len
-    for name in BUILTIN_MODELS:
+    for name in SHAPES:
         check_model_against_config(TrainConfig(model=name, sp=2))
     check_model_against_config(TrainConfig(sp=3, nproc=3))  # 3 does not split 4 heads: ulysses 1 x ring 3
     with pytest.raises(ValueError, match=r"--sp 3 --ring 1 does not fit --model 'llama-tiny'.*ulysses 1 x ring 3"):

@@ -7,9 +7,9 @@ measured counts against.
 
 from __future__ import annotations
 
-from ulysses_sp.ring import ring_bytes_per_layer as _ring_bytes
+from ulysses_sp.ring import ring_bytes_per_layer
 
-__all__ = ["ring_bytes_per_layer", "ulysses_bytes_per_layer"]
+__all__ = ["ring_p2p_per_layer", "ulysses_bytes_per_layer"]
 
 
 def ulysses_bytes_per_layer(
@@ -28,7 +28,7 @@ def ulysses_bytes_per_layer(
     return 2 * forward * element_size
 
 
-def ring_bytes_per_layer(
+def ring_p2p_per_layer(
     *, batch: int, seq_len: int, ring: int, kv_heads: int, head_dim: int, element_size: int
 ) -> dict[str, int]:
     """Ring attention over ``ring`` ranks (each holds ``N / ring`` tokens, all kv heads), one layer, one rank.
@@ -37,7 +37,7 @@ def ring_bytes_per_layer(
     elements). Backward (the usual ring backward): k/v travel again (``ring - 1`` sends) and their fp32
     gradient accumulators travel ``ring`` hops (``ring`` sends). Bytes: :func:`ulysses_sp.ring.ring_bytes_per_layer`.
     """
-    forward, backward = _ring_bytes(
+    forward, backward = ring_bytes_per_layer(
         batch=batch,
         kv_heads=kv_heads,
         block_len=seq_len // ring,

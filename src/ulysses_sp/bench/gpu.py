@@ -1,24 +1,21 @@
 """GPU mode: the longest sequence one GPU trains, for real model shapes, and per-rank memory of SP layouts.
 
-For each model of :data:`~ulysses_sp.bench.models.GPU_MODELS` (random weights, bf16 on the GPU) with the
-library's long-sequence memory features on (:func:`enable_memory_features`), :func:`search_max_seq` finds the
-longest sequence for which one training step (forward, loss, backward) fits: doubling until
-``torch.cuda.OutOfMemoryError``, then bisection to ``granularity`` tokens. At that length it times a few
-steps: tokens/s, model TFLOPs (``6 N + 6 L H d T`` per token,
-:func:`ulysses_sp.train.model_factory.training_flops_per_token`, recomputation not counted) and MFU against
-the device's bf16 peak.
+For each published shape (:data:`~ulysses_sp.shapes.PUBLISHED_SHAPES`, random weights, bf16 on the GPU)
+with the memory features ``ulysses-sp train`` runs on a GPU (:class:`~ulysses_sp.features.Features`'
+defaults), :func:`~ulysses_sp.plan.search_longest` finds the longest sequence for which one training step
+(forward, loss, backward) fits: doubling until ``torch.cuda.OutOfMemoryError``, then bisection. At that
+length it times a few steps: tokens/s, model TFLOPs (``6 N + 6 L H d T`` per token, recomputation not
+counted) and MFU against the device's bf16 peak.
 
-Layouts with sp = 4 and 8 are measured on the same GPU by standing in for one rank
-(:func:`~ulysses_sp.bench.rankmem.standin_rank`, torch's fake process group): the search then finds the
-longest FULL sequence whose per-rank share fits, and the peak memory of that rank.
-
-Weights and gradients live on the GPU in bf16; optimizer states are not allocated (the HF blog's and the
-ALST runs offload them to the CPU or shard them with ZeRO-3), so the numbers are for the activations,
-weights and gradients of one replica.
+Layouts with sp = 4 and 8 are measured on the same GPU by standing in for their last rank
+(:class:`~ulysses_sp.standin.StandIn`): the search then finds the longest FULL sequence whose per-rank share
+fits, and that rank's peak memory. Optimizer states are not allocated (the HF blog's and the ALST runs
+offload them or shard them with ZeRO-3): the numbers are for the activations, weights and gradients.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections.abc import Callable
@@ -27,79 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ulysses_sp.layout import ParallelLayout
+from ulysses_sp.features import Features, apply_features
 from ulysses_sp.model import parallelize, unparallelize
-from ulysses_sp.offload import enable_activation_checkpointing
-from ulysses_sp.tiled_loss import enable_tiled_loss
-from ulysses_sp.tiling import enable_tiled_mlp
+from ulysses_sp.plan import search_longest
+from ulysses_sp.shapes import PUBLISHED_SHAPES, random_model, shape_config
+from ulysses_sp.standin import StandIn, measure_step, random_batch
 
-from .models import GPU_MODELS, build_gpu_model
-from .rankmem import dense_core, measure_step, random_batch, standin_rank
-
-__all__ = ["enable_memory_features", "run_gpu", "search_max_seq"]
-
-
-def search_max_seq(
-    fits: Callable[[int], bool | None], *, start: int, limit: int, granularity: int
-) -> tuple[int, list[tuple[int, bool]], bool]:
-    """The largest multiple of ``granularity`` up to ``limit`` for which ``fits`` is True (0 if none).
-
-    Doubles from ``start`` while it fits, then bisects between the last length that fit and the first
-    that did not. Assumes ``fits`` is monotone (a longer sequence never fits where a shorter one did not).
-    ``fits`` may return None to stop the search (time budget spent): the longest length that fit so far
-    is returned. Returns the length, the ``(length, fits)`` trials in the order they ran, and whether the
-    search finished (False when ``fits`` stopped it).
-    """
-    if start % granularity or start <= 0:
-        raise ValueError(f"start {start} must be a positive multiple of granularity {granularity}")
-    trials: list[tuple[int, bool]] = []
-
-    def trial(length: int) -> bool | None:
-        ok = fits(length)
-        if ok is not None:
-            trials.append((length, ok))
-        return ok
-
-    low, bad = 0, None
-    length = start
-    while length <= limit:
-        ok = trial(length)
-        if ok is None:
-            return low, trials, False
-        if not ok:
-            bad = length
-            break
-        low = length
-        length *= 2
-    if bad is None:
-        return low, trials, True
-    while bad - low > granularity:
-        middle = (low + bad) // 2 // granularity * granularity
-        if middle <= low:
-            break
-        ok = trial(middle)
-        if ok is None:
-            return low, trials, False
-        if ok:
-            low = middle
-        else:
-            bad = middle
-    return low, trials, True
-
-
-def enable_memory_features(model: nn.Module, device: torch.device) -> dict[str, Any]:
-    """Turn on the long-sequence memory features; returns which ones are on.
-
-    The tiled lm_head + loss, the tiled MLP, and activation checkpointing with the layer inputs offloaded to
-    host memory on CUDA (kept on the device elsewhere): what ``ulysses-sp train`` runs on a GPU.
-    """
-    mode = "offload" if device.type == "cuda" else "checkpoint"
-    enable_tiled_loss(model)
-    enable_tiled_mlp(model)
-    enable_activation_checkpointing(model, mode)
-    features: dict[str, Any] = {"tiled_loss": True, "tiled_mlp": True, "activation_checkpointing": mode}
-    model.train()
-    return features
+__all__ = ["run_gpu"]
 
 
 def _release(device: torch.device) -> None:
@@ -108,34 +39,31 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _fits(
-    model: nn.Module, layout: ParallelLayout, vocab: int, device: torch.device, budget_s: float
-) -> Callable[[int], bool | None]:
+def _fits(model: nn.Module, rank: StandIn, vocab: int, budget_s: float) -> Callable[[int], bool | None]:
     deadline = time.monotonic() + budget_s
 
     def fits(seq_len: int) -> bool | None:
         if time.monotonic() > deadline:
             return None
         try:
-            measure_step(model, random_batch(vocab, seq_len), layout)
+            measure_step(model, rank.shard(random_batch(vocab, seq_len)), rank.layout)
             return True
         except torch.cuda.OutOfMemoryError:
             model.zero_grad(set_to_none=True)
             return False
         finally:
-            _release(device)
+            _release(rank.device)
 
     return fits
 
 
-def _throughput(model: nn.Module, layout: ParallelLayout, vocab: int, seq_len: int, steps: int) -> dict[str, float]:
+def _throughput(model: nn.Module, rank: StandIn, vocab: int, seq_len: int, steps: int) -> dict[str, float]:
     from ulysses_sp.loss import causal_lm_loss
-    from ulysses_sp.sharding import shard_batch
     from ulysses_sp.train.metrics import peak_tflops
     from ulysses_sp.train.model_factory import training_flops_per_token
 
-    device = layout.device
-    shard = {k: v.to(device) for k, v in shard_batch(random_batch(vocab, seq_len), layout).items()}
+    device, layout = rank.device, rank.layout
+    shard = rank.shard(random_batch(vocab, seq_len))
     times = []
     for step in range(steps + 1):  # the first step warms up
         torch.cuda.synchronize(device)
@@ -160,7 +88,7 @@ def _throughput(model: nn.Module, layout: ParallelLayout, vocab: int, seq_len: i
 
 def run_gpu(
     *,
-    models: list[str] | None = None,
+    models: tuple[str, ...] = PUBLISHED_SHAPES,
     sp_sizes: tuple[int, ...] = (1, 4, 8),
     start: int = 8192,
     limit: int = 4 << 20,
@@ -178,26 +106,27 @@ def run_gpu(
         return {"skipped": "no CUDA device"}
     device = torch.device("cuda", 0)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "models": {}}
-    for name in models or list(GPU_MODELS):
-        model = build_gpu_model(name, dtype=torch.bfloat16, device=device)
-        vocab = model.config.vocab_size
+    for name in models:
+        config = shape_config(name, use_cache=False)
+        model = random_model(config, dtype=torch.bfloat16, device=device)
+        vocab = config.vocab_size
         entry: dict[str, Any] = {"layouts": {}}
         for sp in sp_sizes:
-            with standin_rank(sp, rank=sp - 1, device=device) as layout:
-                parallelize(model, layout, core=dense_core() if sp > 1 else "sdpa")
+            with StandIn(sp=sp, sp_rank=sp - 1, device=device) as rank:
+                parallelize(model, rank.layout)
                 if "features" not in entry:
-                    entry["features"] = enable_memory_features(model, device)
-                found, trials, complete = search_max_seq(
-                    _fits(model, layout, vocab, device, budget_s),
+                    entry["features"] = dataclasses.asdict(apply_features(model, Features(), device.type))
+                found, trials, complete = search_longest(
+                    _fits(model, rank, vocab, budget_s),
                     start=start * sp,
                     limit=limit * sp,
                     granularity=granularity * sp,
                 )
                 row: dict[str, Any] = {"max_seq_len": found, "trials": trials, "search_complete": complete}
                 if found:
-                    row.update(measure_step(model, random_batch(vocab, found), layout))
+                    row.update(measure_step(model, rank.shard(random_batch(vocab, found)), rank.layout))
                     if sp == 1:
-                        row.update(_throughput(model, layout, vocab, found, steps))
+                        row.update(_throughput(model, rank, vocab, found, steps))
                 log(f"gpu: {name} sp={sp}: max sequence {found} tokens ({len(trials)} trials)")
                 entry["layouts"][str(sp)] = row
                 unparallelize(model)

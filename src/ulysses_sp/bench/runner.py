@@ -14,7 +14,6 @@ Sections (each measured in this run; ratios are taken against a baseline measure
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -25,42 +24,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PRESETS", "BenchConfig", "environment", "main", "rerender", "run_bench"]
+from .config import BenchConfig
 
-
-@dataclass(kw_only=True)
-class BenchConfig:
-    """What ``ulysses-sp bench`` measures and where it writes."""
-
-    model: str = "llama-bench-small"
-    memory_seq_lens: tuple[int, ...] = (512, 1024, 2048, 4096)
-    memory_sp: tuple[int, ...] = (1, 2, 4)
-    step_seq_len: int = 2048
-    worlds: tuple[int, ...] = (2, 4)
-    reps: dict[int, int] = field(default_factory=lambda: {2: 11, 4: 7})
-    deepspeed: bool = True
-    gpu: str = "auto"
-    output_dir: str = "benchmarks/results"
-    markdown: str | None = "BENCHMARKS.md"
-    note: str | None = None
-    command: str = "ulysses-sp bench"
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "small": {},
-    # For the test suite: a tiny model, seconds per section.
-    "tiny": dict(
-        model="llama-bench-tiny",
-        memory_seq_lens=(256, 512),
-        step_seq_len=512,
-        worlds=(2,),
-        reps={2: 3},
-    ),
-}
+__all__ = ["bench_model", "environment", "main", "rerender", "run_bench"]
 
 
 def _run(command: list[str]) -> str | None:
@@ -105,20 +75,26 @@ def environment() -> dict[str, Any]:
     }
 
 
+def bench_model(name: str, max_positions: int, seed: int = 0) -> Any:
+    """The benchmark model ``name`` (a shape of :data:`ulysses_sp.shapes.SHAPES`) with seeded random weights."""
+    from ulysses_sp.shapes import random_model, shape_config
+
+    config = shape_config(name, max_position_embeddings=max(max_positions, 2048), use_cache=False)
+    return random_model(config, seed=seed)
+
+
 def _memory_section(config: BenchConfig, log) -> list[dict[str, Any]]:
     import ulysses_sp
+    from ulysses_sp.shapes import SHAPES
+    from ulysses_sp.standin import StandIn, measure_step, random_batch
 
-    from .models import CPU_MODELS, build_model
-    from .rankmem import dense_core, measure_step, random_batch, standin_rank
-
-    shape = CPU_MODELS[config.model]
+    vocab = SHAPES[config.model]["vocab_size"]
     rows = []
     for sp in config.memory_sp:
-        with standin_rank(sp, rank=sp - 1) as layout:
-            model = build_model(shape, max_positions=max(config.memory_seq_lens))
-            ulysses_sp.parallelize(model, layout, core=dense_core() if sp > 1 else "sdpa")
+        with StandIn(sp=sp, sp_rank=sp - 1) as rank:
+            model = ulysses_sp.parallelize(bench_model(config.model, max(config.memory_seq_lens)), rank.layout)
             for seq_len in config.memory_seq_lens:
-                measured = measure_step(model, random_batch(shape["vocab_size"], seq_len), layout)
+                measured = measure_step(model, rank.shard(random_batch(vocab, seq_len)), rank.layout)
                 rows.append({"sp": sp, "seq_len": seq_len, **measured})
                 log(f"memory: sp={sp} seq={seq_len}: saved {measured['saved_bytes'] / 2**20:.1f} MiB")
     return rows
@@ -145,8 +121,8 @@ def _world_section(config: BenchConfig, log) -> dict[str, Any]:
     for world in config.worlds:
         params = {
             "model": config.model,
-            "seq_len": config.step_seq_len,
-            "reps": config.reps.get(world, 3),
+            "seq_len": config.seq_len,
+            "reps": config.reps_for(world),
             "warmup": 1,
             "deepspeed": config.deepspeed,
         }
@@ -168,10 +144,11 @@ def _world_section(config: BenchConfig, log) -> dict[str, Any]:
 
 
 def _comm_table(config: BenchConfig, worlds: dict[str, Any]) -> list[dict[str, Any]]:
-    from .formulas import ring_bytes_per_layer, ulysses_bytes_per_layer
-    from .models import CPU_MODELS
+    from ulysses_sp.shapes import SHAPES
 
-    shape = CPU_MODELS[config.model]
+    from .formulas import ring_p2p_per_layer, ulysses_bytes_per_layer
+
+    shape = SHAPES[config.model]
     rows = []
     for world, result in worlds.items():
         sp, layers, seq_len = int(world), result["num_layers"], result["seq_len"]
@@ -190,7 +167,7 @@ def _comm_table(config: BenchConfig, worlds: dict[str, Any]) -> list[dict[str, A
                     "p2p_bytes_per_layer": sent.get("send", 0) / layers,
                 }
             )
-        ring = ring_bytes_per_layer(
+        ring = ring_p2p_per_layer(
             batch=1,
             seq_len=seq_len,
             ring=sp,
@@ -230,25 +207,19 @@ def _comm_table(config: BenchConfig, worlds: dict[str, Any]) -> list[dict[str, A
     return rows
 
 
-def run_bench(config: BenchConfig, log=print) -> dict[str, Any]:
+def run_bench(config: BenchConfig, log=print, command: str = "ulysses-sp bench") -> dict[str, Any]:
     """Run every section, write ``results.json``, the PNGs and the markdown; returns the results."""
     from .deepspeed_ref import deepspeed_available
     from .gpu import run_gpu
-    from .models import CPU_MODELS
     from .plots import write_plots
     from .report import write_markdown
 
-    if config.model not in CPU_MODELS:
-        raise ValueError(f"--model {config.model!r} is not a benchmark model; choose one of {sorted(CPU_MODELS)}")
-    if config.gpu not in ("auto", "off"):
-        raise ValueError(f"--gpu must be 'auto' or 'off', got {config.gpu!r}")
-    for world in config.worlds:
-        if config.step_seq_len % world:
-            raise ValueError(f"--seq-len {config.step_seq_len} must be divisible by every world size {config.worlds}")
+    config.validate()
+    config = config.resolve()
     out_dir = Path(config.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    results: dict[str, Any] = {"config": asdict(config), "environment": environment()}
+    results: dict[str, Any] = {"config": {**asdict(config), "command": command}, "environment": environment()}
     if config.deepspeed and not deepspeed_available():
         results["deepspeed_skipped"] = "deepspeed is not installed (pip install 'ulysses-sp[deepspeed]')"
     results["memory"] = _memory_section(config, log)
@@ -260,34 +231,11 @@ def run_bench(config: BenchConfig, log=print) -> dict[str, Any]:
     results["plots"] = write_plots(results, out_dir)
     with open(out_dir / "results.json", "w") as handle:
         json.dump(results, handle, indent=1)
-    if config.markdown:
-        write_markdown(results, Path(config.markdown), out_dir)
-    log(f"bench: wrote {out_dir / 'results.json'}" + (f" and {config.markdown}" if config.markdown else ""))
+    markdown = config.markdown_path
+    if markdown:
+        write_markdown(results, Path(markdown), out_dir)
+    log(f"bench: wrote {out_dir / 'results.json'}" + (f" and {markdown}" if markdown else ""))
     return results
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ulysses-sp bench",
-        description="Benchmark ulysses-sp against DeepSpeed's Ulysses, ring attention and no SP; writes "
-        "results.json, PNG plots and BENCHMARKS.md.",
-    )
-    parser.add_argument("--size", choices=sorted(PRESETS), default="small", help="preset sizes (tiny: seconds)")
-    parser.add_argument("--output-dir", default=None, help="where results.json and the PNGs go (benchmarks/results)")
-    parser.add_argument("--markdown", default=None, help="the markdown report to write (BENCHMARKS.md)")
-    parser.add_argument("--no-markdown", action="store_true", help="do not write the markdown report")
-    parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out even when installed")
-    parser.add_argument("--gpu", choices=("auto", "off"), default="auto", help="auto: GPU mode when CUDA is present")
-    parser.add_argument("--seq-len", type=int, default=None, help="sequence length of the step-time worlds")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per world (after 1 warm-up)")
-    parser.add_argument("--note", default=None, help="a line about the machine for the report (e.g. 'shared')")
-    parser.add_argument(
-        "--report-from",
-        default=None,
-        metavar="RESULTS_JSON",
-        help="measure nothing: redraw the plots and rewrite the markdown from a results.json of an earlier run",
-    )
-    return parser
 
 
 def rerender(results_path: Path, markdown: Path | None, out_dir: Path | None = None) -> None:
@@ -305,32 +253,26 @@ def rerender(results_path: Path, markdown: Path | None, out_dir: Path | None = N
 
 
 def main(argv: Sequence[str]) -> int:
-    """``ulysses-sp bench [flags]``; returns the exit status."""
-    args = _parser().parse_args(list(argv))
-    if args.report_from is not None:
-        source = Path(args.report_from)
+    """``ulysses-sp bench [flags]``; returns the exit status (2, naming the flag, on bad input)."""
+    from ulysses_sp.cli_config import parse_config
+
+    try:
+        config = parse_config(
+            BenchConfig,
+            argv,
+            prog="ulysses-sp bench",
+            description="Benchmark ulysses-sp against DeepSpeed's Ulysses, ring attention and no SP; writes "
+            "results.json, PNG plots and BENCHMARKS.md.",
+        )
+    except SystemExit as exit_:  # argparse's exit: --help (0) or a bad flag (2, message printed)
+        return int(exit_.code or 0)
+    if config.report_from is not None:
+        source = Path(config.report_from)
         if not source.is_file():
             print(f"ulysses-sp bench: error: --report-from {source}: no such file", file=sys.stderr)
             return 2
-        markdown = None if args.no_markdown else Path(args.markdown or "BENCHMARKS.md")
-        rerender(source, markdown, Path(args.output_dir) if args.output_dir else None)
+        markdown = config.markdown_path
+        rerender(source, Path(markdown) if markdown else None, Path(config.output_dir) if config.output_dir else None)
         return 0
-    fields: dict[str, Any] = dict(PRESETS[args.size])
-    if args.output_dir is not None:
-        fields["output_dir"] = args.output_dir
-    if args.markdown is not None:
-        fields["markdown"] = args.markdown
-    if args.no_markdown:
-        fields["markdown"] = None
-    if args.seq_len is not None:
-        fields["step_seq_len"] = args.seq_len
-    config = BenchConfig(**fields, deepspeed=not args.no_deepspeed, gpu=args.gpu, note=args.note)
-    if args.reps is not None:
-        config.reps = {world: args.reps for world in config.worlds}
-    config.command = shlex.join(["ulysses-sp", "bench", *argv])
-    try:
-        run_bench(config, log=lambda text: print(text, flush=True))
-    except ValueError as error:
-        print(f"ulysses-sp bench: error: {error}", file=sys.stderr)
-        return 2
+    run_bench(config, log=lambda text: print(text, flush=True), command=shlex.join(["ulysses-sp", "bench", *argv]))
     return 0

@@ -34,12 +34,13 @@ from torch import nn
 from ulysses_sp.layout import ParallelLayout
 from ulysses_sp.loss import causal_lm_loss, sync_gradients
 from ulysses_sp.model import parallelize
+from ulysses_sp.shapes import SHAPES
 from ulysses_sp.sharding import shard_batch
+from ulysses_sp.standin import measure_step, random_batch
 
 from .collectives import CollectiveCounter
 from .deepspeed_ref import DeepSpeedUlysses, deepspeed_available
-from .models import CPU_MODELS, build_model
-from .rankmem import measure_step, random_batch
+from .runner import bench_model
 
 __all__ = ["RING", "worker"]
 
@@ -103,7 +104,7 @@ def _count(variant: _Variant) -> dict[str, dict[str, int]]:
 def worker(params: dict[str, Any]) -> dict[str, Any]:
     """One rank of the benchmark world; returns rank 0's measurements (other ranks: their timings)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    shape = CPU_MODELS[params["model"]]
+    shape = SHAPES[params["model"]]
     seq_len = params["seq_len"]
     if seq_len % world:
         raise ValueError(f"seq_len {seq_len} must be divisible by the world size {world}")
@@ -112,7 +113,7 @@ def worker(params: dict[str, Any]) -> dict[str, Any]:
     batch = random_batch(shape["vocab_size"], seq_len, seed=1)  # the same rows on every rank
 
     def fresh() -> nn.Module:
-        return build_model(shape, max_positions=seq_len, seed=0)
+        return bench_model(params["model"], seq_len, seed=0)
 
     variants: dict[str, _Variant] = {}
     model = parallelize(fresh(), sp_layout)
@@ -154,7 +155,7 @@ def worker(params: dict[str, Any]) -> dict[str, Any]:
     out["num_layers"] = shape["num_hidden_layers"]
 
     # This rank's activation memory, to check the one-process stand-in measurement against.
-    out["rank_memory"] = measure_step(variants["ulysses-sp"].model, batch, sp_layout)
+    out["rank_memory"] = measure_step(variants["ulysses-sp"].model, shard_batch(batch, sp_layout), sp_layout)
 
     # Interleaved timing.
     reps, warmup = params.get("reps", 5), params.get("warmup", 1)

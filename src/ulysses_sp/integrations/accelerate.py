@@ -29,11 +29,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from ..features import apply_features
 from ..layout import ParallelLayout
 from ..loss import causal_lm_loss, count_valid_tokens, sequence_parallel_cross_entropy
 from ..model import parallelize
-from ..tiled_loss import enable_tiled_loss
 from .data import SequenceParallelCollator, check_world_size, deal_batches_over_dp, layout_for_model
+from .data import loss_only_features as _loss_only
 
 __all__ = ["SequenceParallelConfig", "SequenceParallelLoss"]
 
@@ -107,8 +108,7 @@ class SequenceParallelConfig:
         layout = layout_for_model(model, self.sp_size, accelerator.device, ring=self.ring)
         check_world_size(accelerator.num_processes, layout, "on a CPU-only machine create Accelerator(cpu=True)")
         parallelize(model, layout, core=self.core, comm_dtype=self.comm_dtype)
-        if self.tiled_loss:
-            enable_tiled_loss(model)
+        apply_features(model, _loss_only(self.tiled_loss), layout.device.type)
         objects = tuple(self._shard_loader(obj, layout) if isinstance(obj, DataLoader) else obj for obj in objects)
         from accelerate.utils import model_has_dtensor
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..features import Features
 from ..layout import ParallelLayout
 from ..sharding import SHARDED_KEYS, shard_batch
 
@@ -174,6 +175,12 @@ def layout_for_model(model: torch.nn.Module, sp_size: int, device: Any, ring: in
 
     heads, kv_heads = head_counts(find_pretrained(model))
     return ParallelLayout.from_env(sp_size, ring=ring, num_heads=heads, num_kv_heads=kv_heads, device=device)
+
+
+def loss_only_features(tiled_loss: bool) -> Features:
+    """The memory features the integrations switch on: the tiled loss (or not). Activation checkpointing is the
+    framework's own (``TrainingArguments(gradient_checkpointing=...)``); the tiled MLP is left to the user."""
+    return Features(tiled_loss=tiled_loss, tiled_mlp=False, activation_checkpointing="none")
 
 
 def check_world_size(framework_world: int, layout: ParallelLayout, fix: str) -> None:

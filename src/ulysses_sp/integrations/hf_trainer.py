@@ -35,12 +35,18 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from ..cores import CORES
+from ..features import apply_features
 from ..hf import find_pretrained, text_config
 from ..model import parallelize
 from ..moe import router_aux_loss
-from ..tiled_loss import enable_tiled_loss
 from ..validation import IGNORE_INDEX
-from .data import SequenceParallelCollator, check_world_size, deal_batches_over_dp, layout_for_model
+from .data import (
+    SequenceParallelCollator,
+    check_world_size,
+    deal_batches_over_dp,
+    layout_for_model,
+    loss_only_features,
+)
 
 __all__ = ["UlyssesTrainer", "UlyssesTrainerMixin", "resolve_core"]
 
@@ -105,8 +111,8 @@ class UlyssesTrainerMixin:
             self.args.world_size, self.sp_layout, "on a CPU-only machine pass TrainingArguments(use_cpu=True)"
         )
         parallelize(self.model, self.sp_layout, core=core)
-        if self.sp_tiled_loss_default if sp_tiled_loss is None else sp_tiled_loss:
-            enable_tiled_loss(self.model)
+        tiled = self.sp_tiled_loss_default if sp_tiled_loss is None else sp_tiled_loss
+        apply_features(self.model, loss_only_features(tiled), self.sp_layout.device.type)
         self.data_collator = SequenceParallelCollator(
             self.data_collator, self.sp_layout, pad_token_id=self._pad_token_id()
         )

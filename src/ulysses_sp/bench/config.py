@@ -1,0 +1,77 @@
+"""What ``ulysses-sp bench`` measures: :class:`BenchConfig` (its flags, through :mod:`ulysses_sp.cli_config`)
+and the preset sizes it starts from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ulysses_sp.cli_config import check_choices, option
+
+__all__ = ["BENCH_MODELS", "PRESETS", "BenchConfig"]
+
+BENCH_MODELS = ("llama-bench-tiny", "llama-bench-small")  # shapes of ulysses_sp.shapes sized for a CPU
+PRESETS: dict[str, dict[str, Any]] = {
+    "small": dict(model="llama-bench-small", memory_seq_lens=(512, 1024, 2048, 4096), seq_len=2048, worlds=(2, 4)),
+    # For the test suite: a tiny model, seconds per section.
+    "tiny": dict(model="llama-bench-tiny", memory_seq_lens=(256, 512), seq_len=512, worlds=(2,)),
+}
+_PRESET_REPS = {"small": {2: 11, 4: 7}, "tiny": {2: 3}}  # timed repetitions per world size
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    """What ``ulysses-sp bench`` measures and where it writes; 'none' values come from the ``--size`` preset."""
+
+    size: str = option("small", help="Preset sizes (tiny: seconds per section).", choices=tuple(PRESETS))
+    model: str | None = option(None, help=f"Benchmark model, one of {', '.join(BENCH_MODELS)}.")
+    memory_seq_lens: tuple[int, ...] | None = option(
+        None, help="Sequence lengths of the per-rank memory section, e.g. 512,1024.", metavar="LENS"
+    )
+    memory_sp: tuple[int, ...] = option((1, 2, 4), help="sp degrees of the per-rank memory section.", metavar="SPS")
+    seq_len: int | None = option(None, help="Sequence length of the step-time worlds.")
+    worlds: tuple[int, ...] | None = option(None, help="World sizes (gloo ranks) of the step-time section.")
+    reps: int | None = option(None, help="Timed repetitions per world (after 1 warm-up).")
+    deepspeed: bool = option(True, help="Run DeepSpeed's Ulysses side by side when it is installed.")
+    gpu: str = option("auto", help="auto: the GPU mode when CUDA is present.", choices=("auto", "off"))
+    output_dir: str | None = option(
+        None, help="Where results.json and the PNGs go; 'none' = benchmarks/results (with --report-from: its folder)."
+    )
+    markdown: bool | str = option(
+        True, help="The markdown report to write (--markdown PATH; --no-markdown: none).", metavar="PATH"
+    )
+    note: str | None = option(None, help="A line about the machine for the report (e.g. 'shared, 2 cores').")
+    report_from: str | None = option(
+        None,
+        help="Measure nothing: redraw the plots and rewrite the markdown from a results.json of an earlier run.",
+        metavar="RESULTS_JSON",
+    )
+
+    def validate(self) -> None:
+        """ValueError naming the flag of a value the benchmark cannot run with."""
+        check_choices(self)
+        if self.model is not None and self.model not in BENCH_MODELS:
+            raise ValueError(
+                f"--model {self.model!r} is not a benchmark model; choose one of {', '.join(BENCH_MODELS)}"
+            )
+        for name in ("seq_len", "reps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        resolved = self.resolve()
+        if any(resolved.seq_len % world for world in resolved.worlds):
+            raise ValueError(f"--seq-len {resolved.seq_len} must be divisible by every world size {resolved.worlds}")
+
+    def resolve(self) -> BenchConfig:
+        """The config with every 'none' filled from the ``--size`` preset (and the default output folder)."""
+        preset = {k: v for k, v in PRESETS[self.size].items() if getattr(self, k) is None}
+        return replace(self, **preset, output_dir=self.output_dir or "benchmarks/results")
+
+    def reps_for(self, world: int) -> int:
+        """Timed repetitions of the world of ``world`` ranks: ``--reps``, else the preset's."""
+        return self.reps if self.reps is not None else _PRESET_REPS[self.size].get(world, 3)
+
+    @property
+    def markdown_path(self) -> str | None:
+        """Where the markdown report goes (None: not written)."""
+        return "BENCHMARKS.md" if self.markdown is True else (self.markdown or None)

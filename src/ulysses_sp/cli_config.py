@@ -1,0 +1,306 @@
+"""Config dataclasses as command-line flags and YAML keys: the one mechanism behind ``train``, ``plan`` and ``bench``.
+
+A config is a ``@dataclass(kw_only=True)`` whose fields are declared with :func:`option` (a default and a
+help text, optionally ``choices``/``metavar``). Each field becomes a flag (``seq_len`` -> ``--seq-len``; a
+bool ``pack`` -> ``--pack/--no-pack``; ``bool | str`` -> ``--resume [PATH]`` / ``--no-resume``; a tuple of
+ints -> ``--lens 512,1024``) and a YAML key with the field's own name; a field without a default is required.
+Optional fields read ``none`` as None. Precedence: field defaults < ``--config file.yaml`` < flags given.
+Bad values exit with status 2 and a message naming the flag (``argparse``'s convention).
+
+Why not tyro or simple-parsing: ``--resume [PATH]`` (a flag that is a bool or a path), ``none`` for optional
+values and the YAML-then-flags precedence with flag-named errors are what ``ulysses-sp train`` promises; the
+libraries each need custom hooks for two of the three, so the ~200 lines here are the smaller thing to keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+__all__ = [
+    "build_parser",
+    "check_choices",
+    "coerce_mapping",
+    "flag_name",
+    "from_mapping",
+    "option",
+    "parse_config",
+    "read_yaml",
+    "save_yaml",
+    "to_mapping",
+]
+
+T = TypeVar("T")
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+_NONE = {"none", "null", ""}
+
+
+def option(
+    default: Any = MISSING,
+    *,
+    help: str,  # noqa: A002 (argparse's own name for it)
+    choices: Sequence[str] | None = None,
+    metavar: str | None = None,
+    default_factory: Callable[[], Any] | Any = MISSING,
+) -> Any:
+    """A config field: its default (none = required), the help text shown by ``--help``, choices, metavar."""
+    metadata = {"help": help, "choices": tuple(choices) if choices else None, "metavar": metavar}
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def flag_name(name: str) -> str:
+    """The command-line flag of a config field: ``seq_len`` -> ``--seq-len``."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class _Kind:
+    types: tuple[type, ...]  # the non-None types of the field
+    optional: bool  # None allowed
+    sequence: bool  # tuple[int, ...]
+
+
+def _kinds(cls: type) -> dict[str, _Kind]:
+    hints = typing.get_type_hints(cls)
+    result = {}
+    for f in fields(cls):
+        hint = hints[f.name]
+        origin = typing.get_origin(hint)
+        args = typing.get_args(hint) if origin in (typing.Union, types.UnionType) else (hint,)
+        kinds = tuple(a for a in args if a is not type(None))
+        sequence = typing.get_origin(kinds[0]) is tuple
+        if sequence:
+            kinds = tuple(a for a in typing.get_args(kinds[0]) if a is not Ellipsis)
+        result[f.name] = _Kind(kinds, type(None) in args, sequence)
+    return result
+
+
+def _scalar(label: str, value: Any, kind: type) -> Any:
+    def bad(expected: str) -> ValueError:
+        return ValueError(f"{label} expects {expected}, got {value!r}")
+
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise bad("true or false")
+    if kind is int:
+        if isinstance(value, bool):
+            raise bad("an integer")
+        if isinstance(value, int):
+            return value
+        number = value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                try:
+                    number = float(value)
+                except ValueError:
+                    raise bad("an integer") from None
+        if isinstance(number, float) and number.is_integer():
+            return int(number)
+        raise bad("an integer")
+    if kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise bad("a number") from None
+        raise bad("a number")
+    if kind is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad("a string")
+    raise TypeError(f"unsupported config field type {kind!r} for {label}")
+
+
+def _coerce(name: str, value: Any, kind: _Kind, where: str = "") -> Any:
+    """A CLI string or a YAML value -> the field's type; ValueError naming the flag."""
+    label = flag_name(name) + where
+    if value is None or (kind.optional and isinstance(value, str) and value.strip().lower() in _NONE):
+        if kind.optional:
+            return None
+        raise ValueError(f"{label} expects a value (it cannot be null), got {value!r}")
+    if kind.sequence:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not items:
+            raise ValueError(f"{label} expects a comma-separated list, got {value!r}")
+        return tuple(_scalar(label, item, kind.types[0]) for item in items)
+    if bool in kind.types and str in kind.types:  # bool-or-path, e.g. --resume [PATH]
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            lowered = value.strip().lower()
+            return True if lowered in _TRUE else False if lowered in _FALSE else value
+        raise ValueError(f"{label} expects true, false or a path, got {value!r}")
+    return _scalar(label, value, kind.types[0])
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is MISSING and f.default_factory is MISSING:
+        return "required"
+    default = f.default if f.default is not MISSING else f.default_factory()
+    if isinstance(default, bool):
+        return flag_name(f.name) if default else "--no-" + flag_name(f.name)[2:]
+    if isinstance(default, tuple):
+        return ",".join(str(item) for item in default)
+    return "none" if default is None else repr(default) if default == "" else str(default)
+
+
+def _fields_by_class(cls: type) -> list[tuple[type, list[dataclasses.Field]]]:
+    """The dataclass fields of ``cls`` grouped by the class that declares them, ``cls`` first."""
+    result = []
+    for owner in cls.__mro__:
+        names = set(vars(owner).get("__annotations__", {}))
+        own = [f for f in fields(cls) if f.name in names]
+        if own and dataclasses.is_dataclass(owner):
+            result.append((owner, own))
+    return result
+
+
+def build_parser(cls: type, *, prog: str, description: str, config_file: bool = True) -> argparse.ArgumentParser:
+    """The argument parser of config class ``cls``: one flag per field, help texts and defaults from the fields.
+
+    Defaults are suppressed in the namespace, so only flags actually given appear in it; that is what lets
+    flags win over a ``--config`` YAML file.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=description, argument_default=argparse.SUPPRESS)
+    if config_file:
+        parser.add_argument(
+            "--config",
+            metavar="FILE.yaml",
+            help="YAML file with config keys (the flag names with underscores); flags given here win over it.",
+        )
+    kinds = _kinds(cls)
+    for owner, own in _fields_by_class(cls):
+        # the class's own flags first; inherited ones (e.g. the memory features) under their class's heading
+        group = (
+            parser
+            if owner is cls
+            else parser.add_argument_group((owner.__doc__ or owner.__name__).split("\n")[0].rstrip("."))
+        )
+        for f in own:
+            flag, meta, kind = flag_name(f.name), f.metadata, kinds[f.name]
+            help_text = f"{meta['help']} (default: {_default_text(f)})"
+            if kind.types == (bool,) and not kind.sequence:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+            elif bool in kind.types:  # bool-or-path
+                group.add_argument(flag, nargs="?", const=True, metavar=meta.get("metavar"), help=help_text)
+                group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=argparse.SUPPRESS)
+            else:
+                group.add_argument(flag, metavar=meta.get("metavar"), choices=meta.get("choices"), help=help_text)
+    return parser
+
+
+def coerce_mapping(cls: type, data: dict[str, Any], source: str) -> dict[str, Any]:
+    """Check keys against the fields of ``cls`` and convert the values; ValueError on unknown keys or bad values."""
+    kinds = _kinds(cls)
+    values = {}
+    for key, raw in data.items():
+        if key not in kinds:
+            close = difflib.get_close_matches(str(key), kinds, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown key {key!r} in {source}{hint}; valid keys: {', '.join(kinds)}")
+        values[key] = _coerce(key, raw, kinds[key], where=f" (key {key!r} in {source})")
+    return values
+
+
+def check_choices(config: Any) -> None:
+    """ValueError naming the flag when a field declared with ``choices`` holds another value (for ``validate``)."""
+    for f in fields(config):
+        choices, value = f.metadata.get("choices"), getattr(config, f.name)
+        if choices and value is not None and value not in choices:
+            raise ValueError(f"{flag_name(f.name)} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _build(cls: type[T], values: dict[str, Any]) -> T:
+    missing = [
+        flag_name(f.name)
+        for f in fields(cls)
+        if f.name not in values and f.default is MISSING and f.default_factory is MISSING
+    ]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+    config = cls(**values)
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        validate()
+    return config
+
+
+def from_mapping(cls: type[T], data: dict[str, Any], source: str = "config") -> T:
+    """A validated ``cls`` from a YAML-style mapping (missing keys take their defaults)."""
+    return _build(cls, coerce_mapping(cls, data, source))
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    """The mapping in a ``--config`` YAML file; ValueError naming the file when it is missing or not a mapping."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--config file not found: {path!r}")
+    with open(path, encoding="utf-8") as handle:
+        try:
+            data = yaml.safe_load(handle)
+        except yaml.YAMLError as error:
+            raise ValueError(f"--config {path!r} is not valid YAML: {error}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path!r} must hold a mapping of keys to values, got {type(data).__name__}")
+    return data
+
+
+def parse_config(
+    cls: type[T],
+    argv: Sequence[str] | None,
+    *,
+    prog: str,
+    description: str,
+    config_file: bool = True,
+    fill: Callable[[dict[str, Any]], None] | None = None,
+) -> T:
+    """Parse ``argv`` into a validated ``cls``: ``--config`` YAML first, then the flags given over it.
+
+    ``fill`` may add derived defaults to the values read (before the config is built). Any bad value exits
+    with status 2 and a message naming the flag.
+    """
+    parser = build_parser(cls, prog=prog, description=description, config_file=config_file)
+    namespace = vars(parser.parse_args(None if argv is None else list(argv)))
+    config_path = namespace.pop("config", None)
+    try:
+        values = coerce_mapping(cls, read_yaml(config_path), config_path) if config_path else {}
+        kinds = _kinds(cls)
+        values.update({name: _coerce(name, raw, kinds[name]) for name, raw in namespace.items()})
+        if fill is not None:
+            fill(values)
+        return _build(cls, values)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def to_mapping(config: Any) -> dict[str, Any]:
+    """The config as a plain mapping with the YAML key names (field order kept; tuples as lists)."""
+    return {f.name: (list(v) if isinstance(v := getattr(config, f.name), tuple) else v) for f in fields(config)}
+
+
+def save_yaml(config: Any, path: str | os.PathLike[str], header: str) -> Path:
+    """Write the config as YAML to ``path`` (parents created) under a ``# header`` line; it loads with ``--config``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(to_mapping(config), sort_keys=False, default_flow_style=False)
+    path.write_text(f"# {header}\n{text}", encoding="utf-8")
+    return path

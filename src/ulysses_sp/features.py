@@ -1,0 +1,163 @@
+"""The long-sequence memory features as one object: what a step runs with, and the one function that turns it on.
+
+:class:`Features` names how a training step is run (tiled loss, tiled MLP, activation checkpointing or
+offload, optimizer offload, FSDP2 or DDP, dtype). Its fields are also the flags of ``ulysses-sp train`` and
+``ulysses-sp plan`` (both configs extend it), so the planner predicts exactly what training runs.
+:func:`apply_features` switches them on a model; ``train``, ``plan --simulate``, ``bench`` and the
+integrations all call it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from .cli_config import check_choices, option
+from .tiled_loss import DEFAULT_LOSS_BUDGET_BYTES
+
+__all__ = ["CHECKPOINT_MODES", "DTYPES", "PARALLEL_MODES", "Features", "apply_features"]
+
+CHECKPOINT_MODES = ("auto", "none", "checkpoint", "offload")
+PARALLEL_MODES = ("fsdp2", "ddp")
+DTYPES = ("auto", "bf16", "fp32")  # fp16 would need loss scaling
+
+
+@dataclass(kw_only=True)
+class Features:
+    """Memory features and parallel wrapper (the same flags for ulysses-sp train and plan).
+
+    How a step is run. ``"auto"`` values depend on the device: see :meth:`resolve`.
+
+    Defaults are what ``ulysses-sp train`` runs: tiled loss and MLP, checkpoints offloaded to host memory on
+    a GPU (kept on the device on a CPU), FSDP2, bf16 on a GPU (fp32 on a CPU).
+    """
+
+    tiled_loss: bool = option(
+        True,
+        help="Compute lm_head + cross-entropy in chunks of tokens, recomputed in backward, so the [tokens, vocab] "
+        "logits are never held (--no-tiled-loss: the model's plain logits path).",
+    )
+    loss_chunk_mib: int = option(
+        DEFAULT_LOSS_BUDGET_BYTES >> 20,
+        help="With --tiled-loss: memory (MiB) for one chunk of logits; tokens per chunk follow from it.",
+    )
+    loss_chunk_tokens: int | None = option(
+        None, help="With --tiled-loss: tokens per loss chunk, instead of --loss-chunk-mib; 'none' = from it."
+    )
+    tiled_mlp: bool = option(
+        True,
+        help="Run each MLP over chunks of tokens and recompute them in backward, so the [tokens, intermediate] "
+        "activations are never held whole (--no-tiled-mlp: the plain MLP).",
+    )
+    mlp_chunk_tokens: int | None = option(
+        None, help="With --tiled-mlp: tokens per chunk; 'none' = max(1024, hidden size)."
+    )
+    activation_checkpointing: str = option(
+        "auto",
+        help="Keep only each decoder layer's input and recompute the layer in backward: 'checkpoint' keeps the "
+        "inputs on the device, 'offload' in (pinned) host memory, 'none' keeps every activation; "
+        "'auto' = offload on GPU, checkpoint on CPU.",
+        choices=CHECKPOINT_MODES,
+    )
+    cpu_offload_optimizer: bool = option(
+        False,
+        help="FSDP2 only, on GPU: keep the sharded parameters, gradients and optimizer states in CPU memory "
+        "(the optimizer steps on CPU); a no-op on a CPU-only machine.",
+    )
+    parallel: str = option(
+        "fsdp2",
+        help="Data-parallel wrapper over the whole world: 'fsdp2' (sharded) or 'ddp'.",
+        choices=PARALLEL_MODES,
+    )
+    dtype: str = option(
+        "auto",
+        help="Compute dtype (bf16 = autocast, with fp32 master weights and optimizer states): "
+        "'auto' = bf16 on GPU, fp32 on CPU.",
+        choices=DTYPES,
+    )
+
+    def validate(self) -> None:
+        """ValueError naming the flag of any value that is out of range."""
+        check_choices(self)
+        for name in ("loss_chunk_mib", "loss_chunk_tokens", "mlp_chunk_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value!r}")
+        if self.cpu_offload_optimizer and self.parallel != "fsdp2":
+            raise ValueError("--cpu-offload-optimizer needs --parallel fsdp2 (DDP keeps full states on every GPU)")
+
+    def __post_init__(self) -> None:
+        if type(self) is Features:  # configs that extend it validate as a whole (their validate() calls ours)
+            self.validate()
+
+    # ---------------------------------------------------------------------------------------------- presets
+    @classmethod
+    def baseline(cls, **overrides: Any) -> Features:
+        """Before the long-sequence features: plain loss and MLP, checkpoints on the GPU, optimizer on CPU."""
+        values = {"tiled_loss": False, "tiled_mlp": False, "activation_checkpointing": "checkpoint"}
+        return cls(**{**values, "cpu_offload_optimizer": True, **overrides})
+
+    @classmethod
+    def all_on(cls, **overrides: Any) -> Features:
+        """Every feature on: tiled loss and MLP, checkpoints offloaded to the host, optimizer on CPU."""
+        values = {"tiled_mlp": True, "activation_checkpointing": "offload", "cpu_offload_optimizer": True}
+        return cls(**{**values, **overrides})
+
+    # ---------------------------------------------------------------------------------------------- derived
+    def features(self) -> Features:
+        """Only the feature fields (of a config that extends :class:`Features`), as a plain ``Features``."""
+        return Features(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Features)})
+
+    def resolve(self, device_type: str) -> Features:
+        """``"auto"`` made concrete for ``device_type``: offload and bf16 on a GPU, checkpoint and fp32 on a CPU."""
+        on_cpu = device_type == "cpu"
+        mode = self.activation_checkpointing
+        return dataclasses.replace(
+            self.features(),
+            activation_checkpointing=("checkpoint" if on_cpu else "offload") if mode == "auto" else mode,
+            dtype=("fp32" if on_cpu else "bf16") if self.dtype == "auto" else self.dtype,
+        )
+
+    @property
+    def loss_budget_bytes(self) -> int:
+        """The logits working set one loss chunk may use, in bytes."""
+        return self.loss_chunk_mib << 20
+
+    def torch_dtype(self, device_type: str) -> Any:
+        """The compute ``torch.dtype`` on ``device_type`` ('auto': bf16 on GPU, fp32 on CPU)."""
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.resolve(device_type).dtype]
+
+    def describe(self) -> str:
+        """One line naming the features, e.g. for the planner's report."""
+        return ", ".join(
+            [
+                "tiled loss" if self.tiled_loss else "plain loss",
+                "tiled MLP" if self.tiled_mlp else "plain MLP",
+                f"activation checkpointing {self.activation_checkpointing}",
+                "optimizer on CPU" if self.cpu_offload_optimizer else "optimizer on GPU",
+                self.parallel.upper(),
+                self.dtype,
+            ]
+        )
+
+
+def apply_features(model: nn.Module, features: Features, device_type: str) -> Features:
+    """Switch ``features`` on ``model`` (in place, before DDP / FSDP2 wrapping); returns them resolved for
+    ``device_type``. The parallel wrapper, dtype and optimizer offload are the caller's (they wrap the model)."""
+    from .offload import enable_activation_checkpointing
+    from .tiled_loss import enable_tiled_loss
+    from .tiling import enable_tiled_mlp
+
+    resolved = features.resolve(device_type)
+    if resolved.tiled_loss:
+        enable_tiled_loss(model, chunk_tokens=resolved.loss_chunk_tokens, budget_bytes=resolved.loss_budget_bytes)
+    if resolved.tiled_mlp:
+        enable_tiled_mlp(model, chunk_tokens=resolved.mlp_chunk_tokens)
+    if resolved.activation_checkpointing != "none":
+        enable_activation_checkpointing(model, resolved.activation_checkpointing)
+    return resolved

@@ -1,0 +1,203 @@
+"""``ulysses-sp plan``: per-GPU memory, the longest trainable sequence and recommended settings.
+
+Reads a model, the cluster, the layout and the features (:class:`PlanConfig`, the same feature flags as
+``ulysses-sp train``); prints the breakdown of the predicted peak, the longest sequence for those settings
+and a recommendation. ``--simulate`` also runs one real step as rank 0 of the layout on one device and
+prints the measured peak next to the prediction. ``--json`` prints one JSON object instead. Exit status: 0
+done (whether or not the plan fits), 2 invalid flags (the message names the flag).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..cli_config import option, parse_config
+from ..features import Features
+from ..layout import check_heads_split
+from .memory import MemoryPlan, plan_memory
+from .recommend import recommend
+from .search import max_seq_len
+from .shape import load_model_config
+from .units import format_bytes, parse_bytes
+
+__all__ = ["PlanConfig", "plan_command"]
+
+
+@dataclass(kw_only=True)
+class PlanConfig(Features):
+    """What ``ulysses-sp plan`` predicts for; each field is a flag (the memory features' come from Features)."""
+
+    model: str = option(
+        help="Built-in shape (qwen3-4b, llama-3.1-8b, llama-tiny, ...), a config.json, a model directory, or a "
+        "Hugging Face id in the local cache."
+    )
+    seq_len: int = option(help="Tokens per sequence (before the split over --sp).")
+    gpus_per_node: int = option(8, help="GPUs per node.")
+    nodes: int = option(1, help="Nodes; world = --gpus-per-node x --nodes.")
+    gpu_memory: str = option("80GiB", help="Memory of one GPU, e.g. 80GiB, 141GB.")
+    host_memory: str = option(
+        "0",
+        help="Host memory per node, e.g. 1TiB; 0 = do not check. Offloaded optimizer states and activations "
+        "must fit in it.",
+    )
+    sp: int = option(1, help="Sequence-parallel degree.")
+    dp: int | None = option(None, help="Data-parallel degree; 'none' = world / --sp. --sp x --dp = the world size.")
+    micro_batch: int = option(1, help="Sequences per micro-batch per SP group.")
+    simulate: bool = option(
+        False,
+        help="Also run one real step as rank 0 of this layout on one device (fake process group) and report the "
+        "measured peak next to the prediction.",
+    )
+    device: str | None = option(None, help="Device for --simulate; 'none' = cuda if available, else cpu.")
+    json: bool = option(False, help="Print one JSON object instead of the table.")
+
+    def validate(self) -> None:
+        """ValueError naming the flag of a value that cannot be planned."""
+        super().validate()
+        for name in ("seq_len", "gpus_per_node", "nodes", "sp", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.dp is not None and self.dp < 1:
+            raise ValueError(f"--dp must be >= 1, got {self.dp}")
+        if self.gpu_memory_bytes <= 0:
+            raise ValueError(f"--gpu-memory must be more than 0, got {self.gpu_memory!r}")
+        self.host_memory_bytes  # noqa: B018 (parses, naming the flag on error)
+        if self.sp * self.data_parallel != self.world_size:
+            flag = "--dp" if self.dp is not None else "--sp"
+            raise ValueError(
+                f"{flag}: --sp {self.sp} x --dp {self.data_parallel} must equal the world size {self.world_size} "
+                f"(--gpus-per-node {self.gpus_per_node} x --nodes {self.nodes})"
+            )
+        if self.seq_len < self.sp:
+            raise ValueError(f"--seq-len {self.seq_len} must be >= --sp {self.sp} (every rank holds a token)")
+        _check_heads(self.model_config[0], self.sp)
+
+    @functools.cached_property
+    def model_config(self) -> tuple[Any, str]:
+        """``(transformers config, name)`` of ``--model``; ValueError naming ``--model`` when it cannot load."""
+        try:
+            return load_model_config(self.model)
+        except ValueError as error:
+            raise ValueError(f"--model: {error}") from None
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def data_parallel(self) -> int:
+        return self.dp if self.dp is not None else self.world_size // self.sp
+
+    @property
+    def gpu_memory_bytes(self) -> int:
+        return _bytes("gpu_memory", self.gpu_memory)
+
+    @property
+    def host_memory_bytes(self) -> int:
+        return _bytes("host_memory", self.host_memory)
+
+
+def _bytes(name: str, text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise ValueError(f"--{name.replace('_', '-')}: {error}") from None
+
+
+def _table(plan: MemoryPlan) -> str:
+    lines = [f"per-GPU memory at the peak ({plan.phase}):"]
+    for name, value in plan.breakdown().items():
+        lines.append(f"  {name.replace('_', ' '):<20} {format_bytes(value):>14}")
+    verdict = "fits" if plan.fits_gpu else "DOES NOT FIT"
+    lines.append(
+        f"  {'total':<20} {format_bytes(plan.peak_bytes):>14}  of {format_bytes(plan.usable_bytes)} usable "
+        f"({format_bytes(plan.gpu_memory_bytes)} GPU): {verdict}"
+    )
+    if plan.host_bytes_per_node:
+        host = format_bytes(plan.host_memory_bytes) if plan.host_memory_bytes else "unchecked"
+        lines.append(
+            f"host memory per node: {format_bytes(plan.host_bytes_per_node)} of {host}"
+            + ("" if plan.fits_host else ": DOES NOT FIT")
+        )
+    return "\n".join(lines)
+
+
+def _check_heads(config: Any, sp: int) -> None:
+    from ..hf import head_counts
+
+    try:
+        check_heads_split(*head_counts(config), sp)
+    except ValueError as error:
+        raise ValueError(f"--sp: {error}") from None
+
+
+def plan_command(argv: Sequence[str]) -> int:
+    """Run ``ulysses-sp plan``; returns the exit status (2, naming the flag, on bad input)."""
+    args: PlanConfig = parse_config(
+        PlanConfig,
+        argv,
+        prog="ulysses-sp plan",
+        description="Predict per-GPU memory and the longest trainable sequence; recommend settings.",
+    )
+    config, name = args.model_config
+    features, dp = args.features(), args.data_parallel
+    common: dict[str, Any] = dict(
+        gpu_memory_bytes=args.gpu_memory_bytes,
+        host_memory_bytes=args.host_memory_bytes,
+        gpus_per_node=args.gpus_per_node,
+        micro_batch=args.micro_batch,
+    )
+    plan = plan_memory(config, seq_len=args.seq_len, sp=args.sp, dp=dp, features=features, **common)
+    longest = max_seq_len(config, sp=args.sp, dp=dp, features=features, **common)
+    advice = recommend(config, seq_len=args.seq_len, world_size=args.world_size, features=features, **common)
+    simulated = None
+    if args.simulate:
+        import torch
+
+        from ..simulate import simulate_step
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        simulated = simulate_step(
+            config,
+            seq_len=args.seq_len,
+            sp=args.sp,
+            dp=dp,
+            device=device,
+            features=features,
+            micro_batch=args.micro_batch,
+            gpu_memory_bytes=args.gpu_memory_bytes,
+        )
+    if args.json:
+        out = {"model": name, "plan": plan.to_dict(), "max_seq_len": longest, "recommendation": advice.to_dict()}
+        if simulated is not None:
+            out["simulate"] = simulated
+        print(json.dumps(out, indent=2))
+        return 0
+    print(
+        f"ulysses-sp plan: {name}, seq_len {args.seq_len:,} = sp {args.sp} x {plan.tokens_per_rank:,} tokens "
+        f"per rank, dp {dp}, micro-batch {args.micro_batch}, {args.world_size} GPUs"
+    )
+    print(f"features: {plan.features.describe()}")
+    print(_table(plan))
+    print(f"longest trainable sequence with these settings: {longest:,} tokens ({longest // args.sp:,} per rank)")
+    reach = "reaches" if advice.reaches_target else "cannot reach"
+    print(
+        f"recommendation ({reach} {args.seq_len:,}): sp {advice.sp}, dp {advice.dp}, {advice.features.describe()}"
+        f"; longest with it: {advice.max_seq_len:,} tokens, peak {format_bytes(advice.plan.peak_bytes)}"
+    )
+    if simulated is not None:
+        print(
+            f"simulate on {simulated['device']}: measured peak {format_bytes(simulated['measured_peak_bytes'])}, "
+            f"predicted {format_bytes(simulated['predicted_peak_bytes'])} (predicted / measured = "
+            f"{simulated['ratio']:.3f})"
+        )
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(plan_command(sys.argv[1:]))

@@ -1,0 +1,107 @@
+"""The cheapest settings (sp, features) that train a target length on a number of GPUs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from ..features import Features
+from ..layout import sp_degrees_for
+from .memory import MemoryPlan, plan_memory
+from .search import max_seq_len
+from .shape import model_shape
+from .units import GiB
+
+__all__ = ["Recommendation", "recommend"]
+
+
+@dataclass
+class Recommendation:
+    """Settings for a target sequence length: the cheapest that reach it, or those that reach the longest."""
+
+    sp: int
+    dp: int
+    features: Features
+    plan: MemoryPlan
+    max_seq_len: int
+    reaches_target: bool
+    target_seq_len: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sp": self.sp,
+            "dp": self.dp,
+            "features": asdict(self.features),
+            "max_seq_len": self.max_seq_len,
+            "reaches_target": self.reaches_target,
+            "target_seq_len": self.target_seq_len,
+            "plan": self.plan.to_dict(),
+        }
+
+
+def _candidate_features(base: Features) -> Iterator[Features]:
+    # From cheapest to most expensive in step time: the tiled loss costs one extra lm_head matmul, the
+    # tiled MLP a recomputed MLP, checkpointing a recomputed forward, offloading host transfers, and the
+    # CPU optimizer a slow CPU AdamW step.
+    for checkpoint in ("none", "checkpoint", "offload"):
+        for cpu_optimizer in (False, True):
+            for tiled_mlp in (False, True):
+                if cpu_optimizer and base.parallel != "fsdp2":
+                    continue
+                yield replace(
+                    base,
+                    tiled_loss=True,
+                    tiled_mlp=tiled_mlp,
+                    activation_checkpointing=checkpoint,
+                    cpu_offload_optimizer=cpu_optimizer,
+                )
+
+
+def recommend(
+    model_config: Any,
+    *,
+    seq_len: int,
+    world_size: int,
+    gpu_memory_bytes: int = 80 * GiB,
+    host_memory_bytes: int = 0,
+    gpus_per_node: int | None = None,
+    features: Features | None = None,
+    micro_batch: int = 1,
+) -> Recommendation:
+    """The cheapest settings (sp, features) on ``world_size`` GPUs that train ``seq_len`` tokens.
+
+    Candidates: every sp that divides the world and splits the heads (smallest first: least
+    communication, most data parallelism), and the feature sets of increasing cost (see
+    ``_candidate_features``). If none reaches ``seq_len``, the candidate with the longest trainable
+    sequence is returned with ``reaches_target=False``.
+    """
+    shape = model_shape(model_config)
+    base = (features or Features()).resolve("cuda")
+    sps = [p for p in sp_degrees_for(shape.num_heads, shape.num_kv_heads) if world_size % p == 0]
+    if not sps:
+        raise ValueError(f"no sp divides world_size={world_size} and the model's heads")
+    common = dict(
+        gpu_memory_bytes=gpu_memory_bytes,
+        host_memory_bytes=host_memory_bytes,
+        gpus_per_node=gpus_per_node,
+        micro_batch=micro_batch,
+    )
+    best: tuple[int, int, Features] | None = None
+    for candidate in _candidate_features(base):
+        for sp in sps:
+            if seq_len < sp:
+                continue
+            plan = plan_memory(shape, seq_len=seq_len, sp=sp, dp=world_size // sp, features=candidate, **common)
+            if plan.fits:
+                longest = max_seq_len(shape, sp=sp, dp=world_size // sp, features=candidate, **common)
+                return Recommendation(sp, world_size // sp, candidate, plan, longest, True, seq_len)
+    for candidate in _candidate_features(base):
+        for sp in sps:
+            longest = max_seq_len(shape, sp=sp, dp=world_size // sp, features=candidate, **common)
+            if best is None or longest > best[0]:
+                best = (longest, sp, candidate)
+    assert best is not None
+    longest, sp, candidate = best
+    plan = plan_memory(shape, seq_len=max(longest, sp), sp=sp, dp=world_size // sp, features=candidate, **common)
+    return Recommendation(sp, world_size // sp, candidate, plan, longest, False, seq_len)
