@@ -56,6 +56,7 @@ UNUSED_WINDOW_TYPES = [
     "hunyuan_v1_moe",
     "olmo",
     "bitnet",
+    "minimax_m2",
 ]
 
 
@@ -400,7 +401,7 @@ def test_router_aux_loss_is_added_as_the_model_adds_it(arch, tiled):
     plain = copy.deepcopy(model)
     out = plain(**batch, use_cache=False)
     out.loss.backward()
-    assert float(out.aux_loss) > 1  # the 0.5 coefficient makes it count
+    assert float(out.aux_loss.detach()) > 1  # the 0.5 coefficient makes it count
     single = U.ParallelLayout.single()
     par = U.parallelize(copy.deepcopy(model), single)
     if tiled:

@@ -138,13 +138,17 @@ class _ProbeOutputs:
 @contextlib.contextmanager
 def _decoder_returning(causal_lm: nn.Module, hidden: torch.Tensor) -> Iterator[None]:
     """Temporarily replace the decoder the causal LM calls (the innermost module holding every attention layer
-    and taking position ids: ``model`` for Llama, ``model.decoder`` for OPT) by one that returns ``hidden``."""
+    and taking position ids: ``model`` for Llama, ``model.decoder`` for OPT; else the base model) by one that
+    returns ``hidden``."""
 
     class _Fixed(nn.Module):
         def forward(self, *args, **kwargs):
             return _ProbeOutputs(hidden)
 
-    decoder = decoder_module(causal_lm, attention_modules(causal_lm))
+    try:
+        decoder = decoder_module(causal_lm, attention_modules(causal_lm))
+    except ValueError:  # no module holding the attention layers takes position ids: the base model, then
+        decoder = getattr(causal_lm, causal_lm.base_model_prefix)
     name = next(n for n, m in causal_lm.named_modules() if m is decoder)
     parent_name, _, attr = name.rpartition(".")
     parent = causal_lm.get_submodule(parent_name)
