@@ -28,16 +28,13 @@ import torch.nn.functional as F
 from .comm import CommStats, all_gather_tensor, heads_to_seq, qkv_seq_to_heads
 from .cores import Core, Segments
 from .layout import ParallelLayout
+from .masks import DecoderMasks, left_padding_problem, mask_window
 from .ring import ring_attention, zigzag_order
 from .validation import IGNORE_INDEX, check_id_ranges, id_range, input_problem
 
-__all__ = ["RING_CORES", "UlyssesAttention", "check_ring_core", "ulysses_attention_forward", "ulysses_mask"]
+__all__ = ["RING_CORES", "UlyssesAttention", "check_ring_core", "ulysses_attention_forward"]
 
 MODULE_ATTR = "_ulysses_sp"
-# The sliding window of an attention module read from its config by parallelize (None: full attention). Used
-# when the model does not pass ``sliding_window`` to the attention function itself (Qwen2-MoE, PhiMoE apply
-# their window only through the mask, which Ulysses does not build).
-WINDOW_ATTR = "_ulysses_sp_window"
 _UNSET = object()
 # Core names a ring accepts: both compute exact attention, as the ring's block kernels do (sdpa: the device's
 # fused kernel, eager: the plain-PyTorch reference kernel; see ulysses_sp.ring_kernels).
@@ -56,6 +53,7 @@ class UlyssesAttention:
         comm_dtype: torch.dtype | None = None,
         stats: CommStats | None = None,
         vocab_size: int | None = None,
+        masks: DecoderMasks | None = None,
     ) -> None:
         self.layout = layout
         self.core = core
@@ -63,6 +61,7 @@ class UlyssesAttention:
         self.comm_dtype = comm_dtype
         self.stats = stats if stats is not None else CommStats()
         self.vocab_size = vocab_size  # input_ids / labels outside [0, vocab_size) are refused on every rank
+        self.masks = masks if masks is not None else DecoderMasks()  # what the model's own mask does
         # id(position_ids of a forward pass) -> (weak ref to that tensor, its Segments). An entry lives as long
         # as its position_ids tensor (held by autograd while the forward may still be recomputed by
         # activation checkpointing), so a recomputed layer always finds its own documents.
@@ -79,6 +78,7 @@ class UlyssesAttention:
             comm_dtype=self.comm_dtype,
             stats=copy.deepcopy(self.stats, memo),
             vocab_size=self.vocab_size,
+            masks=self.masks,
         )
         memo[id(self)] = new
         return new
@@ -114,12 +114,23 @@ class UlyssesAttention:
             raise ValueError(problem)
         else:
             check_id_ranges([ranges.tolist()], self.vocab_size)
-        if position_ids is None:  # sp == 1: the model's own default positions
+        given = position_ids is not None
+        if not given:  # sp == 1: the model's own default positions
             position_ids = torch.arange(seq_len, device=layout.device)[None]
         positions = position_ids.expand(batch_size, seq_len)
         if layout.sp > 1:
             positions, attention_mask = self._gather_rows(positions, attention_mask)
-        segments = Segments.from_positions(positions, attention_mask)
+        # the full rows from here on: every check below gives the same verdict on every rank
+        problem = left_padding_problem(positions, attention_mask, self.masks) if given else None
+        if problem is not None:
+            raise ValueError(problem)
+        segments = Segments.from_positions(positions, attention_mask, documents=self.masks.documents is not False)
+        if self.masks.documents is None and any(len(row) > 1 for row in segments.spans):
+            raise ValueError(
+                f"{self.masks.decoder} builds its attention mask in a way Ulysses cannot read, so it cannot tell "
+                "whether one process keeps packed documents apart; give one document per row (pad instead of "
+                "packing) for this model"
+            )
         key = id(position_ids)
         self._segments[key] = (weakref.ref(position_ids), segments)
         weakref.finalize(position_ids, self._segments.pop, key, None)
@@ -202,11 +213,19 @@ class UlyssesAttention:
     ) -> tuple[torch.Tensor, None]:
         """q ``[b, H, n, d]``, k/v ``[b, Hkv, n, d]`` (local tokens) -> ``([b, n, H, d], None)``.
 
-        ``sliding_window``: as the model passes it (None = full attention); when the model passes nothing,
-        the window its config gives this layer (the one its own mask would apply).
+        The window is the one the model's own mask gives this layer: ``attention_mask`` is what
+        :func:`ulysses_mask` returned for it (None: causal, a :class:`SlidingWindowMask`: that window); any
+        other mask is one the model made itself, which Ulysses cannot apply (ValueError). A ``sliding_window``
+        the model passes must agree with its mask (OLMoE passes the config's key but masks causally).
         """
-        if sliding_window is _UNSET:
-            sliding_window = getattr(module, WINDOW_ATTR, None)
+        window = mask_window(module, attention_mask)
+        if sliding_window is not _UNSET and (sliding_window or None) != window:
+            raise ValueError(
+                f"{type(module).__name__} passes sliding_window={sliding_window} to its attention function, but the "
+                f"mask its model builds for this layer applies {f'a window of {window}' if window else 'no window'} "
+                "(transformers applies the first under flash attention and the second under sdpa/eager, so one "
+                "process gives different losses); make them agree, e.g. remove sliding_window from the config"
+            )
         if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
             raise ValueError("Ulysses attention supports causal (decoder) attention only")
         for name in ("s_aux", "sinks"):
@@ -234,11 +253,12 @@ class UlyssesAttention:
         # q [b, H/U, N/R, d]; k/v [b, hkv, N/R, d] (U = ulysses, R = ring; N/R = N without a ring)
         core = self.core if self.layout.ring == 1 else self._ring_core
         out = core(
-            q, k, v, segments, scaling=scaling, sliding_window=sliding_window, softcap=softcap, dropout=dropout
+            q, k, v, segments, scaling=scaling, sliding_window=window, softcap=softcap, dropout=dropout
         )  # [b, N/R, H/U, d]
         if out.shape[-1] != d_v:
             out = out[..., :d_v]  # [b, N/R, H/U, d_v]
-        return heads_to_seq(out, group, comm_dtype=wire, stats=self.stats), None  # [b, n, H, d_v]
+        # contiguous, as transformers' own attention functions return it (JetMoE .view()s it)
+        return heads_to_seq(out, group, comm_dtype=wire, stats=self.stats).contiguous(), None  # [b, n, H, d_v]
 
     def _ring_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments, **kwargs):
         """The core of a hybrid layout: ring attention over ``layout.ring_group`` (see :mod:`ulysses_sp.ring`)."""
@@ -276,12 +296,3 @@ def ulysses_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The function registered with ``transformers.AttentionInterface`` (same signature as ``sdpa``'s)."""
     return _context(module)(module, query, key, value, attention_mask, **kwargs)
-
-
-def ulysses_mask(*args, **kwargs) -> None:
-    """Registered with transformers' ``AttentionMaskInterface``: Ulysses needs no dense mask.
-
-    Padding and documents are read once per forward pass from the 2-D mask and position_ids
-    (:meth:`UlyssesAttention.begin_forward`), so transformers never materialises an ``N x N`` mask.
-    """
-    return None

@@ -68,12 +68,20 @@ class Segments:
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_positions(cls, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Segments:
-        """position_ids ``[b, N]`` (global), attention_mask ``[b, N]`` (1 = token, 0 = padding) or None."""
+    def from_positions(
+        cls, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, documents: bool = True
+    ) -> Segments:
+        """position_ids ``[b, N]`` (global), attention_mask ``[b, N]`` (1 = token, 0 = padding) or None.
+
+        ``documents=False``: position restarts do not start a document (each row's valid tokens are one span),
+        for models whose own mask lets packed documents attend to each other.
+        """
         batch, seq_len = position_ids.shape
         pos = position_ids.to("cpu", torch.long)
-        starts = torch.ones(batch, seq_len, dtype=torch.bool)
-        starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        starts = torch.zeros(batch, seq_len, dtype=torch.bool)
+        starts[:, 0] = True
+        if documents:
+            starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
         valid = torch.ones(batch, seq_len, dtype=torch.bool)
         if attention_mask is not None:
             valid = attention_mask.to("cpu").bool()

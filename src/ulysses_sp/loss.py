@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .comm import CommStats, all_reduce_sum
 from .layout import ParallelLayout
-from .validation import IGNORE_INDEX
+from .validation import IGNORE_INDEX, first_bad_id
 
 __all__ = [
     "causal_lm_loss",
@@ -71,17 +71,33 @@ def sequence_parallel_cross_entropy(
             f"logits {tuple(logits.shape)} and shift_labels {tuple(shift_labels.shape)} disagree; expected "
             "logits [b, n, vocab] for shift_labels [b, n]"
         )
+    return _cross_entropy_mean(
+        logits, shift_labels, layout, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index, stats=stats
+    )[0]
+
+
+def _cross_entropy_mean(
+    logits: torch.Tensor,
+    shift_labels: torch.Tensor,
+    layout: ParallelLayout,
+    *,
+    extra: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`sequence_parallel_cross_entropy`, plus ``extra`` sums reduced in the same all-reduce.
+
+    A target outside ``[0, vocab)`` (not ``ignore_index``) would make the cross-entropy fail on its rank alone
+    (IndexError on CPU, a device assert on CUDA) while the others wait in the all-reduce: such targets are
+    ignored in the local sum and counted in the all-reduce instead, so every rank of dp x sp raises.
+    """
+    ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
+    vocab_size = logits.shape[-1]
+    bad = (shift_labels >= vocab_size) | ((shift_labels < 0) & (shift_labels != ignore_index))  # [b, n]
+    targets = shift_labels.masked_fill(bad, ignore_index)
     token_loss_sum = F.cross_entropy(
-        logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=ignore_index, reduction="sum"
+        logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index, reduction="sum"
     )
-    return reduce_token_loss(
-        token_loss_sum,
-        shift_labels,
-        layout,
-        num_items_in_batch=num_items_in_batch,
-        ignore_index=ignore_index,
-        stats=stats,
-    )
+    return _token_mean(token_loss_sum, targets, layout, bad=(bad, shift_labels, vocab_size), extra=extra, **kwargs)
 
 
 def reduce_token_loss(
@@ -97,10 +113,47 @@ def reduce_token_loss(
 
     ``token_loss_sum`` is the sum of the token losses of the targets in ``shift_labels`` (this shard).
     """
+    return _token_mean(
+        token_loss_sum,
+        shift_labels,
+        layout,
+        num_items_in_batch=num_items_in_batch,
+        ignore_index=ignore_index,
+        stats=stats,
+    )[0]
+
+
+def _token_mean(
+    token_loss_sum: torch.Tensor,
+    shift_labels: torch.Tensor,
+    layout: ParallelLayout,
+    *,
+    bad: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    extra: torch.Tensor | None = None,
+    **options,  # num_items_in_batch, ignore_index, stats: as in reduce_token_loss
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`reduce_token_loss` in ONE all-reduce of ``[sum, count, bad targets, *extra]`` over dp x sp; returns
+    the mean and the reduced ``extra``. ``bad``: (``[b, n]`` flags of targets outside the vocabulary, the targets,
+    vocab size): any flagged on any rank is a ValueError on every rank."""
+    ignore_index = options.get("ignore_index", IGNORE_INDEX)
+    num_items_in_batch = options.get("num_items_in_batch")
     local_count = (shift_labels != ignore_index).sum().to(token_loss_sum.device)
-    totals = all_reduce_sum(torch.stack([token_loss_sum.double(), local_count.double()]), layout.loss_group, stats)
+    flagged = bad[0].sum() if bad is not None else torch.zeros((), dtype=torch.long)
+    head = torch.stack([token_loss_sum.double(), local_count.double(), flagged.to(local_count.device).double()])
+    parts = [head] if extra is None else [head, extra.to(head.device).double()]
+    totals = all_reduce_sum(torch.cat(parts), layout.loss_group, options.get("stats"))  # [3 + len(extra)]
+    if bad is not None and bool(totals[2] > 0):
+        _, targets, vocab_size = bad
+        here = first_bad_id(targets, vocab_size, ignore_index)
+        raise ValueError(
+            f"{int(totals[2])} target id(s) of this step (summed over the dp x sp ranks) lie outside the vocabulary "
+            f"of {vocab_size} logits{'' if here is None else f' (this rank holds id {here})'}: ids must be in "
+            f"[0, {vocab_size}) or {ignore_index} (ignored); check the tokenizer and vocab_size, or pass "
+            "vocab_size=model.config.vocab_size to shard_batch to catch them there"
+        )
     denominator = totals[1] if num_items_in_batch is None else torch.as_tensor(num_items_in_batch).double()
-    return (totals[0] / denominator.clamp(min=1)).to(torch.float32)
+    mean = (totals[0] / denominator.clamp(min=1)).to(torch.float32)
+    return mean, (totals[3:] if extra is not None else None)
 
 
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
@@ -123,19 +176,45 @@ def causal_lm_loss(
             optionally ``attention_mask``).
         num_items_in_batch: as in :func:`sequence_parallel_cross_entropy`.
 
-    Returns the same scalar on every rank, equal to the one-process loss (gradient convention as above).
+    Returns the same scalar on every rank, equal to the one-process loss (gradient convention as above). A MoE
+    model with ``config.output_router_logits`` gets its load-balancing loss added as transformers adds it
+    (``router_aux_loss_coef * aux``), computed over the whole batch of every shard and replica
+    (:mod:`ulysses_sp.moe`), in the same all-reduce.
     """
-    from .tiled_loss import tiled_loss_enabled
+    from .moe import router_aux_loss
+    from .tiled_loss import ROUTER_LOGITS_TO_CALLER, tiled_loss_enabled
 
     device = layout.device
     inputs = {key: shard[key].to(device) for key in MODEL_INPUTS if shard.get(key) is not None}
     targets = shard["shift_labels"].to(device)
+    aux = router_aux_loss(model)
+    common = dict(num_items_in_batch=num_items_in_batch, stats=stats)
     if tiled_loss_enabled(model):
         # num_items_in_batch=1: transformers' convention for "return the sum of the token losses"
-        token_loss_sum = model(**inputs, shift_labels=targets, num_items_in_batch=1).loss
-        return reduce_token_loss(token_loss_sum, targets, layout, num_items_in_batch=num_items_in_batch, stats=stats)
-    logits = model(**inputs).logits  # [b, n, V]
-    return sequence_parallel_cross_entropy(logits, targets, layout, num_items_in_batch=num_items_in_batch, stats=stats)
+        extra = {ROUTER_LOGITS_TO_CALLER: True} if aux is not None else {}
+        out = model(**inputs, shift_labels=targets, num_items_in_batch=1, **extra)
+        statistics = _router_statistics(aux, out, inputs)
+        mean, sums = _token_mean(out.loss, targets, layout, extra=statistics, **common)
+    else:
+        out = model(**inputs)
+        statistics = _router_statistics(aux, out, inputs)
+        mean, sums = _cross_entropy_mean(out.logits, targets, layout, extra=statistics, **common)  # logits [b, n, V]
+    if aux is None:
+        return mean
+    return (mean.double() + aux.coef * aux.loss(sums)).to(torch.float32)
+
+
+def _router_statistics(aux, out, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """This shard's load-balancing sums (:meth:`ulysses_sp.moe.RouterAuxLoss.statistics`), or None without aux."""
+    if aux is None:
+        return None
+    router_logits = getattr(out, "router_logits", None)
+    if not router_logits:
+        raise ValueError(
+            "config.output_router_logits is set but the model returned no router_logits, so its load-balancing "
+            "loss cannot be added; set model.config.output_router_logits = False"
+        )
+    return aux.statistics(tuple(router_logits), inputs.get("attention_mask"))
 
 
 def sync_gradients(model: torch.nn.Module, layout: ParallelLayout, *, bucket_numel: int = 1 << 25) -> None:

@@ -12,6 +12,9 @@ read the largest position id they are given. Under SP each rank holds a slice of
 hooks on such a rotary module appends the largest position of the FULL rows (gathered once per forward) to
 the position_ids it receives and drops that extra column from its cos/sin: every rank picks the frequencies
 one process would pick for the whole sequence.
+
+In training under sp > 1 a pair of hooks on the decoder gives each SP rank its own dropout stream
+(:class:`_DropoutStream`), so masks do not repeat along the sequence.
 """
 
 from __future__ import annotations
@@ -27,16 +30,16 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import (
     MODULE_ATTR,
-    WINDOW_ATTR,
     UlyssesAttention,
     check_ring_core,
     ulysses_attention_forward,
-    ulysses_mask,
 )
 from .comm import CommStats
 from .cores import CORES, Core, get_core
 from .hf import attention_modules, decoder_module, find_pretrained, head_counts
 from .layout import ParallelLayout
+from .masks import read_decoder_masks, ulysses_mask
+from .moe import router_aux_loss
 
 __all__ = ["parallelize", "plain_attention", "ulysses_context", "unparallelize"]
 
@@ -70,9 +73,19 @@ class _BeginForward:
     def take_targets(self, module, args, kwargs):
         self.targets = None
         if self.active():
+            labels = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get("labels")
+            router = kwargs.get("output_router_logits")
+            if router is None:
+                router = getattr(self.pretrained.config.get_text_config(), "output_router_logits", False)
+            if labels is not None and router and self.ctx.layout.sp > 1:
+                raise ValueError(
+                    f"{type(module).__name__} was given labels with output_router_logits=True: its own loss would add "
+                    "a load-balancing loss computed from this shard's tokens alone; train with "
+                    "ulysses_sp.causal_lm_loss(model, shard, layout), which adds it over the whole sequence, or set "
+                    "model.config.output_router_logits = False"
+                )
             targets = kwargs.get("shift_labels")
-            if targets is None:
-                targets = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get("labels")
+            targets = labels if targets is None else targets
             self.targets = targets if isinstance(targets, torch.Tensor) else None
         return None
 
@@ -99,6 +112,50 @@ class _BeginForward:
             targets=targets,
         )
         return args, {**kwargs, "use_cache": False}
+
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: base + sp_rank * stride differs for every sp_rank (mod 2**63)
+
+
+class _DropoutStream:
+    """Hooks on the decoder: in training under sp > 1, each SP rank draws its dropout masks from its own stream.
+
+    Without them every rank of an SP group would draw the same masks for its own tokens (same generator state,
+    same shapes): masks repeating along the sequence, unlike one process. Before the decoder runs, one number is
+    drawn from the global CPU generator (the same draw on every rank, so the global generators stay identical
+    across the group and advance once per forward); the CPU and device generators are seeded with it and the
+    sp_rank, and get their state back after the decoder (also when it raised). Activation checkpointing and the
+    tiled MLP replay the state each layer started from, so a recomputed layer draws the masks it drew.
+    Reproducible: the same run on the same layout draws the same masks; they are not one process's masks.
+    """
+
+    def __init__(self, ctx: UlyssesAttention, begin: _BeginForward) -> None:
+        self.ctx, self.begin = ctx, begin
+        self.saved: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def before(self, module, args, kwargs):
+        layout = self.ctx.layout
+        if not module.training or layout.sp == 1 or not self.begin.active():
+            return None
+        base = int(torch.empty((), dtype=torch.int64).random_())  # the global CPU generator, alike on every rank
+        device = layout.device if layout.device.type == "cuda" else None
+        self.saved = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device is not None else None)
+        seed = (base + layout.sp_rank * _SEED_STRIDE) % 2**63
+        torch.default_generator.manual_seed(seed)
+        if device is not None:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        return None
+
+    def after(self, module, args, kwargs, output):
+        if self.saved is None:
+            return None
+        cpu, cuda = self.saved
+        self.saved = None
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.ctx.layout.device)
+        return None
 
 
 def _length_dependent(rope_type: object) -> bool:
@@ -173,7 +230,7 @@ _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
 def _check_model_features(config, core: str | None) -> None:
-    """Refuse, before training, model features that Ulysses would get silently wrong (attention, MoE aux loss)."""
+    """Refuse, before training, model features that Ulysses would get silently wrong."""
     layer_types = set(getattr(config, "layer_types", None) or [])
     if layer_types - _SUPPORTED_LAYER_TYPES:
         raise ValueError(
@@ -185,45 +242,22 @@ def _check_model_features(config, core: str | None) -> None:
             f"chunked attention (attention_chunk_size={config.attention_chunk_size}) is not supported by Ulysses "
             "attention: its chunk mask would be silently ignored"
         )
+    if getattr(config, "layerdrop", 0.0):
+        raise ValueError(
+            f"LayerDrop (layerdrop={config.layerdrop}) draws in training whether to skip each layer; under Ulysses "
+            "each rank of an SP group draws from its own dropout stream, so ranks would skip different layers; set "
+            "layerdrop=0"
+        )
     if getattr(config, "attn_temperature_tuning", False):
         raise ValueError(
             "attn_temperature_tuning scales queries by positions computed per shard; it is not supported under "
             "Ulysses (set attn_temperature_tuning=False if the model allows it)"
-        )
-    if getattr(config, "output_router_logits", False):
-        raise ValueError(
-            f"output_router_logits=True (router_aux_loss_coef={getattr(config, 'router_aux_loss_coef', None)}): "
-            "transformers computes the MoE load-balancing loss from each shard's tokens alone and ulysses-sp's "
-            "token-weighted loss does not add it, so the loss would differ from one process's; set "
-            "model.config.output_router_logits = False (no auxiliary loss) before parallelize"
         )
     if core == "sdpa" and getattr(config, "attn_logit_softcapping", None):
         raise ValueError(
             f"the model uses attention logit softcapping (attn_logit_softcapping={config.attn_logit_softcapping}), "
             "which sdpa cannot apply; use core='eager' or core='flash_attention_2' (or flex_attention on GPU)"
         )
-
-
-def _layer_window(config, module: torch.nn.Module) -> int | None:
-    """The sliding window the model's own mask gives ``module`` (None: full causal), read from the config.
-
-    transformers builds a sliding-window mask for the layers whose ``layer_types`` entry is
-    ``"sliding_attention"``, or for every layer when the config sets ``sliding_window`` without layer types
-    (PhiMoE, Mistral); ``use_sliding_window=False`` turns it off (Qwen2 family).
-    """
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if not layer_types:
-        return int(window)
-    layer = getattr(module, "layer_idx", None)
-    if not isinstance(layer, int) or not 0 <= layer < len(layer_types):
-        raise ValueError(
-            f"{type(module).__name__} has no usable layer_idx ({layer!r}), so Ulysses cannot tell whether the "
-            f"sliding window of config.layer_types applies to it; this model is refused"
-        )
-    return int(window) if layer_types[layer] == "sliding_attention" else None
 
 
 def _register(name: str) -> None:
@@ -270,6 +304,8 @@ def parallelize(
         raise ValueError(f"{type(pretrained).__name__} config has no num_attention_heads; is it a decoder LM?")
     layout.check_heads(num_heads, num_kv_heads)
     _check_model_features(text_config, core if isinstance(core, str) else None)
+    if getattr(text_config, "output_router_logits", False):
+        router_aux_loss(model)  # ValueError unless its load-balancing loss is the one causal_lm_loss computes
 
     if not callable(core) and not isinstance(core, str):
         raise ValueError(f"core must be one of {sorted(CORES)} or a callable, got {core!r}")
@@ -293,24 +329,31 @@ def parallelize(
     embeddings = pretrained.get_input_embeddings()
     vocab_size = getattr(embeddings, "num_embeddings", None) or getattr(text_config, "vocab_size", None)
     ctx = UlyssesAttention(
-        layout, core_fn, core_name=core_name, comm_dtype=comm_dtype, stats=stats, vocab_size=vocab_size
+        layout,
+        core_fn,
+        core_name=core_name,
+        comm_dtype=comm_dtype,
+        stats=stats,
+        vocab_size=vocab_size,
+        masks=read_decoder_masks(decoder),
     )
     name = f"ulysses_{core_name}" if isinstance(core, str) else "ulysses_custom"
     rope_hooks = _rope_hooks(pretrained, ctx, name, text_config)
-    windows = [_layer_window(text_config, m) for m in modules]
 
     # All checks passed: from here on the model is changed.
     _register(name)
     original = pretrained.config._attn_implementation
     pretrained.set_attn_implementation(name)
-    for module, window in zip(modules, windows, strict=True):
+    for module in modules:
         object.__setattr__(module, MODULE_ATTR, ctx)
-        object.__setattr__(module, WINDOW_ATTR, window)
 
     begin = _BeginForward(pretrained, ctx, name)
+    dropout = _DropoutStream(ctx, begin)
     hooks = [
         pretrained.register_forward_pre_hook(begin.take_targets, with_kwargs=True),
         decoder.register_forward_pre_hook(begin, with_kwargs=True),
+        decoder.register_forward_pre_hook(dropout.before, with_kwargs=True),  # after the shard's checks
+        decoder.register_forward_hook(dropout.after, with_kwargs=True, always_call=True),
     ]
     for rotary, rope in rope_hooks:
         hooks.append(rotary.register_forward_pre_hook(rope.before, with_kwargs=True))
@@ -336,9 +379,8 @@ def unparallelize(model: torch.nn.Module) -> torch.nn.Module:
     for hook in state.hooks:
         hook.remove()
     for module in state.modules:
-        for attr in (MODULE_ATTR, WINDOW_ATTR):
-            if attr in module.__dict__:
-                object.__delattr__(module, attr)
+        if MODULE_ATTR in module.__dict__:
+            object.__delattr__(module, MODULE_ATTR)
     pretrained.set_attn_implementation(state.original_impl)
     delattr(pretrained, _STATE_ATTR)
     return model

@@ -11,6 +11,7 @@ every per-token key moves with its token, so the loss (a sum over tokens) is unc
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,22 +71,23 @@ def shard_batch(
             for each packed document). Other keys are passed through untouched.
         layout: the parallel layout; ``layout.sp`` ranks split the sequence.
         pad_token_id: id used to pad ``input_ids`` up to a multiple of ``sp``.
-        check_same_batch: compare a fingerprint of every per-token tensor of the full batch (input_ids,
-            labels, attention_mask, position_ids, shift_labels) across the SP group (one all-gather of 20
-            integers) and raise ValueError on every rank if the ranks hold different batches — the usual
-            sign of a data sampler split over the whole world instead of over ``layout.dp`` — or if any
-            rank's batch is malformed (so a bad batch on one rank never leaves the others waiting).
+        check_same_batch: compare a fingerprint (a hash of the values) of every per-token tensor of the full
+            batch (input_ids, labels, attention_mask, position_ids, shift_labels) across the SP group (one
+            all-gather of 20 integers) and raise ValueError on every rank if the ranks hold different batches
+            — the usual sign of a data sampler split over the whole world instead of over ``layout.dp`` — or
+            if any rank's batch is malformed (so a bad batch on one rank never leaves the others waiting).
             Skipped for a :meth:`~ulysses_sp.ParallelLayout.rank_view` (no group to compare over).
         vocab_size: when given, input_ids and labels outside ``[0, vocab_size)`` (labels may also be
             ``ignore_index``) raise a ValueError naming the id, on every rank of the group; without it
             only negative ids are caught. Pass ``model.config.vocab_size``.
 
-    Returns a dict with ``input_ids``, ``position_ids`` (global positions) and, when given,
-    ``attention_mask`` of shape ``[b, n]`` with ``n = ceil(N / sp)``; with labels, also ``shift_labels``
-    ``[b, n]`` (targets, shifted before slicing) and ``labels`` (the local slice, so transformers models
-    still return a loss when given ``shift_labels``). The padding added for divisibility sits at the end
-    of each row as a document of its own (positions restarting at 0, ignored labels), so it changes nothing
-    for the real tokens of a causal model. With ``layout.ring > 1`` the row is padded to a multiple of
+    Returns a dict with ``input_ids``, ``position_ids`` (global positions) and, when given or when padding
+    was added, ``attention_mask`` of shape ``[b, n]`` with ``n = ceil(N / sp)``; with labels, also
+    ``shift_labels`` ``[b, n]`` (targets, shifted before slicing) and ``labels`` (the local slice, so
+    transformers models still return a loss when given ``shift_labels``). The padding added for divisibility
+    sits at the end of each row, masked, with positions restarting at 0 and ignored labels, so it changes
+    nothing for the real tokens of a causal model (nor for statistics over them, such as the MoE
+    load-balancing loss). With ``layout.ring > 1`` the row is padded to a multiple of
     ``lcm(sp, 2 * ring)`` and dealt in zigzag order (see the module docstring).
     """
     full, problem = _validated(batch, vocab_size, ignore_index)
@@ -114,8 +116,9 @@ def shard_batch(
         tail = torch.arange(extra, device=positions.device).expand(b, extra)
         positions = torch.cat([positions, tail], dim=1)
         input_ids = pad_to_multiple(input_ids, multiple, pad_token_id)
-        if mask is not None:
-            mask = pad_to_multiple(mask, multiple, 0)
+        # ... and it is padding: masked (a mask is made when the batch has none), so no statistic over the
+        # tokens (the MoE load-balancing loss) counts it
+        mask = pad_to_multiple(mask if mask is not None else torch.ones_like(input_ids[:, :seq_len]), multiple, 0)
     n = (seq_len + extra) // sp
     order = zigzag_order(seq_len + extra, ring, input_ids.device) if ring > 1 else None
 
@@ -197,12 +200,14 @@ def _validated(
 
 
 def _fingerprint(x: torch.Tensor | None) -> list[torch.Tensor]:
-    # (present, position-weighted sum, plain sum) of one full [b, N] tensor.
+    """(present, a 128-bit BLAKE2b digest of the values as two int64s) of one full ``[b, N]`` tensor: no edit of
+    the values can cancel out (paired +1/-1 edits did in a weighted sum)."""
     if x is None:
         return [torch.tensor(0)] * 3
-    flat = x.reshape(-1).to(torch.long)
-    weights = torch.arange(flat.numel(), device=flat.device) % 65521 + 1
-    return [torch.tensor(1), (flat * weights).sum().cpu(), flat.sum().cpu()]
+    values = x.detach().reshape(-1).to(device="cpu", dtype=torch.long).contiguous()
+    digest = hashlib.blake2b(values.numpy().tobytes(), digest_size=16).digest()
+    halves = (int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8))
+    return [torch.tensor(1), *(torch.tensor(h) for h in halves)]
 
 
 def _check_same_batch(

@@ -26,7 +26,8 @@ def reference(model, batch):
     ref = copy.deepcopy(model)
     out = ref(**batch, use_cache=False)
     out.loss.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in ref.named_parameters()}
+    # None: a parameter the loss does not reach (AFMoE's expert_bias only picks experts)
+    return out.loss.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
 
 
 def sequence_parallel(model, batch, layout, **kwargs):
@@ -58,15 +59,18 @@ def check_parity(
     rel=None,
     checkpointing=False,
     train=True,
+    sp_batch=None,
     **kwargs,
 ):
+    """``sp_batch``: what the sequence-parallel run shards instead of ``batch`` (e.g. with position_ids the
+    reference derives itself)."""
     batch = batch if batch is not None else make_batch(2, 24)
     model = build(arch, heads=heads, kv_heads=kv_heads, attn=ref_attn)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train(checkpointing or train)  # built models start in train mode; the configs have no dropout
     ref_loss, ref_grads = reference(model, batch)
-    loss, grads, _ = sequence_parallel(model, batch, layout, **kwargs)
+    loss, grads, _ = sequence_parallel(model, sp_batch if sp_batch is not None else batch, layout, **kwargs)
     assert grads.keys() == ref_grads.keys()
     if rel is not None:
         assert_rel_close(loss, ref_loss, rel, "loss")

@@ -1,4 +1,5 @@
-"""Multi-rank cases for issue 8 (exactness and hardening), run inside gloo workers by tests/dist/test_hardening.py.
+"""Multi-rank cases for issues 8 and 19 (exactness and hardening), run inside gloo workers by
+tests/dist/test_hardening.py.
 
 Parity cases compare loss and every gradient with one process on the full batch (plain transformers attention,
 the model's own mask), as in :mod:`tests.dist.cases_core`; the other cases check that bad input on ONE rank
@@ -13,9 +14,9 @@ import functools
 import torch
 
 import ulysses_sp as U
-from tests.dist.cases_core import check_parity
+from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, check_parity, reference
 from tests.helpers.harness import run_cases
-from tests.helpers.models import VOCAB, build, make_batch
+from tests.helpers.models import VOCAB, build, build_generic, make_batch
 
 # Every family of the issue, tiny: (arch, kv_heads). heads=4 so sp=4 splits them.
 PARITY_ARCHS = {
@@ -40,6 +41,9 @@ PARITY_ARCHS = {
     "exaone4": 2,
     "olmo3": 2,
     "ministral": 2,
+    "llama_unused_window": 2,  # a sliding_window key that Llama's own mask never applies
+    "biogpt": None,  # masks built without position_ids: packed documents attend to each other, as in one process
+    "afmoe": 2,
 }
 # PhiMoE's router samples (Gumbel) in train mode: two runs never route alike, so it is compared in eval only.
 EVAL_ONLY = {"phimoe_window"}
@@ -50,7 +54,7 @@ def parity_cases(layout, prefix: str, seq_len: int, modes: tuple[str, ...]) -> d
     P = functools.partial
     cases = {}
     for arch, kv in PARITY_ARCHS.items():
-        batch = make_batch(2, seq_len, packed=(seq_len - 9, 9)) if arch != "opt" else make_batch(2, seq_len)
+        batch = make_batch(2, seq_len, packed=(seq_len - 9, 9))
         for mode in ("eval",) if arch in EVAL_ONLY else modes:
             train = mode == "train"
             cases[f"{prefix}_{arch}_{mode}"] = P(check_parity, layout, arch, kv_heads=kv, batch=batch, train=train)
@@ -76,6 +80,15 @@ def batch_differs_in(layout, key: str) -> None:
     raises_everywhere(lambda: U.shard_batch(batch, layout), "hold different batches", key)
 
 
+def paired_edits(layout) -> None:
+    """sp_rank 1's input_ids differ by +1 and -1 at two tokens 65521 apart (they cancelled in the old fingerprint)."""
+    batch = make_batch(1, 65536)
+    batch["input_ids"][0, [3, 3 + 65521]] = 10
+    if layout.sp_rank == 1:
+        batch["input_ids"][0, [3, 3 + 65521]] += torch.tensor([1, -1])
+    raises_everywhere(lambda: U.shard_batch(batch, layout), "hold different batches", "input_ids")
+
+
 def bad_id_in_shard_batch(layout, key: str, value: int) -> None:
     """An id outside the vocabulary on sp_rank 1 only: every rank raises naming the id and the vocab size."""
     batch = make_batch(1, 16)
@@ -96,6 +109,19 @@ def bad_id_in_forward(layout, key: str) -> None:
     raises_everywhere(lambda: model(**inputs), str(VOCAB + 7), str(VOCAB), "sp_rank 1")
 
 
+def bad_label_in_plain_loss(layout) -> None:
+    """An out-of-vocabulary label on sp_rank 1 only, plain loss (no tiled loss, no vocab_size given to shard_batch):
+    the labels never reach the model's agreement; every rank raises from the loss's own all-reduce instead of
+    sp_rank 1 raising IndexError while sp_rank 0 waits."""
+    model = U.parallelize(build("llama"), layout)
+    shard = U.shard_batch(make_batch(1, 16), layout)
+    if layout.sp_rank == 1:
+        shard["shift_labels"] = shard["shift_labels"].clone()
+        shard["shift_labels"][0, 2] = VOCAB + 7
+    needle = f"id {VOCAB + 7}" if layout.sp_rank == 1 else "1 target id(s) of this step"
+    raises_everywhere(lambda: U.causal_lm_loss(model, shard, layout), needle, f"vocabulary of {VOCAB} logits")
+
+
 def float_input_ids(layout) -> None:
     """Float input_ids: a ValueError (not a raw embedding error), on every rank, from shard_batch and the model."""
     batch = make_batch(1, 16)
@@ -106,6 +132,105 @@ def float_input_ids(layout) -> None:
     ids = shard["input_ids"].float() if layout.sp_rank == 0 else shard["input_ids"]
     needle = "integer token ids" if layout.sp_rank == 0 else "sp_rank(s) [0] of this sequence-parallel group rejected"
     raises_everywhere(lambda: model(input_ids=ids, position_ids=shard["position_ids"]), needle)
+
+
+def own_mask_refused(layout) -> None:
+    """Doge passes a dynamic mask of its own to the attention function: every rank refuses at the first layer."""
+    model = U.parallelize(build_generic("doge"), layout)
+    shard = U.shard_batch(make_batch(1, 16), layout)
+    inputs = {k: shard[k] for k in ("input_ids", "position_ids")}
+    raises_everywhere(lambda: model(**inputs), "DogeAttention passes its own attention mask")
+
+
+def left_padding(layout, arch: str) -> None:
+    """Left padding: OPT derives its positions from the mask, so shard_batch's 0, 1, ... are refused on every rank
+    and the model's own positions are exact; BioGPT numbers tokens 0, 1, ... itself: exact as it is."""
+    batch = make_batch(2, 24, pad="left", pad_lengths=(0, 7))
+    if arch == "biogpt":
+        return check_parity(layout, arch, batch=batch)
+    model = U.parallelize(build(arch), layout)
+    shard = U.shard_batch(batch, layout)
+    raises_everywhere(lambda: U.causal_lm_loss(model, shard, layout), "OPTDecoder derives position ids", "row 1")
+    mask = batch["attention_mask"]
+    check_parity(layout, arch, batch=batch, sp_batch={**batch, "position_ids": mask.cumsum(-1) * mask - 1})
+
+
+def dropout_streams(layout) -> None:
+    """Each SP rank draws its own dropout masks (they used to repeat: same generator state, same shapes); the run
+    is deterministic, the global generator stays alike on every rank, and activation checkpointing recomputes
+    the masks it drew (same loss and gradients as without it)."""
+    import torch.distributed as dist
+
+    def step(checkpointing: bool):
+        model = U.parallelize(build_generic("gpt2", embd_pdrop=0.5, resid_pdrop=0.3, attn_pdrop=0.3), layout)
+        if checkpointing:
+            U.enable_activation_checkpointing(model, "checkpoint")
+        masks = []
+        model.transformer.drop.register_forward_hook(lambda m, i, out: masks.append(out == 0))
+        torch.manual_seed(7)
+        loss = U.causal_lm_loss(model.train(), U.shard_batch(make_batch(1, 32), layout), layout)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        return loss.detach(), masks[0], grads, torch.get_rng_state()
+
+    loss, mask, grads, state = step(False)
+    again = step(False)
+    torch.testing.assert_close(again[0], loss, rtol=0, atol=0)
+    assert torch.equal(again[1], mask)
+    masks = [torch.empty_like(mask) for _ in range(layout.sp)]
+    dist.all_gather(masks, mask, group=layout.sp_group)
+    assert not torch.equal(masks[0], masks[1]), "both sp ranks drew the same dropout masks"
+    states = [torch.empty_like(state) for _ in range(layout.sp)]
+    dist.all_gather(states, state, group=layout.sp_group)
+    assert torch.equal(states[0], states[1]), "the global generator differs across the SP group"
+    recomputed = step(True)
+    torch.testing.assert_close(recomputed[0], loss, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(recomputed[2][name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def with_router_aux(arch: str, coef: float = 0.5):
+    """``arch`` collecting router logits, with a load-balancing coefficient large enough that an aux loss off by
+    1% shows in the loss (transformers' default, 1e-3, would hide it under rtol 1e-5)."""
+    model = build(arch, kv_heads=2)
+    model.config.output_router_logits = True
+    model.config.router_aux_loss_coef = model.router_aux_loss_coef = coef
+    return model
+
+
+def router_aux_parity(layout, arch: str, *, tiled: bool, batch) -> None:
+    """Loss (cross-entropy + coef x load-balancing loss) and every gradient against one process on the full batch of
+    all dp replicas' rows, the model's own loss; under SP via causal_lm_loss, with or without the tiled loss."""
+    model = with_router_aux(arch)
+    ref_loss, ref_grads = reference(model, batch)
+    par = U.parallelize(copy.deepcopy(model), layout)
+    if tiled:
+        U.enable_tiled_loss(par, chunk_tokens=5)
+    rows = batch["input_ids"].shape[0] // layout.dp
+    mine = {k: v[layout.dp_rank * rows : (layout.dp_rank + 1) * rows] for k, v in batch.items()}
+    loss = U.causal_lm_loss(par, U.shard_batch(mine, layout), layout)
+    loss.backward()
+    U.sync_gradients(par, layout)
+    torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
+    for name, param in par.named_parameters():
+        torch.testing.assert_close(param.grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def router_aux_own_loss_refused(layout) -> None:
+    """Under SP the model's own loss would add a load-balancing loss of one shard: refused on every rank."""
+    model = U.parallelize(with_router_aux("mixtral"), layout)
+    shard = U.shard_batch(make_batch(1, 16), layout)
+    inputs = {k: shard[k] for k in ("input_ids", "position_ids", "labels")}
+    raises_everywhere(lambda: model(**inputs), "output_router_logits=True", "ulysses_sp.causal_lm_loss")
+
+
+def router_aux_cases(layout, prefix: str, batch, tiled: tuple[bool, ...]) -> dict:
+    P = functools.partial
+    return {
+        f"{prefix}_{arch}_router_aux{'_tiled' if t else ''}": P(router_aux_parity, layout, arch, tiled=t, batch=batch)
+        for arch in ("mixtral", "qwen3_moe", "qwen2_moe_window")
+        for t in tiled
+    }
 
 
 def deepcopy_parallelized(layout) -> None:
@@ -141,18 +266,30 @@ def world2_cases(sp2) -> dict:
         # 23 tokens: the padding shard_batch adds must not raise the largest position dynamic RoPE reads
         "sp2_llama_dynamic_padded_to_sp": P(check_parity, sp2, "llama_dynamic", kv_heads=2, batch=make_batch(2, 23)),
         **{f"batch_differs_in_{k}": P(batch_differs_in, sp2, k) for k in ("position_ids", "labels", "attention_mask")},
+        "batch_differs_by_paired_edits": P(paired_edits, sp2),
         "bad_token_id_in_shard_batch": P(bad_id_in_shard_batch, sp2, "input_ids", VOCAB + 3),
         "negative_token_id_in_shard_batch": P(bad_id_in_shard_batch, sp2, "input_ids", -2),
         "bad_label_id_in_shard_batch": P(bad_id_in_shard_batch, sp2, "labels", VOCAB),
         "bad_token_id_in_forward": P(bad_id_in_forward, sp2, "input_ids"),
         "bad_label_id_in_forward": P(bad_id_in_forward, sp2, "labels"),
+        "bad_label_id_in_plain_loss": P(bad_label_in_plain_loss, sp2),
         "float_input_ids": P(float_input_ids, sp2),
         "deepcopy_parallelized": P(deepcopy_parallelized, sp2),
+        "own_mask_refused": P(own_mask_refused, sp2),
+        **router_aux_cases(sp2, "sp2", make_batch(2, 23, pad="right"), (False, True)),
+        "router_aux_own_loss_refused": P(router_aux_own_loss_refused, sp2),
+        "dropout_streams_per_sp_rank": P(dropout_streams, sp2),
+        "opt_left_padding": P(left_padding, sp2, "opt"),
+        "biogpt_left_padding": P(left_padding, sp2, "biogpt"),
     }
 
 
-def world4_cases(sp4) -> dict:
-    return parity_cases(sp4, "sp4", 26, ("train",))  # train mode: forward and backward as in training
+def world4_cases(sp4, dp2sp2) -> dict:
+    return {
+        **parity_cases(sp4, "sp4", 26, ("train",)),  # train mode: forward and backward as in training
+        **router_aux_cases(sp4, "sp4", make_batch(2, 26, packed=(9, 17)), (True,)),
+        **router_aux_cases(dp2sp2, "dp2_sp2", make_batch(4, 22, pad="left"), (False,)),
+    }
 
 
 def world2() -> dict[str, str]:
@@ -160,9 +297,9 @@ def world2() -> dict[str, str]:
 
 
 def world4() -> dict[str, str]:
-    return run_cases(world4_cases(U.ParallelLayout.from_env(sp=4)))
+    return run_cases(world4_cases(U.ParallelLayout.from_env(sp=4), U.ParallelLayout.from_env(sp=2)))
 
 
 _NAMES = U.ParallelLayout.rank_view(1, 0)  # case names only: no process group needed
 WORLD2 = sorted(world2_cases(_NAMES))
-WORLD4 = sorted(world4_cases(_NAMES))
+WORLD4 = sorted(world4_cases(_NAMES, _NAMES))

@@ -125,6 +125,8 @@ def world2() -> dict[str, str]:
         "sp2_eval_no_grad": P(eval_loss, sp2),
         "sp2_ddp_grad_accumulation": P(accumulate, sp2, "ddp"),
         "sp2_fsdp2_grad_accumulation": P(accumulate, sp2, "fsdp2"),
+        # the causal LM reads cross_attentions from its decoder's output (the first-forward probe used to fail)
+        "sp2_gpt2": P(check, sp2, "gpt2"),
     }
     return run_cases(cases)
 
@@ -132,8 +134,10 @@ def world2() -> dict[str, str]:
 def world4() -> dict[str, str]:
     dp2sp2 = U.ParallelLayout.from_env(sp=2)
     hybrid = U.ParallelLayout.from_env(sp=4, ring=2)  # ulysses 2 x ring 2: tokens dealt in zigzag order
+    sp4 = U.ParallelLayout.from_env(sp=4)
     P = functools.partial
     cases = {
+        "sp4_afmoe_kv_heads_lt_sp": P(check, sp4, "afmoe", batch=make_batch(2, 26, packed=(9, 17))),
         "hybrid_2x2_fsdp2_packed": P(check, hybrid, batch=make_batch(2, 26, packed=(9, 17)), how="fsdp2"),
         "dp2_sp2_fsdp2_tied": P(check, dp2sp2, batch=make_batch(4, 22), how="fsdp2", tied=True),
         "dp2_sp2_ddp": P(check, dp2sp2, batch=make_batch(4, 22, pad="left"), how="ddp"),

@@ -16,8 +16,9 @@ WORLD2 = [
     "sp2_eval_no_grad",
     "sp2_ddp_grad_accumulation",
     "sp2_fsdp2_grad_accumulation",
+    "sp2_gpt2",
 ]
-WORLD4 = ["dp2_sp2_fsdp2_tied", "dp2_sp2_ddp", "hybrid_2x2_fsdp2_packed"]
+WORLD4 = ["dp2_sp2_fsdp2_tied", "dp2_sp2_ddp", "hybrid_2x2_fsdp2_packed", "sp4_afmoe_kv_heads_lt_sp"]
 
 results, test_case, test_every_worker_case_is_checked = dist_suite(
     "tests.dist.cases_tiled_loss", {2: WORLD2, 4: WORLD4}

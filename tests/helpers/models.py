@@ -261,6 +261,47 @@ def _hardening_archs() -> dict:
 MORE_ARCHS = {**_more_archs(), **_hardening_archs()}
 
 
+def _from_config(model_type: str, common: dict, attn: str = "sdpa", **extra):
+    """A causal LM of any transformers ``model_type`` from the common tiny fields plus ``extra`` config keys."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    generic = {**common, "max_position_embeddings": 128, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
+    return AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(model_type, **{**generic, **extra}), attn_implementation=attn
+    )
+
+
+MORE_ARCHS.update(
+    {
+        # a sliding_window key that Llama's own mask never applies
+        "llama_unused_window": lambda c, w, a: LlamaForCausalLM(LlamaConfig(**c, sliding_window=w // 2)),
+        # masks built without position_ids (one process lets packed documents see each other); no dropout
+        "biogpt": lambda c, w, a: _from_config(
+            "biogpt", c, a, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+        ),
+        "gpt2": lambda c, w, a: _from_config("gpt2", c, a, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        "afmoe": lambda c, w, a: _from_config(
+            "afmoe",
+            c,
+            a,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            num_dense_layers=1,
+            sliding_window=w,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    }
+)
+
+
+def build_generic(model_type: str, *, seed: int = 0, attn: str = "sdpa", **extra):
+    """A tiny causal LM of any transformers ``model_type`` from one generic config (as outside testers build
+    ~1,300 of them): 4 heads, 2 kv heads, head dim 8, 2 layers; ``extra`` adds or overrides config keys."""
+    torch.manual_seed(seed)
+    return _from_config(model_type, _common(4, 2), attn, **extra).float()
+
+
 def make_batch(
     batch: int,
     seq_len: int,

@@ -198,6 +198,9 @@ def bad_input() -> None:
     )
     _expect(ValueError, "unsupported attention core 'paged'", lambda: make(sp_core="paged"))
     _expect(ValueError, "compute_metrics", lambda: make(compute_metrics=lambda p: {}))
+    moe = build("mixtral", kv_heads=2)
+    moe.config.output_router_logits = True
+    _expect(ValueError, "output_router_logits=True (the Trainer takes the model's own loss", lambda: make(moe))
     _expect(ValueError, "sp_size must be a positive int", lambda: make(sp_size=0))
     _expect(ValueError, "not divisible by sp=4", lambda: make(sp_size=4))
     trainer = make(collator=drop_labels_collate)

@@ -62,9 +62,10 @@ def test_packed_positions_kept_and_stale_full_row_keys_dropped():
         "seq_idx": torch.tensor([[0, 0, 0, 1, 1, 2, 2]], dtype=torch.int32),
     }
     parts = shards(lambda features: packed, [None], sp=2)
-    for part in parts:
-        assert set(part) == {"input_ids", "labels", "shift_labels", "position_ids"}
+    for part in parts:  # attention_mask: shard_batch masks the token it pads the 7 with
+        assert set(part) == {"input_ids", "labels", "shift_labels", "position_ids", "attention_mask"}
     torch.testing.assert_close(joined(parts, "position_ids"), torch.tensor([[0, 1, 2, 0, 1, 0, 1, 0]]))
+    torch.testing.assert_close(joined(parts, "attention_mask"), torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]]))
 
 
 def test_collator_without_labels_or_with_shift_labels_or_unknown_token_tensor_raises():

@@ -1,5 +1,7 @@
 """Single-process tests of the core: sharding, segments, loss, layout and bad input."""
 
+import copy
+
 import pytest
 import torch
 
@@ -194,15 +196,18 @@ def test_chunked_attention_is_rejected():
         U.parallelize(Llama4ForCausalLM(cfg), U.ParallelLayout.single())
 
 
-def test_moe_router_auxiliary_loss_is_rejected_before_training():
+def test_moe_router_auxiliary_loss_is_checked_before_training(monkeypatch):
+    """output_router_logits=True is accepted when the model's load-balancing loss is the form causal_lm_loss computes
+    over the whole sequence (exact: tests/dist/cases_hardening.py), refused before training when it is not."""
+    import transformers.models.qwen3_moe.modeling_qwen3_moe as qwen3_moe
+
     model = build("qwen3_moe")
     model.config.output_router_logits = True
-    with pytest.raises(
-        ValueError, match=r"output_router_logits=True \(router_aux_loss_coef=.*output_router_logits = False"
-    ):
+    U.parallelize(copy.deepcopy(model), U.ParallelLayout.single())
+    original = qwen3_moe.load_balancing_loss_func
+    monkeypatch.setattr(qwen3_moe, "load_balancing_loss_func", lambda *args: 2 * original(*args))
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM's load-balancing loss is not the Switch-Transformer"):
         U.parallelize(model, U.ParallelLayout.single())
-    model.config.output_router_logits = False
-    U.parallelize(model, U.ParallelLayout.single())
 
 
 def test_softcap_with_sdpa_is_rejected_before_training():

@@ -1,4 +1,5 @@
-"""Single-process tests for issue 8: window and decoder discovery, MLA head dims, id checks, deepcopy."""
+"""Single-process tests for issues 8 and 19: window and decoder discovery, MLA head dims, id checks, deepcopy,
+masks the model builds itself."""
 
 import copy
 
@@ -7,16 +8,25 @@ import torch
 import torch.nn.functional as F
 
 import ulysses_sp as U
-from tests.helpers.models import VOCAB, build, make_batch
+from tests.helpers.models import VOCAB, build, build_generic, make_batch
 from tests.unit.test_core_single import fake_layout
 from ulysses_sp.attention import UlyssesAttention
 from ulysses_sp.cores import check_flex_head_dim, sdpa_core
 from ulysses_sp.hf import decoder_module
-from ulysses_sp.model import _layer_window
 
 
-def _windows(model):
-    return [_layer_window(model.config, layer.self_attn) for layer in model.model.layers]
+def _applied_windows(model) -> list:
+    """The sliding window each attention layer hands the core in one forward pass (None: full causal)."""
+    seen = []
+
+    def core(q, k, v, segments, **kwargs):
+        seen.append(kwargs["sliding_window"])
+        return sdpa_core(q, k, v, segments, **kwargs)
+
+    par = U.parallelize(model, U.ParallelLayout.single(), core=core)
+    with torch.no_grad():
+        par(input_ids=torch.randint(0, VOCAB, (1, 8)))
+    return seen
 
 
 @pytest.mark.parametrize(
@@ -27,10 +37,134 @@ def _windows(model):
         ("qwen2", [None, 6]),
         ("llama", [None, None]),
         ("qwen3", [None, None]),  # use_sliding_window=False
+        ("llama_unused_window", [None, None]),  # the config's key is never applied by Llama's mask
+        ("gemma3", [6, None]),
     ],
 )
 def test_layer_window_follows_the_models_own_mask(arch, expected):
-    assert _windows(build(arch, kv_heads=2)) == expected
+    assert _applied_windows(build(arch, kv_heads=2)) == expected
+
+
+# Families whose mask ignores a sliding_window key in their config (issue 19, item 1): loss off by up to 2e-2.
+UNUSED_WINDOW_TYPES = [
+    "llama",
+    "olmo2",
+    "gpt_neox",
+    "granite",
+    "internlm3",
+    "jetmoe",
+    "hunyuan_v1_moe",
+    "olmo",
+    "bitnet",
+    "minimax_m2",
+]
+
+
+@pytest.mark.parametrize("model_type", UNUSED_WINDOW_TYPES)
+def test_a_window_the_model_never_applies_is_not_applied(model_type):
+    model = build_generic(model_type, sliding_window=4)
+    batch = make_batch(2, 24)
+    with torch.no_grad():
+        want = model(**batch, use_cache=False).loss
+        single = U.ParallelLayout.single()
+        par = U.parallelize(copy.deepcopy(model), single)
+        got = U.causal_lm_loss(par, U.shard_batch(batch, single), single)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_window_passed_to_attention_that_the_mask_does_not_apply_is_refused():
+    """OLMoE passes config.sliding_window to its attention function but masks causally: under sdpa one process
+    applies no window, under flash attention it does. Ulysses refuses instead of picking one."""
+    par = U.parallelize(build_generic("olmoe", sliding_window=4), U.ParallelLayout.single())
+    with pytest.raises(ValueError, match="passes sliding_window=4 .* applies no window"):
+        par(input_ids=torch.randint(0, VOCAB, (1, 8)))
+
+
+def test_a_mask_the_model_builds_itself_is_refused():
+    """Doge adds a dynamic mask made from learned parameters (A, dt_proj) to its attention: Ulysses would drop it
+    (wrong loss, no gradient for them), so the first forward raises a ValueError naming the module."""
+    model = build_generic("doge")
+    for layer in model.model.layers:
+        torch.nn.init.normal_(layer.self_attn.A)
+    par = U.parallelize(model, U.ParallelLayout.single())
+    with pytest.raises(ValueError, match="DogeAttention passes its own attention mask .* shape \\(1, 4, 8, 8\\)"):
+        par(input_ids=torch.randint(0, VOCAB, (1, 8)))
+    window = U.parallelize(build_generic("doge", sliding_window=4), U.ParallelLayout.single())
+    with pytest.raises(ValueError, match="reads attention_mask.dtype"):  # it computes with its sliding mask
+        window(input_ids=torch.randint(0, VOCAB, (1, 8)))
+
+
+def test_mask_overlays_are_refused():
+    """An extra mask function on top of the causal one (e.g. bidirectional image tokens) is not dropped silently."""
+    from transformers.masking_utils import create_causal_mask
+
+    par = U.parallelize(build("llama"), U.ParallelLayout.single())
+    embeds = torch.zeros(1, 8, par.config.hidden_size)
+    with pytest.raises(ValueError, match="extra mask function"):
+        create_causal_mask(par.config, embeds, None, None, or_mask_function=lambda b, h, q, k: q == k)
+    assert create_causal_mask(par.config, embeds, None, None) is None
+
+
+def _single_loss(model, batch, sharded=None):
+    """(the model's own loss on the full batch, the Ulysses loss at sp=1 on ``sharded`` or the same batch)."""
+    single = U.ParallelLayout.single()
+    with torch.no_grad():
+        want = model(**batch, use_cache=False).loss
+        par = U.parallelize(copy.deepcopy(model), single)
+        got = U.causal_lm_loss(par, U.shard_batch(sharded or batch, single), single)
+    return got, want
+
+
+@pytest.mark.parametrize(
+    ("arch", "documents", "from_mask"),
+    [("llama", True, False), ("opt", False, True), ("biogpt", False, False), ("afmoe", False, False)],
+)
+def test_what_the_decoder_does_with_positions_is_read_from_its_code(arch, documents, from_mask):
+    from ulysses_sp.hf import attention_modules
+    from ulysses_sp.masks import read_decoder_masks
+
+    model = build(arch, kv_heads=2 if arch != "opt" else None)
+    reading = read_decoder_masks(decoder_module(model, attention_modules(model)))
+    assert (reading.documents, reading.positions_from_mask) == (documents, from_mask)
+
+
+@pytest.mark.parametrize("arch", ["opt", "biogpt", "afmoe"])
+def test_packed_documents_attend_to_each_other_where_the_models_mask_ignores_positions(arch):
+    """OPT, BioGPT and AFMoE build their mask without position_ids: one process lets packed documents attend to
+    each other, and so must Ulysses (it used to keep them apart: a different loss)."""
+    got, want = _single_loss(build(arch, kv_heads=2 if arch == "afmoe" else None), make_batch(2, 24, packed=(10, 14)))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_left_padding_on_a_model_that_derives_positions_from_the_mask():
+    """OPT numbers tokens with cumsum(mask) * mask - 1: shard_batch's positions 0, 1, ... (padding included) are
+    refused for left-padded rows; the model's own positions, given to shard_batch, are exact."""
+    model, batch = build("opt"), make_batch(2, 24, pad="left")
+    with pytest.raises(ValueError, match="OPTDecoder derives position ids from the attention mask .* row 1"):
+        _single_loss(model, batch)
+    mask = batch["attention_mask"]
+    own = {**batch, "position_ids": mask.cumsum(-1) * mask - 1}
+    got, want = _single_loss(model, batch, sharded=own)  # the reference derives them itself
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    got, want = _single_loss(model, make_batch(2, 23, pad="right"))  # right padding carries no target
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    got, want = _single_loss(build("biogpt"), batch)  # BioGPT numbers tokens 0, 1, ... like shard_batch
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_packed_rows_are_refused_when_the_mask_cannot_be_read():
+    from ulysses_sp.masks import DecoderMasks
+
+    ctx = UlyssesAttention(U.ParallelLayout.single(), sdpa_core, core_name="sdpa", masks=DecoderMasks(documents=None))
+    ctx.begin_forward(torch.arange(8)[None], None, 1, 8)  # one document: fine
+    with pytest.raises(ValueError, match="one document per row"):
+        ctx.begin_forward(torch.cat([torch.arange(3), torch.arange(5)])[None], None, 1, 8)
+
+
+def test_shard_batch_masks_the_padding_it_adds():
+    shard = U.shard_batch(make_batch(2, 7), fake_layout(2, 1))
+    assert shard["attention_mask"].tolist() == [[1, 1, 1, 0]] * 2
+    assert "attention_mask" not in U.shard_batch(make_batch(2, 8), fake_layout(2, 1))
 
 
 def test_decoder_hook_is_where_the_causal_lm_enters():
@@ -173,3 +307,117 @@ def test_packed_attention_benchmark_runs_and_saves(tmp_path, monkeypatch):
     runpy.run_path("benchmarks/packed_attention.py", run_name="__main__")
     table = (tmp_path / "packed_attention_cpu.md").read_text()
     assert "| cpu | 64 | 4 | per_document |" in table
+
+
+# ---------------------------------------------------------------------------------------------- issue 19, item 4
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_bigcode", "biogpt", "opt"])
+def test_tiled_loss_where_the_causal_lm_reads_more_than_the_last_hidden_state(model_type):
+    """GPT-2 and GPTBigCode read cross_attentions from their decoder's output, OPT calls model.decoder directly:
+    the first-forward probe raised AttributeError on every rank. Now exact (eval mode: these configs drop out)."""
+    model = build_generic(model_type).eval()
+    batch = make_batch(2, 24, pad="right")
+    plain = copy.deepcopy(model)
+    want = plain(**batch).loss
+    want.backward()
+    tiled = U.enable_tiled_loss(copy.deepcopy(model), chunk_tokens=5)
+    got = tiled(**batch).loss
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(tiled.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "granite", "cohere"])
+def test_the_probe_accepts_16_bit_post_processing(model_type):
+    """Softcapping (Gemma 2), logits_scaling (Granite) and logit_scale (Cohere) computed by the model in bf16 and by
+    the tiled head in fp32 differ by bf16 rounding only: not refused."""
+    extra = {"gemma2": {"attn": "eager"}, "granite": {"logits_scaling": 4.0}, "cohere": {}}
+    model = build_generic(model_type, **extra[model_type]).to(torch.bfloat16)
+    U.enable_tiled_loss(model)(**make_batch(1, 8))
+
+
+# ---------------------------------------------------------------------------------------------- issue 19, item 5
+@pytest.mark.parametrize("label", [VOCAB + 2, -5])
+def test_plain_loss_refuses_targets_outside_the_vocabulary(label):
+    """causal_lm_loss without the tiled loss and shard_batch without vocab_size (the README's loop): the targets
+    never reach the model, and cross_entropy raised IndexError on the rank holding the bad one."""
+    single = U.ParallelLayout.single()
+    model = U.parallelize(build("llama"), single)
+    shard = U.shard_batch(make_batch(1, 8), single)
+    shard["shift_labels"][0, 4] = label  # (shard_batch itself catches negative labels)
+    with pytest.raises(ValueError, match=f"1 target id.* outside the vocabulary of {VOCAB} logits .*id {label}"):
+        U.causal_lm_loss(model, shard, single)
+
+
+# ---------------------------------------------------------------------------------------------- issue 19, item 6
+def test_fingerprint_sees_edits_that_cancel_in_sums():
+    """Paired +1/-1 edits 65521 tokens apart (equal weights), or +1, -2, +1 on weights 1, 2, 3, left the old
+    (weighted sum, sum) fingerprint unchanged: ranks holding different batches went unnoticed."""
+    from ulysses_sp.sharding import _fingerprint
+
+    ids = torch.full((1, 65536), 10)
+    paired = ids.clone()
+    paired[0, 3] += 1
+    paired[0, 3 + 65521] -= 1
+    triple = ids.clone()
+    triple[0, :3] += torch.tensor([1, -2, 1])
+    prints = [tuple(int(v) for v in _fingerprint(x)) for x in (ids, paired, triple)]
+    assert len(set(prints)) == 3, prints
+    assert _fingerprint(ids.int())[1:] == _fingerprint(ids)[1:]  # the values count, not the dtype
+
+
+# ---------------------------------------------------------------------------------------------- issue 19, item 7
+def test_dropout_at_sp1_draws_what_the_model_draws():
+    """Per-rank dropout streams exist under sp > 1 only (tests/dist/cases_hardening.py): one process draws exactly
+    the plain model's masks, and the global generator ends where the plain model leaves it."""
+    model = build_generic("gpt2").train()
+    batch = make_batch(2, 24)
+    torch.manual_seed(3)
+    want = copy.deepcopy(model)(**batch).loss
+    state = torch.get_rng_state()
+    single = U.ParallelLayout.single()
+    par = U.parallelize(copy.deepcopy(model), single)
+    torch.manual_seed(3)
+    got = U.causal_lm_loss(par, U.shard_batch(batch, single), single)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_layerdrop_is_refused():
+    with pytest.raises(ValueError, match="layerdrop=0.1.*set layerdrop=0"):
+        U.parallelize(build_generic("opt", layerdrop=0.1), U.ParallelLayout.single())
+
+
+# ---------------------------------------------------------------------------------------------- issue 19, item 8
+@pytest.mark.parametrize("tiled", [False, True], ids=["plain_loss", "tiled_loss"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe_window"])
+def test_router_aux_loss_is_added_as_the_model_adds_it(arch, tiled):
+    """causal_lm_loss = cross-entropy + router_aux_loss_coef x load-balancing loss, as the model's own loss (one
+    process here, padded rows; sp=2, sp=4, dp2 x sp2 in tests/dist/cases_hardening.py)."""
+    from tests.dist.cases_hardening import with_router_aux
+
+    model = with_router_aux(arch)
+    batch = make_batch(2, 23, pad="right")
+    plain = copy.deepcopy(model)
+    out = plain(**batch, use_cache=False)
+    out.loss.backward()
+    assert float(out.aux_loss.detach()) > 1  # the 0.5 coefficient makes it count
+    single = U.ParallelLayout.single()
+    par = U.parallelize(copy.deepcopy(model), single)
+    if tiled:
+        U.enable_tiled_loss(par, chunk_tokens=5)
+    got = U.causal_lm_loss(par, U.shard_batch(batch, single), single)
+    got.backward()
+    torch.testing.assert_close(got, out.loss, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(par.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_router_logits_of_a_model_without_load_balancing_loss_change_nothing():
+    """DeepSeek-V3 collects router logits but adds no load-balancing loss: nothing to add, nothing refused."""
+    from ulysses_sp.moe import router_aux_loss
+
+    model = build("deepseek_v3_mla")
+    model.config.output_router_logits = True
+    assert router_aux_loss(model) is None
+    U.parallelize(model, U.ParallelLayout.single())

@@ -199,20 +199,24 @@ def test_lora_on_lm_head_refused_lora_elsewhere_exact():
         torch.testing.assert_close(got[name], ref[name], **TOL, msg=name)
 
 
-class _DoubledLogits(tf.LlamaForCausalLM):
+class _ScaledLogits(tf.LlamaForCausalLM):
     """A model whose forward post-processes logits in a way the tiled head does not know."""
+
+    factor = 2.0
 
     def forward(self, *args, **kwargs):
         out = super().forward(*args, **kwargs)
-        out.logits = out.logits * 2
+        out.logits = out.logits * self.factor
         return out
 
 
-def test_unknown_logit_post_processing_is_refused_at_first_forward():
+@pytest.mark.parametrize("factor", [2.0, 1.0015])  # 1.0015: a different loss, beyond fp32 rounding (issue 19)
+def test_unknown_logit_post_processing_is_refused_at_first_forward(factor):
     torch.manual_seed(0)
-    model = U.enable_tiled_loss(_DoubledLogits(tf.LlamaConfig(**_quiet())))
-    with pytest.raises(ValueError, match="cannot reproduce _DoubledLogits's logits"):
-        model(**make_batch(1, 8))
+    model = _ScaledLogits(tf.LlamaConfig(**_quiet()))
+    model.factor = factor
+    with pytest.raises(ValueError, match="cannot reproduce _ScaledLogits's logits"):
+        U.enable_tiled_loss(model)(**make_batch(1, 8))
 
 
 def test_deepcopy_of_a_tiled_model_is_independent():

@@ -38,6 +38,7 @@ from ..cores import CORES
 from ..features import apply_features
 from ..hf import find_pretrained, text_config
 from ..model import parallelize
+from ..moe import router_aux_loss
 from ..validation import IGNORE_INDEX
 from .data import (
     SequenceParallelCollator,
@@ -148,6 +149,12 @@ class UlyssesTrainerMixin:
         config = getattr(self.accelerator, "parallelism_config", None)
         if config is not None and ((config.sp_size or 1) > 1 or (config.cp_size or 1) > 1):
             problems.append("a parallelism_config with sp_size or cp_size > 1 (sp_size= here replaces it)")
+        if router_aux_loss(self.model) is not None:
+            problems.append(
+                "output_router_logits=True (the Trainer takes the model's own loss, whose load-balancing term would "
+                "come from each shard alone; train with ulysses_sp.causal_lm_loss in your own loop, which adds it "
+                "over the whole sequence, or set model.config.output_router_logits = False)"
+            )
         if not self.model_accepts_loss_kwargs:
             problems.append(
                 f"{type(find_pretrained(self.model)).__name__}, which does not accept loss kwargs "

@@ -8,13 +8,14 @@ from .kernel import (
     loss_chunk_tokens,
     tiled_cross_entropy_sum,
 )
-from .patch import disable_tiled_loss, enable_tiled_loss, tiled_loss_enabled
+from .patch import ROUTER_LOGITS_TO_CALLER, disable_tiled_loss, enable_tiled_loss, tiled_loss_enabled
 
 __all__ = [
     "BYTES_PER_LOGIT",
     "DEFAULT_LOSS_BUDGET_BYTES",
     "LogitsHead",
     "chunk_bytes_per_logit",
+    "ROUTER_LOGITS_TO_CALLER",
     "disable_tiled_loss",
     "enable_tiled_loss",
     "loss_chunk_tokens",

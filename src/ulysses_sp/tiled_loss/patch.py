@@ -23,13 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..hf import find_causal_lm
+from ..hf import attention_modules, decoder_module, find_causal_lm
 from ..validation import IGNORE_INDEX
 from .kernel import DEFAULT_LOSS_BUDGET_BYTES, LogitsHead, loss_chunk_tokens, tiled_cross_entropy_sum
 
-__all__ = ["disable_tiled_loss", "enable_tiled_loss", "tiled_loss_enabled"]
+__all__ = ["ROUTER_LOGITS_TO_CALLER", "disable_tiled_loss", "enable_tiled_loss", "tiled_loss_enabled"]
 
 _STATE_ATTR = "_ulysses_tiled_loss"
+# A keyword ulysses_sp.causal_lm_loss passes to the tiled forward: return the router logits with the cross-entropy
+# (it adds the load-balancing loss of the whole sequence itself) instead of refusing them.
+ROUTER_LOGITS_TO_CALLER = "ulysses_sp_router_logits_to_caller"
 _PROBE_TOKENS = 4
 
 
@@ -113,26 +116,53 @@ def disable_tiled_loss(model: nn.Module) -> nn.Module:
     return model
 
 
+class _ProbeOutputs:
+    """The decoder's output during the probe: ``hidden`` as its last hidden state, None for every other field
+    (past_key_values, cross_attentions, router_logits, ... whatever the causal LM reads from it)."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.last_hidden_state = hidden
+
+    def __getitem__(self, index):
+        return (self.last_hidden_state,)[index]
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+    def to_tuple(self) -> tuple[torch.Tensor]:
+        return (self.last_hidden_state,)
+
+
 @contextlib.contextmanager
 def _decoder_returning(causal_lm: nn.Module, hidden: torch.Tensor) -> Iterator[None]:
-    """Temporarily replace the decoder by a module that returns ``hidden`` as its last hidden state.
-
-    The output is the MoE variant (``router_logits=None`` besides the dense fields): MoE causal LMs read it
-    from their decoder's output even when no router logits were asked for.
-    """
-    from transformers.modeling_outputs import MoeModelOutputWithPast
+    """Temporarily replace the decoder the causal LM calls (the innermost module holding every attention layer
+    and taking position ids: ``model`` for Llama, ``model.decoder`` for OPT; else the base model) by one that
+    returns ``hidden``."""
 
     class _Fixed(nn.Module):
         def forward(self, *args, **kwargs):
-            return MoeModelOutputWithPast(last_hidden_state=hidden)
+            return _ProbeOutputs(hidden)
 
-    prefix = causal_lm.base_model_prefix
-    decoder = getattr(causal_lm, prefix)
-    setattr(causal_lm, prefix, _Fixed())
+    try:
+        decoder = decoder_module(causal_lm, attention_modules(causal_lm))
+    except ValueError:  # no module holding the attention layers takes position ids: the base model, then
+        decoder = getattr(causal_lm, causal_lm.base_model_prefix)
+    name = next(n for n, m in causal_lm.named_modules() if m is decoder)
+    parent_name, _, attr = name.rpartition(".")
+    parent = causal_lm.get_submodule(parent_name)
+    setattr(parent, attr, _Fixed())
     try:
         yield
     finally:
-        setattr(causal_lm, prefix, decoder)
+        setattr(parent, attr, decoder)
+
+
+def _probe_tolerance(dtype: torch.dtype) -> float:
+    """How far the tiled head may be from the model's own logits (relative): fp32 rounding of the same arithmetic
+    in fp32, a few roundings where the model post-processes in 16 bits and the tiled head in fp32."""
+    return 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
 
 
 def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tensor) -> None:
@@ -141,11 +171,18 @@ def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tenso
     generator = torch.Generator(device="cpu").manual_seed(0)
     probe = torch.randn(1, _PROBE_TOKENS, like.shape[-1], generator=generator).to(like.device, like.dtype)
     ids = torch.zeros(1, _PROBE_TOKENS, dtype=torch.long, device=like.device)
-    with torch.no_grad(), torch.autocast(like.device.type, enabled=False), _decoder_returning(causal_lm, probe):
-        theirs = state.original_forward(input_ids=ids, use_cache=False).logits
+    try:
+        with torch.no_grad(), torch.autocast(like.device.type, enabled=False), _decoder_returning(causal_lm, probe):
+            theirs = state.original_forward(input_ids=ids, use_cache=False).logits
+    except Exception as err:  # the model's forward does something with its decoder's output we cannot fake
+        raise ValueError(
+            f"the tiled loss cannot check how {type(causal_lm).__name__} turns hidden states into logits (its "
+            f"forward failed on a probe: {type(err).__name__}: {err}); disable the tiled loss for this model "
+            "(tiled_loss=False / --no-tiled-loss)"
+        ) from err
+    with torch.no_grad(), torch.autocast(like.device.type, enabled=False):
         ours = state.head.apply(output(probe).float())  # the module call: FSDP2 gathers a sharded lm_head
-    # fp32: the same arithmetic; 16-bit: the model post-processes in 16 bits, the tiled head in fp32
-    tol = 1e-3 if like.dtype == torch.float32 else 3e-2
+    tol = _probe_tolerance(like.dtype)
     close = theirs is not None and theirs.shape == ours.shape
     if not close or not torch.allclose(theirs.float(), ours, rtol=tol, atol=tol * float(ours.abs().max())):
         got = "no logits" if theirs is None else f"logits {tuple(theirs.shape)}"
@@ -192,7 +229,7 @@ def _tiled_forward(
     **kwargs,
 ):
     """The forward :func:`enable_tiled_loss` installs (transformers' causal-LM signature)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
     state: _TiledLossState = getattr(self, _STATE_ATTR)
     shift_labels = kwargs.pop("shift_labels", None)
@@ -211,12 +248,14 @@ def _tiled_forward(
             logits_to_keep=logits_to_keep,
             **kwargs,
         )
+    to_caller = kwargs.pop(ROUTER_LOGITS_TO_CALLER, False)
     router = kwargs.get("output_router_logits")
-    if router or (router is None and getattr(self.config, "output_router_logits", False)):
+    if not to_caller and (router or (router is None and getattr(self.config, "output_router_logits", False))):
         raise ValueError(
             "output_router_logits=True: the tiled loss returns the cross-entropy only and would drop the MoE "
-            "load-balancing loss; set model.config.output_router_logits = False, or call disable_tiled_loss(model) "
-            "to use the model's own loss"
+            "load-balancing loss; train with ulysses_sp.causal_lm_loss (which adds it, over the whole sequence), "
+            "set model.config.output_router_logits = False, or call disable_tiled_loss(model) to use the model's "
+            "own loss"
         )
     num_items = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
@@ -240,10 +279,11 @@ def _tiled_forward(
         loss = total / torch.as_tensor(num_items, device=total.device)
     else:
         loss = total / (targets != ignore_index).sum().clamp(min=1)
-    return CausalLMOutputWithPast(
+    return MoeCausalLMOutputWithPast(
         loss=loss,
         logits=None,
         past_key_values=getattr(outputs, "past_key_values", None),
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
+        router_logits=getattr(outputs, "router_logits", None) if to_caller else None,
     )

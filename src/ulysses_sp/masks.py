@@ -1,0 +1,273 @@
+"""What a model's own attention mask does, so that Ulysses applies the same one without building it.
+
+Ulysses never materialises an ``N x N`` mask: causality, sliding windows, padding and packed documents are
+applied by the core from :class:`~ulysses_sp.cores.Segments`. What the model's mask WOULD contain is read from
+the model itself, never from config keys alone:
+
+* per layer, at run time: :func:`ulysses_mask` is the mask function registered with transformers. It returns
+  None for a causal mask and a :class:`SlidingWindowMask` for a sliding-window one, and the model hands each
+  layer the mask it built for it (:func:`mask_window` reads it; any other mask is one the model made itself,
+  which Ulysses cannot apply: refused).
+* per model, once, from the code of its decoder's ``forward`` (:func:`read_decoder_masks`): whether position_ids
+  reach its mask builders (if not, one process lets packed documents attend to each other, and so does
+  Ulysses), and whether it derives missing position_ids from the attention mask (OPT: left padding shifts them).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from dataclasses import dataclass
+
+import torch
+from transformers import masking_utils
+
+__all__ = [
+    "DecoderMasks",
+    "SlidingWindowMask",
+    "left_padding_problem",
+    "mask_window",
+    "read_decoder_masks",
+    "ulysses_mask",
+]
+
+
+class SlidingWindowMask:
+    """What :func:`ulysses_mask` returns in place of a sliding-window mask: the window alone, no tensor.
+
+    A model that computes with it (reads an attribute, indexes it) gets a ValueError: under Ulysses there is
+    no dense mask to compute with.
+    """
+
+    __slots__ = ("window",)
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+
+    def __repr__(self) -> str:
+        return f"SlidingWindowMask({self.window})"
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise _computes_with_mask(f"reads attention_mask.{name}")
+
+    def __getitem__(self, key: object):
+        raise _computes_with_mask("indexes the attention mask")
+
+
+def _computes_with_mask(what: str) -> ValueError:
+    return ValueError(
+        f"the model {what}, but under Ulysses no dense attention mask exists (each layer's window is applied by "
+        "the Ulysses core, documents come from position_ids); a model that computes with its mask cannot be "
+        "parallelized"
+    )
+
+
+def mask_window(module: torch.nn.Module, mask: object) -> int | None:
+    """The window of the mask the model handed ``module``'s attention (None: causal); ValueError for a mask the
+    model made itself (only a None test when the layer's mask is causal)."""
+    if mask is None:
+        return None
+    if type(mask) is SlidingWindowMask:
+        return mask.window
+    described = f"a {type(mask).__name__} of shape {tuple(mask.shape)}" if hasattr(mask, "shape") else repr(mask)
+    raise ValueError(
+        f"{type(module).__name__} passes its own attention mask to the attention function ({described}) instead "
+        "of the one transformers builds for Ulysses (None or a sliding window): Ulysses cannot apply a mask with "
+        "content (e.g. Doge's dynamic mask, built from learned parameters), so the loss would be wrong and those "
+        "parameters would get no gradient; this model cannot be parallelized"
+    )
+
+
+def ulysses_mask(*args, local_size: int | None = None, config=None, use_vmap: bool = False, **kwargs):
+    """Registered with transformers' ``AttentionMaskInterface``: Ulysses needs no dense mask.
+
+    Padding and documents are read once per forward pass from the 2-D mask and position_ids
+    (:meth:`~ulysses_sp.attention.UlyssesAttention.begin_forward`). A causal mask is None; a sliding-window one
+    (transformers passes its window as ``local_size``) is a :class:`SlidingWindowMask`. Mask functions added on
+    top (``or_mask_function`` / ``and_mask_function``, which transformers marks with ``use_vmap``) are refused.
+    """
+    if use_vmap:
+        raise ValueError(
+            "the model builds its attention mask with an extra mask function (or_mask_function / and_mask_function, "
+            "e.g. bidirectional attention over image tokens), which Ulysses cannot apply; this input cannot be "
+            "parallelized"
+        )
+    if local_size is None or local_size == getattr(config, "attention_chunk_size", None):  # chunked: refused earlier
+        return None
+    return SlidingWindowMask(int(local_size))
+
+
+# ------------------------------------------------------------------------------------------ reading the code
+@dataclass(frozen=True)
+class DecoderMasks:
+    """What the decoder's ``forward`` does with position_ids and the attention mask (read by
+    :func:`read_decoder_masks`).
+
+    ``documents``: True when position_ids reach every mask builder it calls (transformers then keeps packed
+    documents apart, as Ulysses does), False when some builder gets none (one process lets packed documents
+    attend to each other), None when it calls no builder Ulysses can see (unknown). ``positions_from_mask``:
+    position_ids it is not given are derived from ``attention_mask`` (OPT: ``cumsum(mask) - 1``).
+    """
+
+    documents: bool | None = True
+    positions_from_mask: bool = False
+    decoder: str = "the model"  # its class name, for messages
+
+
+def left_padding_problem(
+    positions: torch.Tensor, attention_mask: torch.Tensor | None, masks: DecoderMasks
+) -> str | None:
+    """For a decoder that derives position_ids from the attention mask (``cumsum(mask) * mask - 1``): what is wrong
+    when a left-padded row of the full rows (positions, attention_mask ``[b, N]``) holds other positions up to its
+    last token (the last left pad carries the first token's target, so its position counts too; right padding
+    carries no target)."""
+    if attention_mask is None or not masks.positions_from_mask:
+        return None
+    mask = attention_mask.to(torch.long)
+    left = (mask[:, 0] == 0) & (mask.sum(dim=1) > 0)  # [b]: rows that start with padding
+    if not bool(left.any()):
+        return None
+    index = torch.arange(mask.shape[1], device=mask.device)
+    last = (mask * index).amax(dim=1, keepdim=True)  # [b, 1]: each row's last token
+    region = (index[None] <= last) & left[:, None]  # [b, N]
+    derived = mask.cumsum(dim=1) * mask - 1  # [b, N]: the model's own positions (-1 on padding)
+    if torch.equal(positions.to(derived.device)[region], derived[region]):
+        return None
+    row = int(torch.nonzero(left).flatten()[0])
+    return (
+        f"{masks.decoder} derives position ids from the attention mask (attention_mask.cumsum(-1) * attention_mask "
+        f"- 1, so left padding shifts them), but left-padded row {row} has other positions (shard_batch numbers "
+        "the tokens from the first one, padding included); pad on the right, or pass shard_batch "
+        "position_ids=attention_mask.cumsum(-1) * attention_mask - 1, the model's own"
+    )
+
+
+_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
+# (name, index of position_ids among its positional parameters) of transformers' mask builders
+_POSITION_ARG = {
+    name: list(inspect.signature(getattr(masking_utils, name)).parameters).index("position_ids")
+    for name in (*_BUILDERS, "create_masks_for_generate")
+}
+_METADATA = ("shape", "device", "dtype", "ndim")  # x.shape etc. carry no values of x
+
+
+def _names(node: ast.AST) -> set[str]:
+    """Names whose VALUES ``node`` reads (``x.shape``, ``x.device``, ``x.size()`` do not count)."""
+    if isinstance(node, ast.Attribute) and node.attr in _METADATA:
+        return set()
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "size":
+        return set()
+    found = {node.id} if isinstance(node, ast.Name) else set()
+    for child in ast.iter_child_nodes(node):
+        found |= _names(child)
+    return found
+
+
+def _assignments(tree: ast.AST) -> list[tuple[list[ast.expr], ast.expr]]:
+    pairs = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            pairs.append((node.targets, node.value))
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign | ast.NamedExpr) and node.value is not None:
+            pairs.append(([node.target], node.value))
+    return pairs
+
+
+def _dict_keys(tree: ast.AST, pairs) -> dict[str, set[str]]:
+    """name -> the string keys a dict held in that name may have (literals, copies, ``d[key] = ...``)."""
+    keys: dict[str, set[str]] = {}
+    parents: dict[str, set[str]] = {}
+    for targets, value in pairs:
+        for target in targets:
+            literal = isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant)
+            if literal and isinstance(target.value, ast.Name) and isinstance(target.slice.value, str):
+                keys.setdefault(target.value.id, set()).add(target.slice.value)
+            if not isinstance(target, ast.Name):
+                continue
+            name = target.id
+            if isinstance(value, ast.Dict):
+                keys.setdefault(name, set()).update(k.value for k in value.keys if isinstance(k, ast.Constant))
+                parents.setdefault(name, set()).update(
+                    v.id for k, v in zip(value.keys, value.values, strict=True) if k is None and isinstance(v, ast.Name)
+                )
+            elif isinstance(value, ast.Call):
+                func = value.func
+                if isinstance(func, ast.Attribute) and func.attr == "copy" and isinstance(func.value, ast.Name):
+                    parents.setdefault(name, set()).add(func.value.id)
+                elif isinstance(func, ast.Name) and func.id == "dict":
+                    parents.setdefault(name, set()).update(a.id for a in value.args if isinstance(a, ast.Name))
+                    keys.setdefault(name, set()).update(k.arg for k in value.keywords if k.arg)
+    for node in ast.walk(tree):  # d.update(key=...)
+        func = node.func if isinstance(node, ast.Call) else None
+        if isinstance(func, ast.Attribute) and func.attr == "update" and isinstance(func.value, ast.Name):
+            keys.setdefault(func.value.id, set()).update(k.arg for k in node.keywords if k.arg)
+    changed = True
+    while changed:  # copies of copies
+        changed = False
+        for name, sources in parents.items():
+            inherited = set().union(*(keys.get(s, set()) for s in sources)) - keys.get(name, set())
+            if inherited:
+                keys.setdefault(name, set()).update(inherited)
+                changed = True
+    return keys
+
+
+def _builder_calls(tree: ast.AST, pairs) -> list[tuple[ast.Call, str]]:
+    """Calls of transformers' mask builders, directly or through a local name bound to one (Mistral's
+    ``mask_function = create_causal_mask if ... else create_sliding_window_causal_mask``)."""
+    aliases: dict[str, str] = {}
+    for targets, value in pairs:
+        if isinstance(value, ast.Call | ast.Dict) or not isinstance(targets[0], ast.Name):
+            continue
+        used = [n for n in _BUILDERS if n in _names(value)]
+        if used:
+            aliases[targets[0].id] = used[0]
+    calls = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else (func.attr if isinstance(func, ast.Attribute) else None)
+        builder = name if name in _POSITION_ARG else aliases.get(name) if isinstance(func, ast.Name) else None
+        if builder is not None:
+            calls.append((node, builder))
+    return calls
+
+
+def read_decoder_masks(decoder: torch.nn.Module) -> DecoderMasks:
+    """Read :class:`DecoderMasks` from the source of ``type(decoder).forward`` (unknown when it has none)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(decoder).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return DecoderMasks(documents=None, decoder=type(decoder).__name__)
+    pairs = _assignments(tree)
+    keys = _dict_keys(tree, pairs)
+    given = []
+    for call, builder in _builder_calls(tree, pairs):
+        positional = [a for a in call.args if not isinstance(a, ast.Starred)]
+        given.append(
+            len(positional) > _POSITION_ARG[builder]
+            or any(k.arg == "position_ids" for k in call.keywords)
+            or any(
+                k.arg is None and isinstance(k.value, ast.Name) and "position_ids" in keys.get(k.value.id, ())
+                for k in call.keywords
+            )
+        )
+    tainted = {"attention_mask"}
+    changed = True
+    while changed:  # names whose values come from the attention mask
+        changed = False
+        for targets, value in pairs:
+            if _names(value) & tainted:
+                for target in targets:
+                    if isinstance(target, ast.Name) and target.id not in tainted:
+                        tainted.add(target.id)
+                        changed = True
+    return DecoderMasks(
+        documents=all(given) if given else None,
+        positions_from_mask="position_ids" in tainted,
+        decoder=type(decoder).__name__,
+    )
