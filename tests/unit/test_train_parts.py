@@ -148,3 +148,13 @@ def test_a_ring_with_a_core_that_cannot_run_in_it_is_refused_before_any_rank_sta
         with pytest.raises(ValueError, match=rf"--attn-core {core}: .*cannot run inside a ring \(ring degree 2"):
             resolve_ring(TrainConfig(sp=8, nproc=8, attn_core=core))  # 8 > 4 heads: the ring is automatic
     assert resolve_ring(TrainConfig(sp=2, attn_core="flex")) == 1  # no ring: any core
+
+
+def test_the_automatic_ring_keeps_the_all_to_alls_inside_a_node():
+    from ulysses_sp.train.model_factory import choose_run_layout
+
+    # llama-tiny: 4 query / 2 kv heads; sp=4 splits them, but nodes of 2 ranks keep ulysses at 2 (ring 2 across)
+    assert choose_run_layout(TrainConfig(sp=4, nproc=4))[0] == 1
+    ring, reason = choose_run_layout(TrainConfig(sp=4, nproc=4), gpus_per_node=2)
+    assert ring == 2 and "ulysses 2 x ring 2" in reason and "crosses nodes" in reason
+    assert choose_run_layout(TrainConfig(sp=4, nproc=4, gpus_per_node=4), gpus_per_node=2)[0] == 1  # the flag wins

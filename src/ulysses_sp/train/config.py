@@ -52,8 +52,13 @@ class TrainConfig(Features):
     ring: int | None = option(
         None,
         help="Ring degree inside --sp (sp = ulysses x ring; hybrid Ulysses x Ring attention for more ranks than the "
-        "heads allow). 'none' = automatic: pure Ulysses whenever the model's heads split over --sp, else the "
-        "smallest ring that makes them split.",
+        "heads allow). 'none' = automatic: the largest Ulysses degree the model's heads allow whose groups stay "
+        "inside a node (--gpus-per-node), the ring across nodes; pure Ulysses whenever that works.",
+    )
+    gpus_per_node: int | None = option(
+        None,
+        help="GPUs (ranks) per node, for the automatic --ring; 'none' = the launcher's LOCAL_WORLD_SIZE, else all "
+        "ranks on one node.",
     )
     nproc: int | None = option(
         None,
@@ -206,6 +211,8 @@ class TrainConfig(Features):
         if self.ring is not None:
             _at_least("ring", self.ring, 1)
             _require(self.sp % self.ring == 0, f"--ring {self.ring} must divide --sp {self.sp}")
+        if self.gpus_per_node is not None:
+            _at_least("gpus_per_node", self.gpus_per_node, 1)
         for seq_len, _ in self.schedule().stages:
             _require(
                 seq_len >= self.sp,

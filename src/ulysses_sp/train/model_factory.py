@@ -29,7 +29,7 @@ from torch import nn
 from ulysses_sp.attention import check_ring_core
 from ulysses_sp.features import apply_features
 from ulysses_sp.fsdp import fully_shard_layers
-from ulysses_sp.layout import ParallelLayout, resolve_ring_degree
+from ulysses_sp.layout import ParallelLayout, choose_layout, resolve_ring_degree
 from ulysses_sp.model import parallelize
 from ulysses_sp.shapes import EMBEDDED_VOCAB_SIZE, SHAPES, TOKENIZER_SIZED_SHAPES, random_model, shape_config
 from ulysses_sp.train.config import TrainConfig
@@ -37,6 +37,7 @@ from ulysses_sp.train.config import TrainConfig
 __all__ = [
     "build_model",
     "hf_model_config",
+    "choose_run_layout",
     "resolve_ring",
     "tokenizer_source",
     "training_flops_per_token",
@@ -86,16 +87,25 @@ def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | No
         ) from None
 
 
-def resolve_ring(config: TrainConfig, hf_config: Any | None = None) -> int:
-    """The ring degree of the run: ``--ring``, or chosen from the model's heads (pure Ulysses when they split
-    over ``--sp``); ValueError naming the flags when the heads do not fit the layout."""
+def choose_run_layout(
+    config: TrainConfig, hf_config: Any | None = None, gpus_per_node: int | None = None
+) -> tuple[int, str]:
+    """``(ring degree, reason)`` of the run: ``--ring``, or chosen from the model's heads and the node size
+    (:func:`ulysses_sp.layout.choose_layout`: the all-to-alls inside a node, the ring across nodes; pure Ulysses
+    whenever the heads allow it). ValueError naming the flags when the heads do not fit the layout.
+    ``gpus_per_node``: ``--gpus-per-node`` when given; None = no topology limit."""
     text_config = (hf_config if hf_config is not None else hf_model_config(config)).get_text_config()
     num_heads = getattr(text_config, "num_attention_heads", None)
     if num_heads is None:
         raise ValueError(f"--model {config.model!r}: its config has no num_attention_heads; is it a decoder LM?")
+    node = config.gpus_per_node or gpus_per_node
+    kv_heads = getattr(text_config, "num_key_value_heads", None)
     try:
-        kv_heads = getattr(text_config, "num_key_value_heads", None)
-        ring = resolve_ring_degree(config.sp, config.ring, num_heads, kv_heads)
+        if config.ring is None:
+            _, ring, reason = choose_layout(config.sp, num_heads, kv_heads, node)
+        else:
+            ring = resolve_ring_degree(config.sp, config.ring, num_heads, kv_heads)
+            reason = f"ulysses {config.sp // ring} x ring {ring} for sp={config.sp}: --ring {ring}"
     except ValueError as error:
         flags = f"--sp {config.sp}" + (f" --ring {config.ring}" if config.ring is not None else "")
         raise ValueError(f"{flags} does not fit --model {config.model!r}: {error}") from None
@@ -104,7 +114,12 @@ def resolve_ring(config: TrainConfig, hf_config: Any | None = None) -> int:
     except ValueError as error:
         chosen = "--ring" if config.ring is not None else f"the ring chosen from the heads ({num_heads} heads, --sp)"
         raise ValueError(f"--attn-core {config.attn_core}: {error} (the ring comes from {chosen})") from None
-    return ring
+    return ring, reason
+
+
+def resolve_ring(config: TrainConfig, hf_config: Any | None = None, gpus_per_node: int | None = None) -> int:
+    """The ring degree of the run (see :func:`choose_run_layout`)."""
+    return choose_run_layout(config, hf_config, gpus_per_node)[0]
 
 
 def training_flops_per_token(model: nn.Module, seq_len: int) -> float:

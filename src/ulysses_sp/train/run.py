@@ -154,6 +154,7 @@ def run_rank(spec: RunSpec | None, config: TrainConfig | None = None) -> int:
             print(resolved.replace("\n", "\n  ").join(["  ", ""]))
             hybrid = f" (ulysses {layout.ulysses} x ring {layout.ring})" if layout.ring > 1 else ""
             print(f"layout: world {layout.world_size} = dp {layout.dp} x sp {layout.sp}{hybrid} on {layout.device}")
+            print(f"  {spec.layout_reason}")
         summary = Trainer(spec, layout, signals).fit()
         if layout.is_main:
             metrics = os.path.join(config.output_dir, config.metrics_file)

@@ -26,7 +26,7 @@ from ulysses_sp.train.checkpoint import find_latest_checkpoint, list_checkpoints
 from ulysses_sp.train.config import TrainConfig, config_from_dict
 from ulysses_sp.train.documents import EMBEDDED_TOKENIZER, check_dataset, load_tokenizer
 from ulysses_sp.train.integrity import MANIFEST, newest_intact_checkpoint, verify_checkpoint
-from ulysses_sp.train.model_factory import hf_model_config, resolve_ring, tokenizer_source
+from ulysses_sp.train.model_factory import choose_run_layout, hf_model_config, tokenizer_source
 from ulysses_sp.train.outdir import previous_run_files
 
 __all__ = ["RunSpec", "changed_settings", "check_same_batch_plan", "resolve_run", "resume_point"]
@@ -34,7 +34,7 @@ __all__ = ["RunSpec", "changed_settings", "check_same_batch_plan", "resolve_run"
 # Settings that may change when resuming without changing what the run computes next.
 _FREE_ON_RESUME = {"resume", "overwrite", "nproc", "max_steps", "epochs", "eval_every", "eval_batches", "log_every"}
 _FREE_ON_RESUME |= {"output_dir", "save_every", "keep_last", "metrics_file", "dist_timeout", "final_save"}
-_FREE_ON_RESUME |= {"max_skipped_steps", "save_on_sigterm", "report_to"}
+_FREE_ON_RESUME |= {"max_skipped_steps", "save_on_sigterm", "report_to", "gpus_per_node"}
 # Memory features: the same step, computed with less memory.
 _FREE_ON_RESUME |= {"activation_checkpointing", "tiled_loss", "loss_chunk_mib", "tiled_mlp", "mlp_chunk_tokens"}
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
@@ -48,6 +48,7 @@ class RunSpec:
         config: the resolved config: ``nproc`` = the world size, ``tokenizer`` = what is loaded, ``lr`` = the
             peak learning rate (this is what checkpoints save as ``config.yaml``).
         ring: the ring degree inside ``sp`` (1 = pure Ulysses).
+        layout_reason: why this ulysses x ring (one sentence, printed with the layout).
         resume_from: the verified checkpoint to continue from, or None for a fresh start.
         model_source: where pretrained weights come from (the checkpoint, a hub id, a directory), or None
             for a seeded random init.
@@ -57,6 +58,7 @@ class RunSpec:
 
     config: TrainConfig
     ring: int
+    layout_reason: str
     resume_from: str | None
     model_source: str | None
     hf_config: dict[str, Any]
@@ -179,7 +181,8 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
             f"--tokenizer {source or EMBEDDED_TOKENIZER!r} has {len(tokenizer)} tokens but --model "
             f"{config.model!r} has a vocabulary of {vocab_size}; use the model's own tokenizer"
         )
-    ring = resolve_ring(config, model_config)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # ranks on this node
+    ring, layout_reason = choose_run_layout(config, model_config, gpus_per_node=local)
     resolved = dataclasses.replace(
         config, nproc=world_size, tokenizer=source or EMBEDDED_TOKENIZER, lr=config.peak_lr(), report_to=report_to
     )
@@ -190,4 +193,6 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
         check_same_batch_plan(saved, resolved)
         notes += [f"changed since the checkpoint: {line}" for line in changed_settings(saved, resolved)]
     hf_config = json.loads(json.dumps(model_config.to_dict()))  # as it travels (JSON keys are strings)
-    return RunSpec(resolved, ring, str(resume) if resume else None, model_source, hf_config, tuple(notes))
+    return RunSpec(
+        resolved, ring, layout_reason, str(resume) if resume else None, model_source, hf_config, tuple(notes)
+    )
