@@ -20,6 +20,7 @@ memory, the quantity a memory plan predicts).
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from types import TracebackType
 
@@ -44,17 +45,26 @@ class _StorageTracker(TorchDispatchMode):
         self.peak = 0
         self._counted: dict[int, tuple[int, int]] = {}  # storage id -> (data_ptr, bytes counted)
         self._baseline: dict[int, int] = {}  # storage id -> bytes it had when the mode was entered
-        self._resizable: dict[int, torch.UntypedStorage] = {}  # older storages seen inside: re-read each op
+        # older storages seen inside, re-read after each operator; held weakly so that they can still be freed
+        self._resizable: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._lock = threading.Lock()  # a storage may be freed on another thread (gloo's, the autograd engine's)
 
     @property
     def live(self) -> dict[int, int]:
         return {ptr: nbytes for ptr, nbytes in self._counted.values() if nbytes}
 
     def __enter__(self) -> _StorageTracker:
+        # Garbage left by earlier code goes first: freed inside the block, its finalizers could run operators
+        # (counted as this block's) and its storages' addresses could be reused by new ones.
+        gc.collect()
         for obj in gc.get_objects():
             if issubclass(type(obj), torch.Tensor):  # not isinstance: it reads __class__, which warns on some
-                for storage in self._storages(obj):  # deprecated torch objects
-                    self._baseline[storage._cdata] = storage.nbytes()
+                # deprecated torch objects. A leaf's .grad may have no Python object of its own (so the
+                # collector cannot see it) until it is read; backward then accumulates into it in place.
+                grad = obj.grad if obj.is_leaf and obj.requires_grad else None
+                for tensor in (obj,) if grad is None else (obj, grad):
+                    for storage in self._storages(tensor):
+                        self._baseline[storage._cdata] = storage.nbytes()
         return super().__enter__()
 
     def __exit__(self, *args) -> None:
@@ -62,17 +72,20 @@ class _StorageTracker(TorchDispatchMode):
         self._resizable.clear()
 
     def _free(self, key: int) -> None:
-        entry = self._counted.pop(key, None)
-        self._resizable.pop(key, None)
-        if entry is not None:
-            self.current -= entry[1]
+        with self._lock:
+            entry = self._counted.pop(key, None)
+            self._resizable.pop(key, None)
+            self._baseline.pop(key, None)  # a new storage may come to live at the same address
+            if entry is not None:
+                self.current -= entry[1]
 
     def _count(self, key: int, storage: torch.UntypedStorage) -> None:
-        nbytes = max(0, storage.nbytes() - self._baseline.get(key, 0))
-        ptr, counted = self._counted.get(key, (0, 0))
-        self._counted[key] = (storage.data_ptr(), nbytes)
-        self.current += nbytes - counted
-        self.peak = max(self.peak, self.current)
+        with self._lock:
+            nbytes = max(0, storage.nbytes() - self._baseline.get(key, 0))
+            ptr, counted = self._counted.get(key, (0, 0))
+            self._counted[key] = (storage.data_ptr(), nbytes)
+            self.current += nbytes - counted
+            self.peak = max(self.peak, self.current)
 
     def _storages(self, tensor: torch.Tensor) -> list[torch.UntypedStorage]:
         """The storages on the tracked device that hold ``tensor``'s data."""
@@ -88,15 +101,19 @@ class _StorageTracker(TorchDispatchMode):
             if key in self._counted:
                 continue
             weakref.finalize(storage, self._free, key)
-            if key in self._baseline or key in inputs:  # not made by this operator: maybe resized in place
-                self._resizable[key] = storage
+            if key in inputs:  # not made by this operator: maybe resized in place later
+                self._resizable[key] = weakref.ref(storage)
+            else:  # made by it, maybe where an older storage lived
+                self._baseline.pop(key, None)
             self._count(key, storage)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        for key, storage in list(self._resizable.items()):  # resized in place since the last operator?
-            self._count(key, storage)
+        for key, ref in list(self._resizable.items()):  # resized in place since the last operator?
+            storage = ref()
+            if storage is not None:
+                self._count(key, storage)
         outputs = [item for item in tree_flatten(out)[0] if isinstance(item, torch.Tensor)]
         if outputs:
             inputs = {

@@ -1,5 +1,7 @@
 """PeakMemory on the CPU counts what a block allocates, views once, and frees; older storages only as they grow."""
 
+import threading
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -38,6 +40,31 @@ def test_an_older_tensor_read_through_a_view_costs_nothing():
     with PeakMemory("cpu") as peak:
         F.linear(h, w)
     assert peak.peak_bytes == 256 * 4096 * 4
+
+
+def test_a_gradient_that_existed_before_costs_nothing_when_backward_adds_to_it():
+    """A leaf's .grad may have no Python object (it was never read), yet backward accumulates into it in place;
+    it is older than the block, so it must not be counted as the block's (it was, and held the peak up)."""
+    n = 1 << 20
+    w = torch.randn(n, requires_grad=True)
+    (w * w).sum().backward()
+    with PeakMemory() as peak:
+        (w * w).sum().backward()  # product, its gradient and the sum of the two partial gradients: <= 3n
+        later = torch.ones(3 * n)  # held after backward: 3n, not 3n plus the old gradient
+    del later
+    assert 3 * n * 4 <= peak.peak_bytes <= 3 * n * 4 + 64, peak.peak_bytes / (4 * n)  # + the scalar loss
+
+
+def test_a_storage_freed_on_another_thread_is_subtracted():
+    n = 1 << 18
+    with PeakMemory() as peak:
+        held = [torch.ones(n) for _ in range(4)]
+        freeing = threading.Thread(target=held.clear)
+        freeing.start()
+        freeing.join()
+        later = torch.ones(4 * n)
+    del later
+    assert peak.peak_bytes == 4 * n * 4, peak.peak_bytes / (4 * n)
 
 
 def test_fsdp2_parameters_gathered_and_freed_by_resizing_are_followed():
