@@ -18,6 +18,7 @@ from .layout import ParallelLayout, choose_layout, choose_ring_degree
 from .loss import causal_lm_loss, count_valid_tokens, reduce_token_loss, sequence_parallel_cross_entropy, sync_gradients
 from .model import parallelize, plain_attention, ulysses_context, unparallelize
 from .offload import disable_activation_checkpointing, enable_activation_checkpointing
+from .process_group import init_default_group
 from .sharding import shard_batch, shift_labels
 from .tiled_loss import disable_tiled_loss, enable_tiled_loss, tiled_cross_entropy_sum
 from .tiling import disable_tiled_mlp, enable_tiled_mlp
@@ -33,6 +34,7 @@ __all__ = [
     "apply_features",
     "causal_lm_loss",
     "choose_layout",
+    "init_default_group",
     "choose_ring_degree",
     "count_valid_tokens",
     "disable_activation_checkpointing",

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ulysses_sp.process_group import init_default_group
+
 __all__ = [
     "ParallelLayout",
     "check_heads_split",
@@ -276,12 +278,7 @@ class ParallelLayout:
                 f"sp={sp} needs {sp} processes, but no process group is initialised and WORLD_SIZE is unset; "
                 f"start with `torchrun --nproc-per-node {sp} ...` (or `ulysses-sp train`, which launches its ranks)"
             )
-        if not dist.is_initialized():
-            if backend is None:
-                backend = "nccl" if torch.cuda.is_available() else "gloo"
-            if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend=backend)
+        init_default_group(backend)
         world = dist.get_world_size()
         if world % sp != 0:
             good = ", ".join(str(d) for d in _divisors(world))

@@ -148,6 +148,28 @@ def test_from_env_without_launcher(monkeypatch):
         U.ParallelLayout.from_env(sp=2)
 
 
+def test_default_group_starts_once_as_one_rank_without_a_launcher_and_refuses_a_half_environment(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from ulysses_sp.process_group import init_default_group
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="WORLD_SIZE=4 is set but RANK is not"):
+        init_default_group("gloo")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert not dist.is_initialized()
+    init_default_group("gloo", datetime.timedelta(seconds=30))
+    try:
+        assert dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+        init_default_group("gloo")  # already started: nothing happens
+        assert dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
+
+
 def test_interior_padding_hole_is_rejected():
     positions = torch.arange(8)[None]
     mask = torch.tensor([[1, 1, 1, 0, 1, 1, 1, 1]])

@@ -8,10 +8,11 @@ import math
 
 import pytest
 
+from ulysses_sp.process_group import under_launcher
 from ulysses_sp.shapes import SHAPES
 from ulysses_sp.train.config import TrainConfig
 from ulysses_sp.train.faults import Fault
-from ulysses_sp.train.launch import apply_slurm_env, under_launcher
+from ulysses_sp.train.launch import apply_slurm_env
 from ulysses_sp.train.metrics import MetricsLog, format_summary
 from ulysses_sp.train.model_factory import (
     hf_model_config,

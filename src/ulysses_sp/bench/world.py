@@ -43,7 +43,9 @@ def _worker(rank: int, world: int, port: int, target: str, params: dict[str, Any
 
     torch.set_num_threads(max(1, params.get("threads_per_rank", 1)))
     try:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=params.get("collective_timeout_s", 300)))
+        from ulysses_sp.process_group import init_default_group
+
+        init_default_group("gloo", datetime.timedelta(seconds=params.get("collective_timeout_s", 300)))
         module, name = target.split(":")
         result = {"ok": getattr(importlib.import_module(module), name)(params)}
     except Exception:  # reported to the parent

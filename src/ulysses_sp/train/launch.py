@@ -20,7 +20,6 @@ Three ways a run starts:
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import subprocess
@@ -38,9 +37,7 @@ __all__ = [
     "SPEC_ENV",
     "apply_slurm_env",
     "expected_world_size",
-    "init_process_group",
     "launch_local",
-    "under_launcher",
 ]
 
 SPEC_ENV = "ULYSSES_SP_RUN_SPEC"  # the run spec file our launcher hands its ranks (see runspec.py)
@@ -71,11 +68,6 @@ def apply_slurm_env(environ: MutableMapping[str, str]) -> bool:
     return True
 
 
-def under_launcher(environ: MutableMapping[str, str]) -> bool:
-    """True when a launcher already made this process one rank of a group."""
-    return "WORLD_SIZE" in environ and "RANK" in environ
-
-
 def expected_world_size(nproc: int | None, num_gpus: int, environ: MutableMapping[str, str]) -> int:
     """How many ranks the run will have, known before any starts: the launcher's ``WORLD_SIZE`` (or the
     Slurm step's task count), else ``--nproc``, else one per GPU, else 2 on a CPU-only machine."""
@@ -87,26 +79,6 @@ def expected_world_size(nproc: int | None, num_gpus: int, environ: MutableMappin
     if nproc is not None:
         return nproc
     return num_gpus if num_gpus > 0 else 2
-
-
-def init_process_group(timeout_s: int) -> None:
-    """Initialise the default process group (nccl on GPU, gloo on CPU) with a collective timeout.
-
-    Uses the launcher's environment when there is one, else a one-rank group in this process.
-    """
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    timeout = datetime.timedelta(seconds=timeout_s)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if under_launcher(os.environ):
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 @dataclass

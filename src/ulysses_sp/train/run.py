@@ -13,6 +13,7 @@ user can act on, such as a full disk or non-finite training), 130 Ctrl-C, 143 st
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import tempfile
@@ -38,7 +39,8 @@ def _print_error(message: str) -> int:
 
 def train_command(argv: Sequence[str]) -> int:
     """``ulysses-sp train ARGV``; returns the exit status (see the module docstring)."""
-    from ulysses_sp.train.launch import SPEC_ENV, apply_slurm_env, launch_local, under_launcher
+    from ulysses_sp.process_group import under_launcher
+    from ulysses_sp.train.launch import SPEC_ENV, apply_slurm_env, launch_local
 
     if SPEC_ENV in os.environ:  # a rank of our own launcher: the run is resolved already
         from ulysses_sp.train.runspec import RunSpec
@@ -130,8 +132,8 @@ def run_rank(spec: RunSpec | None, config: TrainConfig | None = None) -> int:
     import yaml
 
     from ulysses_sp.layout import ParallelLayout
+    from ulysses_sp.process_group import init_default_group, under_launcher
     from ulysses_sp.train.config import config_to_dict
-    from ulysses_sp.train.launch import init_process_group, under_launcher
     from ulysses_sp.train.loop import Trainer
     from ulysses_sp.train.metrics import format_summary
 
@@ -140,7 +142,7 @@ def run_rank(spec: RunSpec | None, config: TrainConfig | None = None) -> int:
     launched = under_launcher(os.environ)
     settings = spec.config if spec is not None else config
     signals = RankSignals(save_on_sigterm=settings.save_on_sigterm, under_launcher=launched)
-    init_process_group(settings.dist_timeout)
+    init_default_group(timeout=datetime.timedelta(seconds=settings.dist_timeout))
     rank, lock = dist.get_rank(), None
     try:
         if spec is None:
