@@ -19,7 +19,7 @@ must agree (:meth:`HeadChunkedAttention.verify`). A module that fails either che
 when C > 1 was asked for, and keeps the unchunked path when C is automatic.
 
 C: ``head_chunks`` of :func:`ulysses_sp.parallelize` (``--head-chunks``); None or 0 = automatic: the fewest
-chunks whose q/k/v after the exchange fit ``budget_bytes`` per rank (:func:`ulysses_sp.head_split.choose_head_chunks`, which the
+chunks whose q/k/v after the exchange fit ``budget_bytes`` per rank (:mod:`ulysses_sp.head_split`, which the
 planner uses too); 1 = the unchunked path.
 """
 
