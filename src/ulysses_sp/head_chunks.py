@@ -135,12 +135,17 @@ def remove_head_chunks(modules: list[nn.Module]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the forward
-class _Captured(Exception):
-    """Raised inside the module's own forward at its attention call, carrying that call's arguments."""
+class _Stop(Exception):
+    """Raised inside the module's own forward at its attention call (which :meth:`capture` has recorded)."""
 
-    def __init__(self, qkv: tuple[torch.Tensor, ...], mask: Any, kwargs: dict[str, Any]) -> None:
-        super().__init__("attention call captured")
-        self.qkv, self.mask, self.kwargs = qkv, mask, kwargs
+
+@dataclass
+class Captured:
+    """The arguments of one attention call: q/k/v, the mask and the keyword arguments."""
+
+    qkv: tuple[torch.Tensor, ...]
+    mask: Any
+    kwargs: dict[str, Any]
 
 
 class _Slice:
@@ -209,11 +214,17 @@ class HeadChunkedAttention:
         names = (*self.names.query, *self.names.kv, self.names.out)
         return {id(p) for name in names for p in self.projection(name).parameters(recurse=False)}
 
-    def capture(self, args: tuple, kwargs: dict, weights: dict[str, tuple]) -> _Captured:
-        """Run the module's own forward with its projections replaced by ``weights`` up to its attention call."""
+    def capture(self, args: tuple, kwargs: dict, weights: dict[str, tuple]) -> Captured:
+        """Run the module's own forward with its projections replaced by ``weights`` up to its attention call.
+
+        The call's arguments are recorded and the forward stopped by an exception, which is dropped at once: its
+        traceback holds the forward's frames (and their tensors) until it is freed.
+        """
+        found: list[Captured] = []
 
         def stop(module, query, key, value, attention_mask, **call_kwargs):
-            raise _Captured((query, key, value), attention_mask, call_kwargs)
+            found.append(Captured((query, key, value), attention_mask, call_kwargs))
+            raise _Stop
 
         saved = {name: self.module._modules[name] for name in weights}
         try:
@@ -221,10 +232,12 @@ class HeadChunkedAttention:
                 self.module._modules[name] = _Slice(weight, bias)  # type: ignore[assignment]
             with _intercepting(self.module, stop):
                 type(self.module).forward(self.module, *args, **kwargs)
-        except _Captured as captured:
-            return captured
+        except _Stop:
+            pass
         finally:
             self.module._modules.update(saved)
+        if found:
+            return found[0]
         raise ValueError(
             f"{type(self.module).__name__}.forward returned without calling its attention function, so its heads "
             "cannot be run in chunks; use head_chunks=1 (--head-chunks 1)"
