@@ -27,7 +27,8 @@ config = LlamaConfig(
     max_position_embeddings=SEQ_LEN,
 )
 model = ulysses_sp.parallelize(LlamaForCausalLM(config), layout)
-ulysses_sp.enable_tiled_loss(model)  # lm_head + cross-entropy in chunks: no [tokens, vocab] logits held
+# the long-sequence memory features `ulysses-sp train` runs: tiled lm_head + loss, tiled MLP, checkpointing
+ulysses_sp.apply_features(model, ulysses_sp.Features(), layout.device.type)
 # DDP over the whole world averages gradients over dp x sp: that is the reduction the loss expects.
 model = DDP(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

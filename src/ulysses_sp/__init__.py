@@ -5,7 +5,7 @@ The three calls a user needs::
     layout = ParallelLayout.from_env(sp=4)          # world = dp x sp, from torchrun's environment
     model = parallelize(model, layout)               # Ulysses attention through transformers' interface
     shard = shard_batch(batch, layout)               # this rank's tokens, shifted labels, global positions
-    enable_tiled_loss(model)                         # optional: no [tokens, vocab] logits are ever held
+    apply_features(model, Features(), "cuda")        # optional: tiled loss and MLP, checkpoints (offloaded)
     loss = causal_lm_loss(model, shard, layout)      # token-weighted over every shard and replica
 
 Gradients come out right once averaged over dp x sp (DDP / FSDP2 over the world, or ``sync_gradients``).
@@ -13,6 +13,7 @@ Gradients come out right once averaged over dp x sp (DDP / FSDP2 over the world,
 
 from .comm import CommStats
 from .cores import CORES, Segments
+from .features import Features, apply_features
 from .layout import ParallelLayout, choose_layout, choose_ring_degree
 from .loss import causal_lm_loss, count_valid_tokens, reduce_token_loss, sequence_parallel_cross_entropy, sync_gradients
 from .model import parallelize, plain_attention, ulysses_context, unparallelize
@@ -26,8 +27,10 @@ __version__ = "0.1.0"
 __all__ = [
     "CORES",
     "CommStats",
+    "Features",
     "ParallelLayout",
     "Segments",
+    "apply_features",
     "causal_lm_loss",
     "choose_layout",
     "choose_ring_degree",

@@ -115,8 +115,8 @@ def _more_archs() -> dict:
     }
 
 
-def _hardening_archs() -> dict:
-    """Architectures from issue 8: length-dependent RoPE (dynamic, longrope, yarn), windows applied only through
+def _model_family_archs() -> dict:
+    """Architectures with a twist: length-dependent RoPE (dynamic, longrope, yarn), windows applied only through
     the mask (Qwen2-MoE, PhiMoE), MLA with a v head dim != the qk head dim (DeepSeek-V2/V3), a CausalLM that
     calls its decoder directly (OPT), and the families that already were exact (kept exact by the suite)."""
     import transformers as t
@@ -258,7 +258,7 @@ def _hardening_archs() -> dict:
     }
 
 
-MORE_ARCHS = {**_more_archs(), **_hardening_archs()}
+MORE_ARCHS = {**_more_archs(), **_model_family_archs()}
 
 
 def _from_config(model_type: str, common: dict, attn: str = "sdpa", **extra):

@@ -198,7 +198,7 @@ def test_chunked_attention_is_rejected():
 
 def test_moe_router_auxiliary_loss_is_checked_before_training(monkeypatch):
     """output_router_logits=True is accepted when the model's load-balancing loss is the form causal_lm_loss computes
-    over the whole sequence (exact: tests/dist/cases_hardening.py), refused before training when it is not."""
+    over the whole sequence (exact: tests/dist/cases_architectures.py), refused before training when it is not."""
     import transformers.models.qwen3_moe.modeling_qwen3_moe as qwen3_moe
 
     model = build("qwen3_moe")

@@ -21,3 +21,13 @@ def _ruff() -> list[str]:
 def test_ruff(args):
     result = subprocess.run([*_ruff(), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_source_files_stay_small():
+    """One idea per module: no source file of the package grows past 450 lines."""
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in (ROOT / "src").rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 450
+    }
+    assert not long, long

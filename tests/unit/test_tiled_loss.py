@@ -210,7 +210,7 @@ class _ScaledLogits(tf.LlamaForCausalLM):
         return out
 
 
-@pytest.mark.parametrize("factor", [2.0, 1.0015])  # 1.0015: a different loss, beyond fp32 rounding (issue 19)
+@pytest.mark.parametrize("factor", [2.0, 1.0015])  # 1.0015: a different loss, beyond fp32 rounding
 def test_unknown_logit_post_processing_is_refused_at_first_forward(factor):
     torch.manual_seed(0)
     model = _ScaledLogits(tf.LlamaConfig(**_quiet()))

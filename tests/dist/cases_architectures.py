@@ -1,5 +1,5 @@
-"""Multi-rank cases for issues 8 and 19 (exactness and hardening), run inside gloo workers by
-tests/dist/test_hardening.py.
+"""Multi-rank cases: many architectures, inputs and refusals against one process, run inside gloo workers by
+tests/dist/test_architectures.py.
 
 Parity cases compare loss and every gradient with one process on the full batch (plain transformers attention,
 the model's own mask), as in :mod:`tests.dist.cases_core`; the other cases check that bad input on ONE rank

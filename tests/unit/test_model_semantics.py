@@ -1,5 +1,5 @@
-"""Single-process tests for issues 8 and 19: window and decoder discovery, MLA head dims, id checks, deepcopy,
-masks the model builds itself."""
+"""What parallelize reads from a model, in one process: windows and decoders, masks the model builds itself,
+positions, MLA head dims, id checks, deepcopy, dropout streams, the MoE aux loss."""
 
 import copy
 
@@ -45,7 +45,7 @@ def test_layer_window_follows_the_models_own_mask(arch, expected):
     assert _applied_windows(build(arch, kv_heads=2)) == expected
 
 
-# Families whose mask ignores a sliding_window key in their config (issue 19, item 1): loss off by up to 2e-2.
+# Families whose mask ignores a sliding_window key in their config (applied anyway, the loss was off by up to 2e-2).
 UNUSED_WINDOW_TYPES = [
     "llama",
     "olmo2",
@@ -309,7 +309,7 @@ def test_packed_attention_benchmark_runs_and_saves(tmp_path, monkeypatch):
     assert "| cpu | 64 | 4 | per_document |" in table
 
 
-# ---------------------------------------------------------------------------------------------- issue 19, item 4
+# -------------------------------------------------------------------------------- the tiled loss's first-forward probe
 @pytest.mark.parametrize("model_type", ["gpt2", "gpt_bigcode", "biogpt", "opt"])
 def test_tiled_loss_where_the_causal_lm_reads_more_than_the_last_hidden_state(model_type):
     """GPT-2 and GPTBigCode read cross_attentions from their decoder's output, OPT calls model.decoder directly:
@@ -336,7 +336,7 @@ def test_the_probe_accepts_16_bit_post_processing(model_type):
     U.enable_tiled_loss(model)(**make_batch(1, 8))
 
 
-# ---------------------------------------------------------------------------------------------- issue 19, item 5
+# -------------------------------------------------------------------- targets outside the vocabulary in the plain loss
 @pytest.mark.parametrize("label", [VOCAB + 2, -5])
 def test_plain_loss_refuses_targets_outside_the_vocabulary(label):
     """causal_lm_loss without the tiled loss and shard_batch without vocab_size (the README's loop): the targets
@@ -349,7 +349,7 @@ def test_plain_loss_refuses_targets_outside_the_vocabulary(label):
         U.causal_lm_loss(model, shard, single)
 
 
-# ---------------------------------------------------------------------------------------------- issue 19, item 6
+# ----------------------------------------------------------------------------------------------- the batch fingerprint
 def test_fingerprint_sees_edits_that_cancel_in_sums():
     """Paired +1/-1 edits 65521 tokens apart (equal weights), or +1, -2, +1 on weights 1, 2, 3, left the old
     (weighted sum, sum) fingerprint unchanged: ranks holding different batches went unnoticed."""
@@ -366,9 +366,9 @@ def test_fingerprint_sees_edits_that_cancel_in_sums():
     assert _fingerprint(ids.int())[1:] == _fingerprint(ids)[1:]  # the values count, not the dtype
 
 
-# ---------------------------------------------------------------------------------------------- issue 19, item 7
+# ----------------------------------------------------------------------------------------------------- dropout streams
 def test_dropout_at_sp1_draws_what_the_model_draws():
-    """Per-rank dropout streams exist under sp > 1 only (tests/dist/cases_hardening.py): one process draws exactly
+    """Per-rank dropout streams exist under sp > 1 only (tests/dist/cases_architectures.py): one process draws exactly
     the plain model's masks, and the global generator ends where the plain model leaves it."""
     model = build_generic("gpt2").train()
     batch = make_batch(2, 24)
@@ -388,13 +388,13 @@ def test_layerdrop_is_refused():
         U.parallelize(build_generic("opt", layerdrop=0.1), U.ParallelLayout.single())
 
 
-# ---------------------------------------------------------------------------------------------- issue 19, item 8
+# ----------------------------------------------------------------------------------------- the MoE load-balancing loss
 @pytest.mark.parametrize("tiled", [False, True], ids=["plain_loss", "tiled_loss"])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe_window"])
 def test_router_aux_loss_is_added_as_the_model_adds_it(arch, tiled):
     """causal_lm_loss = cross-entropy + router_aux_loss_coef x load-balancing loss, as the model's own loss (one
-    process here, padded rows; sp=2, sp=4, dp2 x sp2 in tests/dist/cases_hardening.py)."""
-    from tests.dist.cases_hardening import with_router_aux
+    process here, padded rows; sp=2, sp=4, dp2 x sp2 in tests/dist/cases_architectures.py)."""
+    from tests.dist.cases_architectures import with_router_aux
 
     model = with_router_aux(arch)
     batch = make_batch(2, 23, pad="right")
