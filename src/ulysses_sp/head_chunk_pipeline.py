@@ -159,7 +159,8 @@ class ChunkRun:
     def project(self, x: torch.Tensor, chunk: int, weights: dict[str, tuple]) -> tuple:
         """The chunk's padded local q ``[b, Hc, n, d]``, k/v ``[b, Hkv_c, n, d]`` and its :class:`AttentionCall`."""
         args, kwargs = self.place(x)
-        captured = self.owner.capture(args, kwargs, weights)
+        heads = (self.split.query_heads(chunk)[1], self.split.kv_heads(chunk)[1])
+        captured = self.owner.capture(args, kwargs, weights, heads)
         call = self.prepare(self.owner.module, *captured.qkv, captured.mask, **captured.kwargs)
         return (*pad_qkv(*captured.qkv, call.width), call)
 

@@ -214,11 +214,13 @@ class HeadChunkedAttention:
         names = (*self.names.query, *self.names.kv, self.names.out)
         return {id(p) for name in names for p in self.projection(name).parameters(recurse=False)}
 
-    def capture(self, args: tuple, kwargs: dict, weights: dict[str, tuple]) -> Captured:
-        """Run the module's own forward with its projections replaced by ``weights`` up to its attention call.
+    def capture(self, args: tuple, kwargs: dict, weights: dict[str, tuple], heads: tuple[int, int]) -> Captured:
+        """Run the module's own forward with its projections replaced by ``weights`` (the chunk's ``heads``: query
+        and kv head counts) up to its attention call.
 
         The call's arguments are recorded and the forward stopped by an exception, which is dropped at once: its
-        traceback holds the forward's frames (and their tensors) until it is freed.
+        traceback holds the forward's frames (and their tensors) until it is freed. Head counts the module keeps
+        as attributes (``self.num_heads`` in its reshapes) read the chunk's during the call.
         """
         found: list[Captured] = []
 
@@ -227,21 +229,39 @@ class HeadChunkedAttention:
             raise _Stop
 
         saved = {name: self.module._modules[name] for name in weights}
+        counts = self._head_counts(*heads)
+        kept = {name: self.module.__dict__[name] for name in counts}
         try:
             for name, (weight, bias) in weights.items():
                 self.module._modules[name] = _Slice(weight, bias)  # type: ignore[assignment]
+            self.module.__dict__.update(counts)
             with _intercepting(self.module, stop):
                 type(self.module).forward(self.module, *args, **kwargs)
         except _Stop:
             pass
         finally:
             self.module._modules.update(saved)
+            self.module.__dict__.update(kept)
         if found:
             return found[0]
         raise ValueError(
             f"{type(self.module).__name__}.forward returned without calling its attention function, so its heads "
             "cannot be run in chunks; use head_chunks=1 (--head-chunks 1)"
         )
+
+    def _head_counts(self, heads: int, kv_heads: int) -> dict[str, int]:
+        """The module's head-count attributes that hold the whole layer's counts, set to one chunk's."""
+        full = {
+            "num_heads": (self.num_heads, heads),
+            "num_attention_heads": (self.num_heads, heads),
+            "num_key_value_heads": (self.num_kv_heads, kv_heads),
+            "num_kv_heads": (self.num_kv_heads, kv_heads),
+        }
+        attrs = self.module.__dict__
+        counts = {name: chunk for name, (whole, chunk) in full.items() if attrs.get(name) == whole}
+        if "num_key_value_groups" in attrs and counts:
+            counts["num_key_value_groups"] = heads // kv_heads
+        return counts
 
     # ------------------------------------------------------------------------------------------- calls
     def active(self) -> bool:
