@@ -60,6 +60,7 @@ class CommStats:
 
     calls: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
+    wait_s: float = 0.0  # host seconds blocked on asynchronous exchanges (head chunks): the part not overlapped
 
     def record(self, op: str, tensor: torch.Tensor) -> None:
         self.calls[op] += 1
@@ -68,6 +69,7 @@ class CommStats:
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
+        self.wait_s = 0.0
 
 
 # ---------------------------------------------------------------------------------------------- all-to-all

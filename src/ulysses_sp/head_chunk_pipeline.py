@@ -24,6 +24,7 @@ the host, and the process group keeps the buffers alive until then. On CPU gloo 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,7 @@ from .comm import (
     qkv_send_grad,
     start_all_to_all,
 )
+from .head_split import DEPTH
 from .tiling import Replay
 
 if TYPE_CHECKING:
@@ -52,7 +54,6 @@ if TYPE_CHECKING:
 __all__ = ["ChunkRun", "HeadChunkedFunction", "run_interleaved"]
 
 Stages = Generator[None, None, None]
-DEPTH = 2  # chunks alive at once: one computing while the other's exchange is in flight
 
 
 def run_interleaved(chunks: Iterable[Stages], depth: int = DEPTH) -> None:
@@ -173,7 +174,10 @@ class ChunkRun:
         del send
         yield
         if work is not None:
+            start = time.perf_counter()
             work.wait()
+            if self.stats is not None:
+                self.stats.wait_s += time.perf_counter() - start
         return recv.to(dtype)
 
     # ------------------------------------------------------------------------------------------- forward

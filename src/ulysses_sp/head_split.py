@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "DEFAULT_HEAD_CHUNK_BUDGET_BYTES",
+    "DEPTH",
     "HeadSplit",
     "check_head_chunks",
     "choose_head_chunks",
@@ -19,7 +20,8 @@ __all__ = [
     "head_chunk_choices",
 ]
 
-DEFAULT_HEAD_CHUNK_BUDGET_BYTES = 1 << 30  # one chunk's q/k/v after the exchange, per rank (automatic C)
+DEFAULT_HEAD_CHUNK_BUDGET_BYTES = 1 << 30  # the q/k/v after the exchange of the chunks alive, per rank (automatic C)
+DEPTH = 2  # chunks alive at once: one computing while the other's exchange is in flight
 
 
 def head_chunk_choices(num_heads: int, num_kv_heads: int, ulysses: int) -> list[int]:
@@ -63,14 +65,15 @@ def choose_head_chunks(
     budget_bytes: int = DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
 ) -> int:
     """The chunk count C: ``requested`` when > 0 (ValueError unless it is one of :func:`head_chunk_choices`),
-    else the fewest chunks whose :func:`chunk_exchange_bytes` fit ``budget_bytes`` (the smallest working set when
-    none does)."""
+    else the fewest chunks whose :func:`chunk_exchange_bytes` times the chunks alive at once (``min(C, DEPTH)``)
+    fit ``budget_bytes`` (the smallest such working set when none does; C = 2 never beats C = 1 this way)."""
     choices = head_chunk_choices(num_heads, num_kv_heads, ulysses)
     if requested:
         check_head_chunks(requested, num_heads, num_kv_heads, ulysses)
         return requested
     sizes = {
-        c: chunk_exchange_bytes(
+        c: min(c, DEPTH)
+        * chunk_exchange_bytes(
             num_heads, num_kv_heads, ulysses, c, tokens=tokens, head_dim=head_dim, element_size=element_size
         )
         for c in choices

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 import ulysses_sp as U
 from tests.dist.cases_architectures import EVAL_ONLY, PARITY_ARCHS
 from tests.dist.cases_core import check_parity
 from tests.dist.cases_memory_features import check_features
 from tests.helpers.harness import run_cases
-from tests.helpers.models import make_batch
+from tests.helpers.models import build, make_batch
+from ulysses_sp import head_chunk_pipeline
 
 P = functools.partial
 CHUNKS = (1, 2, 4)
@@ -103,13 +106,68 @@ def feature_cases(layout, prefix: str, chunks: tuple[int, ...]) -> dict:
     }
 
 
+class _LoggedWork:
+    """An exchange's work handle that marks the exchange done when it is waited for."""
+
+    def __init__(self, work, key: int, in_flight: set[int]) -> None:
+        self.work, self.key, self.in_flight = work, key, in_flight
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.in_flight.discard(self.key)
+
+
+def overlap(layout, chunks: int = 4) -> None:
+    """Every core call (forward, its recompute in backward) and every core backward of a chunked layer runs while
+    another chunk's exchange is in flight (launched asynchronously, not yet waited for)."""
+    model = U.parallelize(build("llama", heads=8, kv_heads=2), layout, head_chunks=chunks)
+    ctx = U.ulysses_context(model)
+    in_flight: set[int] = set()
+    cores: list[int] = []  # exchanges in flight at each core call
+    core_backwards: list[int] = []
+    launched = [0]
+    start, grad, core_for = head_chunk_pipeline.start_all_to_all, torch.autograd.grad, ctx.core_for
+
+    def logged_start(send, group, stats=None):
+        recv, work = start(send, group, stats)
+        launched[0] += 1
+        in_flight.add(launched[0])
+        return recv, _LoggedWork(work, launched[0], in_flight)
+
+    def logged_core(*args, **kwargs):
+        cores.append(len(in_flight))
+        return core_for(*args, **kwargs)
+
+    def logged_grad(outputs, inputs, *args, **kwargs):
+        if isinstance(inputs, torch.Tensor):  # the core's backward (the projections' pass lists)
+            core_backwards.append(len(in_flight))
+        return grad(outputs, inputs, *args, **kwargs)
+
+    head_chunk_pipeline.start_all_to_all, torch.autograd.grad, ctx.core_for = logged_start, logged_grad, logged_core
+    try:
+        shard = U.shard_batch(make_batch(1, 32), layout)
+        U.causal_lm_loss(model, shard, layout).backward()
+    finally:
+        head_chunk_pipeline.start_all_to_all, torch.autograd.grad = start, grad
+        del ctx.core_for
+    layers = model.config.num_hidden_layers
+    assert launched[0] == all_to_alls(chunks, layers) and not in_flight, (launched, in_flight)
+    assert len(cores) == 2 * chunks * layers and len(core_backwards) == chunks * layers, (cores, core_backwards)
+    assert all(cores) and all(core_backwards), f"a core ran with no exchange in flight: {cores}, {core_backwards}"
+
+
 def world2_cases(sp2) -> dict:
     batch = make_batch(2, 24, packed=(15, 9))
     archs = {
         f"sp2_C2_{arch}": P(arch_chunked_or_refused, sp2, arch, kv, batch, arch not in EVAL_ONLY)
         for arch, kv in PARITY_ARCHS.items()
     }
-    return {**family_cases(sp2, "sp2", 8, 2, CHUNKS), **archs, **feature_cases(sp2, "sp2", (2, 4))}
+    return {
+        **family_cases(sp2, "sp2", 8, 2, CHUNKS),
+        **archs,
+        **feature_cases(sp2, "sp2", (2, 4)),
+        "sp2_C4_exchanges_overlap_cores": P(overlap, sp2),
+    }
 
 
 def world4_cases(sp4, dp2sp2, hybrid) -> dict:

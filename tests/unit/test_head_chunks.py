@@ -91,8 +91,12 @@ def test_choices_and_automatic_choice():
     assert head_chunk_choices(16, 2, 4) == [1, 2, 4]
     assert head_chunk_choices(4, 4, 4) == [1]
     kw = dict(tokens=16384, head_dim=64, element_size=4)
-    # one chunk's q/k/v after the exchange: (8/C/2 + 2 max(2/C/2, 1)) x 16384 x 64 x 4 bytes
-    assert choose_head_chunks(8, 2, 2, budget_bytes=1 << 30, **kw) == 1
-    assert choose_head_chunks(8, 2, 2, budget_bytes=(4 + 2) * 16384 * 64 * 4 - 1, **kw) == 2
-    assert choose_head_chunks(8, 2, 2, budget_bytes=1, **kw) == 4  # none fits: the smallest working set
-    assert choose_head_chunks(8, 2, 2, budget_bytes=1, requested=2, **kw) == 2
+    # q/k/v after the exchange of the chunks alive (min(C, 2)), x 16384 x 64 x 4 bytes: 16 heads, 4 kv heads over
+    # 2 ranks: C=1 (8 + 2 x 2) rows, C=2 2 x (4 + 2 x 1), C=4 2 x (2 + 2 x 1), C=8 2 x (1 + 2 x 1)
+    row = 16384 * 64 * 4
+    assert head_chunk_choices(16, 4, 2) == [1, 2, 4, 8]
+    assert choose_head_chunks(16, 4, 2, budget_bytes=12 * row, **kw) == 1
+    assert choose_head_chunks(16, 4, 2, budget_bytes=12 * row - 1, **kw) == 4  # C=2 holds as much as C=1
+    assert choose_head_chunks(16, 4, 2, budget_bytes=6 * row, **kw) == 8
+    assert choose_head_chunks(16, 4, 2, budget_bytes=1, **kw) == 8  # none fits: the smallest working set
+    assert choose_head_chunks(16, 4, 2, budget_bytes=1, requested=2, **kw) == 2
