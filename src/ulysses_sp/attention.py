@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,13 +33,49 @@ from .masks import DecoderMasks, left_padding_problem, mask_window
 from .ring import ring_attention, zigzag_order
 from .validation import IGNORE_INDEX, check_id_ranges, id_range, input_problem
 
-__all__ = ["RING_CORES", "UlyssesAttention", "check_ring_core", "ulysses_attention_forward"]
+__all__ = [
+    "INTERCEPT_ATTR",
+    "RING_CORES",
+    "AttentionCall",
+    "UlyssesAttention",
+    "check_ring_core",
+    "pad_qkv",
+    "ulysses_attention_forward",
+]
 
 MODULE_ATTR = "_ulysses_sp"
 _UNSET = object()
 # Core names a ring accepts: both compute exact attention, as the ring's block kernels do (sdpa: the device's
 # fused kernel, eager: the plain-PyTorch reference kernel; see ulysses_sp.ring_kernels).
 RING_CORES = ("sdpa", "eager")
+# An attribute a caller may set on an attention module (see ulysses_sp.head_chunks): a callable that receives the
+# module's attention call instead of Ulysses (to capture q/k/v, or to run a local reference attention).
+INTERCEPT_ATTR = "_ulysses_sp_intercept"
+
+
+@dataclass
+class AttentionCall:
+    """What one attention call needs besides q/k/v: its documents, window, scaling, softcap, dropout, the value
+    head dim (the output is sliced back to it) and the one width q, k and v travel at."""
+
+    segments: Segments
+    window: int | None
+    scaling: float | None
+    softcap: float | None
+    dropout: float
+    d_v: int
+    width: int
+
+
+def pad_qkv(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero-pad the last dim of q/k/v to ``width`` (MLA: v head dim != qk head dim); as is when it is already."""
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        return F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] != width else x
+
+    return pad(query), pad(key), pad(value)
 
 
 class UlyssesAttention:
@@ -196,7 +233,7 @@ class UlyssesAttention:
         )
 
     # ---------------------------------------------------------------------------------- every layer
-    def __call__(
+    def prepare(
         self,
         module: torch.nn.Module,
         query: torch.Tensor,
@@ -210,8 +247,8 @@ class UlyssesAttention:
         softcap: float | None = None,
         position_ids: torch.Tensor | None = None,
         **kwargs,
-    ) -> tuple[torch.Tensor, None]:
-        """q ``[b, H, n, d]``, k/v ``[b, Hkv, n, d]`` (local tokens) -> ``([b, n, H, d], None)``.
+    ) -> AttentionCall:
+        """Check one call of the attention function and work out what its core needs (see :meth:`__call__`).
 
         The window is the one the model's own mask gives this layer: ``attention_mask`` is what
         :func:`ulysses_mask` returned for it (None: causal, a :class:`SlidingWindowMask`: that window); any
@@ -239,24 +276,46 @@ class UlyssesAttention:
                 f"query length {query.shape[2]} != key length {key.shape[2]}: a KV cache is in use; call "
                 "ulysses_sp.unparallelize(model) (or use `with plain_attention(model):`) before generating"
             )
-        segments = self.segments_for(position_ids)
-        group, wire = self.layout.ulysses_group, self.comm_dtype
-        # MLA (DeepSeek-V2/V3) has a v head dim != the q/k head dim: zero-pad the narrower side to one width so
-        # q, k and v still travel in one all-to-all (zeros change no score and no output), slice it off after.
+        # MLA (DeepSeek-V2/V3) has a v head dim != the q/k head dim: the narrower side is zero-padded to one
+        # width (pad_qkv) so q, k and v still travel in one all-to-all (zeros change no score and no output).
         d_qk, d_v = query.shape[-1], value.shape[-1]
-        if d_v < d_qk:
-            value = F.pad(value, (0, d_qk - d_v))
-        elif d_v > d_qk:
-            scaling = scaling if scaling is not None else d_qk**-0.5
-            query, key = F.pad(query, (0, d_v - d_qk)), F.pad(key, (0, d_v - d_qk))
-        q, k, v = qkv_seq_to_heads(query, key, value, group, comm_dtype=wire, stats=self.stats)
-        # q [b, H/U, N/R, d]; k/v [b, hkv, N/R, d] (U = ulysses, R = ring; N/R = N without a ring)
+        if d_v > d_qk and scaling is None:
+            scaling = d_qk**-0.5
+        return AttentionCall(self.segments_for(position_ids), window, scaling, softcap, dropout, d_v, max(d_qk, d_v))
+
+    def core_for(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
+    ) -> torch.Tensor:  # [b, N/R, h, d_v]
+        """The local core (the ring's in a hybrid layout) on head-sharded q/k/v, the padding sliced off."""
         core = self.core if self.layout.ring == 1 else self._ring_core
         out = core(
-            q, k, v, segments, scaling=scaling, sliding_window=window, softcap=softcap, dropout=dropout
-        )  # [b, N/R, H/U, d]
-        if out.shape[-1] != d_v:
-            out = out[..., :d_v]  # [b, N/R, H/U, d_v]
+            q,
+            k,
+            v,
+            call.segments,
+            scaling=call.scaling,
+            sliding_window=call.window,
+            softcap=call.softcap,
+            dropout=call.dropout,
+        )  # [b, N/R, h, d]
+        return out[..., : call.d_v] if out.shape[-1] != call.d_v else out
+
+    def __call__(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        """q ``[b, H, n, d]``, k/v ``[b, Hkv, n, d]`` (local tokens) -> ``([b, n, H, d], None)``; the keyword
+        arguments are transformers' (dropout, scaling, sliding_window, softcap, position_ids, ...)."""
+        call = self.prepare(module, query, key, value, attention_mask, **kwargs)
+        group, wire = self.layout.ulysses_group, self.comm_dtype
+        q, k, v = qkv_seq_to_heads(*pad_qkv(query, key, value, call.width), group, comm_dtype=wire, stats=self.stats)
+        # q [b, H/U, N/R, d]; k/v [b, hkv, N/R, d] (U = ulysses, R = ring; N/R = N without a ring)
+        out = self.core_for(q, k, v, call)  # [b, N/R, H/U, d_v]
         # contiguous, as transformers' own attention functions return it (JetMoE .view()s it)
         return heads_to_seq(out, group, comm_dtype=wire, stats=self.stats).contiguous(), None  # [b, n, H, d_v]
 
@@ -295,4 +354,7 @@ def ulysses_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The function registered with ``transformers.AttentionInterface`` (same signature as ``sdpa``'s)."""
+    intercept = module.__dict__.get(INTERCEPT_ATTR)
+    if intercept is not None:
+        return intercept(module, query, key, value, attention_mask, **kwargs)
     return _context(module)(module, query, key, value, attention_mask, **kwargs)

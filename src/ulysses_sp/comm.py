@@ -12,6 +12,11 @@ Shapes: P = sp, N = full sequence, n = N / P local tokens, H / Hkv = query / key
 
 The backward of an all-to-all with equal splits is the same all-to-all applied to the gradient, so each
 exchange costs one collective forward and one backward.
+
+The buffer layouts of the two exchanges (and their adjoints, for a backward written by hand) are plain functions
+(``qkv_send_buffer`` ... ``out_send_grad``), and :func:`start_all_to_all` launches one exchange without waiting,
+so the head-chunked attention (:mod:`ulysses_sp.head_chunks`) can keep one chunk's exchange in flight while
+another chunk computes.
 """
 
 from __future__ import annotations
@@ -28,7 +33,16 @@ __all__ = [
     "all_reduce_sum",
     "all_to_all",
     "heads_to_seq",
+    "out_local",
+    "out_local_grad",
+    "out_send_buffer",
+    "out_send_grad",
+    "qkv_full",
+    "qkv_full_grad",
+    "qkv_send_buffer",
+    "qkv_send_grad",
     "qkv_seq_to_heads",
+    "start_all_to_all",
 ]
 
 
@@ -46,6 +60,7 @@ class CommStats:
 
     calls: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
+    wait_s: float = 0.0  # host seconds blocked on asynchronous exchanges (head chunks): the part not overlapped
 
     def record(self, op: str, tensor: torch.Tensor) -> None:
         self.calls[op] += 1
@@ -54,6 +69,7 @@ class CommStats:
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
+        self.wait_s = 0.0
 
 
 # ---------------------------------------------------------------------------------------------- all-to-all
@@ -88,6 +104,19 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStat
     return _AllToAll.apply(x, group, stats)
 
 
+def start_all_to_all(
+    send: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None = None
+) -> tuple[torch.Tensor, dist.Work | None]:
+    """Launch the all-to-all of ``send [P, ...]`` without waiting: ``(recv, work)``; ``recv`` is valid after
+    ``work.wait()``. Not differentiable (the head-chunked attention writes its backward by hand)."""
+    send = send.contiguous()
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    if stats is not None:
+        stats.record("all_to_all", send)
+    return recv, work
+
+
 def _kv_send(x: torch.Tensor, sp: int) -> torch.Tensor:
     # x: [b, Hkv, n, d] -> [P, b, hkv, n, d]: the kv heads that rank j's query heads read.
     b, hkv_total, n, d = x.shape
@@ -97,6 +126,70 @@ def _kv_send(x: torch.Tensor, sp: int) -> torch.Tensor:
     # (index_select's backward sums the gradients that come back).
     index = torch.arange(sp, device=x.device) // (sp // hkv_total)
     return x.index_select(1, index).unsqueeze(2).transpose(0, 1)
+
+
+def _kv_send_grad(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    # The adjoint of _kv_send: [P, b, hkv, n, d] -> [b, Hkv, n, d], summing the copies sent to several ranks.
+    sp, b, hkv, n, d = grad.shape
+    if num_kv_heads >= sp:
+        return grad.transpose(0, 1).reshape(b, num_kv_heads, n, d)
+    copies = sp // num_kv_heads  # ranks that read one kv head
+    return grad.reshape(num_kv_heads, copies, b, n, d).sum(1).transpose(0, 1)
+
+
+def qkv_send_buffer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: int) -> torch.Tensor:
+    """q ``[b, H, n, d]``, k/v ``[b, Hkv, n, d]`` -> the send buffer ``[P, b, H/P + 2 hkv, n, d]`` (row j to rank j)."""
+    b, num_heads, n, d = q.shape
+    q_send = q.reshape(b, sp, num_heads // sp, n, d).transpose(0, 1)  # [P, b, H/P, n, d]
+    return torch.cat([q_send, _kv_send(k, sp), _kv_send(v, sp)], dim=2)
+
+
+def qkv_send_grad(
+    grad: torch.Tensor, num_heads: int, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The adjoint of :func:`qkv_send_buffer`: the send buffer's gradient -> the gradients of q, k, v."""
+    sp, b, _, n, d = grad.shape
+    heads_q = num_heads // sp
+    hkv = (grad.shape[2] - heads_q) // 2
+    dq, dk, dv = grad.split([heads_q, hkv, hkv], dim=2)
+    dq = dq.transpose(0, 1).reshape(b, num_heads, n, d)
+    return dq, _kv_send_grad(dk, num_kv_heads), _kv_send_grad(dv, num_kv_heads)
+
+
+def qkv_full(recv: torch.Tensor) -> torch.Tensor:
+    """The received buffer ``[P (src shard), b, h, n, d]`` -> ``[b, h, N, d]`` (a copy, in sequence order)."""
+    sp, b, heads, n, d = recv.shape
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, heads, sp * n, d)
+
+
+def qkv_full_grad(grad: torch.Tensor, sp: int) -> torch.Tensor:
+    """The adjoint of :func:`qkv_full`: ``[b, h, N, d]`` -> ``[P, b, h, n, d]`` (contiguous)."""
+    b, heads, seq_len, d = grad.shape
+    return grad.reshape(b, heads, sp, seq_len // sp, d).permute(2, 0, 1, 3, 4).contiguous()
+
+
+def out_send_buffer(out: torch.Tensor, sp: int) -> torch.Tensor:
+    """The core's output ``[b, N, h, d]`` -> the send buffer ``[P (dst shard), b, n, h, d]`` (a view)."""
+    b, seq_len, heads, d = out.shape
+    return out.reshape(b, sp, seq_len // sp, heads, d).transpose(0, 1)
+
+
+def out_send_grad(grad: torch.Tensor) -> torch.Tensor:
+    """The adjoint of :func:`out_send_buffer`: ``[P, b, n, h, d]`` -> ``[b, N, h, d]``."""
+    sp, b, n, heads, d = grad.shape
+    return grad.transpose(0, 1).reshape(b, sp * n, heads, d)
+
+
+def out_local(recv: torch.Tensor) -> torch.Tensor:
+    """The received output ``[P (src heads), b, n, h, d]`` -> ``[b, n, P h, d]`` (this rank's tokens, all heads)."""
+    sp, b, n, heads, d = recv.shape
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, n, sp * heads, d)
+
+
+def out_local_grad(grad: torch.Tensor, sp: int) -> torch.Tensor:
+    """The adjoint of :func:`out_local`: ``[b, n, P h, d]`` -> ``[P, b, n, h, d]`` (contiguous)."""
+    b, n, heads, d = grad.shape
+    return grad.reshape(b, n, sp, heads // sp, d).permute(2, 0, 1, 3, 4).contiguous()
 
 
 def qkv_seq_to_heads(
@@ -116,18 +209,14 @@ def qkv_seq_to_heads(
     sp = _group_size(group)
     if sp == 1:
         return q, k, v
-    b, num_heads, n, d = q.shape
-    heads_q = num_heads // sp
-    q_send = q.reshape(b, sp, heads_q, n, d).transpose(0, 1)  # [P, b, H/P, n, d]
-    k_send, v_send = _kv_send(k, sp), _kv_send(v, sp)  # [P, b, hkv, n, d]
-    hkv = k_send.shape[2]
-    send = torch.cat([q_send, k_send, v_send], dim=2)  # [P, b, H/P + 2 hkv, n, d]
+    send = qkv_send_buffer(q, k, v, sp)  # [P, b, H/P + 2 hkv, n, d]
+    heads_q, hkv = q.shape[1] // sp, (send.shape[2] - q.shape[1] // sp) // 2
     dtype = send.dtype
     if comm_dtype is not None:
         send = send.to(comm_dtype)
     recv = all_to_all(send, group, stats).to(dtype)  # [P(src shard), b, H/P + 2 hkv, n, d]
     del send  # freed before the reshape's copy: at most two payload-sized buffers at once
-    full = recv.permute(1, 2, 0, 3, 4).reshape(b, heads_q + 2 * hkv, sp * n, d)  # [b, h, N, d]
+    full = qkv_full(recv)  # [b, h, N, d]
     # split (not slicing): its backward concatenates the three gradients instead of zero-filling three
     # buffers of the full size and adding them.
     q_full, k_full, v_full = full.split([heads_q, hkv, hkv], dim=1)
@@ -145,15 +234,13 @@ def heads_to_seq(
     sp = _group_size(group)
     if sp == 1:
         return out
-    b, seq_len, heads_local, d = out.shape
-    n = seq_len // sp
-    send = out.reshape(b, sp, n, heads_local, d).transpose(0, 1)  # [P(dst shard), b, n, H/P, d]
+    send = out_send_buffer(out, sp)  # [P(dst shard), b, n, H/P, d]
     dtype = send.dtype
     if comm_dtype is not None:
         send = send.to(comm_dtype)
     recv = all_to_all(send, group, stats).to(dtype)  # [P(src heads), b, n, H/P, d]
     del send
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, n, sp * heads_local, d)
+    return out_local(recv)
 
 
 # ---------------------------------------------------------------------------------------------- reductions

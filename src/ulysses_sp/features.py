@@ -62,6 +62,12 @@ class Features:
         "'auto' = offload on GPU, checkpoint on CPU.",
         choices=CHECKPOINT_MODES,
     )
+    head_chunks: int | None = option(
+        None,
+        help="Run each attention layer's heads in this many chunks (exchange, core and backward one or two chunks "
+        "at a time, exchanges overlapped with the other chunk's compute); 'none' or 0 = automatic (chunks where "
+        "one chunk's q/k/v after the exchange would exceed 1 GiB per rank), 1 = never.",
+    )
     cpu_offload_optimizer: bool = option(
         False,
         help="FSDP2 only, on GPU: keep the sharded parameters, gradients and optimizer states in CPU memory "
@@ -86,6 +92,10 @@ class Features:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value!r}")
+        if self.head_chunks is not None and (
+            isinstance(self.head_chunks, bool) or not isinstance(self.head_chunks, int) or self.head_chunks < 0
+        ):
+            raise ValueError(f"--head-chunks must be >= 0 (0 / none: automatic), got {self.head_chunks!r}")
         if self.cpu_offload_optimizer and self.parallel != "fsdp2":
             raise ValueError("--cpu-offload-optimizer needs --parallel fsdp2 (DDP keeps full states on every GPU)")
 
@@ -138,6 +148,7 @@ class Features:
             [
                 "tiled loss" if self.tiled_loss else "plain loss",
                 "tiled MLP" if self.tiled_mlp else "plain MLP",
+                f"head chunks {self.head_chunks or 'auto'}",
                 f"activation checkpointing {self.activation_checkpointing}",
                 "optimizer on CPU" if self.cpu_offload_optimizer else "optimizer on GPU",
                 self.parallel.upper(),

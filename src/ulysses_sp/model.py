@@ -36,6 +36,8 @@ from .attention import (
 )
 from .comm import CommStats
 from .cores import CORES, Core, get_core
+from .head_chunks import head_chunk_targets, install_head_chunks, remove_head_chunks
+from .head_split import DEFAULT_HEAD_CHUNK_BUDGET_BYTES
 from .hf import attention_modules, decoder_module, find_pretrained, head_counts
 from .layout import ParallelLayout
 from .masks import read_decoder_masks, ulysses_mask
@@ -272,6 +274,8 @@ def parallelize(
     core: str | Core = "sdpa",
     comm_dtype: torch.dtype | None = None,
     stats: CommStats | None = None,
+    head_chunks: int | None = None,
+    head_chunk_budget_bytes: int = DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
 ) -> torch.nn.Module:
     """Make ``model`` run Ulysses sequence-parallel attention over ``layout.sp`` ranks (in place).
 
@@ -286,9 +290,12 @@ def parallelize(
             for full-precision exchanges of bf16 activations).
         stats: a :class:`CommStats` to count collectives and bytes into (one is made if omitted;
             reach it as ``ulysses_context(model).stats``).
+        head_chunks: run each attention layer's heads in this many chunks, one or two at a time (see
+            :mod:`ulysses_sp.head_chunks`); None or 0: automatic (chunks only where one chunk's q/k/v after the
+            exchange would exceed ``head_chunk_budget_bytes`` per rank); 1: never.
 
     Returns the same model. Raises ValueError before any training if the heads do not split over
-    ``layout.sp`` or the core is unknown.
+    ``layout.sp``, the core is unknown, or ``head_chunks`` > 1 does not split the heads or an attention module.
     """
     pretrained = find_pretrained(model)
     if layout.is_view:
@@ -325,6 +332,7 @@ def parallelize(
             f"{type(pretrained).__name__} uses attention sinks, which Ulysses does not support yet (the sink "
             "logits would be silently dropped)"
         )
+    chunked = head_chunk_targets(modules, num_heads, num_kv_heads or num_heads, layout.ulysses, head_chunks)
     decoder = decoder_module(pretrained, modules)
     embeddings = pretrained.get_input_embeddings()
     vocab_size = getattr(embeddings, "num_embeddings", None) or getattr(text_config, "vocab_size", None)
@@ -346,6 +354,10 @@ def parallelize(
     pretrained.set_attn_implementation(name)
     for module in modules:
         object.__setattr__(module, MODULE_ATTR, ctx)
+    chunk_options = dict(num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads, requested=head_chunks)
+    install_head_chunks(
+        chunked, ctx, pretrained=pretrained, impl_name=name, budget_bytes=head_chunk_budget_bytes, **chunk_options
+    )
 
     begin = _BeginForward(pretrained, ctx, name)
     dropout = _DropoutStream(ctx, begin)
@@ -378,6 +390,7 @@ def unparallelize(model: torch.nn.Module) -> torch.nn.Module:
         return model
     for hook in state.hooks:
         hook.remove()
+    remove_head_chunks(state.modules)
     for module in state.modules:
         if MODULE_ATTR in module.__dict__:
             object.__delattr__(module, MODULE_ATTR)

@@ -50,6 +50,8 @@ SHAPES: dict[str, dict[str, Any]] = {
     "llama-1b": _llama(2048, 8192, 16, 32, 8, **_DEMO),
     # CPU benchmark Llamas (GQA: 2 query heads per kv head), sized for a 2-core machine.
     "llama-bench-tiny": _llama(64, 128, 2, 4, 2, head_dim=16, vocab_size=512, **_BENCH),
+    # The head-chunk benchmark: attention-heavy, 16 heads so that C = 4 chunks split over 4 ranks.
+    "llama-bench-heads": _llama(256, 512, 2, 16, 4, head_dim=16, vocab_size=512, **_BENCH),
     "llama-bench-small": _llama(256, 688, 4, 8, 4, head_dim=32, vocab_size=4096, **_BENCH),
     # Qwen/Qwen3-4B config.json: about 4.02B parameters, tied embeddings, q/k RMSNorm per head.
     "qwen3-4b": dict(

@@ -81,7 +81,7 @@ def sharded_step_peak(
     compute = features.torch_dtype(device.type)
     model = random_model(config, device="meta")
     model.config.use_cache = False
-    parallelize(model, layout, core=core)
+    parallelize(model, layout, core=core, head_chunks=features.head_chunks)
     apply_features(model, features, device.type)
     offload = features.cpu_offload_optimizer and device.type == "cuda"
     fully_shard_layers(model, device, layout.world_size, compute_dtype=compute, offload_to_cpu=offload, mesh=mesh)

@@ -22,8 +22,8 @@ from tests.helpers.models import _common, make_batch
 from ulysses_sp.offload import offload_store
 
 
-def build_model(arch: str, tied: bool, seed: int = 0):
-    config = {**_common(4, 2), "tie_word_embeddings": tied, "attn_implementation": "sdpa"}
+def build_model(arch: str, tied: bool, seed: int = 0, heads: int = 4):
+    config = {**_common(heads, 2), "tie_word_embeddings": tied, "attn_implementation": "sdpa"}
     torch.manual_seed(seed)
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**config)).float()
@@ -60,12 +60,15 @@ def check_features(
     chunk=5,
     after_wrap=False,
     tiled_loss=False,
+    heads=4,
+    head_chunks=None,
 ):
+    """``heads`` query heads (2 kv heads); ``head_chunks``: parallelize's (None: its default)."""
     batch = batch if batch is not None else make_batch(2, 24, packed=(10, 14))
-    model = build_model(arch, tied)
+    model = build_model(arch, tied, heads=heads)
     ref_loss, ref_grads = reference(model, batch)
 
-    par = U.parallelize(copy.deepcopy(model), layout)
+    par = U.parallelize(copy.deepcopy(model), layout, head_chunks=head_chunks)
     wrapped = wrap(par, wrapper) if after_wrap else None
     if tiled:
         U.enable_tiled_mlp(par, chunk_tokens=chunk)  # 12 tokens per rank: chunks of 5, 5 and 2

@@ -253,3 +253,30 @@ def test_a_ring_across_nodes():
     assert plan.phases["backward: last layer's attention"]["ring_buffers"] > 0
     one_node = plan_memory(shape, seq_len=n, sp=8, gpus_per_node=8, features=Features(cpu_offload_optimizer=True))
     assert one_node.ring == 1 and one_node.comm_bytes_per_layer["ring_p2p"] == 0
+
+
+def test_head_chunks_shrink_the_attention_terms_and_c_is_the_runtime_choice():
+    """With the heads in chunks the attention saves nothing between forward and backward and its working sets are
+    those of 2 chunks (the one computing, the one in flight); C=2 holds as much as C=1, C=4 less. Automatic C is
+    the one the attention chooses at run time (ulysses_sp.head_split.choose_head_chunks)."""
+    from ulysses_sp.head_split import choose_head_chunks
+
+    shape = LlamaConfig(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
+        head_dim=128, vocab_size=1024, tie_word_embeddings=False,
+    )  # fmt: skip
+    plans = {
+        c: plan_memory(shape, seq_len=4096, sp=2, features=Features(head_chunks=c), device="cpu") for c in (1, 2, 4)
+    }
+    attention = {c: {name: phase.get("attention", 0) for name, phase in p.phases.items()} for c, p in plans.items()}
+    mlp_phase = "backward: last layer's MLP"
+    assert attention[1][mlp_phase] > 0 and attention[4][mlp_phase] == attention[2][mlp_phase] == 0
+    for phase in ("recompute: last layer's attention", "backward: last layer's attention"):
+        assert attention[4][phase] < attention[1][phase] <= attention[2][phase] * 1.01, (phase, attention)
+    assert [p.head_chunks for p in plans.values()] == [1, 2, 4]
+    # the CPU-measured peak of C=4 (plan --simulate, this shape, 4096 tokens, sp 2, fp32): 220,274,309 bytes
+    assert abs(plans[4].peak_bytes / 220_274_309 - 1) < 0.05, plans[4].peak_bytes
+    auto = plan_memory(shape, seq_len=1 << 20, sp=2, features=Features(), device="cpu")
+    tokens = auto.tokens_per_rank * 2
+    assert auto.head_chunks == choose_head_chunks(16, 4, 2, tokens=tokens, head_dim=128, element_size=4) > 1
+    assert plan_memory(shape, seq_len=4096, sp=2, features=Features(), device="cpu").head_chunks == 1

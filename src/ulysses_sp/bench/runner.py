@@ -9,7 +9,8 @@ Sections (each measured in this run; ratios are taken against a baseline measure
 3. train-step time of ulysses-sp against DeepSpeed's ``UlyssesSPAttentionHF`` and ulysses-sp's ring in the
    same world, and the loss/gradient agreement of each with one process (and of ulysses-sp with DeepSpeed);
 4. step time with SP against no SP (dp over the same ranks) at the same tokens per rank;
-5. GPU mode (only with CUDA): see :mod:`ulysses_sp.bench.gpu`.
+5. GPU mode (only with CUDA): see :mod:`ulysses_sp.bench.gpu`;
+6. step time with the attention heads in 4 chunks over 1 (:mod:`ulysses_sp.bench.headchunks`).
 """
 
 from __future__ import annotations
@@ -143,6 +144,29 @@ def _world_section(config: BenchConfig, log) -> dict[str, Any]:
     return worlds
 
 
+def _head_chunk_section(config: BenchConfig, log) -> dict[str, Any]:
+    """Step time with the heads in 4 chunks over 1, per world (:mod:`ulysses_sp.bench.headchunks`)."""
+    from .headchunks import variant_name
+    from .world import run_world
+
+    worlds = {}
+    for world in config.worlds:
+        params = {"seq_len": config.seq_len, "reps": config.reps_for(world), "warmup": 1}
+        start = time.monotonic()
+        result = run_world(world, "ulysses_sp.bench.headchunks:worker", params)[0]
+        times = result["step_times_s"]
+        result["ratios"] = {
+            label: _ratios(times[variant_name(4, checkpointed)], times[variant_name(1, checkpointed)])
+            for label, checkpointed in (("C=4 / C=1", False), ("C=4 / C=1, checkpointed layers", True))
+        }
+        worlds[str(world)] = result
+        log(
+            f"head chunks, world {world}: done in {time.monotonic() - start:.0f} s; "
+            + ", ".join(f"{k} {v['median']:.3f}" for k, v in result["ratios"].items())
+        )
+    return worlds
+
+
 def _comm_table(config: BenchConfig, worlds: dict[str, Any]) -> list[dict[str, Any]]:
     from ulysses_sp.shapes import SHAPES
     from ulysses_sp.traffic import ring_p2p_per_layer, ulysses_bytes_per_layer
@@ -224,6 +248,7 @@ def run_bench(config: BenchConfig, log=print, command: str = "ulysses-sp bench")
     results["memory"] = _memory_section(config, log)
     results["worlds"] = _world_section(config, log)
     results["comm"] = _comm_table(config, results["worlds"])
+    results["head_chunks"] = _head_chunk_section(config, log)
     results["gpu"] = run_gpu(log=log) if config.gpu == "auto" else {"skipped": "--gpu off"}
     results["wall_s"] = time.monotonic() - started
     results["environment"]["load_average_end"] = _load_average()

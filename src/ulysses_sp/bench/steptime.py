@@ -42,14 +42,14 @@ from .collectives import CollectiveCounter
 from .deepspeed_ref import DeepSpeedUlysses, deepspeed_available
 from .runner import bench_model
 
-__all__ = ["RING", "worker"]
+__all__ = ["RING", "Variant", "time_interleaved", "worker"]
 
 RING = "ulysses-sp ring"  # the variant running ulysses-sp's ring attention (ring degree = world)
 _SP_VARIANTS = ("ulysses-sp", "deepspeed", RING)
 
 
 @dataclass
-class _Variant:
+class Variant:
     model: nn.Module
     layout: ParallelLayout
     shard: dict[str, torch.Tensor]
@@ -92,13 +92,31 @@ def _agreement(loss_a, grads_a, loss_b, grads_b) -> dict[str, float]:
     }
 
 
-def _count(variant: _Variant) -> dict[str, dict[str, int]]:
+def _count(variant: Variant) -> dict[str, dict[str, int]]:
     variant.model.zero_grad(set_to_none=True)
     with CollectiveCounter() as counter, variant.active():
         loss = causal_lm_loss(variant.model, variant.shard, variant.layout)
         loss.backward()
     variant.model.zero_grad(set_to_none=True)
     return {"calls": dict(counter.calls), "bytes": dict(counter.bytes)}
+
+
+def time_interleaved(variants: dict[str, Variant], reps: int, warmup: int) -> dict[str, list[float]]:
+    """Train-step times of every variant: each once per repetition, in a rotating order, between barriers (the
+    first ``warmup`` repetitions untimed); ``{name: [seconds per repetition]}``."""
+    names = list(variants)
+    for variant in variants.values():
+        variant.optimizer = torch.optim.AdamW(variant.model.parameters(), lr=1e-4)
+    for rep in range(warmup + reps):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()
+            start = time.perf_counter()
+            variants[name].train_step()
+            dist.barrier()
+            if rep >= warmup:
+                variants[name].times.append(time.perf_counter() - start)
+    return {name: v.times for name, v in variants.items()}
 
 
 def worker(params: dict[str, Any]) -> dict[str, Any]:
@@ -115,23 +133,23 @@ def worker(params: dict[str, Any]) -> dict[str, Any]:
     def fresh() -> nn.Module:
         return bench_model(params["model"], seq_len, seed=0)
 
-    variants: dict[str, _Variant] = {}
+    variants: dict[str, Variant] = {}
     model = parallelize(fresh(), sp_layout)
-    variants["ulysses-sp"] = _Variant(model, sp_layout, shard_batch(batch, sp_layout))
+    variants["ulysses-sp"] = Variant(model, sp_layout, shard_batch(batch, sp_layout))
     ds_error = None
     if params.get("deepspeed", True) and deepspeed_available():
         model = fresh()
         try:
             ds = DeepSpeedUlysses(model, sp=world, seq_len=seq_len)
-            variants["deepspeed"] = _Variant(model, sp_layout, shard_batch(batch, sp_layout), active=ds.active)
+            variants["deepspeed"] = Variant(model, sp_layout, shard_batch(batch, sp_layout), active=ds.active)
         except Exception as error:  # recorded in the report, with the exact message
             ds_error = f"{type(error).__name__}: {error}"
     # The ring core of ulysses-sp over the same ranks (pure ring: ulysses 1 x ring P, zigzag shards).
     ring_layout = ParallelLayout.from_env(sp=world, ring=world)
     ring_model = parallelize(fresh(), ring_layout)
-    variants[RING] = _Variant(ring_model, ring_layout, shard_batch(batch, ring_layout))
+    variants[RING] = Variant(ring_model, ring_layout, shard_batch(batch, ring_layout))
     own_rows = random_batch(shape["vocab_size"], seq_len // world, seed=100 + rank)
-    variants["no-sp"] = _Variant(fresh(), dp_layout, shard_batch(own_rows, dp_layout))
+    variants["no-sp"] = Variant(fresh(), dp_layout, shard_batch(own_rows, dp_layout))
 
     out: dict[str, Any] = {"world": world, "seq_len": seq_len, "model": params["model"], "deepspeed_error": ds_error}
 
@@ -140,7 +158,7 @@ def worker(params: dict[str, Any]) -> dict[str, Any]:
     reference = None
     if rank == 0:
         ref_model, single = fresh(), ParallelLayout.single()
-        reference = _Variant(ref_model, single, shard_batch(batch, single)).loss_and_grads()
+        reference = Variant(ref_model, single, shard_batch(batch, single)).loss_and_grads()
     agreement = {}
     for name, (loss, grads) in results.items():
         if reference is not None:
@@ -157,20 +175,6 @@ def worker(params: dict[str, Any]) -> dict[str, Any]:
     # This rank's activation memory, to check the one-process stand-in measurement against.
     out["rank_memory"] = measure_step(variants["ulysses-sp"].model, shard_batch(batch, sp_layout), sp_layout)
 
-    # Interleaved timing.
-    reps, warmup = params.get("reps", 5), params.get("warmup", 1)
-    names = list(variants)
-    for variant in variants.values():
-        variant.optimizer = torch.optim.AdamW(variant.model.parameters(), lr=1e-4)
-    for rep in range(warmup + reps):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
-            dist.barrier()
-            start = time.perf_counter()
-            variants[name].train_step()
-            dist.barrier()
-            if rep >= warmup:
-                variants[name].times.append(time.perf_counter() - start)
-    out["step_times_s"] = {name: v.times for name, v in variants.items()}
+    out["step_times_s"] = time_interleaved(variants, params.get("reps", 5), params.get("warmup", 1))
     out["tokens_per_rank"] = seq_len // world
     return out

@@ -83,6 +83,8 @@ class SequenceParallelConfig:
         ring: ring degree inside ``sp_size`` (hybrid Ulysses x Ring); default: chosen from the model's heads.
         tiled_loss: compute the loss with the tiled lm_head + cross-entropy when the loss function is called as
             ``loss_fn(model, batch)`` (default True).
+        head_chunks: run each attention layer's heads in this many chunks (``parallelize(head_chunks=)``);
+            default None: automatic, as ``ulysses-sp train``.
     """
 
     sp_size: int
@@ -91,6 +93,7 @@ class SequenceParallelConfig:
     comm_dtype: torch.dtype | None = field(default=None)
     tiled_loss: bool = True
     ring: int | None = None
+    head_chunks: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sp_size, int) or isinstance(self.sp_size, bool) or self.sp_size < 1:
@@ -107,7 +110,7 @@ class SequenceParallelConfig:
         """
         layout = layout_for_model(model, self.sp_size, accelerator.device, ring=self.ring)
         check_world_size(accelerator.num_processes, layout, "on a CPU-only machine create Accelerator(cpu=True)")
-        parallelize(model, layout, core=self.core, comm_dtype=self.comm_dtype)
+        parallelize(model, layout, core=self.core, comm_dtype=self.comm_dtype, head_chunks=self.head_chunks)
         apply_features(model, _loss_only(self.tiled_loss), layout.device.type)
         objects = tuple(self._shard_loader(obj, layout) if isinstance(obj, DataLoader) else obj for obj in objects)
         from accelerate.utils import model_has_dtensor

@@ -86,6 +86,8 @@ class UlyssesTrainerMixin:
             split over ``sp_size``, else the smallest ring that makes them split.
         sp_tiled_loss: compute the loss with the tiled lm_head + cross-entropy (default: on, except under TRL's
             SFTTrainer, whose own fused LM head already never builds the logits).
+        sp_head_chunks: run each attention layer's heads in this many chunks (``parallelize(head_chunks=)``);
+            default None: automatic, as ``ulysses-sp train``.
 
     Attributes set: ``sp_layout`` (the :class:`~ulysses_sp.ParallelLayout`).
     """
@@ -99,6 +101,7 @@ class UlyssesTrainerMixin:
         sp_core: str | None = None,
         sp_tiled_loss: bool | None = None,
         sp_ring: int | None = None,
+        sp_head_chunks: int | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
@@ -110,7 +113,7 @@ class UlyssesTrainerMixin:
         check_world_size(
             self.args.world_size, self.sp_layout, "on a CPU-only machine pass TrainingArguments(use_cpu=True)"
         )
-        parallelize(self.model, self.sp_layout, core=core)
+        parallelize(self.model, self.sp_layout, core=core, head_chunks=sp_head_chunks)
         tiled = self.sp_tiled_loss_default if sp_tiled_loss is None else sp_tiled_loss
         apply_features(self.model, loss_only_features(tiled), self.sp_layout.device.type)
         self.data_collator = SequenceParallelCollator(

@@ -27,6 +27,7 @@ from ..ring import ring_bytes_per_layer
 from ..tiled_loss import chunk_bytes_per_logit, loss_chunk_tokens
 from ..tiling import default_chunk_tokens
 from ..traffic import ulysses_bytes_per_layer
+from .attention import attention_terms, planned_head_chunks
 from .shape import ModelShape, model_shape
 from .units import GiB
 
@@ -89,6 +90,7 @@ class MemoryPlan:
     all_to_all: int = 0
     ring_buffers: int = 0
     rope: int = 0
+    head_chunks: int = 1  # C, as the attention chooses it (:func:`ulysses_sp.plan.attention.planned_head_chunks`)
     comm_bytes_per_layer: dict[str, int] = field(default_factory=dict)
     gpu_memory_bytes: int = 0
     usable_bytes: int = 0
@@ -128,6 +130,7 @@ class MemoryPlan:
             "micro_batch": self.micro_batch,
             "tokens_per_rank": self.tokens_per_rank,
             "features": asdict(self.features),
+            "head_chunks": self.head_chunks,
             "phase": self.phase,
             "breakdown_bytes": self.breakdown(),
             "comm_bytes_per_layer": self.comm_bytes_per_layer,
@@ -204,10 +207,6 @@ def _terms(
     # Backward runs the layer in reverse: MLP, post-attention norm, o_proj, attention, q/k/v, input norm;
     # what each part saved is freed once its backward is done, so the MLP side and the attention side
     # peak at different moments.
-    # After the exchange a rank holds H/U query heads and hkv = max(Hkv/U, 1) kv heads over N/R tokens
-    # (U = ulysses, R = ring), i.e. per local token H query and hkv x U kv head-rows.
-    kv_rows = max(kv_heads // ulysses, 1) * ulysses
-    qkv_width = (heads + 2 * kv_rows) * d
     # RMSNorm saves its fp32 input (an upcast copy under bf16), the normalised tensor cast back and its
     # output (saved by the projections after it). Input norm: under fp32 its input IS the layer input
     # (counted with the layer input), hence u; post-attention norm: the residual sum, always 4 bytes.
@@ -215,28 +214,12 @@ def _terms(
     if shape.qk_norm:  # per-head q/k norms: fp32 input + normalised copy (their output feeds RoPE, not saved)
         norm_in += (4 + c) * (heads + kv_heads) * d
     norm_post = (4 + 2 * c) * h
-    # Attention over the FULL sequence for H/U heads (flash / cuDNN / CPU-flash sdpa: no N^2): sdpa saves
-    # q/k/v after the exchange ([H/U + 2 hkv, N/R, d] = qkv_width per local token), its output and the fp32
-    # log-sum-exp; o_proj saves the output made contiguous again.
-    q_width, kv_width = heads * d, 2 * kv_rows * d  # per local token, after the exchange
-    attention_saved = c * qkv_width + c * q_width + 4 * heads
-    o_proj_input = c * q_width
-    # Backward of the core: the output's gradient and q/k/v's gradients.
-    attention_backward = c * q_width + c * qkv_width
-    # The exchanges (ulysses > 1), measured moment by moment: forward, q/k/v's receive buffer next to their
-    # rearranged copy (the send buffer is freed first), then the output's send and receive buffers next to the
-    # core's output; backward, the gradients' concatenation, its contiguous copy and the receive buffer.
-    local_qkv = c * (heads + 2 * kv_heads) * d  # the projections' outputs, alive through the forward exchange
-    exchange = ulysses > 1
-    forward_exchange = max(2 * c * qkv_width, c * qkv_width + 3 * c * q_width) if exchange else c * q_width
-    all_to_all = 3 * c * qkv_width if exchange else 0  # the backward exchange's three buffers
-    if ring > 1:  # the ring's forward: fp32 output and lse accumulators, the k/v block and the one arriving
-        kernel = 4 if device == "cpu" else c
-        forward_exchange = max(
-            forward_exchange,
-            (c * qkv_width if exchange else 0) + 4 * q_width + 4 * heads + 2 * c * kv_width + kernel * q_width,
-        )
-    ring_backward = _ring_backward(q_width, kv_width, c, device, ring) if ring > 1 else 0  # mid-ring
+    # The attention block and its exchanges (:mod:`ulysses_sp.plan.attention`), its heads in C chunks.
+    chunks = planned_head_chunks(
+        features.head_chunks, heads, kv_heads, ulysses, tokens=t * ulysses, head_dim=d, element_size=c
+    )
+    attn = attention_terms(heads, kv_heads, d, h, ulysses=ulysses, ring=ring, c=c, device=device, chunks=chunks)
+    attention_saved, o_proj_input, exchange = attn.saved, attn.o_proj_input, ulysses > 1
     # Gated MLP down(silu(gate(x)) * up(x)): saves gate, silu(gate), up and their product ([t, I] each);
     # its backward adds two more [t, I] gradients. Tiled: only the current chunk's, recomputed.
     mlp_chunk = min(features.mlp_chunk_tokens or default_chunk_tokens(h), t)
@@ -300,14 +283,14 @@ def _terms(
             **base,
             "gradients": head_grad,
             "layer_activations": others + own_input + norm_in * t,
-            "attention": (local_qkv + forward_exchange) * t,
+            "attention": attn.forward * t,
         },
         "backward: last layer's attention": {
             **base,
             "gradients": head_grad + layer_grads,
             "layer_activations": others + own_input + (norm_in + grad_stream) * t,
-            "attention": (attention_saved + (0 if ring > 1 else attention_backward)) * t,
-            "ring_buffers": ring_backward * t,  # the ring's backward instead of the core's
+            "attention": (attention_saved + (0 if ring > 1 else attn.backward)) * t,
+            "ring_buffers": attn.ring_backward * t,  # the ring's backward instead of the core's
         },
         **(
             {
@@ -315,7 +298,7 @@ def _terms(
                     **base,
                     "gradients": head_grad + layer_grads,
                     "layer_activations": others + own_input + (norm_in + grad_stream) * t,
-                    "all_to_all": all_to_all * t,
+                    "all_to_all": attn.exchange * t,
                 }
             }
             if exchange
@@ -342,22 +325,6 @@ def _comm_bytes(
         batch=batch, kv_heads=kv_heads, block_len=seq_len // ring, head_dim=shape.head_dim, ring=ring, element_size=c
     )
     return {"all_to_all": all_to_all, "ring_p2p": forward + backward}
-
-
-def _ring_backward(q_width: int, kv_width: int, c: int, device: str, ring: int) -> int:
-    """Bytes per local token the ring's backward holds besides the attention's saved tensors (:mod:`ulysses_sp.ring`):
-    the output's gradient and the fp32 dq accumulator; at the first step (the diagonal block) this step's fp32
-    k/v-gradient share, the k/v block and the one arriving, and the kernel's gradients of the whole block; at a
-    later step three fp32 k/v-gradient blocks (this step's share, the one travelling, the one arriving), one k/v
-    block (two before the last step) and the gradients of a half-visible block. Where the kernel computes in
-    fp32 but the step runs in bf16 (the CPU kernel), its fp32 copies of q, the output, its gradient and the k/v
-    block too."""
-    kernel = 4 if device == "cpu" else c
-    casts = kernel * (3 * q_width + kv_width) if kernel != c else 0
-    first = 4 * kv_width + 2 * c * kv_width + kernel * (q_width + kv_width)
-    half_block = kernel * max(q_width + kv_width // 2, q_width // 2 + kv_width)
-    later = 3 * 4 * kv_width + (2 if ring > 2 else 1) * c * kv_width + half_block
-    return c * q_width + 4 * q_width + casts + max(first, later)
 
 
 def plan_memory(
@@ -424,6 +391,15 @@ def plan_memory(
         layout_reason=reason,
         micro_batch=micro_batch,
         tokens_per_rank=tokens,
+        head_chunks=planned_head_chunks(
+            features.head_chunks,
+            shape.num_heads,
+            shape.num_kv_heads,
+            ulysses,
+            tokens=tokens * ulysses,
+            head_dim=shape.head_dim,
+            element_size=2 if features.dtype == "bf16" else 4,
+        ),
         comm_bytes_per_layer=_comm_bytes(shape, tokens * sp // micro_batch, micro_batch, ulysses, ring, features),
         features=features,
         phase=phase,

@@ -155,7 +155,7 @@ def _full_model(config: TrainConfig, hf_config: Any, source: str | None) -> nn.M
 def _prepare(model: nn.Module, config: TrainConfig, layout: ParallelLayout) -> None:
     """Ulysses attention and the long-sequence memory features, before any wrapping."""
     model.config.use_cache = False
-    parallelize(model, layout, core=_CORE_NAMES[config.attn_core])
+    parallelize(model, layout, core=_CORE_NAMES[config.attn_core], head_chunks=config.head_chunks)
     apply_features(model, config, layout.device.type)
 
 

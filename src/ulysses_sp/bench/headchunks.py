@@ -1,0 +1,68 @@
+"""The head-chunk benchmark: train-step time with the attention heads in C = 4 chunks over C = 1, same world.
+
+Runs on every rank of a gloo world (``run_world(world, "ulysses_sp.bench.headchunks:worker", params)``). The same
+attention-heavy model (``llama-bench-heads``: 16 heads, so 4 chunks split over 4 ranks) is built from one seed
+and parallelized with sp = world, with ``head_chunks=1`` (today's path) and ``head_chunks=4``, each without and with
+activation checkpointing of the decoder layers (four models); train steps are timed interleaved
+(:func:`ulysses_sp.bench.steptime.time_interleaved`), and the ratio is taken repetition by repetition. With C = 4
+every layer issues 4x the all-to-alls (each a quarter of the size) and recomputes its attention block in backward;
+the exchange of chunk c+1 runs (asynchronously, in gloo's threads on the CPU) while chunk c's core computes, which
+is what is to pay for the chunking.
+
+Also measured, in one C = 4 step: how long the ranks waited on exchanges inside the chunked layers during one step
+(:attr:`ulysses_sp.CommStats.wait_s`: the exchange time that was not hidden behind a core).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch.distributed as dist
+
+from ulysses_sp.comm import CommStats
+from ulysses_sp.layout import ParallelLayout
+from ulysses_sp.model import parallelize
+from ulysses_sp.offload import enable_activation_checkpointing
+from ulysses_sp.shapes import SHAPES
+from ulysses_sp.sharding import shard_batch
+from ulysses_sp.standin import random_batch
+
+from .runner import bench_model
+from .steptime import Variant, time_interleaved
+
+__all__ = ["HEAD_CHUNKS", "HEAD_CHUNK_MODEL", "variant_name", "worker"]
+
+HEAD_CHUNK_MODEL = "llama-bench-heads"
+HEAD_CHUNKS = (1, 4)  # the baseline, and the chunk count whose step time is compared with it
+
+
+def variant_name(chunks: int, checkpointed: bool) -> str:
+    return f"C={chunks}" + (" checkpointed" if checkpointed else "")
+
+
+def worker(params: dict[str, Any]) -> dict[str, Any]:
+    """One rank of the head-chunk world; returns its step times (rank 0's are reported)."""
+    world = dist.get_world_size()
+    seq_len = params["seq_len"]
+    layout = ParallelLayout.from_env(sp=world)
+    batch = random_batch(SHAPES[HEAD_CHUNK_MODEL]["vocab_size"], seq_len, seed=1)
+    variants, stats = {}, CommStats()
+    for checkpointed, chunks in itertools.product((False, True), HEAD_CHUNKS):
+        model = parallelize(bench_model(HEAD_CHUNK_MODEL, seq_len, seed=0), layout, head_chunks=chunks, stats=stats)
+        if checkpointed:
+            enable_activation_checkpointing(model, "checkpoint")
+        variants[variant_name(chunks, checkpointed)] = Variant(model, layout, shard_batch(batch, layout))
+    losses = {name: v.loss_and_grads()[0].item() for name, v in variants.items()}
+    times = time_interleaved(variants, params.get("reps", 5), params.get("warmup", 1))
+    stats.reset()  # shared by the variants; only the chunked ones wait on asynchronous exchanges
+    variants[variant_name(HEAD_CHUNKS[-1], False)].train_step()
+    exposed = stats.wait_s
+    return {
+        "world": world,
+        "seq_len": seq_len,
+        "model": HEAD_CHUNK_MODEL,
+        "losses": losses,
+        "step_times_s": times,
+        "exposed_wait_s": exposed,
+    }

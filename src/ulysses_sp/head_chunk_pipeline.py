@@ -1,0 +1,344 @@
+"""The head-chunked attention block, chunk by chunk: forward, backward and the overlap of their exchanges.
+
+:class:`ChunkRun` is one call of an attention module split into C chunks of heads (see
+:mod:`ulysses_sp.head_chunks` for which modules and how many chunks). Each chunk is a generator that runs its
+stages in order and yields right after it launches an exchange (:func:`ulysses_sp.comm.start_all_to_all`);
+:func:`run_interleaved` keeps two chunks alive and alternates between them, so while chunk c's core computes,
+chunk c+1's q/k/v exchange is in flight, and chunk c's output exchange runs while chunk c+1's core computes.
+The order of the collectives depends only on C, so every rank issues the same exchanges in the same order.
+
+Forward, per chunk (under no_grad): project q/k/v for the chunk's heads with the module's own code (its
+projections sliced to those heads), exchange (one fused all-to-all), core, exchange back, and add the
+chunk's share of the output projection into one ``[b, n, h]`` buffer. :class:`HeadChunkedFunction` saves only
+the block's input; its backward recomputes each chunk (projection, exchange, core, exchange back) and runs the
+chunk's backward by hand: output projection, the output exchange's adjoint (an all-to-all), the core's
+backward, the q/k/v exchange's adjoint (an all-to-all), the projections' backward. Collectives per layer:
+2C forward, 4C backward (2C of them the recompute). Only one or two chunks' q/k/v, exchange buffers and core
+working set exist at any time.
+
+On CUDA the exchanges run on the process group's own communication stream (``async_op=True``): the stream
+waits for the producer's work, ``work.wait()`` makes the compute stream wait for the exchange without blocking
+the host, and the process group keeps the buffers alive until then. On CPU gloo runs them in its own threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from .attention import AttentionCall, pad_qkv
+from .comm import (
+    out_local,
+    out_local_grad,
+    out_send_buffer,
+    out_send_grad,
+    qkv_full,
+    qkv_full_grad,
+    qkv_send_buffer,
+    qkv_send_grad,
+    start_all_to_all,
+)
+from .head_split import DEPTH
+from .tiling import Replay
+
+if TYPE_CHECKING:
+    from .head_chunks import HeadChunkedAttention, HeadSplit
+
+__all__ = ["ChunkRun", "HeadChunkedFunction", "run_interleaved"]
+
+Stages = Generator[None, None, None]
+
+
+def run_interleaved(chunks: Iterable[Stages], depth: int = DEPTH) -> None:
+    """Run the chunk generators, ``depth`` of them alive at once, stepping them in turn (each step ends at the
+    launch of an exchange). Deterministic: the same C gives the same order of collectives on every rank."""
+    pending: Iterator[Stages] = iter(chunks)
+    active: deque[Stages] = deque()
+
+    def step(gen: Stages) -> None:
+        try:
+            next(gen)
+        except StopIteration:
+            return
+        active.append(gen)
+
+    try:
+        while True:
+            while len(active) < depth:
+                gen = next(pending, None)
+                if gen is None:
+                    break
+                step(gen)
+            if not active:
+                return
+            step(active.popleft())
+    finally:
+        for gen in active:
+            gen.close()
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _rng_restored(state: tuple[torch.Tensor, torch.Tensor | None] | None, device: torch.device) -> Iterator[None]:
+    """The RNG state a chunk's core started from in forward (attention dropout draws the same masks again)."""
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if state[1] is not None else []):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+class ChunkRun:
+    """One call of a head-chunked attention module: its arguments, its split into chunks and where it exchanges.
+
+    ``place(x)`` gives the module's call arguments with ``x`` as its hidden states; ``prepare`` / ``attend``
+    are :meth:`UlyssesAttention.prepare` / :meth:`UlyssesAttention.core_for` (the probe passes a local core),
+    ``group`` the Ulysses group (None: no exchange).
+    """
+
+    def __init__(
+        self,
+        owner: HeadChunkedAttention,
+        place: Callable[[torch.Tensor], tuple[tuple, dict]],
+        split: HeadSplit,
+        *,
+        prepare: Callable[..., AttentionCall],
+        attend: Callable[..., torch.Tensor],
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.owner, self.place, self.split = owner, place, split
+        self.prepare, self.attend, self.group = prepare, attend, group
+        self.sp = 1 if group is None else dist.get_world_size(group)
+        self.stats = owner.ctx.stats if group is not None else None
+        self.wire = owner.ctx.comm_dtype
+        self.rng: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * split.chunks
+
+    # ------------------------------------------------------------------------------------------- slices
+    def part(self, name: str, chunk: int, t: torch.Tensor) -> torch.Tensor:
+        """Chunk ``chunk``'s part of ``t``, a weight or bias (or its gradient) of projection ``name``: rows of the
+        chunk's heads (query heads for the query and output projections, kv heads for the others); columns of
+        the output projection's weight."""
+        names, proj = self.owner.names, self.owner.projection(name)
+        split = self.split
+        if name == names.out:
+            start, count = split.query_heads(chunk)
+            per = proj.in_features // split.num_heads
+            return t.narrow(t.dim() - 1, start * per, count * per) if t.dim() == 2 else t
+        start, count = split.query_heads(chunk) if name in names.query else split.kv_heads(chunk)
+        per = proj.out_features // (split.num_heads if name in names.query else split.num_kv_heads)
+        return t.narrow(0, start * per, count * per)
+
+    def weights(self, chunk: int, *, leaves: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """The chunk's ``(weight, bias)`` of every sliced input projection: views, or (``leaves``) detached
+        views that autograd differentiates separately."""
+        found = {}
+        for name in (*self.owner.names.query, *self.owner.names.kv):
+            proj = self.owner.projection(name)
+            pair = []
+            for t in (proj.weight, proj.bias):
+                if t is not None and leaves:
+                    pair.append(self.part(name, chunk, t.detach()).requires_grad_(t.requires_grad))
+                else:
+                    pair.append(None if t is None else self.part(name, chunk, t))
+            found[name] = (pair[0], pair[1])
+        return found
+
+    def project(self, x: torch.Tensor, chunk: int, weights: dict[str, tuple]) -> tuple:
+        """The chunk's padded local q ``[b, Hc, n, d]``, k/v ``[b, Hkv_c, n, d]`` and its :class:`AttentionCall`."""
+        args, kwargs = self.place(x)
+        heads = (self.split.query_heads(chunk)[1], self.split.kv_heads(chunk)[1])
+        captured = self.owner.capture(args, kwargs, weights, heads)
+        call = self.prepare(self.owner.module, *captured.qkv, captured.mask, **captured.kwargs)
+        return (*pad_qkv(*captured.qkv, call.width), call)
+
+    def _exchange(self, send: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+        """Launch the all-to-all of ``send``, yield while it is in flight, return what arrived (compute dtype)."""
+        if self.sp == 1:
+            return send
+        dtype = send.dtype
+        recv, work = start_all_to_all(send.to(self.wire) if self.wire is not None else send, self.group, self.stats)
+        del send
+        yield
+        if work is not None:
+            start = time.perf_counter()
+            work.wait()
+            if self.stats is not None:
+                self.stats.wait_s += time.perf_counter() - start
+        return recv.to(dtype)
+
+    # ------------------------------------------------------------------------------------------- forward
+    def forward_chunk(self, x: torch.Tensor, chunk: int, out: torch.Tensor) -> Stages:
+        """Add chunk ``chunk``'s share of the output projection into ``out [b, n, h]`` (no_grad)."""
+        q, k, v, call = self.project(x, chunk, self.weights(chunk))
+        heads, kv_heads = q.shape[1], k.shape[1]
+        recv = yield from self._exchange(qkv_send_buffer(q, k, v, self.sp))
+        del q, k, v
+        full = qkv_full(recv)  # [b, h, N, d]
+        del recv
+        q_f, k_f, v_f = full.split(_split(heads, kv_heads, self.sp), dim=1)
+        if call.dropout:
+            self.rng[chunk] = _rng_state(x.device)
+        core_out = self.attend(q_f, k_f, v_f, call)  # [b, N, Hc/P, d_v]
+        del full, q_f, k_f, v_f
+        recv = yield from self._exchange(out_send_buffer(core_out, self.sp))
+        del core_out
+        local = out_local(recv)  # [b, n, Hc, d_v]
+        del recv
+        weight = self.part(self.owner.names.out, chunk, self.owner.out_proj().weight)  # [h, Hc d_v]
+        out.view(-1, out.shape[-1]).addmm_(local.reshape(-1, weight.shape[1]), weight.t().to(out.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output ``[b, n, h]``: every chunk's share, then the output projection's bias."""
+        out_proj = self.owner.out_proj()
+        out = x.new_zeros(*x.shape[:-1], out_proj.out_features, dtype=_compute_dtype(x))
+        run_interleaved(self.forward_chunk(x, c, out) for c in range(self.split.chunks))
+        if out_proj.bias is not None:
+            out += out_proj.bias
+        return out
+
+    # ------------------------------------------------------------------------------------------- backward
+    def backward_chunk(self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: _Accumulators) -> Stages:
+        """Recompute chunk ``chunk`` and add its gradients into ``acc``."""
+        leaves = self.weights(chunk, leaves=True)
+        with torch.enable_grad():
+            q, k, v, call = self.project(x, chunk, leaves)
+        heads, kv_heads = q.shape[1], k.shape[1]
+        recv = yield from self._exchange(qkv_send_buffer(q.detach(), k.detach(), v.detach(), self.sp))
+        full = qkv_full(recv).requires_grad_()  # [b, h, N, d]: the core's inputs as one leaf
+        del recv
+        with torch.enable_grad(), _rng_restored(self.rng[chunk], x.device):
+            core_out = self.attend(*full.split(_split(heads, kv_heads, self.sp), dim=1), call)  # [b, N, Hc/P, d_v]
+        recv = yield from self._exchange(out_send_buffer(core_out.detach(), self.sp))
+        local = out_local(recv)  # [b, n, Hc, d_v]
+        del recv
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
+        out_name = self.owner.names.out
+        weight = self.part(out_name, chunk, self.owner.out_proj().weight)  # [h, Hc d_v]
+        if acc.out_weight is not None:
+            self.part(out_name, chunk, acc.out_weight).add_(grad_2d.t().mm(local.reshape(-1, weight.shape[1])))
+        grad_local = grad_2d.mm(weight.to(grad_2d.dtype)).view(local.shape)
+        del local
+        recv = yield from self._exchange(out_local_grad(grad_local, self.sp))
+        del grad_local
+        (grad_full,) = torch.autograd.grad(core_out, full, out_send_grad(recv))  # the core's backward
+        del recv, core_out, full
+        recv = yield from self._exchange(qkv_full_grad(grad_full, self.sp))
+        del grad_full
+        grads = qkv_send_grad(recv, heads, kv_heads)
+        del recv
+        acc.add_chunk(self, chunk, (q, k, v), grads, x, leaves)
+
+    def backward(self, x: torch.Tensor, grad_out: torch.Tensor, needs: tuple[bool, ...]) -> tuple:
+        """Gradients of ``(x, *params)`` (None where not needed) for ``grad_out [b, n, h]``."""
+        x_leaf = x.detach().requires_grad_(needs[0])
+        acc = _Accumulators(self.owner, x_leaf, needs, self.split.chunks)
+        grad_out = grad_out.contiguous()
+        run_interleaved(self.backward_chunk(x_leaf, c, grad_out, acc) for c in range(self.split.chunks))
+        return acc.result(grad_out)
+
+
+def _split(heads: int, kv_heads: int, sp: int) -> list[int]:
+    """The q/k/v head counts on one rank after the exchange: H/P query heads, max(Hkv/P, 1) kv heads each."""
+    hkv = max(kv_heads // sp, 1)
+    return [heads // sp, hkv, hkv]
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+def _zeros(t: torch.Tensor, chunks: int) -> torch.Tensor:
+    """A zeroed accumulator like ``t``: fp32 for 16-bit tensors summed over several chunks."""
+    wide = t.dtype in (torch.bfloat16, torch.float16) and chunks > 1
+    return torch.zeros_like(t, dtype=torch.float32 if wide else t.dtype)
+
+
+class _Accumulators:
+    """The gradients of one backward, summed over the chunks: the input's, the sliced projections' (each chunk
+    adds into its rows, or columns for the output projection) and the module's other parameters'."""
+
+    def __init__(self, owner: HeadChunkedAttention, x: torch.Tensor, needs: tuple[bool, ...], chunks: int) -> None:
+        self.owner = owner
+        self.params = owner.trainable_parameters()
+        if len(self.params) != len(needs) - 1:
+            raise RuntimeError(
+                f"{type(owner.module).__name__} had {len(needs) - 1} trainable parameters in forward and "
+                f"{len(self.params)} in backward; do not change requires_grad between forward and backward"
+            )
+        self.need = {id(p): need for p, need in zip(self.params, needs[1:], strict=True)}
+        self.x = _zeros(x, chunks) if needs[0] else None
+        self.sums = {id(p): _zeros(p, chunks) for p in self.params if self.need[id(p)]}
+        self.out_weight = self.sums.get(id(owner.out_proj().weight))
+        self.sliced = owner.sliced_parameters()
+
+    def add_chunk(
+        self,
+        run: ChunkRun,
+        chunk: int,
+        roots: tuple[torch.Tensor, ...],
+        grads: tuple[torch.Tensor, ...],
+        x: torch.Tensor,
+        leaves: dict[str, tuple],
+    ) -> None:
+        """Backpropagate one chunk's projections (``roots`` -> ``grads``) into the accumulators."""
+        inputs, targets = [], []
+        if self.x is not None:
+            inputs.append(x)
+            targets.append(self.x)
+        for name, pair in leaves.items():
+            proj = self.owner.projection(name)
+            for leaf, param in zip(pair, (proj.weight, proj.bias), strict=True):
+                if leaf is not None and self.need.get(id(param)):
+                    inputs.append(leaf)
+                    targets.append(run.part(name, chunk, self.sums[id(param)]))
+        for param in self.params:
+            if id(param) not in self.sliced and self.need[id(param)]:
+                inputs.append(param)
+                targets.append(self.sums[id(param)])
+        if not inputs:
+            return
+        with torch.enable_grad():
+            found = torch.autograd.grad(roots, inputs, grads, allow_unused=True)
+        for target, grad in zip(targets, found, strict=True):
+            if grad is not None:
+                target.add_(grad)
+
+    def result(self, grad_out: torch.Tensor) -> tuple:
+        """``(grad x, *grad params)`` in the parameters' order, each in its tensor's dtype."""
+        bias = self.owner.out_proj().bias
+        if bias is not None and self.need.get(id(bias)):
+            self.sums[id(bias)].add_(grad_out.reshape(-1, grad_out.shape[-1]).sum(0))
+        grads = [self.sums[id(p)].to(p.dtype) if id(p) in self.sums else None for p in self.params]
+        return (self.x, *grads)
+
+
+class HeadChunkedFunction(torch.autograd.Function):
+    """``out = attention block(x)`` in head chunks; saves only ``x``; backward recomputes chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, run: ChunkRun, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.run, ctx.replay = run, Replay(x.device)
+        ctx.save_for_backward(x)
+        return run.forward(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        with ctx.replay():
+            grad_x, *grads = ctx.run.backward(x, grad_out, tuple(ctx.needs_input_grad[1:]))
+        return (None, None if grad_x is None else grad_x.to(x.dtype), *grads)

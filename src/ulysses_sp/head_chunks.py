@@ -1,0 +1,422 @@
+"""Head-chunked ("untied") Ulysses attention: an attention layer runs its heads in C chunks.
+
+Why: at long sequences the attention block's working set after the exchange (q/k/v of H/P heads over the whole
+sequence, the exchange buffers, the core's output and gradients) is one of the largest tensors of a step. In C
+chunks of heads it exists for one or two chunks at a time (Untied Ulysses, arXiv 2602.21196).
+
+How: :func:`ulysses_sp.parallelize` sets each attention module's ``forward`` to a :class:`HeadChunkedAttention`
+(an instance attribute, like the tiled MLP; :func:`ulysses_sp.unparallelize` removes it, the module tree and
+``state_dict`` stay as they were). For one chunk it runs the module's OWN forward with its q/k/v projections
+sliced to the chunk's heads, up to the call of the attention function, where it takes q/k/v (so per-head q/k
+norms, RoPE variants, scaling and windows are the model's own code); the exchange, core and output projection
+are :mod:`ulysses_sp.head_chunk_pipeline`'s. Heads go to chunks in order; a chunk holds whole kv groups, or
+part of the query heads that read one kv head, so every chunk is a smaller attention of the same kind.
+
+Which modules: children ``q_proj`` (or ``q_b_proj``), ``k_proj`` + ``v_proj`` (or ``kv_b_proj``, MLA) and
+``o_proj``, all plain ``nn.Linear`` whose rows split by heads (:func:`split_problem`). On its first chunked call
+a module is probed: its own forward and the chunked one run on a few random tokens with one local core, and
+must agree (:meth:`HeadChunkedAttention.verify`). A module that fails either check is refused with a ValueError
+when C > 1 was asked for, and keeps the unchunked path when C is automatic.
+
+C: ``head_chunks`` of :func:`ulysses_sp.parallelize` (``--head-chunks``); None or 0 = automatic: the fewest
+chunks whose q/k/v after the exchange fit ``budget_bytes`` per rank (:mod:`ulysses_sp.head_split`, which the
+planner uses too); 1 = the unchunked path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .attention import INTERCEPT_ATTR, AttentionCall, UlyssesAttention, pad_qkv
+from .cores import Segments, eager_core
+from .head_chunk_pipeline import ChunkRun, HeadChunkedFunction
+from .head_split import (
+    DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
+    HeadSplit,
+    check_head_chunks,
+    choose_head_chunks,
+    head_chunk_choices,
+)
+from .masks import mask_window
+
+__all__ = [
+    "HeadChunkedAttention",
+    "Projections",
+    "head_chunk_targets",
+    "install_head_chunks",
+    "remove_head_chunks",
+    "split_problem",
+]
+
+_PROBE_TOKENS = 6
+
+
+# ---------------------------------------------------------------------------------------------- which modules
+@dataclass(frozen=True)
+class Projections:
+    """The names of a module's projections: sliced by query heads (rows), by kv heads (rows), the output (columns)."""
+
+    query: tuple[str, ...]
+    kv: tuple[str, ...]
+    out: str
+
+
+def _projections(module: nn.Module) -> Projections | str:
+    children = module._modules
+    query = next(((n,) for n in ("q_proj", "q_b_proj") if children.get(n) is not None), None)
+    kv = ("k_proj", "v_proj") if children.get("k_proj") is not None else ("kv_b_proj",)
+    if query is None or any(children.get(n) is None for n in kv) or children.get("o_proj") is None:
+        present = sorted(n for n, m in children.items() if m is not None)
+        return f"it has no q_proj/k_proj/v_proj/o_proj (or MLA's q_b_proj/kv_b_proj) children (it has {present})"
+    return Projections(query, kv, "o_proj")
+
+
+def split_problem(module: nn.Module, num_heads: int, num_kv_heads: int) -> str | None:
+    """Why ``module`` cannot run in head chunks (None: it may; its first chunked call still probes it)."""
+    if "forward" in module.__dict__:
+        return "its forward is already replaced on the instance (by another library)"
+    names = _projections(module)
+    if isinstance(names, str):
+        return names
+    for name in (*names.query, *names.kv, names.out):
+        child = module._modules[name]
+        if not isinstance(child, nn.Linear) or type(child).forward is not nn.Linear.forward:
+            return f"{name} is a {type(child).__name__}, not a plain torch.nn.Linear (e.g. a LoRA or quantized layer)"
+        if child._forward_hooks or child._forward_pre_hooks:
+            return f"{name} has forward hooks, which a sliced projection would skip"
+        heads = num_heads if name in names.query or name == names.out else num_kv_heads
+        size = child.in_features if name == names.out else child.out_features
+        if size % heads:
+            return f"{name} has {size} {'inputs' if name == names.out else 'outputs'}, not a multiple of {heads} heads"
+    return None
+
+
+def head_chunk_targets(
+    modules: list[nn.Module], num_heads: int, num_kv_heads: int, ulysses: int, requested: int | None
+) -> list[tuple[nn.Module, Projections]]:
+    """The attention modules to run in head chunks (checks only, nothing changed). ``requested`` > 1: every
+    module must split (ValueError naming the one that does not); None / 0 (automatic): those that can; 1: none."""
+    if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int) or requested < 0):
+        raise ValueError(f"head_chunks must be None or an int >= 0 (0 / None: automatic), got {requested!r}")
+    check_head_chunks(requested, num_heads, num_kv_heads, ulysses)
+    if requested == 1 or head_chunk_choices(num_heads, num_kv_heads, ulysses) == [1]:
+        return []
+    targets = []
+    for module in modules:
+        problem = split_problem(module, num_heads, num_kv_heads)
+        if problem is None:
+            targets.append((module, _projections(module)))
+        elif requested:
+            raise ValueError(
+                f"{type(module).__name__} cannot run its heads in chunks: {problem}; use head_chunks=1 "
+                "(--head-chunks 1) or leave it automatic (0 / None)"
+            )
+    return targets
+
+
+def install_head_chunks(targets: list[tuple[nn.Module, Projections]], ctx: UlyssesAttention, **options: Any) -> None:
+    """Set each target's ``forward`` to a :class:`HeadChunkedAttention` (``options``: its keyword arguments)."""
+    for module, names in targets:
+        module.forward = HeadChunkedAttention(module, ctx, names, **options)
+
+
+def remove_head_chunks(modules: list[nn.Module]) -> None:
+    """Undo :func:`install_head_chunks` (modules without one are left as they are)."""
+    for module in modules:
+        if isinstance(module.__dict__.get("forward"), HeadChunkedAttention):
+            del module.forward
+
+
+# ---------------------------------------------------------------------------------------------- the forward
+class _Stop(Exception):
+    """Raised inside the module's own forward at its attention call (which :meth:`capture` has recorded)."""
+
+
+@dataclass
+class Captured:
+    """The arguments of one attention call: q/k/v, the mask and the keyword arguments."""
+
+    qkv: tuple[torch.Tensor, ...]
+    mask: Any
+    kwargs: dict[str, Any]
+
+
+class _Slice:
+    """A projection's chunk (weight and bias views), standing in for the ``nn.Linear`` during one capture."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+@contextlib.contextmanager
+def _intercepting(module: nn.Module, handler: Callable) -> Iterator[None]:
+    module.__dict__[INTERCEPT_ATTR] = handler
+    try:
+        yield
+    finally:
+        module.__dict__.pop(INTERCEPT_ATTR, None)
+
+
+class HeadChunkedAttention:
+    """The ``forward`` installed on one attention module (see the module docstring).
+
+    Args:
+        module: the attention module; ctx: its model's :class:`UlyssesAttention`; names: its projections.
+        pretrained / impl_name: the model and the attention implementation name under which it is active
+            (under :func:`ulysses_sp.plain_attention` the module's own forward runs).
+        requested: C (> 1), or None for automatic; budget_bytes: the automatic choice's budget.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        ctx: UlyssesAttention,
+        names: Projections,
+        *,
+        pretrained: nn.Module,
+        impl_name: str,
+        num_heads: int,
+        num_kv_heads: int,
+        requested: int | None = None,
+        budget_bytes: int = DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
+    ) -> None:
+        self.module, self.ctx, self.names = module, ctx, names
+        self.pretrained, self.impl_name = pretrained, impl_name
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.requested, self.budget_bytes = requested or None, budget_bytes
+        self.verified: bool | None = None  # None: not probed yet; False: failed (automatic C: unchunked)
+        self.extra_outputs = 1
+        self.hidden_name = _first_argument(module)
+
+    # ------------------------------------------------------------------------------------------- parts
+    def projection(self, name: str) -> nn.Linear:
+        return self.module._modules[name]  # type: ignore[return-value]
+
+    def out_proj(self) -> nn.Linear:
+        return self.projection(self.names.out)
+
+    def trainable_parameters(self) -> list[torch.Tensor]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def sliced_parameters(self) -> set[int]:
+        """ids of the projections' weights and biases (their gradients are assembled chunk by chunk)."""
+        names = (*self.names.query, *self.names.kv, self.names.out)
+        return {id(p) for name in names for p in self.projection(name).parameters(recurse=False)}
+
+    def capture(self, args: tuple, kwargs: dict, weights: dict[str, tuple], heads: tuple[int, int]) -> Captured:
+        """Run the module's own forward with its projections replaced by ``weights`` (the chunk's ``heads``: query
+        and kv head counts) up to its attention call.
+
+        The call's arguments are recorded and the forward stopped by an exception, which is dropped at once: its
+        traceback holds the forward's frames (and their tensors) until it is freed. Head counts the module keeps
+        as attributes (``self.num_heads`` in its reshapes) read the chunk's during the call.
+        """
+        found: list[Captured] = []
+
+        def stop(module, query, key, value, attention_mask, **call_kwargs):
+            found.append(Captured((query, key, value), attention_mask, call_kwargs))
+            raise _Stop
+
+        saved = {name: self.module._modules[name] for name in weights}
+        counts = self._head_counts(*heads)
+        kept = {name: self.module.__dict__[name] for name in counts}
+        try:
+            for name, (weight, bias) in weights.items():
+                self.module._modules[name] = _Slice(weight, bias)  # type: ignore[assignment]
+            self.module.__dict__.update(counts)
+            with _intercepting(self.module, stop):
+                type(self.module).forward(self.module, *args, **kwargs)
+        except _Stop:
+            pass
+        finally:
+            self.module._modules.update(saved)
+            self.module.__dict__.update(kept)
+        if found:
+            return found[0]
+        raise ValueError(
+            f"{type(self.module).__name__}.forward returned without calling its attention function, so its heads "
+            "cannot be run in chunks; use head_chunks=1 (--head-chunks 1)"
+        )
+
+    def _head_counts(self, heads: int, kv_heads: int) -> dict[str, int]:
+        """The module's head-count attributes that hold the whole layer's counts, set to one chunk's."""
+        full = {
+            "num_heads": (self.num_heads, heads),
+            "num_attention_heads": (self.num_heads, heads),
+            "num_key_value_heads": (self.num_kv_heads, kv_heads),
+            "num_kv_heads": (self.num_kv_heads, kv_heads),
+        }
+        attrs = self.module.__dict__
+        counts = {name: chunk for name, (whole, chunk) in full.items() if attrs.get(name) == whole}
+        if "num_key_value_groups" in attrs and counts:
+            counts["num_key_value_groups"] = heads // kv_heads
+        return counts
+
+    # ------------------------------------------------------------------------------------------- calls
+    def active(self) -> bool:
+        return self.pretrained.config._attn_implementation == self.impl_name
+
+    def chunks_for(self, x: torch.Tensor) -> int:
+        """C for hidden states ``x [b, n, h]`` (this rank's tokens)."""
+        layout = self.ctx.layout
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        return choose_head_chunks(
+            self.num_heads,
+            self.num_kv_heads,
+            layout.ulysses,
+            tokens=x.shape[0] * x.shape[1] * layout.ulysses,
+            head_dim=self.projection(self.names.query[0]).out_features // self.num_heads,
+            element_size=torch.empty((), dtype=dtype).element_size(),
+            requested=self.requested,
+            budget_bytes=self.budget_bytes,
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        if self.hidden_name in kwargs:
+            x = kwargs[self.hidden_name]
+
+            def place(t: torch.Tensor) -> tuple[tuple, dict]:
+                return args, {**kwargs, self.hidden_name: t}
+        else:
+            x = args[0] if args else None
+
+            def place(t: torch.Tensor) -> tuple[tuple, dict]:
+                return (t, *args[1:]), kwargs
+
+        if (
+            not isinstance(x, torch.Tensor)
+            or x.dim() != 3
+            or not self.active()
+            or kwargs.get("past_key_values") is not None
+            or self.verified is False
+        ):
+            return type(module).forward(module, *args, **kwargs)
+        chunks = self.chunks_for(x)
+        if chunks == 1:
+            return type(module).forward(module, *args, **kwargs)
+        split = HeadSplit(self.num_heads, self.num_kv_heads, chunks)
+        if self.verified is None:
+            self.verify(x, args, kwargs, split)
+            if not self.verified:
+                return type(module).forward(module, *args, **kwargs)
+        layout = self.ctx.layout
+        group = layout.ulysses_group if layout.ulysses > 1 else None
+        run = ChunkRun(self, place, split, prepare=self.ctx.prepare, attend=self.ctx.core_for, group=group)
+        params = self.trainable_parameters()
+        if torch.is_grad_enabled() and (x.requires_grad or params):
+            out = HeadChunkedFunction.apply(run, x, *params)
+        else:
+            with torch.no_grad():
+                out = run.forward(x)
+        return (out, *[None] * self.extra_outputs)
+
+    # ------------------------------------------------------------------------------------------- the probe
+    def verify(self, x: torch.Tensor, args: tuple, kwargs: dict, split: HeadSplit) -> None:
+        """Run the module's own forward and the chunked one on a few random tokens with one local core; they must
+        agree. Sets :attr:`verified`; raises ValueError when C > 1 was asked for and they do not."""
+        problem = _grad_problem(args, kwargs, x)
+        if problem is None:
+            problem = self._compare(x, args, kwargs, split)
+        self.verified = problem is None
+        if problem is not None and self.requested:
+            raise ValueError(
+                f"{type(self.module).__name__} cannot run its heads in chunks: {problem}; use head_chunks=1 "
+                "(--head-chunks 1) or leave it automatic (0 / None)"
+            )
+
+    def _compare(self, x: torch.Tensor, args: tuple, kwargs: dict, split: HeadSplit) -> str | None:
+        batch, length = x.shape[:2]
+        tokens = min(_PROBE_TOKENS, length)
+        generator = torch.Generator().manual_seed(0)
+        probe = torch.randn(1, tokens, x.shape[-1], generator=generator).to(x.device, x.dtype)
+        cut_args, cut_kwargs = _cut(args, batch, length, tokens), _cut(kwargs, batch, length, tokens)
+        if self.hidden_name in cut_kwargs:
+            cut_kwargs[self.hidden_name] = probe
+        else:
+            cut_args = (probe, *cut_args[1:])
+
+        def reference(module, query, key, value, attention_mask, **call_kwargs):
+            call = _local_prepare(module, query, key, value, attention_mask, **call_kwargs)
+            return _local_attend(*pad_qkv(query, key, value, call.width), call).contiguous(), None
+
+        def place(t: torch.Tensor) -> tuple[tuple, dict]:
+            if self.hidden_name in cut_kwargs:
+                return cut_args, {**cut_kwargs, self.hidden_name: t}
+            return (t, *cut_args[1:]), cut_kwargs
+
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            try:
+                with _intercepting(self.module, reference):
+                    theirs = type(self.module).forward(self.module, *cut_args, **cut_kwargs)
+                run = ChunkRun(self, place, split, prepare=_local_prepare, attend=_local_attend, group=None)
+                ours = run.forward(probe)
+            except (RuntimeError, ValueError, TypeError, IndexError) as err:
+                return f"the chunked forward failed on a probe ({type(err).__name__}: {err})"
+        if not isinstance(theirs, tuple) or any(t is not None for t in theirs[1:]):
+            return "its forward returns more than (output, None)"
+        self.extra_outputs = len(theirs) - 1
+        tol = 1e-5 if x.dtype == torch.float32 else 4 * torch.finfo(x.dtype).eps
+        out = theirs[0]
+        if out.shape != ours.shape or not torch.allclose(
+            out.float(), ours.float(), rtol=tol, atol=tol * float(out.abs().max())
+        ):
+            return "its own forward and the chunked one differ on a probe (its projections do not split by heads)"
+        return None
+
+
+def _first_argument(module: nn.Module) -> str:
+    """The name of the forward's first argument after self (the hidden states)."""
+    params = list(inspect.signature(type(module).forward).parameters)
+    return params[1] if len(params) > 1 else "hidden_states"
+
+
+def _grad_problem(args: tuple, kwargs: dict, x: torch.Tensor) -> str | None:
+    """A tensor argument other than the hidden states that needs a gradient, which the chunks would not give."""
+    for value in (*args, *kwargs.values()):
+        for t in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(t, torch.Tensor) and t is not x and t.requires_grad:
+                return "an argument other than the hidden states needs a gradient (e.g. learned position embeddings)"
+    return None
+
+
+def _cut(value: Any, batch: int, length: int, tokens: int) -> Any:
+    """``value`` with every tensor of shape ``[batch, length, ...]`` cut to ``[1, tokens, ...]``."""
+    if isinstance(value, torch.Tensor):
+        return (
+            value[:1, :tokens]
+            if value.dim() >= 2 and value.shape[1] == length and value.shape[0] in (1, batch)
+            else value
+        )
+    if isinstance(value, tuple | list):
+        return type(value)(_cut(v, batch, length, tokens) for v in value)
+    if isinstance(value, dict):
+        return {k: _cut(v, batch, length, tokens) for k, v in value.items()}
+    return value
+
+
+def _local_prepare(module, query, key, value, attention_mask, *, scaling=None, softcap=None, **_: Any) -> AttentionCall:
+    """The probe's attention call: one dense document of the probe's tokens, the layer's window, no dropout."""
+    batch, _, tokens, d_qk = query.shape
+    d_v = value.shape[-1]
+    positions = torch.arange(tokens, device=query.device).expand(batch, tokens)
+    if d_v > d_qk and scaling is None:
+        scaling = d_qk**-0.5
+    window = mask_window(module, attention_mask)
+    return AttentionCall(Segments.from_positions(positions), window, scaling, softcap, 0.0, d_v, max(d_qk, d_v))
+
+
+def _local_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    out = eager_core(q, k, v, call.segments, scaling=call.scaling, sliding_window=call.window, softcap=call.softcap)
+    return out[..., : call.d_v]

@@ -1,0 +1,135 @@
+"""The attention block's and the exchanges' terms of the memory model, bytes per local token, with head chunks.
+
+:func:`attention_terms` gives what one attention layer holds at the moments :mod:`ulysses_sp.plan.memory` looks
+at: what it saves from forward to backward, its forward (or recompute) working set, its backward working set
+and the backward exchange's buffers. Unchunked (C = 1) they are the whole layer's heads at once. With the heads in
+C chunks (:mod:`ulysses_sp.head_chunks`) the block saves only its input (the input norm's output, counted with
+the norm), and each working set is that of DEPTH chunks (:data:`ulysses_sp.head_split.DEPTH`: the chunk
+computing and the one whose exchange is in flight), each the unchunked formula for one chunk's heads, plus the
+block's own ``[t, h]`` buffers (the output it sums into in forward; the input's gradient in backward).
+
+C is :func:`ulysses_sp.head_split.choose_head_chunks`'s, the same call the attention makes at run time, so the
+plan predicts the C that runs.
+
+Notation as in :mod:`ulysses_sp.plan.memory`: U = ulysses, R = ring, d = head dim, c = bytes of the compute dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..head_split import DEPTH, HeadSplit, choose_head_chunks
+
+__all__ = ["AttentionTerms", "attention_terms", "planned_head_chunks"]
+
+
+@dataclass(frozen=True)
+class AttentionTerms:
+    """Bytes per local token of one attention layer (see the module docstring)."""
+
+    chunks: int
+    saved: float  # saved by the attention from its forward to its backward
+    o_proj_input: float  # saved by o_proj (0 in chunks: the block saves only its input)
+    forward: float  # the forward's (recompute's) peak: projections, exchanges, core
+    backward: float  # the backward's working set (the core's gradients and, in chunks, their recompute)
+    exchange: float  # the backward exchange's buffers
+    ring_backward: float  # the ring's backward instead of the core's (R > 1)
+    local: float  # the projections' q/k/v before the exchange
+    q_width: int  # query elements per local token after the exchange (H d)
+
+
+def planned_head_chunks(
+    requested: int | None,
+    heads: int,
+    kv_heads: int,
+    ulysses: int,
+    *,
+    tokens: int,
+    head_dim: int,
+    element_size: int,
+) -> int:
+    """C as the attention chooses it at run time: ``requested`` (> 0), else from the default budget; ``tokens`` =
+    batch x the sequence a rank attends over (N / R)."""
+    return choose_head_chunks(
+        heads, kv_heads, ulysses, tokens=tokens, head_dim=head_dim, element_size=element_size, requested=requested
+    )
+
+
+def _unchunked(heads: int, kv_heads: int, d: int, ulysses: int, ring: int, c: int, device: str) -> AttentionTerms:
+    # After the exchange a rank holds H/U query heads and hkv = max(Hkv/U, 1) kv heads over N/R tokens
+    # (U = ulysses, R = ring), i.e. per local token H query and hkv x U kv head-rows.
+    kv_rows = max(kv_heads // ulysses, 1) * ulysses
+    qkv_width = (heads + 2 * kv_rows) * d
+    # Attention over the FULL sequence for H/U heads (flash / cuDNN / CPU-flash sdpa: no N^2): sdpa saves
+    # q/k/v after the exchange ([H/U + 2 hkv, N/R, d] = qkv_width per local token), its output and the fp32
+    # log-sum-exp; o_proj saves the output made contiguous again.
+    q_width, kv_width = heads * d, 2 * kv_rows * d  # per local token, after the exchange
+    saved = c * qkv_width + c * q_width + 4 * heads
+    # Backward of the core: the output's gradient and q/k/v's gradients.
+    backward = c * q_width + c * qkv_width
+    # The exchanges (ulysses > 1), measured moment by moment: forward, q/k/v's receive buffer next to their
+    # rearranged copy (the send buffer is freed first), then the output's send and receive buffers next to the
+    # core's output; backward, the gradients' concatenation, its contiguous copy and the receive buffer.
+    local_qkv = c * (heads + 2 * kv_heads) * d  # the projections' outputs, alive through the forward exchange
+    exchange = ulysses > 1
+    forward_exchange = max(2 * c * qkv_width, c * qkv_width + 3 * c * q_width) if exchange else c * q_width
+    if ring > 1:  # the ring's forward: fp32 output and lse accumulators, the k/v block and the one arriving
+        kernel = 4 if device == "cpu" else c
+        forward_exchange = max(
+            forward_exchange,
+            (c * qkv_width if exchange else 0) + 4 * q_width + 4 * heads + 2 * c * kv_width + kernel * q_width,
+        )
+    return AttentionTerms(
+        chunks=1,
+        saved=saved,
+        o_proj_input=c * q_width,
+        forward=local_qkv + forward_exchange,
+        backward=backward,
+        exchange=3 * c * qkv_width if exchange else 0,  # the backward exchange's three buffers
+        ring_backward=_ring_backward(q_width, kv_width, c, device, ring) if ring > 1 else 0,  # mid-ring
+        local=local_qkv,
+        q_width=q_width,
+    )
+
+
+def attention_terms(
+    heads: int, kv_heads: int, d: int, hidden: int, *, ulysses: int, ring: int, c: int, device: str, chunks: int
+) -> AttentionTerms:
+    """One attention layer's terms with its heads in ``chunks`` chunks (1: the unchunked path)."""
+    whole = _unchunked(heads, kv_heads, d, ulysses, ring, c, device)
+    if chunks == 1:
+        return whole
+    split = HeadSplit(heads, kv_heads, chunks)
+    one = _unchunked(split.heads_per_chunk, split.kv_heads(0)[1], d, ulysses, ring, c, device)
+    # Backward holds the sums the chunks add into, the input's gradient (fp32 under a 16-bit dtype), and for each
+    # of the DEPTH chunks alive its recomputed projections (q/k/v with their graph, until the chunk's last stage)
+    # next to the core's saved tensors and gradients; the chunk in its core's backward also the output gradient
+    # rearranged for the core (measured: 4 chunks of Llama h512 16 x 128 heads, 4 kv heads, sp 2, fp32, CPU).
+    own = (4 if c < 4 else c) * hidden
+    return AttentionTerms(
+        chunks=chunks,
+        saved=0,
+        o_proj_input=0,
+        forward=c * hidden + DEPTH * one.forward,  # + the [t, h] output the chunks add into
+        backward=own + DEPTH * (one.saved + one.backward + one.o_proj_input + one.local) + c * one.q_width,
+        exchange=own + DEPTH * one.exchange,
+        ring_backward=DEPTH * one.ring_backward,
+        local=one.local,
+        q_width=whole.q_width,
+    )
+
+
+def _ring_backward(q_width: int, kv_width: int, c: int, device: str, ring: int) -> int:
+    """Bytes per local token the ring's backward holds besides the attention's saved tensors (:mod:`ulysses_sp.ring`):
+    the output's gradient and the fp32 dq accumulator; at the first step (the diagonal block) this step's fp32
+    k/v-gradient share, the k/v block and the one arriving, and the kernel's gradients of the whole block; at a
+    later step three fp32 k/v-gradient blocks (this step's share, the one travelling, the one arriving), one k/v
+    block (two before the last step) and the gradients of a half-visible block. Where the kernel computes in
+    fp32 but the step runs in bf16 (the CPU kernel), its fp32 copies of q, the output, its gradient and the k/v
+    block too."""
+    kernel = 4 if device == "cpu" else c
+    casts = kernel * (3 * q_width + kv_width) if kernel != c else 0
+    first = 4 * kv_width + 2 * c * kv_width + kernel * (q_width + kv_width)
+    half_block = kernel * max(q_width + kv_width // 2, q_width // 2 + kv_width)
+    later = 3 * 4 * kv_width + (2 if ring > 2 else 1) * c * kv_width + half_block
+    return c * q_width + 4 * q_width + casts + max(first, later)

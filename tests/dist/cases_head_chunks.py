@@ -1,0 +1,198 @@
+"""Multi-rank cases for head-chunked ("untied") attention, run inside gloo workers by
+tests/dist/test_head_chunks_parity.py.
+
+Every parity case compares the loss and every gradient with one process on the full batch (plain transformers
+attention, the model's own loss), as :mod:`tests.dist.cases_core` does, for C = 1, 2, 4 head chunks, and counts
+the all-to-alls: a chunked layer issues 2C in forward and 4C in backward (2C of them the recompute), the
+unchunked one 2 and 2, so a layer that silently fell back to the unchunked path fails the case.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import ulysses_sp as U
+from tests.dist.cases_architectures import EVAL_ONLY, PARITY_ARCHS
+from tests.dist.cases_core import check_parity
+from tests.dist.cases_memory_features import check_features
+from tests.helpers.harness import run_cases
+from tests.helpers.models import build, make_batch
+from ulysses_sp import head_chunk_pipeline
+
+P = functools.partial
+CHUNKS = (1, 2, 4)
+# Architectures of the parity suite whose attention module cannot be split (head_chunks=2 is refused at
+# parallelize with a ValueError naming the reason); every other one must be exact in chunks.
+REFUSED = {
+    "opt": "it has no q_proj/k_proj/v_proj/o_proj",  # out_proj
+    "phi": "it has no q_proj/k_proj/v_proj/o_proj",  # dense
+    "biogpt": "it has no q_proj/k_proj/v_proj/o_proj",  # out_proj
+    "phi3_longrope": "it has no q_proj/k_proj/v_proj/o_proj",  # one fused qkv_proj
+    # q/k norms over all heads' width at once (not per head): the probe's chunked forward fails
+    "olmo3": "the chunked forward failed on a probe",
+    # a per-head output gate (gate_proj) the chunks would skip: refused by the first call's probe
+    "afmoe": "its own forward and the chunked one differ on a probe",
+}
+
+
+def all_to_alls(chunks: int, layers: int) -> int:
+    """All-to-alls of one forward + backward: per layer 2C + 4C chunked, 2 + 2 unchunked."""
+    return layers * (6 * chunks if chunks > 1 else 4)
+
+
+def chunked_parity(layout, arch: str, chunks: int, *, layers: int = 2, **kwargs) -> None:
+    """check_parity with ``head_chunks=chunks``, and the all-to-all count of a chunked (or unchunked) run."""
+    stats = U.CommStats()
+    check_parity(layout, arch, head_chunks=chunks, stats=stats, **kwargs)
+    want = all_to_alls(chunks, layers) if layout.ulysses > 1 else 0
+    assert stats.calls["all_to_all"] == want, (stats.calls, want)
+
+
+def arch_chunked_or_refused(layout, arch: str, kv_heads: int | None, batch, train: bool) -> None:
+    """An architecture of the parity suite with head_chunks=2: exact, or (REFUSED) a ValueError naming why."""
+    if arch not in REFUSED:
+        return chunked_parity(layout, arch, 2, kv_heads=kv_heads, batch=batch, train=train)
+    try:
+        check_parity(layout, arch, kv_heads=kv_heads, batch=batch, train=train, head_chunks=2)
+    except ValueError as err:
+        assert "cannot run its heads in chunks" in str(err) and REFUSED[arch] in str(err), err
+        assert "head_chunks=1" in str(err), err
+    else:
+        raise AssertionError(f"{arch} was run in head chunks; expected a ValueError ({REFUSED[arch]})")
+
+
+def family_cases(layout, prefix: str, heads: int, kv: int, chunks: tuple[int, ...]) -> dict:
+    """The core parity suite's families with ``heads`` query heads: MHA, GQA (``kv`` kv heads), MQA, MLA with
+    v head dim != qk, windows with packed documents, softcap with the eager core, padding."""
+    cases = {}
+    for c in chunks:
+        cases |= {
+            f"{prefix}_C{c}_mha": P(chunked_parity, layout, "llama", c, heads=heads),
+            f"{prefix}_C{c}_gqa": P(
+                chunked_parity, layout, "qwen3", c, heads=heads, kv_heads=kv, batch=make_batch(2, 24, packed=(10, 14))
+            ),
+            f"{prefix}_C{c}_mqa": P(chunked_parity, layout, "llama", c, heads=heads, kv_heads=1),
+            f"{prefix}_C{c}_mla_v4": P(chunked_parity, layout, "deepseek_v3_mla_v4", c, heads=heads),
+            f"{prefix}_C{c}_window_packed": P(
+                chunked_parity, layout, "mistral", c, heads=heads, kv_heads=kv, batch=make_batch(2, 30, packed=(13, 17))
+            ),
+            f"{prefix}_C{c}_softcap_eager": P(
+                chunked_parity, layout, "gemma2", c, heads=heads, kv_heads=kv, ref_attn="eager", core="eager"
+            ),
+            f"{prefix}_C{c}_padded": P(
+                chunked_parity, layout, "llama", c, heads=heads, kv_heads=kv, batch=make_batch(2, 23, pad="right")
+            ),
+        }
+    return cases
+
+
+def feature_cases(layout, prefix: str, chunks: tuple[int, ...]) -> dict:
+    """DDP and FSDP2 with the memory features on (tiled MLP, offloaded checkpoints, tiled loss), 8 heads."""
+    return {
+        f"{prefix}_C{c}_features_{wrapper}": P(
+            check_features,
+            layout,
+            wrapper,
+            tiled=True,
+            checkpointing="offload",
+            tiled_loss=True,
+            heads=8,
+            head_chunks=c,
+        )
+        for c in chunks
+        for wrapper in ("ddp", "fsdp2")
+    }
+
+
+class _LoggedWork:
+    """An exchange's work handle that marks the exchange done when it is waited for."""
+
+    def __init__(self, work, key: int, in_flight: set[int]) -> None:
+        self.work, self.key, self.in_flight = work, key, in_flight
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.in_flight.discard(self.key)
+
+
+def overlap(layout, chunks: int = 4) -> None:
+    """Every core call (forward, its recompute in backward) and every core backward of a chunked layer runs while
+    another chunk's exchange is in flight (launched asynchronously, not yet waited for)."""
+    model = U.parallelize(build("llama", heads=8, kv_heads=2), layout, head_chunks=chunks)
+    ctx = U.ulysses_context(model)
+    in_flight: set[int] = set()
+    cores: list[int] = []  # exchanges in flight at each core call
+    core_backwards: list[int] = []
+    launched = [0]
+    start, grad, core_for = head_chunk_pipeline.start_all_to_all, torch.autograd.grad, ctx.core_for
+
+    def logged_start(send, group, stats=None):
+        recv, work = start(send, group, stats)
+        launched[0] += 1
+        in_flight.add(launched[0])
+        return recv, _LoggedWork(work, launched[0], in_flight)
+
+    def logged_core(*args, **kwargs):
+        cores.append(len(in_flight))
+        return core_for(*args, **kwargs)
+
+    def logged_grad(outputs, inputs, *args, **kwargs):
+        if isinstance(inputs, torch.Tensor):  # the core's backward (the projections' pass lists)
+            core_backwards.append(len(in_flight))
+        return grad(outputs, inputs, *args, **kwargs)
+
+    head_chunk_pipeline.start_all_to_all, torch.autograd.grad, ctx.core_for = logged_start, logged_grad, logged_core
+    try:
+        shard = U.shard_batch(make_batch(1, 32), layout)
+        U.causal_lm_loss(model, shard, layout).backward()
+    finally:
+        head_chunk_pipeline.start_all_to_all, torch.autograd.grad = start, grad
+        del ctx.core_for
+    layers = model.config.num_hidden_layers
+    assert launched[0] == all_to_alls(chunks, layers) and not in_flight, (launched, in_flight)
+    assert len(cores) == 2 * chunks * layers and len(core_backwards) == chunks * layers, (cores, core_backwards)
+    assert all(cores) and all(core_backwards), f"a core ran with no exchange in flight: {cores}, {core_backwards}"
+
+
+def world2_cases(sp2) -> dict:
+    batch = make_batch(2, 24, packed=(15, 9))
+    archs = {
+        f"sp2_C2_{arch}": P(arch_chunked_or_refused, sp2, arch, kv, batch, arch not in EVAL_ONLY)
+        for arch, kv in PARITY_ARCHS.items()
+    }
+    return {
+        **family_cases(sp2, "sp2", 8, 2, CHUNKS),
+        **archs,
+        **feature_cases(sp2, "sp2", (2, 4)),
+        "sp2_C4_exchanges_overlap_cores": P(overlap, sp2),
+    }
+
+
+def world4_cases(sp4, dp2sp2, hybrid) -> dict:
+    return {
+        # 16 heads: 4 chunks of 4 split over 4 ranks; 2 kv heads < sp, one per chunk of 4 (kv groups of 8)
+        **family_cases(sp4, "sp4", 16, 2, CHUNKS),
+        **family_cases(dp2sp2, "dp2_sp2", 8, 2, (2, 4)),
+        "ulysses2_ring2_C2_gqa": P(chunked_parity, hybrid, "llama", 2, heads=8, kv_heads=2),
+        "ulysses2_ring2_C4_packed": P(
+            chunked_parity, hybrid, "qwen2", 4, heads=8, kv_heads=4, batch=make_batch(2, 24, packed=(9, 15))
+        ),
+        "ulysses2_ring2_C4_mla_v4": P(chunked_parity, hybrid, "deepseek_v3_mla_v4", 4, heads=8),
+        **feature_cases(dp2sp2, "dp2_sp2", (4,)),
+    }
+
+
+def world2() -> dict[str, str]:
+    return run_cases(world2_cases(U.ParallelLayout.from_env(sp=2)))
+
+
+def world4() -> dict[str, str]:
+    sp4, dp2sp2 = U.ParallelLayout.from_env(sp=4), U.ParallelLayout.from_env(sp=2)
+    return run_cases(world4_cases(sp4, dp2sp2, U.ParallelLayout.from_env(sp=4, ring=2)))
+
+
+_NAMES = U.ParallelLayout.rank_view(1, 0)  # case names only: no process group needed
+WORLD2 = sorted(world2_cases(_NAMES))
+WORLD4 = sorted(world4_cases(_NAMES, _NAMES, _NAMES))

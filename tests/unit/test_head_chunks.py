@@ -1,0 +1,102 @@
+"""Head-chunked attention in one process: refusals before any step, the automatic choice, and sp=1 exactness.
+
+The multi-rank exactness proof (sp=2, sp=4, dp x sp, Ulysses x ring, DDP, FSDP2) is
+tests/dist/test_head_chunks_parity.py.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import ulysses_sp as U
+from tests.helpers.models import build, make_batch
+from ulysses_sp.head_chunks import HeadChunkedAttention
+from ulysses_sp.head_split import choose_head_chunks, head_chunk_choices
+
+
+def _loss_and_grads(model, batch, layout):
+    shard = U.shard_batch(batch, layout)
+    logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+    loss = U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _chunked(model) -> list[HeadChunkedAttention]:
+    return [
+        m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), HeadChunkedAttention)
+    ]
+
+
+@pytest.mark.parametrize(("arch", "kv_heads", "chunks"), [("qwen3", 2, 4), ("deepseek_v3_mla_v4", None, 2)])
+def test_sp1_chunks_match_plain_model(arch, kv_heads, chunks):
+    batch = make_batch(2, 20, packed=(8, 12))
+    model = build(arch, kv_heads=kv_heads)
+    ref = model(**batch, use_cache=False).loss
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    keys = set(model.state_dict())
+    layout = U.ParallelLayout.single()
+    U.parallelize(model, layout, head_chunks=chunks)
+    installed = _chunked(model)
+    assert len(installed) == model.config.num_hidden_layers
+    assert set(model.state_dict()) == keys  # the module tree is unchanged
+    loss, grads = _loss_and_grads(model, batch, layout)
+    assert all(h.verified for h in installed)  # the probe ran and passed: the chunked path was taken
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-6, msg=name)
+    U.unparallelize(model)
+    assert not _chunked(model)
+
+
+def test_unsplittable_module_refused_at_parallelize():
+    """OPT's attention has out_proj, not o_proj: head_chunks > 1 is refused before any forward."""
+    with pytest.raises(
+        ValueError, match=r"OPTAttention cannot run its heads in chunks: it has no q_proj.*head_chunks=1"
+    ):
+        U.parallelize(build("opt"), U.ParallelLayout.single(), head_chunks=2)
+    model = U.parallelize(build("opt"), U.ParallelLayout.single())  # automatic: unchunked, accepted
+    assert not _chunked(model)
+
+
+def test_probe_refuses_before_any_step_and_automatic_falls_back():
+    """AFMoE gates each head's output (gate_proj), which the chunks would skip: its structure passes, the first
+    forward's probe finds the difference and raises before any gradient exists; with automatic C the same model
+    keeps its own (exact) path."""
+    model = U.parallelize(build("afmoe", kv_heads=2), U.ParallelLayout.single(), head_chunks=2)
+    with pytest.raises(ValueError, match=r"AfmoeAttention cannot run its heads in chunks: its own forward and the"):
+        _loss_and_grads(model, make_batch(1, 12), U.ParallelLayout.single())
+    assert all(p.grad is None for p in model.parameters())
+    plain = build("afmoe", kv_heads=2)
+    auto = U.parallelize(copy.deepcopy(plain), U.ParallelLayout.single(), head_chunk_budget_bytes=1)
+    installed = _chunked(auto)
+    assert installed and all(h.requested is None for h in installed)
+    batch = make_batch(1, 12)
+    loss, _ = _loss_and_grads(auto, batch, U.ParallelLayout.single())
+    assert all(h.verified is False for h in installed)
+    torch.testing.assert_close(loss, plain(**batch, use_cache=False).loss.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [3, -1, True, 2.0, "2"])
+def test_bad_chunk_count_names_the_choices(bad):
+    with pytest.raises(ValueError, match=rf"head_chunks.*{bad!r}" if bad != -1 else r"head_chunks must be"):
+        U.parallelize(build("llama", heads=4, kv_heads=2), U.ParallelLayout.single(), head_chunks=bad)
+
+
+def test_choices_and_automatic_choice():
+    assert head_chunk_choices(8, 2, 2) == [1, 2, 4]  # 8 chunks of 1 head would not split over 2 ranks
+    assert head_chunk_choices(16, 2, 4) == [1, 2, 4]
+    assert head_chunk_choices(4, 4, 4) == [1]
+    kw = dict(tokens=16384, head_dim=64, element_size=4)
+    # q/k/v after the exchange of the chunks alive (min(C, 2)), x 16384 x 64 x 4 bytes: 16 heads, 4 kv heads over
+    # 2 ranks: C=1 (8 + 2 x 2) rows, C=2 2 x (4 + 2 x 1), C=4 2 x (2 + 2 x 1), C=8 2 x (1 + 2 x 1)
+    row = 16384 * 64 * 4
+    assert head_chunk_choices(16, 4, 2) == [1, 2, 4, 8]
+    assert choose_head_chunks(16, 4, 2, budget_bytes=12 * row, **kw) == 1
+    assert choose_head_chunks(16, 4, 2, budget_bytes=12 * row - 1, **kw) == 4  # C=2 holds as much as C=1
+    assert choose_head_chunks(16, 4, 2, budget_bytes=6 * row, **kw) == 8
+    assert choose_head_chunks(16, 4, 2, budget_bytes=1, **kw) == 8  # none fits: the smallest working set
+    assert choose_head_chunks(16, 4, 2, budget_bytes=1, requested=2, **kw) == 2
