@@ -20,6 +20,7 @@ from .model import parallelize, plain_attention, ulysses_context, unparallelize
 from .offload import disable_activation_checkpointing, enable_activation_checkpointing
 from .sharding import shard_batch, shift_labels
 from .tiled_loss import disable_tiled_loss, enable_tiled_loss, tiled_cross_entropy_sum
+from .tiled_norms import disable_tiled_norms, enable_tiled_norms
 from .tiling import disable_tiled_mlp, enable_tiled_mlp
 
 __version__ = "0.1.0"
@@ -38,9 +39,11 @@ __all__ = [
     "disable_activation_checkpointing",
     "disable_tiled_loss",
     "disable_tiled_mlp",
+    "disable_tiled_norms",
     "enable_activation_checkpointing",
     "enable_tiled_loss",
     "enable_tiled_mlp",
+    "enable_tiled_norms",
     "parallelize",
     "plain_attention",
     "reduce_token_loss",

@@ -55,6 +55,11 @@ class Features:
     mlp_chunk_tokens: int | None = option(
         None, help="With --tiled-mlp: tokens per chunk; 'none' = max(1024, hidden size)."
     )
+    tiled_norms: bool = option(
+        True,
+        help="Run each decoder layer's norms over chunks of tokens, recomputed in backward, and fuse the norm "
+        "before a tiled MLP into its chunks, so a norm keeps only its input (--no-tiled-norms: the plain norms).",
+    )
     activation_checkpointing: str = option(
         "auto",
         help="Keep only each decoder layer's input and recompute the layer in backward: 'checkpoint' keeps the "
@@ -97,13 +102,23 @@ class Features:
     @classmethod
     def baseline(cls, **overrides: Any) -> Features:
         """Before the long-sequence features: plain loss and MLP, checkpoints on the GPU, optimizer on CPU."""
-        values = {"tiled_loss": False, "tiled_mlp": False, "activation_checkpointing": "checkpoint"}
+        values = {
+            "tiled_loss": False,
+            "tiled_mlp": False,
+            "tiled_norms": False,
+            "activation_checkpointing": "checkpoint",
+        }
         return cls(**{**values, "cpu_offload_optimizer": True, **overrides})
 
     @classmethod
     def all_on(cls, **overrides: Any) -> Features:
         """Every feature on: tiled loss and MLP, checkpoints offloaded to the host, optimizer on CPU."""
-        values = {"tiled_mlp": True, "activation_checkpointing": "offload", "cpu_offload_optimizer": True}
+        values = {
+            "tiled_mlp": True,
+            "tiled_norms": True,
+            "activation_checkpointing": "offload",
+            "cpu_offload_optimizer": True,
+        }
         return cls(**{**values, **overrides})
 
     # ---------------------------------------------------------------------------------------------- derived
@@ -138,6 +153,7 @@ class Features:
             [
                 "tiled loss" if self.tiled_loss else "plain loss",
                 "tiled MLP" if self.tiled_mlp else "plain MLP",
+                "tiled norms" if self.tiled_norms else "plain norms",
                 f"activation checkpointing {self.activation_checkpointing}",
                 "optimizer on CPU" if self.cpu_offload_optimizer else "optimizer on GPU",
                 self.parallel.upper(),
@@ -151,6 +167,7 @@ def apply_features(model: nn.Module, features: Features, device_type: str) -> Fe
     ``device_type``. The parallel wrapper, dtype and optimizer offload are the caller's (they wrap the model)."""
     from .offload import enable_activation_checkpointing
     from .tiled_loss import enable_tiled_loss
+    from .tiled_norms import enable_tiled_norms
     from .tiling import enable_tiled_mlp
 
     resolved = features.resolve(device_type)
@@ -158,6 +175,8 @@ def apply_features(model: nn.Module, features: Features, device_type: str) -> Fe
         enable_tiled_loss(model, chunk_tokens=resolved.loss_chunk_tokens, budget_bytes=resolved.loss_budget_bytes)
     if resolved.tiled_mlp:
         enable_tiled_mlp(model, chunk_tokens=resolved.mlp_chunk_tokens)
+    if resolved.tiled_norms:  # after the MLPs: the norm before each tiled MLP is fused into its chunks
+        enable_tiled_norms(model, chunk_tokens=resolved.mlp_chunk_tokens)
     if resolved.activation_checkpointing != "none":
         enable_activation_checkpointing(model, resolved.activation_checkpointing)
     return resolved

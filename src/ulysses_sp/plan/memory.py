@@ -212,9 +212,15 @@ def _terms(
     # output (saved by the projections after it). Input norm: under fp32 its input IS the layer input
     # (counted with the layer input), hence u; post-attention norm: the residual sum, always 4 bytes.
     norm_in = (u + 2 * c) * h
+    norm_post = (4 + 2 * c) * h
+    if features.tiled_norms:  # (ulysses_sp.tiled_norms) a norm keeps only its input, the residual stream
+        # Input norm: that input is the layer input (counted with it), so only its output (the projections')
+        # is left. The MLP's norm fused into the tiled MLP: the MLP keeps the residual sum and nothing else;
+        # tiled alone (no tiled MLP): the residual sum and the norm's output, which the MLP saves.
+        norm_in = c * h
+        norm_post = c * h if features.tiled_mlp else 2 * c * h
     if shape.qk_norm:  # per-head q/k norms: fp32 input + normalised copy (their output feeds RoPE, not saved)
         norm_in += (4 + c) * (heads + kv_heads) * d
-    norm_post = (4 + 2 * c) * h
     # Attention over the FULL sequence for H/U heads (flash / cuDNN / CPU-flash sdpa: no N^2): sdpa saves
     # q/k/v after the exchange ([H/U + 2 hkv, N/R, d] = qkv_width per local token), its output and the fp32
     # log-sum-exp; o_proj saves the output made contiguous again.
@@ -244,15 +250,16 @@ def _terms(
         mlp_saved, mlp_backward = 0.0, 6 * c * inter * mlp_chunk / t + (4 + c) * 3 * h * inter / t
     else:
         mlp_saved, mlp_backward = 4 * c * inter, 2 * c * inter
-    layer_input = c * h  # a layer's input: the checkpoint, or (fp32, no checkpointing) saved by its norm
-    per_layer = norm_in + attention_saved + o_proj_input + norm_post + mlp_saved + (layer_input if c == 4 else 0)
+    layer_input = c * h  # a layer's input: the checkpoint, or (fp32 or a tiled norm, no checkpointing) its norm's
+    input_saved = layer_input if c == 4 or features.tiled_norms else 0
+    per_layer = norm_in + attention_saved + o_proj_input + norm_post + mlp_saved + input_saved
     grad_stream = 2 * c * h  # the gradient of the residual stream and of the branch being differentiated
     rope = 2 * c * d * t  # cos and sin [t, d], shared by every layer
 
     # --- what the other layers hold while the last one runs its backward ---------------------------------
     mode = features.activation_checkpointing
     if mode == "none":  # every layer keeps everything (and under fp32 its input, saved by its norm)
-        checkpoints, others, own_input = 0, (layers - 1) * per_layer * t, (layer_input if c == 4 else 0) * t
+        checkpoints, others, own_input = 0, (layers - 1) * per_layer * t, input_saved * t
     elif mode == "checkpoint":  # every layer's input stays on the GPU
         checkpoints, others, own_input = layers * layer_input * t, 0, 0
     else:  # offload: only the input being recomputed and the next one in flight are on the GPU
