@@ -67,6 +67,13 @@ class Features:
         "'auto' = offload on GPU, checkpoint on CPU.",
         choices=CHECKPOINT_MODES,
     )
+    checkpoint_stride: int | None = option(
+        None,
+        help="With activation checkpointing: keep the input of every k-th decoder layer only and recompute the "
+        "k-1 layers after it from it in backward (1 = every layer's input kept); 'none' = 1, or, where "
+        "--host-memory is given on a GPU with --activation-checkpointing auto, chosen by the planner with the "
+        "checkpoints' place (host or GPU) so that both memories hold.",
+    )
     cpu_offload_optimizer: bool = option(
         False,
         help="FSDP2 only, on GPU: keep the sharded parameters, gradients and optimizer states in CPU memory "
@@ -87,7 +94,7 @@ class Features:
     def validate(self) -> None:
         """ValueError naming the flag of any value that is out of range."""
         check_choices(self)
-        for name in ("loss_chunk_mib", "loss_chunk_tokens", "mlp_chunk_tokens"):
+        for name in ("loss_chunk_mib", "loss_chunk_tokens", "mlp_chunk_tokens", "checkpoint_stride"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value!r}")
@@ -133,6 +140,7 @@ class Features:
         return dataclasses.replace(
             self.features(),
             activation_checkpointing=("checkpoint" if on_cpu else "offload") if mode == "auto" else mode,
+            checkpoint_stride=self.checkpoint_stride or 1,
             dtype=("fp32" if on_cpu else "bf16") if self.dtype == "auto" else self.dtype,
         )
 
@@ -154,7 +162,8 @@ class Features:
                 "tiled loss" if self.tiled_loss else "plain loss",
                 "tiled MLP" if self.tiled_mlp else "plain MLP",
                 "tiled norms" if self.tiled_norms else "plain norms",
-                f"activation checkpointing {self.activation_checkpointing}",
+                f"activation checkpointing {self.activation_checkpointing}"
+                + (f" every {self.checkpoint_stride} layers" if (self.checkpoint_stride or 1) > 1 else ""),
                 "optimizer on CPU" if self.cpu_offload_optimizer else "optimizer on GPU",
                 self.parallel.upper(),
                 self.dtype,
@@ -178,5 +187,5 @@ def apply_features(model: nn.Module, features: Features, device_type: str) -> Fe
     if resolved.tiled_norms:  # after the MLPs: the norm before each tiled MLP is fused into its chunks
         enable_tiled_norms(model, chunk_tokens=resolved.mlp_chunk_tokens)
     if resolved.activation_checkpointing != "none":
-        enable_activation_checkpointing(model, resolved.activation_checkpointing)
+        enable_activation_checkpointing(model, resolved.activation_checkpointing, stride=resolved.checkpoint_stride)
     return resolved

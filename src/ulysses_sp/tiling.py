@@ -43,6 +43,7 @@ from .hf import find_pretrained, mlp_modules, text_config
 
 __all__ = [
     "TiledForward",
+    "Replay",
     "TiledMLP",
     "check_chunk_tokens",
     "default_chunk_tokens",
@@ -70,7 +71,7 @@ def _spans(length: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(chunk, length - start)) for start in range(0, length, chunk)]
 
 
-class _Replay:
+class Replay:
     """The autocast and RNG state of a forward, to recompute it identically in backward."""
 
     def __init__(self, device: torch.device) -> None:
@@ -99,7 +100,7 @@ class _TiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tiled: TiledForward, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.tiled, ctx.num_params = tiled, len(params)
-        ctx.replay = _Replay(x.device)
+        ctx.replay = Replay(x.device)
         ctx.save_for_backward(x)
         return tiled.run_chunks(x)
 

@@ -43,6 +43,7 @@ _FREE_ON_RESUME |= {
     "tiled_mlp",
     "tiled_norms",
     "mlp_chunk_tokens",
+    "checkpoint_stride",
 }
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
