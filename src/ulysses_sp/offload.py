@@ -221,7 +221,6 @@ class _StridedCheckpoint:
 
     def __init__(self, index: int, stride: int, store: HostActivationStore | None, shared: dict, layer: nn.Module):
         self.index, self.stride, self.store, self.shared = index, stride, store, shared
-        self.unit = layer if hasattr(layer, "unshard") and hasattr(layer, "reshard") else None
         self.layer = weakref.ref(layer)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -256,7 +255,9 @@ class _StridedCheckpoint:
             group = _Group(self._unpack)
             self.shared["group"] = weakref.ref(group)
         assert group is not None
-        group.steps.append((function, Replay(hidden.device), self.unit if position else None))
+        layer = self.layer()
+        unit = layer if hasattr(layer, "unshard") and hasattr(layer, "reshard") else None  # FSDP2
+        group.steps.append((function, Replay(hidden.device), unit))
         key = (hidden.untyped_storage().data_ptr(), hidden.shape)
 
         def pack(tensor: torch.Tensor) -> Any:

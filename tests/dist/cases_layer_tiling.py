@@ -24,7 +24,7 @@ from ulysses_sp.hf import decoder_layers, mlp_modules
 from ulysses_sp.tiled_norms import TiledNorm, _HandThrough
 
 
-def layer_features(model, checkpointing: str) -> None:
+def layer_features(model, checkpointing: str, stride: int = 1) -> None:
     """Tiled MLP (if the layers have one), tiled norms, checkpointing: as apply_features turns them on."""
     try:
         mlp_modules(model)
@@ -38,7 +38,7 @@ def layer_features(model, checkpointing: str) -> None:
     fused = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), _HandThrough)]
     alone = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), TiledNorm)]
     assert alone and (fused or not has_mlp or _post_norm(model)), (len(fused), len(alone))
-    U.enable_activation_checkpointing(model, checkpointing)
+    U.enable_activation_checkpointing(model, checkpointing, stride=stride)
 
 
 def _post_norm(model) -> bool:
@@ -47,15 +47,15 @@ def _post_norm(model) -> bool:
     return all(mlp_norm_name(layer) is None for layer in decoder_layers(model))
 
 
-def layer_tiling_parity(layout, arch: str, kv_heads, wrapper: str, checkpointing: str = "checkpoint", seq_len=24):
-    batch = make_batch(2, seq_len, packed=(seq_len - 9, 9))
+def layer_tiling_parity(layout, arch: str, kv_heads, wrapper: str, checkpointing: str = "checkpoint", stride: int = 1):
+    batch = make_batch(2, 24, packed=(15, 9))
     model = build(arch, kv_heads=kv_heads)
     train = arch not in EVAL_ONLY
     model.train(train)
     ref_loss, ref_grads = reference(model, batch)
 
     def prepare(par) -> bool:
-        layer_features(par, checkpointing)
+        layer_features(par, checkpointing, stride)
         par.train(train)
         if wrapper == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
@@ -87,6 +87,16 @@ def cases(layout, prefix: str, wrappers: tuple[str, ...]) -> dict:
     }
 
 
+def stride_cases(layout, prefix: str) -> dict:
+    """Every 2nd layer's input kept (the tiny models have 2 layers: one group), on the device or the host."""
+    P = functools.partial
+    return {
+        f"{prefix}_{arch}_{mode}_stride2_fsdp2": P(layer_tiling_parity, layout, arch, kv, "fsdp2", mode, stride=2)
+        for arch, kv in (("llama_dynamic", 2), ("deepseek_v3_mla", None), ("qwen3_moe", 2), ("opt", None))
+        for mode in ("checkpoint", "offload")
+    }
+
+
 def world2() -> dict[str, str]:
     sp2 = U.ParallelLayout.from_env(sp=2)
     extra = {
@@ -97,8 +107,9 @@ def world2() -> dict[str, str]:
             layer_tiling_parity, sp2, "llama_dynamic", 2, "none", checkpointing="none"
         ),
     }
-    return run_cases({**cases(sp2, "sp2", ("none", "fsdp2")), **extra})
+    return run_cases({**cases(sp2, "sp2", ("none", "fsdp2")), **stride_cases(sp2, "sp2"), **extra})
 
 
 def world4() -> dict[str, str]:
-    return run_cases(cases(U.ParallelLayout.from_env(sp=2), "dp2_sp2", ("fsdp2",)))
+    dp2sp2 = U.ParallelLayout.from_env(sp=2)
+    return run_cases({**cases(dp2sp2, "dp2_sp2", ("fsdp2",)), **stride_cases(dp2sp2, "dp2_sp2")})

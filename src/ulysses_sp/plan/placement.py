@@ -41,11 +41,8 @@ def placements(features: Features, layers: int) -> list[Features]:
 def _describe(plan: MemoryPlan) -> str:
     features = plan.features
     where = "host memory" if features.activation_checkpointing == "offload" else "the GPU"
-    every = (
-        "every layer's input"
-        if features.checkpoint_stride == 1
-        else f"every {features.checkpoint_stride}th layer's input"
-    )
+    stride = features.checkpoint_stride
+    every = "every layer's input" if stride == 1 else f"1 in {stride} layer inputs (the others recomputed)"
     host = f"{format_bytes(plan.host_bytes_per_node)} of {format_bytes(plan.host_memory_bytes)} host memory per node"
     return f"{every} on {where} ({host}, {format_bytes(plan.peak_bytes)} of {format_bytes(plan.usable_bytes)} per GPU)"
 
