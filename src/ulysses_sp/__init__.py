@@ -21,6 +21,7 @@ from .offload import disable_activation_checkpointing, enable_activation_checkpo
 from .process_group import init_default_group
 from .sharding import shard_batch, shift_labels
 from .tiled_loss import disable_tiled_loss, enable_tiled_loss, tiled_cross_entropy_sum
+from .tiled_norms import disable_tiled_norms, enable_tiled_norms
 from .tiling import disable_tiled_mlp, enable_tiled_mlp
 
 __version__ = "0.1.0"
@@ -40,9 +41,11 @@ __all__ = [
     "disable_activation_checkpointing",
     "disable_tiled_loss",
     "disable_tiled_mlp",
+    "disable_tiled_norms",
     "enable_activation_checkpointing",
     "enable_tiled_loss",
     "enable_tiled_mlp",
+    "enable_tiled_norms",
     "parallelize",
     "plain_attention",
     "reduce_token_loss",

@@ -55,6 +55,11 @@ class Features:
     mlp_chunk_tokens: int | None = option(
         None, help="With --tiled-mlp: tokens per chunk; 'none' = max(1024, hidden size)."
     )
+    tiled_norms: bool = option(
+        True,
+        help="Run each decoder layer's norms over chunks of tokens, recomputed in backward, and fuse the norm "
+        "before a tiled MLP into its chunks, so a norm keeps only its input (--no-tiled-norms: the plain norms).",
+    )
     activation_checkpointing: str = option(
         "auto",
         help="Keep only each decoder layer's input and recompute the layer in backward: 'checkpoint' keeps the "
@@ -67,6 +72,13 @@ class Features:
         help="Run each attention layer's heads in this many chunks (exchange, core and backward one or two chunks "
         "at a time, exchanges overlapped with the other chunk's compute); 'none' or 0 = automatic (chunks where "
         "one chunk's q/k/v after the exchange would exceed 1 GiB per rank), 1 = never.",
+    )
+    checkpoint_stride: int | None = option(
+        None,
+        help="With activation checkpointing: keep the input of every k-th decoder layer only and recompute the "
+        "k-1 layers after it from it in backward (1 = every layer's input kept); 'none' = 1, or, where "
+        "--host-memory is given on a GPU with --activation-checkpointing auto, chosen by the planner with the "
+        "checkpoints' place (host or GPU) so that both memories hold.",
     )
     cpu_offload_optimizer: bool = option(
         False,
@@ -88,7 +100,7 @@ class Features:
     def validate(self) -> None:
         """ValueError naming the flag of any value that is out of range."""
         check_choices(self)
-        for name in ("loss_chunk_mib", "loss_chunk_tokens", "mlp_chunk_tokens"):
+        for name in ("loss_chunk_mib", "loss_chunk_tokens", "mlp_chunk_tokens", "checkpoint_stride"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value!r}")
@@ -107,13 +119,23 @@ class Features:
     @classmethod
     def baseline(cls, **overrides: Any) -> Features:
         """Before the long-sequence features: plain loss and MLP, checkpoints on the GPU, optimizer on CPU."""
-        values = {"tiled_loss": False, "tiled_mlp": False, "activation_checkpointing": "checkpoint"}
+        values = {
+            "tiled_loss": False,
+            "tiled_mlp": False,
+            "tiled_norms": False,
+            "activation_checkpointing": "checkpoint",
+        }
         return cls(**{**values, "cpu_offload_optimizer": True, **overrides})
 
     @classmethod
     def all_on(cls, **overrides: Any) -> Features:
         """Every feature on: tiled loss and MLP, checkpoints offloaded to the host, optimizer on CPU."""
-        values = {"tiled_mlp": True, "activation_checkpointing": "offload", "cpu_offload_optimizer": True}
+        values = {
+            "tiled_mlp": True,
+            "tiled_norms": True,
+            "activation_checkpointing": "offload",
+            "cpu_offload_optimizer": True,
+        }
         return cls(**{**values, **overrides})
 
     # ---------------------------------------------------------------------------------------------- derived
@@ -128,6 +150,7 @@ class Features:
         return dataclasses.replace(
             self.features(),
             activation_checkpointing=("checkpoint" if on_cpu else "offload") if mode == "auto" else mode,
+            checkpoint_stride=self.checkpoint_stride or 1,
             dtype=("fp32" if on_cpu else "bf16") if self.dtype == "auto" else self.dtype,
         )
 
@@ -149,7 +172,9 @@ class Features:
                 "tiled loss" if self.tiled_loss else "plain loss",
                 "tiled MLP" if self.tiled_mlp else "plain MLP",
                 f"head chunks {self.head_chunks or 'auto'}",
-                f"activation checkpointing {self.activation_checkpointing}",
+                "tiled norms" if self.tiled_norms else "plain norms",
+                f"activation checkpointing {self.activation_checkpointing}"
+                + (f" every {self.checkpoint_stride} layers" if (self.checkpoint_stride or 1) > 1 else ""),
                 "optimizer on CPU" if self.cpu_offload_optimizer else "optimizer on GPU",
                 self.parallel.upper(),
                 self.dtype,
@@ -162,6 +187,7 @@ def apply_features(model: nn.Module, features: Features, device_type: str) -> Fe
     ``device_type``. The parallel wrapper, dtype and optimizer offload are the caller's (they wrap the model)."""
     from .offload import enable_activation_checkpointing
     from .tiled_loss import enable_tiled_loss
+    from .tiled_norms import enable_tiled_norms
     from .tiling import enable_tiled_mlp
 
     resolved = features.resolve(device_type)
@@ -169,6 +195,8 @@ def apply_features(model: nn.Module, features: Features, device_type: str) -> Fe
         enable_tiled_loss(model, chunk_tokens=resolved.loss_chunk_tokens, budget_bytes=resolved.loss_budget_bytes)
     if resolved.tiled_mlp:
         enable_tiled_mlp(model, chunk_tokens=resolved.mlp_chunk_tokens)
+    if resolved.tiled_norms:  # after the MLPs: the norm before each tiled MLP is fused into its chunks
+        enable_tiled_norms(model, chunk_tokens=resolved.mlp_chunk_tokens)
     if resolved.activation_checkpointing != "none":
-        enable_activation_checkpointing(model, resolved.activation_checkpointing)
+        enable_activation_checkpointing(model, resolved.activation_checkpointing, stride=resolved.checkpoint_stride)
     return resolved

@@ -42,8 +42,10 @@ from torch.autograd.function import once_differentiable
 from .hf import find_pretrained, mlp_modules, text_config
 
 __all__ = [
+    "TiledForward",
     "Replay",
     "TiledMLP",
+    "check_chunk_tokens",
     "default_chunk_tokens",
     "disable_tiled_mlp",
     "enable_tiled_mlp",
@@ -55,6 +57,14 @@ MIN_CHUNK_TOKENS = 1024
 def default_chunk_tokens(hidden_size: int) -> int:
     """Tokens per chunk when none is given: ``max(1024, hidden_size)`` (see the module docstring)."""
     return max(MIN_CHUNK_TOKENS, hidden_size)
+
+
+def check_chunk_tokens(chunk_tokens: Any) -> None:
+    """ValueError unless ``chunk_tokens`` is a positive int or None."""
+    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)):
+        raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens}")
 
 
 def _spans(length: int, chunk: int) -> list[tuple[int, int]]:
@@ -84,11 +94,11 @@ class Replay:
             yield
 
 
-class _TiledMLPFunction(torch.autograd.Function):
-    """``out = mlp(x)`` chunk by chunk; saves only ``x``; backward recomputes chunk by chunk."""
+class _TiledFunction(torch.autograd.Function):
+    """``out = tiled(x)`` chunk by chunk; saves only ``x``; backward recomputes chunk by chunk."""
 
     @staticmethod
-    def forward(ctx: Any, tiled: TiledMLP, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, tiled: TiledForward, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.tiled, ctx.num_params = tiled, len(params)
         ctx.replay = Replay(x.device)
         ctx.save_for_backward(x)
@@ -98,7 +108,7 @@ class _TiledMLPFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (x,) = ctx.saved_tensors
-        tiled: TiledMLP = ctx.tiled
+        tiled: TiledForward = ctx.tiled
         params = tiled.trainable_parameters()
         if len(params) != ctx.num_params:
             raise RuntimeError(
@@ -140,37 +150,48 @@ class _TiledMLPFunction(torch.autograd.Function):
         return (None, grad_x, *param_grads)
 
 
-class TiledMLP:
-    """The ``forward`` that :func:`enable_tiled_mlp` installs on one MLP module.
+class TiledForward:
+    """The ``forward`` installed on one token-wise module: the module over chunks of tokens, keeping only its input.
 
     Args:
-        module: the MLP (``LlamaMLP``, a MoE block, ... possibly holding PEFT adapters).
-        chunk_tokens: tokens per chunk along the sequence, or None for :func:`default_chunk_tokens`.
+        module: the module (an MLP, a MoE block, a norm, ... possibly holding PEFT adapters).
+        chunk_tokens: tokens per chunk along dim -2, or None for :func:`default_chunk_tokens`.
         previous: the module's own instance-level ``forward`` if it had one (e.g. a hook of another
-            library), called per chunk and restored by :func:`disable_tiled_mlp`.
+            library), called per chunk and restored when tiling is turned off.
 
-    Called as ``mlp(hidden_states)`` with ``hidden_states [..., n, h]``; returns ``[..., n, h_out]``.
+    ``pre`` / ``pre_forward`` (None unless :mod:`ulysses_sp.tiled_norms` fuses a norm in): a token-wise module
+    run on each chunk first, so the module computes ``module(pre(chunk))`` and ``pre``'s output is never held
+    whole. Called with one tensor ``[..., n, h]``; returns ``[..., n, h_out]``.
     """
+
+    hint = "call ulysses_sp.disable_tiled_mlp(model)"  # how to turn it off, named in errors
+    called_as = "module(hidden_states [b, n, h])"  # the one call it accepts, named in errors
 
     def __init__(self, module: nn.Module, chunk_tokens: int | None, previous: Callable | None = None) -> None:
         self.module = module
         self.chunk_tokens = chunk_tokens
         self.previous = previous
+        self.pre: nn.Module | None = None
+        self.pre_forward: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.handed_over: Callable[[], torch.Tensor | None] | None = None  # weakref to what ``pre`` returned
 
     def chunk_size(self, x: torch.Tensor) -> int:
         return self.chunk_tokens if self.chunk_tokens is not None else default_chunk_tokens(x.shape[-1])
 
     def call_module(self, chunk: torch.Tensor) -> torch.Tensor:
-        """The original forward on one chunk (``[..., c, h]``)."""
+        """The original forward on one chunk (``[..., c, h]``), after the fused ``pre`` module if any."""
+        if self.pre_forward is not None:
+            chunk = self.pre_forward(chunk)
         if self.previous is not None:
             return self.previous(chunk)
         return type(self.module).forward(self.module, chunk)
 
     def trainable_parameters(self) -> list[torch.Tensor]:
-        return [p for p in self.module.parameters() if p.requires_grad]
+        modules = [self.module] + ([self.pre] if self.pre is not None else [])
+        return [p for m in modules for p in m.parameters() if p.requires_grad]
 
     def run_chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP over ``x [..., n, h]`` one chunk at a time, into one ``[..., n, h_out]`` buffer."""
+        """The module over ``x [..., n, h]`` one chunk at a time, into one ``[..., n, h_out]`` buffer."""
         name = type(self.module).__name__
         out: torch.Tensor | None = None
         version = x._version
@@ -180,17 +201,17 @@ class TiledMLP:
             if not isinstance(result, torch.Tensor):
                 raise ValueError(
                     f"{name}.forward returns {type(result).__name__}, not a tensor (e.g. router logits for an "
-                    "auxiliary loss), which tiling would split and detach; call ulysses_sp.disable_tiled_mlp(model)"
+                    f"auxiliary loss), which tiling would split and detach; {self.hint}"
                 )
             if result.shape[:-1] != chunk.shape[:-1]:
                 raise ValueError(
                     f"{name} maps {tuple(chunk.shape)} to {tuple(result.shape)}: not token by token, so it cannot "
-                    "be tiled along the sequence; call ulysses_sp.disable_tiled_mlp(model)"
+                    f"be tiled along the sequence; {self.hint}"
                 )
             if x._version != version:
                 raise ValueError(
                     f"{name}.forward modifies its input in place (e.g. router_jitter_noise > 0 in training), "
-                    "which tiling cannot recompute; turn that off or call ulysses_sp.disable_tiled_mlp(model)"
+                    f"which tiling cannot recompute; turn that off or {self.hint}"
                 )
             if length == x.shape[-2]:
                 return result
@@ -203,23 +224,43 @@ class TiledMLP:
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 2:
             raise ValueError(
-                f"tiled {type(self.module).__name__} expects to be called as mlp(hidden_states [b, n, h]); got "
-                f"{len(args)} more positional and {sorted(kwargs)} keyword arguments; call "
-                "ulysses_sp.disable_tiled_mlp(model) for this model"
+                f"tiled {type(self.module).__name__} expects to be called as {self.called_as}; got "
+                f"{len(args)} more positional and {sorted(kwargs)} keyword arguments; {self.hint} for this model"
             )
         if hidden_states.shape[-2] == 0:
             return self.call_module(hidden_states)
-        if _collecting_router_logits():
-            raise ValueError(
-                "router logits are being collected (output_router_logits=True, for the auxiliary loss): tiled "
-                "MoE blocks would record them per chunk and without gradient; pass output_router_logits=False "
-                "or call ulysses_sp.disable_tiled_mlp(model)"
-            )
         params = self.trainable_parameters()
         if not torch.is_grad_enabled() or not (hidden_states.requires_grad or params):
             with torch.no_grad():
                 return self.run_chunks(hidden_states)
-        return _TiledMLPFunction.apply(self, hidden_states, *params)
+        return _TiledFunction.apply(self, hidden_states, *params)
+
+
+class TiledMLP(TiledForward):
+    """The ``forward`` that :func:`enable_tiled_mlp` installs on one MLP module (see :class:`TiledForward`).
+
+    Called as ``mlp(hidden_states)`` with ``hidden_states [..., n, h]``; returns ``[..., n, h_out]``.
+    """
+
+    called_as = "mlp(hidden_states [b, n, h])"
+
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.pre is not None:  # a norm fused in: it returned its input, which must be what arrives here
+            handed = self.handed_over() if self.handed_over is not None else None
+            self.handed_over = None
+            if hidden_states is not handed:
+                raise ValueError(
+                    f"{type(self.pre).__name__} is fused into the tiled {type(self.module).__name__}, but the MLP "
+                    "received something other than that norm's output: this decoder layer is not a pre-norm block "
+                    "whose norm feeds only its MLP; call ulysses_sp.disable_tiled_norms(model)"
+                )
+        if _collecting_router_logits():
+            raise ValueError(
+                "router logits are being collected (output_router_logits=True, for the auxiliary loss): tiled MoE "
+                "blocks would record them per chunk and without gradient; pass output_router_logits=False or "
+                f"{self.hint}"
+            )
+        return super().__call__(hidden_states, *args, **kwargs)
 
 
 def _collecting_router_logits() -> bool:
@@ -249,10 +290,7 @@ def enable_tiled_mlp(model: nn.Module, *, chunk_tokens: int | None = None) -> nn
     Raises ValueError if the model is already tiled, has no recognisable MLP, ``chunk_tokens`` is not a
     positive int, or its config collects router logits (``output_router_logits=True``).
     """
-    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)):
-        raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
-    if chunk_tokens is not None and chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens}")
+    check_chunk_tokens(chunk_tokens)
     pretrained = find_pretrained(model, "enable_tiled_mlp")
     mlps = mlp_modules(pretrained)
     if any(_installed(m) is not None for m in mlps):
@@ -270,12 +308,18 @@ def enable_tiled_mlp(model: nn.Module, *, chunk_tokens: int | None = None) -> nn
 
 
 def disable_tiled_mlp(model: nn.Module) -> nn.Module:
-    """Undo :func:`enable_tiled_mlp`: every MLP gets its own forward back (a no-op on an untiled model)."""
+    """Undo :func:`enable_tiled_mlp`: every MLP gets its own forward back (a no-op on an untiled model).
+
+    Raises ValueError, changing nothing, while :func:`ulysses_sp.enable_tiled_norms` has a norm fused into one.
+    """
     pretrained = find_pretrained(model, "disable_tiled_mlp")
-    for module in pretrained.modules():
-        tiled = _installed(module)
-        if tiled is None:
-            continue
+    installed = [(m, t) for m in pretrained.modules() if (t := _installed(m)) is not None]
+    if any(tiled.pre is not None for _, tiled in installed):
+        raise ValueError(
+            "a norm is fused into the tiled MLPs of this model; call ulysses_sp.disable_tiled_norms(model) before "
+            "ulysses_sp.disable_tiled_mlp(model)"
+        )
+    for module, tiled in installed:
         if tiled.previous is not None:
             module.forward = tiled.previous
         else:

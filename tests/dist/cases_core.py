@@ -30,16 +30,21 @@ def reference(model, batch):
     return out.loss.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
 
 
-def sequence_parallel(model, batch, layout, **kwargs):
-    """This rank's share of the dp x sp run: its dp rows, its sequence shard; grads averaged over the world."""
+def sequence_parallel(model, batch, layout, prepare=None, **kwargs):
+    """This rank's share of the dp x sp run: its dp rows, its sequence shard; grads averaged over the world.
+
+    ``prepare(par)``: called on the parallelized copy before the step (memory features, an FSDP2 wrapping,
+    which then reduces the grads itself); it returns True when it wrapped the model so."""
     par = U.parallelize(copy.deepcopy(model), layout, **kwargs)
+    wrapped = prepare(par) if prepare is not None else False
     rows = batch["input_ids"].shape[0] // layout.dp
     mine = {k: v[layout.dp_rank * rows : (layout.dp_rank + 1) * rows] for k, v in batch.items()}
     shard = U.shard_batch(mine, layout)
     inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
     loss = U.sequence_parallel_cross_entropy(par(**inputs).logits, shard["shift_labels"], layout)
     loss.backward()
-    U.sync_gradients(par, layout, bucket_numel=5000)  # several buckets, some holding several grads
+    if not wrapped:
+        U.sync_gradients(par, layout, bucket_numel=5000)  # several buckets, some holding several grads
     return loss.detach(), {n: p.grad for n, p in par.named_parameters()}, par
 
 

@@ -1,4 +1,4 @@
-"""Multi-rank cases for tiled MLP and activation checkpointing/offload, run by test_memory_features_parity.py.
+"""Multi-rank cases for tiled MLP + norms and activation checkpointing/offload, run by test_memory_features_parity.py.
 
 Each case trains one step of the same tiny model under Ulysses (sp=2, or dp=2 x sp=2 on 4 ranks) with the
 memory features on (once with the tiled loss too), wrapped in DDP or FSDP2 (``fully_shard`` per decoder
@@ -70,8 +70,9 @@ def check_features(
 
     par = U.parallelize(copy.deepcopy(model), layout, head_chunks=head_chunks)
     wrapped = wrap(par, wrapper) if after_wrap else None
-    if tiled:
+    if tiled:  # the tiled layer: MLP and norms (the MLP's norm fused into its chunks)
         U.enable_tiled_mlp(par, chunk_tokens=chunk)  # 12 tokens per rank: chunks of 5, 5 and 2
+        U.enable_tiled_norms(par, chunk_tokens=chunk)
     U.enable_activation_checkpointing(par, checkpointing)
     if tiled_loss:
         U.enable_tiled_loss(par, chunk_tokens=7)

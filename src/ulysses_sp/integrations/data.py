@@ -179,8 +179,8 @@ def layout_for_model(model: torch.nn.Module, sp_size: int, device: Any, ring: in
 
 def loss_only_features(tiled_loss: bool) -> Features:
     """The memory features the integrations switch on: the tiled loss (or not). Activation checkpointing is the
-    framework's own (``TrainingArguments(gradient_checkpointing=...)``); the tiled MLP is left to the user."""
-    return Features(tiled_loss=tiled_loss, tiled_mlp=False, activation_checkpointing="none")
+    framework's own (``TrainingArguments(gradient_checkpointing=...)``); the tiled MLP and norms are the user's."""
+    return Features(tiled_loss=tiled_loss, tiled_mlp=False, tiled_norms=False, activation_checkpointing="none")
 
 
 def check_world_size(framework_world: int, layout: ParallelLayout, fix: str) -> None:

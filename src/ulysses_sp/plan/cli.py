@@ -194,6 +194,8 @@ def plan_command(argv: Sequence[str]) -> int:
     )
     print(f"layout: {plan.layout_reason}")
     print(f"features: {plan.features.describe()}")
+    if plan.checkpoint_choice:
+        print(f"checkpoints: {plan.checkpoint_choice}")
     print(_table(plan))
     print(f"longest trainable sequence with these settings: {longest:,} tokens ({longest // args.sp:,} per rank)")
     reach = "reaches" if advice.reaches_target else "cannot reach"

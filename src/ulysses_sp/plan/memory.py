@@ -6,9 +6,8 @@ library trains it: Ulysses attention over ``sp`` ranks, FSDP2 (or DDP) over the 
 AdamW, bf16 autocast with fp32 master weights (or fp32 throughout), and the long-sequence
 :class:`~ulysses_sp.features.Features`. It counts tensors, term by term, at the moments a step can peak
 (loss forward, loss backward, the backward of the last decoder layer's MLP and of its attention, the
-optimizer step) and returns the breakdown of the highest one in a :class:`MemoryPlan`. Every term says where
-it comes from; ``tests/unit/test_plan.py`` and ``tests/dist`` hold it against measured peaks
-(:mod:`ulysses_sp.simulate`).
+optimizer step) and returns the breakdown of the highest one in a :class:`MemoryPlan`. Every term says where it
+comes from; ``tests/unit/test_plan.py`` and ``tests/dist`` hold it against measured peaks (:mod:`..simulate`).
 
 Notation: P = sp, N = full sequence, t = micro_batch x ceil(N / P) tokens on this rank, h = hidden size,
 H / Hkv = query / kv heads, d = head dim, I = MLP width, V = vocabulary, L = layers, c = bytes of the
@@ -17,6 +16,7 @@ compute dtype (2 for bf16, 4 for fp32), W = dp x sp ranks.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -28,6 +28,7 @@ from ..tiled_loss import chunk_bytes_per_logit, loss_chunk_tokens
 from ..tiling import default_chunk_tokens
 from ..traffic import ulysses_bytes_per_layer
 from .attention import attention_terms, planned_head_chunks
+from .placement import choose_placement, placement_is_chosen
 from .shape import ModelShape, model_shape
 from .units import GiB
 
@@ -97,6 +98,7 @@ class MemoryPlan:
     host_bytes_per_node: int = 0
     host_memory_bytes: int = 0
     phases: dict[str, dict[str, int]] = field(default_factory=dict)  # every moment's breakdown
+    checkpoint_choice: str = ""  # where the planner put the checkpoints and why (placement.py), if it chose
 
     @property
     def peak_bytes(self) -> int:
@@ -142,6 +144,7 @@ class MemoryPlan:
             "fits_gpu": self.fits_gpu,
             "fits_host": self.fits_host,
             "fits": self.fits,
+            "checkpoint_choice": self.checkpoint_choice,
             "phases_bytes": {name: sum(parts.values()) for name, parts in self.phases.items()},
         }
 
@@ -211,9 +214,13 @@ def _terms(
     # output (saved by the projections after it). Input norm: under fp32 its input IS the layer input
     # (counted with the layer input), hence u; post-attention norm: the residual sum, always 4 bytes.
     norm_in = (u + 2 * c) * h
+    norm_post = (4 + 2 * c) * h
+    if features.tiled_norms:  # a norm keeps only its input: for the input norm the layer input (counted with it);
+        # fused into the tiled MLP, the residual sum; tiled alone, that and its output (saved by the plain MLP)
+        norm_in = c * h
+        norm_post = c * h if features.tiled_mlp else 2 * c * h
     if shape.qk_norm:  # per-head q/k norms: fp32 input + normalised copy (their output feeds RoPE, not saved)
         norm_in += (4 + c) * (heads + kv_heads) * d
-    norm_post = (4 + 2 * c) * h
     # The attention block and its exchanges (:mod:`ulysses_sp.plan.attention`), its heads in C chunks.
     chunks = planned_head_chunks(
         features.head_chunks, heads, kv_heads, ulysses, tokens=t * ulysses, head_dim=d, element_size=c
@@ -227,19 +234,21 @@ def _terms(
         mlp_saved, mlp_backward = 0.0, 6 * c * inter * mlp_chunk / t + (4 + c) * 3 * h * inter / t
     else:
         mlp_saved, mlp_backward = 4 * c * inter, 2 * c * inter
-    layer_input = c * h  # a layer's input: the checkpoint, or (fp32, no checkpointing) saved by its norm
-    per_layer = norm_in + attention_saved + o_proj_input + norm_post + mlp_saved + (layer_input if c == 4 else 0)
+    layer_input = c * h  # a layer's input: the checkpoint, or (fp32 or a tiled norm, no checkpointing) its norm's
+    input_saved = layer_input if c == 4 or features.tiled_norms else 0
+    per_layer = norm_in + attention_saved + o_proj_input + norm_post + mlp_saved + input_saved
     grad_stream = 2 * c * h  # the gradient of the residual stream and of the branch being differentiated
     rope = 2 * c * d * t  # cos and sin [t, d], shared by every layer
 
     # --- what the other layers hold while the last one runs its backward ---------------------------------
-    mode = features.activation_checkpointing
+    mode, stride = features.activation_checkpointing, min(features.checkpoint_stride or 1, layers)
+    kept, regrown = -(-layers // stride), (stride - 1) * layer_input * t  # heads' inputs; a group's recomputed
     if mode == "none":  # every layer keeps everything (and under fp32 its input, saved by its norm)
-        checkpoints, others, own_input = 0, (layers - 1) * per_layer * t, (layer_input if c == 4 else 0) * t
-    elif mode == "checkpoint":  # every layer's input stays on the GPU
-        checkpoints, others, own_input = layers * layer_input * t, 0, 0
+        checkpoints, others, own_input = 0, (layers - 1) * per_layer * t, input_saved * t
+    elif mode == "checkpoint":  # every kept input stays on the GPU
+        checkpoints, others, own_input = kept * layer_input * t + regrown, 0, 0
     else:  # offload: only the input being recomputed and the next one in flight are on the GPU
-        checkpoints, others, own_input = min(2, layers) * layer_input * t, 0, 0
+        checkpoints, others, own_input = min(2, layers) * layer_input * t + regrown, 0, 0
 
     # --- logits and loss --------------------------------------------------------------------------------
     final_norm = (u + 2 * c) * h * t  # the final RMSNorm's saved tensors and its output (lm_head's input)
@@ -307,7 +316,7 @@ def _terms(
         "optimizer step": {"weights": master, "gradients": sharded_grads, "optimizer": states + step_temp},
     }
     # Host memory of this rank: offloaded states (fp32 params, grads, AdamW) and offloaded checkpoints.
-    host = (16 * params // world if offload_states else 0) + (layers * layer_input * t if mode == "offload" else 0)
+    host = (16 * params // world if offload_states else 0) + (kept * layer_input * t if mode == "offload" else 0)
     return phases, host, t
 
 
@@ -370,12 +379,17 @@ def plan_memory(
         )
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    features = (features or Features()).resolve(device)
     if ring is None:
         ulysses, ring, reason = choose_layout(sp, shape.num_heads, shape.num_kv_heads, gpus_per_node)
     else:
         ring = resolve_ring_degree(sp, ring, shape.num_heads, shape.num_kv_heads)
         ulysses, reason = sp // ring, f"ulysses {sp // ring} x ring {ring} for sp={sp}: as given"
+    features = features or Features()
+    if placement_is_chosen(features, device, host_memory_bytes):  # where the checkpoints live, from both budgets
+        args = dict(seq_len=seq_len, sp=sp, dp=dp, ring=ring, gpus_per_node=gpus_per_node, micro_batch=micro_batch)
+        args.update(gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes, device=device)
+        return choose_placement(features, shape.num_layers, functools.partial(plan_memory, shape, **args))
+    features = features.resolve(device)
     phases, host, tokens = _terms(
         shape, seq_len=seq_len, sp=sp, ring=ring, dp=dp, features=features, micro_batch=micro_batch, device=device
     )

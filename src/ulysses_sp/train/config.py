@@ -60,6 +60,12 @@ class TrainConfig(Features):
         help="GPUs (ranks) per node, for the automatic --ring; 'none' = the launcher's LOCAL_WORLD_SIZE, else all "
         "ranks on one node.",
     )
+    host_memory: str = option(
+        "0",
+        help="Host memory per node, e.g. 1TiB; 0 = not given. On GPUs with --activation-checkpointing auto and no "
+        "--checkpoint-stride, the checkpoints' place (host or GPU) and stride are chosen, as `ulysses-sp plan` "
+        "does, so that they fit it and the GPU's memory; the choice is printed at start-up.",
+    )
     nproc: int | None = option(
         None,
         help="Number of processes to launch; 'none' = one per GPU, or 2 on a CPU-only machine.",
@@ -213,6 +219,7 @@ class TrainConfig(Features):
             _require(self.sp % self.ring == 0, f"--ring {self.ring} must divide --sp {self.sp}")
         if self.gpus_per_node is not None:
             _at_least("gpus_per_node", self.gpus_per_node, 1)
+        self.host_memory_bytes  # noqa: B018 (parses, naming the flag on error)
         for seq_len, _ in self.schedule().stages:
             _require(
                 seq_len >= self.sp,
@@ -275,6 +282,16 @@ class TrainConfig(Features):
         if self.lr is not None:
             return self.lr
         return 1e-2 if self.model == "llama-tiny" else 3e-4
+
+    @property
+    def host_memory_bytes(self) -> int:
+        """``--host-memory`` in bytes (0 = not given); ValueError naming the flag when it does not parse."""
+        from ulysses_sp.plan.units import parse_bytes
+
+        try:
+            return parse_bytes(self.host_memory)
+        except ValueError as error:
+            raise ValueError(f"--host-memory: {error}") from None
 
     def schedule(self) -> SeqLenSchedule:
         """The sequence-length schedule (a fixed ``seq_len`` when ``seq_len_schedule`` is empty)."""

@@ -18,6 +18,7 @@ state when it wraps the model.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,45 @@ def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
     attention = 6 * text_config.num_hidden_layers * heads * head_dim * seq_len
     return float(6 * matmul_params + attention)
+
+
+def place_checkpoints(
+    config: TrainConfig, hf_config: Any, *, layout: ParallelLayout, gpu_memory_bytes: int, gpus_per_node: int
+) -> tuple[TrainConfig, str]:
+    """``config`` with the checkpoints' place and stride the planner chooses for GPUs of ``gpu_memory_bytes``
+    and ``--host-memory`` (:mod:`ulysses_sp.plan.placement`), and the line that reports it; ``config``
+    unchanged and "" where it does not choose (a CPU, no ``--host-memory``, or the place or stride given)."""
+    from ulysses_sp.plan import plan_memory
+    from ulysses_sp.plan.placement import placement_is_chosen
+
+    if not placement_is_chosen(config, layout.device.type, config.host_memory_bytes):
+        return config, ""
+    plan = plan_memory(
+        hf_config,
+        seq_len=max(length for length, _ in config.schedule().stages),
+        sp=layout.sp,
+        dp=layout.dp,
+        ring=layout.ring,
+        gpu_memory_bytes=gpu_memory_bytes,
+        host_memory_bytes=config.host_memory_bytes,
+        gpus_per_node=gpus_per_node,
+        features=config.features(),
+        micro_batch=config.batch_size,
+    )
+    chosen = plan.features
+    placed = dataclasses.replace(
+        config, activation_checkpointing=chosen.activation_checkpointing, checkpoint_stride=chosen.checkpoint_stride
+    )
+    return placed, f"checkpoints: {plan.checkpoint_choice}"
+
+
+def smallest_gpu_memory(layout: ParallelLayout) -> int:
+    """The memory of the smallest GPU in the world (every rank must choose alike); 0 on a CPU."""
+    if layout.device.type != "cuda":
+        return 0
+    memory = torch.tensor([torch.cuda.get_device_properties(layout.device).total_memory], device=layout.device)
+    dist.all_reduce(memory, op=dist.ReduceOp.MIN)
+    return int(memory.item())
 
 
 def _full_model(config: TrainConfig, hf_config: Any, source: str | None) -> nn.Module:

@@ -13,6 +13,7 @@ user can act on, such as a full disk or non-finite training), 130 Ctrl-C, 143 st
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import sys
@@ -136,6 +137,7 @@ def run_rank(spec: RunSpec | None, config: TrainConfig | None = None) -> int:
     from ulysses_sp.train.config import config_to_dict
     from ulysses_sp.train.loop import Trainer
     from ulysses_sp.train.metrics import format_summary
+    from ulysses_sp.train.model_factory import place_checkpoints, smallest_gpu_memory
 
     _quiet_libraries()
     die_with_launcher(os.environ)
@@ -157,6 +159,15 @@ def run_rank(spec: RunSpec | None, config: TrainConfig | None = None) -> int:
             hybrid = f" (ulysses {layout.ulysses} x ring {layout.ring})" if layout.ring > 1 else ""
             print(f"layout: world {layout.world_size} = dp {layout.dp} x sp {layout.sp}{hybrid} on {layout.device}")
             print(f"  {spec.layout_reason}")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
+        memory = smallest_gpu_memory(layout)
+        placed, choice = place_checkpoints(
+            config, spec.model_config(), layout=layout, gpu_memory_bytes=memory, gpus_per_node=local
+        )
+        if choice:
+            spec = dataclasses.replace(spec, config=placed)
+            if layout.is_main:
+                print(choice, flush=True)
         summary = Trainer(spec, layout, signals).fit()
         if layout.is_main:
             metrics = os.path.join(config.output_dir, config.metrics_file)

@@ -36,7 +36,15 @@ _FREE_ON_RESUME = {"resume", "overwrite", "nproc", "max_steps", "epochs", "eval_
 _FREE_ON_RESUME |= {"output_dir", "save_every", "keep_last", "metrics_file", "dist_timeout", "final_save"}
 _FREE_ON_RESUME |= {"max_skipped_steps", "save_on_sigterm", "report_to", "gpus_per_node"}
 # Memory features: the same step, computed with less memory.
-_FREE_ON_RESUME |= {"activation_checkpointing", "tiled_loss", "loss_chunk_mib", "tiled_mlp", "mlp_chunk_tokens"}
+_FREE_ON_RESUME |= {
+    "activation_checkpointing",
+    "tiled_loss",
+    "loss_chunk_mib",
+    "tiled_mlp",
+    "tiled_norms",
+    "mlp_chunk_tokens",
+    "checkpoint_stride",
+}
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 

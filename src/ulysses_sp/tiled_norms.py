@@ -1,0 +1,147 @@
+"""Sequence-tiled norms: the token-wise norms of each decoder layer run over chunks of tokens, keeping only their input.
+
+Why: in a decoder layer's recompute + backward, a norm keeps its input, the normalised tensor and (saved by
+the projection after it) its output: three ``[tokens, hidden]`` tensors per norm (fp32 copies under bf16),
+next to the attention's few. Tiled like the MLP (:class:`ulysses_sp.tiling.TiledForward`: chunks under
+``no_grad`` in forward, recomputed chunk by chunk in backward), a norm keeps only its input, which is the
+residual stream the layer holds anyway; the normalised tensor exists for one chunk at a time.
+
+The norm that feeds a tiled MLP goes further: it is *fused* into the MLP's tiles. Its own forward then hands
+its input through unchanged, and the tiled MLP computes ``mlp(norm(chunk))`` per chunk, so that norm's
+output is never held whole either: the block ``norm -> MLP`` keeps one ``[tokens, hidden]`` tensor (its
+input) where it kept four. Which norm feeds the MLP is read from the layer's child names, as transformers
+writes them: ``pre_feedforward_layernorm`` / ``pre_mlp_layernorm`` (sandwich blocks: Gemma 2/3, AFMoE), else
+``post_attention_layernorm`` unless the layer also has a ``post_feedforward_layernorm`` / ``post_mlp_layernorm``
+(post-norm blocks such as OLMo 2/3 and EXAONE 4, where ``post_attention_layernorm`` normalises the attention
+output; GLM-4 is counted with them and its MLP's norm is tiled on its own). The tiled MLP checks on every call that it
+received exactly the tensor that norm handed through, and raises a ValueError otherwise; a layer whose
+fused norm's output fed anything but its MLP would not be caught by that check (no transformers decoder is
+built so: the pre-norm, sandwich and parallel blocks all feed the MLP's norm to the MLP alone).
+
+Norms are the children of a decoder layer that are ``nn.LayerNorm`` / ``nn.RMSNorm`` or whose class name
+ends in ``RMSNorm`` / ``LayerNorm`` (token-wise by construction; the tiled forward refuses one that maps
+``[b, n, h]`` to another shape). Norms inside attention (per-head q/k norms) are the attention's. Loss and
+gradients equal the untiled layer's; the cost is one more forward of each norm per step.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .hf import decoder_layers, find_pretrained
+from .tiling import TiledForward, TiledMLP, check_chunk_tokens
+
+__all__ = ["TiledNorm", "disable_tiled_norms", "enable_tiled_norms", "is_norm", "mlp_norm_name"]
+
+_NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
+_PRE_MLP_NAMES = ("pre_feedforward_layernorm", "pre_mlp_layernorm")  # sandwich blocks (Gemma 2/3, AFMoE)
+_POST_MLP_NAMES = ("post_feedforward_layernorm", "post_mlp_layernorm")
+
+
+def is_norm(module: nn.Module) -> bool:
+    """True for a token-wise norm module (LayerNorm / RMSNorm, torch's or a model's own)."""
+    return isinstance(module, nn.LayerNorm | nn.RMSNorm) or type(module).__name__.endswith(_NORM_SUFFIXES)
+
+
+def mlp_norm_name(layer: nn.Module) -> str | None:
+    """The child name of the norm whose output feeds ``layer``'s MLP, or None when the names do not say."""
+    children = layer._modules
+    for name in _PRE_MLP_NAMES:
+        if is_norm(children.get(name) or nn.Identity()):
+            return name
+    if any(name in children for name in _POST_MLP_NAMES):  # post-norm: post_attention_layernorm follows attention
+        return None
+    if is_norm(children.get("post_attention_layernorm") or nn.Identity()):
+        return "post_attention_layernorm"
+    return None
+
+
+class TiledNorm(TiledForward):
+    """The ``forward`` :func:`enable_tiled_norms` installs on one norm that is not fused into an MLP."""
+
+    hint = "call ulysses_sp.disable_tiled_norms(model)"
+    called_as = "norm(hidden_states [b, n, h])"
+
+
+class _HandThrough:
+    """The ``forward`` of a norm fused into the tiled MLP after it: returns its input, which the MLP normalises
+    chunk by chunk (and records it, so that the MLP can check it receives exactly that tensor)."""
+
+    def __init__(self, norm: nn.Module, mlp: TiledMLP, previous: Callable | None) -> None:
+        self.norm, self.mlp, self.previous = norm, mlp, previous
+
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs or not isinstance(hidden_states, torch.Tensor):
+            raise ValueError(
+                f"the fused {type(self.norm).__name__} expects norm(hidden_states [b, n, h]); got {len(args)} more "
+                f"positional and {sorted(kwargs)} keyword arguments; call ulysses_sp.disable_tiled_norms(model)"
+            )
+        self.mlp.handed_over = weakref.ref(hidden_states)
+        return hidden_states
+
+
+def _installed(module: nn.Module) -> TiledNorm | _HandThrough | None:
+    forward = module.__dict__.get("forward")
+    return forward if isinstance(forward, TiledNorm | _HandThrough) else None
+
+
+def enable_tiled_norms(model: nn.Module, *, chunk_tokens: int | None = None) -> nn.Module:
+    """Tile the norms of every decoder layer of ``model`` along the sequence (in place; returns ``model``).
+
+    Call it after :func:`ulysses_sp.enable_tiled_mlp` to fuse each MLP's norm into the MLP's tiles (without a
+    tiled MLP every norm is tiled on its own). ``chunk_tokens``: tokens per chunk of a norm tiled on its own,
+    or None for :func:`ulysses_sp.tiling.default_chunk_tokens` (a fused norm uses its MLP's chunks).
+    Raises ValueError, changing nothing, if the norms are already tiled or ``chunk_tokens`` is not a positive
+    int, or if no decoder layer has a norm.
+    """
+    check_chunk_tokens(chunk_tokens)
+    pretrained = find_pretrained(model, "enable_tiled_norms")
+    layers = decoder_layers(pretrained)
+    norms = [(layer, name, m) for layer in layers for name, m in layer.named_children() if is_norm(m)]
+    if not norms:
+        names = sorted({type(layer).__name__ for layer in layers}) or "none found"
+        raise ValueError(f"{type(pretrained).__name__} has no norm in its decoder layers ({names}) to tile")
+    if any(_installed(m) is not None for _, _, m in norms):
+        raise ValueError("the norms of this model are already tiled; call ulysses_sp.disable_tiled_norms(model) first")
+    for layer, name, norm in norms:
+        previous = norm.__dict__.get("forward")
+        mlp = _tiled_mlp(layer) if name == mlp_norm_name(layer) else None
+        if mlp is not None:
+            mlp.pre = norm
+            mlp.pre_forward = previous if previous is not None else functools.partial(type(norm).forward, norm)
+            norm.forward = _HandThrough(norm, mlp, previous)
+        else:
+            norm.forward = TiledNorm(norm, chunk_tokens, previous)
+    return model
+
+
+def _tiled_mlp(layer: nn.Module) -> TiledMLP | None:
+    """The tiled MLP directly under ``layer`` with no norm fused into it yet, if any."""
+    for child in layer.children():
+        forward = child.__dict__.get("forward")
+        if isinstance(forward, TiledMLP) and forward.pre is None:
+            return forward
+    return None
+
+
+def disable_tiled_norms(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable_tiled_norms`: every norm gets its own forward back, every MLP its norm (a no-op on an
+    untiled model)."""
+    pretrained = find_pretrained(model, "disable_tiled_norms")
+    for module in pretrained.modules():
+        installed = _installed(module)
+        if installed is None:
+            continue
+        if isinstance(installed, _HandThrough):
+            installed.mlp.pre = installed.mlp.pre_forward = installed.mlp.handed_over = None
+        if installed.previous is not None:
+            module.forward = installed.previous
+        else:
+            del module.forward
+    return model
