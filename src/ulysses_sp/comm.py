@@ -192,6 +192,16 @@ def out_local_grad(grad: torch.Tensor, sp: int) -> torch.Tensor:
     return grad.reshape(b, n, sp, heads // sp, d).permute(2, 0, 1, 3, 4).contiguous()
 
 
+def out_pair_send(first: torch.Tensor, second: torch.Tensor, sp: int) -> torch.Tensor:
+    """Two ``[b, n, P h, d]`` tensors (any strides) -> one send buffer ``[P, b, n, h, 2 d]``: :func:`out_local_grad`
+    of both, side by side in the last dim (they travel in one all-to-all; :func:`out_send_grad` then splits)."""
+    b, n, heads, d = first.shape
+    send = second.new_empty(sp, b, n, heads // sp, 2 * d)
+    for half, t in zip(send.split(d, dim=-1), (first, second), strict=True):
+        half.copy_(t.view(b, n, sp, heads // sp, d).permute(2, 0, 1, 3, 4))
+    return send
+
+
 def qkv_seq_to_heads(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -9,12 +9,14 @@ The order of the collectives depends only on C, so every rank issues the same ex
 
 Forward, per chunk (under no_grad): project q/k/v for the chunk's heads with the module's own code (its
 projections sliced to those heads), exchange (one fused all-to-all), core, exchange back, and add the
-chunk's share of the output projection into one ``[b, n, h]`` buffer. :class:`HeadChunkedFunction` saves only
-the block's input; its backward recomputes each chunk (projection, exchange, core, exchange back) and runs the
-chunk's backward by hand: output projection, the output exchange's adjoint (an all-to-all), the core's
-backward, the q/k/v exchange's adjoint (an all-to-all), the projections' backward. Collectives per layer:
-2C forward, 4C backward (2C of them the recompute). Only one or two chunks' q/k/v, exchange buffers and core
-working set exist at any time.
+chunk's share of the output projection into one ``[b, n, h]`` buffer. :class:`HeadChunkedFunction` saves the
+block's input and, where a block kernel runs the core (:mod:`ulysses_sp.chunk_core`), the core's output after
+the exchange back (``[b, n, H, d_v]``) and its log-sum-exp. Its backward runs each chunk by hand: the projections
+again (their graph), the q/k/v exchange, the output projection's backward, one exchange of the saved output and
+its gradient to the attending ranks, the kernel's fused backward, the q/k/v exchange's adjoint, the projections'
+backward. Collectives per layer: 2C forward, 3C backward. Where no kernel fits (a ring, dropout, a window,
+softcap, the eager core) the chunk's core and output exchange are recomputed instead and the core's backward is
+autograd's (4C backward). Only one or two chunks' q/k/v, exchange buffers and core working set exist at any time.
 
 On CUDA the exchanges run on the process group's own communication stream (``async_op=True``): the stream
 waits for the producer's work, ``work.wait()`` makes the compute stream wait for the exchange without blocking
@@ -34,9 +36,11 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .attention import AttentionCall, pad_qkv
+from .chunk_core import chunk_kernel, kernel_backward, kernel_forward
 from .comm import (
     out_local,
     out_local_grad,
+    out_pair_send,
     out_send_buffer,
     out_send_grad,
     qkv_full,
@@ -107,7 +111,8 @@ class ChunkRun:
 
     ``place(x)`` gives the module's call arguments with ``x`` as its hidden states; ``prepare`` / ``attend``
     are :meth:`UlyssesAttention.prepare` / :meth:`UlyssesAttention.core_for` (the probe passes a local core),
-    ``group`` the Ulysses group (None: no exchange).
+    ``group`` the Ulysses group (None: no exchange); ``fused``: run the core through a block kernel where one fits
+    (:func:`ulysses_sp.chunk_core.chunk_kernel`) and keep what its backward needs.
     """
 
     def __init__(
@@ -119,6 +124,7 @@ class ChunkRun:
         prepare: Callable[..., AttentionCall],
         attend: Callable[..., torch.Tensor],
         group: dist.ProcessGroup | None,
+        fused: bool = False,
     ) -> None:
         self.owner, self.place, self.split = owner, place, split
         self.prepare, self.attend, self.group = prepare, attend, group
@@ -126,6 +132,12 @@ class ChunkRun:
         self.stats = owner.ctx.stats if group is not None else None
         self.wire = owner.ctx.comm_dtype
         self.rng: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * split.chunks
+        # Chunks whose core runs through a block kernel (None: recomputed in backward), their lse and, for the
+        # forward that saves them, the core outputs after the exchange back [b, n, H, d_v] (filled chunk by chunk).
+        self.fused = fused
+        self.kernels: list[Any | None] = [None] * split.chunks
+        self.lse: list[torch.Tensor | None] = [None] * split.chunks
+        self.local: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------- slices
     def part(self, name: str, chunk: int, t: torch.Tensor) -> torch.Tensor:
@@ -165,8 +177,11 @@ class ChunkRun:
         call = self.prepare(self.owner.module, *captured.qkv, captured.mask, **captured.kwargs)
         return (*pad_qkv(*captured.qkv, call.width), call)
 
-    def _exchange(self, send: torch.Tensor) -> Generator[None, None, torch.Tensor]:
-        """Launch the all-to-all of ``send``, yield while it is in flight, return what arrived (compute dtype)."""
+    def _exchange(self, send: torch.Tensor | list[torch.Tensor]) -> Generator[None, None, torch.Tensor]:
+        """Launch the all-to-all of ``send``, yield while it is in flight, return what arrived (compute dtype).
+        ``send`` may come in a one-element list, which is emptied: then no caller's name keeps it alive."""
+        if isinstance(send, list):
+            send = send.pop()
         if self.sp == 1:
             return send
         dtype = send.dtype
@@ -181,8 +196,9 @@ class ChunkRun:
         return recv.to(dtype)
 
     # ------------------------------------------------------------------------------------------- forward
-    def forward_chunk(self, x: torch.Tensor, chunk: int, out: torch.Tensor) -> Stages:
-        """Add chunk ``chunk``'s share of the output projection into ``out [b, n, h]`` (no_grad)."""
+    def forward_chunk(self, x: torch.Tensor, chunk: int, out: torch.Tensor, save: bool = False) -> Stages:
+        """Add chunk ``chunk``'s share of the output projection into ``out [b, n, h]`` (no_grad); ``save``: keep
+        what the fused backward needs (the core's output after the exchange back and its lse)."""
         q, k, v, call = self.project(x, chunk, self.weights(chunk))
         heads, kv_heads = q.shape[1], k.shape[1]
         recv = yield from self._exchange(qkv_send_buffer(q, k, v, self.sp))
@@ -192,25 +208,95 @@ class ChunkRun:
         q_f, k_f, v_f = full.split(_split(heads, kv_heads, self.sp), dim=1)
         if call.dropout:
             self.rng[chunk] = _rng_state(x.device)
-        core_out = self.attend(q_f, k_f, v_f, call)  # [b, N, Hc/P, d_v]
+        kernel = self.kernel_for(call, q_f) if save else None
+        if kernel is not None:
+            core_out, self.lse[chunk] = kernel_forward(kernel, q_f, k_f, v_f, call)  # [b, N, Hc/P, d_v]
+            self.kernels[chunk] = kernel
+        else:
+            core_out = self.attend(q_f, k_f, v_f, call)  # [b, N, Hc/P, d_v]
         del full, q_f, k_f, v_f
         recv = yield from self._exchange(out_send_buffer(core_out, self.sp))
         del core_out
-        local = out_local(recv)  # [b, n, Hc, d_v]
+        if kernel is not None:  # [b, n, Hc, d_v]: this chunk's heads of the saved output, filled in place
+            local = self.saved_local(recv, chunk)
+            local.view(*local.shape[:2], *recv.shape[0:1], *recv.shape[3:]).copy_(recv.permute(1, 2, 0, 3, 4))
+        else:
+            local = out_local(recv)  # [b, n, Hc, d_v]
         del recv
         weight = self.part(self.owner.names.out, chunk, self.owner.out_proj().weight)  # [h, Hc d_v]
         out.view(-1, out.shape[-1]).addmm_(local.reshape(-1, weight.shape[1]), weight.t().to(out.dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def kernel_for(self, call: AttentionCall, q: torch.Tensor) -> Any | None:
+        if not self.fused:
+            return None
+        return chunk_kernel(call, q, ring=self.owner.ctx.layout.ring, core_name=self.owner.ctx.core_name)
+
+    def saved_local(self, recv: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Chunk ``chunk``'s heads of the saved core output ``[b, n, H, d_v]`` (allocated on first use), for the
+        received output ``recv [P, b, n, Hc/P, d_v]``."""
+        if self.local is None:
+            _, b, n, _, d_v = recv.shape
+            self.local = recv.new_empty(b, n, self.split.num_heads, d_v)
+        start, count = self.split.query_heads(chunk)
+        return self.local.narrow(2, start, count)
+
+    def forward(self, x: torch.Tensor, save: bool = False) -> torch.Tensor:
         """The block's output ``[b, n, h]``: every chunk's share, then the output projection's bias."""
         out_proj = self.owner.out_proj()
         out = x.new_zeros(*x.shape[:-1], out_proj.out_features, dtype=_compute_dtype(x))
-        run_interleaved(self.forward_chunk(x, c, out) for c in range(self.split.chunks))
+        run_interleaved(self.forward_chunk(x, c, out, save) for c in range(self.split.chunks))
         if out_proj.bias is not None:
             out += out_proj.bias
         return out
 
     # ------------------------------------------------------------------------------------------- backward
+    def out_proj_backward(
+        self, chunk: int, grad_out: torch.Tensor, local: torch.Tensor, acc: _Accumulators
+    ) -> torch.Tensor:
+        """The output projection's backward for chunk ``chunk``: its weight columns' gradient into ``acc`` and the
+        gradient of its input ``local [b, n, Hc, d_v]`` (returned)."""
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
+        out_name = self.owner.names.out
+        weight = self.part(out_name, chunk, self.owner.out_proj().weight)  # [h, Hc d_v]
+        if acc.out_weight is not None:
+            self.part(out_name, chunk, acc.out_weight).add_(grad_2d.t().mm(local.reshape(-1, weight.shape[1])))
+        return grad_2d.mm(weight.to(grad_2d.dtype)).view(local.shape)
+
+    def fused_backward_chunk(
+        self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: _Accumulators, saved: tuple
+    ) -> Stages:
+        """Chunk ``chunk``'s gradients into ``acc`` from its saved core output and lse (``saved``), no recompute of
+        the core: projections, q/k/v exchange, output projection, one exchange of the output and its gradient,
+        the kernel's backward, the gradients' exchange, the projections' backward."""
+        local_all, lse = saved
+        leaves = self.weights(chunk, leaves=True)
+        with torch.enable_grad():
+            q, k, v, call = self.project(x, chunk, leaves)
+        heads, kv_heads = q.shape[1], k.shape[1]
+        recv = yield from self._exchange(qkv_send_buffer(q.detach(), k.detach(), v.detach(), self.sp))
+        full = qkv_full(recv)  # [b, h, N, d]
+        del recv
+        start, count = self.split.query_heads(chunk)
+        local = local_all.narrow(2, start, count)  # [b, n, Hc, d_v]
+        grad_local = self.out_proj_backward(chunk, grad_out, local, acc)  # [b, n, Hc, d_v]
+        d_v = local.shape[-1]
+        box = [out_pair_send(local, grad_local, self.sp)]  # [P, b, n, Hc/P, 2 d_v], held by the exchange alone
+        del grad_local
+        recv = yield from self._exchange(box)
+        core_out, core_grad = out_send_grad(recv).split(d_v, dim=-1)  # [b, N, Hc/P, d_v] each
+        del recv
+        q_f, k_f, v_f = full.split(_split(heads, kv_heads, self.sp), dim=1)
+        grads = kernel_backward(self.kernels[chunk], core_grad, q_f, k_f, v_f, core_out, lse, call)
+        del core_out, core_grad, q_f, k_f, v_f, full
+        grad_full = torch.cat(grads, dim=1)  # [b, h, N, d]
+        del grads
+        box = [qkv_full_grad(grad_full, self.sp)]
+        del grad_full
+        recv = yield from self._exchange(box)
+        grads = qkv_send_grad(recv, heads, kv_heads)
+        del recv
+        acc.add_chunk(self, chunk, (q, k, v), grads, x, leaves)
+
     def backward_chunk(self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: _Accumulators) -> Stages:
         """Recompute chunk ``chunk`` and add its gradients into ``acc``."""
         leaves = self.weights(chunk, leaves=True)
@@ -225,12 +311,7 @@ class ChunkRun:
         recv = yield from self._exchange(out_send_buffer(core_out.detach(), self.sp))
         local = out_local(recv)  # [b, n, Hc, d_v]
         del recv
-        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
-        out_name = self.owner.names.out
-        weight = self.part(out_name, chunk, self.owner.out_proj().weight)  # [h, Hc d_v]
-        if acc.out_weight is not None:
-            self.part(out_name, chunk, acc.out_weight).add_(grad_2d.t().mm(local.reshape(-1, weight.shape[1])))
-        grad_local = grad_2d.mm(weight.to(grad_2d.dtype)).view(local.shape)
+        grad_local = self.out_proj_backward(chunk, grad_out, local, acc)  # [b, n, Hc, d_v]
         del local
         recv = yield from self._exchange(out_local_grad(grad_local, self.sp))
         del grad_local
@@ -242,12 +323,26 @@ class ChunkRun:
         del recv
         acc.add_chunk(self, chunk, (q, k, v), grads, x, leaves)
 
-    def backward(self, x: torch.Tensor, grad_out: torch.Tensor, needs: tuple[bool, ...]) -> tuple:
-        """Gradients of ``(x, *params)`` (None where not needed) for ``grad_out [b, n, h]``."""
+    def backward(
+        self,
+        x: torch.Tensor,
+        grad_out: torch.Tensor,
+        needs: tuple[bool, ...],
+        local: torch.Tensor | None = None,
+        lse: tuple[torch.Tensor | None, ...] = (),
+    ) -> tuple:
+        """Gradients of ``(x, *params)`` (None where not needed) for ``grad_out [b, n, h]``; ``local`` / ``lse``:
+        what the forward saved for the chunks whose core ran through a kernel."""
         x_leaf = x.detach().requires_grad_(needs[0])
         acc = _Accumulators(self.owner, x_leaf, needs, self.split.chunks)
         grad_out = grad_out.contiguous()
-        run_interleaved(self.backward_chunk(x_leaf, c, grad_out, acc) for c in range(self.split.chunks))
+
+        def chunk_stages(c: int) -> Stages:
+            if local is not None and c < len(lse) and lse[c] is not None and self.kernels[c] is not None:
+                return self.fused_backward_chunk(x_leaf, c, grad_out, acc, (local, lse[c]))
+            return self.backward_chunk(x_leaf, c, grad_out, acc)
+
+        run_interleaved(chunk_stages(c) for c in range(self.split.chunks))
         return acc.result(grad_out)
 
 
@@ -327,18 +422,22 @@ class _Accumulators:
 
 
 class HeadChunkedFunction(torch.autograd.Function):
-    """``out = attention block(x)`` in head chunks; saves only ``x``; backward recomputes chunk by chunk."""
+    """``out = attention block(x)`` in head chunks; saves ``x`` and, for the chunks whose core ran through a
+    kernel, its output after the exchange back and its lse (through ``save_for_backward``, so activation
+    checkpointing and offloading treat them as any saved tensor); backward works chunk by chunk."""
 
     @staticmethod
     def forward(ctx: Any, run: ChunkRun, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.run, ctx.replay = run, Replay(x.device)
-        ctx.save_for_backward(x)
-        return run.forward(x)
+        out = run.forward(x, save=True)
+        ctx.save_for_backward(x, run.local, *run.lse)
+        run.local, run.lse = None, [None] * run.split.chunks  # held by ctx alone from here
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (x,) = ctx.saved_tensors
+        x, local, *lse = ctx.saved_tensors
         with ctx.replay():
-            grad_x, *grads = ctx.run.backward(x, grad_out, tuple(ctx.needs_input_grad[1:]))
+            grad_x, *grads = ctx.run.backward(x, grad_out, tuple(ctx.needs_input_grad[1:]), local, tuple(lse))
         return (None, None if grad_x is None else grad_x.to(x.dtype), *grads)

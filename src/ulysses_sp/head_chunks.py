@@ -313,7 +313,7 @@ class HeadChunkedAttention:
                 return type(module).forward(module, *args, **kwargs)
         layout = self.ctx.layout
         group = layout.ulysses_group if layout.ulysses > 1 else None
-        run = ChunkRun(self, place, split, prepare=self.ctx.prepare, attend=self.ctx.core_for, group=group)
+        run = ChunkRun(self, place, split, prepare=self.ctx.prepare, attend=self.ctx.core_for, group=group, fused=True)
         params = self.trainable_parameters()
         if torch.is_grad_enabled() and (x.requires_grad or params):
             out = HeadChunkedFunction.apply(run, x, *params)

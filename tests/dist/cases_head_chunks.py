@@ -9,6 +9,7 @@ unchunked one 2 and 2, so a layer that silently fell back to the unchunked path 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -37,17 +38,38 @@ REFUSED = {
 }
 
 
-def all_to_alls(chunks: int, layers: int) -> int:
-    """All-to-alls of one forward + backward: per layer 2C + 4C chunked, 2 + 2 unchunked."""
-    return layers * (6 * chunks if chunks > 1 else 4)
+def all_to_alls(chunks: int, layers: int, fused: int = 0) -> int:
+    """All-to-alls of one forward + backward: per layer 2C forward and 4C backward chunked (3 for each of the
+    ``fused`` chunk backwards that used the saved output), 2 + 2 unchunked."""
+    return layers * (6 * chunks if chunks > 1 else 4) - fused
 
 
-def chunked_parity(layout, arch: str, chunks: int, *, layers: int = 2, **kwargs) -> None:
-    """check_parity with ``head_chunks=chunks``, and the all-to-all count of a chunked (or unchunked) run."""
+@contextlib.contextmanager
+def counting_fused():
+    """Count the chunk backwards that ran through a block kernel (``found[0]``)."""
+    found, kernel_backward = [0], head_chunk_pipeline.kernel_backward
+
+    def logged(*args, **kwargs):
+        found[0] += 1
+        return kernel_backward(*args, **kwargs)
+
+    head_chunk_pipeline.kernel_backward = logged
+    try:
+        yield found
+    finally:
+        head_chunk_pipeline.kernel_backward = kernel_backward
+
+
+def chunked_parity(layout, arch: str, chunks: int, *, layers: int = 2, fused: bool | None = None, **kwargs) -> None:
+    """check_parity with ``head_chunks=chunks``, and the all-to-all count of a chunked (or unchunked) run;
+    ``fused``: every chunk's backward must (True) or must not (False) run from the saved output."""
     stats = U.CommStats()
-    check_parity(layout, arch, head_chunks=chunks, stats=stats, **kwargs)
-    want = all_to_alls(chunks, layers) if layout.ulysses > 1 else 0
+    with counting_fused() as found:
+        check_parity(layout, arch, head_chunks=chunks, stats=stats, **kwargs)
+    want = all_to_alls(chunks, layers, found[0]) if layout.ulysses > 1 else 0
     assert stats.calls["all_to_all"] == want, (stats.calls, want)
+    if fused is not None and chunks > 1:
+        assert found[0] == (layers * chunks if fused else 0), (found[0], fused)
 
 
 def arch_chunked_or_refused(layout, arch: str, kv_heads: int | None, batch, train: bool) -> None:
@@ -65,25 +87,22 @@ def arch_chunked_or_refused(layout, arch: str, kv_heads: int | None, batch, trai
 
 def family_cases(layout, prefix: str, heads: int, kv: int, chunks: tuple[int, ...]) -> dict:
     """The core parity suite's families with ``heads`` query heads: MHA, GQA (``kv`` kv heads), MQA, MLA with
-    v head dim != qk, windows with packed documents, softcap with the eager core, padding."""
-    cases = {}
+    v head dim != qk, windows with packed documents, softcap with the eager core, padding. Without a ring the
+    plain families' chunks run their backward from the saved output; windows and softcap recompute."""
+    cases, fused, windows = {}, layout.ring == 1, make_batch(2, 30, packed=(13, 17))
     for c in chunks:
+
+        def case(arch: str, kernel: bool, c: int = c, **kwargs) -> functools.partial:
+            return P(chunked_parity, layout, arch, c, heads=heads, fused=kernel, **kwargs)
+
         cases |= {
-            f"{prefix}_C{c}_mha": P(chunked_parity, layout, "llama", c, heads=heads),
-            f"{prefix}_C{c}_gqa": P(
-                chunked_parity, layout, "qwen3", c, heads=heads, kv_heads=kv, batch=make_batch(2, 24, packed=(10, 14))
-            ),
-            f"{prefix}_C{c}_mqa": P(chunked_parity, layout, "llama", c, heads=heads, kv_heads=1),
-            f"{prefix}_C{c}_mla_v4": P(chunked_parity, layout, "deepseek_v3_mla_v4", c, heads=heads),
-            f"{prefix}_C{c}_window_packed": P(
-                chunked_parity, layout, "mistral", c, heads=heads, kv_heads=kv, batch=make_batch(2, 30, packed=(13, 17))
-            ),
-            f"{prefix}_C{c}_softcap_eager": P(
-                chunked_parity, layout, "gemma2", c, heads=heads, kv_heads=kv, ref_attn="eager", core="eager"
-            ),
-            f"{prefix}_C{c}_padded": P(
-                chunked_parity, layout, "llama", c, heads=heads, kv_heads=kv, batch=make_batch(2, 23, pad="right")
-            ),
+            f"{prefix}_C{c}_mha": case("llama", fused),
+            f"{prefix}_C{c}_gqa": case("qwen3", fused, kv_heads=kv, batch=make_batch(2, 24, packed=(10, 14))),
+            f"{prefix}_C{c}_mqa": case("llama", fused, kv_heads=1),
+            f"{prefix}_C{c}_mla_v4": case("deepseek_v3_mla_v4", fused),
+            f"{prefix}_C{c}_window_packed": case("mistral", False, kv_heads=kv, batch=windows),
+            f"{prefix}_C{c}_softcap_eager": case("gemma2", False, kv_heads=kv, ref_attn="eager", core="eager"),
+            f"{prefix}_C{c}_padded": case("llama", fused, kv_heads=kv, batch=make_batch(2, 23, pad="right")),
         }
     return cases
 
@@ -117,16 +136,20 @@ class _LoggedWork:
         self.in_flight.discard(self.key)
 
 
-def overlap(layout, chunks: int = 4) -> None:
+def overlap(layout, chunks: int = 4, core: str = "sdpa") -> None:
     """Every core call (forward, its recompute in backward) and every core backward of a chunked layer runs while
-    another chunk's exchange is in flight (launched asynchronously, not yet waited for)."""
-    model = U.parallelize(build("llama", heads=8, kv_heads=2), layout, head_chunks=chunks)
+    another chunk's exchange is in flight (launched asynchronously, not yet waited for). ``core="sdpa"``: the
+    chunks' cores run through a block kernel and backward from the saved output; ``"eager"``: recomputed."""
+    model = U.parallelize(build("llama", heads=8, kv_heads=2), layout, head_chunks=chunks, core=core)
     ctx = U.ulysses_context(model)
     in_flight: set[int] = set()
     cores: list[int] = []  # exchanges in flight at each core call
     core_backwards: list[int] = []
     launched = [0]
-    start, grad, core_for = head_chunk_pipeline.start_all_to_all, torch.autograd.grad, ctx.core_for
+    pipeline = head_chunk_pipeline
+    saved = pipeline.start_all_to_all, torch.autograd.grad, pipeline.kernel_forward, pipeline.kernel_backward
+    start, grad, kernel_forward, kernel_backward = saved
+    core_for = ctx.core_for
 
     def logged_start(send, group, stats=None):
         recv, work = start(send, group, stats)
@@ -138,21 +161,32 @@ def overlap(layout, chunks: int = 4) -> None:
         cores.append(len(in_flight))
         return core_for(*args, **kwargs)
 
+    def logged_kernel(*args, **kwargs):
+        cores.append(len(in_flight))
+        return kernel_forward(*args, **kwargs)
+
+    def logged_kernel_backward(*args, **kwargs):
+        core_backwards.append(len(in_flight))
+        return kernel_backward(*args, **kwargs)
+
     def logged_grad(outputs, inputs, *args, **kwargs):
         if isinstance(inputs, torch.Tensor):  # the core's backward (the projections' pass lists)
             core_backwards.append(len(in_flight))
         return grad(outputs, inputs, *args, **kwargs)
 
-    head_chunk_pipeline.start_all_to_all, torch.autograd.grad, ctx.core_for = logged_start, logged_grad, logged_core
+    pipeline.start_all_to_all, torch.autograd.grad, ctx.core_for = logged_start, logged_grad, logged_core
+    pipeline.kernel_forward, pipeline.kernel_backward = logged_kernel, logged_kernel_backward
     try:
         shard = U.shard_batch(make_batch(1, 32), layout)
         U.causal_lm_loss(model, shard, layout).backward()
     finally:
-        head_chunk_pipeline.start_all_to_all, torch.autograd.grad = start, grad
+        pipeline.start_all_to_all, torch.autograd.grad, pipeline.kernel_forward, pipeline.kernel_backward = saved
         del ctx.core_for
     layers = model.config.num_hidden_layers
-    assert launched[0] == all_to_alls(chunks, layers) and not in_flight, (launched, in_flight)
-    assert len(cores) == 2 * chunks * layers and len(core_backwards) == chunks * layers, (cores, core_backwards)
+    fused = chunks * layers if core == "sdpa" else 0
+    assert launched[0] == all_to_alls(chunks, layers, fused) and not in_flight, (launched, in_flight)
+    core_calls = (1 if fused else 2) * chunks * layers  # the recomputing backward runs each core again
+    assert len(cores) == core_calls and len(core_backwards) == chunks * layers, (cores, core_backwards)
     assert all(cores) and all(core_backwards), f"a core ran with no exchange in flight: {cores}, {core_backwards}"
 
 
@@ -167,6 +201,7 @@ def world2_cases(sp2) -> dict:
         **archs,
         **feature_cases(sp2, "sp2", (2, 4)),
         "sp2_C4_exchanges_overlap_cores": P(overlap, sp2),
+        "sp2_C4_exchanges_overlap_cores_recomputed": P(overlap, sp2, core="eager"),
     }
 
 

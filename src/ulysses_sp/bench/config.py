@@ -12,9 +12,17 @@ __all__ = ["BENCH_MODELS", "PRESETS", "BenchConfig"]
 
 BENCH_MODELS = ("llama-bench-tiny", "llama-bench-small")  # shapes of ulysses_sp.shapes sized for a CPU
 PRESETS: dict[str, dict[str, Any]] = {
-    "small": dict(model="llama-bench-small", memory_seq_lens=(512, 1024, 2048, 4096), seq_len=2048, worlds=(2, 4)),
+    "small": dict(
+        model="llama-bench-small",
+        memory_seq_lens=(512, 1024, 2048, 4096),
+        seq_len=2048,
+        head_chunk_seq_len=4096,
+        worlds=(2, 4),
+    ),
     # For the test suite: a tiny model, seconds per section.
-    "tiny": dict(model="llama-bench-tiny", memory_seq_lens=(256, 512), seq_len=512, worlds=(2,)),
+    "tiny": dict(
+        model="llama-bench-tiny", memory_seq_lens=(256, 512), seq_len=512, head_chunk_seq_len=512, worlds=(2,)
+    ),
 }
 _PRESET_REPS = {"small": {2: 11, 4: 7}, "tiny": {2: 3}}  # timed repetitions per world size
 
@@ -30,6 +38,11 @@ class BenchConfig:
     )
     memory_sp: tuple[int, ...] = option((1, 2, 4), help="sp degrees of the per-rank memory section.", metavar="SPS")
     seq_len: int | None = option(None, help="Sequence length of the step-time worlds.")
+    head_chunk_seq_len: int | None = option(
+        None,
+        help="Sequence length of the head-chunk section (longer than --seq-len: head chunks are for long sequences, "
+        "where the attention core outweighs each chunk's fixed costs).",
+    )
     worlds: tuple[int, ...] | None = option(None, help="World sizes (gloo ranks) of the step-time section.")
     reps: int | None = option(None, help="Timed repetitions per world (after 1 warm-up).")
     deepspeed: bool = option(True, help="Run DeepSpeed's Ulysses side by side when it is installed.")
@@ -54,13 +67,16 @@ class BenchConfig:
             raise ValueError(
                 f"--model {self.model!r} is not a benchmark model; choose one of {', '.join(BENCH_MODELS)}"
             )
-        for name in ("seq_len", "reps"):
+        for name in ("seq_len", "head_chunk_seq_len", "reps"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         resolved = self.resolve()
-        if any(resolved.seq_len % world for world in resolved.worlds):
-            raise ValueError(f"--seq-len {resolved.seq_len} must be divisible by every world size {resolved.worlds}")
+        for name in ("seq_len", "head_chunk_seq_len"):
+            value = getattr(resolved, name)
+            if any(value % world for world in resolved.worlds):
+                flag = f"--{name.replace('_', '-')}"
+                raise ValueError(f"{flag} {value} must be divisible by every world size {resolved.worlds}")
 
     def resolve(self) -> BenchConfig:
         """The config with every 'none' filled from the ``--size`` preset (and the default output folder)."""

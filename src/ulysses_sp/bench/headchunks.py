@@ -1,13 +1,14 @@
 """The head-chunk benchmark: train-step time with the attention heads in C = 4 chunks over C = 1, same world.
 
 Runs on every rank of a gloo world (``run_world(world, "ulysses_sp.bench.headchunks:worker", params)``). The same
-attention-heavy model (``llama-bench-heads``: 16 heads, so 4 chunks split over 4 ranks) is built from one seed
-and parallelized with sp = world, with ``head_chunks=1`` (today's path) and ``head_chunks=4``, each without and with
+attention-heavy model (``llama-bench-heads``: 16 heads, so 4 chunks split over 4 ranks) is built from one seed and
+parallelized with sp = world, with ``head_chunks=1`` (today's path) and ``head_chunks=4``, each without and with
 activation checkpointing of the decoder layers (four models); train steps are timed interleaved
 (:func:`ulysses_sp.bench.steptime.time_interleaved`), and the ratio is taken repetition by repetition. With C = 4
-every layer issues 4x the all-to-alls (each a quarter of the size) and recomputes its attention block in backward;
-the exchange of chunk c+1 runs (asynchronously, in gloo's threads on the CPU) while chunk c's core computes, which
-is what is to pay for the chunking.
+every layer issues 5x the all-to-alls (each a quarter of the size) and projects q/k/v again in backward (the core's
+backward runs from its saved output and lse, :mod:`ulysses_sp.chunk_core`); the exchange of chunk c+1 runs
+(asynchronously, in gloo's threads on the CPU) while chunk c's core computes, which is what is to pay for the
+chunking.
 
 Also measured, in one C = 4 step: how long the ranks waited on exchanges inside the chunked layers during one step
 (:attr:`ulysses_sp.CommStats.wait_s`: the exchange time that was not hidden behind a core).

@@ -299,10 +299,12 @@ def _head_chunks(results: dict[str, Any]) -> list[str]:
         f"One gloo world per P; `{next(iter(results['head_chunks'].values()))['model']}` (16 heads, 4 kv heads) "
         "parallelized with sp = P from one seed with `head_chunks=1` and `head_chunks=4`, each without and with "
         "activation checkpointing of the decoder layers; train steps interleaved as in section 3, ratio per "
-        "repetition, median (min-max). With 4 chunks each layer issues 4x the all-to-alls (a quarter of the size "
-        "each) and recomputes its attention block in backward; chunk c+1's exchange is in flight (gloo's threads) "
-        "while chunk c's core computes. The waited time is what rank 0 blocked on those exchanges in one C=4 step "
-        "(the exchange time not hidden behind a core); the loss spread is over the four models.",
+        "repetition, median (min-max), at a longer sequence than section 3 (head chunks are for long sequences; "
+        "automatic C keeps 1 at short ones). With 4 chunks each layer issues 5x the all-to-alls (a quarter of the "
+        "size each: 2 per chunk forward, 3 backward), projects q/k/v again in backward and runs the core's fused "
+        "backward from its saved output and lse (no second core forward); chunk c+1's exchange is in flight "
+        "(gloo's threads) while chunk c's core computes. The waited time is what rank 0 blocked on those exchanges "
+        "in one C=4 step (the exchange time not hidden behind a core); the loss spread is over the four models.",
         "",
         *_table(header, rows),
         *[f"- {line}" for line in waits],

@@ -151,7 +151,7 @@ def _head_chunk_section(config: BenchConfig, log) -> dict[str, Any]:
 
     worlds = {}
     for world in config.worlds:
-        params = {"seq_len": config.seq_len, "reps": config.reps_for(world), "warmup": 1}
+        params = {"seq_len": config.head_chunk_seq_len, "reps": config.reps_for(world), "warmup": 1}
         start = time.monotonic()
         result = run_world(world, "ulysses_sp.bench.headchunks:worker", params)[0]
         times = result["step_times_s"]

@@ -3,8 +3,9 @@
 :func:`attention_terms` gives what one attention layer holds at the moments :mod:`ulysses_sp.plan.memory` looks
 at: what it saves from forward to backward, its forward (or recompute) working set, its backward working set
 and the backward exchange's buffers. Unchunked (C = 1) they are the whole layer's heads at once. With the heads in
-C chunks (:mod:`ulysses_sp.head_chunks`) the block saves only its input (the input norm's output, counted with
-the norm), and each working set is that of DEPTH chunks (:data:`ulysses_sp.head_split.DEPTH`: the chunk
+C chunks (:mod:`ulysses_sp.head_chunks`) the block saves its input (the input norm's output, counted with the
+norm) and, without a ring, the cores' output and lse (:mod:`ulysses_sp.chunk_core`), and each working set is that
+of DEPTH chunks (:data:`ulysses_sp.head_split.DEPTH`: the chunk
 computing and the one whose exchange is in flight), each the unchunked formula for one chunk's heads, plus the
 block's own ``[t, h]`` buffers (the output it sums into in forward; the input's gradient in backward).
 
@@ -101,6 +102,11 @@ def attention_terms(
         return whole
     split = HeadSplit(heads, kv_heads, chunks)
     one = _unchunked(split.heads_per_chunk, split.kv_heads(0)[1], d, ulysses, ring, c, device)
+    # Without a ring the chunks' cores run through a block kernel (ulysses_sp.chunk_core; the planner assumes the
+    # sdpa core, no window, no softcap): the block saves their output after the exchange back ([t, H d]) and the
+    # fp32 lse, filled chunk by chunk in forward, so that backward need not run the core again.
+    saved = c * whole.q_width + 4 * heads if ring == 1 else 0
+    recomputed_input = 0 if ring == 1 else one.o_proj_input  # the output projection's input: a view of `saved`
     # Backward holds the sums the chunks add into, the input's gradient (fp32 under a 16-bit dtype), and for each
     # of the DEPTH chunks alive its recomputed projections (q/k/v with their graph, until the chunk's last stage)
     # next to the core's saved tensors and gradients; the chunk in its core's backward also the output gradient
@@ -108,10 +114,10 @@ def attention_terms(
     own = (4 if c < 4 else c) * hidden
     return AttentionTerms(
         chunks=chunks,
-        saved=0,
+        saved=saved,
         o_proj_input=0,
-        forward=c * hidden + DEPTH * one.forward,  # + the [t, h] output the chunks add into
-        backward=own + DEPTH * (one.saved + one.backward + one.o_proj_input + one.local) + c * one.q_width,
+        forward=saved + c * hidden + DEPTH * one.forward,  # + the [t, h] output the chunks add into
+        backward=own + DEPTH * (one.saved + one.backward + recomputed_input + one.local) + c * one.q_width,
         exchange=own + DEPTH * one.exchange,
         ring_backward=DEPTH * one.ring_backward,
         local=one.local,
