@@ -1,0 +1,61 @@
+"""Head-chunked attention on a CUDA device (skipped without one): the chunks' cores through the CUDA sdpa kernels
+(ulysses_sp.chunk_core: output and lse saved, fused backward) against plain transformers attention.
+
+One GPU hosts one rank, so these run sp=1 through the chunked path (identity exchanges); the exchanges and every
+layout are proven on gloo in tests/dist/test_head_chunks_parity.py.
+"""
+
+import pytest
+import torch
+
+import ulysses_sp as U
+from tests.helpers.models import build, make_batch
+from ulysses_sp import head_chunk_pipeline
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _loss_and_grads(model, batch, layout=None):
+    if layout is None:
+        loss = model(**batch, use_cache=False).loss
+    else:
+        shard = U.shard_batch(batch, layout)
+        inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
+        loss = U.sequence_parallel_cross_entropy(model(**inputs).logits, shard["shift_labels"], layout)
+    loss.backward()
+    return loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [None, (40, 88)])
+def test_chunked_cores_run_the_cuda_kernels_and_match(dtype, packed):
+    """4 chunks of 2 heads (kv heads 2, so each chunk reads part of one group): every chunk's backward runs the
+    kernel's fused backward (cuda_flash in bf16, cuda_efficient in fp32), and loss and gradients match."""
+    device = torch.device("cuda")
+    batch = {k: v.to(device) for k, v in make_batch(2, 128, packed=packed).items()}
+    ref = build("llama", heads=8, kv_heads=2, head_dim=16).to(device, dtype)
+    par = build("llama", heads=8, kv_heads=2, head_dim=16).to(device, dtype)
+    ref_loss, ref_grads = _loss_and_grads(ref, batch)
+    layout = U.ParallelLayout.single(device)
+    U.parallelize(par, layout, head_chunks=4)
+    calls, kernel_backward = [], head_chunk_pipeline.kernel_backward
+
+    def logged(kernel, *args, **kwargs):
+        calls.append(kernel.name)
+        return kernel_backward(kernel, *args, **kwargs)
+
+    head_chunk_pipeline.kernel_backward = logged
+    try:
+        loss, grads = _loss_and_grads(par, batch, layout)
+    finally:
+        head_chunk_pipeline.kernel_backward = kernel_backward
+    expected = "cuda_flash" if dtype == torch.bfloat16 else "cuda_efficient"
+    assert calls == [expected] * 4 * par.config.num_hidden_layers, calls
+    rtol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=rtol, atol=0.0)
+    for name, grad in grads.items():  # within rtol of each gradient's norm (a zero gradient fails)
+        ref_grad = ref_grads[name]
+        assert (grad - ref_grad).norm() <= (2.5 * rtol) * ref_grad.norm(), (name, (grad - ref_grad).norm())
