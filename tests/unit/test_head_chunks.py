@@ -100,3 +100,53 @@ def test_choices_and_automatic_choice():
     assert choose_head_chunks(16, 4, 2, budget_bytes=6 * row, **kw) == 8
     assert choose_head_chunks(16, 4, 2, budget_bytes=1, **kw) == 8  # none fits: the smallest working set
     assert choose_head_chunks(16, 4, 2, budget_bytes=1, requested=2, **kw) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows", ["dense", "packed_padded"])
+def test_chunk_kernel_matches_the_eager_core_and_its_autograd(dtype, rows):
+    """ulysses_sp.chunk_core against the reference core: the kernel's output and its fused backward from the saved
+    output and lse equal the eager core's output and autograd gradients (GQA, a value width below the padded one,
+    packed documents and padding with one kernel call per document)."""
+    from ulysses_sp.attention import AttentionCall
+    from ulysses_sp.chunk_core import chunk_kernel, kernel_backward, kernel_forward
+    from ulysses_sp.cores import Segments, eager_core
+
+    torch.manual_seed(0)
+    b, heads, kv_heads, n, width, d_v = 2, 4, 2, 24, 8, 6
+    q, k, v = (torch.randn(b, h, n, width, dtype=dtype) for h in (heads, kv_heads, kv_heads))
+    v[..., d_v:] = 0  # MLA: v padded with zeros to the q/k width
+    if rows == "dense":
+        segments = Segments.from_positions(torch.arange(n).expand(b, n))
+    else:
+        positions = torch.cat([torch.arange(10), torch.arange(14)]).expand(b, n)
+        mask = torch.ones(b, n, dtype=torch.long)
+        mask[1, 20:] = 0  # right padding in row 1
+        segments = Segments.from_positions(positions, mask)
+    call = AttentionCall(segments, None, 0.3, None, 0.0, d_v, width)
+    kernel = chunk_kernel(call, q, ring=1, core_name="sdpa")
+    assert kernel is not None and kernel.name == "cpu_flash"
+    for refused in (dict(ring=2, core_name="sdpa"), dict(ring=1, core_name="eager")):
+        assert chunk_kernel(call, q, **refused) is None
+    out, lse = kernel_forward(kernel, q, k, v, call)  # [b, N, h, d_v]
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = eager_core(*leaves, segments, scaling=0.3)[..., :d_v]
+    tol = dict(rtol=1e-5, atol=1e-6)  # the eager core takes its softmax in fp32, also for fp64 inputs
+    torch.testing.assert_close(out, ref.detach(), **tol)
+    grad = torch.randn_like(ref)
+    torch.autograd.backward(ref, grad)
+    grads = kernel_backward(kernel, grad, q, k, v, out, lse, call)
+    for got, leaf in zip(grads, leaves, strict=True):
+        assert got.shape == leaf.shape and got.dtype == dtype
+        torch.testing.assert_close(got, leaf.grad, **tol)
+
+
+def test_out_pair_send_is_two_out_local_grads_side_by_side():
+    from ulysses_sp.comm import out_local_grad, out_pair_send, out_send_grad
+
+    first, second = torch.randn(2, 5, 8, 3), torch.randn(2, 5, 8, 3)  # [b, n, P h, d], P = 4
+    pair = out_pair_send(first, second, 4)
+    torch.testing.assert_close(pair, torch.cat([out_local_grad(first, 4), out_local_grad(second, 4)], dim=-1))
+    a, b = out_send_grad(pair).split(3, dim=-1)
+    torch.testing.assert_close(a, out_send_grad(out_local_grad(first, 4)))
