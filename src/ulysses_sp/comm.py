@@ -156,16 +156,24 @@ def qkv_send_grad(
     return dq, _kv_send_grad(dk, num_kv_heads), _kv_send_grad(dv, num_kv_heads)
 
 
+def _merge_ranks(recv: torch.Tensor) -> torch.Tensor:
+    # [P, b, x, y, d] -> [b, x, P y, d]: the source ranks' pieces side by side in dim 2 (a copy)
+    return recv.permute(1, 2, 0, 3, 4).flatten(2, 3)
+
+
+def _split_ranks(t: torch.Tensor, sp: int) -> torch.Tensor:
+    # The adjoint of _merge_ranks: [b, x, P y, d] -> [P, b, x, y, d] (a view)
+    return t.unflatten(2, (sp, -1)).permute(2, 0, 1, 3, 4)
+
+
 def qkv_full(recv: torch.Tensor) -> torch.Tensor:
     """The received buffer ``[P (src shard), b, h, n, d]`` -> ``[b, h, N, d]`` (a copy, in sequence order)."""
-    sp, b, heads, n, d = recv.shape
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, heads, sp * n, d)
+    return _merge_ranks(recv)
 
 
 def qkv_full_grad(grad: torch.Tensor, sp: int) -> torch.Tensor:
     """The adjoint of :func:`qkv_full`: ``[b, h, N, d]`` -> ``[P, b, h, n, d]`` (contiguous)."""
-    b, heads, seq_len, d = grad.shape
-    return grad.reshape(b, heads, sp, seq_len // sp, d).permute(2, 0, 1, 3, 4).contiguous()
+    return _split_ranks(grad, sp).contiguous()
 
 
 def out_send_buffer(out: torch.Tensor, sp: int) -> torch.Tensor:
@@ -182,14 +190,12 @@ def out_send_grad(grad: torch.Tensor) -> torch.Tensor:
 
 def out_local(recv: torch.Tensor) -> torch.Tensor:
     """The received output ``[P (src heads), b, n, h, d]`` -> ``[b, n, P h, d]`` (this rank's tokens, all heads)."""
-    sp, b, n, heads, d = recv.shape
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, n, sp * heads, d)
+    return _merge_ranks(recv)
 
 
 def out_local_grad(grad: torch.Tensor, sp: int) -> torch.Tensor:
     """The adjoint of :func:`out_local`: ``[b, n, P h, d]`` -> ``[P, b, n, h, d]`` (contiguous)."""
-    b, n, heads, d = grad.shape
-    return grad.reshape(b, n, sp, heads // sp, d).permute(2, 0, 1, 3, 4).contiguous()
+    return _split_ranks(grad, sp).contiguous()
 
 
 def out_pair_send(first: torch.Tensor, second: torch.Tensor, sp: int) -> torch.Tensor:
@@ -198,7 +204,7 @@ def out_pair_send(first: torch.Tensor, second: torch.Tensor, sp: int) -> torch.T
     b, n, heads, d = first.shape
     send = second.new_empty(sp, b, n, heads // sp, 2 * d)
     for half, t in zip(send.split(d, dim=-1), (first, second), strict=True):
-        half.copy_(t.view(b, n, sp, heads // sp, d).permute(2, 0, 1, 3, 4))
+        half.copy_(_split_ranks(t, sp))
     return send
 
 

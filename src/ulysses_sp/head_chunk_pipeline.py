@@ -219,7 +219,7 @@ class ChunkRun:
         del core_out
         if kernel is not None:  # [b, n, Hc, d_v]: this chunk's heads of the saved output, filled in place
             local = self.saved_local(recv, chunk)
-            local.view(*local.shape[:2], *recv.shape[0:1], *recv.shape[3:]).copy_(recv.permute(1, 2, 0, 3, 4))
+            local.unflatten(2, (recv.shape[0], -1)).copy_(recv.permute(1, 2, 0, 3, 4))
         else:
             local = out_local(recv)  # [b, n, Hc, d_v]
         del recv
@@ -262,6 +262,26 @@ class ChunkRun:
             self.part(out_name, chunk, acc.out_weight).add_(grad_2d.t().mm(local.reshape(-1, weight.shape[1])))
         return grad_2d.mm(weight.to(grad_2d.dtype)).view(local.shape)
 
+    def _recompute_qkv(self, x: torch.Tensor, chunk: int) -> Generator[None, None, tuple]:
+        """The chunk's projections again, with their graph, and their exchange: ``(leaves, (q, k, v), call, full)``
+        with ``full [b, h, N, d]`` the core's q/k/v after the exchange."""
+        leaves = self.weights(chunk, leaves=True)
+        with torch.enable_grad():
+            q, k, v, call = self.project(x, chunk, leaves)
+        recv = yield from self._exchange(qkv_send_buffer(q.detach(), k.detach(), v.detach(), self.sp))
+        return leaves, (q, k, v), call, qkv_full(recv)
+
+    def _grads_back(
+        self, chunk: int, grad_full: list[torch.Tensor], roots: tuple, x: torch.Tensor, leaves: dict, acc: _Accumulators
+    ) -> Stages:
+        """The core's q/k/v gradient ``[b, h, N, d]`` (in a one-element list, emptied: only the exchange holds it)
+        back to the chunk's projections, and their backward into ``acc``."""
+        box = [qkv_full_grad(grad_full.pop(), self.sp)]
+        recv = yield from self._exchange(box)
+        grads = qkv_send_grad(recv, roots[0].shape[1], roots[1].shape[1])
+        del recv
+        acc.add_chunk(self, chunk, roots, grads, x, leaves)
+
     def fused_backward_chunk(
         self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: _Accumulators, saved: tuple
     ) -> Stages:
@@ -269,13 +289,7 @@ class ChunkRun:
         the core: projections, q/k/v exchange, output projection, one exchange of the output and its gradient,
         the kernel's backward, the gradients' exchange, the projections' backward."""
         local_all, lse = saved
-        leaves = self.weights(chunk, leaves=True)
-        with torch.enable_grad():
-            q, k, v, call = self.project(x, chunk, leaves)
-        heads, kv_heads = q.shape[1], k.shape[1]
-        recv = yield from self._exchange(qkv_send_buffer(q.detach(), k.detach(), v.detach(), self.sp))
-        full = qkv_full(recv)  # [b, h, N, d]
-        del recv
+        leaves, roots, call, full = yield from self._recompute_qkv(x, chunk)
         start, count = self.split.query_heads(chunk)
         local = local_all.narrow(2, start, count)  # [b, n, Hc, d_v]
         grad_local = self.out_proj_backward(chunk, grad_out, local, acc)  # [b, n, Hc, d_v]
@@ -285,29 +299,19 @@ class ChunkRun:
         recv = yield from self._exchange(box)
         core_out, core_grad = out_send_grad(recv).split(d_v, dim=-1)  # [b, N, Hc/P, d_v] each
         del recv
-        q_f, k_f, v_f = full.split(_split(heads, kv_heads, self.sp), dim=1)
+        q_f, k_f, v_f = full.split(_split(roots[0].shape[1], roots[1].shape[1], self.sp), dim=1)
         grads = kernel_backward(self.kernels[chunk], core_grad, q_f, k_f, v_f, core_out, lse, call)
         del core_out, core_grad, q_f, k_f, v_f, full
-        grad_full = torch.cat(grads, dim=1)  # [b, h, N, d]
+        grad_full = [torch.cat(grads, dim=1)]  # [b, h, N, d]
         del grads
-        box = [qkv_full_grad(grad_full, self.sp)]
-        del grad_full
-        recv = yield from self._exchange(box)
-        grads = qkv_send_grad(recv, heads, kv_heads)
-        del recv
-        acc.add_chunk(self, chunk, (q, k, v), grads, x, leaves)
+        yield from self._grads_back(chunk, grad_full, roots, x, leaves, acc)
 
     def backward_chunk(self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: _Accumulators) -> Stages:
-        """Recompute chunk ``chunk`` and add its gradients into ``acc``."""
-        leaves = self.weights(chunk, leaves=True)
-        with torch.enable_grad():
-            q, k, v, call = self.project(x, chunk, leaves)
-        heads, kv_heads = q.shape[1], k.shape[1]
-        recv = yield from self._exchange(qkv_send_buffer(q.detach(), k.detach(), v.detach(), self.sp))
-        full = qkv_full(recv).requires_grad_()  # [b, h, N, d]: the core's inputs as one leaf
-        del recv
+        """Recompute chunk ``chunk`` (its core through autograd) and add its gradients into ``acc``."""
+        leaves, roots, call, full = yield from self._recompute_qkv(x, chunk)
+        full.requires_grad_()  # [b, h, N, d]: the core's inputs as one leaf
         with torch.enable_grad(), _rng_restored(self.rng[chunk], x.device):
-            core_out = self.attend(*full.split(_split(heads, kv_heads, self.sp), dim=1), call)  # [b, N, Hc/P, d_v]
+            core_out = self.attend(*full.split(_split(roots[0].shape[1], roots[1].shape[1], self.sp), dim=1), call)
         recv = yield from self._exchange(out_send_buffer(core_out.detach(), self.sp))
         local = out_local(recv)  # [b, n, Hc, d_v]
         del recv
@@ -315,30 +319,26 @@ class ChunkRun:
         del local
         recv = yield from self._exchange(out_local_grad(grad_local, self.sp))
         del grad_local
-        (grad_full,) = torch.autograd.grad(core_out, full, out_send_grad(recv))  # the core's backward
+        grad_full = list(torch.autograd.grad(core_out, full, out_send_grad(recv)))  # the core's backward
         del recv, core_out, full
-        recv = yield from self._exchange(qkv_full_grad(grad_full, self.sp))
-        del grad_full
-        grads = qkv_send_grad(recv, heads, kv_heads)
-        del recv
-        acc.add_chunk(self, chunk, (q, k, v), grads, x, leaves)
+        yield from self._grads_back(chunk, grad_full, roots, x, leaves, acc)
 
     def backward(
         self,
         x: torch.Tensor,
         grad_out: torch.Tensor,
         needs: tuple[bool, ...],
-        local: torch.Tensor | None = None,
-        lse: tuple[torch.Tensor | None, ...] = (),
+        local: torch.Tensor | None,
+        lse: tuple[torch.Tensor | None, ...],
     ) -> tuple:
         """Gradients of ``(x, *params)`` (None where not needed) for ``grad_out [b, n, h]``; ``local`` / ``lse``:
-        what the forward saved for the chunks whose core ran through a kernel."""
+        what the forward saved (``lse[c]``: None where chunk c's core did not run through a kernel)."""
         x_leaf = x.detach().requires_grad_(needs[0])
         acc = _Accumulators(self.owner, x_leaf, needs, self.split.chunks)
         grad_out = grad_out.contiguous()
 
         def chunk_stages(c: int) -> Stages:
-            if local is not None and c < len(lse) and lse[c] is not None and self.kernels[c] is not None:
+            if lse[c] is not None:
                 return self.fused_backward_chunk(x_leaf, c, grad_out, acc, (local, lse[c]))
             return self.backward_chunk(x_leaf, c, grad_out, acc)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ulysses_sp as U
-from tests.helpers.models import build, make_batch
+from tests.helpers.models import build, loss_and_grads, make_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,17 +25,6 @@ CORES += [
 ]
 
 
-def _loss_and_grads(model, batch, layout=None):
-    if layout is None:
-        loss = model(**batch, use_cache=False).loss
-    else:
-        shard = U.shard_batch(batch, layout)
-        inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
-        loss = U.sequence_parallel_cross_entropy(model(**inputs).logits, shard["shift_labels"], layout)
-    loss.backward()
-    return loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("core", CORES)
 # (16,) * 8: many short documents per row, which the sdpa core hands to one flex call (packed_kernel)
 @pytest.mark.parametrize(
@@ -47,10 +36,10 @@ def test_core_matches_plain_attention_bf16(core, arch, packed):
     # head_dim 16: flex_attention on CUDA needs >= 16 (the flex core refuses less with a ValueError)
     ref = build(arch, kv_heads=2, window=32, head_dim=16).to(device, torch.bfloat16)
     par = build(arch, kv_heads=2, window=32, head_dim=16).to(device, torch.bfloat16)
-    ref_loss, ref_grads = _loss_and_grads(ref, batch)
+    ref_loss, ref_grads = loss_and_grads(ref, batch)
     layout = U.ParallelLayout.single(device)
     U.parallelize(par, layout, core=core)
-    loss, grads = _loss_and_grads(par, batch, layout)
+    loss, grads = loss_and_grads(par, batch, layout)
     torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=2e-2, atol=0.0)
     for name, grad in grads.items():  # bf16 compute: within 5% of each gradient's norm (a zero grad fails)
         ref_grad = ref_grads[name]

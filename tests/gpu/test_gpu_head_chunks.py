@@ -9,24 +9,13 @@ import pytest
 import torch
 
 import ulysses_sp as U
-from tests.helpers.models import build, make_batch
+from tests.helpers.models import build, loss_and_grads, make_batch
 from ulysses_sp import head_chunk_pipeline
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-def _loss_and_grads(model, batch, layout=None):
-    if layout is None:
-        loss = model(**batch, use_cache=False).loss
-    else:
-        shard = U.shard_batch(batch, layout)
-        inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
-        loss = U.sequence_parallel_cross_entropy(model(**inputs).logits, shard["shift_labels"], layout)
-    loss.backward()
-    return loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -38,7 +27,7 @@ def test_chunked_cores_run_the_cuda_kernels_and_match(dtype, packed):
     batch = {k: v.to(device) for k, v in make_batch(2, 128, packed=packed).items()}
     ref = build("llama", heads=8, kv_heads=2, head_dim=16).to(device, dtype)
     par = build("llama", heads=8, kv_heads=2, head_dim=16).to(device, dtype)
-    ref_loss, ref_grads = _loss_and_grads(ref, batch)
+    ref_loss, ref_grads = loss_and_grads(ref, batch)
     layout = U.ParallelLayout.single(device)
     U.parallelize(par, layout, head_chunks=4)
     calls, kernel_backward = [], head_chunk_pipeline.kernel_backward
@@ -49,7 +38,7 @@ def test_chunked_cores_run_the_cuda_kernels_and_match(dtype, packed):
 
     head_chunk_pipeline.kernel_backward = logged
     try:
-        loss, grads = _loss_and_grads(par, batch, layout)
+        loss, grads = loss_and_grads(par, batch, layout)
     finally:
         head_chunk_pipeline.kernel_backward = kernel_backward
     expected = "cuda_flash" if dtype == torch.bfloat16 else "cuda_efficient"

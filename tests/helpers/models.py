@@ -330,3 +330,19 @@ def make_batch(
         out["attention_mask"] = mask
         out["labels"] = out["labels"].masked_fill(mask == 0, -100)
     return out
+
+
+def loss_and_grads(model, batch: dict[str, torch.Tensor], layout=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and fp32 gradients (None: a parameter the step did not reach) of one forward + backward: the model's
+    own loss (``layout`` None), or the SP loss of ``layout``'s shard of ``batch`` (ulysses_sp.shard_batch,
+    sequence_parallel_cross_entropy)."""
+    import ulysses_sp as U
+
+    if layout is None:
+        loss = model(**batch, use_cache=False).loss
+    else:
+        shard = U.shard_batch(batch, layout)
+        inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
+        loss = U.sequence_parallel_cross_entropy(model(**inputs).logits, shard["shift_labels"], layout)
+    loss.backward()
+    return loss.detach(), {n: None if p.grad is None else p.grad.float() for n, p in model.named_parameters()}

@@ -10,17 +10,9 @@ import pytest
 import torch
 
 import ulysses_sp as U
-from tests.helpers.models import build, make_batch
+from tests.helpers.models import build, loss_and_grads, make_batch
 from ulysses_sp.head_chunks import HeadChunkedAttention
 from ulysses_sp.head_split import choose_head_chunks, head_chunk_choices
-
-
-def _loss_and_grads(model, batch, layout):
-    shard = U.shard_batch(batch, layout)
-    logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-    loss = U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
 def _chunked(model) -> list[HeadChunkedAttention]:
@@ -43,7 +35,7 @@ def test_sp1_chunks_match_plain_model(arch, kv_heads, chunks):
     installed = _chunked(model)
     assert len(installed) == model.config.num_hidden_layers
     assert set(model.state_dict()) == keys  # the module tree is unchanged
-    loss, grads = _loss_and_grads(model, batch, layout)
+    loss, grads = loss_and_grads(model, batch, layout)
     assert all(h.verified for h in installed)  # the probe ran and passed: the chunked path was taken
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
@@ -68,14 +60,14 @@ def test_probe_refuses_before_any_step_and_automatic_falls_back():
     keeps its own (exact) path."""
     model = U.parallelize(build("afmoe", kv_heads=2), U.ParallelLayout.single(), head_chunks=2)
     with pytest.raises(ValueError, match=r"AfmoeAttention cannot run its heads in chunks: its own forward and the"):
-        _loss_and_grads(model, make_batch(1, 12), U.ParallelLayout.single())
+        loss_and_grads(model, make_batch(1, 12), U.ParallelLayout.single())
     assert all(p.grad is None for p in model.parameters())
     plain = build("afmoe", kv_heads=2)
     auto = U.parallelize(copy.deepcopy(plain), U.ParallelLayout.single(), head_chunk_budget_bytes=1)
     installed = _chunked(auto)
     assert installed and all(h.requested is None for h in installed)
     batch = make_batch(1, 12)
-    loss, _ = _loss_and_grads(auto, batch, U.ParallelLayout.single())
+    loss, _ = loss_and_grads(auto, batch, U.ParallelLayout.single())
     assert all(h.verified is False for h in installed)
     torch.testing.assert_close(loss, plain(**batch, use_cache=False).loss.detach(), rtol=1e-5, atol=1e-6)
 
