@@ -14,7 +14,9 @@ block's input and, where a block kernel runs the core (:mod:`ulysses_sp.chunk_co
 the exchange back (``[b, n, H, d_v]``) and its log-sum-exp. Its backward runs each chunk by hand: the projections
 again (their graph), the q/k/v exchange, the output projection's backward, one exchange of the saved output and
 its gradient to the attending ranks, the kernel's fused backward, the q/k/v exchange's adjoint, the projections'
-backward. Collectives per layer: 2C forward, 3C backward. Where no kernel fits (a ring, dropout, a window,
+backward (by hand for the projections of the block's input, :class:`ProjectionCut`: in-place matmuls into the
+sums, no ``[t, h]`` temporaries). Under autocast q/k/v cross in the autocast dtype, as autocast's sdpa would
+cast them. Collectives per layer: 2C forward, 3C backward. Where no kernel fits (a ring, dropout, a window,
 softcap, the eager core) the chunk's core and output exchange are recomputed instead and the core's backward is
 autograd's (4C backward). Only one or two chunks' q/k/v, exchange buffers and core working set exist at any time.
 
@@ -26,6 +28,7 @@ the host, and the process group keeps the buffers alive until then. On CPU gloo 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -55,7 +58,7 @@ from .tiling import Replay
 if TYPE_CHECKING:
     from .head_chunks import HeadChunkedAttention, HeadSplit
 
-__all__ = ["ChunkRun", "HeadChunkedFunction", "run_interleaved"]
+__all__ = ["ChunkRun", "HeadChunkedFunction", "ProjectionCut", "run_interleaved"]
 
 Stages = Generator[None, None, None]
 
@@ -104,6 +107,48 @@ def _rng_restored(state: tuple[torch.Tensor, torch.Tensor | None] | None, device
         if state[1] is not None:
             torch.cuda.set_rng_state(state[1], device)
         yield
+
+
+class ProjectionCut:
+    """Backward's cut of the sliced projections applied to the block's input ``x`` itself.
+
+    Each such output is computed without a graph and handed on through :class:`_Tap`, whose backward gives its
+    gradient to ``sink(name, x, grad)``: there the projection's backward runs as matmuls added in place into the
+    chunk sums (``ChunkRun``'s accumulators), so autograd never holds the three ``[t, h]`` input gradients and
+    their sum at once, and each output gradient is freed as soon as it has been used. ``anchor``: an empty leaf
+    that every tap hangs from, to name in ``torch.autograd.grad``'s inputs so that the taps run.
+    """
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+        self.anchor = torch.empty(0, device=x.device, requires_grad=True)
+        self.sink: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
+        self.count = 0  # projections cut
+
+    def tap(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (``name``'s projection of ``x``, computed without a graph) with its gradient going to the sink."""
+        self.count += 1
+        return _Tap.apply(out, self.anchor, self, name)
+
+    def deliver(self, name: str, grad: torch.Tensor) -> None:
+        if self.sink is None:
+            raise RuntimeError("a cut projection was differentiated outside the chunk's backward")
+        self.sink(name, self.x, grad)
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on a projection's output; its backward hands the gradient to the cut's sink (nothing flows on)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, anchor: torch.Tensor, cut: ProjectionCut, name: str) -> torch.Tensor:
+        ctx.cut, ctx.name = cut, name
+        return out.view_as(out)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        ctx.cut.deliver(ctx.name, grad)
+        return None, None, None, None
 
 
 class ChunkRun:
@@ -169,11 +214,14 @@ class ChunkRun:
             found[name] = (pair[0], pair[1])
         return found
 
-    def project(self, x: torch.Tensor, chunk: int, weights: dict[str, tuple]) -> tuple:
-        """The chunk's padded local q ``[b, Hc, n, d]``, k/v ``[b, Hkv_c, n, d]`` and its :class:`AttentionCall`."""
+    def project(
+        self, x: torch.Tensor, chunk: int, weights: dict[str, tuple], cut: ProjectionCut | None = None
+    ) -> tuple:
+        """The chunk's padded local q ``[b, Hc, n, d]``, k/v ``[b, Hkv_c, n, d]`` and its :class:`AttentionCall`;
+        ``cut``: record the projections of ``x`` there (:class:`ProjectionCut`)."""
         args, kwargs = self.place(x)
         heads = (self.split.query_heads(chunk)[1], self.split.kv_heads(chunk)[1])
-        captured = self.owner.capture(args, kwargs, weights, heads)
+        captured = self.owner.capture(args, kwargs, weights, heads, cut)
         call = self.prepare(self.owner.module, *captured.qkv, captured.mask, **captured.kwargs)
         return (*pad_qkv(*captured.qkv, call.width), call)
 
@@ -201,7 +249,7 @@ class ChunkRun:
         what the fused backward needs (the core's output after the exchange back and its lse)."""
         q, k, v, call = self.project(x, chunk, self.weights(chunk))
         heads, kv_heads = q.shape[1], k.shape[1]
-        recv = yield from self._exchange(qkv_send_buffer(q, k, v, self.sp))
+        recv = yield from self._exchange(qkv_send_buffer(*_core_inputs(x, q, k, v), self.sp))
         del q, k, v
         full = qkv_full(recv)  # [b, h, N, d]
         del recv
@@ -263,24 +311,25 @@ class ChunkRun:
         return grad_2d.mm(weight.to(grad_2d.dtype)).view(local.shape)
 
     def _recompute_qkv(self, x: torch.Tensor, chunk: int) -> Generator[None, None, tuple]:
-        """The chunk's projections again, with their graph, and their exchange: ``(leaves, (q, k, v), call, full)``
-        with ``full [b, h, N, d]`` the core's q/k/v after the exchange."""
-        leaves = self.weights(chunk, leaves=True)
+        """The chunk's projections again, with their graph (cut at the projections of ``x``), and their exchange:
+        ``((leaves, cut), (q, k, v), call, full)`` with ``full [b, h, N, d]`` the core's q/k/v after the exchange."""
+        leaves, cut = self.weights(chunk, leaves=True), ProjectionCut(x)
         with torch.enable_grad():
-            q, k, v, call = self.project(x, chunk, leaves)
-        recv = yield from self._exchange(qkv_send_buffer(q.detach(), k.detach(), v.detach(), self.sp))
-        return leaves, (q, k, v), call, qkv_full(recv)
+            q, k, v, call = self.project(x, chunk, leaves, cut)
+        recv = yield from self._exchange(qkv_send_buffer(*_core_inputs(x, q.detach(), k.detach(), v.detach()), self.sp))
+        return (leaves, cut), (q, k, v), call, qkv_full(recv)
 
     def _grads_back(
-        self, chunk: int, grad_full: list[torch.Tensor], roots: tuple, x: torch.Tensor, leaves: dict, acc: _Accumulators
+        self, chunk: int, grad_full: list[torch.Tensor], roots: tuple, graph: tuple, acc: _Accumulators
     ) -> Stages:
         """The core's q/k/v gradient ``[b, h, N, d]`` (in a one-element list, emptied: only the exchange holds it)
-        back to the chunk's projections, and their backward into ``acc``."""
+        back to the chunk's projections, and their backward into ``acc`` (``graph``: the leaves and the cut)."""
         box = [qkv_full_grad(grad_full.pop(), self.sp)]
         recv = yield from self._exchange(box)
         grads = qkv_send_grad(recv, roots[0].shape[1], roots[1].shape[1])
+        grads = tuple(g.to(r.dtype) for g, r in zip(grads, roots, strict=True))  # autocast's casts, undone
         del recv
-        acc.add_chunk(self, chunk, roots, grads, x, leaves)
+        acc.add_chunk(self, chunk, roots, grads, *graph)
 
     def fused_backward_chunk(
         self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: _Accumulators, saved: tuple
@@ -289,7 +338,7 @@ class ChunkRun:
         the core: projections, q/k/v exchange, output projection, one exchange of the output and its gradient,
         the kernel's backward, the gradients' exchange, the projections' backward."""
         local_all, lse = saved
-        leaves, roots, call, full = yield from self._recompute_qkv(x, chunk)
+        graph, roots, call, full = yield from self._recompute_qkv(x, chunk)
         start, count = self.split.query_heads(chunk)
         local = local_all.narrow(2, start, count)  # [b, n, Hc, d_v]
         grad_local = self.out_proj_backward(chunk, grad_out, local, acc)  # [b, n, Hc, d_v]
@@ -304,11 +353,11 @@ class ChunkRun:
         del core_out, core_grad, q_f, k_f, v_f, full
         grad_full = [torch.cat(grads, dim=1)]  # [b, h, N, d]
         del grads
-        yield from self._grads_back(chunk, grad_full, roots, x, leaves, acc)
+        yield from self._grads_back(chunk, grad_full, roots, graph, acc)
 
     def backward_chunk(self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: _Accumulators) -> Stages:
         """Recompute chunk ``chunk`` (its core through autograd) and add its gradients into ``acc``."""
-        leaves, roots, call, full = yield from self._recompute_qkv(x, chunk)
+        graph, roots, call, full = yield from self._recompute_qkv(x, chunk)
         full.requires_grad_()  # [b, h, N, d]: the core's inputs as one leaf
         with torch.enable_grad(), _rng_restored(self.rng[chunk], x.device):
             core_out = self.attend(*full.split(_split(roots[0].shape[1], roots[1].shape[1], self.sp), dim=1), call)
@@ -321,7 +370,7 @@ class ChunkRun:
         del grad_local
         grad_full = list(torch.autograd.grad(core_out, full, out_send_grad(recv)))  # the core's backward
         del recv, core_out, full
-        yield from self._grads_back(chunk, grad_full, roots, x, leaves, acc)
+        yield from self._grads_back(chunk, grad_full, roots, graph, acc)
 
     def backward(
         self,
@@ -356,10 +405,25 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
+def _core_inputs(x: torch.Tensor, *qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q/k/v in the dtype the core computes in: under autocast its dtype (the model's RoPE may have made q and k
+    fp32; autocast's sdpa casts them, and so does this before the exchange), else as they are."""
+    dtype = _compute_dtype(x)
+    return tuple(t.to(dtype) for t in qkv)
+
+
 def _zeros(t: torch.Tensor, chunks: int) -> torch.Tensor:
     """A zeroed accumulator like ``t``: fp32 for 16-bit tensors summed over several chunks."""
     wide = t.dtype in (torch.bfloat16, torch.float16) and chunks > 1
     return torch.zeros_like(t, dtype=torch.float32 if wide else t.dtype)
+
+
+def _add_mm(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``target += a @ b``, in place where the dtypes allow (no product tensor), else through one product."""
+    if target.dtype == a.dtype:
+        target.addmm_(a, b)
+    else:
+        target.add_(a.mm(b))
 
 
 class _Accumulators:
@@ -386,13 +450,14 @@ class _Accumulators:
         chunk: int,
         roots: tuple[torch.Tensor, ...],
         grads: tuple[torch.Tensor, ...],
-        x: torch.Tensor,
         leaves: dict[str, tuple],
+        cut: ProjectionCut,
     ) -> None:
-        """Backpropagate one chunk's projections (``roots`` -> ``grads``) into the accumulators."""
+        """Backpropagate one chunk's projections (``roots`` -> ``grads``) into the accumulators: autograd down to
+        the cut projections' outputs (and to the leaves it still reaches), then their backward by hand."""
         inputs, targets = [], []
-        if self.x is not None:
-            inputs.append(x)
+        if self.x is not None:  # what reaches the input besides the cut projections (None when nothing does)
+            inputs.append(cut.x)
             targets.append(self.x)
         for name, pair in leaves.items():
             proj = self.owner.projection(name)
@@ -404,13 +469,31 @@ class _Accumulators:
             if id(param) not in self.sliced and self.need[id(param)]:
                 inputs.append(param)
                 targets.append(self.sums[id(param)])
+        if cut.count:
+            inputs.append(cut.anchor)
         if not inputs:
             return
+        cut.sink = functools.partial(self._linear_backward, run, chunk)
         with torch.enable_grad():
             found = torch.autograd.grad(roots, inputs, grads, allow_unused=True)
-        for target, grad in zip(targets, found, strict=True):
+        cut.sink = None
+        for target, grad in zip(targets, found, strict=False):  # the anchor's (None) is last
             if grad is not None:
                 target.add_(grad)
+
+    def _linear_backward(self, run: ChunkRun, chunk: int, name: str, x: torch.Tensor, grad: torch.Tensor) -> None:
+        """Projection ``name``'s backward for the chunk, ``grad [b, n, out_c]`` of its output: added in place into
+        the input's and its weight's and bias' sums, in the dtype the forward's matmul ran in (autocast's)."""
+        proj = self.owner.projection(name)
+        grad_2d = grad.reshape(-1, grad.shape[-1])  # [b n, out_c]
+        x_2d = x.reshape(-1, x.shape[-1])  # [b n, h]
+        if self.x is not None:
+            weight = run.part(name, chunk, proj.weight).to(grad_2d.dtype)  # [out_c, h]
+            _add_mm(self.x.view(-1, self.x.shape[-1]), grad_2d, weight)
+        if self.need.get(id(proj.weight)):
+            _add_mm(run.part(name, chunk, self.sums[id(proj.weight)]), grad_2d.t(), x_2d.to(grad_2d.dtype))
+        if proj.bias is not None and self.need.get(id(proj.bias)):
+            run.part(name, chunk, self.sums[id(proj.bias)]).add_(grad_2d.sum(0))
 
     def result(self, grad_out: torch.Tensor) -> tuple:
         """``(grad x, *grad params)`` in the parameters' order, each in its tensor's dtype."""

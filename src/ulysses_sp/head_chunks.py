@@ -36,7 +36,7 @@ from torch import nn
 
 from .attention import INTERCEPT_ATTR, AttentionCall, UlyssesAttention, pad_qkv
 from .cores import Segments, eager_core
-from .head_chunk_pipeline import ChunkRun, HeadChunkedFunction
+from .head_chunk_pipeline import ChunkRun, HeadChunkedFunction, ProjectionCut
 from .head_split import (
     DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
     HeadSplit,
@@ -151,12 +151,16 @@ class Captured:
 class _Slice:
     """A projection's chunk (weight and bias views), standing in for the ``nn.Linear`` during one capture."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight, self.bias = weight, bias
+    def __init__(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, cut: ProjectionCut | None) -> None:
+        self.name, self.weight, self.bias, self.cut = name, weight, bias, cut
         self.out_features, self.in_features = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+        if self.cut is None or x is not self.cut.x:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        with torch.no_grad():  # under autocast still: the same casts as the forward's
+            out = torch.nn.functional.linear(x, self.weight, self.bias)
+        return self.cut.tap(self.name, out)
 
 
 @contextlib.contextmanager
@@ -214,9 +218,17 @@ class HeadChunkedAttention:
         names = (*self.names.query, *self.names.kv, self.names.out)
         return {id(p) for name in names for p in self.projection(name).parameters(recurse=False)}
 
-    def capture(self, args: tuple, kwargs: dict, weights: dict[str, tuple], heads: tuple[int, int]) -> Captured:
+    def capture(
+        self,
+        args: tuple,
+        kwargs: dict,
+        weights: dict[str, tuple],
+        heads: tuple[int, int],
+        cut: ProjectionCut | None = None,
+    ) -> Captured:
         """Run the module's own forward with its projections replaced by ``weights`` (the chunk's ``heads``: query
-        and kv head counts) up to its attention call.
+        and kv head counts) up to its attention call; ``cut``: record the projections of its input there
+        (:class:`ProjectionCut`).
 
         The call's arguments are recorded and the forward stopped by an exception, which is dropped at once: its
         traceback holds the forward's frames (and their tensors) until it is freed. Head counts the module keeps
@@ -233,7 +245,7 @@ class HeadChunkedAttention:
         kept = {name: self.module.__dict__[name] for name in counts}
         try:
             for name, (weight, bias) in weights.items():
-                self.module._modules[name] = _Slice(weight, bias)  # type: ignore[assignment]
+                self.module._modules[name] = _Slice(name, weight, bias, cut)  # type: ignore[assignment]
             self.module.__dict__.update(counts)
             with _intercepting(self.module, stop):
                 type(self.module).forward(self.module, *args, **kwargs)

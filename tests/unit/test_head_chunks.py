@@ -44,6 +44,33 @@ def test_sp1_chunks_match_plain_model(arch, kv_heads, chunks):
     assert not _chunked(model)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_backward_runs_the_input_projections_by_hand(monkeypatch, autocast):
+    """Backward cuts autograd at the q/k/v projections of the block's input (ProjectionCut): each chunk's three
+    taps deliver their gradients, which are added in place into the sums, and the result is still the plain
+    model's (fp32; under bf16 autocast, to bf16's precision)."""
+    from ulysses_sp.head_chunk_pipeline import ProjectionCut
+
+    delivered = []
+    deliver = ProjectionCut.deliver
+    monkeypatch.setattr(
+        ProjectionCut, "deliver", lambda self, name, grad: (delivered.append(name), deliver(self, name, grad))
+    )
+    batch = make_batch(2, 24, packed=(10, 14))
+    model = build("llama", kv_heads=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ref, want = loss_and_grads(copy.deepcopy(model), batch)
+        layout = U.ParallelLayout.single()
+        U.parallelize(model, layout, head_chunks=2)
+        loss, grads = loss_and_grads(model, batch, layout)
+    layers = model.config.num_hidden_layers
+    assert sorted(delivered) == sorted(["q_proj", "k_proj", "v_proj"] * 2 * layers)
+    tol = dict(rtol=2e-2, atol=2e-3) if autocast else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref, **tol)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want[name], **tol, msg=name)
+
+
 def test_unsplittable_module_refused_at_parallelize():
     """OPT's attention has out_proj, not o_proj: head_chunks > 1 is refused before any forward."""
     with pytest.raises(
