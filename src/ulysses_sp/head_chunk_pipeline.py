@@ -28,7 +28,6 @@ the host, and the process group keeps the buffers alive until then. On CPU gloo 
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -52,13 +51,14 @@ from .comm import (
     qkv_send_grad,
     start_all_to_all,
 )
+from .head_chunk_grads import Accumulators, ProjectionCut
 from .head_split import DEPTH
 from .tiling import Replay
 
 if TYPE_CHECKING:
     from .head_chunks import HeadChunkedAttention, HeadSplit
 
-__all__ = ["ChunkRun", "HeadChunkedFunction", "ProjectionCut", "run_interleaved"]
+__all__ = ["ChunkRun", "HeadChunkedFunction", "run_interleaved"]
 
 Stages = Generator[None, None, None]
 
@@ -107,48 +107,6 @@ def _rng_restored(state: tuple[torch.Tensor, torch.Tensor | None] | None, device
         if state[1] is not None:
             torch.cuda.set_rng_state(state[1], device)
         yield
-
-
-class ProjectionCut:
-    """Backward's cut of the sliced projections applied to the block's input ``x`` itself.
-
-    Each such output is computed without a graph and handed on through :class:`_Tap`, whose backward gives its
-    gradient to ``sink(name, x, grad)``: there the projection's backward runs as matmuls added in place into the
-    chunk sums (``ChunkRun``'s accumulators), so autograd never holds the three ``[t, h]`` input gradients and
-    their sum at once, and each output gradient is freed as soon as it has been used. ``anchor``: an empty leaf
-    that every tap hangs from, to name in ``torch.autograd.grad``'s inputs so that the taps run.
-    """
-
-    def __init__(self, x: torch.Tensor) -> None:
-        self.x = x
-        self.anchor = torch.empty(0, device=x.device, requires_grad=True)
-        self.sink: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
-        self.count = 0  # projections cut
-
-    def tap(self, name: str, out: torch.Tensor) -> torch.Tensor:
-        """``out`` (``name``'s projection of ``x``, computed without a graph) with its gradient going to the sink."""
-        self.count += 1
-        return _Tap.apply(out, self.anchor, self, name)
-
-    def deliver(self, name: str, grad: torch.Tensor) -> None:
-        if self.sink is None:
-            raise RuntimeError("a cut projection was differentiated outside the chunk's backward")
-        self.sink(name, self.x, grad)
-
-
-class _Tap(torch.autograd.Function):
-    """Identity on a projection's output; its backward hands the gradient to the cut's sink (nothing flows on)."""
-
-    @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, anchor: torch.Tensor, cut: ProjectionCut, name: str) -> torch.Tensor:
-        ctx.cut, ctx.name = cut, name
-        return out.view_as(out)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
-        ctx.cut.deliver(ctx.name, grad)
-        return None, None, None, None
 
 
 class ChunkRun:
@@ -299,7 +257,7 @@ class ChunkRun:
 
     # ------------------------------------------------------------------------------------------- backward
     def out_proj_backward(
-        self, chunk: int, grad_out: torch.Tensor, local: torch.Tensor, acc: _Accumulators
+        self, chunk: int, grad_out: torch.Tensor, local: torch.Tensor, acc: Accumulators
     ) -> torch.Tensor:
         """The output projection's backward for chunk ``chunk``: its weight columns' gradient into ``acc`` and the
         gradient of its input ``local [b, n, Hc, d_v]`` (returned)."""
@@ -320,7 +278,7 @@ class ChunkRun:
         return (leaves, cut), (q, k, v), call, qkv_full(recv)
 
     def _grads_back(
-        self, chunk: int, grad_full: list[torch.Tensor], roots: tuple, graph: tuple, acc: _Accumulators
+        self, chunk: int, grad_full: list[torch.Tensor], roots: tuple, graph: tuple, acc: Accumulators
     ) -> Stages:
         """The core's q/k/v gradient ``[b, h, N, d]`` (in a one-element list, emptied: only the exchange holds it)
         back to the chunk's projections, and their backward into ``acc`` (``graph``: the leaves and the cut)."""
@@ -332,7 +290,7 @@ class ChunkRun:
         acc.add_chunk(self, chunk, roots, grads, *graph)
 
     def fused_backward_chunk(
-        self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: _Accumulators, saved: tuple
+        self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: Accumulators, saved: tuple
     ) -> Stages:
         """Chunk ``chunk``'s gradients into ``acc`` from its saved core output and lse (``saved``), no recompute of
         the core: projections, q/k/v exchange, output projection, one exchange of the output and its gradient,
@@ -355,7 +313,7 @@ class ChunkRun:
         del grads
         yield from self._grads_back(chunk, grad_full, roots, graph, acc)
 
-    def backward_chunk(self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: _Accumulators) -> Stages:
+    def backward_chunk(self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: Accumulators) -> Stages:
         """Recompute chunk ``chunk`` (its core through autograd) and add its gradients into ``acc``."""
         graph, roots, call, full = yield from self._recompute_qkv(x, chunk)
         full.requires_grad_()  # [b, h, N, d]: the core's inputs as one leaf
@@ -383,7 +341,7 @@ class ChunkRun:
         """Gradients of ``(x, *params)`` (None where not needed) for ``grad_out [b, n, h]``; ``local`` / ``lse``:
         what the forward saved (``lse[c]``: None where chunk c's core did not run through a kernel)."""
         x_leaf = x.detach().requires_grad_(needs[0])
-        acc = _Accumulators(self.owner, x_leaf, needs, self.split.chunks)
+        acc = Accumulators(self.owner, x_leaf, needs, self.split.chunks)
         grad_out = grad_out.contiguous()
 
         def chunk_stages(c: int) -> Stages:
@@ -410,98 +368,6 @@ def _core_inputs(x: torch.Tensor, *qkv: torch.Tensor) -> tuple[torch.Tensor, ...
     fp32; autocast's sdpa casts them, and so does this before the exchange), else as they are."""
     dtype = _compute_dtype(x)
     return tuple(t.to(dtype) for t in qkv)
-
-
-def _zeros(t: torch.Tensor, chunks: int) -> torch.Tensor:
-    """A zeroed accumulator like ``t``: fp32 for 16-bit tensors summed over several chunks."""
-    wide = t.dtype in (torch.bfloat16, torch.float16) and chunks > 1
-    return torch.zeros_like(t, dtype=torch.float32 if wide else t.dtype)
-
-
-def _add_mm(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``target += a @ b``, in place where the dtypes allow (no product tensor), else through one product."""
-    if target.dtype == a.dtype:
-        target.addmm_(a, b)
-    else:
-        target.add_(a.mm(b))
-
-
-class _Accumulators:
-    """The gradients of one backward, summed over the chunks: the input's, the sliced projections' (each chunk
-    adds into its rows, or columns for the output projection) and the module's other parameters'."""
-
-    def __init__(self, owner: HeadChunkedAttention, x: torch.Tensor, needs: tuple[bool, ...], chunks: int) -> None:
-        self.owner = owner
-        self.params = owner.trainable_parameters()
-        if len(self.params) != len(needs) - 1:
-            raise RuntimeError(
-                f"{type(owner.module).__name__} had {len(needs) - 1} trainable parameters in forward and "
-                f"{len(self.params)} in backward; do not change requires_grad between forward and backward"
-            )
-        self.need = {id(p): need for p, need in zip(self.params, needs[1:], strict=True)}
-        self.x = _zeros(x, chunks) if needs[0] else None
-        self.sums = {id(p): _zeros(p, chunks) for p in self.params if self.need[id(p)]}
-        self.out_weight = self.sums.get(id(owner.out_proj().weight))
-        self.sliced = owner.sliced_parameters()
-
-    def add_chunk(
-        self,
-        run: ChunkRun,
-        chunk: int,
-        roots: tuple[torch.Tensor, ...],
-        grads: tuple[torch.Tensor, ...],
-        leaves: dict[str, tuple],
-        cut: ProjectionCut,
-    ) -> None:
-        """Backpropagate one chunk's projections (``roots`` -> ``grads``) into the accumulators: autograd down to
-        the cut projections' outputs (and to the leaves it still reaches), then their backward by hand."""
-        inputs, targets = [], []
-        if self.x is not None:  # what reaches the input besides the cut projections (None when nothing does)
-            inputs.append(cut.x)
-            targets.append(self.x)
-        for name, pair in leaves.items():
-            proj = self.owner.projection(name)
-            for leaf, param in zip(pair, (proj.weight, proj.bias), strict=True):
-                if leaf is not None and self.need.get(id(param)):
-                    inputs.append(leaf)
-                    targets.append(run.part(name, chunk, self.sums[id(param)]))
-        for param in self.params:
-            if id(param) not in self.sliced and self.need[id(param)]:
-                inputs.append(param)
-                targets.append(self.sums[id(param)])
-        if cut.count:
-            inputs.append(cut.anchor)
-        if not inputs:
-            return
-        cut.sink = functools.partial(self._linear_backward, run, chunk)
-        with torch.enable_grad():
-            found = torch.autograd.grad(roots, inputs, grads, allow_unused=True)
-        cut.sink = None
-        for target, grad in zip(targets, found, strict=False):  # the anchor's (None) is last
-            if grad is not None:
-                target.add_(grad)
-
-    def _linear_backward(self, run: ChunkRun, chunk: int, name: str, x: torch.Tensor, grad: torch.Tensor) -> None:
-        """Projection ``name``'s backward for the chunk, ``grad [b, n, out_c]`` of its output: added in place into
-        the input's and its weight's and bias' sums, in the dtype the forward's matmul ran in (autocast's)."""
-        proj = self.owner.projection(name)
-        grad_2d = grad.reshape(-1, grad.shape[-1])  # [b n, out_c]
-        x_2d = x.reshape(-1, x.shape[-1])  # [b n, h]
-        if self.x is not None:
-            weight = run.part(name, chunk, proj.weight).to(grad_2d.dtype)  # [out_c, h]
-            _add_mm(self.x.view(-1, self.x.shape[-1]), grad_2d, weight)
-        if self.need.get(id(proj.weight)):
-            _add_mm(run.part(name, chunk, self.sums[id(proj.weight)]), grad_2d.t(), x_2d.to(grad_2d.dtype))
-        if proj.bias is not None and self.need.get(id(proj.bias)):
-            run.part(name, chunk, self.sums[id(proj.bias)]).add_(grad_2d.sum(0))
-
-    def result(self, grad_out: torch.Tensor) -> tuple:
-        """``(grad x, *grad params)`` in the parameters' order, each in its tensor's dtype."""
-        bias = self.owner.out_proj().bias
-        if bias is not None and self.need.get(id(bias)):
-            self.sums[id(bias)].add_(grad_out.reshape(-1, grad_out.shape[-1]).sum(0))
-        grads = [self.sums[id(p)].to(p.dtype) if id(p) in self.sums else None for p in self.params]
-        return (self.x, *grads)
 
 
 class HeadChunkedFunction(torch.autograd.Function):

@@ -36,7 +36,8 @@ from torch import nn
 
 from .attention import INTERCEPT_ATTR, AttentionCall, UlyssesAttention, pad_qkv
 from .cores import Segments, eager_core
-from .head_chunk_pipeline import ChunkRun, HeadChunkedFunction, ProjectionCut
+from .head_chunk_grads import ProjectionCut
+from .head_chunk_pipeline import ChunkRun, HeadChunkedFunction
 from .head_split import (
     DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
     HeadSplit,

@@ -49,7 +49,7 @@ def test_backward_runs_the_input_projections_by_hand(monkeypatch, autocast):
     """Backward cuts autograd at the q/k/v projections of the block's input (ProjectionCut): each chunk's three
     taps deliver their gradients, which are added in place into the sums, and the result is still the plain
     model's (fp32; under bf16 autocast, to bf16's precision)."""
-    from ulysses_sp.head_chunk_pipeline import ProjectionCut
+    from ulysses_sp.head_chunk_grads import ProjectionCut
 
     delivered = []
     deliver = ProjectionCut.deliver
