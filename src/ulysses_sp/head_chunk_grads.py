@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .head_chunk_pipeline import ChunkRun
     from .head_chunks import HeadChunkedAttention
 
-__all__ = ["Accumulators", "ProjectionCut"]
+__all__ = ["Accumulators", "ProjectionCut", "add_mm"]
 
 
 class ProjectionCut:
@@ -70,7 +70,7 @@ def _zeros(t: torch.Tensor, chunks: int) -> torch.Tensor:
     return torch.zeros_like(t, dtype=torch.float32 if wide else t.dtype)
 
 
-def _add_mm(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def add_mm(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``target += a @ b``, in place where the dtypes allow (no product tensor), else through one product."""
     if target.dtype == a.dtype:
         target.addmm_(a, b)
@@ -141,9 +141,9 @@ class Accumulators:
         x_2d = x.reshape(-1, x.shape[-1])  # [b n, h]
         if self.x is not None:
             weight = run.part(name, chunk, proj.weight).to(grad_2d.dtype)  # [out_c, h]
-            _add_mm(self.x.view(-1, self.x.shape[-1]), grad_2d, weight)
+            add_mm(self.x.view(-1, self.x.shape[-1]), grad_2d, weight)
         if self.need.get(id(proj.weight)):
-            _add_mm(run.part(name, chunk, self.sums[id(proj.weight)]), grad_2d.t(), x_2d.to(grad_2d.dtype))
+            add_mm(run.part(name, chunk, self.sums[id(proj.weight)]), grad_2d.t(), x_2d.to(grad_2d.dtype))
         if proj.bias is not None and self.need.get(id(proj.bias)):
             run.part(name, chunk, self.sums[id(proj.bias)]).add_(grad_2d.sum(0))
 

@@ -51,9 +51,9 @@ from .comm import (
     qkv_send_grad,
     start_all_to_all,
 )
-from .head_chunk_grads import Accumulators, ProjectionCut
+from .head_chunk_grads import Accumulators, ProjectionCut, add_mm
 from .head_split import DEPTH
-from .tiling import Replay
+from .tiling import Replay, compute_dtype
 
 if TYPE_CHECKING:
     from .head_chunks import HeadChunkedAttention, HeadSplit
@@ -223,11 +223,8 @@ class ChunkRun:
         del full, q_f, k_f, v_f
         recv = yield from self._exchange(out_send_buffer(core_out, self.sp))
         del core_out
-        if kernel is not None:  # [b, n, Hc, d_v]: this chunk's heads of the saved output, filled in place
-            local = self.saved_local(recv, chunk)
-            local.unflatten(2, (recv.shape[0], -1)).copy_(recv.permute(1, 2, 0, 3, 4))
-        else:
-            local = out_local(recv)  # [b, n, Hc, d_v]
+        # [b, n, Hc, d_v]: with a kernel, this chunk's heads of the saved output, filled in place
+        local = out_local(recv, self.saved_local(recv, chunk) if kernel is not None else None)
         del recv
         weight = self.part(self.owner.names.out, chunk, self.owner.out_proj().weight)  # [h, Hc d_v]
         out.view(-1, out.shape[-1]).addmm_(local.reshape(-1, weight.shape[1]), weight.t().to(out.dtype))
@@ -249,7 +246,7 @@ class ChunkRun:
     def forward(self, x: torch.Tensor, save: bool = False) -> torch.Tensor:
         """The block's output ``[b, n, h]``: every chunk's share, then the output projection's bias."""
         out_proj = self.owner.out_proj()
-        out = x.new_zeros(*x.shape[:-1], out_proj.out_features, dtype=_compute_dtype(x))
+        out = x.new_zeros(*x.shape[:-1], out_proj.out_features, dtype=compute_dtype(x))
         run_interleaved(self.forward_chunk(x, c, out, save) for c in range(self.split.chunks))
         if out_proj.bias is not None:
             out += out_proj.bias
@@ -265,7 +262,7 @@ class ChunkRun:
         out_name = self.owner.names.out
         weight = self.part(out_name, chunk, self.owner.out_proj().weight)  # [h, Hc d_v]
         if acc.out_weight is not None:
-            self.part(out_name, chunk, acc.out_weight).add_(grad_2d.t().mm(local.reshape(-1, weight.shape[1])))
+            add_mm(self.part(out_name, chunk, acc.out_weight), grad_2d.t(), local.reshape(-1, weight.shape[1]))
         return grad_2d.mm(weight.to(grad_2d.dtype)).view(local.shape)
 
     def _recompute_qkv(self, x: torch.Tensor, chunk: int) -> Generator[None, None, tuple]:
@@ -359,14 +356,10 @@ def _split(heads: int, kv_heads: int, sp: int) -> list[int]:
     return [heads // sp, hkv, hkv]
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-
-
 def _core_inputs(x: torch.Tensor, *qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q/k/v in the dtype the core computes in: under autocast its dtype (the model's RoPE may have made q and k
     fp32; autocast's sdpa casts them, and so does this before the exchange), else as they are."""
-    dtype = _compute_dtype(x)
+    dtype = compute_dtype(x)
     return tuple(t.to(dtype) for t in qkv)
 
 

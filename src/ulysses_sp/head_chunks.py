@@ -46,6 +46,7 @@ from .head_split import (
     head_chunk_choices,
 )
 from .masks import mask_window
+from .tiling import compute_dtype
 
 __all__ = [
     "HeadChunkedAttention",
@@ -283,7 +284,7 @@ class HeadChunkedAttention:
     def chunks_for(self, x: torch.Tensor) -> int:
         """C for hidden states ``x [b, n, h]`` (this rank's tokens)."""
         layout = self.ctx.layout
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        dtype = compute_dtype(x)
         return choose_head_chunks(
             self.num_heads,
             self.num_kv_heads,

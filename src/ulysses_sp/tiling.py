@@ -46,6 +46,7 @@ __all__ = [
     "Replay",
     "TiledMLP",
     "check_chunk_tokens",
+    "compute_dtype",
     "default_chunk_tokens",
     "disable_tiled_mlp",
     "enable_tiled_mlp",
@@ -65,6 +66,11 @@ def check_chunk_tokens(chunk_tokens: Any) -> None:
         raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens}")
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype work on ``x`` computes in here: autocast's where it is on for ``x``'s device, else ``x``'s own."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
 def _spans(length: int, chunk: int) -> list[tuple[int, int]]:
