@@ -21,22 +21,22 @@ from __future__ import annotations
 
 import copy
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .comm import CommStats, all_gather_tensor, heads_to_seq, qkv_seq_to_heads
-from .cores import Core, Segments
+from .cores import AttentionCall, Core, Segments
 from .layout import ParallelLayout
 from .masks import DecoderMasks, left_padding_problem, mask_window
 from .ring import ring_attention, zigzag_order
+from .sliced_core import sliced_core
 from .validation import IGNORE_INDEX, check_id_ranges, id_range, input_problem
 
 __all__ = [
     "INTERCEPT_ATTR",
     "RING_CORES",
-    "AttentionCall",
     "UlyssesAttention",
     "check_ring_core",
     "pad_qkv",
@@ -51,20 +51,6 @@ RING_CORES = ("sdpa", "eager")
 # An attribute a caller may set on an attention module (see ulysses_sp.head_chunks): a callable that receives the
 # module's attention call instead of Ulysses (to capture q/k/v, or to run a local reference attention).
 INTERCEPT_ATTR = "_ulysses_sp_intercept"
-
-
-@dataclass
-class AttentionCall:
-    """What one attention call needs besides q/k/v: its documents, window, scaling, softcap, dropout, the value
-    head dim (the output is sliced back to it) and the one width q, k and v travel at."""
-
-    segments: Segments
-    window: int | None
-    scaling: float | None
-    softcap: float | None
-    dropout: float
-    d_v: int
-    width: int
 
 
 def pad_qkv(
@@ -91,8 +77,12 @@ class UlyssesAttention:
         stats: CommStats | None = None,
         vocab_size: int | None = None,
         masks: DecoderMasks | None = None,
+        slice_budget_bytes: int | None = None,
     ) -> None:
         self.layout = layout
+        # None: the core runs as it is; else its heads in slices where the sdpa core's kernel buffers would exceed
+        # it (ulysses_sp.sliced_core)
+        self.slice_budget_bytes = slice_budget_bytes
         self.core = core
         self.core_name = core_name
         self.comm_dtype = comm_dtype
@@ -104,6 +94,10 @@ class UlyssesAttention:
         # activation checkpointing), so a recomputed layer always finds its own documents.
         self._segments: dict[int, tuple[weakref.ref, Segments]] = {}
         self._latest: Segments | None = None
+        # Called (no arguments) in backward once per attention call, when its q/k/v projections' outputs have
+        # their gradient: the attention's own backward working set is gone (ulysses_sp.offload times its
+        # prefetch of the next layer input by it).
+        self.backward_hooks: list[Callable[[], None]] = []
 
     def __deepcopy__(self, memo: dict) -> UlyssesAttention:
         # copy.deepcopy of a parallelized model (an EMA or reference copy): process groups cannot be copied, so
@@ -116,9 +110,18 @@ class UlyssesAttention:
             stats=copy.deepcopy(self.stats, memo),
             vocab_size=self.vocab_size,
             masks=self.masks,
+            slice_budget_bytes=self.slice_budget_bytes,
         )
         memo[id(self)] = new
+        new.backward_hooks = copy.deepcopy(self.backward_hooks, memo)  # bound to the copied model's own parts
         return new
+
+    def attention_done(self, query: torch.Tensor) -> torch.Tensor:
+        """``query`` (an attention call's input) as it is, with :attr:`backward_hooks` called when its gradient
+        is made in backward (it is made with k's and v's, by the exchange's adjoint)."""
+        if self.backward_hooks and torch.is_grad_enabled() and query.requires_grad:
+            return _AttentionDone.apply(query, self.backward_hooks)
+        return query
 
     # ---------------------------------------------------------------------------------- once per forward
     def begin_forward(
@@ -287,6 +290,10 @@ class UlyssesAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
     ) -> torch.Tensor:  # [b, N/R, h, d_v]
         """The local core (the ring's in a hybrid layout) on head-sharded q/k/v, the padding sliced off."""
+        if self.layout.ring == 1 and self.slice_budget_bytes is not None:
+            out = sliced_core(q, k, v, call, core_name=self.core_name, budget_bytes=self.slice_budget_bytes)
+            if out is not None:
+                return out  # [b, N, H/U, d_v]
         core = self.core if self.layout.ring == 1 else self._ring_core
         out = core(
             q,
@@ -313,6 +320,7 @@ class UlyssesAttention:
         arguments are transformers' (dropout, scaling, sliding_window, softcap, position_ids, ...)."""
         call = self.prepare(module, query, key, value, attention_mask, **kwargs)
         group, wire = self.layout.ulysses_group, self.comm_dtype
+        query = self.attention_done(query)
         q, k, v = qkv_seq_to_heads(*pad_qkv(query, key, value, call.width), group, comm_dtype=wire, stats=self.stats)
         # q [b, H/U, N/R, d]; k/v [b, hkv, N/R, d] (U = ulysses, R = ring; N/R = N without a ring)
         out = self.core_for(q, k, v, call)  # [b, N/R, H/U, d_v]
@@ -323,6 +331,21 @@ class UlyssesAttention:
         """The core of a hybrid layout: ring attention over ``layout.ring_group`` (see :mod:`ulysses_sp.ring`)."""
         kernel = "plain" if self.core_name == "eager" else None  # eager: the plain-PyTorch reference kernel
         return ring_attention(q, k, v, segments, self.layout.ring_group, stats=self.stats, kernel=kernel, **kwargs)
+
+
+class _AttentionDone(torch.autograd.Function):
+    """Identity whose backward calls the attention's backward hooks (see :meth:`UlyssesAttention.attention_done`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, hooks: list[Callable[[], None]]) -> torch.Tensor:
+        ctx.hooks = hooks
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        for hook in ctx.hooks:
+            hook()
+        return grad, None
 
 
 def check_ring_core(core_name: str, ring: int) -> None:

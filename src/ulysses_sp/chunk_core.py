@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .attention import AttentionCall
+from .cores import AttentionCall
 from .ring_kernels import default_ring_kernel, get_ring_kernel
 
 __all__ = ["KERNEL_CORES", "chunk_kernel", "kernel_backward", "kernel_forward"]

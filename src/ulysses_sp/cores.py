@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "CORES",
+    "AttentionCall",
     "Core",
     "Segments",
     "compiled_flex",
@@ -142,6 +143,20 @@ class Segments:
             return ids.to(self.device)
 
         return self.cached("doc_ids", build)  # type: ignore[return-value]
+
+
+@dataclass
+class AttentionCall:
+    """What one attention call needs besides q/k/v: its documents, window, scaling, softcap, dropout, the value
+    head dim (the output is sliced back to it) and the one width q, k and v travel at."""
+
+    segments: Segments
+    window: int | None
+    scaling: float | None
+    softcap: float | None
+    dropout: float
+    d_v: int
+    width: int
 
 
 def _per_document(

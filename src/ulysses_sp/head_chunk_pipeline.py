@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .attention import AttentionCall, pad_qkv
+from .attention import pad_qkv
 from .chunk_core import chunk_kernel, kernel_backward, kernel_forward
 from .comm import (
     out_local,
@@ -51,6 +51,7 @@ from .comm import (
     qkv_send_grad,
     start_all_to_all,
 )
+from .cores import AttentionCall
 from .head_chunk_grads import Accumulators, ProjectionCut, add_mm
 from .head_split import DEPTH
 from .tiling import Replay, compute_dtype
@@ -382,4 +383,6 @@ class HeadChunkedFunction(torch.autograd.Function):
         x, local, *lse = ctx.saved_tensors
         with ctx.replay():
             grad_x, *grads = ctx.run.backward(x, grad_out, tuple(ctx.needs_input_grad[1:]), local, tuple(lse))
+        for hook in ctx.run.owner.ctx.backward_hooks:  # every chunk's backward is done (UlyssesAttention)
+            hook()
         return (None, None if grad_x is None else grad_x.to(x.dtype), *grads)

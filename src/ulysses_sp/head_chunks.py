@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention import INTERCEPT_ATTR, AttentionCall, UlyssesAttention, pad_qkv
-from .cores import Segments, eager_core
+from .attention import INTERCEPT_ATTR, UlyssesAttention, pad_qkv
+from .cores import AttentionCall, Segments, eager_core
 from .head_chunk_grads import ProjectionCut
 from .head_chunk_pipeline import ChunkRun, HeadChunkedFunction
 from .head_split import (

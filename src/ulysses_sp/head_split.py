@@ -17,6 +17,7 @@ __all__ = [
     "check_head_chunks",
     "choose_head_chunks",
     "chunk_exchange_bytes",
+    "core_slices",
     "head_chunk_choices",
 ]
 
@@ -80,6 +81,16 @@ def choose_head_chunks(
     }
     fitting = [c for c in choices if sizes[c] <= budget_bytes]
     return fitting[0] if fitting else min(choices, key=lambda c: (sizes[c], c))
+
+
+def core_slices(heads: int, kv_heads: int, *, tokens: int, head_dim: int, budget_bytes: int) -> int:
+    """How many slices of its heads one rank's unchunked core runs in (:mod:`ulysses_sp.sliced_core`): the fewest
+    that split ``heads`` query heads over ``kv_heads`` kv heads (whole kv groups or part of one, as
+    :func:`head_chunk_choices` with one rank) whose fp32 ``[tokens, heads/S, head_dim]`` (the size of a fused
+    kernel's dq accumulator) fits ``budget_bytes``; one query head per slice when none does. 1: not sliced."""
+    choices = head_chunk_choices(heads, kv_heads, 1)
+    fitting = [s for s in choices if 4 * tokens * (heads // s) * head_dim <= budget_bytes]
+    return fitting[0] if fitting else choices[-1]
 
 
 def check_head_chunks(requested: object, num_heads: int, num_kv_heads: int, ulysses: int) -> None:

@@ -42,6 +42,7 @@ from .hf import attention_modules, decoder_module, find_pretrained, head_counts
 from .layout import ParallelLayout
 from .masks import read_decoder_masks, ulysses_mask
 from .moe import router_aux_loss
+from .offload import offload_store
 
 __all__ = ["parallelize", "plain_attention", "ulysses_context", "unparallelize"]
 
@@ -293,6 +294,9 @@ def parallelize(
         head_chunks: run each attention layer's heads in this many chunks, one or two at a time (see
             :mod:`ulysses_sp.head_chunks`); None or 0: automatic (chunks only where one chunk's q/k/v after the
             exchange would exceed ``head_chunk_budget_bytes`` per rank); 1: never.
+        head_chunk_budget_bytes: the automatic C's budget, and that of the sdpa core's slices of heads (the
+            unchunked core runs its heads in slices where a fused kernel's fp32 dq accumulator over all of them
+            would exceed it, :mod:`ulysses_sp.sliced_core`).
 
     Returns the same model. Raises ValueError before any training if the heads do not split over
     ``layout.sp``, the core is unknown, or ``head_chunks`` > 1 does not split the heads or an attention module.
@@ -344,6 +348,7 @@ def parallelize(
         stats=stats,
         vocab_size=vocab_size,
         masks=read_decoder_masks(decoder),
+        slice_budget_bytes=head_chunk_budget_bytes,
     )
     name = f"ulysses_{core_name}" if isinstance(core, str) else "ulysses_custom"
     rope_hooks = _rope_hooks(pretrained, ctx, name, text_config)
@@ -370,6 +375,10 @@ def parallelize(
     for rotary, rope in rope_hooks:
         hooks.append(rotary.register_forward_pre_hook(rope.before, with_kwargs=True))
         hooks.append(rotary.register_forward_hook(rope.after, with_kwargs=True))
+    store = offload_store(pretrained)
+    if store is not None:  # offload enabled first: its prefetch waits for each attention's backward from now on
+        ctx.backward_hooks.append(store.fetch_pending)
+        store.fetch_late()
     setattr(pretrained, _STATE_ATTR, _State(ctx, name, original, hooks, modules))
     return model
 
@@ -390,6 +399,9 @@ def unparallelize(model: torch.nn.Module) -> torch.nn.Module:
         return model
     for hook in state.hooks:
         hook.remove()
+    store = offload_store(pretrained)
+    if store is not None:  # nothing calls its fetch_pending any more: prefetch at once again
+        store.late = False
     remove_head_chunks(state.modules)
     for module in state.modules:
         if MODULE_ATTR in module.__dict__:

@@ -7,12 +7,20 @@ Modes of :func:`enable_activation_checkpointing`:
   (``torch.utils.checkpoint`` without reentrancy, what transformers' gradient checkpointing runs).
 * ``"offload"``: the same, but the kept input lives in host memory. On CUDA the forward copies it
   asynchronously on a side stream into pinned host memory (the device copy is freed as soon as that copy
-  is done), and in backward, when layer ``i`` starts its recompute, the input of layer ``i - 1`` (the next
-  one backward recomputes) is copied back on the side stream while layer ``i`` computes. Events order
-  every read after its copy; ``record_stream`` keeps the allocator from reusing a device buffer that a
-  pending copy or computation still reads. Device memory then holds no per-layer activation between
-  forward and backward: only what lies outside the decoder layers (embeddings, final norm, logits and
-  loss) and, in backward, the layer being recomputed plus one prefetched input.
+  is done), and in backward the input of layer ``i - 1`` (the next one backward recomputes) is copied back
+  on the side stream while layer ``i`` still computes. Events order every read after its copy;
+  ``record_stream`` keeps the allocator from reusing a device buffer that a pending copy or computation
+  still reads. Device memory then holds no per-layer activation between forward and backward: only what
+  lies outside the decoder layers (embeddings, final norm, logits and loss) and, in backward, the input
+  of the layer being recomputed, plus the prefetched one once it is on its way.
+
+When the copy back starts: in a model parallelized by :func:`ulysses_sp.parallelize` (before this is
+enabled, as ``ulysses-sp train`` and the integrations do), once layer ``i``'s attention has finished its
+backward (the gradient of its q/k/v projections' outputs is made, :attr:`UlyssesAttention.backward_hooks`),
+so the prefetched input is never on the device next to the attention's or the MLP's backward working set,
+the layer's peak; it overlaps with the projections' and the input norm's backward. Otherwise (a plain
+model) as soon as layer ``i`` starts its recompute, overlapping with all of its backward, one more input
+on the device at its peak.
 
 How it plugs in: through transformers' own checkpointing hook. Decoder layers are
 ``GradientCheckpointingLayer``s that call ``self._gradient_checkpointing_func(forward, *args)`` when
@@ -83,17 +91,22 @@ class HostActivationStore:
     """Saved-tensor hooks that keep tensors in host memory (pinned on CUDA) and prefetch them back.
 
     ``pack`` runs in forward for each tensor the checkpoint saves; ``unpack`` in backward when the layer's
-    recompute needs it, and then prefetches the tensor packed just before it (the next layer backward
-    will recompute). Everything lives as long as autograd's graph holds the packed handles.
+    recompute needs it, and then schedules the tensor packed just before it (the next layer backward
+    will recompute) to be prefetched: at once, or after :meth:`fetch_late` when :meth:`fetch_pending` is
+    called. Everything lives as long as autograd's graph holds the packed handles.
     """
 
     def __init__(self) -> None:
         self._live: weakref.WeakSet[_Stored] = weakref.WeakSet()
         self._last: weakref.ref[_Stored] | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._pending: weakref.ref[_Stored] | None = None  # scheduled, waiting for fetch_pending
+        self.late = False  # see fetch_late
 
     def __deepcopy__(self, memo: dict) -> HostActivationStore:
-        return type(self)()  # a copied model starts with an empty store of its own
+        copied = type(self)()  # a copied model starts with an empty store of its own
+        copied.late = self.late
+        return copied
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The host tensors held now (one per kept layer input that autograd still references)."""
@@ -133,7 +146,7 @@ class HostActivationStore:
 
     def _fetch(self, entry: _Stored) -> None:
         """Start copying ``entry`` back to its device on the side stream (ordered after its offload)."""
-        if entry.on_device is not None or entry.device.type == "cpu":
+        if entry.on_device is not None or entry.device.type != "cuda":
             return
         stream = self._side_stream(entry.device)
         with torch.cuda.stream(stream):
@@ -141,9 +154,29 @@ class HostActivationStore:
             entry.arrived = torch.cuda.Event()
             entry.arrived.record(stream)
 
-    def unpack(self, entry: _Stored | torch.Tensor) -> torch.Tensor:
-        if isinstance(entry, torch.Tensor):  # kept as it was by pack
-            return entry
+    def _schedule(self, entry: _Stored | None) -> None:
+        """``entry`` is needed next: fetch it now, or (after :meth:`fetch_late`) when the attention says."""
+        if entry is None:
+            return
+        if self.late:
+            self._pending = weakref.ref(entry)
+        else:
+            self._fetch(entry)
+
+    def fetch_late(self) -> None:
+        """From now on a scheduled fetch waits for :meth:`fetch_pending` (called when a layer's attention has
+        finished its backward) instead of starting when the layer's recompute unpacks its input."""
+        self.late = True
+
+    def fetch_pending(self) -> None:
+        """Start the fetch scheduled by the last unpack, if any (it is then no longer pending)."""
+        entry = self._pending() if self._pending is not None else None
+        self._pending = None
+        if entry is not None:
+            self._fetch(entry)
+
+    def _take(self, entry: _Stored) -> torch.Tensor:
+        """``entry``'s tensor on its device: the prefetched copy (fetched now if it is not on its way)."""
         if entry.device.type == "cpu":
             return entry.host
         if entry.device.type != "cuda":
@@ -153,9 +186,21 @@ class HostActivationStore:
         compute = torch.cuda.current_stream(entry.device)
         compute.wait_event(entry.arrived)  # read only once the copy has arrived
         tensor.record_stream(compute)  # freed only after the compute stream is done with it
-        previous = entry.previous() if entry.previous is not None else None
-        if previous is not None:
-            self._fetch(previous)
+        return tensor
+
+    def unpack(self, entry: _Stored | torch.Tensor) -> torch.Tensor:
+        """The saved tensor back for the layer recomputing from it; schedules the one packed before it."""
+        if isinstance(entry, torch.Tensor):  # kept as it was by pack
+            return entry
+        tensor = self._take(entry)
+        self._schedule(entry.previous() if entry.previous is not None else None)
+        return tensor
+
+    def unpack_again(self, entry: _Stored) -> torch.Tensor:
+        """A group head's input, to rebuild the inputs of the layers after it (``stride`` > 1); schedules the
+        head itself, whose own layer recomputes from it once theirs are done."""
+        tensor = self._take(entry)
+        self._schedule(entry)
         return tensor
 
 
@@ -226,6 +271,9 @@ class _StridedCheckpoint:
     def _pack(self, tensor: torch.Tensor) -> Any:
         return self.store.pack(tensor) if self.store is not None else tensor
 
+    def _unpack_head(self, packed: Any) -> torch.Tensor:
+        return self.store.unpack_again(packed) if self.store is not None else packed
+
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Head):
             packed = packed.packed
@@ -252,7 +300,7 @@ class _StridedCheckpoint:
                 f"{self.stride}): the layers are not run in order; use checkpoint_stride=1"
             )
         if not position:
-            group = _Group(self._unpack)
+            group = _Group(self._unpack_head)
             self.shared["group"] = weakref.ref(group)
         assert group is not None
         layer = self.layer()
@@ -317,6 +365,8 @@ def enable_activation_checkpointing(model: nn.Module, mode: str = "checkpoint", 
     if stride > 1 and mode != "none" and not layers:
         raise ValueError(f"{name} has no checkpointable decoder layers to group by stride {stride}; use stride=1")
     store = HostActivationStore() if mode == "offload" else None
+    if store is not None:
+        _time_fetches_by_the_attention(pretrained, store)
     if mode == "none":
         pretrained._set_gradient_checkpointing(enable=False)
     else:
@@ -329,12 +379,32 @@ def enable_activation_checkpointing(model: nn.Module, mode: str = "checkpoint", 
     return model
 
 
+def _attention_contexts(pretrained: nn.Module) -> list[Any]:
+    """The :class:`~ulysses_sp.attention.UlyssesAttention` of a parallelized model (none for a plain one)."""
+    from .attention import MODULE_ATTR
+
+    found = {id(ctx): ctx for m in pretrained.modules() if (ctx := m.__dict__.get(MODULE_ATTR)) is not None}
+    return list(found.values())
+
+
+def _time_fetches_by_the_attention(pretrained: nn.Module, store: HostActivationStore) -> None:
+    """In a parallelized model the store's prefetch waits until a layer's attention has done its backward
+    (module docstring)."""
+    for ctx in _attention_contexts(pretrained):
+        ctx.backward_hooks.append(store.fetch_pending)
+        store.fetch_late()
+
+
 def disable_activation_checkpointing(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_activation_checkpointing`: every module gets back the flag and function it had."""
     pretrained = find_pretrained(model, "disable_activation_checkpointing")
     state: _State | None = getattr(pretrained, _STATE_ATTR, None)
     if state is None:
         return model
+    if state.store is not None:
+        contexts = _attention_contexts(pretrained)
+        for ctx in contexts:
+            ctx.backward_hooks[:] = [h for h in ctx.backward_hooks if getattr(h, "__self__", None) is not state.store]
     for module, *values in state.previous:
         for attr, value in zip(_ATTRS, values, strict=True):
             if value is _MISSING:

@@ -1,5 +1,5 @@
-"""Multi-rank cases for head-chunked ("untied") attention, run inside gloo workers by
-tests/dist/test_head_chunks_parity.py.
+"""Multi-rank cases for head-chunked ("untied") attention and the core in slices of heads, run inside gloo workers
+by tests/dist/test_head_chunks_parity.py.
 
 Every parity case compares the loss and every gradient with one process on the full batch (plain transformers
 attention, the model's own loss), as :mod:`tests.dist.cases_core` does, for C = 1, 2, 4 head chunks, and counts
@@ -20,7 +20,7 @@ from tests.dist.cases_core import check_parity
 from tests.dist.cases_memory_features import check_features
 from tests.helpers.harness import run_cases
 from tests.helpers.models import build, make_batch
-from ulysses_sp import head_chunk_pipeline
+from ulysses_sp import head_chunk_pipeline, sliced_core
 
 P = functools.partial
 CHUNKS = (1, 2, 4)
@@ -45,26 +45,27 @@ def all_to_alls(chunks: int, layers: int, fused: int = 0) -> int:
 
 
 @contextlib.contextmanager
-def counting_fused():
-    """Count the chunk backwards that ran through a block kernel (``found[0]``)."""
-    found, kernel_backward = [0], head_chunk_pipeline.kernel_backward
+def counting(module, name: str = "kernel_backward"):
+    """Count the calls of ``module.name`` (``found[0]``): by default the chunk (or slice) backwards that ran
+    through a block kernel."""
+    found, function = [0], getattr(module, name)
 
     def logged(*args, **kwargs):
         found[0] += 1
-        return kernel_backward(*args, **kwargs)
+        return function(*args, **kwargs)
 
-    head_chunk_pipeline.kernel_backward = logged
+    setattr(module, name, logged)
     try:
         yield found
     finally:
-        head_chunk_pipeline.kernel_backward = kernel_backward
+        setattr(module, name, function)
 
 
 def chunked_parity(layout, arch: str, chunks: int, *, layers: int = 2, fused: bool | None = None, **kwargs) -> None:
     """check_parity with ``head_chunks=chunks``, and the all-to-all count of a chunked (or unchunked) run;
     ``fused``: every chunk's backward must (True) or must not (False) run from the saved output."""
     stats = U.CommStats()
-    with counting_fused() as found:
+    with counting(head_chunk_pipeline) as found:
         check_parity(layout, arch, head_chunks=chunks, stats=stats, **kwargs)
     want = all_to_alls(chunks, layers, found[0]) if layout.ulysses > 1 else 0
     assert stats.calls["all_to_all"] == want, (stats.calls, want)
@@ -190,6 +191,26 @@ def overlap(layout, chunks: int = 4, core: str = "sdpa") -> None:
     assert all(cores) and all(core_backwards), f"a core ran with no exchange in flight: {cores}, {core_backwards}"
 
 
+def sliced_parity(layout, arch: str, *, heads: int, layers: int = 2, **kwargs) -> None:
+    """check_parity of the unchunked core in slices of one query head (a budget of 1 byte,
+    :mod:`ulysses_sp.sliced_core`): exact, and every layer's core backward ran once per slice."""
+    with counting(sliced_core) as calls:
+        check_parity(layout, arch, heads=heads, head_chunks=1, head_chunk_budget_bytes=1, **kwargs)
+    assert calls[0] == layers * heads // layout.ulysses, calls
+
+
+def sliced_cases(layout, prefix: str, heads: int, kv: int) -> dict:
+    """The families the sliced core runs: MHA, GQA with packed documents, MQA, MLA (v head dim != qk), padding."""
+    case = functools.partial(P, sliced_parity, layout, heads=heads)
+    return {
+        f"{prefix}_sliced_mha": case("llama"),
+        f"{prefix}_sliced_gqa_packed": case("qwen3", kv_heads=kv, batch=make_batch(2, 24, packed=(10, 14))),
+        f"{prefix}_sliced_mqa": case("llama", kv_heads=1),
+        f"{prefix}_sliced_mla_v4": case("deepseek_v3_mla_v4"),
+        f"{prefix}_sliced_padded": case("llama", kv_heads=kv, batch=make_batch(2, 23, pad="right")),
+    }
+
+
 def world2_cases(sp2) -> dict:
     batch = make_batch(2, 24, packed=(15, 9))
     archs = {
@@ -200,6 +221,7 @@ def world2_cases(sp2) -> dict:
         **family_cases(sp2, "sp2", 8, 2, CHUNKS),
         **archs,
         **feature_cases(sp2, "sp2", (2, 4)),
+        **sliced_cases(sp2, "sp2", 8, 2),
         "sp2_C4_exchanges_overlap_cores": P(overlap, sp2),
         "sp2_C4_exchanges_overlap_cores_recomputed": P(overlap, sp2, core="eager"),
     }
@@ -210,6 +232,7 @@ def world4_cases(sp4, dp2sp2, hybrid) -> dict:
         # 16 heads: 4 chunks of 4 split over 4 ranks; 2 kv heads < sp, one per chunk of 4 (kv groups of 8)
         **family_cases(sp4, "sp4", 16, 2, CHUNKS),
         **family_cases(dp2sp2, "dp2_sp2", 8, 2, (2, 4)),
+        **sliced_cases(sp4, "sp4", 16, 2),
         "ulysses2_ring2_C2_gqa": P(chunked_parity, hybrid, "llama", 2, heads=8, kv_heads=2),
         "ulysses2_ring2_C4_packed": P(
             chunked_parity, hybrid, "qwen2", 4, heads=8, kv_heads=4, batch=make_batch(2, 24, packed=(9, 15))

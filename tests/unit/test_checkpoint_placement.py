@@ -73,7 +73,11 @@ def test_plan_models_the_stride():
     two = plan_memory("llama-3.1-8b", features=Features(**{**vars(base), "checkpoint_stride": 2}), **args)
     layer_input = 2 * one.tokens_per_rank * 4096  # bf16 [t, h]
     assert one.host_bytes_per_node - two.host_bytes_per_node == 8 * 16 * layer_input  # 16 of 32 inputs, 8 GPUs
-    assert two.phases[two.phase]["checkpoints"] - one.phases[two.phase]["checkpoints"] == layer_input
+    three = plan_memory("llama-3.1-8b", features=Features(**{**vars(base), "checkpoint_stride": 3}), **args)
+    # on the GPU at the peak: the input of the layer in backward (the next one is fetched after its attention),
+    # in a group of k the k - 1 rebuilt from the head (ulysses_sp.offload)
+    assert one.phases[one.phase]["checkpoints"] == two.phases[two.phase]["checkpoints"] == layer_input
+    assert three.phases[three.phase]["checkpoints"] == 2 * layer_input
     gpu = Features(**{**vars(base), "activation_checkpointing": "checkpoint", "checkpoint_stride": 4})
     assert plan_memory("llama-3.1-8b", features=gpu, **args).checkpoints == (8 + 3) * layer_input
 
@@ -97,7 +101,7 @@ def test_placements_go_from_least_recompute_up():
 def test_planner_chooses_the_place_and_stride(host, want):
     features = Features(cpu_offload_optimizer=True)
     plan = plan_memory(
-        "llama-3.1-8b", seq_len=6 << 20, sp=8, gpus_per_node=8, host_memory_bytes=host, features=features
+        "llama-3.1-8b", seq_len=4 << 20, sp=8, gpus_per_node=8, host_memory_bytes=host, features=features
     )
     if want is None:
         assert plan.checkpoint_choice == "" and plan.features.checkpoint_stride == 1
@@ -108,7 +112,7 @@ def test_planner_chooses_the_place_and_stride(host, want):
 
 
 def test_train_places_the_checkpoints_on_a_gpu_with_host_memory():
-    config = TrainConfig(model="llama-3.1-8b", seq_len=6 << 20, sp=8, host_memory="1TiB", cpu_offload_optimizer=True)
+    config = TrainConfig(model="llama-3.1-8b", seq_len=4 << 20, sp=8, host_memory="1TiB", cpu_offload_optimizer=True)
     layout = types.SimpleNamespace(device=torch.device("cuda", 0), sp=8, dp=1, ring=1)
     hf_config = load_model_config("llama-3.1-8b")[0]
     placed, line = place_checkpoints(config, hf_config, layout=layout, gpu_memory_bytes=80 * GiB, gpus_per_node=8)

@@ -127,9 +127,8 @@ def test_chunk_kernel_matches_the_eager_core_and_its_autograd(dtype, rows):
     """ulysses_sp.chunk_core against the reference core: the kernel's output and its fused backward from the saved
     output and lse equal the eager core's output and autograd gradients (GQA, a value width below the padded one,
     packed documents and padding with one kernel call per document)."""
-    from ulysses_sp.attention import AttentionCall
     from ulysses_sp.chunk_core import chunk_kernel, kernel_backward, kernel_forward
-    from ulysses_sp.cores import Segments, eager_core
+    from ulysses_sp.cores import AttentionCall, Segments, eager_core
 
     torch.manual_seed(0)
     b, heads, kv_heads, n, width, d_v = 2, 4, 2, 24, 8, 6

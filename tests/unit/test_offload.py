@@ -183,3 +183,77 @@ def test_errors():
     unsupported.supports_gradient_checkpointing = False
     with pytest.raises(ValueError, match="LlamaForCausalLM does not support activation checkpointing"):
         U.enable_activation_checkpointing(unsupported)
+
+
+def _fetch_log(monkeypatch):
+    """Every pack and fetch of the host store, and each layer's attention reaching its core's backward (the
+    gradient of o_proj's input), in order: ("pack", n) / ("fetch", n) name the n-th packed layer input."""
+    from ulysses_sp.offload import HostActivationStore
+
+    log, order = [], {}
+    pack, fetch = HostActivationStore.pack, HostActivationStore._fetch
+
+    def logged_pack(self, tensor):
+        entry = pack(self, tensor)
+        if not isinstance(entry, torch.Tensor):
+            order[id(entry)] = len(order)
+        return entry
+
+    def logged_fetch(self, entry):
+        log.append(("fetch", order[id(entry)]))
+        return fetch(self, entry)
+
+    monkeypatch.setattr(HostActivationStore, "pack", logged_pack)
+    monkeypatch.setattr(HostActivationStore, "_fetch", logged_fetch)
+    return log
+
+
+@pytest.mark.parametrize("parallelize_first", [True, False])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_a_parallelized_model_fetches_the_next_input_after_the_attention_backward(
+    monkeypatch, parallelize_first, stride
+):
+    """In a parallelized model the store fetches layer i-1's input once layer i's attention has finished its
+    backward (not when layer i's recompute starts), so it is not on the device at the attention's peak; with
+    a stride, a group's head is fetched again for its own layer once the layers after it are done. Loss and
+    gradients are the plain model's, whichever of parallelize / offload comes first."""
+    from tests.helpers.models import make_batch
+
+    log = _fetch_log(monkeypatch)
+    model, batch = deep_llama(4, HIDDEN, INTER, VOCAB), make_batch(1, 32)
+    want = loss_and_grads(copy.deepcopy(model), batch)
+    layout = U.ParallelLayout.single()
+    if parallelize_first:
+        U.parallelize(model, layout)
+    U.enable_activation_checkpointing(model, "offload", stride=stride)
+    if not parallelize_first:
+        U.parallelize(model, layout)
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.o_proj.register_full_backward_hook(lambda *_, i=i: log.append(("attention", i)))
+    assert_same(loss_and_grads(model, batch), want)
+    if stride == 1:  # layer i+1's attention backward, then the fetch of layer i's input, before layer i's
+        assert log == [("attention", 3), ("fetch", 2), ("attention", 2), ("fetch", 1), ("attention", 1)] + [
+            ("fetch", 0),
+            ("attention", 0),
+        ]
+    else:  # heads 0 and 2 (packed 0 and 1): layer 3 rebuilt from head 2, which is fetched again after layer 3's
+        # attention; head 0 after layer 2's; layer 1 rebuilt from it, and head 0 fetched again after layer 1's
+        assert log == [("attention", 3), ("fetch", 1), ("attention", 2), ("fetch", 0), ("attention", 1)] + [
+            ("fetch", 0),
+            ("attention", 0),
+        ]
+    U.unparallelize(model)
+    assert not offload_store(model).late  # nothing would call its pending fetches: prefetch at once again
+
+
+def test_a_plain_model_fetches_the_next_input_when_the_recompute_starts(monkeypatch):
+    """Without parallelize nothing reports the attention's backward: layer i-1's input is fetched as soon as
+    layer i's recompute has its own."""
+    from tests.helpers.models import make_batch
+
+    log = _fetch_log(monkeypatch)
+    model = U.enable_activation_checkpointing(deep_llama(3, HIDDEN, INTER, VOCAB), "offload")
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.o_proj.register_full_backward_hook(lambda *_, i=i: log.append(("attention", i)))
+    loss_and_grads(model, make_batch(1, 32))
+    assert log == [("fetch", 1), ("attention", 2), ("fetch", 0), ("attention", 1), ("attention", 0)]

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..head_split import DEPTH, HeadSplit, choose_head_chunks
+from ..head_split import DEFAULT_HEAD_CHUNK_BUDGET_BYTES, DEPTH, HeadSplit, choose_head_chunks, core_slices
 
-__all__ = ["AttentionTerms", "attention_terms", "planned_head_chunks"]
+__all__ = ["AttentionTerms", "attention_terms", "planned_core_slices", "planned_head_chunks"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,22 @@ def planned_head_chunks(
     )
 
 
-def _unchunked(heads: int, kv_heads: int, d: int, ulysses: int, ring: int, c: int, device: str) -> AttentionTerms:
+def planned_core_slices(
+    heads: int, kv_heads: int, ulysses: int, *, ring: int, chunks: int, tokens: int, head_dim: int
+) -> int:
+    """The slices of heads the unchunked sdpa core runs in at run time (:mod:`ulysses_sp.sliced_core`, the default
+    budget); 1 with a ring or head chunks."""
+    if ring > 1 or chunks > 1:
+        return 1
+    local_kv = max(kv_heads // ulysses, 1)
+    return core_slices(
+        heads // ulysses, local_kv, tokens=tokens, head_dim=head_dim, budget_bytes=DEFAULT_HEAD_CHUNK_BUDGET_BYTES
+    )
+
+
+def _unchunked(
+    heads: int, kv_heads: int, d: int, ulysses: int, ring: int, c: int, device: str, slices: int = 1
+) -> AttentionTerms:
     # After the exchange a rank holds H/U query heads and hkv = max(Hkv/U, 1) kv heads over N/R tokens
     # (U = ulysses, R = ring), i.e. per local token H query and hkv x U kv head-rows.
     kv_rows = max(kv_heads // ulysses, 1) * ulysses
@@ -66,8 +81,21 @@ def _unchunked(heads: int, kv_heads: int, d: int, ulysses: int, ring: int, c: in
     # log-sum-exp; o_proj saves the output made contiguous again.
     q_width, kv_width = heads * d, 2 * kv_rows * d  # per local token, after the exchange
     saved = c * qkv_width + c * q_width + 4 * heads
-    # Backward of the core: the output's gradient and q/k/v's gradients.
+    # Backward of the core: the output's gradient and q/k/v's gradients; on CUDA also the flash kernel's own
+    # buffers (read from FlashAttention-2's mha_bwd, which torch's flash sdpa backend vendors; not yet measured):
+    # an fp32 dq accumulator and the fp32 softmax row sums over the query heads it is given and, under GQA
+    # (fewer kv heads than query heads), the k/v gradients per query head before they are summed per kv head.
+    # In S slices of heads (ulysses_sp.sliced_core) those are one slice's, next to the slice's gradients and its
+    # output gradient made contiguous for the kernel (torch's aten kernels also repeat the slice's kv heads for
+    # its query heads, in place of the per-query-head k/v gradients).
     backward = c * q_width + c * qkv_width
+    if device == "cuda":
+        # per local token: one slice's query heads (H/U/S over N = U t tokens) and the kv heads they read
+        part, kv_part = q_width // slices, max(kv_rows // ulysses // slices, 1) * ulysses * d
+        gqa = part > kv_part
+        backward += 4 * part + 4 * heads // slices + (2 if slices == 1 else 4) * c * part * gqa
+        if slices > 1:
+            backward += 2 * c * part + 2 * c * kv_part
     # The exchanges (ulysses > 1), measured moment by moment: forward, q/k/v's receive buffer next to their
     # rearranged copy (the send buffer is freed first), then the output's send and receive buffers next to the
     # core's output; backward, the gradients' concatenation, its contiguous copy and the receive buffer.
@@ -94,12 +122,23 @@ def _unchunked(heads: int, kv_heads: int, d: int, ulysses: int, ring: int, c: in
 
 
 def attention_terms(
-    heads: int, kv_heads: int, d: int, hidden: int, *, ulysses: int, ring: int, c: int, device: str, chunks: int
+    heads: int,
+    kv_heads: int,
+    d: int,
+    hidden: int,
+    *,
+    ulysses: int,
+    ring: int,
+    c: int,
+    device: str,
+    chunks: int,
+    slices: int = 1,
 ) -> AttentionTerms:
-    """One attention layer's terms with its heads in ``chunks`` chunks (1: the unchunked path)."""
-    whole = _unchunked(heads, kv_heads, d, ulysses, ring, c, device)
+    """One attention layer's terms with its heads in ``chunks`` chunks (1: the unchunked path, its core in
+    ``slices`` slices of heads, :func:`planned_core_slices`)."""
     if chunks == 1:
-        return whole
+        return _unchunked(heads, kv_heads, d, ulysses, ring, c, device, slices)
+    whole = _unchunked(heads, kv_heads, d, ulysses, ring, c, device)
     split = HeadSplit(heads, kv_heads, chunks)
     one = _unchunked(split.heads_per_chunk, split.kv_heads(0)[1], d, ulysses, ring, c, device)
     # Without a ring the chunks' cores run through a block kernel (ulysses_sp.chunk_core; the planner assumes the

@@ -194,6 +194,8 @@ def plan_command(argv: Sequence[str]) -> int:
     )
     print(f"layout: {plan.layout_reason}")
     print(f"features: {plan.features.describe()}")
+    sliced = f", its core in {plan.core_slices} slices of heads" if plan.core_slices > 1 else ""
+    print(f"attention: heads in {plan.head_chunks} chunk{'s' if plan.head_chunks > 1 else ''}{sliced}")
     if plan.checkpoint_choice:
         print(f"checkpoints: {plan.checkpoint_choice}")
     print(_table(plan))

@@ -27,7 +27,7 @@ from ..ring import ring_bytes_per_layer
 from ..tiled_loss import chunk_bytes_per_logit, loss_chunk_tokens
 from ..tiling import default_chunk_tokens
 from ..traffic import ulysses_bytes_per_layer
-from .attention import attention_terms, planned_head_chunks
+from .attention import attention_terms, planned_core_slices, planned_head_chunks
 from .placement import choose_placement, placement_is_chosen
 from .shape import ModelShape, model_shape
 from .units import GiB
@@ -92,6 +92,7 @@ class MemoryPlan:
     ring_buffers: int = 0
     rope: int = 0
     head_chunks: int = 1  # C, as the attention chooses it (:func:`ulysses_sp.plan.attention.planned_head_chunks`)
+    core_slices: int = 1  # the unchunked core's slices of heads (:func:`ulysses_sp.plan.attention.planned_core_slices`)
     comm_bytes_per_layer: dict[str, int] = field(default_factory=dict)
     gpu_memory_bytes: int = 0
     usable_bytes: int = 0
@@ -133,6 +134,7 @@ class MemoryPlan:
             "tokens_per_rank": self.tokens_per_rank,
             "features": asdict(self.features),
             "head_chunks": self.head_chunks,
+            "core_slices": self.core_slices,
             "phase": self.phase,
             "breakdown_bytes": self.breakdown(),
             "comm_bytes_per_layer": self.comm_bytes_per_layer,
@@ -157,7 +159,8 @@ def usable_gpu_bytes(gpu_memory_bytes: int) -> int:
 def _terms(
     shape: ModelShape, *, seq_len: int, sp: int, ring: int, dp: int, features: Features, micro_batch: int, device: str
 ):
-    """Per-moment component dicts (bytes on this rank) and the host bytes of this rank."""
+    """Per-moment component dicts (bytes on this rank), the host bytes of this rank, its tokens, the head chunks
+    and the core's slices of heads."""
     c = 2 if features.dtype == "bf16" else 4
     u = 4 if c < 4 else 0  # an fp32 upcast is a separate tensor only when computing in bf16
     h, d, inter, vocab, layers = (
@@ -225,7 +228,10 @@ def _terms(
     chunks = planned_head_chunks(
         features.head_chunks, heads, kv_heads, ulysses, tokens=t * ulysses, head_dim=d, element_size=c
     )
-    attn = attention_terms(heads, kv_heads, d, h, ulysses=ulysses, ring=ring, c=c, device=device, chunks=chunks)
+    slices = planned_core_slices(heads, kv_heads, ulysses, ring=ring, chunks=chunks, tokens=t * ulysses, head_dim=d)
+    attn = attention_terms(
+        heads, kv_heads, d, h, ulysses=ulysses, ring=ring, c=c, device=device, chunks=chunks, slices=slices
+    )
     attention_saved, o_proj_input, exchange = attn.saved, attn.o_proj_input, ulysses > 1
     # Gated MLP down(silu(gate(x)) * up(x)): saves gate, silu(gate), up and their product ([t, I] each);
     # its backward adds two more [t, I] gradients. Tiled: only the current chunk's, recomputed.
@@ -237,7 +243,11 @@ def _terms(
     layer_input = c * h  # a layer's input: the checkpoint, or (fp32 or a tiled norm, no checkpointing) its norm's
     input_saved = layer_input if c == 4 or features.tiled_norms else 0
     per_layer = norm_in + attention_saved + o_proj_input + norm_post + mlp_saved + input_saved
-    grad_stream = 2 * c * h  # the gradient of the residual stream and of the branch being differentiated
+    # The residual stream's gradient and, in the MLP's backward, that of the MLP's input being made. In the
+    # attention's backward only the stream's: the output projection's output gradient is that same tensor, and
+    # the input's gradient is made after the core's backward and the exchange (measured, C = 1).
+    grad_stream = 2 * c * h
+    attention_stream = c * h if attn.chunks == 1 else grad_stream
     rope = 2 * c * d * t  # cos and sin [t, d], shared by every layer
 
     # --- what the other layers hold while the last one runs its backward ---------------------------------
@@ -245,10 +255,11 @@ def _terms(
     kept, regrown = -(-layers // stride), (stride - 1) * layer_input * t  # heads' inputs; a group's recomputed
     if mode == "none":  # every layer keeps everything (and under fp32 its input, saved by its norm)
         checkpoints, others, own_input = 0, (layers - 1) * per_layer * t, input_saved * t
-    elif mode == "checkpoint":  # every kept input stays on the GPU
+    elif mode == "checkpoint" or device == "cpu":  # every kept input stays on the GPU
         checkpoints, others, own_input = kept * layer_input * t + regrown, 0, 0
-    else:  # offload: only the input being recomputed and the next one in flight are on the GPU
-        checkpoints, others, own_input = min(2, layers) * layer_input * t + regrown, 0, 0
+    else:  # offload: the input being recomputed (or, in a group, the k - 1 rebuilt from its head) is on the GPU;
+        # the next one is fetched once the attention's backward is done (ulysses_sp.offload), after these phases
+        checkpoints, others, own_input = max(1, stride - 1) * layer_input * t, 0, 0
 
     # --- logits and loss --------------------------------------------------------------------------------
     final_norm = (u + 2 * c) * h * t  # the final RMSNorm's saved tensors and its output (lm_head's input)
@@ -297,7 +308,7 @@ def _terms(
         "backward: last layer's attention": {
             **base,
             "gradients": head_grad + layer_grads,
-            "layer_activations": others + own_input + (norm_in + grad_stream) * t,
+            "layer_activations": others + own_input + (norm_in + attention_stream) * t,
             "attention": (attention_saved + (0 if ring > 1 else attn.backward)) * t,
             "ring_buffers": attn.ring_backward * t,  # the ring's backward instead of the core's
         },
@@ -306,7 +317,7 @@ def _terms(
                 "backward: last layer's exchange": {
                     **base,
                     "gradients": head_grad + layer_grads,
-                    "layer_activations": others + own_input + (norm_in + grad_stream) * t,
+                    "layer_activations": others + own_input + (norm_in + attention_stream) * t,
                     "all_to_all": attn.exchange * t,
                 }
             }
@@ -316,8 +327,9 @@ def _terms(
         "optimizer step": {"weights": master, "gradients": sharded_grads, "optimizer": states + step_temp},
     }
     # Host memory of this rank: offloaded states (fp32 params, grads, AdamW) and offloaded checkpoints.
-    host = (16 * params // world if offload_states else 0) + (kept * layer_input * t if mode == "offload" else 0)
-    return phases, host, t
+    offloaded = kept * layer_input * t if mode == "offload" and device == "cuda" else 0
+    host = (16 * params // world if offload_states else 0) + offloaded
+    return phases, host, t, chunks, slices
 
 
 def _comm_bytes(
@@ -390,7 +402,7 @@ def plan_memory(
         args.update(gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes, device=device)
         return choose_placement(features, shape.num_layers, functools.partial(plan_memory, shape, **args))
     features = features.resolve(device)
-    phases, host, tokens = _terms(
+    phases, host, tokens, chunks, slices = _terms(
         shape, seq_len=seq_len, sp=sp, ring=ring, dp=dp, features=features, micro_batch=micro_batch, device=device
     )
     breakdowns = {name: {k: int(v) for k, v in parts.items()} for name, parts in phases.items()}
@@ -405,15 +417,8 @@ def plan_memory(
         layout_reason=reason,
         micro_batch=micro_batch,
         tokens_per_rank=tokens,
-        head_chunks=planned_head_chunks(
-            features.head_chunks,
-            shape.num_heads,
-            shape.num_kv_heads,
-            ulysses,
-            tokens=tokens * ulysses,
-            head_dim=shape.head_dim,
-            element_size=2 if features.dtype == "bf16" else 4,
-        ),
+        head_chunks=chunks,
+        core_slices=slices,
         comm_bytes_per_layer=_comm_bytes(shape, tokens * sp // micro_batch, micro_batch, ulysses, ring, features),
         features=features,
         phase=phase,
