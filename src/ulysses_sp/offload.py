@@ -116,6 +116,11 @@ class HostActivationStore:
         """Bytes of host storage held now."""
         return sum(t.untyped_storage().nbytes() for t in self.held_tensors())
 
+    def prefetched_bytes(self) -> int:
+        """Device bytes of inputs fetched ahead and not handed out yet (0 on a CPU-only machine)."""
+        copies = [entry.on_device for entry in list(self._live) if entry.on_device is not None]
+        return sum(t.untyped_storage().nbytes() for t in copies)
+
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
@@ -157,6 +162,7 @@ class HostActivationStore:
     def _schedule(self, entry: _Stored | None) -> None:
         """``entry`` is needed next: fetch it now, or (after :meth:`fetch_late`) when the attention says."""
         if entry is None:
+            self._pending = None
             return
         if self.late:
             self._pending = weakref.ref(entry)
@@ -177,6 +183,8 @@ class HostActivationStore:
 
     def _take(self, entry: _Stored) -> torch.Tensor:
         """``entry``'s tensor on its device: the prefetched copy (fetched now if it is not on its way)."""
+        if self._pending is not None and self._pending() is entry:  # needed before its fetch was called for
+            self._pending = None
         if entry.device.type == "cpu":
             return entry.host
         if entry.device.type != "cuda":

@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 from .chunk_core import chunk_kernel, kernel_backward, kernel_forward
 from .cores import AttentionCall
 from .head_split import HeadSplit, core_slices
+from .tiling import compute_dtype
 
 __all__ = ["SlicedCore", "sliced_core"]
 
@@ -80,6 +81,8 @@ def sliced_core(
     None. q ``[b, h, N, w]``, k/v ``[b, hkv, N, w]``."""
     if core_name != "sdpa":
         return None
+    dtype = compute_dtype(q)  # under autocast its dtype, as autocast's sdpa casts them (RoPE may leave q/k fp32)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
     b, h, n, _ = q.shape
     slices = core_slices(h, k.shape[1], tokens=b * n, head_dim=q.shape[-1], budget_bytes=budget_bytes)
     if slices == 1:

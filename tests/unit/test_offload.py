@@ -208,40 +208,65 @@ def _fetch_log(monkeypatch):
     return log
 
 
-@pytest.mark.parametrize("parallelize_first", [True, False])
-@pytest.mark.parametrize("stride", [1, 2])
+def _mark_core_backwards(model, log, chunks: int) -> None:
+    """Log ("core",) right after each attention core's backward: C = 1, a gradient hook on the core's query
+    (made by the core's backward); in chunks, each chunk's fused kernel backward."""
+    from ulysses_sp import head_chunk_pipeline
+
+    if chunks > 1:
+        kernel_backward = head_chunk_pipeline.kernel_backward
+
+        def logged(*args, **kwargs):
+            found = kernel_backward(*args, **kwargs)
+            log.append(("core",))
+            return found
+
+        head_chunk_pipeline.kernel_backward = logged  # restored by the caller's monkeypatch (below)
+        return
+    ctx = U.ulysses_context(model)
+    core = ctx.core
+
+    def marked(q, *args, **kwargs):
+        if q.requires_grad:
+            q.register_hook(lambda grad: log.append(("core",)))
+        return core(q, *args, **kwargs)
+
+    ctx.core = marked
+
+
+@pytest.mark.parametrize(
+    "parallelize_first,stride,chunks", [(True, 1, 1), (False, 1, 1), (True, 2, 1), (True, 1, 2), (False, 2, 2)]
+)
 def test_a_parallelized_model_fetches_the_next_input_after_the_attention_backward(
-    monkeypatch, parallelize_first, stride
+    monkeypatch, parallelize_first, stride, chunks
 ):
     """In a parallelized model the store fetches layer i-1's input once layer i's attention has finished its
-    backward (not when layer i's recompute starts), so it is not on the device at the attention's peak; with
-    a stride, a group's head is fetched again for its own layer once the layers after it are done. Loss and
-    gradients are the plain model's, whichever of parallelize / offload comes first."""
+    backward (after its core's, or all its chunks', not when layer i's recompute starts), so it is not on the
+    device at the attention's peak; with a stride, a group's head is fetched again for its own layer once the
+    layers after it are done. Loss and gradients are the plain model's, whichever of parallelize / offload
+    comes first."""
     from tests.helpers.models import make_batch
+    from ulysses_sp import head_chunk_pipeline
 
+    monkeypatch.setattr(head_chunk_pipeline, "kernel_backward", head_chunk_pipeline.kernel_backward)
     log = _fetch_log(monkeypatch)
     model, batch = deep_llama(4, HIDDEN, INTER, VOCAB), make_batch(1, 32)
     want = loss_and_grads(copy.deepcopy(model), batch)
     layout = U.ParallelLayout.single()
     if parallelize_first:
-        U.parallelize(model, layout)
+        U.parallelize(model, layout, head_chunks=chunks)
     U.enable_activation_checkpointing(model, "offload", stride=stride)
     if not parallelize_first:
-        U.parallelize(model, layout)
-    for i, layer in enumerate(model.model.layers):
-        layer.self_attn.o_proj.register_full_backward_hook(lambda *_, i=i: log.append(("attention", i)))
+        U.parallelize(model, layout, head_chunks=chunks)
+    _mark_core_backwards(model, log, chunks)
     assert_same(loss_and_grads(model, batch), want)
-    if stride == 1:  # layer i+1's attention backward, then the fetch of layer i's input, before layer i's
-        assert log == [("attention", 3), ("fetch", 2), ("attention", 2), ("fetch", 1), ("attention", 1)] + [
-            ("fetch", 0),
-            ("attention", 0),
-        ]
+    core = [("core",)] * chunks  # one per chunk
+    if stride == 1:  # layer i+1's core backward, then the fetch of layer i's input, before layer i's
+        fetches = [("fetch", 2), ("fetch", 1), ("fetch", 0), None]
     else:  # heads 0 and 2 (packed 0 and 1): layer 3 rebuilt from head 2, which is fetched again after layer 3's
         # attention; head 0 after layer 2's; layer 1 rebuilt from it, and head 0 fetched again after layer 1's
-        assert log == [("attention", 3), ("fetch", 1), ("attention", 2), ("fetch", 0), ("attention", 1)] + [
-            ("fetch", 0),
-            ("attention", 0),
-        ]
+        fetches = [("fetch", 1), ("fetch", 0), ("fetch", 0), None]
+    assert log == [event for fetch in fetches for event in [*core, fetch] if event is not None], log
     U.unparallelize(model)
     assert not offload_store(model).late  # nothing would call its pending fetches: prefetch at once again
 
@@ -253,7 +278,7 @@ def test_a_plain_model_fetches_the_next_input_when_the_recompute_starts(monkeypa
 
     log = _fetch_log(monkeypatch)
     model = U.enable_activation_checkpointing(deep_llama(3, HIDDEN, INTER, VOCAB), "offload")
-    for i, layer in enumerate(model.model.layers):
-        layer.self_attn.o_proj.register_full_backward_hook(lambda *_, i=i: log.append(("attention", i)))
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.register_full_backward_hook(lambda *_: log.append(("attention",)))
     loss_and_grads(model, make_batch(1, 32))
-    assert log == [("fetch", 1), ("attention", 2), ("fetch", 0), ("attention", 1), ("attention", 0)]
+    assert log == [("fetch", 1), ("attention",), ("fetch", 0), ("attention",), ("attention",)]

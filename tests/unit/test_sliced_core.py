@@ -41,16 +41,19 @@ def counted_backwards(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "arch,kv,batch",
+    "arch,kv,batch,budget,slices",
     [
-        ("llama", 2, make_batch(2, 20)),
-        ("qwen3", 2, make_batch(2, 20, packed=(8, 12))),
-        ("llama", 1, make_batch(2, 19, pad="right")),
-        ("deepseek_v3_mla_v4", None, make_batch(2, 20)),
+        ("llama", 2, make_batch(2, 20), 1, 4),  # one query head per slice
+        ("llama", 2, make_batch(2, 20), 4 * 40 * 2 * 8, 2),  # one whole kv group (2 heads) per slice
+        ("qwen3", 2, make_batch(2, 20, packed=(8, 12)), 1, 4),
+        ("qwen3", 1, make_batch(2, 20, packed=(8, 12)), 4 * 40 * 2 * 8, 2),  # part of a kv group per slice
+        ("llama", 1, make_batch(2, 19, pad="right"), 1, 4),
+        ("deepseek_v3_mla_v4", None, make_batch(2, 20), 1, 4),
     ],
 )
-def test_sliced_core_equals_the_plain_model(monkeypatch, arch, kv, batch):
-    """One query head per slice (a budget of 1 byte): loss and every gradient equal the plain model's (fp32)."""
+def test_sliced_core_equals_the_plain_model(monkeypatch, arch, kv, batch, budget, slices):
+    """4 query heads in ``slices`` slices (the budget: fp32 [tokens, heads per slice, head dim 8]): loss and every
+    gradient equal the plain model's (fp32)."""
     calls = counted_backwards(monkeypatch)
     model = build(arch, heads=4, kv_heads=kv)
     ref = model(**batch, use_cache=False).loss
@@ -58,13 +61,39 @@ def test_sliced_core_equals_the_plain_model(monkeypatch, arch, kv, batch):
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     layout = U.ParallelLayout.single()
-    U.parallelize(model, layout, head_chunks=1, head_chunk_budget_bytes=1)
+    U.parallelize(model, layout, head_chunks=1, head_chunk_budget_bytes=budget)
     loss = _loss(model, batch, layout)
     loss.backward()
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-6)
-    assert calls[0] == model.config.num_hidden_layers * 4  # every layer, one backward per query head
+    assert calls[0] == model.config.num_hidden_layers * slices  # every layer, one backward per slice
+
+
+def test_sliced_core_under_autocast_computes_in_its_dtype(monkeypatch):
+    """bf16 autocast over fp32 weights (RoPE leaves q/k fp32): the slices run in bf16 as autocast's sdpa would,
+    return bf16, and the step matches the unsliced core under the same autocast to bf16 precision."""
+    batch, layout = make_batch(2, 20), U.ParallelLayout.single()
+    dtypes, results = [], {}
+    forward = sliced_core.SlicedCore.forward
+
+    def logged(ctx, q, k, v, *args):
+        dtypes.append((q.dtype, k.dtype, v.dtype))
+        return forward(ctx, q, k, v, *args)
+
+    monkeypatch.setattr(sliced_core.SlicedCore, "forward", staticmethod(logged))
+    for budget in (1 << 40, 1):
+        model = build("llama", heads=4, kv_heads=2)
+        U.parallelize(model, layout, head_chunks=1, head_chunk_budget_bytes=budget)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _loss(model, batch, layout)
+        loss.backward()
+        results[budget] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    assert dtypes == [(torch.bfloat16,) * 3] * 2  # both layers, sliced run only
+    (ref, ref_grads), (got, grads) = results[1 << 40], results[1]
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=0.0)
+    for name, grad in grads.items():
+        assert (grad - ref_grads[name]).norm() <= 5e-2 * ref_grads[name].norm(), name
 
 
 def test_the_default_budget_leaves_a_short_sequence_unsliced(monkeypatch):

@@ -69,8 +69,40 @@ def planned_core_slices(
     )
 
 
+def _cuda_kernel_buffers(
+    heads: int, kv_rows: int, d: int, ulysses: int, c: int, slices: int, block_kernel: bool
+) -> int:
+    """Bytes per local token a CUDA attention kernel's backward holds besides q/k/v's and the output's gradients,
+    for one of ``slices`` slices of the heads at a time (read from the kernels' source, not yet measured).
+
+    torch's flash sdpa (FlashAttention-2's ``mha_bwd``): an fp32 dq accumulator and fp32 softmax row sums over the
+    query heads it is given and, under GQA (fewer kv heads than query heads), the k/v gradients per query head
+    before they are summed per kv head. A block kernel of :mod:`ulysses_sp.chunk_core` (``block_kernel``: a head
+    chunk's core, or a slice of :mod:`ulysses_sp.sliced_core`) calls torch's aten op with the kv heads repeated
+    for the query heads (the repeats and their gradients instead) and the output's gradient made contiguous; at
+    one Ulysses rank (no exchange) q/k/v arrive in the model's layout and a slice of them is copied contiguous
+    too. In slices the slice's own gradients exist next to the whole core's they are copied into.
+    """
+    part = heads * d // slices  # one slice's query heads (H/U/S over N = U t tokens), per local token
+    kv_part = max(kv_rows // ulysses // slices, 1) * ulysses * d  # the kv heads one slice reads (k or v)
+    gqa = part > kv_part
+    found = 4 * part + 4 * heads // slices
+    if not block_kernel:
+        return found + 2 * c * part * gqa
+    found += 4 * c * part * gqa + c * part + (c * part + 2 * c * kv_part if ulysses == 1 else 0)
+    return found + (c * part + 2 * c * kv_part if slices > 1 else 0)
+
+
 def _unchunked(
-    heads: int, kv_heads: int, d: int, ulysses: int, ring: int, c: int, device: str, slices: int = 1
+    heads: int,
+    kv_heads: int,
+    d: int,
+    ulysses: int,
+    ring: int,
+    c: int,
+    device: str,
+    slices: int = 1,
+    block_kernel: bool = False,
 ) -> AttentionTerms:
     # After the exchange a rank holds H/U query heads and hkv = max(Hkv/U, 1) kv heads over N/R tokens
     # (U = ulysses, R = ring), i.e. per local token H query and hkv x U kv head-rows.
@@ -81,21 +113,10 @@ def _unchunked(
     # log-sum-exp; o_proj saves the output made contiguous again.
     q_width, kv_width = heads * d, 2 * kv_rows * d  # per local token, after the exchange
     saved = c * qkv_width + c * q_width + 4 * heads
-    # Backward of the core: the output's gradient and q/k/v's gradients; on CUDA also the flash kernel's own
-    # buffers (read from FlashAttention-2's mha_bwd, which torch's flash sdpa backend vendors; not yet measured):
-    # an fp32 dq accumulator and the fp32 softmax row sums over the query heads it is given and, under GQA
-    # (fewer kv heads than query heads), the k/v gradients per query head before they are summed per kv head.
-    # In S slices of heads (ulysses_sp.sliced_core) those are one slice's, next to the slice's gradients and its
-    # output gradient made contiguous for the kernel (torch's aten kernels also repeat the slice's kv heads for
-    # its query heads, in place of the per-query-head k/v gradients).
+    # Backward of the core: the output's gradient and q/k/v's gradients; on CUDA also the kernel's own buffers.
     backward = c * q_width + c * qkv_width
     if device == "cuda":
-        # per local token: one slice's query heads (H/U/S over N = U t tokens) and the kv heads they read
-        part, kv_part = q_width // slices, max(kv_rows // ulysses // slices, 1) * ulysses * d
-        gqa = part > kv_part
-        backward += 4 * part + 4 * heads // slices + (2 if slices == 1 else 4) * c * part * gqa
-        if slices > 1:
-            backward += 2 * c * part + 2 * c * kv_part
+        backward += _cuda_kernel_buffers(heads, kv_rows, d, ulysses, c, slices, block_kernel)
     # The exchanges (ulysses > 1), measured moment by moment: forward, q/k/v's receive buffer next to their
     # rearranged copy (the send buffer is freed first), then the output's send and receive buffers next to the
     # core's output; backward, the gradients' concatenation, its contiguous copy and the receive buffer.
@@ -137,10 +158,10 @@ def attention_terms(
     """One attention layer's terms with its heads in ``chunks`` chunks (1: the unchunked path, its core in
     ``slices`` slices of heads, :func:`planned_core_slices`)."""
     if chunks == 1:
-        return _unchunked(heads, kv_heads, d, ulysses, ring, c, device, slices)
+        return _unchunked(heads, kv_heads, d, ulysses, ring, c, device, slices, block_kernel=slices > 1)
     whole = _unchunked(heads, kv_heads, d, ulysses, ring, c, device)
     split = HeadSplit(heads, kv_heads, chunks)
-    one = _unchunked(split.heads_per_chunk, split.kv_heads(0)[1], d, ulysses, ring, c, device)
+    one = _unchunked(split.heads_per_chunk, split.kv_heads(0)[1], d, ulysses, ring, c, device, block_kernel=ring == 1)
     # Without a ring the chunks' cores run through a block kernel (ulysses_sp.chunk_core; the planner assumes the
     # sdpa core, no window, no softcap): the block saves their output after the exchange back ([t, H d]) and the
     # fp32 lse, filled chunk by chunk in forward, so that backward need not run the core again.
