@@ -9,7 +9,6 @@ unchunked one 2 and 2, so a layer that silently fell back to the unchunked path 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -20,6 +19,7 @@ from tests.dist.cases_core import check_parity
 from tests.dist.cases_memory_features import check_features
 from tests.helpers.harness import run_cases
 from tests.helpers.models import build, make_batch
+from tests.helpers.spy import calls_to
 from ulysses_sp import head_chunk_pipeline, sliced_core
 
 P = functools.partial
@@ -44,33 +44,17 @@ def all_to_alls(chunks: int, layers: int, fused: int = 0) -> int:
     return layers * (6 * chunks if chunks > 1 else 4) - fused
 
 
-@contextlib.contextmanager
-def counting(module, name: str = "kernel_backward"):
-    """Count the calls of ``module.name`` (``found[0]``): by default the chunk (or slice) backwards that ran
-    through a block kernel."""
-    found, function = [0], getattr(module, name)
-
-    def logged(*args, **kwargs):
-        found[0] += 1
-        return function(*args, **kwargs)
-
-    setattr(module, name, logged)
-    try:
-        yield found
-    finally:
-        setattr(module, name, function)
-
-
 def chunked_parity(layout, arch: str, chunks: int, *, layers: int = 2, fused: bool | None = None, **kwargs) -> None:
     """check_parity with ``head_chunks=chunks``, and the all-to-all count of a chunked (or unchunked) run;
     ``fused``: every chunk's backward must (True) or must not (False) run from the saved output."""
     stats = U.CommStats()
-    with counting(head_chunk_pipeline) as found:
+    with calls_to(head_chunk_pipeline, "kernel_backward") as fused_calls:
         check_parity(layout, arch, head_chunks=chunks, stats=stats, **kwargs)
-    want = all_to_alls(chunks, layers, found[0]) if layout.ulysses > 1 else 0
+    found = len(fused_calls)
+    want = all_to_alls(chunks, layers, found) if layout.ulysses > 1 else 0
     assert stats.calls["all_to_all"] == want, (stats.calls, want)
     if fused is not None and chunks > 1:
-        assert found[0] == (layers * chunks if fused else 0), (found[0], fused)
+        assert found == (layers * chunks if fused else 0), (found, fused)
 
 
 def arch_chunked_or_refused(layout, arch: str, kv_heads: int | None, batch, train: bool) -> None:
@@ -194,9 +178,9 @@ def overlap(layout, chunks: int = 4, core: str = "sdpa") -> None:
 def sliced_parity(layout, arch: str, *, heads: int, layers: int = 2, **kwargs) -> None:
     """check_parity of the unchunked core in slices of one query head (a budget of 1 byte,
     :mod:`ulysses_sp.sliced_core`): exact, and every layer's core backward ran once per slice."""
-    with counting(sliced_core) as calls:
+    with calls_to(sliced_core, "kernel_backward") as calls:
         check_parity(layout, arch, heads=heads, head_chunks=1, head_chunk_budget_bytes=1, **kwargs)
-    assert calls[0] == layers * heads // layout.ulysses, calls
+    assert len(calls) == layers * heads // layout.ulysses, calls
 
 
 def sliced_cases(layout, prefix: str, heads: int, kv: int) -> dict:

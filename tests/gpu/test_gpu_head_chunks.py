@@ -10,6 +10,7 @@ import torch
 
 import ulysses_sp as U
 from tests.helpers.models import build, loss_and_grads, make_batch
+from tests.helpers.spy import calls_to
 from ulysses_sp import head_chunk_pipeline
 
 pytestmark = [
@@ -30,17 +31,8 @@ def test_chunked_cores_run_the_cuda_kernels_and_match(dtype, packed):
     ref_loss, ref_grads = loss_and_grads(ref, batch)
     layout = U.ParallelLayout.single(device)
     U.parallelize(par, layout, head_chunks=4)
-    calls, kernel_backward = [], head_chunk_pipeline.kernel_backward
-
-    def logged(kernel, *args, **kwargs):
-        calls.append(kernel.name)
-        return kernel_backward(kernel, *args, **kwargs)
-
-    head_chunk_pipeline.kernel_backward = logged
-    try:
+    with calls_to(head_chunk_pipeline, "kernel_backward", lambda kernel, *args, **kwargs: kernel.name) as calls:
         loss, grads = loss_and_grads(par, batch, layout)
-    finally:
-        head_chunk_pipeline.kernel_backward = kernel_backward
     expected = "cuda_flash" if dtype == torch.bfloat16 else "cuda_efficient"
     assert calls == [expected] * 4 * par.config.num_hidden_layers, calls
     rtol = 2e-2 if dtype == torch.bfloat16 else 1e-4

@@ -8,6 +8,7 @@ import torch
 
 import ulysses_sp as U
 from tests.helpers.models import build, loss_and_grads, make_batch
+from tests.helpers.spy import calls_to
 from ulysses_sp import sliced_core
 from ulysses_sp.memory import PeakMemory
 from ulysses_sp.offload import offload_store
@@ -21,19 +22,10 @@ pytestmark = [
 def _sliced_run(model, batch, budget):
     layout = U.ParallelLayout.single(torch.device("cuda"))
     U.parallelize(model, layout, head_chunks=1, head_chunk_budget_bytes=budget)
-    calls, backward = [], sliced_core.kernel_backward
-
-    def logged(kernel, *args, **kwargs):
-        calls.append(kernel.name)
-        return backward(kernel, *args, **kwargs)
-
-    sliced_core.kernel_backward = logged
-    try:
+    with calls_to(sliced_core, "kernel_backward", lambda kernel, *args, **kwargs: kernel.name) as calls:
         torch.cuda.synchronize()
         with PeakMemory("cuda") as peak:
             loss, grads = loss_and_grads(model, batch, layout)
-    finally:
-        sliced_core.kernel_backward = backward
     return loss, grads, calls, peak.peak_bytes
 
 

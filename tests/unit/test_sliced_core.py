@@ -6,6 +6,7 @@ import torch
 
 import ulysses_sp as U
 from tests.helpers.models import build, make_batch
+from tests.helpers.spy import calls_to
 from tests.unit.test_core_single import _loss
 from ulysses_sp import sliced_core
 from ulysses_sp.head_split import core_slices
@@ -29,17 +30,6 @@ def test_slices_are_the_fewest_whose_dq_accumulator_fits_the_budget(heads, kv, t
     assert core_slices(heads, kv, tokens=tokens, head_dim=128, budget_bytes=GiB) == want
 
 
-def counted_backwards(monkeypatch):
-    calls, backward = [0], sliced_core.kernel_backward
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return backward(*args, **kwargs)
-
-    monkeypatch.setattr(sliced_core, "kernel_backward", counted)
-    return calls
-
-
 @pytest.mark.parametrize(
     "arch,kv,batch,budget,slices",
     [
@@ -51,10 +41,9 @@ def counted_backwards(monkeypatch):
         ("deepseek_v3_mla_v4", None, make_batch(2, 20), 1, 4),
     ],
 )
-def test_sliced_core_equals_the_plain_model(monkeypatch, arch, kv, batch, budget, slices):
+def test_sliced_core_equals_the_plain_model(arch, kv, batch, budget, slices):
     """4 query heads in ``slices`` slices (the budget: fp32 [tokens, heads per slice, head dim 8]): loss and every
     gradient equal the plain model's (fp32)."""
-    calls = counted_backwards(monkeypatch)
     model = build(arch, heads=4, kv_heads=kv)
     ref = model(**batch, use_cache=False).loss
     ref.backward()
@@ -62,12 +51,13 @@ def test_sliced_core_equals_the_plain_model(monkeypatch, arch, kv, batch, budget
     model.zero_grad()
     layout = U.ParallelLayout.single()
     U.parallelize(model, layout, head_chunks=1, head_chunk_budget_bytes=budget)
-    loss = _loss(model, batch, layout)
-    loss.backward()
+    with calls_to(sliced_core, "kernel_backward") as calls:
+        loss = _loss(model, batch, layout)
+        loss.backward()
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-6)
-    assert calls[0] == model.config.num_hidden_layers * slices  # every layer, one backward per slice
+    assert len(calls) == model.config.num_hidden_layers * slices  # every layer, one backward per slice
 
 
 def test_sliced_core_under_autocast_computes_in_its_dtype(monkeypatch):
@@ -96,12 +86,12 @@ def test_sliced_core_under_autocast_computes_in_its_dtype(monkeypatch):
         assert (grad - ref_grads[name]).norm() <= 5e-2 * ref_grads[name].norm(), name
 
 
-def test_the_default_budget_leaves_a_short_sequence_unsliced(monkeypatch):
-    calls = counted_backwards(monkeypatch)
+def test_the_default_budget_leaves_a_short_sequence_unsliced():
     model, batch, layout = build("llama", heads=4, kv_heads=2), make_batch(2, 20), U.ParallelLayout.single()
     U.parallelize(model, layout)
-    _loss(model, batch, layout).backward()
-    assert calls[0] == 0
+    with calls_to(sliced_core, "kernel_backward") as calls:
+        _loss(model, batch, layout).backward()
+    assert calls == []
 
 
 def test_the_planner_counts_one_slice_of_kernel_buffers_on_a_gpu():
