@@ -4,7 +4,8 @@ For Qwen3-4B and Llama-3.1-8B on 80 GiB GPUs, at sp=1 (one GPU) and sp=8 (one no
 saves (benchmarks/results/max_seq_len.json and .md) the planner's longest trainable sequence:
 * before: plain loss and MLP, gradient checkpointing, FSDP2 with the optimizer on CPU (the measured
   baseline: Qwen3-4B stopped at 36K tokens on one H100);
-* after: tiled loss, tiled MLP, checkpoints offloaded to host memory, optimizer on CPU.
+* after: tiled loss, tiled MLP, tiled norms, head chunks, optimizer on CPU, and the checkpoints where the planner
+  places them from the host memory (every layer's input, or 1 in k, on the host or the GPU), as ``train`` does.
 Host memory: a DGX H100 node (2 TiB for 8 GPUs); the one-GPU rows use one GPU of such a node.
 ``--simulate`` also runs one real step at each found length as rank 0 of the layout on the local GPU and
 records the measured peak; without a GPU, ``--simulate-cpu`` runs it for a small model on the CPU.
@@ -33,7 +34,10 @@ def rows(simulate: bool) -> list[dict]:
     for model in MODELS:
         for sp in (1, 8):
             row = {"model": model, "sp": sp, "gpus_per_node": sp}
-            for label, features in (("before", Features.baseline()), ("after", Features.all_on())):
+            for label, features in (
+                ("before", Features.baseline()),
+                ("after", Features.all_on(activation_checkpointing="auto")),
+            ):
                 longest = max_seq_len(
                     model, sp=sp, features=features, gpu_memory_bytes=GPU, host_memory_bytes=HOST, gpus_per_node=sp
                 )

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .hf import decoder_layers, find_pretrained
+from .norm_projections import install_norm_projections, record_output, remove_norm_projections
 from .tiling import TiledForward, TiledMLP, check_chunk_tokens
 
 __all__ = ["TiledNorm", "disable_tiled_norms", "enable_tiled_norms", "is_norm", "mlp_norm_name"]
@@ -63,10 +64,16 @@ def mlp_norm_name(layer: nn.Module) -> str | None:
 
 
 class TiledNorm(TiledForward):
-    """The ``forward`` :func:`enable_tiled_norms` installs on one norm that is not fused into an MLP."""
+    """The ``forward`` :func:`enable_tiled_norms` installs on one norm that is not fused into an MLP; it records
+    what it made for the projections of its layer (:mod:`ulysses_sp.norm_projections`)."""
 
     hint = "call ulysses_sp.disable_tiled_norms(model)"
     called_as = "norm(hidden_states [b, n, h])"
+
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = super().__call__(hidden_states, *args, **kwargs)
+        record_output(self, hidden_states, out)
+        return out
 
 
 class _HandThrough:
@@ -109,6 +116,7 @@ def enable_tiled_norms(model: nn.Module, *, chunk_tokens: int | None = None) -> 
         raise ValueError(f"{type(pretrained).__name__} has no norm in its decoder layers ({names}) to tile")
     if any(_installed(m) is not None for _, _, m in norms):
         raise ValueError("the norms of this model are already tiled; call ulysses_sp.disable_tiled_norms(model) first")
+    tiled: dict[int, list[TiledNorm]] = {}  # per layer: its norms tiled on their own
     for layer, name, norm in norms:
         previous = norm.__dict__.get("forward")
         mlp = _tiled_mlp(layer) if name == mlp_norm_name(layer) else None
@@ -118,6 +126,10 @@ def enable_tiled_norms(model: nn.Module, *, chunk_tokens: int | None = None) -> 
             norm.forward = _HandThrough(norm, mlp, previous)
         else:
             norm.forward = TiledNorm(norm, chunk_tokens, previous)
+            tiled.setdefault(id(layer), []).append(norm.forward)
+    for layer in layers:  # the projections of a tiled norm's output save the norm's input instead
+        if id(layer) in tiled:
+            install_norm_projections(layer, tiled[id(layer)])
     return model
 
 
@@ -134,6 +146,7 @@ def disable_tiled_norms(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_tiled_norms`: every norm gets its own forward back, every MLP its norm (a no-op on an
     untiled model)."""
     pretrained = find_pretrained(model, "disable_tiled_norms")
+    remove_norm_projections(pretrained)
     for module in pretrained.modules():
         installed = _installed(module)
         if installed is None:

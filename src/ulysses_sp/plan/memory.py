@@ -216,18 +216,21 @@ def _terms(
     # RMSNorm saves its fp32 input (an upcast copy under bf16), the normalised tensor cast back and its
     # output (saved by the projections after it). Input norm: under fp32 its input IS the layer input
     # (counted with the layer input), hence u; post-attention norm: the residual sum, always 4 bytes.
-    norm_in = (u + 2 * c) * h
-    norm_post = (4 + 2 * c) * h
-    if features.tiled_norms:  # a norm keeps only its input: for the input norm the layer input (counted with it);
-        # fused into the tiled MLP, the residual sum; tiled alone, that and its output (saved by the plain MLP)
-        norm_in = c * h
-        norm_post = c * h if features.tiled_mlp else 2 * c * h
-    if shape.qk_norm:  # per-head q/k norms: fp32 input + normalised copy (their output feeds RoPE, not saved)
-        norm_in += (4 + c) * (heads + kv_heads) * d
     # The attention block and its exchanges (:mod:`ulysses_sp.plan.attention`), its heads in C chunks.
     chunks = planned_head_chunks(
         features.head_chunks, heads, kv_heads, ulysses, tokens=t * ulysses, head_dim=d, element_size=c
     )
+    norm_in = (u + 2 * c) * h
+    norm_post = (4 + 2 * c) * h
+    recomputed_norm_out = 0  # the input norm's output where nothing saves it: alive through the (re)compute only
+    if features.tiled_norms:  # a norm keeps only its input: for the input norm the layer input (counted with it),
+        # for the MLP's the residual sum. The linear projections of a tiled norm's output save the norm's input
+        # instead of it (ulysses_sp.norm_projections); in head chunks the attention block saves it as its input.
+        norm_in = c * h if chunks > 1 else 0
+        norm_post = c * h
+        recomputed_norm_out = c * h - norm_in
+    if shape.qk_norm:  # per-head q/k norms: fp32 input + normalised copy (their output feeds RoPE, not saved)
+        norm_in += (4 + c) * (heads + kv_heads) * d
     slices = planned_core_slices(heads, kv_heads, ulysses, ring=ring, chunks=chunks, tokens=t * ulysses, head_dim=d)
     attn = attention_terms(
         heads, kv_heads, d, h, ulysses=ulysses, ring=ring, c=c, device=device, chunks=chunks, slices=slices
@@ -302,7 +305,7 @@ def _terms(
         "recompute: last layer's attention": {
             **base,
             "gradients": head_grad,
-            "layer_activations": others + own_input + norm_in * t,
+            "layer_activations": others + own_input + (norm_in + recomputed_norm_out) * t,
             "attention": attn.forward * t,
         },
         "backward: last layer's attention": {

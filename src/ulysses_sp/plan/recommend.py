@@ -39,11 +39,12 @@ class Recommendation:
         }
 
 
-def _candidate_features(base: Features) -> Iterator[Features]:
+def _candidate_features(base: Features, stride: int | None) -> Iterator[Features]:
     # From cheapest to most expensive in step time: the tiled loss costs one extra lm_head matmul, the
     # tiled MLP a recomputed MLP, checkpointing a recomputed forward, offloading host transfers, and the
-    # CPU optimizer a slow CPU AdamW step.
-    for checkpoint in ("none", "checkpoint", "offload"):
+    # CPU optimizer a slow CPU AdamW step; last "auto": with host memory given, the planner's place and stride of
+    # the checkpoints (1 in k layer inputs kept, the others recomputed: ulysses_sp.plan.placement).
+    for checkpoint in ("none", "checkpoint", "offload", "auto"):
         for cpu_optimizer in (False, True):
             for tiled_mlp in (False, True):
                 if cpu_optimizer and base.parallel != "fsdp2":
@@ -53,6 +54,7 @@ def _candidate_features(base: Features) -> Iterator[Features]:
                     tiled_loss=True,
                     tiled_mlp=tiled_mlp,
                     activation_checkpointing=checkpoint,
+                    checkpoint_stride=stride if checkpoint == "auto" else base.checkpoint_stride,
                     cpu_offload_optimizer=cpu_optimizer,
                 )
 
@@ -76,6 +78,7 @@ def recommend(
     sequence is returned with ``reaches_target=False``.
     """
     shape = model_shape(model_config)
+    stride = (features or Features()).checkpoint_stride  # None: the placement may choose one ("auto")
     base = (features or Features()).resolve("cuda")
     sps = [p for p in range(1, world_size + 1) if world_size % p == 0]  # past the heads: a ring inside sp
     common = dict(
@@ -85,7 +88,7 @@ def recommend(
         micro_batch=micro_batch,
     )
     best: tuple[int, int, Features] | None = None
-    for candidate in _candidate_features(base):
+    for candidate in _candidate_features(base, stride):
         for sp in sps:
             if seq_len < sp:
                 continue
@@ -93,7 +96,7 @@ def recommend(
             if plan.fits:
                 longest = max_seq_len(shape, sp=sp, dp=world_size // sp, features=candidate, **common)
                 return Recommendation(sp, world_size // sp, candidate, plan, longest, True, seq_len)
-    for candidate in _candidate_features(base):
+    for candidate in _candidate_features(base, stride):
         for sp in sps:
             longest = max_seq_len(shape, sp=sp, dp=world_size // sp, features=candidate, **common)
             if best is None or longest > best[0]:
