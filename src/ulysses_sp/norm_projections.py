@@ -34,13 +34,15 @@ class _ProjectNormOutput(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
-        norm: TiledForward,
+        made: _Made,
         x: torch.Tensor,
         source: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        ctx.norm, ctx.replay, ctx.x_dtype, ctx.has_bias = norm, Replay(x.device), x.dtype, bias is not None
+        on = torch.is_autocast_enabled(x.device.type)
+        ctx.dtype = torch.get_autocast_dtype(x.device.type) if on else x.dtype  # what F.linear computes in
+        ctx.norm, ctx.replay, ctx.x_dtype, ctx.has_bias = made.norm, made.replay, x.dtype, bias is not None
         ctx.save_for_backward(source, weight, *([bias] if bias is not None else []))
         return F.linear(x, weight, bias)  # under autocast: its casts, as the plain projection's
 
@@ -51,24 +53,40 @@ class _ProjectNormOutput(torch.autograd.Function):
         need_x, need_weight = ctx.needs_input_grad[1], ctx.needs_input_grad[3]
         need_bias = ctx.has_bias and ctx.needs_input_grad[4]
         grad_x = grad_weight = grad_bias = None
-        with ctx.replay():
-            on = torch.is_autocast_enabled(grad.device.type)
-            dtype = torch.get_autocast_dtype(grad.device.type) if on else ctx.x_dtype  # what F.linear computed in
-            g = grad.to(dtype)  # [b, n, out]
-            if need_x:
-                grad_x = (g @ weight.to(dtype)).to(ctx.x_dtype)  # [b, n, in]
-            if need_weight:
-                chunk = ctx.norm.chunk_size(source)
-                for start in range(0, source.shape[-2], chunk):
-                    length = min(chunk, source.shape[-2] - start)
-                    with torch.no_grad():
-                        x = ctx.norm.call_module(source.narrow(-2, start, length).contiguous()).to(dtype)
-                    part = g.narrow(-2, start, length).flatten(0, -2).T @ x.flatten(0, -2)  # [out, in]
-                    grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
-                grad_weight = grad_weight.to(weight.dtype)
-            if need_bias:
-                grad_bias = g.flatten(0, -2).sum(0).to(rest[0].dtype)
+        g = grad.to(ctx.dtype)  # [b, n, out]
+        if need_x:
+            grad_x = (g @ weight.to(ctx.dtype)).to(ctx.x_dtype)  # [b, n, in]
+        if need_weight:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            chunk = ctx.norm.chunk_size(source)
+            for start in range(0, source.shape[-2], chunk):
+                length = min(chunk, source.shape[-2] - start)
+                with torch.no_grad(), ctx.replay():  # the norm as it ran in forward (its autocast state)
+                    x = ctx.norm.call_module(source.narrow(-2, start, length).contiguous()).to(ctx.dtype)
+                grad_weight.add_(g.narrow(-2, start, length).flatten(0, -2).T @ x.flatten(0, -2))  # [out, in]
+            grad_weight = grad_weight.to(weight.dtype)
+        if need_bias:
+            grad_bias = g.flatten(0, -2).sum(0).to(rest[0].dtype)
         return None, grad_x, None, grad_weight, grad_bias
+
+
+class _Made:
+    """What a tiled norm just made: weak references to its output and input, their versions (an in-place change
+    of either after the norm makes the output unrecognised) and the norm's autocast and RNG state."""
+
+    __slots__ = ("norm", "out", "out_version", "replay", "source", "source_version")
+
+    def __init__(self, norm: TiledForward, source: torch.Tensor, out: torch.Tensor) -> None:
+        self.norm, self.replay = norm, Replay(out.device)
+        self.out, self.out_version = weakref.ref(out), out._version
+        self.source, self.source_version = weakref.ref(source), source._version
+
+    def source_of(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The norm's input if ``x`` is its unchanged output and that input is unchanged too, else None."""
+        source = self.source()
+        if self.out() is not x or x._version != self.out_version or x.shape[-2] == 0 or source is None:
+            return None
+        return source if source._version == self.source_version else None
 
 
 class NormProjection:
@@ -78,27 +96,29 @@ class NormProjection:
     def __init__(self, module: nn.Linear, norms: list[TiledForward], previous: Callable | None) -> None:
         self.module, self.norms, self.previous = module, norms, previous
 
-    def _source(self, x: torch.Tensor) -> tuple[TiledForward, torch.Tensor] | None:
+    def _made(self, x: torch.Tensor) -> tuple[_Made, torch.Tensor] | None:
+        if type(self.module.weight) is not nn.Parameter:  # a tensor subclass (quantized, DTensor): its own path
+            return None
         for norm in self.norms:
             made = getattr(norm, "made", None)
-            if made is not None and made[0]() is x:
-                source = made[1]()
-                return (norm, source) if source is not None else None
+            source = made.source_of(x) if made is not None else None
+            if source is not None:
+                return made, source
         return None
 
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        found = self._source(x) if not args and not kwargs and torch.is_grad_enabled() else None
+        found = self._made(x) if not args and not kwargs and torch.is_grad_enabled() else None
         if found is not None:
-            norm, source = found
-            return _ProjectNormOutput.apply(norm, x, source, self.module.weight, self.module.bias)
+            made, source = found
+            return _ProjectNormOutput.apply(made, x, source, self.module.weight, self.module.bias)
         if self.previous is not None:
             return self.previous(x, *args, **kwargs)
         return nn.Linear.forward(self.module, x, *args, **kwargs)
 
 
 def record_output(norm: TiledForward, source: torch.Tensor, out: torch.Tensor) -> None:
-    """What a tiled norm just made, for the projections of its layer to recognise (weak references)."""
-    norm.made = (weakref.ref(out), weakref.ref(source))
+    """What a tiled norm just made, for the projections of its layer to recognise (:class:`_Made`)."""
+    norm.made = _Made(norm, source, out) if torch.is_grad_enabled() else None
 
 
 def install_norm_projections(layer: nn.Module, norms: list[TiledForward]) -> None:

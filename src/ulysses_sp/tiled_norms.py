@@ -75,6 +75,9 @@ class TiledNorm(TiledForward):
         record_output(self, hidden_states, out)
         return out
 
+    def __getstate__(self) -> dict[str, Any]:  # torch.save / pickle: what it last made is not part of the model
+        return {**self.__dict__, "made": None}
+
 
 class _HandThrough:
     """The ``forward`` of a norm fused into the tiled MLP after it: returns its input, which the MLP normalises

@@ -18,7 +18,7 @@ from ulysses_sp.norm_projections import NormProjection
 
 def projected(model, batch, **kwargs):
     """loss_and_grads, and the class names of the modules whose linear took the norm-output path."""
-    with calls_to(norm_projections._ProjectNormOutput, "apply", lambda norm, x, *rest: norm.module) as norms:
+    with calls_to(norm_projections._ProjectNormOutput, "apply", lambda made, x, *rest: made.norm.module) as norms:
         result = loss_and_grads(model, batch, **kwargs)
     return result, norms
 
@@ -101,3 +101,53 @@ def test_the_norm_output_is_not_saved_for_backward(monkeypatch):
     monkeypatch.setattr(tiled_norms, "install_norm_projections", lambda layer, norms: None)
     without_path = bench.layer_backward_peak(features, **shape)
     assert without_path - with_path >= 0.9 * one, (without_path / one, with_path / one)
+
+
+class _NormThenProject(nn.Module):
+    """A toy layer: norm, then (optionally after an in-place change of its output) two projections."""
+
+    def __init__(self, change_in_place: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm, self.q, self.k = nn.RMSNorm(8), nn.Linear(8, 4), nn.Linear(8, 4)
+        self.change_in_place = change_in_place
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.norm(h)
+        if self.change_in_place:
+            x.mul_(2)  # no longer what the norm made: the projections must not recompute it from the norm
+        return (self.q(x) * self.k(x)).sum()
+
+
+@pytest.mark.parametrize("change_in_place", [False, True])
+def test_an_output_changed_in_place_is_not_taken_for_the_norms(change_in_place):
+    from ulysses_sp.tiled_norms import TiledNorm
+
+    h = torch.randn(2, 6, 8, requires_grad=True)
+    want = copy.deepcopy(_NormThenProject(change_in_place))
+    want(h).backward()
+    got = _NormThenProject(change_in_place)
+    got.norm.forward = TiledNorm(got.norm, 4)
+    norm_projections.install_norm_projections(got, [got.norm.forward])
+    with calls_to(norm_projections._ProjectNormOutput, "apply") as taken:
+        got(h.detach().requires_grad_()).backward()
+    assert len(taken) == (0 if change_in_place else 2)
+    for (name, p), q in zip(got.named_parameters(), want.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_model_saves_after_a_step(tmp_path):
+    model, batch = tiled(build("llama", kv_heads=2)), make_batch(2, 24)
+    loss_and_grads(model, batch)
+    torch.save(model, tmp_path / "model.pt")  # what a norm last made is not pickled
+    assert torch.load(tmp_path / "model.pt", weights_only=False).model.layers[0].input_layernorm.forward.made is None
+
+
+def test_an_empty_sequence_gets_zero_gradients():
+    from ulysses_sp.tiled_norms import TiledNorm
+
+    layer = _NormThenProject(change_in_place=False)
+    layer.norm.forward = TiledNorm(layer.norm, 4)
+    norm_projections.install_norm_projections(layer, [layer.norm.forward])
+    layer(torch.randn(2, 0, 8, requires_grad=True)).backward()
+    assert not layer.q.weight.grad.any() and not layer.k.weight.grad.any()

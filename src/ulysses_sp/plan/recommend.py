@@ -95,7 +95,7 @@ def recommend(
             plan = plan_memory(shape, seq_len=seq_len, sp=sp, dp=world_size // sp, features=candidate, **common)
             if plan.fits:
                 longest = max_seq_len(shape, sp=sp, dp=world_size // sp, features=candidate, **common)
-                return Recommendation(sp, world_size // sp, candidate, plan, longest, True, seq_len)
+                return Recommendation(sp, world_size // sp, plan.features, plan, longest, True, seq_len)
     for candidate in _candidate_features(base, stride):
         for sp in sps:
             longest = max_seq_len(shape, sp=sp, dp=world_size // sp, features=candidate, **common)
@@ -104,4 +104,4 @@ def recommend(
     assert best is not None
     longest, sp, candidate = best
     plan = plan_memory(shape, seq_len=max(longest, sp), sp=sp, dp=world_size // sp, features=candidate, **common)
-    return Recommendation(sp, world_size // sp, candidate, plan, longest, False, seq_len)
+    return Recommendation(sp, world_size // sp, plan.features, plan, longest, False, seq_len)
