@@ -377,8 +377,7 @@ def parallelize(
         hooks.append(rotary.register_forward_hook(rope.after, with_kwargs=True))
     store = offload_store(pretrained)
     if store is not None:  # offload enabled first: its prefetch waits for each attention's backward from now on
-        ctx.backward_hooks.append(store.fetch_pending)
-        store.fetch_late()
+        store.wait_for(ctx)
     setattr(pretrained, _STATE_ATTR, _State(ctx, name, original, hooks, modules))
     return model
 

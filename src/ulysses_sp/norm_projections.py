@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .tiling import Replay, TiledForward
+from .tiling import Replay, TiledForward, _spans, compute_dtype
 
 __all__ = ["NormProjection", "install_norm_projections", "remove_norm_projections"]
 
@@ -40,8 +40,7 @@ class _ProjectNormOutput(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        on = torch.is_autocast_enabled(x.device.type)
-        ctx.dtype = torch.get_autocast_dtype(x.device.type) if on else x.dtype  # what F.linear computes in
+        ctx.dtype = compute_dtype(x)  # what F.linear computes in
         ctx.norm, ctx.replay, ctx.x_dtype, ctx.has_bias = made.norm, made.replay, x.dtype, bias is not None
         ctx.save_for_backward(source, weight, *([bias] if bias is not None else []))
         return F.linear(x, weight, bias)  # under autocast: its casts, as the plain projection's
@@ -58,9 +57,7 @@ class _ProjectNormOutput(torch.autograd.Function):
             grad_x = (g @ weight.to(ctx.dtype)).to(ctx.x_dtype)  # [b, n, in]
         if need_weight:
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            chunk = ctx.norm.chunk_size(source)
-            for start in range(0, source.shape[-2], chunk):
-                length = min(chunk, source.shape[-2] - start)
+            for start, length in _spans(source.shape[-2], ctx.norm.chunk_size(source)):
                 with torch.no_grad(), ctx.replay():  # the norm as it ran in forward (its autocast state)
                     x = ctx.norm.call_module(source.narrow(-2, start, length).contiguous()).to(ctx.dtype)
                 grad_weight.add_(g.narrow(-2, start, length).flatten(0, -2).T @ x.flatten(0, -2))  # [out, in]

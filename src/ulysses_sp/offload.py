@@ -92,7 +92,7 @@ class HostActivationStore:
 
     ``pack`` runs in forward for each tensor the checkpoint saves; ``unpack`` in backward when the layer's
     recompute needs it, and then schedules the tensor packed just before it (the next layer backward
-    will recompute) to be prefetched: at once, or after :meth:`fetch_late` when :meth:`fetch_pending` is
+    will recompute) to be prefetched: at once, or after :meth:`wait_for` when :meth:`fetch_pending` is
     called. Everything lives as long as autograd's graph holds the packed handles.
     """
 
@@ -101,7 +101,7 @@ class HostActivationStore:
         self._last: weakref.ref[_Stored] | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pending: weakref.ref[_Stored] | None = None  # scheduled, waiting for fetch_pending
-        self.late = False  # see fetch_late
+        self.late = False  # see wait_for
 
     def __deepcopy__(self, memo: dict) -> HostActivationStore:
         copied = type(self)()  # a copied model starts with an empty store of its own
@@ -160,7 +160,7 @@ class HostActivationStore:
             entry.arrived.record(stream)
 
     def _schedule(self, entry: _Stored | None) -> None:
-        """``entry`` is needed next: fetch it now, or (after :meth:`fetch_late`) when the attention says."""
+        """``entry`` is needed next: fetch it now, or (after :meth:`wait_for`) when the attention says."""
         if entry is None:
             self._pending = None
             return
@@ -169,9 +169,10 @@ class HostActivationStore:
         else:
             self._fetch(entry)
 
-    def fetch_late(self) -> None:
-        """From now on a scheduled fetch waits for :meth:`fetch_pending` (called when a layer's attention has
-        finished its backward) instead of starting when the layer's recompute unpacks its input."""
+    def wait_for(self, attention: Any) -> None:
+        """From now on a scheduled fetch waits until a layer's attention has finished its backward: ``attention``
+        (a :class:`~ulysses_sp.attention.UlyssesAttention`) calls :meth:`fetch_pending` then."""
+        attention.backward_hooks.append(self.fetch_pending)
         self.late = True
 
     def fetch_pending(self) -> None:
@@ -399,8 +400,7 @@ def _time_fetches_by_the_attention(pretrained: nn.Module, store: HostActivationS
     """In a parallelized model the store's prefetch waits until a layer's attention has done its backward
     (module docstring)."""
     for ctx in _attention_contexts(pretrained):
-        ctx.backward_hooks.append(store.fetch_pending)
-        store.fetch_late()
+        store.wait_for(ctx)
 
 
 def disable_activation_checkpointing(model: nn.Module) -> nn.Module:

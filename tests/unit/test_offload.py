@@ -208,7 +208,7 @@ def _fetch_log(monkeypatch):
     return log
 
 
-def _mark_core_backwards(model, log, chunks: int) -> None:
+def _mark_core_backwards(monkeypatch, model, log, chunks: int) -> None:
     """Log ("core",) right after each attention core's backward: C = 1, a gradient hook on the core's query
     (made by the core's backward); in chunks, each chunk's fused kernel backward."""
     from ulysses_sp import head_chunk_pipeline
@@ -221,7 +221,7 @@ def _mark_core_backwards(model, log, chunks: int) -> None:
             log.append(("core",))
             return found
 
-        head_chunk_pipeline.kernel_backward = logged  # restored by the caller's monkeypatch (below)
+        monkeypatch.setattr(head_chunk_pipeline, "kernel_backward", logged)
         return
     ctx = U.ulysses_context(model)
     core = ctx.core
@@ -246,9 +246,7 @@ def test_a_parallelized_model_fetches_the_next_input_after_the_attention_backwar
     layers after it are done. Loss and gradients are the plain model's, whichever of parallelize / offload
     comes first."""
     from tests.helpers.models import make_batch
-    from ulysses_sp import head_chunk_pipeline
 
-    monkeypatch.setattr(head_chunk_pipeline, "kernel_backward", head_chunk_pipeline.kernel_backward)
     log = _fetch_log(monkeypatch)
     model, batch = deep_llama(4, HIDDEN, INTER, VOCAB), make_batch(1, 32)
     want = loss_and_grads(copy.deepcopy(model), batch)
@@ -258,7 +256,7 @@ def test_a_parallelized_model_fetches_the_next_input_after_the_attention_backwar
     U.enable_activation_checkpointing(model, "offload", stride=stride)
     if not parallelize_first:
         U.parallelize(model, layout, head_chunks=chunks)
-    _mark_core_backwards(model, log, chunks)
+    _mark_core_backwards(monkeypatch, model, log, chunks)
     assert_same(loss_and_grads(model, batch), want)
     core = [("core",)] * chunks  # one per chunk
     if stride == 1:  # layer i+1's core backward, then the fetch of layer i's input, before layer i's

@@ -213,13 +213,13 @@ def _terms(
     # Backward runs the layer in reverse: MLP, post-attention norm, o_proj, attention, q/k/v, input norm;
     # what each part saved is freed once its backward is done, so the MLP side and the attention side
     # peak at different moments.
-    # RMSNorm saves its fp32 input (an upcast copy under bf16), the normalised tensor cast back and its
-    # output (saved by the projections after it). Input norm: under fp32 its input IS the layer input
-    # (counted with the layer input), hence u; post-attention norm: the residual sum, always 4 bytes.
     # The attention block and its exchanges (:mod:`ulysses_sp.plan.attention`), its heads in C chunks.
     chunks = planned_head_chunks(
         features.head_chunks, heads, kv_heads, ulysses, tokens=t * ulysses, head_dim=d, element_size=c
     )
+    # RMSNorm saves its fp32 input (an upcast copy under bf16), the normalised tensor cast back and its
+    # output (saved by the projections after it). Input norm: under fp32 its input IS the layer input
+    # (counted with the layer input), hence u; post-attention norm: the residual sum, always 4 bytes.
     norm_in = (u + 2 * c) * h
     norm_post = (4 + 2 * c) * h
     recomputed_norm_out = 0  # the input norm's output where nothing saves it: alive through the (re)compute only
@@ -258,7 +258,7 @@ def _terms(
     kept, regrown = -(-layers // stride), (stride - 1) * layer_input * t  # heads' inputs; a group's recomputed
     if mode == "none":  # every layer keeps everything (and under fp32 its input, saved by its norm)
         checkpoints, others, own_input = 0, (layers - 1) * per_layer * t, input_saved * t
-    elif mode == "checkpoint" or device == "cpu":  # every kept input stays on the GPU
+    elif mode == "checkpoint" or device == "cpu":  # every kept input stays on the GPU (a CPU's one memory)
         checkpoints, others, own_input = kept * layer_input * t + regrown, 0, 0
     else:  # offload: the input being recomputed (or, in a group, the k - 1 rebuilt from its head) is on the GPU;
         # the next one is fetched once the attention's backward is done (ulysses_sp.offload), after these phases
