@@ -14,12 +14,34 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.autograd.graph import get_gradient_edge
 
 if TYPE_CHECKING:
     from .head_chunk_pipeline import ChunkRun
     from .head_chunks import HeadChunkedAttention
 
-__all__ = ["Accumulators", "ProjectionCut", "add_mm"]
+__all__ = ["Accumulators", "ProjectionCut", "Roots", "add_mm"]
+
+
+class Roots:
+    """One chunk's projected q/k/v as autograd reaches them (their gradient edges), with their head counts and
+    dtypes: the tensors themselves are not kept, so they are freed as soon as their exchange has copied them (each
+    is ``[b, heads, n, d]``; holding them until the chunk's gradients came back cost ~1.5/C ``[t, h]`` per chunk
+    alive). A tensor that does not require grad (frozen projections of an input that needs none) has no edge and
+    receives no gradient."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.heads = (q.shape[1], k.shape[1])  # query heads, kv heads
+        self.dtypes = (q.dtype, k.dtype, v.dtype)
+        self.edges = tuple(get_gradient_edge(t) if t.requires_grad else None for t in (q, k, v))
+
+    def backward(self, grads: tuple[torch.Tensor, ...], inputs: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+        """``torch.autograd.grad`` from these roots (``grads``: one per root, in its dtype) to ``inputs``."""
+        pairs = [(edge, grad) for edge, grad in zip(self.edges, grads, strict=True) if edge is not None]
+        if not pairs:
+            return (None,) * len(inputs)
+        edges, wanted = zip(*pairs, strict=True)
+        return torch.autograd.grad(list(edges), inputs, list(wanted), allow_unused=True)
 
 
 class ProjectionCut:
@@ -100,7 +122,7 @@ class Accumulators:
         self,
         run: ChunkRun,
         chunk: int,
-        roots: tuple[torch.Tensor, ...],
+        roots: Roots,
         grads: tuple[torch.Tensor, ...],
         leaves: dict[str, tuple],
         cut: ProjectionCut,
@@ -127,7 +149,7 @@ class Accumulators:
             return
         cut.sink = functools.partial(self._linear_backward, run, chunk)
         with torch.enable_grad():
-            found = torch.autograd.grad(roots, inputs, grads, allow_unused=True)
+            found = roots.backward(grads, inputs)
         cut.sink = None
         for target, grad in zip(targets, found, strict=False):  # the anchor's (None) is last
             if grad is not None:

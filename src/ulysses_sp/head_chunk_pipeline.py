@@ -52,7 +52,7 @@ from .comm import (
     start_all_to_all,
 )
 from .cores import AttentionCall
-from .head_chunk_grads import Accumulators, ProjectionCut, add_mm
+from .head_chunk_grads import Accumulators, ProjectionCut, Roots, add_mm
 from .head_split import DEPTH
 from .tiling import Replay, compute_dtype
 
@@ -268,22 +268,26 @@ class ChunkRun:
 
     def _recompute_qkv(self, x: torch.Tensor, chunk: int) -> Generator[None, None, tuple]:
         """The chunk's projections again, with their graph (cut at the projections of ``x``), and their exchange:
-        ``((leaves, cut), (q, k, v), call, full)`` with ``full [b, h, N, d]`` the core's q/k/v after the exchange."""
+        ``((leaves, cut), roots, call, full)`` with ``full [b, h, N, d]`` the core's q/k/v after the exchange and
+        ``roots`` the projections' outputs as autograd sees them (:class:`Roots`; the tensors are freed once sent)."""
         leaves, cut = self.weights(chunk, leaves=True), ProjectionCut(x)
         with torch.enable_grad():
             q, k, v, call = self.project(x, chunk, leaves, cut)
-        recv = yield from self._exchange(qkv_send_buffer(*_core_inputs(x, q.detach(), k.detach(), v.detach()), self.sp))
-        return (leaves, cut), (q, k, v), call, qkv_full(recv)
+        roots = Roots(q, k, v)
+        send = [qkv_send_buffer(*_core_inputs(x, q.detach(), k.detach(), v.detach()), self.sp)]
+        del q, k, v
+        recv = yield from self._exchange(send)
+        return (leaves, cut), roots, call, qkv_full(recv)
 
     def _grads_back(
-        self, chunk: int, grad_full: list[torch.Tensor], roots: tuple, graph: tuple, acc: Accumulators
+        self, chunk: int, grad_full: list[torch.Tensor], roots: Roots, graph: tuple, acc: Accumulators
     ) -> Stages:
         """The core's q/k/v gradient ``[b, h, N, d]`` (in a one-element list, emptied: only the exchange holds it)
         back to the chunk's projections, and their backward into ``acc`` (``graph``: the leaves and the cut)."""
         box = [qkv_full_grad(grad_full.pop(), self.sp)]
         recv = yield from self._exchange(box)
-        grads = qkv_send_grad(recv, roots[0].shape[1], roots[1].shape[1])
-        grads = tuple(g.to(r.dtype) for g, r in zip(grads, roots, strict=True))  # autocast's casts, undone
+        grads = qkv_send_grad(recv, *roots.heads)
+        grads = tuple(g.to(dtype) for g, dtype in zip(grads, roots.dtypes, strict=True))  # autocast's casts, undone
         del recv
         acc.add_chunk(self, chunk, roots, grads, *graph)
 
@@ -304,7 +308,7 @@ class ChunkRun:
         recv = yield from self._exchange(box)
         core_out, core_grad = out_send_grad(recv).split(d_v, dim=-1)  # [b, N, Hc/P, d_v] each
         del recv
-        q_f, k_f, v_f = full.split(_split(roots[0].shape[1], roots[1].shape[1], self.sp), dim=1)
+        q_f, k_f, v_f = full.split(_split(*roots.heads, self.sp), dim=1)
         grads = kernel_backward(self.kernels[chunk], core_grad, q_f, k_f, v_f, core_out, lse, call)
         del core_out, core_grad, q_f, k_f, v_f, full
         grad_full = [torch.cat(grads, dim=1)]  # [b, h, N, d]
@@ -316,7 +320,7 @@ class ChunkRun:
         graph, roots, call, full = yield from self._recompute_qkv(x, chunk)
         full.requires_grad_()  # [b, h, N, d]: the core's inputs as one leaf
         with torch.enable_grad(), _rng_restored(self.rng[chunk], x.device):
-            core_out = self.attend(*full.split(_split(roots[0].shape[1], roots[1].shape[1], self.sp), dim=1), call)
+            core_out = self.attend(*full.split(_split(*roots.heads, self.sp), dim=1), call)
         recv = yield from self._exchange(out_send_buffer(core_out.detach(), self.sp))
         local = out_local(recv)  # [b, n, Hc, d_v]
         del recv

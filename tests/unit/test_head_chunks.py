@@ -168,3 +168,48 @@ def test_out_pair_send_is_two_out_local_grads_side_by_side():
     torch.testing.assert_close(pair, torch.cat([out_local_grad(first, 4), out_local_grad(second, 4)], dim=-1))
     a, b = out_send_grad(pair).split(3, dim=-1)
     torch.testing.assert_close(a, out_send_grad(out_local_grad(first, 4)))
+
+
+def test_projected_qkv_freed_once_sent_and_frozen_projections(monkeypatch):
+    """Backward keeps a chunk's projected q/k/v only until their exchange has copied them (Roots holds gradient
+    edges, not the tensors): none is alive when any chunk's kernel backward runs. Frozen k/v projections of an
+    input that needs no gradient (layer 0 under frozen embeddings) have no edge; q's gradient still flows, exact."""
+    import weakref
+
+    from ulysses_sp import head_chunk_grads, head_chunk_pipeline
+
+    projected, alive_at_kernel = [], []
+    roots_init = head_chunk_grads.Roots.__init__
+
+    def record(self, q, k, v):
+        projected.extend(weakref.ref(t) for t in (q, k, v))
+        roots_init(self, q, k, v)
+
+    kernel_backward = head_chunk_pipeline.kernel_backward
+
+    def check(*args, **kwargs):
+        alive_at_kernel.append(sum(ref() is not None for ref in projected))
+        return kernel_backward(*args, **kwargs)
+
+    monkeypatch.setattr(head_chunk_grads.Roots, "__init__", record)
+    monkeypatch.setattr(head_chunk_pipeline, "kernel_backward", check)
+    batch = make_batch(2, 24, packed=(10, 14))
+    model = build("llama", kv_heads=2)
+    frozen = ["model.embed_tokens.weight"] + [
+        f"model.layers.{i}.self_attn.{p}.weight"
+        for i in range(model.config.num_hidden_layers)
+        for p in ("k_proj", "v_proj")
+    ]
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
+    ref, want = loss_and_grads(copy.deepcopy(model), batch)
+    layout = U.ParallelLayout.single()
+    U.parallelize(model, layout, head_chunks=2)
+    loss, grads = loss_and_grads(model, batch, layout)
+    assert projected and alive_at_kernel and set(alive_at_kernel) == {0}
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        if want[name] is None:
+            assert grad is None, name
+        else:
+            torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -168,16 +168,17 @@ def attention_terms(
     saved = c * whole.q_width + 4 * heads if ring == 1 else 0
     recomputed_input = 0 if ring == 1 else one.o_proj_input  # the output projection's input: a view of `saved`
     # Backward holds the sums the chunks add into, the input's gradient (fp32 under a 16-bit dtype), and for each
-    # of the DEPTH chunks alive its recomputed projections (q/k/v with their graph, until the chunk's last stage)
-    # next to the core's saved tensors and gradients; the chunk in its core's backward also the output gradient
-    # rearranged for the core (measured: 4 chunks of Llama h512 16 x 128 heads, 4 kv heads, sp 2, fp32, CPU).
+    # of the DEPTH chunks alive the core's saved tensors and gradients (its recomputed projections are freed once
+    # their exchange has copied them: head_chunk_grads.Roots); the chunk in its core's backward also the output
+    # gradient rearranged for the core (measured: 4 chunks of Llama h512 16 x 128 heads, 4 kv heads, sp 2, fp32,
+    # CPU).
     own = (4 if c < 4 else c) * hidden
     return AttentionTerms(
         chunks=chunks,
         saved=saved,
         o_proj_input=0,
         forward=saved + c * hidden + DEPTH * one.forward,  # + the [t, h] output the chunks add into
-        backward=own + DEPTH * (one.saved + one.backward + recomputed_input + one.local) + c * one.q_width,
+        backward=own + DEPTH * (one.saved + one.backward + recomputed_input) + c * one.q_width,
         exchange=own + DEPTH * one.exchange,
         ring_backward=DEPTH * one.ring_backward,
         local=one.local,
