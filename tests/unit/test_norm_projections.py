@@ -89,17 +89,17 @@ def test_disable_restores_every_linear():
 
 def test_the_norm_output_is_not_saved_for_backward(monkeypatch):
     """In a checkpointed layer's recompute + backward (benchmarks/layer_peak.py, CPU fp32) the peak with the
-    norms tiled is one more [tokens, hidden] tensor lower than without this path (9.28 -> 8.28 measured at
-    hidden 512, 8K tokens)."""
+    norms tiled is one more [tokens, hidden] tensor lower than without this path (at hidden 512, 16K tokens on
+    rank 0 of sp=2: 9.28 with it)."""
     import ulysses_sp.tiled_norms as tiled_norms
     from tests.unit.test_tiled_norms import layer_peak_bench
     from ulysses_sp.features import Features
 
     bench, shape, one = layer_peak_bench()
     features = Features(tiled_loss=False, activation_checkpointing="checkpoint")
-    with_path = bench.layer_backward_peak(features, **shape)
+    with_path = bench.layer_backward_peak(features, 1, **shape)["peak_bytes"]
     monkeypatch.setattr(tiled_norms, "install_norm_projections", lambda layer, norms: None)
-    without_path = bench.layer_backward_peak(features, **shape)
+    without_path = bench.layer_backward_peak(features, 1, **shape)["peak_bytes"]
     assert without_path - with_path >= 0.9 * one, (without_path / one, with_path / one)
 
 
