@@ -19,12 +19,14 @@ back from the zigzag order of :func:`ulysses_sp.shard_batch` into sequence order
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .comm import CommStats, all_gather_tensor, heads_to_seq, qkv_seq_to_heads
 from .cores import AttentionCall, Core, Segments
@@ -39,6 +41,7 @@ __all__ = [
     "RING_CORES",
     "UlyssesAttention",
     "check_ring_core",
+    "intercepting",
     "pad_qkv",
     "ulysses_attention_forward",
 ]
@@ -51,6 +54,16 @@ RING_CORES = ("sdpa", "eager")
 # An attribute a caller may set on an attention module (see ulysses_sp.head_chunks): a callable that receives the
 # module's attention call instead of Ulysses (to capture q/k/v, or to run a local reference attention).
 INTERCEPT_ATTR = "_ulysses_sp_intercept"
+
+
+@contextlib.contextmanager
+def intercepting(module: nn.Module, handler: Callable) -> Iterator[None]:
+    """While inside, ``module``'s attention call goes to ``handler`` (called as the attention function is)."""
+    module.__dict__[INTERCEPT_ATTR] = handler
+    try:
+        yield
+    finally:
+        module.__dict__.pop(INTERCEPT_ATTR, None)
 
 
 def pad_qkv(

@@ -9,14 +9,16 @@ projections, which tap their outputs during backward's re-projection).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.autograd.graph import get_gradient_edge
 
 if TYPE_CHECKING:
+    from .deferred_input import NormRemake
     from .head_chunk_pipeline import ChunkRun
     from .head_chunks import HeadChunkedAttention
 
@@ -51,14 +53,33 @@ class ProjectionCut:
     gradient to ``sink(name, x, grad)``: there the projection's backward runs as matmuls added in place into the
     chunk sums (``ChunkRun``'s accumulators), so autograd never holds the three ``[t, h]`` input gradients and
     their sum at once, and each output gradient is freed as soon as it has been used. ``anchor``: an empty leaf
-    that every tap hangs from, to name in ``torch.autograd.grad``'s inputs so that the taps run.
+    that every tap hangs from, to name in ``torch.autograd.grad``'s inputs so that the taps run. ``remade``: the
+    norm that made ``x`` and its input, where ``x`` is :class:`~ulysses_sp.deferred_input.Absent` (the module
+    reads its input only through the cut projections, so nothing else reaches it).
     """
 
-    def __init__(self, x: torch.Tensor) -> None:
-        self.x = x
+    def __init__(self, x: torch.Tensor, remade: tuple[NormRemake, torch.Tensor] | None = None) -> None:
+        self.x, self.remade = x, remade
         self.anchor = torch.empty(0, device=x.device, requires_grad=True)
-        self.sink: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
+        self.sink: Callable[[str, ProjectionCut, torch.Tensor], None] | None = None
         self.count = 0  # projections cut
+
+    def project(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` without a graph, under the caller's autocast state; tile by tile from the
+        norm's input where ``x`` is :class:`~ulysses_sp.deferred_input.Absent`."""
+        if self.remade is not None:
+            remake, source = self.remade
+            return remake.linear(source, weight, bias)
+        with torch.no_grad():
+            return F.linear(self.x, weight, bias)
+
+    def tiles(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """``x`` as ``(start, length, tile [b, length, h])``: one tile, or remade tile by tile from the norm's input."""
+        if self.remade is None:
+            yield 0, self.x.shape[-2], self.x
+            return
+        remake, source = self.remade
+        yield from remake.tiles(source)
 
     def tap(self, name: str, out: torch.Tensor) -> torch.Tensor:
         """``out`` (``name``'s projection of ``x``, computed without a graph) with its gradient going to the sink."""
@@ -68,7 +89,7 @@ class ProjectionCut:
     def deliver(self, name: str, grad: torch.Tensor) -> None:
         if self.sink is None:
             raise RuntimeError("a cut projection was differentiated outside the chunk's backward")
-        self.sink(name, self.x, grad)
+        self.sink(name, self, grad)
 
 
 class _Tap(torch.autograd.Function):
@@ -87,9 +108,9 @@ class _Tap(torch.autograd.Function):
 
 
 def _zeros(t: torch.Tensor, chunks: int) -> torch.Tensor:
-    """A zeroed accumulator like ``t``: fp32 for 16-bit tensors summed over several chunks."""
+    """A zeroed accumulator of ``t``'s shape: fp32 for 16-bit tensors summed over several chunks."""
     wide = t.dtype in (torch.bfloat16, torch.float16) and chunks > 1
-    return torch.zeros_like(t, dtype=torch.float32 if wide else t.dtype)
+    return torch.zeros(t.shape, dtype=torch.float32 if wide else t.dtype, device=t.device)
 
 
 def add_mm(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -130,7 +151,7 @@ class Accumulators:
         """Backpropagate one chunk's projections (``roots`` -> ``grads``) into the accumulators: autograd down to
         the cut projections' outputs (and to the leaves it still reaches), then their backward by hand."""
         inputs, targets = [], []
-        if self.x is not None:  # what reaches the input besides the cut projections (None when nothing does)
+        if self.x is not None and cut.remade is None:  # what reaches the input besides the cut projections
             inputs.append(cut.x)
             targets.append(self.x)
         for name, pair in leaves.items():
@@ -155,17 +176,19 @@ class Accumulators:
             if grad is not None:
                 target.add_(grad)
 
-    def _linear_backward(self, run: ChunkRun, chunk: int, name: str, x: torch.Tensor, grad: torch.Tensor) -> None:
+    def _linear_backward(self, run: ChunkRun, chunk: int, name: str, cut: ProjectionCut, grad: torch.Tensor) -> None:
         """Projection ``name``'s backward for the chunk, ``grad [b, n, out_c]`` of its output: added in place into
         the input's and its weight's and bias' sums, in the dtype the forward's matmul ran in (autocast's)."""
         proj = self.owner.projection(name)
         grad_2d = grad.reshape(-1, grad.shape[-1])  # [b n, out_c]
-        x_2d = x.reshape(-1, x.shape[-1])  # [b n, h]
         if self.x is not None:
             weight = run.part(name, chunk, proj.weight).to(grad_2d.dtype)  # [out_c, h]
             add_mm(self.x.view(-1, self.x.shape[-1]), grad_2d, weight)
         if self.need.get(id(proj.weight)):
-            add_mm(run.part(name, chunk, self.sums[id(proj.weight)]), grad_2d.t(), x_2d.to(grad_2d.dtype))
+            target = run.part(name, chunk, self.sums[id(proj.weight)])  # [out_c, h]
+            for start, length, x in cut.tiles():  # x [b, length, h]: the input, whole or one remade tile
+                g = grad.narrow(-2, start, length).reshape(-1, grad.shape[-1])  # [b length, out_c]
+                add_mm(target, g.t(), x.reshape(-1, x.shape[-1]).to(g.dtype))
         if proj.bias is not None and self.need.get(id(proj.bias)):
             run.part(name, chunk, self.sums[id(proj.bias)]).add_(grad_2d.sum(0))
 

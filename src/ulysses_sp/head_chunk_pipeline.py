@@ -7,18 +7,19 @@ stages in order and yields right after it launches an exchange (:func:`ulysses_s
 chunk c+1's q/k/v exchange is in flight, and chunk c's output exchange runs while chunk c+1's core computes.
 The order of the collectives depends only on C, so every rank issues the same exchanges in the same order.
 
-Forward, per chunk (under no_grad): project q/k/v for the chunk's heads with the module's own code (its
-projections sliced to those heads), exchange (one fused all-to-all), core, exchange back, and add the
-chunk's share of the output projection into one ``[b, n, h]`` buffer. :class:`HeadChunkedFunction` saves the
-block's input and, where a block kernel runs the core (:mod:`ulysses_sp.chunk_core`), the core's output after
-the exchange back (``[b, n, H, d_v]``) and its log-sum-exp. Its backward runs each chunk by hand: the projections
-again (their graph), the q/k/v exchange, the output projection's backward, one exchange of the saved output and
-its gradient to the attending ranks, the kernel's fused backward, the q/k/v exchange's adjoint, the projections'
-backward (by hand for the projections of the block's input, :class:`ProjectionCut`: in-place matmuls into the
-sums, no ``[t, h]`` temporaries). Under autocast q/k/v cross in the autocast dtype, as autocast's sdpa would
-cast them. Collectives per layer: 2C forward, 3C backward. Where no kernel fits (a ring, dropout, a window,
-softcap, the eager core) the chunk's core and output exchange are recomputed instead and the core's backward is
-autograd's (4C backward). Only one or two chunks' q/k/v, exchange buffers and core working set exist at any time.
+Forward, per chunk (under no_grad): project q/k/v for the chunk's heads with the module's own code (its projections
+sliced to those heads), exchange (one fused all-to-all), core, exchange back, and add the chunk's share of the
+output projection into one ``[b, n, h]`` buffer. :class:`HeadChunkedFunction` saves the block's input (or, where a
+tiled norm made it, that norm's input: :mod:`ulysses_sp.deferred_input`) and, where a block kernel runs the core
+(:mod:`ulysses_sp.chunk_core`), the core's output after the exchange back (``[b, n, H, d_v]``) and its log-sum-exp.
+Its backward runs each chunk by hand: the projections again (their graph), the q/k/v exchange, the output
+projection's backward, one exchange of the saved output and its gradient to the attending ranks, the kernel's fused
+backward, the q/k/v exchange's adjoint, the projections' backward (by hand for the projections of the block's input,
+:class:`ProjectionCut`: in-place matmuls into the sums, no ``[t, h]`` temporaries). Under autocast q/k/v cross in
+the autocast dtype, as autocast's sdpa would cast them. Collectives per layer: 2C forward, 3C backward. Where no
+kernel fits (a ring, dropout, a window, softcap, the eager core) the chunk's core and output exchange are recomputed
+instead and the core's backward is autograd's (4C backward). Only one or two chunks' q/k/v, exchange buffers and
+core working set exist at any time.
 
 On CUDA the exchanges run on the process group's own communication stream (``async_op=True``): the stream
 waits for the producer's work, ``work.wait()`` makes the compute stream wait for the exchange without blocking
@@ -52,6 +53,7 @@ from .comm import (
     start_all_to_all,
 )
 from .cores import AttentionCall
+from .deferred_input import Absent, NormRemake
 from .head_chunk_grads import Accumulators, ProjectionCut, Roots, add_mm
 from .head_split import DEPTH
 from .tiling import Replay, compute_dtype
@@ -142,6 +144,11 @@ class ChunkRun:
         self.kernels: list[Any | None] = [None] * split.chunks
         self.lse: list[torch.Tensor | None] = [None] * split.chunks
         self.local: torch.Tensor | None = None
+        # Where a tiled norm made the block's input: how to remake it and (until the forward saved it instead of the
+        # input) the norm's input; in backward, the two together (:mod:`ulysses_sp.deferred_input`).
+        self.remake: NormRemake | None = None
+        self.source: torch.Tensor | None = None
+        self.remade: tuple[NormRemake, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------------------------------- slices
     def part(self, name: str, chunk: int, t: torch.Tensor) -> torch.Tensor:
@@ -270,7 +277,7 @@ class ChunkRun:
         """The chunk's projections again, with their graph (cut at the projections of ``x``), and their exchange:
         ``((leaves, cut), roots, call, full)`` with ``full [b, h, N, d]`` the core's q/k/v after the exchange and
         ``roots`` the projections' outputs as autograd sees them (:class:`Roots`; the tensors are freed once sent)."""
-        leaves, cut = self.weights(chunk, leaves=True), ProjectionCut(x)
+        leaves, cut = self.weights(chunk, leaves=True), ProjectionCut(x, self.remade)
         with torch.enable_grad():
             q, k, v, call = self.project(x, chunk, leaves, cut)
         roots = Roots(q, k, v)
@@ -339,19 +346,28 @@ class ChunkRun:
         needs: tuple[bool, ...],
         local: torch.Tensor | None,
         lse: tuple[torch.Tensor | None, ...],
+        source: torch.Tensor | None = None,
     ) -> tuple:
         """Gradients of ``(x, *params)`` (None where not needed) for ``grad_out [b, n, h]``; ``local`` / ``lse``:
-        what the forward saved (``lse[c]``: None where chunk c's core did not run through a kernel)."""
-        x_leaf = x.detach().requires_grad_(needs[0])
-        acc = Accumulators(self.owner, x_leaf, needs, self.split.chunks)
+        what the forward saved (``lse[c]``: None where chunk c's core did not run through a kernel); ``source``:
+        the input of the tiled norm that made ``x``, where ``x`` is an :class:`Absent` remade from it by tiles."""
+        if source is None:
+            x = x.detach().requires_grad_(needs[0])
+        elif not isinstance(x, Absent) or self.remake is None:
+            raise RuntimeError("a remade input needs an Absent input and the norm that made it")
+        acc = Accumulators(self.owner, x, needs, self.split.chunks)
         grad_out = grad_out.contiguous()
 
         def chunk_stages(c: int) -> Stages:
             if lse[c] is not None:
-                return self.fused_backward_chunk(x_leaf, c, grad_out, acc, (local, lse[c]))
-            return self.backward_chunk(x_leaf, c, grad_out, acc)
+                return self.fused_backward_chunk(x, c, grad_out, acc, (local, lse[c]))
+            return self.backward_chunk(x, c, grad_out, acc)
 
-        run_interleaved(chunk_stages(c) for c in range(self.split.chunks))
+        self.remade = None if source is None else (self.remake, source)
+        try:
+            run_interleaved(chunk_stages(c) for c in range(self.split.chunks))
+        finally:
+            self.remade = None
         return acc.result(grad_out)
 
 
@@ -375,18 +391,21 @@ class HeadChunkedFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, run: ChunkRun, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        ctx.run, ctx.replay = run, Replay(x.device)
+        ctx.run, ctx.replay, ctx.x_meta = run, Replay(x.device), (x.shape, x.dtype, x.device)
         out = run.forward(x, save=True)
-        ctx.save_for_backward(x, run.local, *run.lse)
-        run.local, run.lse = None, [None] * run.split.chunks  # held by ctx alone from here
+        # ``x``, or the input of the tiled norm that made it (run.source: backward remakes x from it by tiles)
+        ctx.save_for_backward(x if run.source is None else run.source, run.local, *run.lse)
+        run.local, run.lse, run.source = None, [None] * run.split.chunks, None  # held by ctx alone from here
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, local, *lse = ctx.saved_tensors
+        kept, local, *lse = ctx.saved_tensors
+        x, source = (kept, None) if ctx.run.remake is None else (Absent(*ctx.x_meta), kept)
         with ctx.replay():
-            grad_x, *grads = ctx.run.backward(x, grad_out, tuple(ctx.needs_input_grad[1:]), local, tuple(lse))
+            needs = tuple(ctx.needs_input_grad[1:])
+            grad_x, *grads = ctx.run.backward(x, grad_out, needs, local, tuple(lse), source)
         for hook in ctx.run.owner.ctx.backward_hooks:  # every chunk's backward is done (UlyssesAttention)
             hook()
-        return (None, None if grad_x is None else grad_x.to(x.dtype), *grads)
+        return (None, None if grad_x is None else grad_x.to(ctx.x_meta[1]), *grads)

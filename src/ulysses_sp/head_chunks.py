@@ -25,19 +25,19 @@ planner uses too); 1 = the unchunked path.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .attention import INTERCEPT_ATTR, UlyssesAttention, pad_qkv
-from .cores import AttentionCall, Segments, eager_core
+from .attention import UlyssesAttention, intercepting
+from .deferred_input import NormRemake
 from .head_chunk_grads import ProjectionCut
 from .head_chunk_pipeline import ChunkRun, HeadChunkedFunction
+from .head_chunk_probe import probe_problem
 from .head_split import (
     DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
     HeadSplit,
@@ -45,7 +45,7 @@ from .head_split import (
     choose_head_chunks,
     head_chunk_choices,
 )
-from .masks import mask_window
+from .norm_projections import NormProjection
 from .tiling import compute_dtype
 
 __all__ = [
@@ -56,8 +56,6 @@ __all__ = [
     "remove_head_chunks",
     "split_problem",
 ]
-
-_PROBE_TOKENS = 6
 
 
 # ---------------------------------------------------------------------------------------------- which modules
@@ -160,18 +158,8 @@ class _Slice:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.cut is None or x is not self.cut.x:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        with torch.no_grad():  # under autocast still: the same casts as the forward's
-            out = torch.nn.functional.linear(x, self.weight, self.bias)
-        return self.cut.tap(self.name, out)
-
-
-@contextlib.contextmanager
-def _intercepting(module: nn.Module, handler: Callable) -> Iterator[None]:
-    module.__dict__[INTERCEPT_ATTR] = handler
-    try:
-        yield
-    finally:
-        module.__dict__.pop(INTERCEPT_ATTR, None)
+        # without a graph, under autocast still (the same casts as the forward's)
+        return self.cut.tap(self.name, self.cut.project(self.weight, self.bias))
 
 
 class HeadChunkedAttention:
@@ -202,6 +190,7 @@ class HeadChunkedAttention:
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.requested, self.budget_bytes = requested or None, budget_bytes
         self.verified: bool | None = None  # None: not probed yet; False: failed (automatic C: unchunked)
+        self.remakeable = False  # reads its input only through the sliced projections (set by the probe)
         self.extra_outputs = 1
         self.hidden_name = _first_argument(module)
 
@@ -249,7 +238,7 @@ class HeadChunkedAttention:
             for name, (weight, bias) in weights.items():
                 self.module._modules[name] = _Slice(name, weight, bias, cut)  # type: ignore[assignment]
             self.module.__dict__.update(counts)
-            with _intercepting(self.module, stop):
+            with intercepting(self.module, stop):
                 type(self.module).forward(self.module, *args, **kwargs)
         except _Stop:
             pass
@@ -298,17 +287,8 @@ class HeadChunkedAttention:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
-        if self.hidden_name in kwargs:
-            x = kwargs[self.hidden_name]
-
-            def place(t: torch.Tensor) -> tuple[tuple, dict]:
-                return args, {**kwargs, self.hidden_name: t}
-        else:
-            x = args[0] if args else None
-
-            def place(t: torch.Tensor) -> tuple[tuple, dict]:
-                return (t, *args[1:]), kwargs
-
+        x = kwargs.get(self.hidden_name, args[0] if args else None)
+        place = _placer(self.hidden_name, args, kwargs)
         if (
             not isinstance(x, torch.Tensor)
             or x.dim() != 3
@@ -330,19 +310,34 @@ class HeadChunkedAttention:
         run = ChunkRun(self, place, split, prepare=self.ctx.prepare, attend=self.ctx.core_for, group=group, fused=True)
         params = self.trainable_parameters()
         if torch.is_grad_enabled() and (x.requires_grad or params):
+            found = self.made_by_norm(x)
+            if found is not None:  # save the norm's input, not x (ulysses_sp.deferred_input)
+                run.remake, run.source = found
             out = HeadChunkedFunction.apply(run, x, *params)
         else:
             with torch.no_grad():
                 out = run.forward(x)
         return (out, *[None] * self.extra_outputs)
 
+    def made_by_norm(self, x: torch.Tensor) -> tuple[NormRemake, torch.Tensor] | None:
+        """How to remake ``x`` tile by tile and from what, where a tiled norm of the layer has just made it (seen by
+        the :class:`~ulysses_sp.norm_projections.NormProjection` installed on the query projection) and this
+        module reads its input only through its sliced projections (:attr:`remakeable`); else None."""
+        installed = self.projection(self.names.query[0]).__dict__.get("forward")
+        if not self.remakeable or not isinstance(installed, NormProjection):
+            return None
+        found = installed.made_by_norm(x)
+        if found is None:
+            return None
+        made, source = found
+        return NormRemake(made.norm.call_module, made.norm.chunk_size(source), made.replay), source
+
     # ------------------------------------------------------------------------------------------- the probe
     def verify(self, x: torch.Tensor, args: tuple, kwargs: dict, split: HeadSplit) -> None:
         """Run the module's own forward and the chunked one on a few random tokens with one local core; they must
-        agree. Sets :attr:`verified`; raises ValueError when C > 1 was asked for and they do not."""
-        problem = _grad_problem(args, kwargs, x)
-        if problem is None:
-            problem = self._compare(x, args, kwargs, split)
+        agree. Sets :attr:`verified` (and :attr:`remakeable`); raises ValueError when C > 1 was asked for and they
+        do not."""
+        problem = probe_problem(self, x, args, kwargs, split)
         self.verified = problem is None
         if problem is not None and self.requested:
             raise ValueError(
@@ -350,87 +345,19 @@ class HeadChunkedAttention:
                 "(--head-chunks 1) or leave it automatic (0 / None)"
             )
 
-    def _compare(self, x: torch.Tensor, args: tuple, kwargs: dict, split: HeadSplit) -> str | None:
-        batch, length = x.shape[:2]
-        tokens = min(_PROBE_TOKENS, length)
-        generator = torch.Generator().manual_seed(0)
-        probe = torch.randn(1, tokens, x.shape[-1], generator=generator).to(x.device, x.dtype)
-        cut_args, cut_kwargs = _cut(args, batch, length, tokens), _cut(kwargs, batch, length, tokens)
-        if self.hidden_name in cut_kwargs:
-            cut_kwargs[self.hidden_name] = probe
-        else:
-            cut_args = (probe, *cut_args[1:])
 
-        def reference(module, query, key, value, attention_mask, **call_kwargs):
-            call = _local_prepare(module, query, key, value, attention_mask, **call_kwargs)
-            return _local_attend(*pad_qkv(query, key, value, call.width), call).contiguous(), None
-
-        def place(t: torch.Tensor) -> tuple[tuple, dict]:
-            if self.hidden_name in cut_kwargs:
-                return cut_args, {**cut_kwargs, self.hidden_name: t}
-            return (t, *cut_args[1:]), cut_kwargs
-
-        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-            try:
-                with _intercepting(self.module, reference):
-                    theirs = type(self.module).forward(self.module, *cut_args, **cut_kwargs)
-                run = ChunkRun(self, place, split, prepare=_local_prepare, attend=_local_attend, group=None)
-                ours = run.forward(probe)
-            except (RuntimeError, ValueError, TypeError, IndexError) as err:
-                return f"the chunked forward failed on a probe ({type(err).__name__}: {err})"
-        if not isinstance(theirs, tuple) or any(t is not None for t in theirs[1:]):
-            return "its forward returns more than (output, None)"
-        self.extra_outputs = len(theirs) - 1
-        tol = 1e-5 if x.dtype == torch.float32 else 4 * torch.finfo(x.dtype).eps
-        out = theirs[0]
-        if out.shape != ours.shape or not torch.allclose(
-            out.float(), ours.float(), rtol=tol, atol=tol * float(out.abs().max())
-        ):
-            return "its own forward and the chunked one differ on a probe (its projections do not split by heads)"
-        return None
+def _placer(name: str, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], tuple[tuple, dict]]:
+    """``place(t)``: the call's ``(args, kwargs)`` with ``t`` as the hidden states (keyword ``name`` or the first
+    argument). It holds the other arguments only: the run keeps it until backward, and the hidden states it was
+    called with (a ``[t, h]`` tensor per layer, through the whole step) must not be kept by it."""
+    if name in kwargs:
+        others = {k: v for k, v in kwargs.items() if k != name}
+        return lambda t: (args, {**others, name: t})
+    rest = args[1:]
+    return lambda t: ((t, *rest), kwargs)
 
 
 def _first_argument(module: nn.Module) -> str:
     """The name of the forward's first argument after self (the hidden states)."""
     params = list(inspect.signature(type(module).forward).parameters)
     return params[1] if len(params) > 1 else "hidden_states"
-
-
-def _grad_problem(args: tuple, kwargs: dict, x: torch.Tensor) -> str | None:
-    """A tensor argument other than the hidden states that needs a gradient, which the chunks would not give."""
-    for value in (*args, *kwargs.values()):
-        for t in value if isinstance(value, tuple | list) else (value,):
-            if isinstance(t, torch.Tensor) and t is not x and t.requires_grad:
-                return "an argument other than the hidden states needs a gradient (e.g. learned position embeddings)"
-    return None
-
-
-def _cut(value: Any, batch: int, length: int, tokens: int) -> Any:
-    """``value`` with every tensor of shape ``[batch, length, ...]`` cut to ``[1, tokens, ...]``."""
-    if isinstance(value, torch.Tensor):
-        return (
-            value[:1, :tokens]
-            if value.dim() >= 2 and value.shape[1] == length and value.shape[0] in (1, batch)
-            else value
-        )
-    if isinstance(value, tuple | list):
-        return type(value)(_cut(v, batch, length, tokens) for v in value)
-    if isinstance(value, dict):
-        return {k: _cut(v, batch, length, tokens) for k, v in value.items()}
-    return value
-
-
-def _local_prepare(module, query, key, value, attention_mask, *, scaling=None, softcap=None, **_: Any) -> AttentionCall:
-    """The probe's attention call: one dense document of the probe's tokens, the layer's window, no dropout."""
-    batch, _, tokens, d_qk = query.shape
-    d_v = value.shape[-1]
-    positions = torch.arange(tokens, device=query.device).expand(batch, tokens)
-    if d_v > d_qk and scaling is None:
-        scaling = d_qk**-0.5
-    window = mask_window(module, attention_mask)
-    return AttentionCall(Segments.from_positions(positions), window, scaling, softcap, 0.0, d_v, max(d_qk, d_v))
-
-
-def _local_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-    out = eager_core(q, k, v, call.segments, scaling=call.scaling, sliding_window=call.window, softcap=call.softcap)
-    return out[..., : call.d_v]

@@ -96,6 +96,10 @@ class NormProjection:
     def _made(self, x: torch.Tensor) -> tuple[_Made, torch.Tensor] | None:
         if type(self.module.weight) is not nn.Parameter:  # a tensor subclass (quantized, DTensor): its own path
             return None
+        return self.made_by_norm(x)
+
+    def made_by_norm(self, x: torch.Tensor) -> tuple[_Made, torch.Tensor] | None:
+        """What made ``x`` and the norm's input, where ``x`` is the unchanged output one of ``norms`` has just made."""
         for norm in self.norms:
             made = getattr(norm, "made", None)
             source = made.source_of(x) if made is not None else None

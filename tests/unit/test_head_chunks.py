@@ -213,3 +213,67 @@ def test_projected_qkv_freed_once_sent_and_frozen_projections(monkeypatch):
             assert grad is None, name
         else:
             torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("arch", "remade", "autocast"),
+    [("llama", True, False), ("qwen3", True, True), ("deepseek_v3_mla_v4", False, False)],
+)
+def test_tiled_norm_output_remade_by_tiles_not_kept(monkeypatch, arch, remade, autocast):
+    """With tiled norms the chunked block keeps the input norm's input, not its output, from forward to backward:
+    no layer's norm output is alive once the forward has returned, and backward remakes it tile by tile for each
+    projection and weight gradient. MLA projects its input through q_a_proj / kv_a_proj_with_mqa too, which the
+    probe finds: it keeps its input as before. Loss and gradients are the plain model's either way."""
+    import weakref
+
+    from ulysses_sp import head_chunk_pipeline
+    from ulysses_sp.deferred_input import NormRemake
+
+    inputs, tiles = [], []
+    forward, remake_tiles = head_chunk_pipeline.ChunkRun.forward, NormRemake.tiles
+
+    def record(self, x, save=False):
+        if save:
+            inputs.append(weakref.ref(x))
+        return forward(self, x, save)
+
+    def count(self, source):
+        tiles.append(source.shape)
+        yield from remake_tiles(self, source)
+
+    monkeypatch.setattr(head_chunk_pipeline.ChunkRun, "forward", record)
+    monkeypatch.setattr(NormRemake, "tiles", count)
+    batch = make_batch(2, 20, packed=(8, 12))
+    model = build(arch, kv_heads=2 if arch != "deepseek_v3_mla_v4" else None)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ref = model(**batch, use_cache=False).loss
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    layout = U.ParallelLayout.single()
+    U.parallelize(model, layout, head_chunks=2)
+    U.enable_tiled_norms(model, chunk_tokens=6)  # 20 tokens: tiles of 6, 6, 6 and 2
+    shard = U.shard_batch(batch, layout)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        loss = U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
+    assert len(inputs) == model.config.num_hidden_layers
+    assert all(h.remakeable is remade for h in _chunked(model))
+    assert [ref() is None for ref in inputs] == [remade] * len(inputs)  # norm outputs freed, or kept by the block
+    loss.backward()
+    assert any(shape[-2] == 20 for shape in tiles) is remade  # (the probe's tiles are its 6 tokens')
+    tol = {"rtol": 2e-2, "atol": 2e-3} if autocast else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(loss.detach(), ref.detach(), **tol)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want[name], **tol, msg=name)
+
+
+def test_absent_reads_metadata_and_refuses_data():
+    from ulysses_sp.deferred_input import Absent, InputTouched
+
+    x = Absent(torch.Size([2, 5, 8]), torch.bfloat16, torch.device("cpu"))
+    assert x.shape[:-1] == (2, 5) and x.size(-1) == 8 and x.dim() == 3 and x.dtype == torch.bfloat16
+    assert x.device.type == "cpu" and not x.requires_grad and "Absent" in repr(x)
+    for use in (lambda: x + 1, lambda: torch.nn.functional.linear(x, torch.ones(3, 8)), lambda: x.view(10, 8)):
+        with pytest.raises(InputTouched, match="data of the block's input"):
+            use()

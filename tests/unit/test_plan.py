@@ -189,8 +189,9 @@ def test_simulate_on_cpu_agrees_with_the_plan(kind, sp, features):
 @pytest.mark.parametrize("chunks", [2, 4])
 def test_simulate_agrees_with_the_plan_in_head_chunks(chunks):
     """The attention's heads in chunks, cores through a block kernel (output and lse saved, no recompute): the
-    planner's chunked terms against one measured step (16 heads of 128, 4 kv heads, sp 2, fp32, the attention the
-    peak). (bf16 on the CPU is not modelled: the CPU kernel computes in fp32 copies; the GPU's does not.)"""
+    planner's chunked terms against one measured step (16 heads of 128, 4 kv heads, sp 2, fp32; the attention's
+    backward the peak at C=2, just under the MLP's at C=4). (bf16 on the CPU is not modelled: the CPU kernel
+    computes in fp32 copies; the GPU's does not.)"""
     from ulysses_sp.simulate import simulate_step
 
     shape = LlamaConfig(
@@ -198,7 +199,8 @@ def test_simulate_agrees_with_the_plan_in_head_chunks(chunks):
         head_dim=128, vocab_size=1024, tie_word_embeddings=False,
     )  # fmt: skip
     result = simulate_step(shape, seq_len=2048, sp=2, features=Features(head_chunks=chunks, dtype="fp32"))
-    assert result["plan"]["head_chunks"] == chunks and result["plan"]["phase"] == "backward: last layer's attention"
+    phases = {2: "backward: last layer's attention", 4: "backward: last layer's MLP"}
+    assert result["plan"]["head_chunks"] == chunks and result["plan"]["phase"] == phases[chunks], result["plan"]
     assert 0.95 <= result["ratio"] <= 1.05, result
 
 
@@ -274,7 +276,8 @@ def test_a_ring_across_nodes():
 def test_head_chunks_shrink_the_attention_terms_and_c_is_the_runtime_choice():
     """With the heads in chunks the attention saves only its cores' output and lse between forward and backward (less
     than the unchunked block's q/k/v, output and o_proj input) and its working sets are those of 2 chunks (the one
-    computing, the one in flight); C=2 holds as much as C=1, C=4 less. Automatic C is the one the attention chooses
+    computing, the one in flight): the recompute's shrinks with C; in backward C=2 holds more than C=1 (its saved
+    output and lse on top of two chunks' working sets), C=4 less. Automatic C is the one the attention chooses
     at run time (ulysses_sp.head_split.choose_head_chunks)."""
     from ulysses_sp.head_split import choose_head_chunks
 
@@ -289,12 +292,13 @@ def test_head_chunks_shrink_the_attention_terms_and_c_is_the_runtime_choice():
     mlp_phase = "backward: last layer's MLP"
     assert attention[1][mlp_phase] > attention[4][mlp_phase] == attention[2][mlp_phase] > 0
     recompute, backward = "recompute: last layer's attention", "backward: last layer's attention"
-    assert attention[4][recompute] < attention[1][recompute] <= attention[2][recompute], attention
+    assert attention[4][recompute] < attention[2][recompute] < attention[1][recompute], attention
     # in backward C=4's saved output and lse (16.9 MB) about match what 4 chunks take off the working set
     assert max(attention[1][backward], attention[4][backward]) < attention[2][backward], attention
     assert [p.head_chunks for p in plans.values()] == [1, 2, 4]
-    # the CPU-measured peak of C=4 (plan --simulate, this shape, 4096 tokens, sp 2, fp32): 220,364,380 bytes
-    assert abs(plans[4].peak_bytes / 220_364_380 - 1) < 0.05, plans[4].peak_bytes
+    # the CPU-measured peak of C=4 (plan --simulate, this shape, 4096 tokens, sp 2, default features): 195,198,556
+    # bytes (220,364,380 while the chunked block's call kept every layer's hidden states alive until its backward)
+    assert abs(plans[4].peak_bytes / 195_198_556 - 1) < 0.05, plans[4].peak_bytes
     auto = plan_memory(shape, seq_len=1 << 20, sp=2, features=Features(), device="cpu")
     tokens = auto.tokens_per_rank * 2
     assert auto.head_chunks == choose_head_chunks(16, 4, 2, tokens=tokens, head_dim=128, element_size=4) > 1

@@ -4,10 +4,12 @@
 at: what it saves from forward to backward, its forward (or recompute) working set, its backward working set
 and the backward exchange's buffers. Unchunked (C = 1) they are the whole layer's heads at once. With the heads in
 C chunks (:mod:`ulysses_sp.head_chunks`) the block saves its input (the input norm's output, counted with the
-norm) and, without a ring, the cores' output and lse (:mod:`ulysses_sp.chunk_core`), and each working set is that
-of DEPTH chunks (:data:`ulysses_sp.head_split.DEPTH`: the chunk
-computing and the one whose exchange is in flight), each the unchunked formula for one chunk's heads, plus the
-block's own ``[t, h]`` buffers (the output it sums into in forward; the input's gradient in backward).
+norm; with tiled norms the norm's input, which the layer holds anyway: :mod:`ulysses_sp.deferred_input`) and,
+without a ring, the cores' output and lse (:mod:`ulysses_sp.chunk_core`), and each working set is that of DEPTH
+chunks (:data:`ulysses_sp.head_split.DEPTH`: the chunk computing and the one whose exchange is in flight), each
+the unchunked formula for one chunk's heads, or, without a ring, what was measured moment by moment (see
+:func:`attention_terms`), plus the block's own ``[t, h]`` buffers (the output it sums into in forward; the
+input's gradient in backward).
 
 C is :func:`ulysses_sp.head_split.choose_head_chunks`'s, the same call the attention makes at run time, so the
 plan predicts the C that runs.
@@ -167,19 +169,37 @@ def attention_terms(
     # fp32 lse, filled chunk by chunk in forward, so that backward need not run the core again.
     saved = c * whole.q_width + 4 * heads if ring == 1 else 0
     recomputed_input = 0 if ring == 1 else one.o_proj_input  # the output projection's input: a view of `saved`
-    # Backward holds the sums the chunks add into, the input's gradient (fp32 under a 16-bit dtype), and for each
-    # of the DEPTH chunks alive the core's saved tensors and gradients (its recomputed projections are freed once
-    # their exchange has copied them: head_chunk_grads.Roots); the chunk in its core's backward also the output
-    # gradient rearranged for the core (measured: 4 chunks of Llama h512 16 x 128 heads, 4 kv heads, sp 2, fp32,
-    # CPU).
+    # Backward holds the sums the chunks add into: the input's gradient (fp32 under a 16-bit dtype) and the
+    # parameters'; and the DEPTH chunks alive, each a few of: its q/k/v after the exchange (qkv1), its output and
+    # output gradient exchanged as one pair (2 q1, send or receive buffer), its q/k/v gradients (recomputed
+    # projections are freed once their exchange has copied them: head_chunk_grads.Roots). Measured moment by
+    # moment (plan --simulate with a tracker of live tensors; Llama h512, 8 x 64 heads / 2 kv and 16 x 128 / 4 kv,
+    # C = 2 and 4, sp 2, fp32, CPU): the larger of the chunk in its core's backward (its q/k/v, pair and
+    # gradients, one.backward: on CUDA with the kernel's buffers) next to the next chunk's q/k/v and arriving pair,
+    # and the next chunk's pair being exchanged (sent and arriving) next to the first's q/k/v and pair.
     own = (4 if c < 4 else c) * hidden
+    q1 = c * one.q_width  # one chunk's core output (or its gradient) after the exchange, per local token
+    qkv1 = c * (split.heads_per_chunk + 2 * max(split.kv_heads(0)[1] // ulysses, 1) * ulysses) * d
+    if ring == 1:
+        # Forward (recompute), measured the same way: its peak is early, before `saved` is filled: the [t, h] output
+        # the chunks add into, each alive chunk's projected q/k/v, the receive buffers of both exchanges in flight
+        # and the send buffer of the latest.
+        forward = c * hidden + DEPTH * one.local + (DEPTH + 1) * qkv1
+        in_core = DEPTH * one.saved + one.backward + (DEPTH - 1) * q1
+        exchanging = DEPTH * one.saved + 2 * DEPTH * q1
+        backward = own + max(in_core, exchanging)
+        exchange = own + 2 * qkv1 + (DEPTH - 1) * (one.saved + q1)  # a chunk's q/k/v gradients sent and arriving
+    else:  # the ring's chunks recompute their core (not measured moment by moment)
+        forward = saved + c * hidden + DEPTH * one.forward  # + the [t, h] output the chunks add into
+        backward = own + DEPTH * (one.saved + one.backward + recomputed_input) + q1
+        exchange = own + DEPTH * one.exchange
     return AttentionTerms(
         chunks=chunks,
         saved=saved,
         o_proj_input=0,
-        forward=saved + c * hidden + DEPTH * one.forward,  # + the [t, h] output the chunks add into
-        backward=own + DEPTH * (one.saved + one.backward + recomputed_input) + c * one.q_width,
-        exchange=own + DEPTH * one.exchange,
+        forward=forward,
+        backward=backward,
+        exchange=exchange,
         ring_backward=DEPTH * one.ring_backward,
         local=one.local,
         q_width=whole.q_width,

@@ -225,8 +225,10 @@ def _terms(
     recomputed_norm_out = 0  # the input norm's output where nothing saves it: alive through the (re)compute only
     if features.tiled_norms:  # a norm keeps only its input: for the input norm the layer input (counted with it),
         # for the MLP's the residual sum. The linear projections of a tiled norm's output save the norm's input
-        # instead of it (ulysses_sp.norm_projections); in head chunks the attention block saves it as its input.
-        norm_in = c * h if chunks > 1 else 0
+        # instead of it (ulysses_sp.norm_projections); so does the head-chunked block, whose backward remakes the
+        # norm's output tile by tile (ulysses_sp.deferred_input; the planned q/k/v projections read their input
+        # only through themselves, as the probe requires).
+        norm_in = 0
         norm_post = c * h
         recomputed_norm_out = c * h - norm_in
     if shape.qk_norm:  # per-head q/k norms: fp32 input + normalised copy (their output feeds RoPE, not saved)
@@ -248,9 +250,9 @@ def _terms(
     per_layer = norm_in + attention_saved + o_proj_input + norm_post + mlp_saved + input_saved
     # The residual stream's gradient and, in the MLP's backward, that of the MLP's input being made. In the
     # attention's backward only the stream's: the output projection's output gradient is that same tensor, and
-    # the input's gradient is made after the core's backward and the exchange (measured, C = 1).
+    # the input's gradient is made after the core's backward and the exchange (measured, C = 1, 2 and 4).
     grad_stream = 2 * c * h
-    attention_stream = c * h if attn.chunks == 1 else grad_stream
+    attention_stream = c * h
     rope = 2 * c * d * t  # cos and sin [t, d], shared by every layer
 
     # --- what the other layers hold while the last one runs its backward ---------------------------------

@@ -1,0 +1,151 @@
+"""The probe of a head-chunked attention module's first chunked call (:meth:`HeadChunkedAttention.verify`).
+
+The module's own forward and the chunked one run on a few random tokens with one local core and must agree; a tensor
+argument other than the hidden states must not need a gradient (the chunks would not give it one). The probe also
+finds whether the module reads its input only through its sliced projections, so that backward may hand it a
+data-less stand-in and remake the input from a tiled norm's (:mod:`ulysses_sp.deferred_input`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .attention import intercepting, pad_qkv
+from .cores import AttentionCall, Segments, eager_core
+from .deferred_input import Absent, InputTouched, NormRemake
+from .head_chunk_grads import ProjectionCut
+from .head_chunk_pipeline import ChunkRun
+from .masks import mask_window
+
+if TYPE_CHECKING:
+    from .head_chunks import HeadChunkedAttention
+    from .head_split import HeadSplit
+
+__all__ = ["probe_problem"]
+
+_PROBE_TOKENS = 6
+
+
+def probe_problem(
+    owner: HeadChunkedAttention, x: torch.Tensor, args: tuple, kwargs: dict, split: HeadSplit
+) -> str | None:
+    """Why ``owner``'s module cannot run in ``split``'s chunks, found on a probe of its call ``(args, kwargs)``
+    with hidden states ``x`` (None: it can). Sets ``owner.extra_outputs`` and ``owner.remakeable``."""
+    problem = _grad_problem(args, kwargs, x)
+    return problem if problem is not None else _compare(owner, x, args, kwargs, split)
+
+
+def _reads_input_by_projections(
+    owner: HeadChunkedAttention, probe: torch.Tensor, place: Callable, run: ChunkRun
+) -> bool:
+    """Whether every chunk's q/k/v come out the same when the module's forward gets an :class:`Absent` input and
+    its sliced projections read the probe tile by tile: it then uses its input's data only through them, and
+    backward can remake the input from a tiled norm's (:mod:`ulysses_sp.deferred_input`)."""
+    remake = NormRemake(lambda tile: tile, tile=max(1, probe.shape[-2] // 2 + 1))  # two tiles, the last short
+    for chunk in range(run.split.chunks):
+        weights = run.weights(chunk)
+        heads = (run.split.query_heads(chunk)[1], run.split.kv_heads(chunk)[1])
+        want = owner.capture(*place(probe), weights, heads).qkv
+        absent = Absent(probe.shape, probe.dtype, probe.device)
+        try:
+            got = owner.capture(*place(absent), weights, heads, ProjectionCut(absent, (remake, probe))).qkv
+        except (InputTouched, RuntimeError, ValueError, TypeError, IndexError):
+            return False
+        if not _same(want, got):
+            return False
+    return True
+
+
+def _compare(owner: HeadChunkedAttention, x: torch.Tensor, args: tuple, kwargs: dict, split: HeadSplit) -> str | None:
+    batch, length = x.shape[:2]
+    tokens = min(_PROBE_TOKENS, length)
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(1, tokens, x.shape[-1], generator=generator).to(x.device, x.dtype)
+    cut_args, cut_kwargs = _cut(args, batch, length, tokens), _cut(kwargs, batch, length, tokens)
+    if owner.hidden_name in cut_kwargs:
+        cut_kwargs[owner.hidden_name] = probe
+    else:
+        cut_args = (probe, *cut_args[1:])
+
+    def reference(module, query, key, value, attention_mask, **call_kwargs):
+        call = _local_prepare(module, query, key, value, attention_mask, **call_kwargs)
+        return _local_attend(*pad_qkv(query, key, value, call.width), call).contiguous(), None
+
+    def place(t: torch.Tensor) -> tuple[tuple, dict]:
+        if owner.hidden_name in cut_kwargs:
+            return cut_args, {**cut_kwargs, owner.hidden_name: t}
+        return (t, *cut_args[1:]), cut_kwargs
+
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        try:
+            with intercepting(owner.module, reference):
+                theirs = type(owner.module).forward(owner.module, *cut_args, **cut_kwargs)
+            run = ChunkRun(owner, place, split, prepare=_local_prepare, attend=_local_attend, group=None)
+            ours = run.forward(probe)
+        except (RuntimeError, ValueError, TypeError, IndexError) as err:
+            return f"the chunked forward failed on a probe ({type(err).__name__}: {err})"
+        owner.remakeable = _reads_input_by_projections(owner, probe, place, run)
+    if not isinstance(theirs, tuple) or any(t is not None for t in theirs[1:]):
+        return "its forward returns more than (output, None)"
+    owner.extra_outputs = len(theirs) - 1
+    tol = 1e-5 if x.dtype == torch.float32 else 4 * torch.finfo(x.dtype).eps
+    out = theirs[0]
+    if out.shape != ours.shape or not torch.allclose(
+        out.float(), ours.float(), rtol=tol, atol=tol * float(out.abs().max())
+    ):
+        return "its own forward and the chunked one differ on a probe (its projections do not split by heads)"
+    return None
+
+
+def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    """Equal q/k/v (up to the rounding of another matmul blocking)."""
+    if len(a) != len(b):
+        return False
+    for s, t in zip(a, b, strict=True):
+        tol = 1e-5 if s.dtype == torch.float32 else 4 * torch.finfo(s.dtype).eps
+        if s.shape != t.shape or not torch.allclose(s.float(), t.float(), rtol=tol, atol=tol * float(s.abs().max())):
+            return False
+    return True
+
+
+def _grad_problem(args: tuple, kwargs: dict, x: torch.Tensor) -> str | None:
+    """A tensor argument other than the hidden states that needs a gradient, which the chunks would not give."""
+    for value in (*args, *kwargs.values()):
+        for t in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(t, torch.Tensor) and t is not x and t.requires_grad:
+                return "an argument other than the hidden states needs a gradient (e.g. learned position embeddings)"
+    return None
+
+
+def _cut(value: Any, batch: int, length: int, tokens: int) -> Any:
+    """``value`` with every tensor of shape ``[batch, length, ...]`` cut to ``[1, tokens, ...]``."""
+    if isinstance(value, torch.Tensor):
+        return (
+            value[:1, :tokens]
+            if value.dim() >= 2 and value.shape[1] == length and value.shape[0] in (1, batch)
+            else value
+        )
+    if isinstance(value, tuple | list):
+        return type(value)(_cut(v, batch, length, tokens) for v in value)
+    if isinstance(value, dict):
+        return {k: _cut(v, batch, length, tokens) for k, v in value.items()}
+    return value
+
+
+def _local_prepare(module, query, key, value, attention_mask, *, scaling=None, softcap=None, **_: Any) -> AttentionCall:
+    """The probe's attention call: one dense document of the probe's tokens, the layer's window, no dropout."""
+    batch, _, tokens, d_qk = query.shape
+    d_v = value.shape[-1]
+    positions = torch.arange(tokens, device=query.device).expand(batch, tokens)
+    if d_v > d_qk and scaling is None:
+        scaling = d_qk**-0.5
+    window = mask_window(module, attention_mask)
+    return AttentionCall(Segments.from_positions(positions), window, scaling, softcap, 0.0, d_v, max(d_qk, d_v))
+
+
+def _local_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    out = eager_core(q, k, v, call.segments, scaling=call.scaling, sliding_window=call.window, softcap=call.softcap)
+    return out[..., : call.d_v]
