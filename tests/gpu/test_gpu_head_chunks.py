@@ -40,3 +40,27 @@ def test_chunked_cores_run_the_cuda_kernels_and_match(dtype, packed):
     for name, grad in grads.items():  # within rtol of each gradient's norm (a zero gradient fails)
         ref_grad = ref_grads[name]
         assert (grad - ref_grad).norm() <= (2.5 * rtol) * ref_grad.norm(), (name, (grad - ref_grad).norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_block_remakes_the_tiled_norm_output_on_cuda(dtype):
+    """With tiled norms the chunked block keeps the input norm's input and its backward remakes the output tile by
+    tile on the GPU (a data-less stand-in on the CUDA device for the module's forward); loss and gradients match."""
+    from ulysses_sp.deferred_input import NormRemake
+
+    device = torch.device("cuda")
+    batch = {k: v.to(device) for k, v in make_batch(2, 128, packed=(40, 88)).items()}
+    ref = build("llama", heads=8, kv_heads=2, head_dim=16).to(device, dtype)
+    par = build("llama", heads=8, kv_heads=2, head_dim=16).to(device, dtype)
+    ref_loss, ref_grads = loss_and_grads(ref, batch)
+    layout = U.ParallelLayout.single(device)
+    U.parallelize(par, layout, head_chunks=4)
+    U.enable_tiled_norms(par, chunk_tokens=48)
+    with calls_to(NormRemake, "tiles", lambda remake, source: source.shape[-2]) as calls:
+        loss, grads = loss_and_grads(par, batch, layout)
+    assert 128 in calls, f"the block's input was never remade ({calls})"
+    rtol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=rtol, atol=0.0)
+    for name, grad in grads.items():
+        ref_grad = ref_grads[name]
+        assert (grad - ref_grad).norm() <= (2.5 * rtol) * ref_grad.norm(), (name, (grad - ref_grad).norm())
