@@ -223,6 +223,9 @@ def world4_cases(sp4, dp2sp2, hybrid) -> dict:
         ),
         "ulysses2_ring2_C4_mla_v4": P(chunked_parity, hybrid, "deepseek_v3_mla_v4", 4, heads=8),
         **feature_cases(dp2sp2, "dp2_sp2", (4,)),
+        # every memory feature on, the chunked block remaking the tiled norm's output, on the other 4-rank layouts
+        **feature_cases(sp4, "sp4", (2,)),
+        **feature_cases(hybrid, "ulysses2_ring2", (4,)),
     }
 
 
