@@ -53,33 +53,37 @@ class ProjectionCut:
     gradient to ``sink(name, x, grad)``: there the projection's backward runs as matmuls added in place into the
     chunk sums (``ChunkRun``'s accumulators), so autograd never holds the three ``[t, h]`` input gradients and
     their sum at once, and each output gradient is freed as soon as it has been used. ``anchor``: an empty leaf
-    that every tap hangs from, to name in ``torch.autograd.grad``'s inputs so that the taps run. ``remade``: the
-    norm that made ``x`` and its input, where ``x`` is :class:`~ulysses_sp.deferred_input.Absent` (the module
-    reads its input only through the cut projections, so nothing else reaches it).
+    that every tap hangs from, to name in ``torch.autograd.grad``'s inputs so that the taps run. ``remake`` /
+    ``source``: how the tiled norm that made ``x`` remakes it, and from what, where ``x`` is
+    :class:`~ulysses_sp.deferred_input.Absent` (the module reads its input only through the cut projections, so
+    nothing else reaches it).
     """
 
-    def __init__(self, x: torch.Tensor, remade: tuple[NormRemake, torch.Tensor] | None = None) -> None:
-        self.x, self.remade = x, remade
+    def __init__(self, x: torch.Tensor, remake: NormRemake | None = None, source: torch.Tensor | None = None) -> None:
+        self.x, self.remake, self.source = x, remake, source
         self.anchor = torch.empty(0, device=x.device, requires_grad=True)
         self.sink: Callable[[str, ProjectionCut, torch.Tensor], None] | None = None
         self.count = 0  # projections cut
 
+    @property
+    def remade(self) -> bool:
+        """Whether ``x`` is remade from the norm's input (it is then an :class:`Absent`)."""
+        return self.remake is not None and self.source is not None
+
     def project(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` without a graph, under the caller's autocast state; tile by tile from the
         norm's input where ``x`` is :class:`~ulysses_sp.deferred_input.Absent`."""
-        if self.remade is not None:
-            remake, source = self.remade
-            return remake.linear(source, weight, bias)
+        if self.remade:
+            return self.remake.linear(self.source, weight, bias)
         with torch.no_grad():
             return F.linear(self.x, weight, bias)
 
     def tiles(self) -> Iterator[tuple[int, int, torch.Tensor]]:
         """``x`` as ``(start, length, tile [b, length, h])``: one tile, or remade tile by tile from the norm's input."""
-        if self.remade is None:
+        if not self.remade:
             yield 0, self.x.shape[-2], self.x
             return
-        remake, source = self.remade
-        yield from remake.tiles(source)
+        yield from self.remake.tiles(self.source)
 
     def tap(self, name: str, out: torch.Tensor) -> torch.Tensor:
         """``out`` (``name``'s projection of ``x``, computed without a graph) with its gradient going to the sink."""
@@ -151,7 +155,7 @@ class Accumulators:
         """Backpropagate one chunk's projections (``roots`` -> ``grads``) into the accumulators: autograd down to
         the cut projections' outputs (and to the leaves it still reaches), then their backward by hand."""
         inputs, targets = [], []
-        if self.x is not None and cut.remade is None:  # what reaches the input besides the cut projections
+        if self.x is not None and not cut.remade:  # what reaches the input besides the cut projections
             inputs.append(cut.x)
             targets.append(self.x)
         for name, pair in leaves.items():

@@ -61,7 +61,7 @@ from .tiling import Replay, compute_dtype
 if TYPE_CHECKING:
     from .head_chunks import HeadChunkedAttention, HeadSplit
 
-__all__ = ["ChunkRun", "HeadChunkedFunction", "run_interleaved"]
+__all__ = ["ChunkRun", "HeadChunkedFunction", "placer", "run_interleaved"]
 
 Stages = Generator[None, None, None]
 
@@ -92,6 +92,17 @@ def run_interleaved(chunks: Iterable[Stages], depth: int = DEPTH) -> None:
     finally:
         for gen in active:
             gen.close()
+
+
+def placer(name: str, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], tuple[tuple, dict]]:
+    """``place(t)`` for a :class:`ChunkRun`: the call's ``(args, kwargs)`` with ``t`` as the hidden states (keyword
+    ``name`` or the first argument). It holds the other arguments only: the run keeps it until backward, and the
+    hidden states it was called with (a ``[t, h]`` tensor per layer, through the whole step) must not be kept by it."""
+    if name in kwargs:
+        others = {k: v for k, v in kwargs.items() if k != name}
+        return lambda t: (args, {**others, name: t})
+    rest = args[1:]
+    return lambda t: ((t, *rest), kwargs)
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -144,11 +155,10 @@ class ChunkRun:
         self.kernels: list[Any | None] = [None] * split.chunks
         self.lse: list[torch.Tensor | None] = [None] * split.chunks
         self.local: torch.Tensor | None = None
-        # Where a tiled norm made the block's input: how to remake it and (until the forward saved it instead of the
-        # input) the norm's input; in backward, the two together (:mod:`ulysses_sp.deferred_input`).
+        # Where a tiled norm made the block's input: how to remake it, and that norm's input while the forward saves
+        # it instead of the block's input and while the backward remakes from it (:mod:`ulysses_sp.deferred_input`).
         self.remake: NormRemake | None = None
         self.source: torch.Tensor | None = None
-        self.remade: tuple[NormRemake, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------------------------------- slices
     def part(self, name: str, chunk: int, t: torch.Tensor) -> torch.Tensor:
@@ -277,7 +287,7 @@ class ChunkRun:
         """The chunk's projections again, with their graph (cut at the projections of ``x``), and their exchange:
         ``((leaves, cut), roots, call, full)`` with ``full [b, h, N, d]`` the core's q/k/v after the exchange and
         ``roots`` the projections' outputs as autograd sees them (:class:`Roots`; the tensors are freed once sent)."""
-        leaves, cut = self.weights(chunk, leaves=True), ProjectionCut(x, self.remade)
+        leaves, cut = self.weights(chunk, leaves=True), ProjectionCut(x, self.remake, self.source)
         with torch.enable_grad():
             q, k, v, call = self.project(x, chunk, leaves, cut)
         roots = Roots(q, k, v)
@@ -363,11 +373,11 @@ class ChunkRun:
                 return self.fused_backward_chunk(x, c, grad_out, acc, (local, lse[c]))
             return self.backward_chunk(x, c, grad_out, acc)
 
-        self.remade = None if source is None else (self.remake, source)
+        self.source = source
         try:
             run_interleaved(chunk_stages(c) for c in range(self.split.chunks))
         finally:
-            self.remade = None
+            self.source = None
         return acc.result(grad_out)
 
 

@@ -17,7 +17,7 @@ from .attention import intercepting, pad_qkv
 from .cores import AttentionCall, Segments, eager_core
 from .deferred_input import Absent, InputTouched, NormRemake
 from .head_chunk_grads import ProjectionCut
-from .head_chunk_pipeline import ChunkRun
+from .head_chunk_pipeline import ChunkRun, placer
 from .masks import mask_window
 
 if TYPE_CHECKING:
@@ -51,10 +51,10 @@ def _reads_input_by_projections(
         want = owner.capture(*place(probe), weights, heads).qkv
         absent = Absent(probe.shape, probe.dtype, probe.device)
         try:
-            got = owner.capture(*place(absent), weights, heads, ProjectionCut(absent, (remake, probe))).qkv
+            got = owner.capture(*place(absent), weights, heads, ProjectionCut(absent, remake, probe)).qkv
         except (InputTouched, RuntimeError, ValueError, TypeError, IndexError):
             return False
-        if not _same(want, got):
+        if len(want) != len(got) or not all(_agree(w, g) for w, g in zip(want, got, strict=True)):
             return False
     return True
 
@@ -64,20 +64,12 @@ def _compare(owner: HeadChunkedAttention, x: torch.Tensor, args: tuple, kwargs: 
     tokens = min(_PROBE_TOKENS, length)
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(1, tokens, x.shape[-1], generator=generator).to(x.device, x.dtype)
-    cut_args, cut_kwargs = _cut(args, batch, length, tokens), _cut(kwargs, batch, length, tokens)
-    if owner.hidden_name in cut_kwargs:
-        cut_kwargs[owner.hidden_name] = probe
-    else:
-        cut_args = (probe, *cut_args[1:])
+    place = placer(owner.hidden_name, _cut(args, batch, length, tokens), _cut(kwargs, batch, length, tokens))
+    cut_args, cut_kwargs = place(probe)
 
     def reference(module, query, key, value, attention_mask, **call_kwargs):
         call = _local_prepare(module, query, key, value, attention_mask, **call_kwargs)
         return _local_attend(*pad_qkv(query, key, value, call.width), call).contiguous(), None
-
-    def place(t: torch.Tensor) -> tuple[tuple, dict]:
-        if owner.hidden_name in cut_kwargs:
-            return cut_args, {**cut_kwargs, owner.hidden_name: t}
-        return (t, *cut_args[1:]), cut_kwargs
 
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         try:
@@ -91,24 +83,17 @@ def _compare(owner: HeadChunkedAttention, x: torch.Tensor, args: tuple, kwargs: 
     if not isinstance(theirs, tuple) or any(t is not None for t in theirs[1:]):
         return "its forward returns more than (output, None)"
     owner.extra_outputs = len(theirs) - 1
-    tol = 1e-5 if x.dtype == torch.float32 else 4 * torch.finfo(x.dtype).eps
-    out = theirs[0]
-    if out.shape != ours.shape or not torch.allclose(
-        out.float(), ours.float(), rtol=tol, atol=tol * float(out.abs().max())
-    ):
+    if not _agree(theirs[0], ours):
         return "its own forward and the chunked one differ on a probe (its projections do not split by heads)"
     return None
 
 
-def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
-    """Equal q/k/v (up to the rounding of another matmul blocking)."""
-    if len(a) != len(b):
-        return False
-    for s, t in zip(a, b, strict=True):
-        tol = 1e-5 if s.dtype == torch.float32 else 4 * torch.finfo(s.dtype).eps
-        if s.shape != t.shape or not torch.allclose(s.float(), t.float(), rtol=tol, atol=tol * float(s.abs().max())):
-            return False
-    return True
+def _agree(want: torch.Tensor, got: torch.Tensor) -> bool:
+    """Equal shapes and values up to rounding (another matmul blocking, another order of the chunks' sums)."""
+    tol = 1e-5 if want.dtype == torch.float32 else 4 * torch.finfo(want.dtype).eps
+    return want.shape == got.shape and torch.allclose(
+        want.float(), got.float(), rtol=tol, atol=tol * float(want.abs().max())
+    )
 
 
 def _grad_problem(args: tuple, kwargs: dict, x: torch.Tensor) -> str | None:

@@ -26,7 +26,6 @@ planner uses too); 1 = the unchunked path.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +35,7 @@ from torch import nn
 from .attention import UlyssesAttention, intercepting
 from .deferred_input import NormRemake
 from .head_chunk_grads import ProjectionCut
-from .head_chunk_pipeline import ChunkRun, HeadChunkedFunction
+from .head_chunk_pipeline import ChunkRun, HeadChunkedFunction, placer
 from .head_chunk_probe import probe_problem
 from .head_split import (
     DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
@@ -288,7 +287,7 @@ class HeadChunkedAttention:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         x = kwargs.get(self.hidden_name, args[0] if args else None)
-        place = _placer(self.hidden_name, args, kwargs)
+        place = placer(self.hidden_name, args, kwargs)
         if (
             not isinstance(x, torch.Tensor)
             or x.dim() != 3
@@ -344,17 +343,6 @@ class HeadChunkedAttention:
                 f"{type(self.module).__name__} cannot run its heads in chunks: {problem}; use head_chunks=1 "
                 "(--head-chunks 1) or leave it automatic (0 / None)"
             )
-
-
-def _placer(name: str, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], tuple[tuple, dict]]:
-    """``place(t)``: the call's ``(args, kwargs)`` with ``t`` as the hidden states (keyword ``name`` or the first
-    argument). It holds the other arguments only: the run keeps it until backward, and the hidden states it was
-    called with (a ``[t, h]`` tensor per layer, through the whole step) must not be kept by it."""
-    if name in kwargs:
-        others = {k: v for k, v in kwargs.items() if k != name}
-        return lambda t: (args, {**others, name: t})
-    rest = args[1:]
-    return lambda t: ((t, *rest), kwargs)
 
 
 def _first_argument(module: nn.Module) -> str:

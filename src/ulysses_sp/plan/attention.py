@@ -168,7 +168,6 @@ def attention_terms(
     # sdpa core, no window, no softcap): the block saves their output after the exchange back ([t, H d]) and the
     # fp32 lse, filled chunk by chunk in forward, so that backward need not run the core again.
     saved = c * whole.q_width + 4 * heads if ring == 1 else 0
-    recomputed_input = 0 if ring == 1 else one.o_proj_input  # the output projection's input: a view of `saved`
     # Backward holds the sums the chunks add into: the input's gradient (fp32 under a 16-bit dtype) and the
     # parameters'; and the DEPTH chunks alive, each a few of: its q/k/v after the exchange (qkv1), its output and
     # output gradient exchanged as one pair (2 q1, send or receive buffer), its q/k/v gradients (recomputed
@@ -189,9 +188,9 @@ def attention_terms(
         exchanging = DEPTH * one.saved + 2 * DEPTH * q1
         backward = own + max(in_core, exchanging)
         exchange = own + 2 * qkv1 + (DEPTH - 1) * (one.saved + q1)  # a chunk's q/k/v gradients sent and arriving
-    else:  # the ring's chunks recompute their core (not measured moment by moment)
+    else:  # the ring's chunks recompute their core and output projection's input (not measured moment by moment)
         forward = saved + c * hidden + DEPTH * one.forward  # + the [t, h] output the chunks add into
-        backward = own + DEPTH * (one.saved + one.backward + recomputed_input) + q1
+        backward = own + DEPTH * (one.saved + one.backward + one.o_proj_input) + q1
         exchange = own + DEPTH * one.exchange
     return AttentionTerms(
         chunks=chunks,

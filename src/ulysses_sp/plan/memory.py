@@ -230,7 +230,7 @@ def _terms(
         # only through themselves, as the probe requires).
         norm_in = 0
         norm_post = c * h
-        recomputed_norm_out = c * h - norm_in
+        recomputed_norm_out = c * h
     if shape.qk_norm:  # per-head q/k norms: fp32 input + normalised copy (their output feeds RoPE, not saved)
         norm_in += (4 + c) * (heads + kv_heads) * d
     slices = planned_core_slices(heads, kv_heads, ulysses, ring=ring, chunks=chunks, tokens=t * ulysses, head_dim=d)
