@@ -100,6 +100,65 @@ class Replay:
             yield
 
 
+def _cast(grad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return grad.to(dtype) if grad is not None else None
+
+
+class _GradSums:
+    """Each parameter's gradient summed over the chunks AS autograd makes it (a hook on the parameter while the
+    chunks run), so that one chunk's parameter gradient lives only until it is added: the sums plus one
+    parameter-sized gradient at a time, not the sums plus all of a chunk's (the ``torch.autograd.grad`` call
+    then captures a zero-strided stand-in). Sums are fp32 for bf16/fp16 parameters when there is more than one
+    chunk. A parameter that receives a gradient twice in one chunk is one that a graph outside this module
+    also uses while its chunks run, which the hook could not tell apart: a RuntimeError, never a wrong sum."""
+
+    def __init__(self, params: list[torch.Tensor], *, wide: bool) -> None:
+        self.params, self.wide = params, wide
+        self.sums: list[torch.Tensor | None] = [None] * len(params)
+        self.calls = [0] * len(params)
+        self.handles: list[Any] = []
+
+    def _hook(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def add(grad: torch.Tensor) -> torch.Tensor:
+            self.calls[i] += 1
+            total = self.sums[i]
+            if total is None:
+                if self.wide and grad.dtype in (torch.bfloat16, torch.float16):
+                    self.sums[i] = grad.float()
+                else:  # kept and added to in place: not a view of, or a broadcast into, what autograd holds
+                    owned = grad._base is None and grad.is_contiguous()
+                    self.sums[i] = grad if owned else grad.clone(memory_format=torch.contiguous_format)
+            else:
+                total.add_(grad)
+            return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+
+        return add
+
+    def take(self) -> Iterator[torch.Tensor | None]:
+        """The sums in order, each dropped from here as it is handed out."""
+        for i in range(len(self.sums)):
+            total, self.sums[i] = self.sums[i], None
+            yield total
+
+    def check_chunk(self) -> None:
+        if any(n > 1 for n in self.calls):
+            names = [tuple(p.shape) for p, n in zip(self.params, self.calls, strict=True) if n > 1]
+            raise RuntimeError(
+                f"parameters of shapes {names} received more than one gradient while one chunk of a tiled module "
+                "was back-propagated: they are also used outside it in the same backward; disable the tiling"
+            )
+        self.calls = [0] * len(self.params)
+
+    def __enter__(self) -> _GradSums:
+        self.handles = [p.register_hook(self._hook(i)) for i, p in enumerate(self.params)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
 class _TiledFunction(torch.autograd.Function):
     """``out = tiled(x)`` chunk by chunk; saves only ``x``; backward recomputes chunk by chunk."""
 
@@ -125,34 +184,24 @@ class _TiledFunction(torch.autograd.Function):
         wanted = [p for p, need in zip(params, need_params, strict=True) if need]
         spans = _spans(x.shape[-2], tiled.chunk_size(x))
         grad_x = torch.empty_like(x) if need_x and len(spans) > 1 else None
-        sums: list[torch.Tensor | None] = [None] * len(wanted)
-        with ctx.replay(), torch.enable_grad():
+        sums = _GradSums(wanted, wide=len(spans) > 1)
+        with ctx.replay(), torch.enable_grad(), sums:
             for start, length in spans:
                 chunk = x.narrow(-2, start, length).detach().contiguous().requires_grad_(need_x)  # [b, c, h]
                 out = tiled.call_module(chunk)
                 inputs = ([chunk] if need_x else []) + wanted
                 grads = torch.autograd.grad(out, inputs, grad_out.narrow(-2, start, length), allow_unused=True)
+                sums.check_chunk()
                 if need_x:
-                    grad_chunk, grads = grads[0], grads[1:]
-                    if grad_chunk is None:
-                        grad_chunk = torch.zeros_like(chunk)
+                    grad_chunk = grads[0] if grads[0] is not None else torch.zeros_like(chunk)
                     if grad_x is None:
                         grad_x = grad_chunk
                     else:
                         grad_x.narrow(-2, start, length).copy_(grad_chunk)
-                for i, grad in enumerate(grads):
-                    if grad is None:
-                        continue
-                    if sums[i] is None:
-                        wide = grad.dtype in (torch.bfloat16, torch.float16) and len(spans) > 1
-                        sums[i] = grad.float() if wide else grad
-                    else:
-                        sums[i].add_(grad)
-        summed = iter(sums)
-        param_grads = []
-        for p, need in zip(params, need_params, strict=True):
-            grad = next(summed) if need else None
-            param_grads.append(grad.to(p.dtype) if grad is not None else None)
+        summed = iter(sums.take())  # each fp32 sum is freed once cast (the casts are not all held next to them)
+        param_grads = [
+            _cast(next(summed), p.dtype) if need else None for p, need in zip(params, need_params, strict=True)
+        ]
         return (None, grad_x, *param_grads)
 
 

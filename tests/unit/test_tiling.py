@@ -257,3 +257,28 @@ def test_memory_holds_one_chunk_of_intermediates():
     # one chunk forward + backward (<= 8 [b, c, I]), 5 [b, n, h] buffers, 2 sets of MLP weight grads
     assert tiled <= (8 * b * c * inter + 5 * b * n * h + 2 * 3 * h * inter) * 4, tiled
     assert tiled * 4 < untiled, (tiled, untiled)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_holds_the_gradient_sums_and_one_parameter_gradient(dtype):
+    """Weights much larger than the chunks: the backward holds each parameter's gradient sum (fp32 for bf16
+    parameters) and one parameter-sized gradient being added, not a whole chunk's parameter gradients on top of
+    the sums (3 more matrices: that was 6 weight-sized tensors at the peak). The sums stay exact."""
+    torch.manual_seed(0)
+    b, n, h, inter, c = 1, 64, 256, 1024, 16  # 4 chunks; one [h, I] matrix is 16x the whole [n, I]
+    mlp = LlamaMLP(LlamaConfig(hidden_size=h, intermediate_size=inter)).to(dtype)
+    want = copy.deepcopy(mlp)
+    x = torch.randn(b, n, h, dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(b, n, h, dtype=dtype)
+    mlp.forward = TiledMLP(mlp, c)
+    out = mlp(x)
+    with PeakMemory() as peak:
+        out.backward(grad_out)
+    weight = h * inter
+    assert peak.peak_bytes <= (3 * 4 + 2 * dtype.itemsize) * weight, peak.peak_bytes / weight
+    want(x.detach()).backward(grad_out)
+    for (name, got), ref in zip(mlp.named_parameters(), want.parameters(), strict=True):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.grad, ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        else:
+            assert_rel_close({name: got.grad}, {name: ref.grad})

@@ -241,8 +241,11 @@ def _terms(
     # Gated MLP down(silu(gate(x)) * up(x)): saves gate, silu(gate), up and their product ([t, I] each);
     # its backward adds two more [t, I] gradients. Tiled: only the current chunk's, recomputed.
     mlp_chunk = min(features.mlp_chunk_tokens or default_chunk_tokens(h), t)
-    if features.tiled_mlp:  # plus the fp32 parameter-gradient sums (3 h I params) and one chunk's gradients
-        mlp_saved, mlp_backward = 0.0, 6 * c * inter * mlp_chunk / t + (4 + c) * 3 * h * inter / t
+    if features.tiled_mlp:  # plus the chunk's [c, h] input, norm (upcast under bf16), output and input gradient,
+        # the fp32 parameter-gradient sums (3 h I params) and one parameter's gradient being added to them
+        # (ulysses_sp.tiling._GradSums: a chunk's parameter gradients are not all held at once)
+        mlp_saved = 0.0
+        mlp_backward = (6 * c * inter + (u + 4 * c) * h) * mlp_chunk / t + (4 * 3 + c) * h * inter / t
     else:
         mlp_saved, mlp_backward = 4 * c * inter, 2 * c * inter
     layer_input = c * h  # a layer's input: the checkpoint, or (fp32 or a tiled norm, no checkpointing) its norm's
