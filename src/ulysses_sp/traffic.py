@@ -7,25 +7,45 @@ reports them; the benchmark checks its measured counts against them).
 
 from __future__ import annotations
 
+from .head_split import HeadSplit
 from .ring import ring_bytes_per_layer
 
 __all__ = ["ring_p2p_per_layer", "ulysses_bytes_per_layer"]
 
 
 def ulysses_bytes_per_layer(
-    *, batch: int, seq_len: int, sp: int, heads: int, kv_heads: int, head_dim: int, element_size: int
+    *,
+    batch: int,
+    seq_len: int,
+    sp: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    element_size: int,
+    chunks: int = 1,
 ) -> int:
-    """Forward + backward all-to-all bytes of one Ulysses attention layer on one rank.
+    """Forward + backward all-to-all bytes of one Ulysses attention layer on one rank (no recompute).
 
     q/k/v out: ``b n d (H + 2 hkv P)`` elements with ``hkv = max(Hkv / P, 1)`` kv heads per destination;
     attention output back: ``b n H d``; the backward sends the same again (gradients).
+
+    With the heads in ``chunks`` > 1 (:mod:`ulysses_sp.head_chunk_pipeline`) each chunk sends its q/k/v
+    (``b n d (Hc + 2 hkv_c P)``, ``hkv_c = max(Hkv_c / P, 1)`` for the ``Hkv_c`` kv heads its query heads read)
+    and its output forward, and three times that in backward: the q/k/v again, the output with its gradient,
+    the q/k/v gradients. A kv head that several chunks read is sent by each of them, and one that a chunk's
+    ranks share (``Hkv_c < P``) goes whole to each of them: with grouped kv heads the bytes grow with C.
     """
     if sp == 1:
         return 0
     n = seq_len // sp
-    hkv = max(kv_heads // sp, 1)
-    forward = batch * n * head_dim * (heads + 2 * hkv * sp) + batch * n * heads * head_dim
-    return 2 * forward * element_size
+    if chunks == 1:
+        hkv = max(kv_heads // sp, 1)
+        forward = batch * n * head_dim * (heads + 2 * hkv * sp) + batch * n * heads * head_dim
+        return 2 * forward * element_size
+    split = HeadSplit(heads, kv_heads, chunks)
+    per_chunk, hkv = split.heads_per_chunk, max(split.kv_heads(0)[1] // sp, 1)
+    forward = batch * n * head_dim * (per_chunk + 2 * hkv * sp) + batch * n * per_chunk * head_dim
+    return chunks * 3 * forward * element_size
 
 
 def ring_p2p_per_layer(

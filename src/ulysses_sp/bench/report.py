@@ -283,6 +283,22 @@ def _gpu(results: dict[str, Any], image: str | None) -> list[str]:
     return lines
 
 
+def _chunk_traffic(result: dict[str, Any]) -> float:
+    """All-to-all bytes per layer, 4 chunks over 1 (:func:`ulysses_sp.traffic.ulysses_bytes_per_layer`)."""
+    from ulysses_sp.shapes import SHAPES
+    from ulysses_sp.traffic import ulysses_bytes_per_layer
+
+    shape = SHAPES[result["model"]]
+    heads = dict(heads=shape["num_attention_heads"], kv_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"])
+    sent = [
+        ulysses_bytes_per_layer(
+            batch=1, seq_len=result["seq_len"], sp=result["world"], element_size=4, chunks=c, **heads
+        )
+        for c in (4, 1)
+    ]
+    return sent[0] / sent[1]
+
+
 def _head_chunks(results: dict[str, Any]) -> list[str]:
     if "head_chunks" not in results:  # a results.json from before this section
         return []
@@ -291,7 +307,11 @@ def _head_chunks(results: dict[str, Any]) -> list[str]:
         losses = result["losses"]
         rows += _ratio_rows(world, result)
         spread = max(losses.values()) - min(losses.values())
-        waits.append(f"P={world}: {result['exposed_wait_s']:.3f} s waited in one C=4 step; loss spread {spread:.1e}")
+        sent = _chunk_traffic(result)
+        waits.append(
+            f"P={world}: {result['exposed_wait_s']:.3f} s waited in one C=4 step; all-to-all bytes per layer C=4 / C=1 "
+            f"{sent:.2f} (`ulysses_sp.traffic`); loss spread {spread:.1e}"
+        )
     header = ["P", "tokens", "ratio", "median", "min - max", "reps", "median step s (num / den)"]
     return [
         "## 6. Head-chunked attention: step time with 4 chunks over 1",
@@ -300,9 +320,11 @@ def _head_chunks(results: dict[str, Any]) -> list[str]:
         "parallelized with sp = P from one seed with `head_chunks=1` and `head_chunks=4`, each without and with "
         "activation checkpointing of the decoder layers; train steps interleaved as in section 3, ratio per "
         "repetition, median (min-max), at a longer sequence than section 3 (head chunks are for long sequences; "
-        "automatic C keeps 1 at short ones). With 4 chunks each layer issues 5x the all-to-alls (a quarter of the "
-        "size each: 2 per chunk forward, 3 backward), projects q/k/v again in backward and runs the core's fused "
-        "backward from its saved output and lse (no second core forward); chunk c+1's exchange is in flight "
+        "automatic C keeps 1 at short ones). With 4 chunks each layer issues 5x the all-to-alls (2 per chunk "
+        "forward, 3 backward: the q/k/v again, the output with its gradient, the q/k/v gradients), projects q/k/v "
+        "again in backward and runs the core's fused backward from its saved output and lse (no second core "
+        "forward); each chunk sends the kv heads its 4 query heads read, whole to every rank when they are fewer "
+        "than the ranks, so it sends more bytes than C=1 (the ratio below); chunk c+1's exchange is in flight "
         "(gloo's threads) while chunk c's core computes. The waited time is what rank 0 blocked on those exchanges "
         "in one C=4 step (the exchange time not hidden behind a core); the loss spread is over the four models.",
         "",

@@ -341,11 +341,11 @@ def _terms(
 
 
 def _comm_bytes(
-    shape: ModelShape, seq_len: int, batch: int, ulysses: int, ring: int, features: Features
+    shape: ModelShape, seq_len: int, batch: int, ulysses: int, ring: int, features: Features, chunks: int
 ) -> dict[str, int]:
-    """Bytes one rank sends per attention layer, forward + backward, in the compute dtype."""
+    """Bytes one rank sends per attention layer, forward + backward, in the compute dtype (heads in ``chunks``)."""
     c = 2 if features.dtype == "bf16" else 4
-    heads = dict(kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, element_size=c)
+    heads = dict(kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, element_size=c, chunks=chunks)
     all_to_all = ulysses_bytes_per_layer(
         batch=batch, seq_len=seq_len // ring, sp=ulysses, heads=shape.num_heads, **heads
     )
@@ -427,7 +427,9 @@ def plan_memory(
         tokens_per_rank=tokens,
         head_chunks=chunks,
         core_slices=slices,
-        comm_bytes_per_layer=_comm_bytes(shape, tokens * sp // micro_batch, micro_batch, ulysses, ring, features),
+        comm_bytes_per_layer=_comm_bytes(
+            shape, tokens * sp // micro_batch, micro_batch, ulysses, ring, features, chunks
+        ),
         features=features,
         phase=phase,
         gpu_memory_bytes=gpu_memory_bytes,
