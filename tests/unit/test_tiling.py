@@ -282,3 +282,22 @@ def test_backward_holds_the_gradient_sums_and_one_parameter_gradient(dtype):
             torch.testing.assert_close(got.grad, ref.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
         else:
             assert_rel_close({name: got.grad}, {name: ref.grad})
+
+
+def test_a_parameter_gradient_from_outside_the_chunk_is_refused_not_summed():
+    """While a chunk is back-propagated, the hook that sums a parameter's gradient would also take one that another
+    graph delivers to that parameter in the same window (a weight shared with a parallel branch): the chunk's
+    check sees two gradients and raises instead of returning a wrong sum."""
+    from ulysses_sp.tiling import _GradSums
+
+    weight = torch.nn.Parameter(torch.randn(3, 3))
+    x = torch.randn(2, 3)
+    with _GradSums([weight], wide=False) as sums:
+        torch.autograd.grad((x @ weight).sum(), [weight])  # the chunk's own
+        sums.check_chunk()
+        torch.autograd.grad((x @ weight).sum(), [weight])
+        torch.autograd.grad((2 * x @ weight).sum(), [weight])  # a second one in the same chunk
+        with pytest.raises(RuntimeError, match="more than one gradient"):
+            sums.check_chunk()
+    assert not weight._backward_hooks  # the hook is gone after the chunks
+    torch.testing.assert_close(sums.sums[0], 4 * x.sum(0)[:, None].expand(3, 3), **TOL)  # 1 + 1 + 2 times
