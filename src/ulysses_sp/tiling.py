@@ -100,10 +100,6 @@ class Replay:
             yield
 
 
-def _cast(grad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return grad.to(dtype) if grad is not None else None
-
-
 class _GradSums:
     """Each parameter's gradient summed over the chunks AS autograd makes it (a hook on the parameter while the
     chunks run), so that one chunk's parameter gradient lives only until it is added: the sums plus one
@@ -134,11 +130,12 @@ class _GradSums:
 
         return add
 
-    def take(self) -> Iterator[torch.Tensor | None]:
-        """The sums in order, each dropped from here as it is handed out."""
-        for i in range(len(self.sums)):
+    def cast(self) -> Iterator[torch.Tensor | None]:
+        """The sums in order, each in its parameter's dtype and dropped from here once cast (an fp32 sum is freed
+        before the next one is cast: the casts are not all held next to the sums)."""
+        for i, param in enumerate(self.params):
             total, self.sums[i] = self.sums[i], None
-            yield total
+            yield None if total is None else total.to(param.dtype)
 
     def check_chunk(self) -> None:
         if any(n > 1 for n in self.calls):
@@ -198,10 +195,8 @@ class _TiledFunction(torch.autograd.Function):
                         grad_x = grad_chunk
                     else:
                         grad_x.narrow(-2, start, length).copy_(grad_chunk)
-        summed = iter(sums.take())  # each fp32 sum is freed once cast (the casts are not all held next to them)
-        param_grads = [
-            _cast(next(summed), p.dtype) if need else None for p, need in zip(params, need_params, strict=True)
-        ]
+        cast = sums.cast()
+        param_grads = [next(cast) if need else None for need in need_params]
         return (None, grad_x, *param_grads)
 
 

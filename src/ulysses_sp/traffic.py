@@ -38,14 +38,10 @@ def ulysses_bytes_per_layer(
     if sp == 1:
         return 0
     n = seq_len // sp
-    if chunks == 1:
-        hkv = max(kv_heads // sp, 1)
-        forward = batch * n * head_dim * (heads + 2 * hkv * sp) + batch * n * heads * head_dim
-        return 2 * forward * element_size
-    split = HeadSplit(heads, kv_heads, chunks)
+    split = HeadSplit(heads, kv_heads, chunks)  # C = 1: all heads, all kv heads
     per_chunk, hkv = split.heads_per_chunk, max(split.kv_heads(0)[1] // sp, 1)
     forward = batch * n * head_dim * (per_chunk + 2 * hkv * sp) + batch * n * per_chunk * head_dim
-    return chunks * 3 * forward * element_size
+    return chunks * (2 if chunks == 1 else 3) * forward * element_size
 
 
 def ring_p2p_per_layer(

@@ -90,7 +90,7 @@ def test_head_chunk_traffic_is_the_formula_and_the_plan_reports_it(sp, heads, kv
         plan = plan_memory(config, seq_len=256, sp=sp, features=features, device="cpu")
         assert plan.head_chunks == chunks and plan.comm_bytes_per_layer["all_to_all"] == want
         sent[chunks] = want
-    assert list(sent) == sorted(sent) and len(sent) > 1
+    assert len(sent) > 1
     assert all(sent[c] > sent[1] for c in sent if c > 1), sent
 
 

@@ -263,7 +263,7 @@ def test_memory_holds_one_chunk_of_intermediates():
 def test_backward_holds_the_gradient_sums_and_one_parameter_gradient(dtype):
     """Weights much larger than the chunks: the backward holds each parameter's gradient sum (fp32 for bf16
     parameters) and one parameter-sized gradient being added, not a whole chunk's parameter gradients on top of
-    the sums (3 more matrices: that was 6 weight-sized tensors at the peak). The sums stay exact."""
+    the sums (3 more matrices; the bound fails then). The sums stay exact."""
     torch.manual_seed(0)
     b, n, h, inter, c = 1, 64, 256, 1024, 16  # 4 chunks; one [h, I] matrix is 16x the whole [n, I]
     mlp = LlamaMLP(LlamaConfig(hidden_size=h, intermediate_size=inter)).to(dtype)
