@@ -137,22 +137,28 @@ def _kv_send_grad(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return grad.reshape(num_kv_heads, copies, b, n, d).sum(1).transpose(0, 1)
 
 
-def qkv_send_buffer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: int) -> torch.Tensor:
-    """q ``[b, H, n, d]``, k/v ``[b, Hkv, n, d]`` -> the send buffer ``[P, b, H/P + 2 hkv, n, d]`` (row j to rank j)."""
-    b, num_heads, n, d = q.shape
-    q_send = q.reshape(b, sp, num_heads // sp, n, d).transpose(0, 1)  # [P, b, H/P, n, d]
-    return torch.cat([q_send, _kv_send(k, sp), _kv_send(v, sp)], dim=2)
+def qkv_send_buffer(q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None, sp: int) -> torch.Tensor:
+    """q ``[b, H, n, d]``, k/v ``[b, Hkv, n, d]`` -> the send buffer ``[P, b, H/P + 2 hkv, n, d]`` (row j to rank j).
+    q alone (k, v None) or k/v alone (q None): ``[P, b, H/P, n, d]`` or ``[P, b, 2 hkv, n, d]``."""
+    parts = []
+    if q is not None:
+        b, num_heads, n, d = q.shape
+        parts.append(q.reshape(b, sp, num_heads // sp, n, d).transpose(0, 1))  # [P, b, H/P, n, d]
+    if k is not None and v is not None:
+        parts += [_kv_send(k, sp), _kv_send(v, sp)]
+    return torch.cat(parts, dim=2)
 
 
-def qkv_send_grad(
-    grad: torch.Tensor, num_heads: int, num_kv_heads: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The adjoint of :func:`qkv_send_buffer`: the send buffer's gradient -> the gradients of q, k, v."""
-    sp, b, _, n, d = grad.shape
+def qkv_send_grad(grad: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor | None, ...]:
+    """The adjoint of :func:`qkv_send_buffer`: the send buffer's gradient -> the gradients of q, k, v (None for
+    what it did not send: ``num_heads`` or ``num_kv_heads`` 0)."""
+    sp, b, rows, n, d = grad.shape
     heads_q = num_heads // sp
-    hkv = (grad.shape[2] - heads_q) // 2
+    hkv = (rows - heads_q) // 2
     dq, dk, dv = grad.split([heads_q, hkv, hkv], dim=2)
-    dq = dq.transpose(0, 1).reshape(b, num_heads, n, d)
+    dq = dq.transpose(0, 1).reshape(b, num_heads, n, d) if num_heads else None
+    if not num_kv_heads:
+        return dq, None, None
     return dq, _kv_send_grad(dk, num_kv_heads), _kv_send_grad(dv, num_kv_heads)
 
 

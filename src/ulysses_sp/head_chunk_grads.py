@@ -26,18 +26,20 @@ __all__ = ["Accumulators", "ProjectionCut", "Roots", "add_mm"]
 
 
 class Roots:
-    """One chunk's projected q/k/v as autograd reaches them (their gradient edges), with their head counts and
-    dtypes: the tensors themselves are not kept, so they are freed as soon as their exchange has copied them (each
-    is ``[b, heads, n, d]``; holding them until the chunk's gradients came back cost ~1.5/C ``[t, h]`` per chunk
-    alive). A tensor that does not require grad (frozen projections of an input that needs none) has no edge and
-    receives no gradient."""
+    """What one stage sent of its projected q/k/v (None for what it did not) as autograd reaches them (their gradient
+    edges), with their head counts and dtypes: the tensors themselves are not kept, so they are freed as soon as
+    their exchange has copied them (each is ``[b, heads, n, d]``; holding them until the chunk's gradients came back
+    cost ~1.5/C ``[t, h]`` per chunk alive). A tensor that does not require grad (frozen projections of an input that
+    needs none) has no edge and receives no gradient."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.heads = (q.shape[1], k.shape[1])  # query heads, kv heads
-        self.dtypes = (q.dtype, k.dtype, v.dtype)
-        self.edges = tuple(get_gradient_edge(t) if t.requires_grad else None for t in (q, k, v))
+    def __init__(self, q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+        self.heads = tuple(0 if t is None else t.shape[1] for t in (q, k))  # query heads, kv heads sent
+        self.dtypes = tuple(None if t is None else t.dtype for t in (q, k, v))
+        self.edges = tuple(get_gradient_edge(t) if t is not None and t.requires_grad else None for t in (q, k, v))
 
-    def backward(self, grads: tuple[torch.Tensor, ...], inputs: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        self, grads: tuple[torch.Tensor | None, ...], inputs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor | None, ...]:
         """``torch.autograd.grad`` from these roots (``grads``: one per root, in its dtype) to ``inputs``."""
         pairs = [(edge, grad) for edge, grad in zip(self.edges, grads, strict=True) if edge is not None]
         if not pairs:
@@ -146,55 +148,59 @@ class Accumulators:
     def add_chunk(
         self,
         run: ChunkRun,
-        chunk: int,
+        stage: int,
         roots: Roots,
-        grads: tuple[torch.Tensor, ...],
+        grads: tuple[torch.Tensor | None, ...],
         leaves: dict[str, tuple],
         cut: ProjectionCut,
     ) -> None:
-        """Backpropagate one chunk's projections (``roots`` -> ``grads``) into the accumulators: autograd down to
+        """Backpropagate one stage's projections (``roots`` -> ``grads``) into the accumulators: autograd down to
         the cut projections' outputs (and to the leaves it still reaches), then their backward by hand."""
-        inputs, targets = [], []
+        inputs: list[torch.Tensor] = []
+        targets: list[tuple[str | None, torch.Tensor]] = []  # (the sliced projection whose part it is, the sum)
         if self.x is not None and not cut.remade:  # what reaches the input besides the cut projections
             inputs.append(cut.x)
-            targets.append(self.x)
+            targets.append((None, self.x))
         for name, pair in leaves.items():
             proj = self.owner.projection(name)
             for leaf, param in zip(pair, (proj.weight, proj.bias), strict=True):
-                if leaf is not None and self.need.get(id(param)):
+                if isinstance(leaf, torch.Tensor) and self.need.get(id(param)):
                     inputs.append(leaf)
-                    targets.append(run.part(name, chunk, self.sums[id(param)]))
+                    targets.append((name, self.sums[id(param)]))
         for param in self.params:
             if id(param) not in self.sliced and self.need[id(param)]:
                 inputs.append(param)
-                targets.append(self.sums[id(param)])
+                targets.append((None, self.sums[id(param)]))
         if cut.count:
             inputs.append(cut.anchor)
         if not inputs:
             return
-        cut.sink = functools.partial(self._linear_backward, run, chunk)
+        cut.sink = functools.partial(self._linear_backward, run, stage)
         with torch.enable_grad():
             found = roots.backward(grads, inputs)
         cut.sink = None
-        for target, grad in zip(targets, found, strict=False):  # the anchor's (None) is last
-            if grad is not None:
+        for (name, target), grad in zip(targets, found, strict=False):  # the anchor's (None) is last
+            if grad is None:
+                continue
+            if name is None:
                 target.add_(grad)
+            else:
+                run.parts.add(name, stage, target, grad)
 
-    def _linear_backward(self, run: ChunkRun, chunk: int, name: str, cut: ProjectionCut, grad: torch.Tensor) -> None:
-        """Projection ``name``'s backward for the chunk, ``grad [b, n, out_c]`` of its output: added in place into
+    def _linear_backward(self, run: ChunkRun, stage: int, name: str, cut: ProjectionCut, grad: torch.Tensor) -> None:
+        """Projection ``name``'s backward for the stage, ``grad [b, n, out_c]`` of its output: added in place into
         the input's and its weight's and bias' sums, in the dtype the forward's matmul ran in (autocast's)."""
         proj = self.owner.projection(name)
         grad_2d = grad.reshape(-1, grad.shape[-1])  # [b n, out_c]
         if self.x is not None:
-            weight = run.part(name, chunk, proj.weight).to(grad_2d.dtype)  # [out_c, h]
+            weight = run.parts.part(name, stage, proj.weight).to(grad_2d.dtype)  # [out_c, h]
             add_mm(self.x.view(-1, self.x.shape[-1]), grad_2d, weight)
         if self.need.get(id(proj.weight)):
-            target = run.part(name, chunk, self.sums[id(proj.weight)])  # [out_c, h]
             for start, length, x in cut.tiles():  # x [b, length, h]: the input, whole or one remade tile
                 g = grad.narrow(-2, start, length).reshape(-1, grad.shape[-1])  # [b length, out_c]
-                add_mm(target, g.t(), x.reshape(-1, x.shape[-1]).to(g.dtype))
+                run.parts.add_mm(name, stage, self.sums[id(proj.weight)], g.t(), x.reshape(-1, x.shape[-1]).to(g.dtype))
         if proj.bias is not None and self.need.get(id(proj.bias)):
-            run.part(name, chunk, self.sums[id(proj.bias)]).add_(grad_2d.sum(0))
+            run.parts.add(name, stage, self.sums[id(proj.bias)], grad_2d.sum(0))
 
     def result(self, grad_out: torch.Tensor) -> tuple:
         """``(grad x, *grad params)`` in the parameters' order, each in its tensor's dtype."""

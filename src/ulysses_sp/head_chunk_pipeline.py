@@ -3,9 +3,16 @@
 :class:`ChunkRun` is one call of an attention module split into C chunks of heads (see
 :mod:`ulysses_sp.head_chunks` for which modules and how many chunks). Each chunk is a generator that runs its
 stages in order and yields right after it launches an exchange (:func:`ulysses_sp.comm.start_all_to_all`);
-:func:`run_interleaved` keeps two chunks alive and alternates between them, so while chunk c's core computes,
-chunk c+1's q/k/v exchange is in flight, and chunk c's output exchange runs while chunk c+1's core computes.
-The order of the collectives depends only on C, so every rank issues the same exchanges in the same order.
+:func:`~ulysses_sp.interleave.run_interleaved` keeps two chunks alive and alternates between them, so while chunk
+c's core computes, chunk c+1's q/k/v exchange is in flight, and chunk c's output exchange runs while chunk c+1's core
+computes. The order of the collectives depends only on C, so every rank issues the same exchanges in the same order.
+
+A chunk's heads are strided over the ranks (:class:`~ulysses_sp.head_split.ChunkHeads`): on each rank, chunk c
+brings slice c of the heads it attends without chunks, so its query heads read the same kv heads in every chunk.
+Where a chunk's kv heads are fewer than the ranks, the chunks share them: a first stage (:meth:`ChunkRun.forward_kv`,
+:meth:`ChunkRun.backward_kv`) projects and exchanges the layer's kv heads once, each chunk exchanges its query heads
+only and reads its rows of them, and backward sums the chunks' k/v gradients and sends the sum back once
+(:meth:`ChunkRun.kv_grads_back`): the bytes of C = 1's kv exchange, not C times a kv head sent whole to every rank.
 
 Forward, per chunk (under no_grad): project q/k/v for the chunk's heads with the module's own code (its projections
 sliced to those heads), exchange (one fused all-to-all), core, exchange back, and add the chunk's share of the
@@ -16,10 +23,11 @@ Its backward runs each chunk by hand: the projections again (their graph), the q
 projection's backward, one exchange of the saved output and its gradient to the attending ranks, the kernel's fused
 backward, the q/k/v exchange's adjoint, the projections' backward (by hand for the projections of the block's input,
 :class:`ProjectionCut`: in-place matmuls into the sums, no ``[t, h]`` temporaries). Under autocast q/k/v cross in
-the autocast dtype, as autocast's sdpa would cast them. Collectives per layer: 2C forward, 3C backward. Where no
-kernel fits (a ring, dropout, a window, softcap, the eager core) the chunk's core and output exchange are recomputed
-instead and the core's backward is autograd's (4C backward). Only one or two chunks' q/k/v, exchange buffers and
-core working set exist at any time.
+the autocast dtype, as autocast's sdpa would cast them. Collectives per layer: 2C forward, 3C backward (and 1 + 2
+more where the chunks share the kv heads). Where no kernel fits (a ring, dropout, a window, softcap, the eager core)
+the chunk's core and output exchange are recomputed instead and the core's backward is autograd's (4C backward).
+Only one or two chunks' q/k/v (or q), exchange buffers and core working set exist at any time, next to the shared
+kv heads (and, in backward, their gradients' sum: fp32 under a 16-bit dtype).
 
 On CUDA the exchanges run on the process group's own communication stream (``async_op=True``): the stream
 waits for the producer's work, ``work.wait()`` makes the compute stream wait for the exchange without blocking
@@ -29,9 +37,9 @@ the host, and the process group keeps the buffers alive until then. On CPU gloo 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
-from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,44 +62,16 @@ from .comm import (
 )
 from .cores import AttentionCall
 from .deferred_input import Absent, NormRemake
-from .head_chunk_grads import Accumulators, ProjectionCut, Roots, add_mm
-from .head_split import DEPTH
+from .head_chunk_grads import Accumulators, ProjectionCut, Roots
+from .head_chunk_parts import KV, ChunkParts
+from .interleave import Stages, run_interleaved
 from .tiling import Replay, compute_dtype
 
 if TYPE_CHECKING:
-    from .head_chunks import HeadChunkedAttention, HeadSplit
+    from .head_chunks import HeadChunkedAttention
+    from .head_split import ChunkHeads
 
-__all__ = ["ChunkRun", "HeadChunkedFunction", "placer", "run_interleaved"]
-
-Stages = Generator[None, None, None]
-
-
-def run_interleaved(chunks: Iterable[Stages], depth: int = DEPTH) -> None:
-    """Run the chunk generators, ``depth`` of them alive at once, stepping them in turn (each step ends at the
-    launch of an exchange). Deterministic: the same C gives the same order of collectives on every rank."""
-    pending: Iterator[Stages] = iter(chunks)
-    active: deque[Stages] = deque()
-
-    def step(gen: Stages) -> None:
-        try:
-            next(gen)
-        except StopIteration:
-            return
-        active.append(gen)
-
-    try:
-        while True:
-            while len(active) < depth:
-                gen = next(pending, None)
-                if gen is None:
-                    break
-                step(gen)
-            if not active:
-                return
-            step(active.popleft())
-    finally:
-        for gen in active:
-            gen.close()
+__all__ = ["ChunkRun", "HeadChunkedFunction", "placer"]
 
 
 def placer(name: str, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], tuple[tuple, dict]]:
@@ -103,24 +83,6 @@ def placer(name: str, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], tup
         return lambda t: (args, {**others, name: t})
     rest = args[1:]
     return lambda t: ((t, *rest), kwargs)
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-@contextlib.contextmanager
-def _rng_restored(state: tuple[torch.Tensor, torch.Tensor | None] | None, device: torch.device) -> Iterator[None]:
-    """The RNG state a chunk's core started from in forward (attention dropout draws the same masks again)."""
-    if state is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[device] if state[1] is not None else []):
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], device)
-        yield
 
 
 class ChunkRun:
@@ -136,7 +98,7 @@ class ChunkRun:
         self,
         owner: HeadChunkedAttention,
         place: Callable[[torch.Tensor], tuple[tuple, dict]],
-        split: HeadSplit,
+        split: ChunkHeads,
         *,
         prepare: Callable[..., AttentionCall],
         attend: Callable[..., torch.Tensor],
@@ -146,9 +108,17 @@ class ChunkRun:
         self.owner, self.place, self.split = owner, place, split
         self.prepare, self.attend, self.group = prepare, attend, group
         self.sp = 1 if group is None else dist.get_world_size(group)
+        self.parts = ChunkParts(owner, split)
+        self.blocks = split.ulysses // self.sp  # the ranks' blocks of a chunk's query heads this process attends
+        # Where the chunks share the kv heads (split.shared_kv): the layer's k/v after the exchange [b, 2 hkv, N, d],
+        # kept while the chunks run, and in backward their gradients' sum over the chunks and what the kv stage
+        # needs to send it back to the projections ((leaves, cut), roots).
+        self.kv: torch.Tensor | None = None
+        self.kv_grad: torch.Tensor | None = None
+        self.kv_graph: tuple | None = None
         self.stats = owner.ctx.stats if group is not None else None
         self.wire = owner.ctx.comm_dtype
-        self.rng: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * split.chunks
+        self.rng: list[Replay | None] = [None] * split.chunks  # where the core draws dropout masks
         # Chunks whose core runs through a block kernel (None: recomputed in backward), their lse and, for the
         # forward that saves them, the core outputs after the exchange back [b, n, H, d_v] (filled chunk by chunk).
         self.fused = fused
@@ -160,46 +130,43 @@ class ChunkRun:
         self.remake: NormRemake | None = None
         self.source: torch.Tensor | None = None
 
-    # ------------------------------------------------------------------------------------------- slices
-    def part(self, name: str, chunk: int, t: torch.Tensor) -> torch.Tensor:
-        """Chunk ``chunk``'s part of ``t``, a weight or bias (or its gradient) of projection ``name``: rows of the
-        chunk's heads (query heads for the query and output projections, kv heads for the others); columns of
-        the output projection's weight."""
-        names, proj = self.owner.names, self.owner.projection(name)
-        split = self.split
-        if name == names.out:
-            start, count = split.query_heads(chunk)
-            per = proj.in_features // split.num_heads
-            return t.narrow(t.dim() - 1, start * per, count * per) if t.dim() == 2 else t
-        start, count = split.query_heads(chunk) if name in names.query else split.kv_heads(chunk)
-        per = proj.out_features // (split.num_heads if name in names.query else split.num_kv_heads)
-        return t.narrow(0, start * per, count * per)
-
-    def weights(self, chunk: int, *, leaves: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        """The chunk's ``(weight, bias)`` of every sliced input projection: views, or (``leaves``) detached
-        views that autograd differentiates separately."""
-        found = {}
-        for name in (*self.owner.names.query, *self.owner.names.kv):
-            proj = self.owner.projection(name)
-            pair = []
-            for t in (proj.weight, proj.bias):
-                if t is not None and leaves:
-                    pair.append(self.part(name, chunk, t.detach()).requires_grad_(t.requires_grad))
-                else:
-                    pair.append(None if t is None else self.part(name, chunk, t))
-            found[name] = (pair[0], pair[1])
-        return found
-
+    # ------------------------------------------------------------------------------------------- stages
     def project(
-        self, x: torch.Tensor, chunk: int, weights: dict[str, tuple], cut: ProjectionCut | None = None
+        self, x: torch.Tensor, stage: int, weights: dict[str, tuple], cut: ProjectionCut | None = None
     ) -> tuple:
-        """The chunk's padded local q ``[b, Hc, n, d]``, k/v ``[b, Hkv_c, n, d]`` and its :class:`AttentionCall`;
-        ``cut``: record the projections of ``x`` there (:class:`ProjectionCut`)."""
+        """The stage's padded local q ``[b, Hc, n, d]``, k/v ``[b, Hkv_c, n, d]`` and its :class:`AttentionCall`
+        (what a stage does not compute is zeros, :class:`~ulysses_sp.head_chunk_parts.Blank`); ``cut``: record the
+        projections of ``x`` there (:class:`ProjectionCut`)."""
         args, kwargs = self.place(x)
-        heads = (self.split.query_heads(chunk)[1], self.split.kv_heads(chunk)[1])
-        captured = self.owner.capture(args, kwargs, weights, heads, cut)
+        captured = self.owner.capture(args, kwargs, weights, self.parts.head_counts(stage), cut)
         call = self.prepare(self.owner.module, *captured.qkv, captured.mask, **captured.kwargs)
         return (*pad_qkv(*captured.qkv, call.width), call)
+
+    def sent(self, stage: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """What ``stage`` exchanges of its projected q/k/v (None for the rest): the kv stage its k/v, a chunk its q
+        where the chunks share the kv heads, else all three."""
+        if stage == KV:
+            return None, k, v
+        return (q, None, None) if self.split.shared_kv else (q, k, v)
+
+    def core_qkv(self, chunk: int, full: torch.Tensor, heads: tuple[int, int]) -> tuple:
+        """The chunk's core inputs from what its exchange brought (``full [b, h, N, d]``; ``heads``: the query and
+        kv heads it sent): q, k, v ``[b, h_*, N, d]``; shared kv heads: the rows its query heads read (a view)."""
+        if not self.split.shared_kv:
+            return tuple(full.split(_split(*heads, self.sp), dim=1))
+        if self.kv is None:
+            raise RuntimeError("a chunk ran before the kv heads the chunks share arrived")
+        rows = self.split.shared_rows(chunk, self.blocks)
+        return (full, *(_rows(t, rows) for t in self.kv.chunk(2, dim=1)))
+
+    def add_kv_grads(self, chunk: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """Add a chunk's k/v gradients into the shared kv heads' sums (their rows)."""
+        rows = self.split.shared_rows(chunk, self.blocks)
+        for total, grad in zip(self.kv_grad.chunk(2, dim=1), (dk, dv), strict=True):
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                total.narrow(1, rows[0], len(rows)).add_(grad)
+            else:
+                total.index_add_(1, torch.tensor(rows, device=total.device), grad.to(total.dtype))
 
     def _exchange(self, send: torch.Tensor | list[torch.Tensor]) -> Generator[None, None, torch.Tensor]:
         """Launch the all-to-all of ``send``, yield while it is in flight, return what arrived (compute dtype).
@@ -223,15 +190,17 @@ class ChunkRun:
     def forward_chunk(self, x: torch.Tensor, chunk: int, out: torch.Tensor, save: bool = False) -> Stages:
         """Add chunk ``chunk``'s share of the output projection into ``out [b, n, h]`` (no_grad); ``save``: keep
         what the fused backward needs (the core's output after the exchange back and its lse)."""
-        q, k, v, call = self.project(x, chunk, self.weights(chunk))
-        heads, kv_heads = q.shape[1], k.shape[1]
-        recv = yield from self._exchange(qkv_send_buffer(*_core_inputs(x, q, k, v), self.sp))
+        q, k, v, call = self.project(x, chunk, self.parts.weights(chunk))
+        sent = self.sent(chunk, q, k, v)
+        heads = (q.shape[1], 0 if sent[1] is None else k.shape[1])
         del q, k, v
+        recv = yield from self._exchange(qkv_send_buffer(*_core_inputs(x, *sent), self.sp))
+        del sent
         full = qkv_full(recv)  # [b, h, N, d]
         del recv
-        q_f, k_f, v_f = full.split(_split(heads, kv_heads, self.sp), dim=1)
+        q_f, k_f, v_f = self.core_qkv(chunk, full, heads)
         if call.dropout:
-            self.rng[chunk] = _rng_state(x.device)
+            self.rng[chunk] = Replay(x.device)
         kernel = self.kernel_for(call, q_f) if save else None
         if kernel is not None:
             core_out, self.lse[chunk] = kernel_forward(kernel, q_f, k_f, v_f, call)  # [b, N, Hc/P, d_v]
@@ -244,7 +213,7 @@ class ChunkRun:
         # [b, n, Hc, d_v]: with a kernel, this chunk's heads of the saved output, filled in place
         local = out_local(recv, self.saved_local(recv, chunk) if kernel is not None else None)
         del recv
-        weight = self.part(self.owner.names.out, chunk, self.owner.out_proj().weight)  # [h, Hc d_v]
+        weight = self.parts.part(self.owner.names.out, chunk, self.owner.out_proj().weight)  # [h, Hc d_v]
         out.view(-1, out.shape[-1]).addmm_(local.reshape(-1, weight.shape[1]), weight.t().to(out.dtype))
 
     def kernel_for(self, call: AttentionCall, q: torch.Tensor) -> Any | None:
@@ -253,19 +222,33 @@ class ChunkRun:
         return chunk_kernel(call, q, ring=self.owner.ctx.layout.ring, core_name=self.owner.ctx.core_name)
 
     def saved_local(self, recv: torch.Tensor, chunk: int) -> torch.Tensor:
-        """Chunk ``chunk``'s heads of the saved core output ``[b, n, H, d_v]`` (allocated on first use), for the
-        received output ``recv [P, b, n, Hc/P, d_v]``."""
+        """Chunk ``chunk``'s heads of the saved core output ``[b, n, H, d_v]`` (allocated on first use; its heads
+        chunk by chunk, each chunk's in the order it sends them), for the received output ``recv [P, b, n, Hc/P,
+        d_v]``."""
         if self.local is None:
             _, b, n, _, d_v = recv.shape
             self.local = recv.new_empty(b, n, self.split.num_heads, d_v)
-        start, count = self.split.query_heads(chunk)
-        return self.local.narrow(2, start, count)
+        count = self.split.heads_per_chunk
+        return self.local.narrow(2, chunk * count, count)
+
+    def forward_kv(self, x: torch.Tensor) -> Stages:
+        """The kv heads the chunks share: project them (the queries blank), exchange, keep them in :attr:`kv`."""
+        _, k, v, _ = self.project(x, KV, self.parts.weights(KV))
+        recv = yield from self._exchange(qkv_send_buffer(*_core_inputs(x, None, k, v), self.sp))
+        del k, v
+        self.kv = qkv_full(recv)  # [b, 2 hkv, N, d]
 
     def forward(self, x: torch.Tensor, save: bool = False) -> torch.Tensor:
         """The block's output ``[b, n, h]``: every chunk's share, then the output projection's bias."""
         out_proj = self.owner.out_proj()
         out = x.new_zeros(*x.shape[:-1], out_proj.out_features, dtype=compute_dtype(x))
-        run_interleaved(self.forward_chunk(x, c, out, save) for c in range(self.split.chunks))
+        kv = [self.forward_kv(x)] if self.split.shared_kv else []
+        try:
+            run_interleaved(
+                itertools.chain(kv, (self.forward_chunk(x, c, out, save) for c in range(self.split.chunks)))
+            )
+        finally:
+            self.kv = None
         if out_proj.bias is not None:
             out += out_proj.bias
         return out
@@ -278,35 +261,61 @@ class ChunkRun:
         gradient of its input ``local [b, n, Hc, d_v]`` (returned)."""
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
         out_name = self.owner.names.out
-        weight = self.part(out_name, chunk, self.owner.out_proj().weight)  # [h, Hc d_v]
+        weight = self.parts.part(out_name, chunk, self.owner.out_proj().weight)  # [h, Hc d_v]
         if acc.out_weight is not None:
-            add_mm(self.part(out_name, chunk, acc.out_weight), grad_2d.t(), local.reshape(-1, weight.shape[1]))
+            self.parts.add_mm(out_name, chunk, acc.out_weight, grad_2d.t(), local.reshape(-1, weight.shape[1]))
         return grad_2d.mm(weight.to(grad_2d.dtype)).view(local.shape)
 
-    def _recompute_qkv(self, x: torch.Tensor, chunk: int) -> Generator[None, None, tuple]:
-        """The chunk's projections again, with their graph (cut at the projections of ``x``), and their exchange:
-        ``((leaves, cut), roots, call, full)`` with ``full [b, h, N, d]`` the core's q/k/v after the exchange and
-        ``roots`` the projections' outputs as autograd sees them (:class:`Roots`; the tensors are freed once sent)."""
-        leaves, cut = self.weights(chunk, leaves=True), ProjectionCut(x, self.remake, self.source)
+    def _recompute_qkv(self, x: torch.Tensor, stage: int) -> Generator[None, None, tuple]:
+        """The stage's projections again, with their graph (cut at the projections of ``x``), and their exchange:
+        ``((leaves, cut), roots, call, full)`` with ``full [b, h, N, d]`` the q/k/v it sent after the exchange and
+        ``roots`` those projections' outputs as autograd sees them (:class:`Roots`; the tensors are freed once sent)."""
+        leaves, cut = self.parts.weights(stage, leaves=True), ProjectionCut(x, self.remake, self.source)
         with torch.enable_grad():
-            q, k, v, call = self.project(x, chunk, leaves, cut)
-        roots = Roots(q, k, v)
-        send = [qkv_send_buffer(*_core_inputs(x, q.detach(), k.detach(), v.detach()), self.sp)]
+            q, k, v, call = self.project(x, stage, leaves, cut)
+        sent = self.sent(stage, q, k, v)
         del q, k, v
+        roots = Roots(*sent)
+        send = [qkv_send_buffer(*_core_inputs(x, *(None if t is None else t.detach() for t in sent)), self.sp)]
+        del sent
         recv = yield from self._exchange(send)
         return (leaves, cut), roots, call, qkv_full(recv)
 
     def _grads_back(
-        self, chunk: int, grad_full: list[torch.Tensor], roots: Roots, graph: tuple, acc: Accumulators
+        self, stage: int, grad_full: list[torch.Tensor], roots: Roots, graph: tuple, acc: Accumulators
     ) -> Stages:
-        """The core's q/k/v gradient ``[b, h, N, d]`` (in a one-element list, emptied: only the exchange holds it)
-        back to the chunk's projections, and their backward into ``acc`` (``graph``: the leaves and the cut)."""
+        """The gradient ``[b, h, N, d]`` of what the stage sent (in a one-element list, emptied: only the exchange
+        holds it) back to its projections, and their backward into ``acc`` (``graph``: the leaves and the cut)."""
         box = [qkv_full_grad(grad_full.pop(), self.sp)]
         recv = yield from self._exchange(box)
         grads = qkv_send_grad(recv, *roots.heads)
-        grads = tuple(g.to(dtype) for g, dtype in zip(grads, roots.dtypes, strict=True))  # autocast's casts, undone
+        # autocast's casts, undone
+        grads = tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads, roots.dtypes, strict=True))
         del recv
-        acc.add_chunk(self, chunk, roots, grads, *graph)
+        acc.add_chunk(self, stage, roots, grads, *graph)
+
+    def _sent_grads(self, chunk: int, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> list[torch.Tensor]:
+        """The gradient of what the chunk sent, in a one-element list: its q/k/v's, or its q's where the chunks share
+        the kv heads (their gradients go into :attr:`kv_grad`)."""
+        if not self.split.shared_kv:
+            return [torch.cat((dq, dk, dv), dim=1)]
+        self.add_kv_grads(chunk, dk, dv)
+        return [dq]
+
+    def backward_kv(self, x: torch.Tensor) -> Stages:
+        """The kv heads the chunks share, again: projected with their graph, exchanged, kept in :attr:`kv`, with a
+        zeroed sum for their gradients (fp32 under a 16-bit dtype)."""
+        graph, roots, _, full = yield from self._recompute_qkv(x, KV)
+        wide = full.dtype in (torch.bfloat16, torch.float16)
+        self.kv, self.kv_graph = full, (graph, roots)
+        self.kv_grad = torch.zeros(full.shape, dtype=torch.float32 if wide else full.dtype, device=full.device)
+
+    def kv_grads_back(self, acc: Accumulators) -> Stages:
+        """Once every chunk has added its k/v gradients: send their sum back to the kv projections."""
+        graph, roots = self.kv_graph
+        grad = [self.kv_grad.to(self.kv.dtype)]
+        self.kv = self.kv_grad = self.kv_graph = None
+        yield from self._grads_back(KV, grad, roots, graph, acc)
 
     def fused_backward_chunk(
         self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: Accumulators, saved: tuple
@@ -316,8 +325,8 @@ class ChunkRun:
         the kernel's backward, the gradients' exchange, the projections' backward."""
         local_all, lse = saved
         graph, roots, call, full = yield from self._recompute_qkv(x, chunk)
-        start, count = self.split.query_heads(chunk)
-        local = local_all.narrow(2, start, count)  # [b, n, Hc, d_v]
+        count = self.split.heads_per_chunk
+        local = local_all.narrow(2, chunk * count, count)  # [b, n, Hc, d_v]
         grad_local = self.out_proj_backward(chunk, grad_out, local, acc)  # [b, n, Hc, d_v]
         d_v = local.shape[-1]
         box = [out_pair_send(local, grad_local, self.sp)]  # [P, b, n, Hc/P, 2 d_v], held by the exchange alone
@@ -325,19 +334,23 @@ class ChunkRun:
         recv = yield from self._exchange(box)
         core_out, core_grad = out_send_grad(recv).split(d_v, dim=-1)  # [b, N, Hc/P, d_v] each
         del recv
-        q_f, k_f, v_f = full.split(_split(*roots.heads, self.sp), dim=1)
+        q_f, k_f, v_f = self.core_qkv(chunk, full, roots.heads)
         grads = kernel_backward(self.kernels[chunk], core_grad, q_f, k_f, v_f, core_out, lse, call)
         del core_out, core_grad, q_f, k_f, v_f, full
-        grad_full = [torch.cat(grads, dim=1)]  # [b, h, N, d]
+        grad_full = self._sent_grads(chunk, *grads)  # [b, h, N, d]
         del grads
         yield from self._grads_back(chunk, grad_full, roots, graph, acc)
 
     def backward_chunk(self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: Accumulators) -> Stages:
         """Recompute chunk ``chunk`` (its core through autograd) and add its gradients into ``acc``."""
         graph, roots, call, full = yield from self._recompute_qkv(x, chunk)
-        full.requires_grad_()  # [b, h, N, d]: the core's inputs as one leaf
-        with torch.enable_grad(), _rng_restored(self.rng[chunk], x.device):
-            core_out = self.attend(*full.split(_split(*roots.heads, self.sp), dim=1), call)
+        full.requires_grad_()  # [b, h, N, d]: what the chunk sent, as one leaf
+        replay = self.rng[chunk]
+        with torch.enable_grad(), replay() if replay is not None else contextlib.nullcontext():
+            core_in = self.core_qkv(chunk, full, roots.heads)
+            if self.split.shared_kv:  # the shared k/v rows as leaves of their own
+                core_in = (full, *(t.detach().requires_grad_() for t in core_in[1:]))
+            core_out = self.attend(*core_in, call)
         recv = yield from self._exchange(out_send_buffer(core_out.detach(), self.sp))
         local = out_local(recv)  # [b, n, Hc, d_v]
         del recv
@@ -345,8 +358,11 @@ class ChunkRun:
         del local
         recv = yield from self._exchange(out_local_grad(grad_local, self.sp))
         del grad_local
-        grad_full = list(torch.autograd.grad(core_out, full, out_send_grad(recv)))  # the core's backward
-        del recv, core_out, full
+        leaves = core_in if self.split.shared_kv else (full,)
+        found = torch.autograd.grad(core_out, leaves, out_send_grad(recv))  # the core's backward
+        del recv, core_out, full, core_in, leaves
+        grad_full = self._sent_grads(chunk, *found) if self.split.shared_kv else list(found)
+        del found
         yield from self._grads_back(chunk, grad_full, roots, graph, acc)
 
     def backward(
@@ -373,11 +389,15 @@ class ChunkRun:
                 return self.fused_backward_chunk(x, c, grad_out, acc, (local, lse[c]))
             return self.backward_chunk(x, c, grad_out, acc)
 
+        kv = [self.backward_kv(x)] if self.split.shared_kv else []
         self.source = source
         try:
-            run_interleaved(chunk_stages(c) for c in range(self.split.chunks))
+            run_interleaved(itertools.chain(kv, (chunk_stages(c) for c in range(self.split.chunks))))
+            if kv:
+                run_interleaved([self.kv_grads_back(acc)])
         finally:
             self.source = None
+            self.kv = self.kv_grad = self.kv_graph = None
         return acc.result(grad_out)
 
 
@@ -387,11 +407,18 @@ def _split(heads: int, kv_heads: int, sp: int) -> list[int]:
     return [heads // sp, hkv, hkv]
 
 
-def _core_inputs(x: torch.Tensor, *qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _core_inputs(x: torch.Tensor, *qkv: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """q/k/v in the dtype the core computes in: under autocast its dtype (the model's RoPE may have made q and k
-    fp32; autocast's sdpa casts them, and so does this before the exchange), else as they are."""
+    fp32; autocast's sdpa casts them, and so does this before the exchange), else as they are (None stays)."""
     dtype = compute_dtype(x)
-    return tuple(t.to(dtype) for t in qkv)
+    return tuple(None if t is None else t.to(dtype) for t in qkv)
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t [b, h, N, d]``'s heads ``rows``: a view where they are one run, else a copy."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return t.narrow(1, rows[0], len(rows))
+    return t.index_select(1, torch.tensor(rows, device=t.device))
 
 
 class HeadChunkedFunction(torch.autograd.Function):

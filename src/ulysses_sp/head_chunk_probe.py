@@ -22,7 +22,7 @@ from .masks import mask_window
 
 if TYPE_CHECKING:
     from .head_chunks import HeadChunkedAttention
-    from .head_split import HeadSplit
+    from .head_split import ChunkHeads
 
 __all__ = ["probe_problem"]
 
@@ -30,7 +30,7 @@ _PROBE_TOKENS = 6
 
 
 def probe_problem(
-    owner: HeadChunkedAttention, x: torch.Tensor, args: tuple, kwargs: dict, split: HeadSplit
+    owner: HeadChunkedAttention, x: torch.Tensor, args: tuple, kwargs: dict, split: ChunkHeads
 ) -> str | None:
     """Why ``owner``'s module cannot run in ``split``'s chunks, found on a probe of its call ``(args, kwargs)``
     with hidden states ``x`` (None: it can). Sets ``owner.extra_outputs`` and ``owner.remakeable``."""
@@ -45,9 +45,8 @@ def _reads_input_by_projections(
     its sliced projections read the probe tile by tile: it then uses its input's data only through them, and
     backward can remake the input from a tiled norm's (:mod:`ulysses_sp.deferred_input`)."""
     remake = NormRemake(lambda tile: tile, tile=max(1, probe.shape[-2] // 2 + 1))  # two tiles, the last short
-    for chunk in range(run.split.chunks):
-        weights = run.weights(chunk)
-        heads = (run.split.query_heads(chunk)[1], run.split.kv_heads(chunk)[1])
+    for stage in run.parts.stages:
+        weights, heads = run.parts.weights(stage), run.parts.head_counts(stage)
         want = owner.capture(*place(probe), weights, heads).qkv
         absent = Absent(probe.shape, probe.dtype, probe.device)
         try:
@@ -59,7 +58,7 @@ def _reads_input_by_projections(
     return True
 
 
-def _compare(owner: HeadChunkedAttention, x: torch.Tensor, args: tuple, kwargs: dict, split: HeadSplit) -> str | None:
+def _compare(owner: HeadChunkedAttention, x: torch.Tensor, args: tuple, kwargs: dict, split: ChunkHeads) -> str | None:
     batch, length = x.shape[:2]
     tokens = min(_PROBE_TOKENS, length)
     generator = torch.Generator().manual_seed(0)

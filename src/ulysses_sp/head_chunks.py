@@ -9,8 +9,9 @@ How: :func:`ulysses_sp.parallelize` sets each attention module's ``forward`` to 
 ``state_dict`` stay as they were). For one chunk it runs the module's OWN forward with its q/k/v projections
 sliced to the chunk's heads, up to the call of the attention function, where it takes q/k/v (so per-head q/k
 norms, RoPE variants, scaling and windows are the model's own code); the exchange, core and output projection
-are :mod:`ulysses_sp.head_chunk_pipeline`'s. Heads go to chunks in order; a chunk holds whole kv groups, or
-part of the query heads that read one kv head, so every chunk is a smaller attention of the same kind.
+are :mod:`ulysses_sp.head_chunk_pipeline`'s. Each rank's heads go to chunks in order (a chunk's heads are strided
+over the ranks, :class:`~ulysses_sp.head_split.ChunkHeads`); a chunk holds whole kv groups, or part of the query
+heads that read one kv head, so every chunk is a smaller attention of the same kind.
 
 Which modules: children ``q_proj`` (or ``q_b_proj``), ``k_proj`` + ``v_proj`` (or ``kv_b_proj``, MLA) and
 ``o_proj``, all plain ``nn.Linear`` whose rows split by heads (:func:`split_problem`). On its first chunked call
@@ -35,11 +36,12 @@ from torch import nn
 from .attention import UlyssesAttention, intercepting
 from .deferred_input import NormRemake
 from .head_chunk_grads import ProjectionCut
+from .head_chunk_parts import Blank
 from .head_chunk_pipeline import ChunkRun, HeadChunkedFunction, placer
 from .head_chunk_probe import probe_problem
 from .head_split import (
     DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
-    HeadSplit,
+    ChunkHeads,
     check_head_chunks,
     choose_head_chunks,
     head_chunk_choices,
@@ -148,13 +150,23 @@ class Captured:
 
 
 class _Slice:
-    """A projection's chunk (weight and bias views), standing in for the ``nn.Linear`` during one capture."""
+    """A projection's chunk (weight and bias views), standing in for the ``nn.Linear`` during one capture;
+    ``blank``: one the capture does not compute (zeros, see :class:`~ulysses_sp.head_chunk_parts.Blank`)."""
 
-    def __init__(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, cut: ProjectionCut | None) -> None:
-        self.name, self.weight, self.bias, self.cut = name, weight, bias, cut
-        self.out_features, self.in_features = weight.shape
+    def __init__(
+        self,
+        name: str,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        cut: ProjectionCut | None,
+        blank: Blank | None = None,
+    ) -> None:
+        self.name, self.weight, self.bias, self.cut, self.blank = name, weight, bias, cut, blank
+        self.out_features, self.in_features = (blank.rows, weight.shape[1]) if blank else weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blank is not None:
+            return self.blank(x, self.weight)
         if self.cut is None or x is not self.cut.x:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         # without a graph, under autocast still (the same casts as the forward's)
@@ -235,7 +247,11 @@ class HeadChunkedAttention:
         kept = {name: self.module.__dict__[name] for name in counts}
         try:
             for name, (weight, bias) in weights.items():
-                self.module._modules[name] = _Slice(name, weight, bias, cut)  # type: ignore[assignment]
+                if isinstance(weight, Blank):
+                    stand_in = _Slice(name, saved[name].weight, None, cut, weight)
+                else:
+                    stand_in = _Slice(name, weight, bias, cut)
+                self.module._modules[name] = stand_in  # type: ignore[assignment]
             self.module.__dict__.update(counts)
             with intercepting(self.module, stop):
                 type(self.module).forward(self.module, *args, **kwargs)
@@ -299,7 +315,7 @@ class HeadChunkedAttention:
         chunks = self.chunks_for(x)
         if chunks == 1:
             return type(module).forward(module, *args, **kwargs)
-        split = HeadSplit(self.num_heads, self.num_kv_heads, chunks)
+        split = ChunkHeads(self.num_heads, self.num_kv_heads, chunks, self.ctx.layout.ulysses)
         if self.verified is None:
             self.verify(x, args, kwargs, split)
             if not self.verified:
@@ -332,7 +348,7 @@ class HeadChunkedAttention:
         return NormRemake(made.norm.call_module, made.norm.chunk_size(source), made.replay), source
 
     # ------------------------------------------------------------------------------------------- the probe
-    def verify(self, x: torch.Tensor, args: tuple, kwargs: dict, split: HeadSplit) -> None:
+    def verify(self, x: torch.Tensor, args: tuple, kwargs: dict, split: ChunkHeads) -> None:
         """Run the module's own forward and the chunked one on a few random tokens with one local core; they must
         agree. Sets :attr:`verified` (and :attr:`remakeable`); raises ValueError when C > 1 was asked for and they
         do not."""

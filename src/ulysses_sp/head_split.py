@@ -2,8 +2,9 @@
 
 :func:`head_chunk_choices` lists the chunk counts C that split the heads over the Ulysses ranks with the kv groups
 intact; :func:`choose_head_chunks` picks one (asked for, or the fewest whose q/k/v after the exchange fit a budget
-per rank); :class:`HeadSplit` maps a chunk to its query and kv heads. The attention
-(:mod:`ulysses_sp.head_chunks`) and the memory planner both call these, so the plan predicts the C that runs.
+per rank); :class:`HeadSplit` maps a slice of one process's heads to its query and kv heads, and
+:class:`ChunkHeads` a chunk of a layer's heads over the Ulysses ranks. The attention (:mod:`ulysses_sp.head_chunks`)
+and the memory planner both call these, so the plan predicts the C that runs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 __all__ = [
     "DEFAULT_HEAD_CHUNK_BUDGET_BYTES",
     "DEPTH",
+    "ChunkHeads",
     "HeadSplit",
     "check_head_chunks",
     "choose_head_chunks",
@@ -47,11 +49,19 @@ def head_chunk_choices(num_heads: int, num_kv_heads: int, ulysses: int) -> list[
 def chunk_exchange_bytes(
     num_heads: int, num_kv_heads: int, ulysses: int, chunks: int, *, tokens: int, head_dim: int, element_size: int
 ) -> int:
-    """Bytes of one chunk's q/k/v after the exchange on one rank: ``(Hc/U + 2 max(Hkv_c/U, 1)) x tokens x d``
-    (``tokens`` = batch x the sequence a rank attends over, N, or N/R in a hybrid layout)."""
-    split = HeadSplit(num_heads, num_kv_heads, chunks)
-    rows = split.heads_per_chunk // ulysses + 2 * max(split.kv_heads(0)[1] // ulysses, 1)
-    return rows * tokens * head_dim * element_size
+    """Bytes of the q/k/v after the exchange on one rank while ``min(C, DEPTH)`` chunks are alive (``tokens`` =
+    batch x the sequence a rank attends over, N, or N/R in a hybrid layout): each chunk's ``Hc/U`` query heads
+    and, per chunk, its ``max(Hkv_c/U, 1)`` kv heads, or, where the chunks share them
+    (:attr:`ChunkHeads.shared_kv`), the layer's ``max(Hkv/U, 1)`` kv heads once and, as backward holds them, their
+    gradients' sum (fp32)."""
+    heads = ChunkHeads(num_heads, num_kv_heads, chunks, ulysses)
+    alive = min(chunks, DEPTH)
+    q = alive * heads.heads_per_chunk // ulysses * element_size
+    if heads.shared_kv:
+        kv = 2 * max(num_kv_heads // ulysses, 1) * (element_size + max(element_size, 4))
+    else:
+        kv = 2 * alive * max(heads.kv_per_chunk // ulysses, 1) * element_size
+    return (q + kv) * tokens * head_dim
 
 
 def choose_head_chunks(
@@ -66,15 +76,14 @@ def choose_head_chunks(
     budget_bytes: int = DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
 ) -> int:
     """The chunk count C: ``requested`` when > 0 (ValueError unless it is one of :func:`head_chunk_choices`),
-    else the fewest chunks whose :func:`chunk_exchange_bytes` times the chunks alive at once (``min(C, DEPTH)``)
-    fit ``budget_bytes`` (the smallest such working set when none does; C = 2 never beats C = 1 this way)."""
+    else the fewest chunks whose :func:`chunk_exchange_bytes` (the chunks alive at once) fit ``budget_bytes``
+    (the smallest such working set when none does)."""
     choices = head_chunk_choices(num_heads, num_kv_heads, ulysses)
     if requested:
         check_head_chunks(requested, num_heads, num_kv_heads, ulysses)
         return requested
     sizes = {
-        c: min(c, DEPTH)
-        * chunk_exchange_bytes(
+        c: chunk_exchange_bytes(
             num_heads, num_kv_heads, ulysses, c, tokens=tokens, head_dim=head_dim, element_size=element_size
         )
         for c in choices
@@ -108,7 +117,7 @@ def check_head_chunks(requested: object, num_heads: int, num_kv_heads: int, ulys
 
 @dataclass(frozen=True)
 class HeadSplit:
-    """The heads of chunk c: query heads ``[c Hc, (c+1) Hc)`` and the kv heads they read."""
+    """The heads of slice c of one process's heads: query heads ``[c Hc, (c+1) Hc)`` and the kv heads they read."""
 
     num_heads: int
     num_kv_heads: int
@@ -127,3 +136,62 @@ class HeadSplit:
         group = self.num_heads // self.num_kv_heads
         first = chunk * self.heads_per_chunk // group
         return first, max(self.heads_per_chunk // group, 1)
+
+
+@dataclass(frozen=True)
+class ChunkHeads:
+    """The heads of chunk c of an attention layer whose heads split over ``ulysses`` ranks (U).
+
+    Where a chunk's kv heads would be fewer than the ranks (each would go whole to several ranks, once per chunk),
+    the chunks share the kv heads (:attr:`shared_kv`) and are strided over the ranks: after the exchange rank r
+    holds the query heads it holds without chunks (``[r H/U, (r+1) H/U)``) in C slices (:attr:`local`), chunk c
+    bringing slice c, so its query heads read the same kv heads in every chunk; the layer's kv heads are exchanged
+    once, as without chunks, and each chunk exchanges its query heads only (sent rank by rank, ``U`` blocks of
+    ``Hc/U``). Otherwise chunk c is query heads ``[c Hc, (c+1) Hc)`` with the kv heads they read, its own.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    chunks: int
+    ulysses: int = 1
+
+    @property
+    def heads_per_chunk(self) -> int:
+        return self.num_heads // self.chunks
+
+    @property
+    def kv_per_chunk(self) -> int:
+        """The kv heads one chunk's query heads read (one where they are part of one kv group)."""
+        return max(self.heads_per_chunk * self.num_kv_heads // self.num_heads, 1)
+
+    @property
+    def shared_kv(self) -> bool:
+        return self.chunks > 1 and self.kv_per_chunk < self.ulysses
+
+    @property
+    def local(self) -> HeadSplit:
+        """One rank's query heads (``H/U``, reading ``max(Hkv/U, 1)`` kv heads) in C slices: chunk c's on it."""
+        return HeadSplit(self.num_heads // self.ulysses, max(self.num_kv_heads // self.ulysses, 1), self.chunks)
+
+    def query_ids(self, chunk: int) -> list[int]:
+        """The chunk's query heads in the order they are sent (rank by rank)."""
+        if not self.shared_kv:
+            return list(range(chunk * self.heads_per_chunk, (chunk + 1) * self.heads_per_chunk))
+        first, count = self.local.query_heads(chunk)
+        per_rank = self.num_heads // self.ulysses
+        return [r * per_rank + first + i for r in range(self.ulysses) for i in range(count)]
+
+    def kv_ids(self, chunk: int) -> list[int]:
+        """The kv heads the chunk sends, in order: all of them where the chunks share them, else those its query
+        heads read."""
+        if self.shared_kv:
+            return list(range(self.num_kv_heads))
+        first = chunk * self.heads_per_chunk * self.num_kv_heads // self.num_heads
+        return list(range(first, first + self.kv_per_chunk))
+
+    def shared_rows(self, chunk: int, blocks: int) -> list[int]:
+        """Where the chunks share the kv heads: the rows of the received kv heads that the chunk's query heads read,
+        one run per block of query heads. ``blocks``: the ranks' blocks this process holds (1; U where one process
+        stands for all ranks, with all kv heads)."""
+        first, count = self.local.kv_heads(chunk)
+        return [r * self.num_kv_heads // self.ulysses + first + i for r in range(blocks) for i in range(count)]

@@ -7,7 +7,7 @@ reports them; the benchmark checks its measured counts against them).
 
 from __future__ import annotations
 
-from .head_split import HeadSplit
+from .head_split import ChunkHeads
 from .ring import ring_bytes_per_layer
 
 __all__ = ["ring_p2p_per_layer", "ulysses_bytes_per_layer"]
@@ -32,16 +32,21 @@ def ulysses_bytes_per_layer(
     With the heads in ``chunks`` > 1 (:mod:`ulysses_sp.head_chunk_pipeline`) each chunk sends its q/k/v
     (``b n d (Hc + 2 hkv_c P)``, ``hkv_c = max(Hkv_c / P, 1)`` for the ``Hkv_c`` kv heads its query heads read)
     and its output forward, and three times that in backward: the q/k/v again, the output with its gradient,
-    the q/k/v gradients. A kv head that several chunks read is sent by each of them, and one that a chunk's
-    ranks share (``Hkv_c < P``) goes whole to each of them: with grouped kv heads the bytes grow with C.
+    the q/k/v gradients. Where the chunks share the kv heads (``Hkv_c < P``,
+    :attr:`~ulysses_sp.head_split.ChunkHeads.shared_kv`) the kv heads go once, as without chunks, and each chunk
+    sends its q: forward the bytes of C = 1, backward twice that.
     """
     if sp == 1:
         return 0
     n = seq_len // sp
-    split = HeadSplit(heads, kv_heads, chunks)  # C = 1: all heads, all kv heads
-    per_chunk, hkv = split.heads_per_chunk, max(split.kv_heads(0)[1] // sp, 1)
+    heads = ChunkHeads(heads, kv_heads, chunks, sp)
+    if chunks == 1 or heads.shared_kv:
+        hkv, rounds = max(kv_heads // sp, 1), (2 if chunks == 1 else 3)
+        per_chunk, chunks = heads.num_heads, 1
+    else:
+        hkv, rounds, per_chunk = max(heads.kv_per_chunk // sp, 1), 3, heads.heads_per_chunk
     forward = batch * n * head_dim * (per_chunk + 2 * hkv * sp) + batch * n * per_chunk * head_dim
-    return chunks * (2 if chunks == 1 else 3) * forward * element_size
+    return chunks * rounds * forward * element_size
 
 
 def ring_p2p_per_layer(

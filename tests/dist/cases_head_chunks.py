@@ -3,8 +3,9 @@ by tests/dist/test_head_chunks_parity.py.
 
 Every parity case compares the loss and every gradient with one process on the full batch (plain transformers
 attention, the model's own loss), as :mod:`tests.dist.cases_core` does, for C = 1, 2, 4 head chunks, and counts
-the all-to-alls: a chunked layer issues 2C in forward and 4C in backward (2C of them the recompute), the
-unchunked one 2 and 2, so a layer that silently fell back to the unchunked path fails the case.
+the all-to-alls: a chunked layer issues 2C in forward and 4C in backward (2C of them the recompute), and where its
+chunks share the kv heads one more in forward and two in backward; the unchunked one 2 and 2, so a layer that
+silently fell back to the unchunked path fails the case.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tests.helpers.harness import run_cases
 from tests.helpers.models import build, make_batch
 from tests.helpers.spy import calls_to
 from ulysses_sp import head_chunk_pipeline, sliced_core
+from ulysses_sp.head_split import ChunkHeads
 
 P = functools.partial
 CHUNKS = (1, 2, 4)
@@ -38,20 +40,25 @@ REFUSED = {
 }
 
 
-def all_to_alls(chunks: int, layers: int, fused: int = 0) -> int:
+def all_to_alls(chunks: int, layers: int, fused: int = 0, shared: int = 0) -> int:
     """All-to-alls of one forward + backward: per layer 2C forward and 4C backward chunked (3 for each of the
-    ``fused`` chunk backwards that used the saved output), 2 + 2 unchunked."""
-    return layers * (6 * chunks if chunks > 1 else 4) - fused
+    ``fused`` chunk backwards that used the saved output, and 1 + 2 more for each of the ``shared`` layers whose
+    chunks share the kv heads: exchanged once forward, once in backward and their gradients back), 2 + 2
+    unchunked."""
+    return layers * (6 * chunks if chunks > 1 else 4) - fused + 3 * shared
 
 
 def chunked_parity(layout, arch: str, chunks: int, *, layers: int = 2, fused: bool | None = None, **kwargs) -> None:
     """check_parity with ``head_chunks=chunks``, and the all-to-all count of a chunked (or unchunked) run;
     ``fused``: every chunk's backward must (True) or must not (False) run from the saved output."""
     stats = U.CommStats()
-    with calls_to(head_chunk_pipeline, "kernel_backward") as fused_calls:
+    with (
+        calls_to(head_chunk_pipeline, "kernel_backward") as fused_calls,
+        calls_to(head_chunk_pipeline.ChunkRun, "kv_grads_back") as shared,
+    ):
         check_parity(layout, arch, head_chunks=chunks, stats=stats, **kwargs)
     found = len(fused_calls)
-    want = all_to_alls(chunks, layers, found) if layout.ulysses > 1 else 0
+    want = all_to_alls(chunks, layers, found, len(shared)) if layout.ulysses > 1 else 0
     assert stats.calls["all_to_all"] == want, (stats.calls, want)
     if fused is not None and chunks > 1:
         assert found == (layers * chunks if fused else 0), (found, fused)
@@ -155,7 +162,7 @@ def overlap(layout, chunks: int = 4, core: str = "sdpa") -> None:
         return kernel_backward(*args, **kwargs)
 
     def logged_grad(outputs, inputs, *args, **kwargs):
-        if isinstance(inputs, torch.Tensor):  # the core's backward (the projections' pass lists)
+        if not isinstance(inputs, list):  # the core's backward (a tensor or a tuple; the projections' pass lists)
             core_backwards.append(len(in_flight))
         return grad(outputs, inputs, *args, **kwargs)
 
@@ -169,7 +176,9 @@ def overlap(layout, chunks: int = 4, core: str = "sdpa") -> None:
         del ctx.core_for
     layers = model.config.num_hidden_layers
     fused = chunks * layers if core == "sdpa" else 0
-    assert launched[0] == all_to_alls(chunks, layers, fused) and not in_flight, (launched, in_flight)
+    heads = ChunkHeads(model.config.num_attention_heads, model.config.num_key_value_heads, chunks, layout.ulysses)
+    want = all_to_alls(chunks, layers, fused, layers * heads.shared_kv)
+    assert launched[0] == want and not in_flight, (launched, want, in_flight)
     core_calls = (1 if fused else 2) * chunks * layers  # the recomputing backward runs each core again
     assert len(cores) == core_calls and len(core_backwards) == chunks * layers, (cores, core_backwards)
     assert all(cores) and all(core_backwards), f"a core ran with no exchange in flight: {cores}, {core_backwards}"

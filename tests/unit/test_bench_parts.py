@@ -59,18 +59,19 @@ def test_counter_sees_every_collective_and_the_stand_in_matches_the_formula():
 @pytest.mark.parametrize("sp,heads,kv_heads", [(2, 16, 4), (4, 16, 4), (2, 8, 8), (4, 8, 2)])
 def test_head_chunk_traffic_is_the_formula_and_the_plan_reports_it(sp, heads, kv_heads):
     """Every all-to-all of one layer's forward and backward with the heads in C chunks, counted on a stand-in rank,
-    is what the formula says (which grows with C: each chunk sends the q/k/v again in backward, and the kv heads
-    its query heads read, whole to every rank that shares one), and the plan reports it for the C it plans."""
+    is what the formula says, and the plan reports it for the C it plans. Chunks send more than C = 1 (each sends
+    its q/k/v again in backward); where they share the kv heads (fewer per chunk than ranks) exactly 1.5x, for any
+    C: the kv heads go once each way, as without chunks."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ulysses_sp.head_split import head_chunk_choices
+    from ulysses_sp.head_split import ChunkHeads, head_chunk_choices
     from ulysses_sp.plan import plan_memory
 
     config = LlamaConfig(
         hidden_size=128, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16, intermediate_size=64,
         num_hidden_layers=1, vocab_size=64, attn_implementation="sdpa",
     )  # fmt: skip
-    sent = {}
+    sent, shared = {}, {}
     for chunks in head_chunk_choices(heads, kv_heads, sp)[:3]:
         with StandIn(sp=sp, sp_rank=sp - 1) as rank:
             torch.manual_seed(0)
@@ -85,13 +86,15 @@ def test_head_chunk_traffic_is_the_formula_and_the_plan_reports_it(sp, heads, kv
             batch=1, seq_len=256, sp=sp, heads=heads, kv_heads=kv_heads, head_dim=16, element_size=4, chunks=chunks
         )
         assert stats.bytes["all_to_all"] == want, (chunks, stats.bytes, want)
-        assert stats.calls["all_to_all"] == (4 if chunks == 1 else 5 * chunks)
+        shared[chunks] = ChunkHeads(heads, kv_heads, chunks, sp).shared_kv
+        assert stats.calls["all_to_all"] == (4 if chunks == 1 else 5 * chunks + 3 * shared[chunks])
         features = ulysses_sp.Features(head_chunks=chunks, dtype="fp32")
         plan = plan_memory(config, seq_len=256, sp=sp, features=features, device="cpu")
         assert plan.head_chunks == chunks and plan.comm_bytes_per_layer["all_to_all"] == want
         sent[chunks] = want
     assert len(sent) > 1
     assert all(sent[c] > sent[1] for c in sent if c > 1), sent
+    assert all(2 * sent[c] == 3 * sent[1] for c in sent if shared[c]), (sent, shared)
 
 
 def test_stand_in_memory_scales_with_the_shard():

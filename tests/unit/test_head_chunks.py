@@ -12,7 +12,7 @@ import torch
 import ulysses_sp as U
 from tests.helpers.models import build, loss_and_grads, make_batch
 from ulysses_sp.head_chunks import HeadChunkedAttention
-from ulysses_sp.head_split import choose_head_chunks, head_chunk_choices
+from ulysses_sp.head_split import choose_head_chunks, chunk_exchange_bytes, head_chunk_choices
 
 
 def _chunked(model) -> list[HeadChunkedAttention]:
@@ -111,13 +111,18 @@ def test_choices_and_automatic_choice():
     assert head_chunk_choices(4, 4, 4) == [1]
     kw = dict(tokens=16384, head_dim=64, element_size=4)
     # q/k/v after the exchange of the chunks alive (min(C, 2)), x 16384 x 64 x 4 bytes: 16 heads, 4 kv heads over
-    # 2 ranks: C=1 (8 + 2 x 2) rows, C=2 2 x (4 + 2 x 1), C=4 2 x (2 + 2 x 1), C=8 2 x (1 + 2 x 1)
+    # 2 ranks: C=1 (8 + 2 x 2) rows, C=2 2 x (4 + 2 x 1); C=4 and C=8 share the kv heads (one per chunk < 2
+    # ranks): 2 x 2 and 2 x 1 query rows, the 2 x 2 kv rows once and their fp32 gradient sum (2 x 2 more)
     row = 16384 * 64 * 4
     assert head_chunk_choices(16, 4, 2) == [1, 2, 4, 8]
+    sizes = {c: chunk_exchange_bytes(16, 4, 2, c, **kw) for c in (1, 2, 4, 8)}
+    assert sizes == {1: 12 * row, 2: 12 * row, 4: 12 * row, 8: 10 * row}
     assert choose_head_chunks(16, 4, 2, budget_bytes=12 * row, **kw) == 1
-    assert choose_head_chunks(16, 4, 2, budget_bytes=12 * row - 1, **kw) == 4  # C=2 holds as much as C=1
-    assert choose_head_chunks(16, 4, 2, budget_bytes=6 * row, **kw) == 8
+    assert choose_head_chunks(16, 4, 2, budget_bytes=12 * row - 1, **kw) == 8
     assert choose_head_chunks(16, 4, 2, budget_bytes=1, **kw) == 8  # none fits: the smallest working set
+    # bf16: 4 query rows and 4 kv rows of 2 bytes, the kv heads' gradient sum 4 rows of 4 bytes
+    bf16 = chunk_exchange_bytes(16, 4, 2, 4, tokens=16384, head_dim=64, element_size=2)
+    assert bf16 == (4 * 2 + 4 * 2 + 4 * 4) * 16384 * 64
     assert choose_head_chunks(16, 4, 2, budget_bytes=1, requested=2, **kw) == 2
 
 

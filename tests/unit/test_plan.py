@@ -296,9 +296,10 @@ def test_head_chunks_shrink_the_attention_terms_and_c_is_the_runtime_choice():
     # in backward C=4's saved output and lse (16.9 MB) about match what 4 chunks take off the working set
     assert max(attention[1][backward], attention[4][backward]) < attention[2][backward], attention
     assert [p.head_chunks for p in plans.values()] == [1, 2, 4]
-    # the CPU-measured peak of C=4 (plan --simulate, this shape, 4096 tokens, sp 2, default features): 195,198,556
-    # bytes (220,364,380 while the chunked block's call kept every layer's hidden states alive until its backward)
-    assert abs(plans[4].peak_bytes / 195_198_556 - 1) < 0.05, plans[4].peak_bytes
+    # the CPU-measured peak of C=4 (plan --simulate, this shape, 4096 tokens, sp 2, default features): 205,749,852
+    # bytes since its chunks share the kv heads (held with their gradients' sum through the backward; 195,198,556
+    # when each chunk sent its own, 220,364,380 while the chunked block's call kept every layer's hidden states)
+    assert abs(plans[4].peak_bytes / 205_749_852 - 1) < 0.05, plans[4].peak_bytes
     auto = plan_memory(shape, seq_len=1 << 20, sp=2, features=Features(), device="cpu")
     tokens = auto.tokens_per_rank * 2
     assert auto.head_chunks == choose_head_chunks(16, 4, 2, tokens=tokens, head_dim=128, element_size=4) > 1

@@ -320,14 +320,21 @@ def _head_chunks(results: dict[str, Any]) -> list[str]:
         "parallelized with sp = P from one seed with `head_chunks=1` and `head_chunks=4`, each without and with "
         "activation checkpointing of the decoder layers; train steps interleaved as in section 3, ratio per "
         "repetition, median (min-max), at a longer sequence than section 3 (head chunks are for long sequences; "
-        "automatic C keeps 1 at short ones). With 4 chunks each layer issues 5x the all-to-alls (2 per chunk "
+        "automatic C keeps 1 at short ones). With 4 chunks each layer issues 23 all-to-alls, C=1 4 (2 per chunk "
         "forward, 3 backward: the q/k/v again, the output with its gradient, the q/k/v gradients), projects q/k/v "
         "again in backward and runs the core's fused backward from its saved output and lse (no second core "
-        "forward); each chunk sends the kv heads its 4 query heads read, whole to every rank when they are fewer "
-        "than the ranks, so it sends more bytes than C=1 (the ratio below); chunk c+1's exchange is in flight "
-        "(gloo's threads) while chunk c's core computes. The waited time is what rank 0 blocked on those exchanges "
-        "in one C=4 step (the exchange time not hidden behind a core); the loss spread is over the four models.",
+        "forward); a chunk's kv heads would be fewer than the ranks, so the chunks share them: they are exchanged "
+        "once per layer as with C=1 (3 all-to-alls more: forward, again in backward, their gradients' sum back) "
+        "and each chunk sends its query heads, so C=4 sends 1.5x C=1's bytes (the backward's q and output again); "
+        "chunk c+1's exchange is in flight (gloo's threads) while chunk c's core computes. The waited time is what "
+        "rank 0 blocked on those exchanges in one C=4 step (the exchange time not hidden behind a core); the loss "
+        "spread is over the four models.",
         "",
+        *(
+            [f"This section was measured in a later run than the others: {results['head_chunks_run']}.", ""]
+            if "head_chunks_run" in results
+            else []
+        ),
         *_table(header, rows),
         *[f"- {line}" for line in waits],
         "",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..head_split import DEFAULT_HEAD_CHUNK_BUDGET_BYTES, DEPTH, HeadSplit, choose_head_chunks, core_slices
+from ..head_split import DEFAULT_HEAD_CHUNK_BUDGET_BYTES, DEPTH, ChunkHeads, choose_head_chunks, core_slices
 
 __all__ = ["AttentionTerms", "attention_terms", "planned_core_slices", "planned_head_chunks"]
 
@@ -162,8 +162,8 @@ def attention_terms(
     if chunks == 1:
         return _unchunked(heads, kv_heads, d, ulysses, ring, c, device, slices, block_kernel=slices > 1)
     whole = _unchunked(heads, kv_heads, d, ulysses, ring, c, device)
-    split = HeadSplit(heads, kv_heads, chunks)
-    one = _unchunked(split.heads_per_chunk, split.kv_heads(0)[1], d, ulysses, ring, c, device, block_kernel=ring == 1)
+    split = ChunkHeads(heads, kv_heads, chunks, ulysses)
+    one = _unchunked(split.heads_per_chunk, split.kv_per_chunk, d, ulysses, ring, c, device, block_kernel=ring == 1)
     # Without a ring the chunks' cores run through a block kernel (ulysses_sp.chunk_core; the planner assumes the
     # sdpa core, no window, no softcap): the block saves their output after the exchange back ([t, H d]) and the
     # fp32 lse, filled chunk by chunk in forward, so that backward need not run the core again.
@@ -178,20 +178,29 @@ def attention_terms(
     # and the next chunk's pair being exchanged (sent and arriving) next to the first's q/k/v and pair.
     own = (4 if c < 4 else c) * hidden
     q1 = c * one.q_width  # one chunk's core output (or its gradient) after the exchange, per local token
-    qkv1 = c * (split.heads_per_chunk + 2 * max(split.kv_heads(0)[1] // ulysses, 1) * ulysses) * d
+    kv1 = c * 2 * max(split.kv_per_chunk // ulysses, 1) * ulysses * d  # the k/v one chunk's core reads
+    # Where the chunks share the kv heads (ChunkHeads.shared_kv) a chunk exchanges its q alone and reads its rows of
+    # the layer's k/v, exchanged once and held while the chunks run (in backward next to their gradients' sum,
+    # fp32 under a 16-bit dtype); its saved working set holds those rows as views, not copies.
+    qkv1, shared, shared_sum, one_saved = c * split.heads_per_chunk * d + kv1, 0, 0, one.saved
+    if split.shared_kv:
+        shared = c * 2 * max(kv_heads // ulysses, 1) * ulysses * d
+        shared_sum = (4 if c < 4 else c) * shared // c
+        qkv1, one_saved = qkv1 - kv1, one.saved - kv1
     if ring == 1:
         # Forward (recompute), measured the same way: its peak is early, before `saved` is filled: the [t, h] output
         # the chunks add into, each alive chunk's projected q/k/v, the receive buffers of both exchanges in flight
         # and the send buffer of the latest.
-        forward = c * hidden + DEPTH * one.local + (DEPTH + 1) * qkv1
-        in_core = DEPTH * one.saved + one.backward + (DEPTH - 1) * q1
-        exchanging = DEPTH * one.saved + 2 * DEPTH * q1
-        backward = own + max(in_core, exchanging)
-        exchange = own + 2 * qkv1 + (DEPTH - 1) * (one.saved + q1)  # a chunk's q/k/v gradients sent and arriving
+        forward = c * hidden + DEPTH * one.local + (DEPTH + 1) * qkv1 + shared
+        in_core = DEPTH * one_saved + one.backward + (DEPTH - 1) * q1
+        exchanging = DEPTH * one_saved + 2 * DEPTH * q1
+        backward = own + shared + shared_sum + max(in_core, exchanging)
+        # a chunk's q/k/v gradients sent and arriving
+        exchange = own + shared + shared_sum + 2 * qkv1 + (DEPTH - 1) * (one_saved + q1)
     else:  # the ring's chunks recompute their core and output projection's input (not measured moment by moment)
-        forward = saved + c * hidden + DEPTH * one.forward  # + the [t, h] output the chunks add into
-        backward = own + DEPTH * (one.saved + one.backward + one.o_proj_input) + q1
-        exchange = own + DEPTH * one.exchange
+        forward = saved + c * hidden + DEPTH * one.forward + shared  # + the [t, h] output the chunks add into
+        backward = own + shared + shared_sum + DEPTH * (one_saved + one.backward + one.o_proj_input) + q1
+        exchange = own + shared + shared_sum + DEPTH * one.exchange
     return AttentionTerms(
         chunks=chunks,
         saved=saved,

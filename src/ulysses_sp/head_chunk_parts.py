@@ -1,0 +1,140 @@
+"""Which rows of each sliced projection a stage of the head-chunked block uses, and how it reads and adds to them.
+
+A stage is a chunk c (its query heads, and its kv heads unless the chunks share them) or, where they do
+(:attr:`~ulysses_sp.head_split.ChunkHeads.shared_kv`), :data:`KV`: the layer's kv heads, once. A chunk's heads are
+strided over the ranks (:class:`~ulysses_sp.head_split.ChunkHeads`), so its rows of a weight are in general not one
+run: a read gathers them (a copy of a chunk's weights: small next to the activations) and an addition scatters
+into them (``index_add_``); a stage whose rows are one run reads a view and adds in place. A projection a stage does
+not compute is :class:`Blank` there (the module's own forward still runs it, on zeros, and its result is dropped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .head_chunks import HeadChunkedAttention
+    from .head_split import ChunkHeads
+
+__all__ = ["KV", "Blank", "ChunkParts"]
+
+KV = -1  # the stage of the kv heads the chunks share
+
+
+@dataclass(frozen=True)
+class Blank:
+    """A projection not computed in one capture: the module's forward gets zeros of ``rows`` outputs instead."""
+
+    rows: int
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Zeros ``[..., rows]`` in the dtype ``F.linear(x, weight)`` gives (autocast's where it is on); ``x`` may
+        be a data-less stand-in (only its shape is read)."""
+        device = weight.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        return torch.zeros(*x.shape[:-1], self.rows, dtype=dtype, device=weight.device)
+
+
+class ChunkParts:
+    """The rows (columns for the output projection) of ``owner``'s sliced projections for each stage of ``heads``."""
+
+    def __init__(self, owner: HeadChunkedAttention, heads: ChunkHeads) -> None:
+        self.owner, self.heads = owner, heads
+        self.stages = ([KV] if heads.shared_kv else []) + list(range(heads.chunks))
+        self._index: dict[tuple[str, int, torch.device], slice | torch.Tensor] = {}
+
+    def head_ids(self, name: str, stage: int) -> list[int] | None:
+        """The heads of projection ``name`` that ``stage`` computes, in order (None: it is blank there)."""
+        names, heads = self.owner.names, self.heads
+        is_query = name in names.query or name == names.out
+        if stage == KV:
+            return None if is_query else list(range(heads.num_kv_heads))
+        if is_query:
+            return heads.query_ids(stage)
+        return None if heads.shared_kv else heads.kv_ids(stage)
+
+    def head_counts(self, stage: int) -> tuple[int, int]:
+        """The query and kv head counts the module's forward sees in ``stage``'s capture (a blank projection's
+        included: the kv stage's blank queries have one head per kv head, a chunk's blank kv one head)."""
+        heads = self.heads
+        if stage == KV:
+            return heads.num_kv_heads, heads.num_kv_heads
+        return heads.heads_per_chunk, 1 if heads.shared_kv else heads.kv_per_chunk
+
+    def _width(self, name: str) -> int:
+        proj = self.owner.projection(name)
+        if name == self.owner.names.out:
+            return proj.in_features // self.heads.num_heads
+        per = self.heads.num_heads if name in self.owner.names.query else self.heads.num_kv_heads
+        return proj.out_features // per
+
+    def index(self, name: str, stage: int, device: torch.device) -> slice | torch.Tensor:
+        """``stage``'s rows of ``name`` (its columns for the output projection): a slice where they are one run,
+        else their indices."""
+        key = (name, stage, device)
+        if key not in self._index:
+            ids, per = self.head_ids(name, stage), self._width(name)
+            if ids is None:
+                raise RuntimeError(f"{name} is blank in stage {stage}")
+            if ids == list(range(ids[0], ids[0] + len(ids))):
+                self._index[key] = slice(ids[0] * per, (ids[0] + len(ids)) * per)
+            else:
+                rows = [h * per + i for h in ids for i in range(per)]
+                self._index[key] = torch.tensor(rows, dtype=torch.long, device=device)
+        return self._index[key]
+
+    def _dim(self, name: str, t: torch.Tensor) -> int:
+        return 1 if name == self.owner.names.out and t.dim() == 2 else 0
+
+    def part(self, name: str, stage: int, t: torch.Tensor) -> torch.Tensor:
+        """``stage``'s part of ``t``, a weight or bias (or its gradient) of ``name``: a view where its rows are one
+        run, else a copy. The output projection's bias is whole."""
+        if name == self.owner.names.out and t.dim() == 1:
+            return t
+        dim, index = self._dim(name, t), self.index(name, stage, t.device)
+        if isinstance(index, slice):
+            return t.narrow(dim, index.start, index.stop - index.start)
+        return t.index_select(dim, index)
+
+    def add(self, name: str, stage: int, target: torch.Tensor, value: torch.Tensor) -> None:
+        """``target``'s part for ``stage`` += ``value`` (``target`` a whole weight's, or bias', sum)."""
+        if name == self.owner.names.out and target.dim() == 1:
+            target.add_(value)
+            return
+        dim, index = self._dim(name, target), self.index(name, stage, target.device)
+        if isinstance(index, slice):
+            target.narrow(dim, index.start, index.stop - index.start).add_(value)
+        else:
+            target.index_add_(dim, index, value.to(target.dtype))
+
+    def add_mm(self, name: str, stage: int, target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """``target``'s part for ``stage`` += ``a @ b``: in place where its rows are one run (no product tensor)."""
+        index = self.index(name, stage, target.device)
+        if isinstance(index, slice):
+            part = self.part(name, stage, target)
+            if part.dtype == a.dtype:
+                part.addmm_(a, b)
+                return
+        self.add(name, stage, target, a.mm(b))
+
+    def weights(self, stage: int, *, leaves: bool = False) -> dict[str, tuple]:
+        """``stage``'s ``(weight, bias)`` of every sliced input projection: its parts, or (``leaves``) detached
+        parts that autograd differentiates separately; ``(Blank, None)`` for one it does not compute."""
+        found: dict[str, tuple] = {}
+        for name in (*self.owner.names.query, *self.owner.names.kv):
+            proj = self.owner.projection(name)
+            if self.head_ids(name, stage) is None:
+                query, kv = self.head_counts(stage)
+                found[name] = (Blank((query if name in self.owner.names.query else kv) * self._width(name)), None)
+                continue
+            pair = []
+            for t in (proj.weight, proj.bias):
+                if t is not None and leaves:
+                    pair.append(self.part(name, stage, t.detach()).requires_grad_(t.requires_grad))
+                else:
+                    pair.append(None if t is None else self.part(name, stage, t))
+            found[name] = (pair[0], pair[1])
+        return found
