@@ -19,9 +19,31 @@ if TYPE_CHECKING:
     from .head_chunks import HeadChunkedAttention
     from .head_split import ChunkHeads
 
-__all__ = ["KV", "Blank", "ChunkParts"]
+__all__ = ["KV", "Blank", "ChunkParts", "add_at", "rows_index", "take"]
 
 KV = -1  # the stage of the kv heads the chunks share
+
+
+def rows_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    """``rows`` as a slice where they are one ascending run, else as an index tensor."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def take(t: torch.Tensor, dim: int, index: slice | torch.Tensor) -> torch.Tensor:
+    """``t``'s rows ``index`` along ``dim``: a view for a slice, else a copy."""
+    if isinstance(index, slice):
+        return t.narrow(dim, index.start, index.stop - index.start)
+    return t.index_select(dim, index)
+
+
+def add_at(target: torch.Tensor, dim: int, index: slice | torch.Tensor, value: torch.Tensor) -> None:
+    """``target``'s rows ``index`` along ``dim`` += ``value``: in place through a view for a slice, else scattered."""
+    if isinstance(index, slice):
+        take(target, dim, index).add_(value)
+    else:
+        target.index_add_(dim, index, value.to(target.dtype))
 
 
 @dataclass(frozen=True)
@@ -79,11 +101,7 @@ class ChunkParts:
             ids, per = self.head_ids(name, stage), self._width(name)
             if ids is None:
                 raise RuntimeError(f"{name} is blank in stage {stage}")
-            if ids == list(range(ids[0], ids[0] + len(ids))):
-                self._index[key] = slice(ids[0] * per, (ids[0] + len(ids)) * per)
-            else:
-                rows = [h * per + i for h in ids for i in range(per)]
-                self._index[key] = torch.tensor(rows, dtype=torch.long, device=device)
+            self._index[key] = rows_index([h * per + i for h in ids for i in range(per)], device)
         return self._index[key]
 
     def _dim(self, name: str, t: torch.Tensor) -> int:
@@ -94,21 +112,14 @@ class ChunkParts:
         run, else a copy. The output projection's bias is whole."""
         if name == self.owner.names.out and t.dim() == 1:
             return t
-        dim, index = self._dim(name, t), self.index(name, stage, t.device)
-        if isinstance(index, slice):
-            return t.narrow(dim, index.start, index.stop - index.start)
-        return t.index_select(dim, index)
+        return take(t, self._dim(name, t), self.index(name, stage, t.device))
 
     def add(self, name: str, stage: int, target: torch.Tensor, value: torch.Tensor) -> None:
         """``target``'s part for ``stage`` += ``value`` (``target`` a whole weight's, or bias', sum)."""
         if name == self.owner.names.out and target.dim() == 1:
             target.add_(value)
             return
-        dim, index = self._dim(name, target), self.index(name, stage, target.device)
-        if isinstance(index, slice):
-            target.narrow(dim, index.start, index.stop - index.start).add_(value)
-        else:
-            target.index_add_(dim, index, value.to(target.dtype))
+        add_at(target, self._dim(name, target), self.index(name, stage, target.device), value)
 
     def add_mm(self, name: str, stage: int, target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """``target``'s part for ``stage`` += ``a @ b``: in place where its rows are one run (no product tensor)."""

@@ -63,7 +63,7 @@ from .comm import (
 from .cores import AttentionCall
 from .deferred_input import Absent, NormRemake
 from .head_chunk_grads import Accumulators, ProjectionCut, Roots
-from .head_chunk_parts import KV, ChunkParts
+from .head_chunk_parts import KV, ChunkParts, add_at, rows_index, take
 from .interleave import Stages, run_interleaved
 from .tiling import Replay, compute_dtype
 
@@ -156,17 +156,14 @@ class ChunkRun:
             return tuple(full.split(_split(*heads, self.sp), dim=1))
         if self.kv is None:
             raise RuntimeError("a chunk ran before the kv heads the chunks share arrived")
-        rows = self.split.shared_rows(chunk, self.blocks)
-        return (full, *(_rows(t, rows) for t in self.kv.chunk(2, dim=1)))
+        rows = rows_index(self.split.shared_rows(chunk, self.blocks), full.device)
+        return (full, *(take(t, 1, rows) for t in self.kv.chunk(2, dim=1)))
 
     def add_kv_grads(self, chunk: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
         """Add a chunk's k/v gradients into the shared kv heads' sums (their rows)."""
-        rows = self.split.shared_rows(chunk, self.blocks)
+        rows = rows_index(self.split.shared_rows(chunk, self.blocks), dk.device)
         for total, grad in zip(self.kv_grad.chunk(2, dim=1), (dk, dv), strict=True):
-            if rows == list(range(rows[0], rows[0] + len(rows))):
-                total.narrow(1, rows[0], len(rows)).add_(grad)
-            else:
-                total.index_add_(1, torch.tensor(rows, device=total.device), grad.to(total.dtype))
+            add_at(total, 1, rows, grad)
 
     def _exchange(self, send: torch.Tensor | list[torch.Tensor]) -> Generator[None, None, torch.Tensor]:
         """Launch the all-to-all of ``send``, yield while it is in flight, return what arrived (compute dtype).
@@ -412,13 +409,6 @@ def _core_inputs(x: torch.Tensor, *qkv: torch.Tensor | None) -> tuple[torch.Tens
     fp32; autocast's sdpa casts them, and so does this before the exchange), else as they are (None stays)."""
     dtype = compute_dtype(x)
     return tuple(None if t is None else t.to(dtype) for t in qkv)
-
-
-def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``t [b, h, N, d]``'s heads ``rows``: a view where they are one run, else a copy."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return t.narrow(1, rows[0], len(rows))
-    return t.index_select(1, torch.tensor(rows, device=t.device))
 
 
 class HeadChunkedFunction(torch.autograd.Function):

@@ -39,14 +39,13 @@ def ulysses_bytes_per_layer(
     if sp == 1:
         return 0
     n = seq_len // sp
-    heads = ChunkHeads(heads, kv_heads, chunks, sp)
-    if chunks == 1 or heads.shared_kv:
-        hkv, rounds = max(kv_heads // sp, 1), (2 if chunks == 1 else 3)
-        per_chunk, chunks = heads.num_heads, 1
-    else:
-        hkv, rounds, per_chunk = max(heads.kv_per_chunk // sp, 1), 3, heads.heads_per_chunk
-    forward = batch * n * head_dim * (per_chunk + 2 * hkv * sp) + batch * n * per_chunk * head_dim
-    return chunks * rounds * forward * element_size
+    split = ChunkHeads(heads, kv_heads, chunks, sp)
+    if chunks == 1 or split.shared_kv:  # one forward's worth of the whole layer's q/k/v and output
+        sends, query, hkv = 1, heads, max(kv_heads // sp, 1)
+    else:  # per chunk
+        sends, query, hkv = chunks, split.heads_per_chunk, max(split.kv_per_chunk // sp, 1)
+    forward = batch * n * head_dim * (query + 2 * hkv * sp) + batch * n * query * head_dim
+    return sends * (2 if chunks == 1 else 3) * forward * element_size
 
 
 def ring_p2p_per_layer(
