@@ -1,14 +1,22 @@
 """One real training step as ONE rank of a large layout, on one device, next to the planner's prediction.
 
 :func:`simulate_step` stands in for rank 0 of ``dp x sp`` ranks (:class:`~ulysses_sp.standin.StandIn`), builds
-the model the way ``ulysses-sp train`` does (on the ``meta`` device, parallelized, the memory features on,
-FSDP2 over the world), allocates only this rank's shards, and measures the second of two steps (when the
-AdamW states exist, as in every later step). :func:`sharded_step_peak` is that build-and-measure in an
-already initialised world (gloo ranks, or the stand-in's fake one), which the tests compare against.
+the model the way ``ulysses-sp train`` does (on the ``meta`` device, parallelized, the memory features the plan
+resolved on, where it chose the checkpoints' place and stride from the host memory too, FSDP2 over the world),
+allocates only this rank's shards, and measures the second of two steps (when the AdamW states exist, as in every
+later step). It answers whether the step fits a GPU of the planned memory: on CUDA the allocator is capped at that
+memory while the step runs (``torch.cuda.set_per_process_memory_fraction``), so a larger GPU can stand in for a
+smaller one, and running out of memory is a result (``fits: False``), not an error; on any device the measured peak
+must also be within the plan's usable memory. :func:`sharded_step_peak` is that build-and-measure in an already
+initialised world (gloo ranks, or the stand-in's fake one), which the tests compare against.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,7 +27,7 @@ from .layout import ParallelLayout
 from .plan import load_model_config, plan_memory
 from .standin import StandIn, measure_step, random_batch
 
-__all__ = ["sharded_step_peak", "simulate_step"]
+__all__ = ["memory_cap", "sharded_step_peak", "simulate_step"]
 
 
 def _materialise(model: nn.Module, device: torch.device, seed: int) -> None:
@@ -95,13 +103,35 @@ def sharded_step_peak(
     else:
         states = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         resident = _storage_bytes([*model.parameters(), *model.buffers(), *states], device)
+    start = time.perf_counter()
     step = measure_step(model, shard, layout, optimizer=optimizer, dtype=compute)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return {
         "peak_bytes": resident + step["peak_bytes"],
         "resident_bytes": resident,
         "step_peak_bytes": step["peak_bytes"],
         "loss": step["loss"],
+        "step_s": time.perf_counter() - start,  # the measured step, optimizer included (its tracker slows the CPU)
     }
+
+
+@contextlib.contextmanager
+def memory_cap(device: torch.device, gpu_memory_bytes: int) -> Iterator[None]:
+    """On CUDA, cap the caching allocator at ``gpu_memory_bytes`` (where that is less than the device has) while the
+    block runs, so that a step that would not fit a GPU of that memory runs out of memory here too; no-op elsewhere.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_memory_bytes / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
 
 
 def simulate_step(
@@ -115,18 +145,30 @@ def simulate_step(
     features: Features | None = None,
     micro_batch: int = 1,
     gpu_memory_bytes: int | None = None,
+    host_memory_bytes: int = 0,
+    gpus_per_node: int | None = None,
     core: str = "sdpa",
     seed: int = 0,
 ) -> dict[str, Any]:
     """Run one training step as rank 0 of ``dp x sp`` ranks on ``device`` and measure its peak memory.
 
     ``ring``: the ring degree inside ``sp`` (None: chosen from the heads, as :func:`plan_memory` does).
+    ``gpu_memory_bytes``: the GPU planned for (default: the CUDA device's memory, else 80 GiB); on CUDA the step
+    runs capped at it (:func:`memory_cap`). ``host_memory_bytes`` / ``gpus_per_node``: as :func:`plan_memory`'s;
+    with host memory given (on CUDA) the plan chooses where the checkpoints live, and the step runs that choice.
 
-    Returns ``{"measured_peak_bytes", "predicted_peak_bytes", "ratio", "plan", "loss", "device", ...}``
-    where ``plan`` is :func:`ulysses_sp.plan.plan_memory`'s prediction for the same settings (as a dict)
-    and ``ratio`` = predicted / measured.
+    Returns ``{"fits", "out_of_memory", "measured_peak_bytes", "predicted_peak_bytes", "ratio", "step_s",
+    "tokens_per_s", "tflops", "plan", "loss", "device", ...}``: ``plan`` is :func:`ulysses_sp.plan.plan_memory`'s
+    prediction for the same settings (as a dict), ``ratio`` = predicted / measured, ``fits`` whether the step ran
+    without running out of memory and within the plan's usable memory (measured figures are None where it ran
+    out); ``tokens_per_s`` / ``tflops`` are the whole sequence's over the measured step (model FLOPs ``6 N + 6 L H d
+    T``, recomputation not counted), as if every rank of the SP group took as long.
     """
     from torch.distributed.device_mesh import init_device_mesh
+
+    from .shapes import random_model
+    from .train.metrics import peak_tflops
+    from .train.model_factory import training_flops_per_token
 
     features = features or Features()
     device = torch.device(device)
@@ -134,6 +176,8 @@ def simulate_step(
         device = torch.device("cuda", torch.cuda.current_device())
     if seq_len % sp:
         raise ValueError(f"simulate needs seq_len divisible by sp, got seq_len={seq_len}, sp={sp}")
+    if gpu_memory_bytes is None:
+        gpu_memory_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 << 30
     config, name = load_model_config(model_config)
     plan = plan_memory(
         config,
@@ -142,28 +186,55 @@ def simulate_step(
         dp=dp,
         features=features,
         micro_batch=micro_batch,
-        gpu_memory_bytes=gpu_memory_bytes or 80 * (1 << 30),
+        gpu_memory_bytes=gpu_memory_bytes,
+        host_memory_bytes=host_memory_bytes,
+        gpus_per_node=gpus_per_node,
         device=device.type,
         ring=ring,
     )
     batch = random_batch(config.get_text_config().vocab_size, seq_len, batch=micro_batch, seed=seed)
+    measured: dict[str, Any] | None = None
     with StandIn(sp=sp, dp=dp, ring=plan.ring, sp_rank=0, device=device) as rank:
         mesh = init_device_mesh(device.type, (sp * dp,), mesh_dim_names=("world",))
-        measured = sharded_step_peak(
-            config, rank.layout, rank.shard(batch), features=features, mesh=mesh, core=core, seed=seed
-        )
+        try:
+            with memory_cap(device, gpu_memory_bytes):
+                measured = sharded_step_peak(
+                    config, rank.layout, rank.shard(batch), features=plan.features, mesh=mesh, core=core, seed=seed
+                )
+        except torch.OutOfMemoryError:
+            measured = None
+    if device.type == "cuda":  # what the step (or its traceback) held goes back to the device
+        gc.collect()
+        torch.cuda.empty_cache()
     predicted = plan.peak_bytes
-    return {
+    result: dict[str, Any] = {
         "model": name,
         "seq_len": seq_len,
         "sp": sp,
         "ring": plan.ring,
         "dp": dp,
         "device": str(device),
+        "gpu_memory_bytes": gpu_memory_bytes,
+        "fits": measured is not None and measured["peak_bytes"] <= plan.usable_bytes,
+        "out_of_memory": measured is None,
+        "predicted_peak_bytes": predicted,
+        "predicted_fits": plan.fits,
+        "plan": plan.to_dict(),
+    }
+    if measured is None:
+        keys = ("measured_peak_bytes", "resident_bytes", "ratio", "loss", "step_s", "tokens_per_s", "tflops", "mfu")
+        return {**result, **dict.fromkeys(keys)}
+    flops = training_flops_per_token(random_model(config, device="meta"), seq_len) * seq_len * micro_batch
+    tflops = flops / measured["step_s"] / 1e12
+    peak = peak_tflops(device)
+    return {
+        **result,
         "measured_peak_bytes": measured["peak_bytes"],
         "resident_bytes": measured["resident_bytes"],
-        "predicted_peak_bytes": predicted,
         "ratio": predicted / max(1, measured["peak_bytes"]),
         "loss": measured["loss"],
-        "plan": plan.to_dict(),
+        "step_s": measured["step_s"],
+        "tokens_per_s": seq_len * micro_batch / measured["step_s"],
+        "tflops": tflops,
+        "mfu": tflops / peak if peak else None,
     }

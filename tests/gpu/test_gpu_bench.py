@@ -1,4 +1,4 @@
-"""The bench's GPU mode on a real GPU at a small budget (skipped without CUDA)."""
+"""The bench's GPU mode on a real GPU at a small planned memory (skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,14 @@ from ulysses_sp.bench.gpu import run_gpu
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def test_gpu_mode_finds_a_length_and_measures_throughput():
-    results = run_gpu(models=("qwen3-4b",), sp_sizes=(1, 4), start=4096, limit=16384, granularity=4096, budget_s=300)
-    entry = results["models"]["qwen3-4b"]
-    assert entry["features"]["tiled_loss"] is True
-    one = entry["layouts"]["1"]
-    assert one["max_seq_len"] >= 4096 and one["tokens_per_s"] > 0 and one["tflops"] > 0
-    if one["mfu"] is not None:
-        assert 0 < one["mfu"] < 1
-    four = entry["layouts"]["4"]
-    # a quarter of the tokens per rank: at least as long a full sequence fits
-    assert four["max_seq_len"] >= one["max_seq_len"]
-    assert four["peak_bytes"] > 0
+def test_gpu_mode_fits_at_the_planned_maximum_and_not_ten_percent_above():
+    """Qwen3-4B's shape as rank 0 of sp=8, planned for a 24 GiB GPU (the allocator capped at it): the step fits at
+    the planner's longest sequence and not 10% above it, and the planner is within 10% where it ran."""
+    results = run_gpu(models=("qwen3-4b",), sp_sizes=(8,), gpu_memory_bytes=24 << 30, throughput_seq_len=32768)
+    points = results["models"]["qwen3-4b"]["layouts"]["8"]["points"]
+    assert points["throughput"]["tokens_per_s"] > 0 and points["throughput"]["tflops"] > 0
+    mfu = points["throughput"]["mfu"]
+    assert mfu is None or 0 < mfu < 1
+    assert points["max"]["fits"], points["max"]
+    assert not points["over"]["fits"], points["over"]
+    assert 0.9 <= points["max"]["ratio"] <= 1.1, points["max"]

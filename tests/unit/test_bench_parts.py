@@ -140,6 +140,28 @@ def test_gpu_mode_skips_cleanly_without_cuda():
     assert run_gpu() == {"skipped": "no CUDA device"}
 
 
+def test_gpu_mode_measures_at_the_planned_maximum_and_skips_what_would_run_too_long():
+    """The GPU mode's steps, run on the CPU (where a step fits when its measured peak is within the planned
+    memory): a first step at the throughput length, then the planner's longest sequence and 10% more; a point
+    whose estimated step time is over the budget is skipped, naming the estimate; the report has a row a point."""
+    from ulysses_sp.bench.report import _gpu
+    from ulysses_sp.features import Features
+
+    settings = dict(models=("llama-bench-tiny",), sp_sizes=(2,), gpu_memory_bytes=9 << 20, device="cpu")
+    settings.update(granularity=256, throughput_seq_len=512, features=Features(dtype="fp32"))
+    found = run_gpu(**settings, step_budget_s=600)
+    row = found["models"]["llama-bench-tiny"]["layouts"]["2"]
+    longest, points = row["predicted_max_seq_len"], row["points"]
+    assert [points[p]["seq_len"] for p in ("throughput", "max")] == [512, longest] and longest > 512
+    assert points["over"]["seq_len"] >= longest * 1.1 and points["over"]["seq_len"] % 512 == 0
+    assert points["max"]["fits"] and points["max"]["predicted_fits"] and not points["over"]["predicted_fits"]
+    assert 0.9 <= points["max"]["ratio"] <= 1.1 and points["throughput"]["tokens_per_s"] > 0
+    table = [line for line in _gpu({"gpu": found}, None) if line.startswith("| llama-bench-tiny")]
+    assert len(table) == 3 and "planned max + 10%" in table[2]
+    hurried = run_gpu(**settings, step_budget_s=1e-3)["models"]["llama-bench-tiny"]["layouts"]["2"]["points"]
+    assert "fits" in hurried["throughput"] and hurried["max"]["skipped"].startswith("estimated")
+
+
 def test_the_stand_in_rank_sees_the_documents_of_the_full_row():
     """The simulated SP group answers Ulysses' position all-gather with each peer's own shard, so the stand-in
     rank works out the documents of the whole row, as a real rank does (not one document per shard)."""

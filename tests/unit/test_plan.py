@@ -204,6 +204,28 @@ def test_simulate_agrees_with_the_plan_in_head_chunks(chunks):
     assert 0.95 <= result["ratio"] <= 1.05, result
 
 
+def test_at_the_planned_longest_sequence_the_step_fits_and_ten_percent_longer_it_does_not():
+    """The GPU validation's method (the planner's longest sequence and 10% above it, not a search), here on the CPU,
+    where a step fits when its measured peak is within the planned memory (on CUDA the allocator is also capped at
+    that memory and running out of it is the answer): rank 0 of sp=2, a 24 MiB budget."""
+    from ulysses_sp.simulate import simulate_step
+
+    config = LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=1024, tie_word_embeddings=False,
+    )  # fmt: skip
+    features, budget, unit = Features(dtype="fp32"), 24 << 20, 256
+    longest = max_seq_len(config, sp=2, gpu_memory_bytes=budget, features=features, device="cpu", granularity=unit)
+    over = -(-longest * 11 // 10 // (2 * unit)) * 2 * unit  # 10% more, rounded up to the search's unit
+    at, above = (
+        simulate_step(config, seq_len=n, sp=2, features=features, gpu_memory_bytes=budget) for n in (longest, over)
+    )
+    assert at["predicted_fits"] and at["fits"] and not at["out_of_memory"], at
+    assert not above["predicted_fits"] and not above["fits"], above
+    assert 0.97 <= at["ratio"] <= 1.03 and above["measured_peak_bytes"] > budget
+    assert at["tokens_per_s"] > 0 and at["tflops"] > 0 and at["mfu"] is None  # no bf16 peak is known for a CPU
+
+
 @pytest.mark.parametrize("dtype,chunk", [("bf16", None), ("bf16", 128), ("fp32", None)])
 def test_simulate_agrees_where_the_tiled_loss_forward_is_the_peak(dtype, chunk):
     """Vocabulary 128 x hidden: the tiled loss's forward (its gradient buffers and one chunk) is the peak."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ulysses_sp.cli_config import check_choices, option
+from ulysses_sp.plan.units import parse_bytes
 
 __all__ = ["BENCH_MODELS", "PRESETS", "BenchConfig"]
 
@@ -47,6 +48,15 @@ class BenchConfig:
     reps: int | None = option(None, help="Timed repetitions per world (after 1 warm-up).")
     deepspeed: bool = option(True, help="Run DeepSpeed's Ulysses side by side when it is installed.")
     gpu: str = option("auto", help="auto: the GPU mode when CUDA is present.", choices=("auto", "off"))
+    gpu_memory: str | None = option(
+        None,
+        help="GPU mode: the GPU memory planned for and the allocator's cap, e.g. 40GiB (less than the card has puts "
+        "the planned limit at lengths a step can run in --gpu-step-budget-s); 'none' = the card's.",
+    )
+    host_memory: str = option("120GiB", help="GPU mode: this host's memory for offloaded checkpoints and optimizer.")
+    gpu_step_budget_s: float = option(
+        300.0, help="GPU mode: skip a point whose step is estimated to take longer (seconds).", metavar="SECONDS"
+    )
     output_dir: str | None = option(
         None, help="Where results.json and the PNGs go; 'none' = benchmarks/results (with --report-from: its folder)."
     )
@@ -67,6 +77,15 @@ class BenchConfig:
             raise ValueError(
                 f"--model {self.model!r} is not a benchmark model; choose one of {', '.join(BENCH_MODELS)}"
             )
+        for name in ("gpu_memory", "host_memory"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    parse_bytes(value)
+                except ValueError as error:
+                    raise ValueError(f"--{name.replace('_', '-')}: {error}") from None
+        if self.gpu_step_budget_s <= 0:
+            raise ValueError(f"--gpu-step-budget-s must be > 0, got {self.gpu_step_budget_s}")
         for name in ("seq_len", "head_chunk_seq_len", "reps"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -86,6 +105,14 @@ class BenchConfig:
     def reps_for(self, world: int) -> int:
         """Timed repetitions of the world of ``world`` ranks: ``--reps``, else the preset's."""
         return self.reps if self.reps is not None else _PRESET_REPS[self.size].get(world, 3)
+
+    def gpu_settings(self) -> dict[str, Any]:
+        """The GPU mode's keyword arguments (:func:`ulysses_sp.bench.gpu.run_gpu`) from the flags."""
+        return {
+            "gpu_memory_bytes": parse_bytes(self.gpu_memory) if self.gpu_memory else None,
+            "host_memory_bytes": parse_bytes(self.host_memory),
+            "step_budget_s": self.gpu_step_budget_s,
+        }
 
     @property
     def markdown_path(self) -> str | None:

@@ -1,137 +1,144 @@
-"""GPU mode: the longest sequence one GPU trains, for real model shapes, and per-rank memory of SP layouts.
+"""GPU mode: the planner's longest sequence for real model shapes, measured where it says the limit is.
 
-For each published shape (:data:`~ulysses_sp.shapes.PUBLISHED_SHAPES`, random weights, bf16 on the GPU)
-with the memory features ``ulysses-sp train`` runs on a GPU (:class:`~ulysses_sp.features.Features`'
-defaults), :func:`~ulysses_sp.plan.search_longest` finds the longest sequence for which one training step
-(forward, loss, backward) fits: doubling until ``torch.cuda.OutOfMemoryError``, then bisection. At that
-length it times a few steps: tokens/s, model TFLOPs (``6 N + 6 L H d T`` per token, recomputation not
-counted) and MFU against the device's bf16 peak.
+For each published shape (:data:`~ulysses_sp.shapes.PUBLISHED_SHAPES`, random weights, bf16) and each sp, with the
+memory features ``ulysses-sp train`` runs on a GPU (:class:`~ulysses_sp.features.Features`' defaults, optimizer
+states in host memory), :func:`~ulysses_sp.plan.max_seq_len` predicts the longest sequence for a GPU of
+``gpu_memory_bytes`` and this host's memory; then one training step (:func:`ulysses_sp.simulate.simulate_step`:
+forward, loss, backward, AdamW, as rank 0 of the layout with torch's fake process group for sp > 1) runs at that
+length and at 10% more, with the allocator capped at ``gpu_memory_bytes``. The first should fit and the second
+should not; both give the planner's error (predicted / measured peak). No search: each point is one step.
 
-Layouts with sp = 4 and 8 are measured on the same GPU by standing in for their last rank
-(:class:`~ulysses_sp.standin.StandIn`): the search then finds the longest FULL sequence whose per-rank share
-fits, and that rank's peak memory. Optimizer states are not allocated (the HF blog's and the ALST runs
-offload them or shard them with ZeRO-3): the numbers are for the activations, weights and gradients.
+Long sequences cost quadratic attention time (Llama-3.1-8B at 1M tokens is over half an hour a step on one H100),
+so a smaller ``gpu_memory_bytes`` than the card has moves the limit to lengths a lease can run, and a point whose
+step would take longer than ``step_budget_s`` (estimated from a first step at ``throughput_seq_len`` tokens and the
+model FLOPs per token) is recorded as skipped, naming the estimate. The first step also gives tokens/s, TFLOPs and
+MFU at that length.
+
+A stand-in rank gets this machine's host memory: the plan is for a node of sp such GPUs each with that much.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import gc
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
-from ulysses_sp.features import Features, apply_features
-from ulysses_sp.model import parallelize, unparallelize
-from ulysses_sp.plan import search_longest
+from ulysses_sp.features import Features
+from ulysses_sp.plan import max_seq_len
 from ulysses_sp.shapes import PUBLISHED_SHAPES, random_model, shape_config
-from ulysses_sp.standin import StandIn, measure_step, random_batch
+from ulysses_sp.simulate import simulate_step
+from ulysses_sp.train.model_factory import training_flops_per_token
 
-__all__ = ["run_gpu"]
+__all__ = ["GPU_POINTS", "run_gpu"]
 
-
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+GPU_POINTS = ("throughput", "max", "over")  # the step at throughput_seq_len, at the planned maximum, 10% above it
 
 
-def _fits(model: nn.Module, rank: StandIn, vocab: int, budget_s: float) -> Callable[[int], bool | None]:
-    deadline = time.monotonic() + budget_s
-
-    def fits(seq_len: int) -> bool | None:
-        if time.monotonic() > deadline:
-            return None
-        try:
-            measure_step(model, rank.shard(random_batch(vocab, seq_len)), rank.layout)
-            return True
-        except torch.cuda.OutOfMemoryError:
-            model.zero_grad(set_to_none=True)
-            return False
-        finally:
-            _release(rank.device)
-
-    return fits
-
-
-def _throughput(model: nn.Module, rank: StandIn, vocab: int, seq_len: int, steps: int) -> dict[str, float]:
-    from ulysses_sp.loss import causal_lm_loss
-    from ulysses_sp.train.metrics import peak_tflops
-    from ulysses_sp.train.model_factory import training_flops_per_token
-
-    device, layout = rank.device, rank.layout
-    shard = rank.shard(random_batch(vocab, seq_len))
-    times = []
-    for step in range(steps + 1):  # the first step warms up
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        causal_lm_loss(model, shard, layout).backward()
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device)
-        if step:
-            times.append(time.perf_counter() - start)
-    step_s = sorted(times)[len(times) // 2]
-    tokens_per_s = seq_len / step_s
-    tflops = training_flops_per_token(model, seq_len) * tokens_per_s / 1e12
-    peak = peak_tflops(device)
-    return {
-        "step_s": step_s,
-        "tokens_per_s": tokens_per_s,
-        "tflops": tflops,
-        "mfu": tflops / peak if peak else None,
-        "peak_tflops": peak,
-    }
+def _round_up(length: int, unit: int) -> int:
+    return -(-length // unit) * unit
 
 
 def run_gpu(
     *,
     models: tuple[str, ...] = PUBLISHED_SHAPES,
-    sp_sizes: tuple[int, ...] = (1, 4, 8),
-    start: int = 8192,
-    limit: int = 4 << 20,
+    sp_sizes: tuple[int, ...] = (1, 8),
+    gpu_memory_bytes: int | None = None,
+    host_memory_bytes: int = 120 << 30,
+    over: float = 0.10,
+    throughput_seq_len: int = 65536,
     granularity: int = 8192,
-    steps: int = 3,
-    budget_s: float = 900.0,
+    step_budget_s: float = 300.0,
+    features: Features | None = None,
+    device: torch.device | str | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run the GPU mode on ``cuda:0``; returns ``{"skipped": reason}`` without CUDA.
+    """Run the GPU mode; returns ``{"skipped": reason}`` without CUDA (``device`` None).
 
-    Each (model, sp) search stops starting new trials after ``budget_s`` seconds (long sequences take
-    minutes per step); ``search_complete`` says whether it ended by itself.
+    ``gpu_memory_bytes``: the GPU planned for and the allocator's cap (default: the device's memory);
+    ``host_memory_bytes``: this host's memory for offloaded checkpoints and optimizer states (default 120 GiB, a
+    128 GiB host); ``granularity``: the planned lengths are multiples of ``granularity x sp``; ``features``:
+    default ``Features(cpu_offload_optimizer=True)``; ``device``: default ``cuda:0`` (a CPU runs it too, where
+    ``fits`` is the measured peak within the planned memory: the tests use it).
     """
-    if not torch.cuda.is_available():
-        return {"skipped": "no CUDA device"}
-    device = torch.device("cuda", 0)
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "models": {}}
-    for name in models:
-        config = shape_config(name, use_cache=False)
-        model = random_model(config, dtype=torch.bfloat16, device=device)
-        vocab = config.vocab_size
-        entry: dict[str, Any] = {"layouts": {}}
+    if device is None:
+        if not torch.cuda.is_available():
+            return {"skipped": "no CUDA device"}
+        device = torch.device("cuda", 0)
+    device = torch.device(device)
+    if gpu_memory_bytes is None:
+        gpu_memory_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 << 30
+    features = features or Features(cpu_offload_optimizer=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    results: dict[str, Any] = {
+        "device": name,
+        "gpu_memory_bytes": gpu_memory_bytes,
+        "host_memory_bytes": host_memory_bytes,
+        "over": over,
+        "step_budget_s": step_budget_s,
+        "models": {},
+    }
+    for model in models:
+        config = shape_config(model, use_cache=False)
+        meta = random_model(config, device="meta")
+        layouts: dict[str, Any] = {}
         for sp in sp_sizes:
-            with StandIn(sp=sp, sp_rank=sp - 1, device=device) as rank:
-                parallelize(model, rank.layout)
-                if "features" not in entry:
-                    entry["features"] = dataclasses.asdict(apply_features(model, Features(), device.type))
-                found, trials, complete = search_longest(
-                    _fits(model, rank, vocab, budget_s),
-                    start=start * sp,
-                    limit=limit * sp,
-                    granularity=granularity * sp,
-                )
-                row: dict[str, Any] = {"max_seq_len": found, "trials": trials, "search_complete": complete}
-                if found:
-                    row.update(measure_step(model, rank.shard(random_batch(vocab, found)), rank.layout))
-                    if sp == 1:
-                        row.update(_throughput(model, rank, vocab, found, steps))
-                log(f"gpu: {name} sp={sp}: max sequence {found} tokens ({len(trials)} trials)")
-                entry["layouts"][str(sp)] = row
-                unparallelize(model)
-                _release(device)
-        results["models"][name] = entry
-        del model
-        _release(device)
+            settings = dict(
+                sp=sp,
+                gpus_per_node=sp,
+                gpu_memory_bytes=gpu_memory_bytes,
+                host_memory_bytes=host_memory_bytes * sp,
+                features=features,
+                device=device.type,
+            )
+            unit = granularity * sp
+            longest = max_seq_len(config, granularity=granularity, **settings)
+            row: dict[str, Any] = {"predicted_max_seq_len": longest, "points": {}}
+            layouts[str(sp)] = row
+            if not longest:
+                log(f"gpu: {model} sp={sp}: the plan fits no sequence in {gpu_memory_bytes / 2**30:.1f} GiB")
+                continue
+            lengths = {
+                "throughput": min(_round_up(throughput_seq_len, unit), longest),
+                "max": longest,
+                "over": _round_up(int(longest * (1 + over)), unit),
+            }
+            first: dict[str, Any] | None = None
+            for point in GPU_POINTS:
+                seq_len = lengths[point]
+                if point == "max" and first is not None and first["seq_len"] == seq_len:  # measured already
+                    row["points"][point] = row["points"]["throughput"]
+                    continue
+                estimate = None if first is None else _estimate_s(meta, first, seq_len)
+                if estimate is not None and estimate > step_budget_s:
+                    row["points"][point] = {"seq_len": seq_len, "skipped": f"estimated {estimate:.0f} s a step"}
+                    log(f"gpu: {model} sp={sp} {point} {seq_len:,}: skipped (estimated {estimate:.0f} s a step)")
+                    continue
+                start = time.monotonic()
+                result = simulate_step(config, seq_len=seq_len, device=device, **_simulate_settings(settings))
+                result = {k: v for k, v in result.items() if k != "plan"} | {"phase": result["plan"]["phase"]}
+                row["points"][point] = result | {"wall_s": time.monotonic() - start}
+                first = first or (result if not result["out_of_memory"] else None)
+                verdict = "out of memory" if result["out_of_memory"] else ("fits" if result["fits"] else "over")
+                ratio = f", predicted / measured {result['ratio']:.3f}" if result["ratio"] else ""
+                log(f"gpu: {model} sp={sp} {point} {seq_len:,}: {verdict}{ratio}")
+        results["models"][model] = {"layouts": layouts, "features": features.describe()}
+        del meta
     return results
+
+
+def _simulate_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """:func:`max_seq_len`'s settings as :func:`simulate_step` takes them."""
+    return {k: v for k, v in settings.items() if k != "device"}
+
+
+def _estimate_s(meta: torch.nn.Module, measured: dict[str, Any], seq_len: int) -> float | None:
+    """A step's time at ``seq_len`` from one measured at another length, scaled by the model FLOPs of the step."""
+    if not measured.get("step_s"):
+        return None
+
+    def flops(length: int) -> float:
+        return training_flops_per_token(meta, length) * length
+
+    return measured["step_s"] * flops(seq_len) / flops(measured["seq_len"])

@@ -96,15 +96,21 @@ def _steps(results: dict[str, Any], path: Path) -> str:
 def _gpu(results: dict[str, Any], path: Path) -> str:
     plt, fig, axes = _figure(1)
     ax = axes[0]
-    models = results["gpu"]["models"]
-    for name, entry in models.items():
-        points = sorted((int(sp), row["max_seq_len"] / 1024) for sp, row in entry["layouts"].items())
-        ax.plot(*zip(*points, strict=True), marker="o", label=name)
-    ax.set_xlabel("sp (one rank measured)")
-    ax.set_ylabel("max sequence (K tokens)")
+    labels, ratios = [], []
+    for name, entry in results["gpu"]["models"].items():
+        for sp, row in entry["layouts"].items():
+            for point, found in row["points"].items():
+                if found.get("ratio"):
+                    labels.append(f"{name}\nsp={sp} {point}")
+                    ratios.append(found["ratio"])
+    ax.bar(range(len(ratios)), ratios)
+    ax.axhspan(0.9, 1.1, alpha=0.15, label="within 10%")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=6)
+    ax.set_ylabel("planner: predicted / measured peak")
     ax.set_title(results["gpu"]["device"])
     ax.legend()
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, axis="y")
     return _save(plt, fig, path)
 
 

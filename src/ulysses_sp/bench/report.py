@@ -256,31 +256,57 @@ def _gpu(results: dict[str, Any], image: str | None) -> list[str]:
         ]
     rows = []
     for name, entry in gpu["models"].items():
-        features = ", ".join(f"{k}={v}" for k, v in entry["features"].items())
         for sp, row in entry["layouts"].items():
-            mfu = row.get("mfu")
-            rows.append(
-                [
-                    name,
-                    sp,
-                    f"{row['max_seq_len']:,}",
-                    "yes" if row["search_complete"] else "budget hit",
-                    f"{row.get('peak_bytes', 0) / 2**30:.1f}",
-                    f"{row['tokens_per_s']:,.0f}" if "tokens_per_s" in row else "",
-                    f"{row['tflops']:.0f}" if "tflops" in row else "",
-                    f"{100 * mfu:.1f}%" if mfu else "",
-                    features,
-                ]
-            )
+            if not row["points"]:
+                rows.append([name, sp, "planned max", "0", "the plan fits no sequence", *[""] * 7])
+            for point, found in row["points"].items():
+                rows.append([name, sp, _POINT_NAMES[point], f"{found['seq_len']:,}", *_gpu_cells(found)])
+    from ulysses_sp.plan.units import format_bytes
+
     lines += [
-        f"Device: {gpu['device']}. Random weights, bf16, one training step (forward, loss, backward; optimizer "
-        "states not allocated). sp > 1: one rank of the layout measured on this GPU with the fake process group.",
+        f"Device: {gpu['device']}; planned for a GPU of {format_bytes(gpu['gpu_memory_bytes'])} (the allocator capped "
+        f"at it) and {format_bytes(gpu['host_memory_bytes'])} of host memory per GPU. Random weights, the features "
+        f"`ulysses-sp train` runs on a GPU ({next(iter(gpu['models'].values()))['features']}). One training step "
+        "(forward, loss, backward, AdamW) per point as rank 0 of the layout (torch's fake process group for sp > 1): "
+        "at the planner's longest sequence, and 10% above it, where the step should not fit; `predicted / measured` "
+        "is the planner's error at that point. tokens/s and TFLOPs are the whole sequence's over the measured step "
+        "(model FLOPs 6 N + 6 L H d T, recomputation not counted; an sp > 1 rank as if every rank took as long). "
+        f"Points estimated to take over {gpu['step_budget_s']:.0f} s a step are skipped.",
         "",
-        *_table(["model", "sp", "max tokens", "search", "peak GiB", "tokens/s", "TFLOPs", "MFU", "features"], rows),
-    ]
+        *_table(
+            [
+                "model", "sp", "point", "tokens", "result", "phase", "predicted peak", "measured peak",
+                "predicted / measured", "tokens/s", "TFLOPs", "MFU",
+            ],
+            rows,
+        ),
+    ]  # fmt: skip
     if image:
         lines += [f"![gpu]({image})", ""]
     return lines
+
+
+_POINT_NAMES = {"throughput": "throughput", "max": "planned max", "over": "planned max + 10%"}
+
+
+def _gpu_cells(found: dict[str, Any]) -> list[str]:
+    """The table cells of one GPU point after its name and length: result, phase, peaks, ratio, speed."""
+    if "skipped" in found:
+        return [f"skipped: {found['skipped']}", *[""] * 7]
+    from ulysses_sp.plan.units import format_bytes
+
+    result = "out of memory" if found["out_of_memory"] else ("fits" if found["fits"] else "over the usable memory")
+    cells = [result, found["phase"], format_bytes(found["predicted_peak_bytes"])]
+    if found["out_of_memory"]:
+        return cells + [""] * 5
+    mfu = found.get("mfu")
+    return cells + [
+        format_bytes(found["measured_peak_bytes"]),
+        f"{found['ratio']:.3f}",
+        f"{found['tokens_per_s']:,.0f}",
+        f"{found['tflops']:.0f}",
+        f"{100 * mfu:.1f}%" if mfu else "",
+    ]
 
 
 def _chunk_traffic(result: dict[str, Any]) -> float:

@@ -249,7 +249,7 @@ def run_bench(config: BenchConfig, log=print, command: str = "ulysses-sp bench")
     results["worlds"] = _world_section(config, log)
     results["comm"] = _comm_table(config, results["worlds"])
     results["head_chunks"] = _head_chunk_section(config, log)
-    results["gpu"] = run_gpu(log=log) if config.gpu == "auto" else {"skipped": "--gpu off"}
+    results["gpu"] = run_gpu(log=log, **config.gpu_settings()) if config.gpu == "auto" else {"skipped": "--gpu off"}
     results["wall_s"] = time.monotonic() - started
     results["environment"]["load_average_end"] = _load_average()
     results["plots"] = write_plots(results, out_dir)

@@ -145,6 +145,20 @@ def _check_heads(config: Any, sp: int, ring: int | None, gpus_per_node: int) -> 
         raise ValueError(f"--sp {sp}" + (f" --ring {ring}" if ring else "") + f": {error}") from None
 
 
+def _simulated_line(simulated: dict[str, Any]) -> str:
+    """What ``--simulate`` measured, against the prediction, and whether the step fit the planned GPU."""
+    where = f"simulate on {simulated['device']} ({format_bytes(simulated['gpu_memory_bytes'])} planned)"
+    predicted = format_bytes(simulated["predicted_peak_bytes"])
+    if simulated["out_of_memory"]:
+        return f"{where}: OUT OF MEMORY (does not fit; predicted peak {predicted})"
+    verdict = "fits" if simulated["fits"] else "DOES NOT FIT the usable memory"
+    return (
+        f"{where}: {verdict}; measured peak {format_bytes(simulated['measured_peak_bytes'])}, predicted {predicted} "
+        f"(predicted / measured = {simulated['ratio']:.3f}); step {simulated['step_s']:.1f} s, "
+        f"{simulated['tokens_per_s']:,.0f} tokens/s"
+    )
+
+
 def plan_command(argv: Sequence[str]) -> int:
     """Run ``ulysses-sp plan``; returns the exit status (2, naming the flag, on bad input)."""
     args: PlanConfig = parse_config(
@@ -181,6 +195,8 @@ def plan_command(argv: Sequence[str]) -> int:
             features=features,
             micro_batch=args.micro_batch,
             gpu_memory_bytes=args.gpu_memory_bytes,
+            host_memory_bytes=args.host_memory_bytes,
+            gpus_per_node=args.gpus_per_node,
         )
     if args.json:
         out = {"model": name, "plan": plan.to_dict(), "max_seq_len": longest, "recommendation": advice.to_dict()}
@@ -206,11 +222,7 @@ def plan_command(argv: Sequence[str]) -> int:
         f"; longest with it: {advice.max_seq_len:,} tokens, peak {format_bytes(advice.plan.peak_bytes)}"
     )
     if simulated is not None:
-        print(
-            f"simulate on {simulated['device']}: measured peak {format_bytes(simulated['measured_peak_bytes'])}, "
-            f"predicted {format_bytes(simulated['predicted_peak_bytes'])} (predicted / measured = "
-            f"{simulated['ratio']:.3f})"
-        )
+        print(_simulated_line(simulated))
     return 0
 
 
