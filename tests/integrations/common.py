@@ -82,6 +82,17 @@ def trainer_args(out: str, **overrides):
     return TrainingArguments(output_dir=out, **{**_RUN, **sizes, **overrides})
 
 
+def checkpointing_arg() -> str:
+    """TrainingArguments' activation checkpointing flag: ``activation_checkpointing`` (``gradient_checkpointing``,
+    its deprecated alias, before transformers renamed it)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
 def sft_args(out: str, **overrides):
     """SFTConfig with padding-free packing (bfd) into rows of at most 48 tokens, one row per batch, 1 epoch."""
     from trl import SFTConfig

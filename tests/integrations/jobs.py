@@ -18,6 +18,7 @@ from tests.helpers.models import build
 from tests.integrations.common import (
     EVAL_LENGTHS,
     TRAIN_LENGTHS,
+    checkpointing_arg,
     drop_labels_collate,
     pad_collate,
     sft_args,
@@ -122,7 +123,7 @@ def ulysses_lora(job: str) -> None:
             gradient_accumulation_steps=2,
             num_train_epochs=1,
             learning_rate=1e-2,
-            activation_checkpointing=True,
+            **{checkpointing_arg(): True},
         ),
         train_dataset=token_dataset(TRAIN_LENGTHS, seed=1),
         eval_dataset=token_dataset(EVAL_LENGTHS, seed=2),
