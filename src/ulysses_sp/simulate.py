@@ -27,7 +27,7 @@ from .layout import ParallelLayout
 from .plan import load_model_config, plan_memory
 from .standin import StandIn, measure_step, random_batch
 
-__all__ = ["memory_cap", "sharded_step_peak", "simulate_step"]
+__all__ = ["memory_cap", "planned_gpu_bytes", "sharded_step_peak", "simulate_step"]
 
 
 def _materialise(model: nn.Module, device: torch.device, seed: int) -> None:
@@ -130,8 +130,14 @@ def memory_cap(device: torch.device, gpu_memory_bytes: int) -> Iterator[None]:
     try:
         yield
     finally:
-        torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def planned_gpu_bytes(device: torch.device, gpu_memory_bytes: int | None) -> int:
+    """The GPU memory a simulated step is planned for: ``gpu_memory_bytes``, else the CUDA device's, else 80 GiB."""
+    if gpu_memory_bytes is not None:
+        return gpu_memory_bytes
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 << 30
 
 
 def simulate_step(
@@ -176,8 +182,7 @@ def simulate_step(
         device = torch.device("cuda", torch.cuda.current_device())
     if seq_len % sp:
         raise ValueError(f"simulate needs seq_len divisible by sp, got seq_len={seq_len}, sp={sp}")
-    if gpu_memory_bytes is None:
-        gpu_memory_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 << 30
+    gpu_memory_bytes = planned_gpu_bytes(device, gpu_memory_bytes)
     config, name = load_model_config(model_config)
     plan = plan_memory(
         config,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ulysses_sp.cli_config import check_choices, option
-from ulysses_sp.plan.units import parse_bytes
+from ulysses_sp.plan.units import parse_flag_bytes
 
 __all__ = ["BENCH_MODELS", "PRESETS", "BenchConfig"]
 
@@ -77,13 +77,7 @@ class BenchConfig:
             raise ValueError(
                 f"--model {self.model!r} is not a benchmark model; choose one of {', '.join(BENCH_MODELS)}"
             )
-        for name in ("gpu_memory", "host_memory"):
-            value = getattr(self, name)
-            if value is not None:
-                try:
-                    parse_bytes(value)
-                except ValueError as error:
-                    raise ValueError(f"--{name.replace('_', '-')}: {error}") from None
+        self.gpu_settings()  # parses the sizes, naming the flag on error
         if self.gpu_step_budget_s <= 0:
             raise ValueError(f"--gpu-step-budget-s must be > 0, got {self.gpu_step_budget_s}")
         for name in ("seq_len", "head_chunk_seq_len", "reps"):
@@ -109,8 +103,8 @@ class BenchConfig:
     def gpu_settings(self) -> dict[str, Any]:
         """The GPU mode's keyword arguments (:func:`ulysses_sp.bench.gpu.run_gpu`) from the flags."""
         return {
-            "gpu_memory_bytes": parse_bytes(self.gpu_memory) if self.gpu_memory else None,
-            "host_memory_bytes": parse_bytes(self.host_memory),
+            "gpu_memory_bytes": parse_flag_bytes("gpu_memory", self.gpu_memory) if self.gpu_memory else None,
+            "host_memory_bytes": parse_flag_bytes("host_memory", self.host_memory),
             "step_budget_s": self.gpu_step_budget_s,
         }
 

@@ -8,7 +8,8 @@ forward, loss, backward, AdamW, as rank 0 of the layout with torch's fake proces
 length and at 10% more, with the allocator capped at ``gpu_memory_bytes``. The first should fit and the second
 should not; both give the planner's error (predicted / measured peak). No search: each point is one step.
 
-Long sequences cost quadratic attention time (Llama-3.1-8B at 1M tokens is over half an hour a step on one H100),
+Long sequences cost quadratic attention time (Llama-3.1-8B at 1M tokens: about 8e17 model FLOPs a step, over half
+an hour at 400 TFLOP/s; an estimate, not a measurement),
 so a smaller ``gpu_memory_bytes`` than the card has moves the limit to lengths a lease can run, and a point whose
 step would take longer than ``step_budget_s`` (estimated from a first step at ``throughput_seq_len`` tokens and the
 model FLOPs per token) is recorded as skipped, naming the estimate. The first step also gives tokens/s, TFLOPs and
@@ -28,7 +29,7 @@ import torch
 from ulysses_sp.features import Features
 from ulysses_sp.plan import max_seq_len
 from ulysses_sp.shapes import PUBLISHED_SHAPES, random_model, shape_config
-from ulysses_sp.simulate import simulate_step
+from ulysses_sp.simulate import planned_gpu_bytes, simulate_step
 from ulysses_sp.train.model_factory import training_flops_per_token
 
 __all__ = ["GPU_POINTS", "run_gpu"]
@@ -67,8 +68,7 @@ def run_gpu(
             return {"skipped": "no CUDA device"}
         device = torch.device("cuda", 0)
     device = torch.device(device)
-    if gpu_memory_bytes is None:
-        gpu_memory_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 << 30
+    gpu_memory_bytes = planned_gpu_bytes(device, gpu_memory_bytes)
     features = features or Features(cpu_offload_optimizer=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     results: dict[str, Any] = {
@@ -90,10 +90,9 @@ def run_gpu(
                 gpu_memory_bytes=gpu_memory_bytes,
                 host_memory_bytes=host_memory_bytes * sp,
                 features=features,
-                device=device.type,
             )
             unit = granularity * sp
-            longest = max_seq_len(config, granularity=granularity, **settings)
+            longest = max_seq_len(config, granularity=granularity, device=device.type, **settings)
             row: dict[str, Any] = {"predicted_max_seq_len": longest, "points": {}}
             layouts[str(sp)] = row
             if not longest:
@@ -116,7 +115,7 @@ def run_gpu(
                     log(f"gpu: {model} sp={sp} {point} {seq_len:,}: skipped (estimated {estimate:.0f} s a step)")
                     continue
                 start = time.monotonic()
-                result = simulate_step(config, seq_len=seq_len, device=device, **_simulate_settings(settings))
+                result = simulate_step(config, seq_len=seq_len, device=device, **settings)
                 result = {k: v for k, v in result.items() if k != "plan"} | {"phase": result["plan"]["phase"]}
                 row["points"][point] = result | {"wall_s": time.monotonic() - start}
                 first = first or (result if not result["out_of_memory"] else None)
@@ -124,13 +123,7 @@ def run_gpu(
                 ratio = f", predicted / measured {result['ratio']:.3f}" if result["ratio"] else ""
                 log(f"gpu: {model} sp={sp} {point} {seq_len:,}: {verdict}{ratio}")
         results["models"][model] = {"layouts": layouts, "features": features.describe()}
-        del meta
     return results
-
-
-def _simulate_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """:func:`max_seq_len`'s settings as :func:`simulate_step` takes them."""
-    return {k: v for k, v in settings.items() if k != "device"}
 
 
 def _estimate_s(meta: torch.nn.Module, measured: dict[str, Any], seq_len: int) -> float | None:

@@ -23,7 +23,7 @@ from .memory import MemoryPlan, plan_memory
 from .recommend import recommend
 from .search import max_seq_len
 from .shape import load_model_config
-from .units import format_bytes, parse_bytes
+from .units import format_bytes, parse_flag_bytes
 
 __all__ = ["PlanConfig", "plan_command"]
 
@@ -100,18 +100,11 @@ class PlanConfig(Features):
 
     @property
     def gpu_memory_bytes(self) -> int:
-        return _bytes("gpu_memory", self.gpu_memory)
+        return parse_flag_bytes("gpu_memory", self.gpu_memory)
 
     @property
     def host_memory_bytes(self) -> int:
-        return _bytes("host_memory", self.host_memory)
-
-
-def _bytes(name: str, text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as error:
-        raise ValueError(f"--{name.replace('_', '-')}: {error}") from None
+        return parse_flag_bytes("host_memory", self.host_memory)
 
 
 def _table(plan: MemoryPlan) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["GiB", "format_bytes", "parse_bytes"]
+__all__ = ["GiB", "format_bytes", "parse_bytes", "parse_flag_bytes"]
 
 GiB = 1 << 30
 _UNITS = {
@@ -32,6 +32,14 @@ def parse_bytes(text: str) -> int:
     if match is None or unit not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GiB, 141GB, 1TiB or 512MiB")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_flag_bytes(name: str, text: str) -> int:
+    """:func:`parse_bytes` for the flag ``--name`` (underscores as dashes): its ValueError names the flag."""
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise ValueError(f"--{name.replace('_', '-')}: {error}") from None
 
 
 def format_bytes(value: float) -> str:
