@@ -46,17 +46,23 @@ def _variants(chunk: int) -> dict[str, Callable]:
     return {"plain": plain, "tiled": tiled, "recompute": recompute}
 
 
-def _seconds(fn: Callable, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> tuple[float, float]:
+def _seconds(fn: Callable, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> tuple[float, float, float]:
     """Wall and process-CPU seconds of one forward + backward (the loss divided by the token count, as a mean
-    loss would be). On a shared CPU the CPU seconds leave out the time spent waiting for a core."""
+    loss would be), and on CUDA the peak bytes it allocated above what was held before it (the gradients of h
+    and w included; 0 on CPU). On a shared CPU the CPU seconds leave out the time spent waiting for a core."""
     h.grad = w.grad = None
+    base = 0
     if h.is_cuda:
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     wall, cpu = time.perf_counter(), time.process_time()
     (fn(h, w, t) / t.numel()).backward()
+    peak = 0.0
     if h.is_cuda:
         torch.cuda.synchronize()
-    return time.perf_counter() - wall, time.process_time() - cpu
+        peak = float(torch.cuda.max_memory_allocated() - base)
+    return time.perf_counter() - wall, time.process_time() - cpu, peak
 
 
 def measure(tokens: int, hidden: int, vocab: int, chunk: int, rounds: int, dtype: str, device: str) -> dict:
@@ -71,14 +77,18 @@ def measure(tokens: int, hidden: int, vocab: int, chunk: int, rounds: int, dtype
     variants = _variants(chunk)
     names = list(variants)
     times: dict[str, dict[str, list[float]]] = {"wall": {n: [] for n in names}, "cpu": {n: [] for n in names}}
+    peaks = dict.fromkeys(names, 0.0)
     for round_index in range(rounds + 1):
         for k in range(len(names)):
             name = names[(round_index + k) % len(names)]
-            wall, cpu = _seconds(variants[name], h, w, t)
+            wall, cpu, peak = _seconds(variants[name], h, w, t)
+            peaks[name] = max(peaks[name], peak)
             if round_index:
                 times["wall"][name].append(wall)
                 times["cpu"][name].append(cpu)
     row: dict = {"chunk_tokens": chunk, "chunks": -(-tokens // chunk)}
+    if h.is_cuda:
+        row["peak_mib"] = {n: peak / 2**20 for n, peak in peaks.items()}
     for clock, per_name in times.items():
         ratios = {n: [a / b for a, b in zip(per_name[n], per_name["plain"], strict=True)] for n in names}
         row[f"{clock}_median_s"] = {n: statistics.median(values) for n, values in per_name.items()}
@@ -114,6 +124,18 @@ def _markdown(result: dict) -> str:
                 f"{s['recompute']:.3f} | {r['tiled']:.2f}x ({span['tiled'][0]:.2f}-{span['tiled'][1]:.2f}) | "
                 f"{r['recompute']:.2f}x ({span['recompute'][0]:.2f}-{span['recompute'][1]:.2f}) |"
             )
+    if any("peak_mib" in row for row in result["rows"]):
+        lines += [
+            "",
+            "Peak CUDA memory of one forward + backward above what was held before it (MiB; the gradients of the "
+            "hidden states and the weight included):",
+            "",
+            "| chunk tokens | plain | tiled | recompute |",
+            "|---:|---:|---:|---:|",
+        ]
+        for row in result["rows"]:
+            p = row["peak_mib"]
+            lines.append(f"| {row['chunk_tokens']} | {p['plain']:.0f} | {p['tiled']:.0f} | {p['recompute']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

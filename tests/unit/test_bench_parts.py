@@ -3,6 +3,10 @@ per-rank stand-in and the formulas."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +20,8 @@ from ulysses_sp.plan import search_longest
 from ulysses_sp.shapes import SHAPES
 from ulysses_sp.standin import StandIn, fake_world, measure_step, random_batch
 from ulysses_sp.traffic import ring_p2p_per_layer, ulysses_bytes_per_layer
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("capacity", [0, 5000, 8192, 20000, 100_000, 10**9])
@@ -191,3 +197,24 @@ def test_the_default_features_are_what_train_turns_on():
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     with pytest.raises(ValueError, match="already tiled"):
         enable_tiled_mlp(model)
+
+
+def test_gpu_validation_script_runs_each_point_with_its_own_memory(tmp_path):
+    """benchmarks/gpu_validation.py (the GPU session's driver), run on the CPU: each model:sp:memory point is planned
+    for its own memory and measured at the planned maximum and 10% above; JSON and a table a point are written; a
+    malformed point is refused naming it."""
+    spec = importlib.util.spec_from_file_location("gpu_validation", ROOT / "benchmarks" / "gpu_validation.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(ValueError, match="llama-bench-tiny:two"):
+        script.main(["--point", "llama-bench-tiny:two:9MiB", "--out", str(tmp_path)])
+    argv = ["--point", "llama-bench-tiny:2:9MiB", "llama-bench-tiny:2:12MiB", "--device", "cpu", "--dtype", "fp32"]
+    argv += ["--granularity", "256", "--throughput-seq-len", "512", "--out", str(tmp_path)]
+    found = script.main(argv)
+    rows = [p["result"]["models"]["llama-bench-tiny"]["layouts"]["2"] for p in found["points"]]
+    assert rows[1]["predicted_max_seq_len"] > rows[0]["predicted_max_seq_len"] > 512
+    for row in rows:
+        assert row["points"]["max"]["fits"] and not row["points"]["over"]["predicted_fits"]
+    table = (tmp_path / "gpu_validation.md").read_text()
+    assert table.count("| llama-bench-tiny | 2 | planned max + 10% |") == 2 and "planned for 12MiB" in table
+    assert json.loads((tmp_path / "gpu_validation.json").read_text())["environment"]["torch"] == torch.__version__

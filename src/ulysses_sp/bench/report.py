@@ -254,6 +254,15 @@ def _gpu(results: dict[str, Any], image: str | None) -> list[str]:
             f"Not run: {gpu['skipped']}. Run `ulysses-sp bench` on a CUDA machine to fill this section.",
             "",
         ]
+    lines += gpu_table(gpu)
+    if image:
+        lines += [f"![gpu]({image})", ""]
+    return lines
+
+
+def gpu_table(gpu: dict[str, Any]) -> list[str]:
+    """The Markdown lines (a paragraph on the setting, then a table) of one GPU-mode result
+    (:func:`ulysses_sp.bench.gpu.run_gpu`)."""
     rows = []
     for name, entry in gpu["models"].items():
         for sp, row in entry["layouts"].items():
@@ -263,7 +272,7 @@ def _gpu(results: dict[str, Any], image: str | None) -> list[str]:
                 rows.append([name, sp, _POINT_NAMES[point], f"{found['seq_len']:,}", *_gpu_cells(found)])
     from ulysses_sp.plan.units import format_bytes
 
-    lines += [
+    lines = [
         f"Device: {gpu['device']}; planned for a GPU of {format_bytes(gpu['gpu_memory_bytes'])} (the allocator capped "
         f"at it) and {format_bytes(gpu['host_memory_bytes'])} of host memory per GPU. Random weights, the features "
         f"`ulysses-sp train` runs on a GPU ({next(iter(gpu['models'].values()))['features']}). One training step "
@@ -281,8 +290,6 @@ def _gpu(results: dict[str, Any], image: str | None) -> list[str]:
             rows,
         ),
     ]  # fmt: skip
-    if image:
-        lines += [f"![gpu]({image})", ""]
     return lines
 
 
