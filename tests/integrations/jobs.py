@@ -170,6 +170,7 @@ def _expect(error: type[Exception], fragment: str, fn) -> None:
 
 def bad_input() -> None:
     """Each bad input raises a ValueError on every rank, before training (or at the first batch), no hang."""
+    from torch.distributed.fsdp import fully_shard
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -204,6 +205,9 @@ def bad_input() -> None:
     _expect(ValueError, "output_router_logits=True (the Trainer takes the model's own loss", lambda: make(moe))
     _expect(ValueError, "sp_size must be a positive int", lambda: make(sp_size=0))
     _expect(ValueError, "not divisible by sp=4", lambda: make(sp_size=4))
+    sharded = build("llama")
+    fully_shard(sharded)  # by hand, not at load time: the Trainer would wrap its DTensor parameters in DDP
+    _expect(ValueError, "LlamaForCausalLM has DTensor parameters on a world of 2 ranks", lambda: make(sharded))
     trainer = make(collator=drop_labels_collate)
     _expect(ValueError, "the collated batch has no 'labels'", trainer.train)
 

@@ -248,7 +248,8 @@ def test_accelerate_loop_equals_one_process(world2_sp, world4, out_dir, job, wor
 
 # ------------------------------------------------------------------------------------- bad input
 def test_bad_input_raises_clear_errors_on_every_rank(world2_sp):
-    """Heads, attention implementation, core, compute_metrics, sp_size, world size, a collator without labels."""
+    """Heads, attention implementation, core, compute_metrics, sp_size, world size, a model sharded by hand before the
+    Trainer (DDP would wrap its DTensor parameters), a collator without labels."""
     assert_case(world2_sp, "bad_input", 2)
 
 

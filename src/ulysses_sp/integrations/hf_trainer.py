@@ -106,6 +106,7 @@ class UlyssesTrainerMixin:
     ) -> None:
         if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
             raise ValueError(f"sp_size must be a positive int, got {sp_size!r}")
+        _refuse_sharded_before(kwargs.get("model", args[0] if args else None), kwargs.get("args"))
         super().__init__(*args, **kwargs)
         self._check_supported(sp_size)
         core = resolve_core(self.model, sp_core)
@@ -240,3 +241,31 @@ class UlyssesTrainer(UlyssesTrainerMixin, Trainer):
 
     See :class:`UlyssesTrainerMixin` for the extra arguments and the module docstring for what changes.
     """
+
+
+def _refuse_sharded_before(model: Any, args: Any) -> None:
+    """Refuse a model whose parameters are already sharded (DTensors, e.g. ``fully_shard`` applied by hand) when
+    this transformers' Trainer would wrap it in DDP, which cannot run on DTensor parameters (it fails in its
+    first broadcast, or in ``model.to``): only a model sharded at load time (``from_pretrained(distributed_config=
+    ...)``) in a transformers whose models report it (``is_distributed_loading_by_transformers``) is left as it is."""
+    if not isinstance(model, torch.nn.Module) or args is None or getattr(args, "world_size", 1) <= 1:
+        return
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return
+    if getattr(model, "is_distributed_loading_by_transformers", False):
+        return
+    if hasattr(type(model), "is_distributed_loading_by_transformers"):
+        how = (
+            "its parameters were sharded before the Trainer (fully_shard by hand?), so the Trainer would wrap the "
+            "DTensor parameters in DDP, which fails; load it with from_pretrained(..., distributed_config="
+            "DistributedConfig(fsdp_size=...)) or pass the unsharded model with TrainingArguments(fsdp=...) on GPUs"
+        )
+    else:
+        how = (
+            "this transformers' Trainer wraps a model sharded at load time (DTensor parameters) in DDP, which fails; "
+            "upgrade transformers to one whose models have is_distributed_loading_by_transformers (5.23 has it), or "
+            "pass the unsharded model with TrainingArguments(fsdp=...) on GPUs"
+        )
+    raise ValueError(f"{type(model).__name__} has DTensor parameters on a world of {args.world_size} ranks: {how}")
