@@ -5,8 +5,9 @@ its backward runs each chunk's core forward again to get the graph of the core's
 :mod:`ulysses_sp.ring_kernels` (``cpu_flash`` on the CPU, the CUDA sdpa ops on a GPU) the forward keeps the core's
 output (after the exchange back, as the output projection's input; one ``[tokens, H d_v]`` tensor per layer) and
 the fp32 log-sum-exp (``[b, H/U, N]``), and the backward calls the kernel's fused backward with them: the same
-arithmetic as the sdpa core's autograd, one core forward less per chunk, and one all-to-all less (the output and
-its gradient travel to the attending ranks in one exchange).
+arithmetic as the sdpa core's autograd, one core forward less per chunk, and one all-to-all less (the output's
+gradient travels to the attending ranks with the output's row sums, all the kernels read of the output:
+:func:`stand_in_output` gives them an output with those sums).
 
 :func:`chunk_kernel` says when: no ring (the ring has its own kernels), no dropout (the kernels take no RNG
 state), no sliding window and no softcap (the causal kernels apply neither), one of the named fused cores
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from .cores import AttentionCall
 from .ring_kernels import default_ring_kernel, get_ring_kernel
 
-__all__ = ["KERNEL_CORES", "chunk_kernel", "kernel_backward", "kernel_forward"]
+__all__ = ["KERNEL_CORES", "chunk_kernel", "kernel_backward", "kernel_forward", "output_row_sums", "stand_in_output"]
 
 # The cores whose arithmetic a block kernel reproduces (exact causal attention through a fused kernel).
 KERNEL_CORES = ("sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
@@ -102,3 +103,21 @@ def kernel_backward(
             for target, part in zip(grads, found, strict=True):
                 target[piece] = part
     return tuple(g.to(q.dtype) for g in grads)  # type: ignore[return-value]
+
+
+def output_row_sums(grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``sum_d grad * out`` per token and head (``[..., d_v]`` each -> ``[..., 1]``): all that the kernels' backward
+    reads of the output (flash attention's ``D``, the softmax gradient's row term); in ``grad``'s dtype."""
+    return torch.linalg.vecdot(grad, out.to(grad.dtype)).unsqueeze(-1)
+
+
+def stand_in_output(grad: torch.Tensor, row_sums: torch.Tensor) -> torch.Tensor:
+    """An output for :func:`kernel_backward` whose :func:`output_row_sums` with ``grad [..., d_v]`` are ``row_sums
+    [..., 1]``: ``grad * D / |grad|^2`` per row (0 where the gradient's row is 0, and then D is 0 too). The kernels
+    read the output only through those sums, so their gradients are the true output's; no larger than the true
+    output row by row (Cauchy-Schwarz: ``|D| <= |grad| |out|``)."""
+    norm2 = torch.linalg.vector_norm(grad, dim=-1, keepdim=True, dtype=torch.float32).square()
+    scale = torch.where(norm2 > 0, row_sums.float() / norm2, 0.0)  # [..., 1] fp32
+    if grad.dtype == torch.float16:  # the scale may pass fp16's range where the gradient is small
+        return (grad.float() * scale).to(grad.dtype)
+    return grad * scale.to(grad.dtype)

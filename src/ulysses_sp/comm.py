@@ -208,13 +208,13 @@ def out_local_grad(grad: torch.Tensor, sp: int) -> torch.Tensor:
     return _split_ranks(grad, sp).contiguous()
 
 
-def out_pair_send(first: torch.Tensor, second: torch.Tensor, sp: int) -> torch.Tensor:
-    """Two ``[b, n, P h, d]`` tensors (any strides) -> one send buffer ``[P, b, n, h, 2 d]``: :func:`out_local_grad`
-    of both, side by side in the last dim (they travel in one all-to-all; :func:`out_send_grad` then splits)."""
-    b, n, heads, d = first.shape
-    send = second.new_empty(sp, b, n, heads // sp, 2 * d)
-    for half, t in zip(send.split(d, dim=-1), (first, second), strict=True):
-        half.copy_(_split_ranks(t, sp))
+def out_pack_send(sp: int, *parts: torch.Tensor) -> torch.Tensor:
+    """``[b, n, P h, d_i]`` tensors (any strides) -> one send buffer ``[P, b, n, h, sum d_i]``: :func:`out_local_grad`
+    of each, side by side in the last dim (they travel in one all-to-all; :func:`out_send_grad` then splits)."""
+    b, n, heads, _ = parts[0].shape
+    send = parts[0].new_empty(sp, b, n, heads // sp, sum(t.shape[-1] for t in parts))
+    for piece, t in zip(send.split([t.shape[-1] for t in parts], dim=-1), parts, strict=True):
+        piece.copy_(_split_ranks(t, sp))
     return send
 
 

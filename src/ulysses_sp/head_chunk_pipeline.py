@@ -20,7 +20,8 @@ output projection into one ``[b, n, h]`` buffer. :class:`HeadChunkedFunction` sa
 tiled norm made it, that norm's input: :mod:`ulysses_sp.deferred_input`) and, where a block kernel runs the core
 (:mod:`ulysses_sp.chunk_core`), the core's output after the exchange back (``[b, n, H, d_v]``) and its log-sum-exp.
 Its backward runs each chunk by hand: the projections again (their graph), the q/k/v exchange, the output
-projection's backward, one exchange of the saved output and its gradient to the attending ranks, the kernel's fused
+projection's backward, one exchange of the output's gradient and the output's row sums (in place of the saved output,
+which the kernels read only through them: :func:`~ulysses_sp.chunk_core.stand_in_output`), the kernel's fused
 backward, the q/k/v exchange's adjoint, the projections' backward (by hand for the projections of the block's input,
 :class:`ProjectionCut`: in-place matmuls into the sums, no ``[t, h]`` temporaries). Under autocast q/k/v cross in
 the autocast dtype, as autocast's sdpa would cast them. Collectives per layer: 2C forward, 3C backward (and 1 + 2
@@ -47,11 +48,11 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .attention import pad_qkv
-from .chunk_core import chunk_kernel, kernel_backward, kernel_forward
+from .chunk_core import chunk_kernel, kernel_backward, kernel_forward, output_row_sums, stand_in_output
 from .comm import (
     out_local,
     out_local_grad,
-    out_pair_send,
+    out_pack_send,
     out_send_buffer,
     out_send_grad,
     qkv_full,
@@ -318,7 +319,7 @@ class ChunkRun:
         self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: Accumulators, saved: tuple
     ) -> Stages:
         """Chunk ``chunk``'s gradients into ``acc`` from its saved core output and lse (``saved``), no recompute of
-        the core: projections, q/k/v exchange, output projection, one exchange of the output and its gradient,
+        the core: projections, q/k/v exchange, output projection, one exchange of the output's gradient and row sums,
         the kernel's backward, the gradients' exchange, the projections' backward."""
         local_all, lse = saved
         graph, roots, call, full = yield from self._recompute_qkv(x, chunk)
@@ -326,11 +327,16 @@ class ChunkRun:
         local = local_all.narrow(2, chunk * count, count)  # [b, n, Hc, d_v]
         grad_local = self.out_proj_backward(chunk, grad_out, local, acc)  # [b, n, Hc, d_v]
         d_v = local.shape[-1]
-        box = [out_pair_send(local, grad_local, self.sp)]  # [P, b, n, Hc/P, 2 d_v], held by the exchange alone
+        # The kernel's backward reads the output only through its row sums with the gradient: those travel with
+        # the gradient instead of the output ([P, b, n, Hc/P, d_v + 1], held by the exchange alone), and the kernel
+        # gets an output with the same sums (chunk_core.stand_in_output)
+        box = [out_pack_send(self.sp, grad_local, output_row_sums(grad_local, local))]
         del grad_local
         recv = yield from self._exchange(box)
-        core_out, core_grad = out_send_grad(recv).split(d_v, dim=-1)  # [b, N, Hc/P, d_v] each
+        core_grad, row_sums = out_send_grad(recv).split((d_v, 1), dim=-1)  # [b, N, Hc/P, d_v], [b, N, Hc/P, 1]
         del recv
+        core_out = stand_in_output(core_grad, row_sums)  # [b, N, Hc/P, d_v]
+        del row_sums
         q_f, k_f, v_f = self.core_qkv(chunk, full, roots.heads)
         grads = kernel_backward(self.kernels[chunk], core_grad, q_f, k_f, v_f, core_out, lse, call)
         del core_out, core_grad, q_f, k_f, v_f, full

@@ -23,6 +23,7 @@ def ulysses_bytes_per_layer(
     head_dim: int,
     element_size: int,
     chunks: int = 1,
+    fused: bool = True,
 ) -> int:
     """Forward + backward all-to-all bytes of one Ulysses attention layer on one rank (no recompute).
 
@@ -31,10 +32,11 @@ def ulysses_bytes_per_layer(
 
     With the heads in ``chunks`` > 1 (:mod:`ulysses_sp.head_chunk_pipeline`) each chunk sends its q/k/v
     (``b n d (Hc + 2 hkv_c P)``, ``hkv_c = max(Hkv_c / P, 1)`` for the ``Hkv_c`` kv heads its query heads read)
-    and its output forward, and three times that in backward: the q/k/v again, the output with its gradient,
-    the q/k/v gradients. Where the chunks share the kv heads (``Hkv_c < P``,
-    :attr:`~ulysses_sp.head_split.ChunkHeads.shared_kv`) the kv heads go once, as without chunks, and each chunk
-    sends its q: forward the bytes of C = 1, backward twice that.
+    and its output forward; in backward the q/k/v again, the output's gradient with the output's row sums
+    (``b n Hc`` more elements; ``fused``: the chunk's core runs through a block kernel, :mod:`ulysses_sp.chunk_core`)
+    or with the output itself (not ``fused``: the core recomputed), and the q/k/v gradients. Where the chunks share
+    the kv heads (``Hkv_c < P``, :attr:`~ulysses_sp.head_split.ChunkHeads.shared_kv`) the kv heads go once each
+    way, as without chunks (and again in backward), and each chunk sends its q.
     """
     if sp == 1:
         return 0
@@ -44,8 +46,11 @@ def ulysses_bytes_per_layer(
         sends, query, hkv = 1, heads, max(kv_heads // sp, 1)
     else:  # per chunk
         sends, query, hkv = chunks, split.heads_per_chunk, max(split.kv_per_chunk // sp, 1)
-    forward = batch * n * head_dim * (query + 2 * hkv * sp) + batch * n * query * head_dim
-    return sends * (2 if chunks == 1 else 3) * forward * element_size
+    qkv, out = batch * n * head_dim * (query + 2 * hkv * sp), batch * n * query * head_dim
+    if chunks == 1:
+        return 2 * (qkv + out) * element_size
+    backward = 2 * qkv + out + (batch * n * query if fused else out)
+    return sends * (qkv + out + backward) * element_size
 
 
 def ring_p2p_per_layer(

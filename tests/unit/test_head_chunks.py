@@ -165,14 +165,40 @@ def test_chunk_kernel_matches_the_eager_core_and_its_autograd(dtype, rows):
         torch.testing.assert_close(got, leaf.grad, **tol)
 
 
-def test_out_pair_send_is_two_out_local_grads_side_by_side():
-    from ulysses_sp.comm import out_local_grad, out_pair_send, out_send_grad
+def test_out_pack_send_is_out_local_grads_side_by_side():
+    from ulysses_sp.comm import out_local_grad, out_pack_send, out_send_grad
 
-    first, second = torch.randn(2, 5, 8, 3), torch.randn(2, 5, 8, 3)  # [b, n, P h, d], P = 4
-    pair = out_pair_send(first, second, 4)
-    torch.testing.assert_close(pair, torch.cat([out_local_grad(first, 4), out_local_grad(second, 4)], dim=-1))
-    a, b = out_send_grad(pair).split(3, dim=-1)
+    first, second = torch.randn(2, 5, 8, 3), torch.randn(2, 5, 8, 1)  # [b, n, P h, d_i], P = 4
+    packed = out_pack_send(4, first, second)
+    torch.testing.assert_close(packed, torch.cat([out_local_grad(first, 4), out_local_grad(second, 4)], dim=-1))
+    a, b = out_send_grad(packed).split((3, 1), dim=-1)
     torch.testing.assert_close(a, out_send_grad(out_local_grad(first, 4)))
+    torch.testing.assert_close(b, out_send_grad(out_local_grad(second, 4)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_stand_in_output_gives_the_kernel_backward_the_true_outputs_gradients(dtype):
+    """The fused backward sends the output's row sums with its gradient instead of the output: the kernel's
+    backward from the stand-in output equals the one from the true output (fp32: to rounding; 16-bit: within the
+    kernel's own rounding), rows with a zero gradient included, and the stand-in is no larger than the output."""
+    from ulysses_sp.chunk_core import output_row_sums, stand_in_output
+    from ulysses_sp.ring_kernels import get_ring_kernel
+
+    torch.manual_seed(0)
+    kernel = get_ring_kernel("cpu_flash")
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    out, lse = kernel.forward(q, k, v, causal=True, scale=0.25)
+    grad = torch.randn_like(out)
+    grad[:, :, 5] = 0  # a row with no gradient (padding)
+    sums = output_row_sums(grad.to(dtype), out.to(dtype))
+    stand_in = stand_in_output(grad.to(dtype), sums)
+    assert stand_in.dtype == dtype and torch.isfinite(stand_in).all() and not stand_in[:, :, 5].any()
+    assert (stand_in.float().norm(dim=-1) <= out.norm(dim=-1) * 1.01 + 1e-6).all()
+    expected = kernel.backward(grad, q, k, v, out, lse, causal=True, scale=0.25)
+    found = kernel.backward(grad, q, k, v, stand_in.float(), lse, causal=True, scale=0.25)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=2e-2)
+    for e, f in zip(expected, found, strict=True):
+        torch.testing.assert_close(f, e, **tol)
 
 
 def test_projected_qkv_freed_once_sent_and_frozen_projections(monkeypatch):

@@ -169,13 +169,16 @@ def attention_terms(
     # fp32 lse, filled chunk by chunk in forward, so that backward need not run the core again.
     saved = c * whole.q_width + 4 * heads if ring == 1 else 0
     # Backward holds the sums the chunks add into: the input's gradient (fp32 under a 16-bit dtype) and the
-    # parameters'; and the DEPTH chunks alive, each a few of: its q/k/v after the exchange (qkv1), its output and
-    # output gradient exchanged as one pair (2 q1, send or receive buffer), its q/k/v gradients (recomputed
-    # projections are freed once their exchange has copied them: head_chunk_grads.Roots). Measured moment by
-    # moment (plan --simulate with a tracker of live tensors; Llama h512, 8 x 64 heads / 2 kv and 16 x 128 / 4 kv,
-    # C = 2 and 4, sp 2, fp32, CPU): the larger of the chunk in its core's backward (its q/k/v, pair and
-    # gradients, one.backward: on CUDA with the kernel's buffers) next to the next chunk's q/k/v and arriving pair,
-    # and the next chunk's pair being exchanged (sent and arriving) next to the first's q/k/v and pair.
+    # parameters'; and the DEPTH chunks alive, each a few of: its q/k/v after the exchange (qkv1), its output's
+    # gradient exchanged with the output's row sums (q1 + sums1, send or receive buffer; the kernel then gets a
+    # stand-in output, q1: chunk_core.stand_in_output), its q/k/v gradients (recomputed projections are freed once
+    # their exchange has copied them: head_chunk_grads.Roots). Measured moment by moment (plan --simulate with a
+    # tracker of live tensors; Llama h512, 8 x 64 heads / 2 kv and 16 x 128 / 4 kv, C = 2 and 4, sp 2, fp32, CPU):
+    # the larger of the chunk in its core's backward (its q/k/v, stand-in output, gradients, one.backward: on CUDA
+    # with the kernel's buffers) next to the next chunk's q/k/v and arriving gradient, and a moment of two chunks'
+    # q/k/v and 4 q1 (fitted when the output itself travelled with its gradient, 2 q1 a buffer; sending the row
+    # sums instead lowered the 8 x 64 / 2 kv peaks by 0.25 (C=4) to 0.5 (C=2) [t, h], leaving the planner up to
+    # 3% over there, but not the 16 x 128 / 4 kv C=2 peak that this term matches: not re-fitted yet).
     own = (4 if c < 4 else c) * hidden
     q1 = c * one.q_width  # one chunk's core output (or its gradient) after the exchange, per local token
     kv1 = c * 2 * max(split.kv_per_chunk // ulysses, 1) * ulysses * d  # the k/v one chunk's core reads

@@ -345,7 +345,7 @@ def _comm_bytes(
 ) -> dict[str, int]:
     """Bytes one rank sends per attention layer, forward + backward, in the compute dtype (heads in ``chunks``)."""
     c = 2 if features.dtype == "bf16" else 4
-    heads = dict(kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, element_size=c, chunks=chunks)
+    heads = dict(kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, element_size=c, chunks=chunks, fused=ring == 1)
     all_to_all = ulysses_bytes_per_layer(
         batch=batch, seq_len=seq_len // ring, sp=ulysses, heads=shape.num_heads, **heads
     )
