@@ -79,8 +79,10 @@ def main(argv: list[str] | None = None) -> dict:
         results["points"].append({"model": model, "sp": sp, "gpu_memory": gpu_memory, "result": result})
         (out / "gpu_validation.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     env = results["environment"]
-    lines = [f"{env['device']}, torch {env['torch']} (CUDA {env['cuda']}), transformers {env['transformers']}, "]
-    lines[0] += f"Python {env['python']}, {env['date']}; host memory {args.host_memory} per GPU of the layout."
+    lines = [
+        f"{env['device']}, torch {env['torch']} (CUDA {env['cuda']}), transformers {env['transformers']}, Python "
+        f"{env['python']}, {env['date']}; host memory {args.host_memory} per GPU of the layout."
+    ]
     for entry in results["points"]:
         lines += ["", f"### {entry['model']}, sp={entry['sp']}, planned for {entry['gpu_memory']}", ""]
         lines += gpu_table(entry["result"])

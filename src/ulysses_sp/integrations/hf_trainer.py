@@ -106,7 +106,9 @@ class UlyssesTrainerMixin:
     ) -> None:
         if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
             raise ValueError(f"sp_size must be a positive int, got {sp_size!r}")
-        _refuse_sharded_before(kwargs.get("model", args[0] if args else None), kwargs.get("args"))
+        _refuse_sharded_before(  # Trainer(model, args, ...) or by keyword
+            kwargs.get("model", args[0] if args else None), kwargs.get("args", args[1] if len(args) > 1 else None)
+        )
         super().__init__(*args, **kwargs)
         self._check_supported(sp_size)
         core = resolve_core(self.model, sp_core)
