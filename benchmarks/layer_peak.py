@@ -11,21 +11,25 @@ step's, not the layer's). Peaks are in ``[local tokens, hidden]`` fp32 tensors. 
 * ``tiled MLP``: the tiled MLP alone, C=1 (the path before head chunks and the tiled layer);
 * ``tiled layer, C=c``: tiled MLP, tiled norms and their projections, heads in c chunks.
 
-Prints a table with each row's composition at its peak (the largest live tensors, by the code that made them)
-and saves Markdown + JSON under ``benchmarks/results/``::
+Prints a table with each row's peak per phase (head chunks: the attention's recompute, the MLP's recompute and
+backward, the attention's backward) and its composition at its peak (the largest live tensors, by the code that
+made them), and saves Markdown + JSON under ``benchmarks/results/``::
 
     python benchmarks/layer_peak.py                      # hidden 512, 8 heads, 2 kv heads, 16K tokens, sp=2
-    python benchmarks/layer_peak.py --mlp-chunk-tokens 256 --head-chunks 1 4
+    python benchmarks/layer_peak.py --mlp-chunk-tokens 512 --out layer_peak_mlp512
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import platform
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,6 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ulysses_sp import parallelize
 from ulysses_sp.features import Features, apply_features
+from ulysses_sp.head_chunk_pipeline import HeadChunkedFunction
 from ulysses_sp.memory import _StorageTracker
 from ulysses_sp.standin import StandIn, random_batch
 
@@ -48,6 +53,8 @@ class _Composition(_StorageTracker):
         self.large = large  # storages at least this big are attributed to the code that made them
         self.made: dict[int, str] = {}
         self.at_peak: list[tuple[str, int]] = []
+        self.phase = "layer"  # the part of the layer's backward running now (see _phases)
+        self.phase_peaks: dict[str, int] = {}
 
     def _track(self, tensor: torch.Tensor, inputs: set[int]) -> None:
         for storage in self._storages(tensor):
@@ -58,8 +65,32 @@ class _Composition(_StorageTracker):
     def _count(self, key: int, storage: torch.UntypedStorage) -> None:
         peak = self.peak
         super()._count(key, storage)
+        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.current)
         if self.peak > peak:
             self.at_peak = [(self.made.get(k, "smaller tensors"), n) for k, (_, n) in self._counted.items() if n]
+
+
+@contextlib.contextmanager
+def _phases(tracker: _Composition) -> Iterator[None]:
+    """Name the parts of a head-chunked layer's backward in ``tracker``: the attention's recompute, then the MLP's
+    recompute and backward, then the attention's backward (a layer whose heads are not in chunks stays "layer")."""
+    forward, backward = HeadChunkedFunction.forward, HeadChunkedFunction.backward
+
+    def run_forward(ctx: Any, *args: Any) -> Any:
+        tracker.phase = "attention recompute"
+        out = forward(ctx, *args)
+        tracker.phase = "MLP"
+        return out
+
+    def run_backward(ctx: Any, *args: Any) -> Any:
+        tracker.phase = "attention backward"
+        return backward(ctx, *args)
+
+    HeadChunkedFunction.forward, HeadChunkedFunction.backward = staticmethod(run_forward), staticmethod(run_backward)
+    try:
+        yield
+    finally:
+        HeadChunkedFunction.forward, HeadChunkedFunction.backward = staticmethod(forward), staticmethod(backward)
 
 
 def _maker(shape: tuple[int, ...]) -> str:
@@ -110,14 +141,17 @@ def layer_backward_peak(
         tracker = _Composition(large=one // 8)
         tracker.__enter__()
         try:
-            out.backward(grad_out)
+            with _phases(tracker):
+                out.backward(grad_out)
         finally:
             tracker.__exit__(None, None, None)
     parts: dict[str, float] = {}
     for name, nbytes in tracker.at_peak:
         parts[name] = parts.get(name, 0.0) + nbytes / one
     top = sorted(parts.items(), key=lambda item: -item[1])
-    return {"peak_bytes": tracker.peak, "tokens_x_hidden": round(tracker.peak / one, 3), "at_peak": top}
+    phases = {name: round(nbytes / one, 3) for name, nbytes in tracker.phase_peaks.items()}
+    peak = round(tracker.peak / one, 3)
+    return {"peak_bytes": tracker.peak, "tokens_x_hidden": peak, "phases": phases, "at_peak": top}
 
 
 def _rows(chunks: list[int], mlp_chunk: int | None) -> list[tuple[str, Features, int]]:
@@ -159,12 +193,15 @@ def main() -> None:
         f"({args.tokens // args.sp} per rank), fp32, MLP chunk "
         f"{args.mlp_chunk_tokens or 'default'} tokens; {machine}. Unit: one [local tokens, hidden] fp32 tensor.",
         "",
-        "| path | peak [t, h] | tiled MLP / this | largest at the peak |",
-        "|---|---:|---:|---|",
+        "| path | peak [t, h] | tiled MLP / this | peak by phase | largest at the peak |",
+        "|---|---:|---:|---|---|",
     ]
     for label, row in results.items():
         largest = "; ".join(f"{share:.2f} {name}" for name, share in row["at_peak"][:6])
-        lines.append(f"| {label} | {row['tokens_x_hidden']:.2f} | {base / row['peak_bytes']:.2f}x | {largest} |")
+        phases = "; ".join(f"{name} {value:.2f}" for name, value in row["phases"].items() if name != "layer") or "-"
+        lines.append(
+            f"| {label} | {row['tokens_x_hidden']:.2f} | {base / row['peak_bytes']:.2f}x | {phases} | {largest} |"
+        )
     table = "\n".join(lines)
     print(table)
     RESULTS.mkdir(exist_ok=True)

@@ -9,6 +9,7 @@ projections, which tap their outputs during backward's re-projection).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -113,6 +114,9 @@ class _Tap(torch.autograd.Function):
         return None, None, None, None
 
 
+_INPUT = "<the block's input>"  # add_chunk's name for the input's gradient (not a projection's)
+
+
 def _zeros(t: torch.Tensor, chunks: int) -> torch.Tensor:
     """A zeroed accumulator of ``t``'s shape: fp32 for 16-bit tensors summed over several chunks."""
     wide = t.dtype in (torch.bfloat16, torch.float16) and chunks > 1
@@ -140,10 +144,41 @@ class Accumulators:
                 f"{len(self.params)} in backward; do not change requires_grad between forward and backward"
             )
         self.need = {id(p): need for p, need in zip(self.params, needs[1:], strict=True)}
-        self.x = _zeros(x, chunks) if needs[0] else None
+        # The input's gradient sum: made only once the projections' output gradients waiting to be added into it
+        # would outgrow it (kept till then: :meth:`_add_input`), so the first chunks' backward does not hold it.
+        self.need_x, self._x, self._x_like = needs[0], None, (x, chunks)
+        self.waiting: list[tuple[torch.Tensor, ChunkRun, str, int]] = []  # (grad [b n, out_c], run, name, stage)
+        self.waiting_bytes = 0
         self.sums = {id(p): _zeros(p, chunks) for p in self.params if self.need[id(p)]}
         self.out_weight = self.sums.get(id(owner.out_proj().weight))
         self.sliced = owner.sliced_parameters()
+
+    @property
+    def x(self) -> torch.Tensor | None:
+        """The input's gradient sum, or None where the input needs none; made on first use (zeros, then what is
+        waiting added in the order it came: the same sums as added at once)."""
+        if self.need_x and self._x is None:
+            self._x = _zeros(*self._x_like)
+            waiting, self.waiting, self.waiting_bytes = self.waiting, [], 0
+            for grad_2d, run, name, stage in waiting:
+                self._add_input(grad_2d, run, name, stage)
+        return self._x
+
+    def _add_input(self, grad_2d: torch.Tensor, run: ChunkRun, name: str, stage: int) -> None:
+        """``x grad += grad_2d @ weight part`` for projection ``name``'s output gradient ``grad_2d [b n, out_c]``;
+        while the sum is not made yet and the gradients waiting (their storages) stay smaller than it, kept for
+        later instead: a chunk's q gradient is a fraction of the ``[t, h]`` sum."""
+        if self._x is None:
+            x, chunks = self._x_like
+            element = 4 if x.dtype in (torch.bfloat16, torch.float16) and chunks > 1 else x.dtype.itemsize
+            held = grad_2d.untyped_storage().nbytes()
+            if self.waiting_bytes + held < math.prod(x.shape) * element:
+                self.waiting.append((grad_2d, run, name, stage))
+                self.waiting_bytes += held
+                return
+        weight = run.parts.part(name, stage, self.owner.projection(name).weight).to(grad_2d.dtype)  # [out_c, h]
+        target = self.x
+        add_mm(target.view(-1, target.shape[-1]), grad_2d, weight)
 
     def add_chunk(
         self,
@@ -157,10 +192,11 @@ class Accumulators:
         """Backpropagate one stage's projections (``roots`` -> ``grads``) into the accumulators: autograd down to
         the cut projections' outputs (and to the leaves it still reaches), then their backward by hand."""
         inputs: list[torch.Tensor] = []
-        targets: list[tuple[str | None, torch.Tensor]] = []  # (the sliced projection whose part it is, the sum)
-        if self.x is not None and not cut.remade:  # what reaches the input besides the cut projections
+        # (the sliced projection whose part it is, or _INPUT, or None; the sum, None for the input's)
+        targets: list[tuple[str | None, torch.Tensor | None]] = []
+        if self.need_x and not cut.remade:  # what reaches the input besides the cut projections
             inputs.append(cut.x)
-            targets.append((None, self.x))
+            targets.append((_INPUT, None))
         for name, pair in leaves.items():
             proj = self.owner.projection(name)
             for leaf, param in zip(pair, (proj.weight, proj.bias), strict=True):
@@ -182,7 +218,9 @@ class Accumulators:
         for (name, target), grad in zip(targets, found, strict=False):  # the anchor's (None) is last
             if grad is None:
                 continue
-            if name is None:
+            if name == _INPUT:
+                self.x.add_(grad)
+            elif name is None:
                 target.add_(grad)
             else:
                 run.parts.add(name, stage, target, grad)
@@ -192,9 +230,8 @@ class Accumulators:
         the input's and its weight's and bias' sums, in the dtype the forward's matmul ran in (autocast's)."""
         proj = self.owner.projection(name)
         grad_2d = grad.reshape(-1, grad.shape[-1])  # [b n, out_c]
-        if self.x is not None:
-            weight = run.parts.part(name, stage, proj.weight).to(grad_2d.dtype)  # [out_c, h]
-            add_mm(self.x.view(-1, self.x.shape[-1]), grad_2d, weight)
+        if self.need_x:
+            self._add_input(grad_2d, run, name, stage)
         if self.need.get(id(proj.weight)):
             for start, length, x in cut.tiles():  # x [b, length, h]: the input, whole or one remade tile
                 g = grad.narrow(-2, start, length).reshape(-1, grad.shape[-1])  # [b length, out_c]

@@ -18,15 +18,18 @@ Forward, per chunk (under no_grad): project q/k/v for the chunk's heads with the
 sliced to those heads), exchange (one fused all-to-all), core, exchange back, and add the chunk's share of the
 output projection into one ``[b, n, h]`` buffer. :class:`HeadChunkedFunction` saves the block's input (or, where a
 tiled norm made it, that norm's input: :mod:`ulysses_sp.deferred_input`) and, where a block kernel runs the core
-(:mod:`ulysses_sp.chunk_core`), the core's output after the exchange back (``[b, n, H, d_v]``) and its log-sum-exp.
-Its backward runs each chunk by hand: the projections again (their graph), the q/k/v exchange, the output
-projection's backward, one exchange of the output's gradient and the output's row sums (in place of the saved output,
-which the kernels read only through them: :func:`~ulysses_sp.chunk_core.stand_in_output`), the kernel's fused
-backward, the q/k/v exchange's adjoint, the projections' backward (by hand for the projections of the block's input,
-:class:`ProjectionCut`: in-place matmuls into the sums, no ``[t, h]`` temporaries). Under autocast q/k/v cross in
-the autocast dtype, as autocast's sdpa would cast them. Collectives per layer: 2C forward, 3C backward (and 1 + 2
-more where the chunks share the kv heads). Where no kernel fits (a ring, dropout, a window, softcap, the eager core)
-the chunk's core and output exchange are recomputed instead and the core's backward is autograd's (4C backward).
+(:mod:`ulysses_sp.chunk_core`), the core's output after the exchange back (``[b, n, Hc, d_v]`` per chunk) and its
+log-sum-exp. Its backward first reads the saved outputs, all it needs of them (the output projection's weight
+gradient, and the output's row sums with its gradient, which the kernels read in place of the output:
+:func:`~ulysses_sp.chunk_core.stand_in_output`), and frees them (:meth:`ChunkRun.output_grads`); then runs each
+chunk by hand: the projections again (their graph), the q/k/v exchange, one exchange of the output's gradient and
+row sums, the kernel's fused backward, the q/k/v exchange's adjoint, the projections' backward (by hand for the
+projections of the block's input, :class:`ProjectionCut`: in-place matmuls into the sums, no ``[t, h]``
+temporaries; the input's gradient sum made only once the gradients waiting for it would outgrow it). Under
+autocast q/k/v cross in the autocast dtype, as autocast's sdpa would cast them. Collectives per layer: 2C forward,
+3C backward (and 1 + 2 more where the chunks share the kv heads). Where no kernel fits (a ring, dropout, a window,
+softcap, the eager core) the chunk's core and output exchange are recomputed instead and the core's backward is
+autograd's (4C backward).
 Only one or two chunks' q/k/v (or q), exchange buffers and core working set exist at any time, next to the shared
 kv heads (and, in backward, their gradients' sum: fp32 under a 16-bit dtype).
 
@@ -65,6 +68,7 @@ from .cores import AttentionCall
 from .deferred_input import Absent, NormRemake
 from .head_chunk_grads import Accumulators, ProjectionCut, Roots
 from .head_chunk_parts import KV, ChunkParts, add_at, rows_index, take
+from .head_split import DEPTH
 from .interleave import Stages, run_interleaved
 from .tiling import Replay, compute_dtype
 
@@ -121,11 +125,11 @@ class ChunkRun:
         self.wire = owner.ctx.comm_dtype
         self.rng: list[Replay | None] = [None] * split.chunks  # where the core draws dropout masks
         # Chunks whose core runs through a block kernel (None: recomputed in backward), their lse and, for the
-        # forward that saves them, the core outputs after the exchange back [b, n, H, d_v] (filled chunk by chunk).
+        # forward that saves them, their core outputs after the exchange back [b, n, Hc, d_v].
         self.fused = fused
         self.kernels: list[Any | None] = [None] * split.chunks
         self.lse: list[torch.Tensor | None] = [None] * split.chunks
-        self.local: torch.Tensor | None = None
+        self.local: list[torch.Tensor | None] = [None] * split.chunks
         # Where a tiled norm made the block's input: how to remake it, and that norm's input while the forward saves
         # it instead of the block's input and while the backward remakes from it (:mod:`ulysses_sp.deferred_input`).
         self.remake: NormRemake | None = None
@@ -208,9 +212,10 @@ class ChunkRun:
         del full, q_f, k_f, v_f
         recv = yield from self._exchange(out_send_buffer(core_out, self.sp))
         del core_out
-        # [b, n, Hc, d_v]: with a kernel, this chunk's heads of the saved output, filled in place
-        local = out_local(recv, self.saved_local(recv, chunk) if kernel is not None else None)
+        local = out_local(recv)  # [b, n, Hc, d_v]
         del recv
+        if kernel is not None:  # saved: one tensor per chunk, made as its output arrives (a view where sp = 1)
+            self.local[chunk] = local.contiguous()
         weight = self.parts.part(self.owner.names.out, chunk, self.owner.out_proj().weight)  # [h, Hc d_v]
         out.view(-1, out.shape[-1]).addmm_(local.reshape(-1, weight.shape[1]), weight.t().to(out.dtype))
 
@@ -218,16 +223,6 @@ class ChunkRun:
         if not self.fused:
             return None
         return chunk_kernel(call, q, ring=self.owner.ctx.layout.ring, core_name=self.owner.ctx.core_name)
-
-    def saved_local(self, recv: torch.Tensor, chunk: int) -> torch.Tensor:
-        """Chunk ``chunk``'s heads of the saved core output ``[b, n, H, d_v]`` (allocated on first use; its heads
-        chunk by chunk, each chunk's in the order it sends them), for the received output ``recv [P, b, n, Hc/P,
-        d_v]``."""
-        if self.local is None:
-            _, b, n, _, d_v = recv.shape
-            self.local = recv.new_empty(b, n, self.split.num_heads, d_v)
-        count = self.split.heads_per_chunk
-        return self.local.narrow(2, chunk * count, count)
 
     def forward_kv(self, x: torch.Tensor) -> Stages:
         """The kv heads the chunks share: project them (the queries blank), exchange, keep them in :attr:`kv`."""
@@ -257,12 +252,34 @@ class ChunkRun:
     ) -> torch.Tensor:
         """The output projection's backward for chunk ``chunk``: its weight columns' gradient into ``acc`` and the
         gradient of its input ``local [b, n, Hc, d_v]`` (returned)."""
-        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
-        out_name = self.owner.names.out
-        weight = self.parts.part(out_name, chunk, self.owner.out_proj().weight)  # [h, Hc d_v]
         if acc.out_weight is not None:
-            self.parts.add_mm(out_name, chunk, acc.out_weight, grad_2d.t(), local.reshape(-1, weight.shape[1]))
-        return grad_2d.mm(weight.to(grad_2d.dtype)).view(local.shape)
+            grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
+            cols = local.shape[-2] * local.shape[-1]
+            self.parts.add_mm(self.owner.names.out, chunk, acc.out_weight, grad_2d.t(), local.reshape(-1, cols))
+        return self.out_input_grad(chunk, grad_out, local.shape)
+
+    def out_input_grad(self, chunk: int, grad_out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The gradient of chunk ``chunk``'s share of the output projection's input, ``shape [b, n, Hc, d_v]``."""
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
+        weight = self.parts.part(self.owner.names.out, chunk, self.owner.out_proj().weight)  # [h, Hc d_v]
+        return grad_2d.mm(weight.to(grad_2d.dtype)).view(shape)
+
+    def output_grads(
+        self, grad_out: torch.Tensor, saved: list[torch.Tensor | None], lse: tuple, acc: Accumulators
+    ) -> list[list | None]:
+        """Before the chunks run: for every chunk whose core ran through a kernel, the output projection's weight
+        gradient (into ``acc``) and the row sums ``D [b, n, Hc, 1]`` of its output with the output's gradient, all
+        that the rest of its backward reads of its saved output ``saved[c] [b, n, Hc, d_v]`` (set to None here: the
+        outputs are freed before the chunks' backward, not held through it). Returns per chunk ``[grad, D, shape]``
+        (None: not through a kernel): the output's gradient kept for the first DEPTH chunks (the next ones' is made
+        again from ``grad_out`` when they run, one matmul each, instead of being held all along)."""
+        found: list[list | None] = [None] * self.split.chunks
+        for order, chunk in enumerate(c for c in range(self.split.chunks) if lse[c] is not None):
+            local, saved[chunk] = saved[chunk], None  # [b, n, Hc, d_v]
+            grad_local = self.out_proj_backward(chunk, grad_out, local, acc)
+            found[chunk] = [grad_local if order < DEPTH else None, output_row_sums(grad_local, local), local.shape]
+            del grad_local
+        return found
 
     def _recompute_qkv(self, x: torch.Tensor, stage: int) -> Generator[None, None, tuple]:
         """The stage's projections again, with their graph (cut at the projections of ``x``), and their exchange:
@@ -316,22 +333,22 @@ class ChunkRun:
         yield from self._grads_back(KV, grad, roots, graph, acc)
 
     def fused_backward_chunk(
-        self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: Accumulators, saved: tuple
+        self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: Accumulators, saved: list, lse: torch.Tensor
     ) -> Stages:
-        """Chunk ``chunk``'s gradients into ``acc`` from its saved core output and lse (``saved``), no recompute of
-        the core: projections, q/k/v exchange, output projection, one exchange of the output's gradient and row sums,
-        the kernel's backward, the gradients' exchange, the projections' backward."""
-        local_all, lse = saved
+        """Chunk ``chunk``'s gradients into ``acc`` from what :meth:`output_grads` kept of its saved core output
+        (``saved``, emptied) and its lse, no recompute of the core: projections, q/k/v exchange, one exchange of the
+        output's gradient and row sums, the kernel's backward, the gradients' exchange, the projections' backward."""
         graph, roots, call, full = yield from self._recompute_qkv(x, chunk)
-        count = self.split.heads_per_chunk
-        local = local_all.narrow(2, chunk * count, count)  # [b, n, Hc, d_v]
-        grad_local = self.out_proj_backward(chunk, grad_out, local, acc)  # [b, n, Hc, d_v]
-        d_v = local.shape[-1]
+        grad_local, sums, shape = saved  # [b, n, Hc, d_v] (or None: made again), [b, n, Hc, 1]
+        saved.clear()
+        if grad_local is None:
+            grad_local = self.out_input_grad(chunk, grad_out, shape)
+        d_v = shape[-1]
         # The kernel's backward reads the output only through its row sums with the gradient: those travel with
         # the gradient instead of the output ([P, b, n, Hc/P, d_v + 1], held by the exchange alone), and the kernel
         # gets an output with the same sums (chunk_core.stand_in_output)
-        box = [out_pack_send(self.sp, grad_local, output_row_sums(grad_local, local))]
-        del grad_local
+        box = [out_pack_send(self.sp, grad_local, sums)]
+        del grad_local, sums
         recv = yield from self._exchange(box)
         core_grad, row_sums = out_send_grad(recv).split((d_v, 1), dim=-1)  # [b, N, Hc/P, d_v], [b, N, Hc/P, 1]
         del recv
@@ -373,23 +390,25 @@ class ChunkRun:
         x: torch.Tensor,
         grad_out: torch.Tensor,
         needs: tuple[bool, ...],
-        local: torch.Tensor | None,
+        local: list[torch.Tensor | None],
         lse: tuple[torch.Tensor | None, ...],
         source: torch.Tensor | None = None,
     ) -> tuple:
         """Gradients of ``(x, *params)`` (None where not needed) for ``grad_out [b, n, h]``; ``local`` / ``lse``:
-        what the forward saved (``lse[c]``: None where chunk c's core did not run through a kernel); ``source``:
-        the input of the tiled norm that made ``x``, where ``x`` is an :class:`Absent` remade from it by tiles."""
+        what the forward saved per chunk (None where chunk c's core did not run through a kernel; ``local``, the
+        cores' outputs, is emptied as they are read); ``source``: the input of the tiled norm that made ``x``, where
+        ``x`` is an :class:`Absent` remade from it by tiles."""
         if source is None:
             x = x.detach().requires_grad_(needs[0])
         elif not isinstance(x, Absent) or self.remake is None:
             raise RuntimeError("a remade input needs an Absent input and the norm that made it")
         acc = Accumulators(self.owner, x, needs, self.split.chunks)
         grad_out = grad_out.contiguous()
+        prepared = self.output_grads(grad_out, local, lse, acc)
 
         def chunk_stages(c: int) -> Stages:
-            if lse[c] is not None:
-                return self.fused_backward_chunk(x, c, grad_out, acc, (local, lse[c]))
+            if prepared[c] is not None:
+                return self.fused_backward_chunk(x, c, grad_out, acc, prepared[c], lse[c])
             return self.backward_chunk(x, c, grad_out, acc)
 
         kv = [self.backward_kv(x)] if self.split.shared_kv else []
@@ -427,18 +446,21 @@ class HeadChunkedFunction(torch.autograd.Function):
         ctx.run, ctx.replay, ctx.x_meta = run, Replay(x.device), (x.shape, x.dtype, x.device)
         out = run.forward(x, save=True)
         # ``x``, or the input of the tiled norm that made it (run.source: backward remakes x from it by tiles)
-        ctx.save_for_backward(x if run.source is None else run.source, run.local, *run.lse)
-        run.local, run.lse, run.source = None, [None] * run.split.chunks, None  # held by ctx alone from here
+        ctx.save_for_backward(x if run.source is None else run.source, *run.local, *run.lse)
+        run.local, run.lse, run.source = [None] * run.split.chunks, [None] * run.split.chunks, None  # ctx's alone
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        kept, local, *lse = ctx.saved_tensors
+        kept, *saved = ctx.saved_tensors
+        chunks = ctx.run.split.chunks
+        local, lse = saved[:chunks], tuple(saved[chunks:])  # run.backward frees each output once it has read it
+        del saved
         x, source = (kept, None) if ctx.run.remake is None else (Absent(*ctx.x_meta), kept)
         with ctx.replay():
             needs = tuple(ctx.needs_input_grad[1:])
-            grad_x, *grads = ctx.run.backward(x, grad_out, needs, local, tuple(lse), source)
+            grad_x, *grads = ctx.run.backward(x, grad_out, needs, local, lse, source)
         for hook in ctx.run.owner.ctx.backward_hooks:  # every chunk's backward is done (UlyssesAttention)
             hook()
         return (None, None if grad_x is None else grad_x.to(ctx.x_meta[1]), *grads)

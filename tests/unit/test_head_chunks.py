@@ -308,3 +308,52 @@ def test_absent_reads_metadata_and_refuses_data():
     for use in (lambda: x + 1, lambda: torch.nn.functional.linear(x, torch.ones(3, 8)), lambda: x.view(10, 8)):
         with pytest.raises(InputTouched, match="data of the block's input"):
             use()
+
+
+def test_backward_frees_the_saved_outputs_first_and_makes_the_input_sum_late(monkeypatch):
+    """Checkpointed layers: backward reads each chunk's saved core output once (o_proj's weight gradient and the row
+    sums that travel with the output's gradient) and frees it before any chunk's kernel backward runs; the input's
+    gradient sum is made only once the projections' output gradients waiting for it would outgrow it, so some
+    kernel backward runs with gradients waiting and no sum. Exact either way."""
+    import weakref
+
+    from ulysses_sp import head_chunk_grads, head_chunk_pipeline
+
+    saved, accumulators, seen = [], [], []
+    forward, acc_init = head_chunk_pipeline.ChunkRun.forward, head_chunk_grads.Accumulators.__init__
+    kernel_backward = head_chunk_pipeline.kernel_backward
+
+    def record(self, x, save=False):
+        out = forward(self, x, save)
+        if save:
+            saved.extend(weakref.ref(t) for t in self.local if t is not None)
+        return out
+
+    def track(self, *args, **kwargs):
+        acc_init(self, *args, **kwargs)
+        accumulators.append(self)
+
+    def check(*args, **kwargs):
+        acc = accumulators[-1]
+        seen.append((sum(ref() is not None for ref in saved), acc._x is None, acc.waiting_bytes))
+        return kernel_backward(*args, **kwargs)
+
+    monkeypatch.setattr(head_chunk_pipeline.ChunkRun, "forward", record)
+    monkeypatch.setattr(head_chunk_grads.Accumulators, "__init__", track)
+    monkeypatch.setattr(head_chunk_pipeline, "kernel_backward", check)
+    batch = make_batch(2, 24, packed=(10, 14))
+    model = build("llama", kv_heads=2, heads=8)
+    ref, want = loss_and_grads(copy.deepcopy(model), batch)
+    layout = U.ParallelLayout.single()
+    U.parallelize(model, layout, head_chunks=4)
+    U.enable_activation_checkpointing(model, "checkpoint")
+    loss, grads = loss_and_grads(model, batch, layout)
+    layers = model.config.num_hidden_layers
+    assert len(saved) == 2 * 4 * layers and len(seen) == 4 * layers  # forward and recompute save 4 each
+    assert all(alive == 0 for alive, _, _ in seen), seen
+    hidden = model.config.hidden_size * 4  # bytes of the input's gradient sum per token (fp32)
+    assert all(waiting < hidden * 48 for late, waiting in ((s[1], s[2]) for s in seen) if late), seen
+    assert any(late and waiting > 0 for _, late, waiting in seen), seen
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-6, msg=name)

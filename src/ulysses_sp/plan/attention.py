@@ -32,6 +32,7 @@ class AttentionTerms:
 
     chunks: int
     saved: float  # saved by the attention from its forward to its backward
+    saved_in_backward: float  # what of ``saved`` is still held while the backward's working set is (see backward)
     o_proj_input: float  # saved by o_proj (0 in chunks: the block saves only its input)
     forward: float  # the forward's (recompute's) peak: projections, exchanges, core
     backward: float  # the backward's working set (the core's gradients and, in chunks, their recompute)
@@ -134,6 +135,7 @@ def _unchunked(
     return AttentionTerms(
         chunks=1,
         saved=saved,
+        saved_in_backward=saved,
         o_proj_input=c * q_width,
         forward=local_qkv + forward_exchange,
         backward=backward,
@@ -190,6 +192,7 @@ def attention_terms(
         shared = c * 2 * max(kv_heads // ulysses, 1) * ulysses * d
         shared_sum = (4 if c < 4 else c) * shared // c
         qkv1, one_saved = qkv1 - kv1, one.saved - kv1
+    saved_in_backward = saved
     if ring == 1:
         # Forward (recompute), measured the same way: its peak is early, before `saved` is filled: the [t, h] output
         # the chunks add into, each alive chunk's projected q/k/v, the receive buffers of both exchanges in flight
@@ -197,7 +200,15 @@ def attention_terms(
         forward = c * hidden + DEPTH * one.local + (DEPTH + 1) * qkv1 + shared
         in_core = DEPTH * one_saved + one.backward + (DEPTH - 1) * q1
         exchanging = DEPTH * one_saved + 2 * DEPTH * q1
-        backward = own + shared + shared_sum + max(in_core, exchanging)
+        # Backward first reads the saved outputs (o_proj's weight gradient, the row sums that travel with the
+        # output's gradient: ChunkRun.output_grads) and frees them, keeping the first DEPTH chunks' output gradients
+        # (one more being made): only the lse is held while the chunks run. There the input's gradient sum is made
+        # only when the projections' output gradients waiting to be added (qkv1 a chunk) would outgrow it
+        # (Accumulators._add_input): at most C - 1 chunks' of them, or the sum.
+        saved_in_backward = 4 * heads
+        start = saved - saved_in_backward + (DEPTH + 1) * q1
+        waiting = min(own, (chunks - 1) * qkv1)
+        backward = max(start, waiting + shared + shared_sum + max(in_core, exchanging))
         # a chunk's q/k/v gradients sent and arriving
         exchange = own + shared + shared_sum + 2 * qkv1 + (DEPTH - 1) * (one_saved + q1)
     else:  # the ring's chunks recompute their core and output projection's input (not measured moment by moment)
@@ -207,6 +218,7 @@ def attention_terms(
     return AttentionTerms(
         chunks=chunks,
         saved=saved,
+        saved_in_backward=saved_in_backward,
         o_proj_input=0,
         forward=forward,
         backward=backward,

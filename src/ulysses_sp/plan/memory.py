@@ -317,7 +317,7 @@ def _terms(
             **base,
             "gradients": head_grad + layer_grads,
             "layer_activations": others + own_input + (norm_in + attention_stream) * t,
-            "attention": (attention_saved + (0 if ring > 1 else attn.backward)) * t,
+            "attention": (attn.saved_in_backward + (0 if ring > 1 else attn.backward)) * t,
             "ring_buffers": attn.ring_backward * t,  # the ring's backward instead of the core's
         },
         **(
