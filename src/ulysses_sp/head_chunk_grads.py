@@ -160,8 +160,9 @@ class Accumulators:
         if self.need_x and self._x is None:
             self._x = _zeros(*self._x_like)
             waiting, self.waiting, self.waiting_bytes = self.waiting, [], 0
-            for grad_2d, run, name, stage in waiting:
-                self._add_input(grad_2d, run, name, stage)
+            waiting.reverse()
+            while waiting:  # each freed once added
+                self._add_input(*waiting.pop())
         return self._x
 
     def _add_input(self, grad_2d: torch.Tensor, run: ChunkRun, name: str, stage: int) -> None:

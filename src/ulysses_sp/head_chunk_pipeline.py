@@ -21,7 +21,8 @@ tiled norm made it, that norm's input: :mod:`ulysses_sp.deferred_input`) and, wh
 (:mod:`ulysses_sp.chunk_core`), the core's output after the exchange back (``[b, n, Hc, d_v]`` per chunk) and its
 log-sum-exp. Its backward first reads the saved outputs, all it needs of them (the output projection's weight
 gradient, and the output's row sums with its gradient, which the kernels read in place of the output:
-:func:`~ulysses_sp.chunk_core.stand_in_output`), and frees them (:meth:`ChunkRun.output_grads`); then runs each
+:func:`~ulysses_sp.chunk_core.stand_in_output`), and drops them (:meth:`ChunkRun.output_grads`: freed there under
+this library's checkpointing or offloading, which hand the saved tensors over); then runs each
 chunk by hand: the projections again (their graph), the q/k/v exchange, one exchange of the output's gradient and
 row sums, the kernel's fused backward, the q/k/v exchange's adjoint, the projections' backward (by hand for the
 projections of the block's input, :class:`ProjectionCut`: in-place matmuls into the sums, no ``[t, h]``
@@ -269,10 +270,12 @@ class ChunkRun:
     ) -> list[list | None]:
         """Before the chunks run: for every chunk whose core ran through a kernel, the output projection's weight
         gradient (into ``acc``) and the row sums ``D [b, n, Hc, 1]`` of its output with the output's gradient, all
-        that the rest of its backward reads of its saved output ``saved[c] [b, n, Hc, d_v]`` (set to None here: the
-        outputs are freed before the chunks' backward, not held through it). Returns per chunk ``[grad, D, shape]``
-        (None: not through a kernel): the output's gradient kept for the first DEPTH chunks (the next ones' is made
-        again from ``grad_out`` when they run, one matmul each, instead of being held all along)."""
+        that the rest of its backward reads of its saved output ``saved[c] [b, n, Hc, d_v]`` (set to None here: under
+        this library's checkpointing or offloading, which hand the saved tensors over, the outputs are freed before
+        the chunks' backward; without either autograd holds them until this backward returns). Returns per chunk
+        ``[grad, D, shape]`` (None: not through a kernel): the output's gradient kept for the first DEPTH chunks (the
+        next ones' is made again from ``grad_out`` when they run, one matmul each, instead of being held all
+        along)."""
         found: list[list | None] = [None] * self.split.chunks
         for order, chunk in enumerate(c for c in range(self.split.chunks) if lse[c] is not None):
             local, saved[chunk] = saved[chunk], None  # [b, n, Hc, d_v]
@@ -455,7 +458,7 @@ class HeadChunkedFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         kept, *saved = ctx.saved_tensors
         chunks = ctx.run.split.chunks
-        local, lse = saved[:chunks], tuple(saved[chunks:])  # run.backward frees each output once it has read it
+        local, lse = saved[:chunks], tuple(saved[chunks:])  # run.backward drops each output once it has read it
         del saved
         x, source = (kept, None) if ctx.run.remake is None else (Absent(*ctx.x_meta), kept)
         with ctx.replay():

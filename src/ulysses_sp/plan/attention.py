@@ -9,7 +9,7 @@ without a ring, the cores' output and lse (:mod:`ulysses_sp.chunk_core`), and ea
 chunks (:data:`ulysses_sp.head_split.DEPTH`: the chunk computing and the one whose exchange is in flight), each
 the unchunked formula for one chunk's heads, or, without a ring, what was measured moment by moment (see
 :func:`attention_terms`), plus the block's own ``[t, h]`` buffers (the output it sums into in forward; the
-input's gradient in backward).
+input's gradient in backward, made only once the gradients waiting for it would outgrow it).
 
 C is :func:`ulysses_sp.head_split.choose_head_chunks`'s, the same call the attention makes at run time, so the
 plan predicts the C that runs.
@@ -32,7 +32,8 @@ class AttentionTerms:
 
     chunks: int
     saved: float  # saved by the attention from its forward to its backward
-    saved_in_backward: float  # what of ``saved`` is still held while the backward's working set is (see backward)
+    saved_in_backward: float  # what of ``saved`` the chunks' backward holds where checkpointing hands it over
+    backward_start: float  # head chunks: the moment before the chunks' backward, on top of everything saved
     o_proj_input: float  # saved by o_proj (0 in chunks: the block saves only its input)
     forward: float  # the forward's (recompute's) peak: projections, exchanges, core
     backward: float  # the backward's working set (the core's gradients and, in chunks, their recompute)
@@ -136,6 +137,7 @@ def _unchunked(
         chunks=1,
         saved=saved,
         saved_in_backward=saved,
+        backward_start=0,
         o_proj_input=c * q_width,
         forward=local_qkv + forward_exchange,
         backward=backward,
@@ -170,17 +172,17 @@ def attention_terms(
     # sdpa core, no window, no softcap): the block saves their output after the exchange back ([t, H d]) and the
     # fp32 lse, filled chunk by chunk in forward, so that backward need not run the core again.
     saved = c * whole.q_width + 4 * heads if ring == 1 else 0
-    # Backward holds the sums the chunks add into: the input's gradient (fp32 under a 16-bit dtype) and the
-    # parameters'; and the DEPTH chunks alive, each a few of: its q/k/v after the exchange (qkv1), its output's
-    # gradient exchanged with the output's row sums (q1 + sums1, send or receive buffer; the kernel then gets a
-    # stand-in output, q1: chunk_core.stand_in_output), its q/k/v gradients (recomputed projections are freed once
-    # their exchange has copied them: head_chunk_grads.Roots). Measured moment by moment (plan --simulate with a
-    # tracker of live tensors; Llama h512, 8 x 64 heads / 2 kv and 16 x 128 / 4 kv, C = 2 and 4, sp 2, fp32, CPU):
-    # the larger of the chunk in its core's backward (its q/k/v, stand-in output, gradients, one.backward: on CUDA
-    # with the kernel's buffers) next to the next chunk's q/k/v and arriving gradient, and a moment of two chunks'
-    # q/k/v and 4 q1 (fitted when the output itself travelled with its gradient, 2 q1 a buffer; sending the row
-    # sums instead lowered the 8 x 64 / 2 kv peaks by 0.25 (C=4) to 0.5 (C=2) [t, h], leaving the planner up to
-    # 3% over there, but not the 16 x 128 / 4 kv C=2 peak that this term matches: not re-fitted yet).
+    # Backward holds the sums the chunks add into: the input's gradient (fp32 under a 16-bit dtype; made late, see
+    # below) and the parameters'; and the DEPTH chunks alive, each a few of: its q/k/v after the exchange (qkv1), its
+    # output's gradient exchanged with the output's row sums (q1 + sums1, send or receive buffer; the kernel then gets a
+    # stand-in output, q1: chunk_core.stand_in_output), its q/k/v gradients (recomputed projections are freed once their
+    # exchange has copied them: head_chunk_grads.Roots). Measured moment by moment (plan --simulate with a tracker of
+    # live tensors; Llama h512, 8 x 64 heads / 2 kv and 16 x 128 / 4 kv, C = 2 and 4, sp 2, fp32, CPU): the larger of
+    # the chunk in its core's backward (its q/k/v, stand-in output, gradients, one.backward: on CUDA with the kernel's
+    # buffers) next to the next chunk's q/k/v and arriving gradient, and a moment of two chunks' q/k/v and 4 q1 (fitted
+    # when the output itself travelled with its gradient, 2 q1 a buffer; sending the row sums instead lowered the 8 x 64
+    # / 2 kv peaks by 0.25 (C=4) to 0.5 (C=2) [t, h], leaving the planner up to 3% over there, but not the 16 x 128 / 4
+    # kv C=2 peak that this term matches: not re-fitted yet).
     own = (4 if c < 4 else c) * hidden
     q1 = c * one.q_width  # one chunk's core output (or its gradient) after the exchange, per local token
     kv1 = c * 2 * max(split.kv_per_chunk // ulysses, 1) * ulysses * d  # the k/v one chunk's core reads
@@ -192,7 +194,7 @@ def attention_terms(
         shared = c * 2 * max(kv_heads // ulysses, 1) * ulysses * d
         shared_sum = (4 if c < 4 else c) * shared // c
         qkv1, one_saved = qkv1 - kv1, one.saved - kv1
-    saved_in_backward = saved
+    saved_in_backward, backward_start = saved, 0
     if ring == 1:
         # Forward (recompute), measured the same way: its peak is early, before `saved` is filled: the [t, h] output
         # the chunks add into, each alive chunk's projected q/k/v, the receive buffers of both exchanges in flight
@@ -201,14 +203,18 @@ def attention_terms(
         in_core = DEPTH * one_saved + one.backward + (DEPTH - 1) * q1
         exchanging = DEPTH * one_saved + 2 * DEPTH * q1
         # Backward first reads the saved outputs (o_proj's weight gradient, the row sums that travel with the
-        # output's gradient: ChunkRun.output_grads) and frees them, keeping the first DEPTH chunks' output gradients
-        # (one more being made): only the lse is held while the chunks run. There the input's gradient sum is made
-        # only when the projections' output gradients waiting to be added (qkv1 a chunk) would outgrow it
-        # (Accumulators._add_input): at most C - 1 chunks' of them, or the sum.
-        saved_in_backward = 4 * heads
-        start = saved - saved_in_backward + (DEPTH + 1) * q1
+        # output's gradient: ChunkRun.output_grads), keeping the first DEPTH chunks' output gradients (one more
+        # being made), and drops them: where checkpointing or offloading hands the saved tensors over (this
+        # library's, non-reentrant), only the lse and the row sums are held while the chunks run (without
+        # checkpointing autograd holds the outputs until the block's backward returns: plan.memory). The input's
+        # gradient sum is made only when the projections' output gradients waiting to be added (qkv1 a chunk)
+        # would outgrow it (Accumulators._add_input): at most C - 1 chunks' of them, or the sum; at that moment
+        # the sum, those waiting and the one that made it.
+        saved_in_backward = 4 * heads + c * heads
+        backward_start = (DEPTH + 1) * q1
         waiting = min(own, (chunks - 1) * qkv1)
-        backward = max(start, waiting + shared + shared_sum + max(in_core, exchanging))
+        making_sum = own + waiting + qkv1 + shared + shared_sum
+        backward = max(making_sum, waiting + shared + shared_sum + max(in_core, exchanging))
         # a chunk's q/k/v gradients sent and arriving
         exchange = own + shared + shared_sum + 2 * qkv1 + (DEPTH - 1) * (one_saved + q1)
     else:  # the ring's chunks recompute their core and output projection's input (not measured moment by moment)
@@ -219,6 +225,7 @@ def attention_terms(
         chunks=chunks,
         saved=saved,
         saved_in_backward=saved_in_backward,
+        backward_start=backward_start,
         o_proj_input=0,
         forward=forward,
         backward=backward,

@@ -27,7 +27,7 @@ from ..ring import ring_bytes_per_layer
 from ..tiled_loss import chunk_bytes_per_logit, loss_chunk_tokens
 from ..tiling import default_chunk_tokens
 from ..traffic import ulysses_bytes_per_layer
-from .attention import attention_terms, planned_core_slices, planned_head_chunks
+from .attention import AttentionTerms, attention_terms, planned_core_slices, planned_head_chunks
 from .placement import choose_placement, placement_is_chosen
 from .shape import ModelShape, model_shape
 from .units import GiB
@@ -317,7 +317,7 @@ def _terms(
             **base,
             "gradients": head_grad + layer_grads,
             "layer_activations": others + own_input + (norm_in + attention_stream) * t,
-            "attention": (attn.saved_in_backward + (0 if ring > 1 else attn.backward)) * t,
+            "attention": _attention_backward(attn, mode, ring) * t,
             "ring_buffers": attn.ring_backward * t,  # the ring's backward instead of the core's
         },
         **(
@@ -338,6 +338,14 @@ def _terms(
     offloaded = kept * layer_input * t if mode == "offload" and device == "cuda" else 0
     host = (16 * params // world if offload_states else 0) + offloaded
     return phases, host, t, chunks, slices
+
+
+def _attention_backward(attn: AttentionTerms, mode: str, ring: int) -> float:
+    """Bytes per local token the last layer's attention holds in its backward: what it saved (all of it without
+    checkpointing, where autograd holds it until the block's backward returns; else what the chunks keep after
+    reading it) and its working set (the ring's is counted apart), or the moment before its chunks if larger."""
+    held = attn.saved if mode == "none" else attn.saved_in_backward
+    return max(attn.saved + attn.backward_start, held + (0 if ring > 1 else attn.backward))
 
 
 def _comm_bytes(
