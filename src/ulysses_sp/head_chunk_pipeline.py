@@ -21,9 +21,9 @@ tiled norm made it, that norm's input: :mod:`ulysses_sp.deferred_input`) and, wh
 (:mod:`ulysses_sp.chunk_core`), the core's output after the exchange back (``[b, n, Hc, d_v]`` per chunk) and its
 log-sum-exp. Its backward first reads the saved outputs, all it needs of them (the output projection's weight
 gradient, and the output's row sums with its gradient, which the kernels read in place of the output:
-:func:`~ulysses_sp.chunk_core.stand_in_output`), and drops them (:meth:`ChunkRun.output_grads`: freed there under
-this library's checkpointing or offloading, which hand the saved tensors over); then runs each
-chunk by hand: the projections again (their graph), the q/k/v exchange, one exchange of the output's gradient and
+:func:`~ulysses_sp.chunk_core.stand_in_output`), and drops them (:mod:`ulysses_sp.head_chunk_output`: freed
+there under this library's checkpointing or offloading, which hand the saved tensors over); then runs each chunk by
+hand: the projections again (their graph), the q/k/v exchange, one exchange of the output's gradient and
 row sums, the kernel's fused backward, the q/k/v exchange's adjoint, the projections' backward (by hand for the
 projections of the block's input, :class:`ProjectionCut`: in-place matmuls into the sums, no ``[t, h]``
 temporaries; the input's gradient sum made only once the gradients waiting for it would outgrow it). Under
@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .attention import pad_qkv
-from .chunk_core import chunk_kernel, kernel_backward, kernel_forward, output_row_sums, stand_in_output
+from .chunk_core import chunk_kernel, kernel_backward, kernel_forward, stand_in_output
 from .comm import (
     out_local,
     out_local_grad,
@@ -68,8 +68,8 @@ from .comm import (
 from .cores import AttentionCall
 from .deferred_input import Absent, NormRemake
 from .head_chunk_grads import Accumulators, ProjectionCut, Roots
+from .head_chunk_output import out_input_grad, out_proj_backward, output_grads
 from .head_chunk_parts import KV, ChunkParts, add_at, rows_index, take
-from .head_split import DEPTH
 from .interleave import Stages, run_interleaved
 from .tiling import Replay, compute_dtype
 
@@ -248,42 +248,6 @@ class ChunkRun:
         return out
 
     # ------------------------------------------------------------------------------------------- backward
-    def out_proj_backward(
-        self, chunk: int, grad_out: torch.Tensor, local: torch.Tensor, acc: Accumulators
-    ) -> torch.Tensor:
-        """The output projection's backward for chunk ``chunk``: its weight columns' gradient into ``acc`` and the
-        gradient of its input ``local [b, n, Hc, d_v]`` (returned)."""
-        if acc.out_weight is not None:
-            grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
-            cols = local.shape[-2] * local.shape[-1]
-            self.parts.add_mm(self.owner.names.out, chunk, acc.out_weight, grad_2d.t(), local.reshape(-1, cols))
-        return self.out_input_grad(chunk, grad_out, local.shape)
-
-    def out_input_grad(self, chunk: int, grad_out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """The gradient of chunk ``chunk``'s share of the output projection's input, ``shape [b, n, Hc, d_v]``."""
-        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
-        weight = self.parts.part(self.owner.names.out, chunk, self.owner.out_proj().weight)  # [h, Hc d_v]
-        return grad_2d.mm(weight.to(grad_2d.dtype)).view(shape)
-
-    def output_grads(
-        self, grad_out: torch.Tensor, saved: list[torch.Tensor | None], lse: tuple, acc: Accumulators
-    ) -> list[list | None]:
-        """Before the chunks run: for every chunk whose core ran through a kernel, the output projection's weight
-        gradient (into ``acc``) and the row sums ``D [b, n, Hc, 1]`` of its output with the output's gradient, all
-        that the rest of its backward reads of its saved output ``saved[c] [b, n, Hc, d_v]`` (set to None here: under
-        this library's checkpointing or offloading, which hand the saved tensors over, the outputs are freed before
-        the chunks' backward; without either autograd holds them until this backward returns). Returns per chunk
-        ``[grad, D, shape]`` (None: not through a kernel): the output's gradient kept for the first DEPTH chunks (the
-        next ones' is made again from ``grad_out`` when they run, one matmul each, instead of being held all
-        along)."""
-        found: list[list | None] = [None] * self.split.chunks
-        for order, chunk in enumerate(c for c in range(self.split.chunks) if lse[c] is not None):
-            local, saved[chunk] = saved[chunk], None  # [b, n, Hc, d_v]
-            grad_local = self.out_proj_backward(chunk, grad_out, local, acc)
-            found[chunk] = [grad_local if order < DEPTH else None, output_row_sums(grad_local, local), local.shape]
-            del grad_local
-        return found
-
     def _recompute_qkv(self, x: torch.Tensor, stage: int) -> Generator[None, None, tuple]:
         """The stage's projections again, with their graph (cut at the projections of ``x``), and their exchange:
         ``((leaves, cut), roots, call, full)`` with ``full [b, h, N, d]`` the q/k/v it sent after the exchange and
@@ -338,14 +302,15 @@ class ChunkRun:
     def fused_backward_chunk(
         self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: Accumulators, saved: list, lse: torch.Tensor
     ) -> Stages:
-        """Chunk ``chunk``'s gradients into ``acc`` from what :meth:`output_grads` kept of its saved core output
-        (``saved``, emptied) and its lse, no recompute of the core: projections, q/k/v exchange, one exchange of the
-        output's gradient and row sums, the kernel's backward, the gradients' exchange, the projections' backward."""
+        """Chunk ``chunk``'s gradients into ``acc`` from what ``output_grads`` (:mod:`ulysses_sp.head_chunk_output`)
+        kept of its saved core output (``saved``, emptied) and its lse, no recompute of the core: projections, q/k/v
+        exchange, one exchange of the output's gradient and row sums, the kernel's backward, the gradients' exchange,
+        the projections' backward."""
         graph, roots, call, full = yield from self._recompute_qkv(x, chunk)
         grad_local, sums, shape = saved  # [b, n, Hc, d_v] (or None: made again), [b, n, Hc, 1]
         saved.clear()
         if grad_local is None:
-            grad_local = self.out_input_grad(chunk, grad_out, shape)
+            grad_local = out_input_grad(self, chunk, grad_out, shape)
         d_v = shape[-1]
         # The kernel's backward reads the output only through its row sums with the gradient: those travel with
         # the gradient instead of the output ([P, b, n, Hc/P, d_v + 1], held by the exchange alone), and the kernel
@@ -377,7 +342,7 @@ class ChunkRun:
         recv = yield from self._exchange(out_send_buffer(core_out.detach(), self.sp))
         local = out_local(recv)  # [b, n, Hc, d_v]
         del recv
-        grad_local = self.out_proj_backward(chunk, grad_out, local, acc)  # [b, n, Hc, d_v]
+        grad_local = out_proj_backward(self, chunk, grad_out, local, acc)  # [b, n, Hc, d_v]
         del local
         recv = yield from self._exchange(out_local_grad(grad_local, self.sp))
         del grad_local
@@ -407,7 +372,7 @@ class ChunkRun:
             raise RuntimeError("a remade input needs an Absent input and the norm that made it")
         acc = Accumulators(self.owner, x, needs, self.split.chunks)
         grad_out = grad_out.contiguous()
-        prepared = self.output_grads(grad_out, local, lse, acc)
+        prepared = output_grads(self, grad_out, local, lse, acc)
 
         def chunk_stages(c: int) -> Stages:
             if prepared[c] is not None:

@@ -203,7 +203,7 @@ def attention_terms(
         in_core = DEPTH * one_saved + one.backward + (DEPTH - 1) * q1
         exchanging = DEPTH * one_saved + 2 * DEPTH * q1
         # Backward first reads the saved outputs (o_proj's weight gradient, the row sums that travel with the
-        # output's gradient: ChunkRun.output_grads), keeping the first DEPTH chunks' output gradients (one more
+        # output's gradient: head_chunk_output.output_grads), keeping the first DEPTH chunks' output gradients (one more
         # being made), and drops them: where checkpointing or offloading hands the saved tensors over (this
         # library's, non-reentrant), only the lse and the row sums are held while the chunks run (without
         # checkpointing autograd holds the outputs until the block's backward returns: plan.memory). The input's
