@@ -194,13 +194,9 @@ def out_send_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad.transpose(0, 1).reshape(b, sp * n, heads, d)
 
 
-def out_local(recv: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The received output ``[P (src heads), b, n, h, d]`` -> ``[b, n, P h, d]`` (this rank's tokens, all heads);
-    written into ``out`` (any strides) where given, else a new tensor."""
-    if out is None:
-        return _merge_ranks(recv)
-    _split_ranks(out, recv.shape[0]).copy_(recv)
-    return out
+def out_local(recv: torch.Tensor) -> torch.Tensor:
+    """The received output ``[P (src heads), b, n, h, d]`` -> ``[b, n, P h, d]`` (this rank's tokens, all heads)."""
+    return _merge_ranks(recv)
 
 
 def out_local_grad(grad: torch.Tensor, sp: int) -> torch.Tensor:

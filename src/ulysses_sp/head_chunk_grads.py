@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -117,10 +118,14 @@ class _Tap(torch.autograd.Function):
 _INPUT = "<the block's input>"  # add_chunk's name for the input's gradient (not a projection's)
 
 
+def _sum_dtype(dtype: torch.dtype, chunks: int) -> torch.dtype:
+    """The dtype of a sum over the chunks of ``dtype`` tensors: fp32 for 16-bit ones summed over several chunks."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) and chunks > 1 else dtype
+
+
 def _zeros(t: torch.Tensor, chunks: int) -> torch.Tensor:
-    """A zeroed accumulator of ``t``'s shape: fp32 for 16-bit tensors summed over several chunks."""
-    wide = t.dtype in (torch.bfloat16, torch.float16) and chunks > 1
-    return torch.zeros(t.shape, dtype=torch.float32 if wide else t.dtype, device=t.device)
+    """A zeroed accumulator of ``t``'s shape (:func:`_sum_dtype`)."""
+    return torch.zeros(t.shape, dtype=_sum_dtype(t.dtype, chunks), device=t.device)
 
 
 def add_mm(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -146,8 +151,10 @@ class Accumulators:
         self.need = {id(p): need for p, need in zip(self.params, needs[1:], strict=True)}
         # The input's gradient sum: made only once the projections' output gradients waiting to be added into it
         # would outgrow it (kept till then: :meth:`_add_input`), so the first chunks' backward does not hold it.
-        self.need_x, self._x, self._x_like = needs[0], None, (x, chunks)
-        self.waiting: list[tuple[torch.Tensor, ChunkRun, str, int]] = []  # (grad [b n, out_c], run, name, stage)
+        self.need_x, self._x = needs[0], None
+        self.x_meta = (x.shape, _sum_dtype(x.dtype, chunks), x.device)
+        self.x_bytes = math.prod(x.shape) * self.x_meta[1].itemsize
+        self.waiting: deque[tuple[torch.Tensor, ChunkRun, str, int]] = deque()  # (grad [b n, out_c], run, name, stage)
         self.waiting_bytes = 0
         self.sums = {id(p): _zeros(p, chunks) for p in self.params if self.need[id(p)]}
         self.out_weight = self.sums.get(id(owner.out_proj().weight))
@@ -158,11 +165,11 @@ class Accumulators:
         """The input's gradient sum, or None where the input needs none; made on first use (zeros, then what is
         waiting added in the order it came: the same sums as added at once)."""
         if self.need_x and self._x is None:
-            self._x = _zeros(*self._x_like)
-            waiting, self.waiting, self.waiting_bytes = self.waiting, [], 0
-            waiting.reverse()
-            while waiting:  # each freed once added
-                self._add_input(*waiting.pop())
+            shape, dtype, device = self.x_meta
+            self._x = torch.zeros(shape, dtype=dtype, device=device)
+            while self.waiting:  # each freed once added
+                self._add_input(*self.waiting.popleft())
+            self.waiting_bytes = 0
         return self._x
 
     def _add_input(self, grad_2d: torch.Tensor, run: ChunkRun, name: str, stage: int) -> None:
@@ -170,10 +177,8 @@ class Accumulators:
         while the sum is not made yet and the gradients waiting (their storages) stay smaller than it, kept for
         later instead: a chunk's q gradient is a fraction of the ``[t, h]`` sum."""
         if self._x is None:
-            x, chunks = self._x_like
-            element = 4 if x.dtype in (torch.bfloat16, torch.float16) and chunks > 1 else x.dtype.itemsize
             held = grad_2d.untyped_storage().nbytes()
-            if self.waiting_bytes + held < math.prod(x.shape) * element:
+            if self.waiting_bytes + held < self.x_bytes:
                 self.waiting.append((grad_2d, run, name, stage))
                 self.waiting_bytes += held
                 return

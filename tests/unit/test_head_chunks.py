@@ -341,7 +341,8 @@ def test_backward_frees_the_saved_outputs_first_and_makes_the_input_sum_late(mon
     monkeypatch.setattr(head_chunk_pipeline.ChunkRun, "forward", record)
     monkeypatch.setattr(head_chunk_grads.Accumulators, "__init__", track)
     monkeypatch.setattr(head_chunk_pipeline, "kernel_backward", check)
-    batch = make_batch(2, 24, packed=(10, 14))
+    rows, tokens = 2, 24
+    batch = make_batch(rows, tokens, packed=(10, 14))
     model = build("llama", kv_heads=2, heads=8)
     ref, want = loss_and_grads(copy.deepcopy(model), batch)
     layout = U.ParallelLayout.single()
@@ -351,8 +352,8 @@ def test_backward_frees_the_saved_outputs_first_and_makes_the_input_sum_late(mon
     layers = model.config.num_hidden_layers
     assert len(saved) == 2 * 4 * layers and len(seen) == 4 * layers  # forward and recompute save 4 each
     assert all(alive == 0 for alive, _, _ in seen), seen
-    hidden = model.config.hidden_size * 4  # bytes of the input's gradient sum per token (fp32)
-    assert all(waiting < hidden * 48 for late, waiting in ((s[1], s[2]) for s in seen) if late), seen
+    sum_bytes = rows * tokens * model.config.hidden_size * 4  # the input's gradient sum (fp32)
+    assert all(waiting < sum_bytes for _, late, waiting in seen if late), seen
     assert any(late and waiting > 0 for _, late, waiting in seen), seen
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
