@@ -19,12 +19,14 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.autograd.graph import get_gradient_edge
 
+from .tiling import add_mm
+
 if TYPE_CHECKING:
     from .deferred_input import NormRemake
     from .head_chunk_pipeline import ChunkRun
     from .head_chunks import HeadChunkedAttention
 
-__all__ = ["Accumulators", "ProjectionCut", "Roots", "add_mm"]
+__all__ = ["Accumulators", "ProjectionCut", "Roots"]
 
 
 class Roots:
@@ -126,14 +128,6 @@ def _sum_dtype(dtype: torch.dtype, chunks: int) -> torch.dtype:
 def _zeros(t: torch.Tensor, chunks: int) -> torch.Tensor:
     """A zeroed accumulator of ``t``'s shape (:func:`_sum_dtype`)."""
     return torch.zeros(t.shape, dtype=_sum_dtype(t.dtype, chunks), device=t.device)
-
-
-def add_mm(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``target += a @ b``, in place where the dtypes allow (no product tensor), else through one product."""
-    if target.dtype == a.dtype:
-        target.addmm_(a, b)
-    else:
-        target.add_(a.mm(b))
 
 
 class Accumulators:

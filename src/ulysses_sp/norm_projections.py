@@ -93,6 +93,12 @@ class NormProjection:
     def __init__(self, module: nn.Linear, norms: list[TiledForward], previous: Callable | None) -> None:
         self.module, self.norms, self.previous = module, norms, previous
 
+    @property
+    def plain_on_chunks(self) -> bool:
+        """True when a call on anything but a tiled norm's output (a chunk of a tiled MLP) is the plain linear, so
+        that :mod:`ulysses_sp.gated_tile` may compute it with ``F.linear``: no other library's forward under it."""
+        return self.previous is None
+
     def _made(self, x: torch.Tensor) -> tuple[_Made, torch.Tensor] | None:
         if type(self.module.weight) is not nn.Parameter:  # a tensor subclass (quantized, DTensor): its own path
             return None

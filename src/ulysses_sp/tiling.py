@@ -14,6 +14,8 @@ adapters inside the MLP are all untouched; :func:`disable_tiled_mlp` removes the
 output buffer and saves only the input; its backward recomputes each chunk with grad enabled (same
 autocast state and RNG state as the forward) and backpropagates it at once, writing the input gradient
 into one buffer and summing the parameter gradients over the chunks (in fp32 for bf16/fp16 parameters).
+A gated MLP's chunk is back-propagated by hand in row blocks (:mod:`ulysses_sp.gated_tile`: about one
+``[b, c, I]`` tensor where autograd's backward of the chunk held six); other modules keep autograd's.
 Each parameter is an input of the Function, so autograd sees ONE gradient per parameter per backward:
 DDP's "mark a variable ready only once" and FSDP2's reduce-scatter see exactly what an untiled MLP gives.
 
@@ -39,12 +41,14 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from .gated_tile import GatedChunk, gated_chunk
 from .hf import find_pretrained, mlp_modules, text_config
 
 __all__ = [
     "TiledForward",
     "Replay",
     "TiledMLP",
+    "add_mm",
     "check_chunk_tokens",
     "compute_dtype",
     "default_chunk_tokens",
@@ -75,6 +79,14 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _spans(length: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(chunk, length - start)) for start in range(0, length, chunk)]
+
+
+def add_mm(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``target += a @ b``, in place where the dtypes allow (no product tensor), else through one product."""
+    if target.dtype == a.dtype:
+        target.addmm_(a, b)
+    else:
+        target.add_(a.mm(b))
 
 
 class Replay:
@@ -130,6 +142,28 @@ class _GradSums:
 
         return add
 
+    def _sum(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s sum (made zero on first use), or None when ``param`` is not one whose gradient is wanted."""
+        i = next((i for i, p in enumerate(self.params) if p is param), None)
+        if i is None:
+            return None
+        if self.sums[i] is None:
+            wide = self.wide and param.dtype in (torch.bfloat16, torch.float16)
+            self.sums[i] = torch.zeros(param.shape, dtype=torch.float32 if wide else param.dtype, device=param.device)
+        return self.sums[i]
+
+    def add_mm(self, param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Add ``a @ b`` to ``param``'s sum, a gradient made by hand (no hook runs; skipped if not wanted)."""
+        total = self._sum(param)
+        if total is not None:
+            add_mm(total, a, b)
+
+    def add(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add ``grad`` to ``param``'s sum, a gradient made by hand (no hook runs; skipped if not wanted)."""
+        total = self._sum(param)
+        if total is not None:
+            total.add_(grad)
+
     def cast(self) -> Iterator[torch.Tensor | None]:
         """The sums in order, each in its parameter's dtype and dropped from here once cast (an fp32 sum is freed
         before the next one is cast: the casts are not all held next to the sums)."""
@@ -182,12 +216,18 @@ class _TiledFunction(torch.autograd.Function):
         spans = _spans(x.shape[-2], tiled.chunk_size(x))
         grad_x = torch.empty_like(x) if need_x and len(spans) > 1 else None
         sums = _GradSums(wanted, wide=len(spans) > 1)
+        by_hand = tiled.chunk_backward()
         with ctx.replay(), torch.enable_grad(), sums:
             for start, length in spans:
                 chunk = x.narrow(-2, start, length).detach().contiguous().requires_grad_(need_x)  # [b, c, h]
-                out = tiled.call_module(chunk)
-                inputs = ([chunk] if need_x else []) + wanted
-                grads = torch.autograd.grad(out, inputs, grad_out.narrow(-2, start, length), allow_unused=True)
+                grad_part = grad_out.narrow(-2, start, length)
+                if by_hand is not None:
+                    pre = [p for p in sums.params if any(p is q for q in tiled.pre_parameters())]
+                    grads = [by_hand.backward(chunk, grad_part, sums, need_x, tiled.pre_forward, pre)]
+                else:
+                    out = tiled.call_module(chunk)
+                    inputs = ([chunk] if need_x else []) + wanted
+                    grads = torch.autograd.grad(out, inputs, grad_part, allow_unused=True)
                 sums.check_chunk()
                 if need_x:
                     grad_chunk = grads[0] if grads[0] is not None else torch.zeros_like(chunk)
@@ -236,9 +276,16 @@ class TiledForward:
             return self.previous(chunk)
         return type(self.module).forward(self.module, chunk)
 
+    def chunk_backward(self) -> GatedChunk | None:
+        """The hand-written backward of one chunk, where this module has one (None: autograd's)."""
+        return None
+
     def trainable_parameters(self) -> list[torch.Tensor]:
-        modules = [self.module] + ([self.pre] if self.pre is not None else [])
-        return [p for m in modules for p in m.parameters() if p.requires_grad]
+        return [p for p in self.module.parameters() if p.requires_grad] + self.pre_parameters()
+
+    def pre_parameters(self) -> list[torch.Tensor]:
+        """The trainable parameters of the fused ``pre`` module (none without one)."""
+        return [p for p in self.pre.parameters() if p.requires_grad] if self.pre is not None else []
 
     def run_chunks(self, x: torch.Tensor) -> torch.Tensor:
         """The module over ``x [..., n, h]`` one chunk at a time, into one ``[..., n, h_out]`` buffer."""
@@ -293,6 +340,10 @@ class TiledMLP(TiledForward):
     """
 
     called_as = "mlp(hidden_states [b, n, h])"
+
+    def chunk_backward(self) -> GatedChunk | None:
+        """A gated MLP's chunks back-propagated by hand in fewer ``[c, I]`` tensors (:mod:`ulysses_sp.gated_tile`)."""
+        return gated_chunk(self.module, self.previous is not None)
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.pre is not None:  # a norm fused in: it returned its input, which must be what arrives here

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..features import Features
+from ..gated_tile import block_rows
 from ..layout import choose_layout, resolve_ring_degree
 from ..ring import ring_bytes_per_layer
 from ..tiled_loss import chunk_bytes_per_logit, loss_chunk_tokens
@@ -238,14 +239,14 @@ def _terms(
         heads, kv_heads, d, h, ulysses=ulysses, ring=ring, c=c, device=device, chunks=chunks, slices=slices
     )
     attention_saved, o_proj_input, exchange = attn.saved, attn.o_proj_input, ulysses > 1
-    # Gated MLP down(silu(gate(x)) * up(x)): saves gate, silu(gate), up and their product ([t, I] each);
-    # its backward adds two more [t, I] gradients. Tiled: only the current chunk's, recomputed.
+    # Gated MLP down(silu(gate(x)) * up(x)): saves gate, silu(gate), up and their product ([t, I] each); its
+    # backward adds two more. Tiled, by hand in row blocks (ulysses_sp.gated_tile): five [r, I] tensors of a block
+    # with its norm (upcast under bf16), output and input gradients, the chunk's input gradient [c, h], the fp32
+    # parameter-gradient sums (3 h I params) and, in 16-bit, one product being added to them.
     mlp_chunk = min(features.mlp_chunk_tokens or default_chunk_tokens(h), t)
-    if features.tiled_mlp:  # plus the chunk's [c, h] input, norm (upcast under bf16), output and input gradient,
-        # the fp32 parameter-gradient sums (3 h I params) and one parameter's gradient being added to them
-        # (ulysses_sp.tiling._GradSums: a chunk's parameter gradients are not all held at once)
-        mlp_saved = 0.0
-        mlp_backward = (6 * c * inter + (u + 4 * c) * h) * mlp_chunk / t + (4 * 3 + c) * h * inter / t
+    if features.tiled_mlp:
+        mlp_saved, products, block = 0.0, 4 * 3 + (c if c < 4 else 0), block_rows(mlp_chunk)
+        mlp_backward = ((5 * c * inter + (u + 4 * c) * h) * block + c * h * mlp_chunk + products * h * inter) / t
     else:
         mlp_saved, mlp_backward = 4 * c * inter, 2 * c * inter
     layer_input = c * h  # a layer's input: the checkpoint, or (fp32 or a tiled norm, no checkpointing) its norm's

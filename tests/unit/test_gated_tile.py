@@ -1,0 +1,134 @@
+"""The tiled gated MLP's chunks back-propagated by hand in row blocks: exact, used only where it applies, leaner."""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+import ulysses_sp as U
+from tests.helpers.models import build, make_batch
+from tests.unit.test_tiling import loss_and_grads
+from ulysses_sp.gated_tile import MIN_BLOCK_ROWS, GatedChunk
+from ulysses_sp.memory import PeakMemory
+from ulysses_sp.tiling import TiledMLP
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+MODULE_TOL = dict(rtol=1e-5, atol=1e-5)  # a bare MLP at nn.Linear's init: gradients of ~10, summed in other orders
+
+
+@pytest.fixture
+def blocks(monkeypatch):
+    """The row counts of every block the hand-written backward runs."""
+    seen = []
+    block = GatedChunk._block
+
+    def spy(self, x, *args):
+        seen.append(x.shape[0])
+        return block(self, x, *args)
+
+    monkeypatch.setattr(GatedChunk, "_block", spy)
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])  # silu; silu; gelu (tanh)
+@pytest.mark.parametrize("norms", [False, True])  # the MLP's norm fused into its chunks or not
+def test_loss_and_every_gradient_equal_the_untiled_model(arch, norms, blocks):
+    model, batch = build(arch, kv_heads=2, attn="eager" if arch == "gemma2" else "sdpa"), make_batch(1, 600)
+    want = loss_and_grads(copy.deepcopy(model), batch)
+    tiled = U.enable_tiled_mlp(copy.deepcopy(model), chunk_tokens=512)
+    if norms:
+        U.enable_tiled_norms(tiled)
+    loss, grads = loss_and_grads(tiled, batch)
+    torch.testing.assert_close(loss, want[0], **TOL)
+    assert grads.keys() == want[1].keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want[1][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    # per layer: the 512-token chunk in two blocks of MIN_BLOCK_ROWS, the last 88 tokens in one
+    assert MIN_BLOCK_ROWS == 256 and blocks == [256, 256, 88] * model.config.num_hidden_layers
+
+
+def test_bf16_autocast_and_biases(blocks):
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=96, mlp_bias=True))
+    x, grad = torch.randn(2, 700, 32, requires_grad=True), torch.randn(2, 700, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.autograd.grad(mlp(x), [x, *mlp.parameters()], grad)
+        mlp.forward = TiledMLP(mlp, 600)
+        got = torch.autograd.grad(mlp(x), [x, *mlp.parameters()], grad)
+    assert blocks == [300, 300, 300, 300, 200]  # 1200 rows then 200 (batch 2): blocks of a quarter of a chunk
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype
+        assert (g.float() - w.float()).norm() <= 1e-2 * w.float().norm()
+
+
+class ScaledMLP(LlamaMLP):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_only_mlps_of_the_handled_kind_are_back_propagated_by_hand(blocks):
+    """A hook on a projection, a forward that is not down(act(gate(x)) * up(x)), another library's forward or a
+    replaced activation: autograd's backward, or a new probe, and the gradients stay exact."""
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=16, intermediate_size=48, num_attention_heads=2)
+    x, grad = torch.randn(1, 300, 16, requires_grad=True), torch.randn(1, 300, 16)
+
+    def check(mlp, by_hand):
+        want = torch.autograd.grad(mlp(x), [x, *mlp.parameters()], grad)
+        mlp.forward = TiledMLP(mlp, 280, mlp.__dict__.get("forward"))
+        assert (mlp.forward.chunk_backward() is not None) == by_hand
+        blocks.clear()
+        got = torch.autograd.grad(mlp(x), [x, *mlp.parameters()], grad)
+        assert blocks == ([256, 24, 20] if by_hand else [])
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, **MODULE_TOL)
+        return mlp
+
+    check(LlamaMLP(config), True)
+    check(ScaledMLP(config), False)
+    hooked = LlamaMLP(config)
+    hooked.up_proj.register_forward_hook(lambda m, i, o: o * 1.5)
+    check(hooked, False)
+    wrapped = LlamaMLP(config)
+    wrapped.forward = lambda h: LlamaMLP.forward(wrapped, h)  # another library's forward on the module
+    check(wrapped, False)
+    swapped = check(LlamaMLP(config), True)
+    swapped.act_fn = torch.nn.Tanh()  # probed again: the same form, a new activation
+    assert swapped.forward.chunk_backward() is not None
+    want = torch.autograd.grad(LlamaMLP.forward(swapped, x), [x, *swapped.parameters()], grad)
+    got = torch.autograd.grad(swapped(x), [x, *swapped.parameters()], grad)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **MODULE_TOL)
+
+
+def test_lora_projections_use_autograd():
+    peft = pytest.importorskip("peft")
+    model = build("llama", kv_heads=2)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["gate_proj", "down_proj"]))
+    U.enable_tiled_mlp(model)
+    mlp = model.base_model.model.model.layers[0].mlp
+    assert mlp.forward.chunk_backward() is None
+
+
+def test_a_chunk_backward_holds_about_one_chunk_of_intermediates():
+    """Autograd's backward of a chunk of c tokens holds about six [c, I] tensors at its peak; by hand, in blocks of
+    c / 4 rows, at most five [c / 4, I] ones: the bound below (two [c, I] next to the [n, h] buffers and the three
+    fp32 gradient sums) fails for autograd's."""
+    torch.manual_seed(0)
+    b, n, h, inter, c = 1, 4096, 32, 512, 1024
+    x = torch.randn(b, n, h, requires_grad=True)
+    grad = torch.randn(b, n, h)
+    peaks = {}
+    for by_hand in (True, False):
+        mlp = LlamaMLP(LlamaConfig(hidden_size=h, intermediate_size=inter))
+        if not by_hand:
+            mlp.gate_proj.register_forward_hook(lambda m, i, o: None)  # a hook: autograd's backward
+        mlp.forward = TiledMLP(mlp, c)
+        out = mlp(x)
+        with PeakMemory() as peak:
+            out.backward(grad)
+        peaks[by_hand] = peak.peak_bytes
+    bound = (2 * c * inter + 3 * b * n * h + 3 * h * inter) * 4
+    assert peaks[True] <= bound < peaks[False], (peaks, bound)
