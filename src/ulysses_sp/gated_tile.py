@@ -15,8 +15,10 @@ chunk that short is one block.
 Used for an MLP whose ``gate_proj``, ``up_proj`` and ``down_proj`` are plain ``nn.Linear`` with plain parameters
 and no hooks (this library's norm projection aside, the plain linear on a chunk), whose ``act_fn`` has no hooks,
 that has no instance ``forward`` of another library, and whose own forward equals ``down(act(gate(x)) * up(x))``
-bit for bit on a probe of a few random tokens (checked once per set of those modules). Anything else (LoRA
-adapters, a fused ``gate_up_proj``, MoE blocks, dropout, a hooked projection): autograd per chunk, as before.
+bit for bit on a probe of a few random tokens (checked once per set of those modules and training modes), with
+no trainable parameter outside the three linears and an activation that does not work in place. Anything else
+(LoRA adapters, a fused ``gate_up_proj``, MoE blocks, dropout in training, a hooked projection, a learnable
+activation): autograd per chunk, as before.
 Loss and gradients are those of autograd's backward up to fp32 rounding (the same products, summed in blocks).
 """
 
@@ -60,13 +62,21 @@ def _plain_linear(module: Any) -> bool:
 
 
 def _structure(mlp: nn.Module) -> tuple | None:
-    """The identity of ``mlp``'s gate / up / down projections and activation if they are of the handled kind."""
+    """What the probe's answer depends on (the projections, the activation, every module's training mode) if
+    ``mlp`` is of the handled kind: three plain linears, an activation without hooks, no in-place flag and no
+    trainable parameter anywhere else in ``mlp`` (this backward gives gradients to the linears' alone)."""
     names = ("gate_proj", "up_proj", "down_proj")
     linears = [getattr(mlp, name, None) for name in names]
     act = getattr(mlp, "act_fn", None)
     if not all(_plain_linear(m) for m in linears) or not callable(act) or _hooked(act):
         return None
-    return (*(id(m) for m in linears), id(act), *(id(m.weight) for m in linears))
+    if getattr(act, "inplace", False):
+        return None
+    own = {id(p) for m in linears for p in m.parameters()}
+    if any(p.requires_grad and id(p) not in own for p in mlp.parameters()):
+        return None
+    modes = tuple(m.training for m in mlp.modules())
+    return (*(id(m) for m in linears), id(act), *(id(m.weight) for m in linears), modes)
 
 
 class GatedChunk:
@@ -101,7 +111,6 @@ class GatedChunk:
         rows = x2.shape[0]
         block = block_rows(rows)
         grad_x = torch.empty_like(x2) if need_x else None
-        weights: tuple[torch.Tensor, ...] = ()  # the three weights in the projections' dtype, cast once
         for start in range(0, rows, block):
             part = slice(start, start + block)
             xb = x2[part].unsqueeze(0).requires_grad_(need_x)  # [1, r, h]
@@ -110,8 +119,7 @@ class GatedChunk:
             inputs = ([xb] if need_x else []) + (pre_params or [])
             wanted = bool(inputs) and normed.requires_grad
             with torch.no_grad():
-                weights = weights or self._weights(normed[0, :1].detach())
-                grad_normed = self._block(normed[0].detach(), g2[part], weights, sums, wanted)
+                grad_normed = self._block(normed[0].detach(), g2[part], sums, wanted)
             if grad_normed is None:
                 continue
             if normed is not xb:
@@ -122,19 +130,13 @@ class GatedChunk:
                 grad_x[part] = grad_normed.view(-1, x2.shape[-1]) if grad_normed is not None else 0
         return None if grad_x is None else grad_x.view(x.shape)
 
-    def _weights(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        dtype = F.linear(x, self.gate.weight[:1]).dtype  # what the projections compute in (autocast's or x's)
-        return tuple(m.weight.to(dtype) for m in (self.gate, self.up, self.down))
-
-    def _block(
-        self, x: torch.Tensor, g: torch.Tensor, weights: tuple[torch.Tensor, ...], sums: _GradSums, need_x: bool
-    ) -> torch.Tensor | None:
-        """One block of ``r`` rows: ``x [r, h]``, the output's gradient ``g [r, h_out]``."""
-        gate_w, up_w, down_w = weights
+    def _block(self, x: torch.Tensor, g: torch.Tensor, sums: _GradSums, need_x: bool) -> torch.Tensor | None:
+        """One block of ``r`` rows: ``x [r, h]``, the output's gradient ``g [r, h_out]``. The weights enter the
+        matmuls as they are: under autocast its cached casts (those the projections' forward made), no copies."""
         gate = F.linear(x, self.gate.weight, self.gate.bias)  # [r, I]
         up = F.linear(x, self.up.weight, self.up.bias)  # [r, I]
         g = g.to(gate.dtype)
-        grad_up = g.mm(down_w)  # [r, I]: the gradient of act(gate) * up, made up's below
+        grad_up = g.mm(self.down.weight)  # [r, I]: the gradient of act(gate) * up, made up's below
         gate_in = gate.detach().requires_grad_()
         del gate
         with torch.enable_grad():
@@ -155,8 +157,7 @@ class GatedChunk:
                 sums.add(linear.bias, out_grad.sum(0))
         if not need_x:
             return None
-        grad_x = grad_up.mm(up_w)  # [r, h]
-        return grad_x.addmm_(grad_gate, gate_w)
+        return torch.addmm(grad_up.mm(self.up.weight), grad_gate, self.gate.weight)  # [r, h]
 
 
 def gated_chunk(mlp: nn.Module, has_previous: bool) -> GatedChunk | None:
@@ -176,15 +177,21 @@ def gated_chunk(mlp: nn.Module, has_previous: bool) -> GatedChunk | None:
 
 
 def _probe(mlp: nn.Module) -> bool:
-    """Whether ``mlp``'s own forward equals :meth:`GatedChunk.forward` bit for bit on a few random tokens."""
+    """Whether ``mlp``'s own forward equals :meth:`GatedChunk.forward` bit for bit on a few random tokens (drawn
+    from their own generator; the global RNG state is restored after, so a random op in the forward draws nothing
+    the training would), and its activation runs on a tensor that needs a gradient (not in place)."""
     weight = mlp.gate_proj.weight
     generator = torch.Generator(device=weight.device).manual_seed(0)
     shape = (1, _PROBE_TOKENS, weight.shape[1])
     x = torch.randn(shape, generator=generator, device=weight.device, dtype=torch.float32).to(weight.dtype)
-    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+    devices = [weight.device] if weight.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.autocast(weight.device.type, enabled=False):
         try:
-            want = type(mlp).forward(mlp, x)
+            with torch.no_grad():
+                want = type(mlp).forward(mlp, x)
+                got = GatedChunk(mlp).forward(x)
+            with torch.enable_grad():
+                mlp.act_fn(x[..., :1].detach().requires_grad_())
         except Exception:  # noqa: BLE001 - a forward that cannot run on the probe is not the handled kind
             return False
-        got = GatedChunk(mlp).forward(x)
     return isinstance(want, torch.Tensor) and want.shape == got.shape and torch.equal(want, got)

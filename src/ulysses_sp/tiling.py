@@ -215,8 +215,8 @@ class _TiledFunction(torch.autograd.Function):
         wanted = [p for p, need in zip(params, need_params, strict=True) if need]
         spans = _spans(x.shape[-2], tiled.chunk_size(x))
         grad_x = torch.empty_like(x) if need_x and len(spans) > 1 else None
-        sums = _GradSums(wanted, wide=len(spans) > 1)
-        by_hand = tiled.chunk_backward()
+        by_hand = tiled.chunk_backward() if x.numel() else None
+        sums = _GradSums(wanted, wide=len(spans) > 1 or by_hand is not None)  # by hand: summed over row blocks
         with ctx.replay(), torch.enable_grad(), sums:
             for start, length in spans:
                 chunk = x.narrow(-2, start, length).detach().contiguous().requires_grad_(need_x)  # [b, c, h]

@@ -132,3 +132,63 @@ def test_a_chunk_backward_holds_about_one_chunk_of_intermediates():
         peaks[by_hand] = peak.peak_bytes
     bound = (2 * c * inter + 3 * b * n * h + 3 * h * inter) * 4
     assert peaks[True] <= bound < peaks[False], (peaks, bound)
+
+
+class ReluInPlace(torch.nn.Module):
+    def forward(self, t):
+        return t.relu_()
+
+
+class DropMLP(LlamaMLP):
+    def forward(self, x):
+        hidden = torch.nn.functional.dropout(self.act_fn(self.gate_proj(x)), 0.5, self.training) * self.up_proj(x)
+        return self.down_proj(hidden)
+
+
+def test_activations_with_parameters_or_in_place_and_training_only_ops_use_autograd():
+    """A learnable activation (its parameter would get no gradient by hand), an in-place one (it cannot run on the
+    leaf whose gradient the backward takes) and dropout that the probe saw off in eval mode: each probe is per
+    training mode, and the probe leaves the global RNG state as it found it."""
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=16, intermediate_size=48, num_attention_heads=2)
+    x, grad = torch.randn(1, 300, 16, requires_grad=True), torch.randn(1, 300, 16)
+    learnable = LlamaMLP(config)
+    learnable.act_fn = torch.nn.PReLU()
+    want = torch.autograd.grad(learnable(x), [x, *learnable.parameters()], grad)
+    learnable.forward = TiledMLP(learnable, 280)
+    assert learnable.forward.chunk_backward() is None
+    got = torch.autograd.grad(learnable(x), [x, *learnable.parameters()], grad)
+    for g, w in zip(got, want, strict=True):  # the PReLU weight's gradient among them
+        torch.testing.assert_close(g, w, **MODULE_TOL)
+    in_place = LlamaMLP(config)
+    in_place.act_fn = torch.nn.SiLU(inplace=True)
+    in_place.forward = TiledMLP(in_place, 280)
+    assert in_place.forward.chunk_backward() is None
+    in_place.act_fn = ReluInPlace()  # no flag to read: the probe finds it
+    assert in_place.forward.chunk_backward() is None
+    drop = DropMLP(config)
+    drop.forward = TiledMLP(drop, 280)
+    drop.eval()
+    assert drop.forward.chunk_backward() is not None
+    drop.train()
+    state = torch.get_rng_state()
+    assert drop.forward.chunk_backward() is None
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_bf16_parameters_in_one_chunk_and_an_empty_batch():
+    """One chunk in four blocks: bf16 weight gradients summed in fp32 over the blocks, as over chunks; a batch of
+    no sequences back-propagates like autograd's (no block to run)."""
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=96, num_attention_heads=2)).to(torch.bfloat16)
+    x, grad = torch.randn(1, 1024, 32, dtype=torch.bfloat16), torch.randn(1, 1024, 32, dtype=torch.bfloat16)
+    x.requires_grad_()
+    want = torch.autograd.grad(mlp(x), [x, *mlp.parameters()], grad)
+    mlp.forward = TiledMLP(mlp, 1024)
+    got = torch.autograd.grad(mlp(x), [x, *mlp.parameters()], grad)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.bfloat16
+        assert (g.float() - w.float()).norm() <= 1e-2 * w.float().norm()
+    empty = torch.zeros(0, 8, 32, dtype=torch.bfloat16, requires_grad=True)
+    (grad_empty,) = torch.autograd.grad(mlp(empty).sum(), [empty])
+    assert grad_empty.shape == empty.shape

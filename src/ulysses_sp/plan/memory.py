@@ -271,7 +271,7 @@ def _terms(
         checkpoints, others, own_input = max(1, stride - 1) * layer_input * t, 0, 0
 
     # --- logits and loss --------------------------------------------------------------------------------
-    final_norm = (u + 2 * c) * h * t  # the final RMSNorm's saved tensors and its output (lm_head's input)
+    final_norm = (4 + 2 * c) * h * t  # final norm: saved input (fp32: the last layer's output), normalised, output
     norm_after_loss = final_norm  # what of it is left once the loss forward has returned
     if features.tiled_loss:
         chunk = features.loss_chunk_tokens or loss_chunk_tokens(vocab, features.loss_budget_bytes)
