@@ -239,14 +239,14 @@ def _terms(
         heads, kv_heads, d, h, ulysses=ulysses, ring=ring, c=c, device=device, chunks=chunks, slices=slices
     )
     attention_saved, o_proj_input, exchange = attn.saved, attn.o_proj_input, ulysses > 1
-    # Gated MLP down(silu(gate(x)) * up(x)): saves gate, silu(gate), up and their product ([t, I] each); its
-    # backward adds two more. Tiled, by hand in row blocks (ulysses_sp.gated_tile): five [r, I] tensors of a block
-    # with its norm (upcast under bf16), output and input gradients, the chunk's input gradient [c, h], the fp32
-    # parameter-gradient sums (3 h I params) and, in 16-bit, one product being added to them.
+    # Gated MLP: saves 4 [t, I], backward adds 2; tiled: by hand in blocks of r rows (ulysses_sp.gated_tile): 5 [r, I]
     mlp_chunk = min(features.mlp_chunk_tokens or default_chunk_tokens(h), t)
     if features.tiled_mlp:
         mlp_saved, products, block = 0.0, 4 * 3 + (c if c < 4 else 0), block_rows(mlp_chunk)
         mlp_backward = ((5 * c * inter + (u + 4 * c) * h) * block + c * h * mlp_chunk + products * h * inter) / t
+        # or its forward, recomputed in this phase: three [c, I] (act and up, then their product), the chunk's norm,
+        forward = (3 * c * inter + (u + 2 * c) * h) * mlp_chunk / t + (c * h if mlp_chunk < t else 0) - c * h
+        mlp_backward = max(mlp_backward, forward)  # the output buffer of several chunks; no input gradient yet
     else:
         mlp_saved, mlp_backward = 4 * c * inter, 2 * c * inter
     layer_input = c * h  # a layer's input: the checkpoint, or (fp32 or a tiled norm, no checkpointing) its norm's
