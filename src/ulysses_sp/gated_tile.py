@@ -160,20 +160,19 @@ class GatedChunk:
         return torch.addmm(grad_up.mm(self.up.weight), grad_gate, self.gate.weight)  # [r, h]
 
 
-def gated_chunk(mlp: nn.Module, has_previous: bool) -> GatedChunk | None:
-    """The hand-written chunk backward for ``mlp``, or None where autograd's must run (see the module docstring).
+def gated_chunk(mlp: nn.Module, has_previous: bool, known: tuple | None) -> tuple[GatedChunk | None, tuple | None]:
+    """The hand-written chunk backward for ``mlp`` (None where autograd's must run; see the module docstring) and
+    what to pass as ``known`` next time: the probe runs again only when ``mlp``'s structure or modes changed.
 
     ``has_previous``: another library installed its own instance ``forward`` on ``mlp`` (never handled here).
-    The probe runs once per set of modules (remembered on ``mlp``), under no autocast, in the weights' dtype.
+    The probe runs under no autocast, in the weights' dtype.
     """
     structure = None if has_previous else _structure(mlp)
     if structure is None:
-        return None
-    known = mlp.__dict__.get("_ulysses_gated_probe")
+        return None, known
     if known is None or known[0] != structure:
         known = (structure, _probe(mlp))
-        mlp.__dict__["_ulysses_gated_probe"] = known
-    return GatedChunk(mlp) if known[1] else None
+    return (GatedChunk(mlp) if known[1] else None), known
 
 
 def _probe(mlp: nn.Module) -> bool:

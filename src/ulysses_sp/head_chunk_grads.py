@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.autograd.graph import get_gradient_edge
 
-from .tiling import add_mm
+from .tiling import add_mm, sum_dtype
 
 if TYPE_CHECKING:
     from .deferred_input import NormRemake
@@ -120,14 +120,9 @@ class _Tap(torch.autograd.Function):
 _INPUT = "<the block's input>"  # add_chunk's name for the input's gradient (not a projection's)
 
 
-def _sum_dtype(dtype: torch.dtype, chunks: int) -> torch.dtype:
-    """The dtype of a sum over the chunks of ``dtype`` tensors: fp32 for 16-bit ones summed over several chunks."""
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) and chunks > 1 else dtype
-
-
 def _zeros(t: torch.Tensor, chunks: int) -> torch.Tensor:
-    """A zeroed accumulator of ``t``'s shape (:func:`_sum_dtype`)."""
-    return torch.zeros(t.shape, dtype=_sum_dtype(t.dtype, chunks), device=t.device)
+    """A zeroed accumulator of ``t``'s shape (:func:`ulysses_sp.tiling.sum_dtype`)."""
+    return torch.zeros(t.shape, dtype=sum_dtype(t.dtype, chunks > 1), device=t.device)
 
 
 class Accumulators:
@@ -146,7 +141,7 @@ class Accumulators:
         # The input's gradient sum: made only once the projections' output gradients waiting to be added into it
         # would outgrow it (kept till then: :meth:`_add_input`), so the first chunks' backward does not hold it.
         self.need_x, self._x = needs[0], None
-        self.x_meta = (x.shape, _sum_dtype(x.dtype, chunks), x.device)
+        self.x_meta = (x.shape, sum_dtype(x.dtype, chunks > 1), x.device)
         self.x_bytes = math.prod(x.shape) * self.x_meta[1].itemsize
         self.waiting: deque[tuple[torch.Tensor, ChunkRun, str, int]] = deque()  # (grad [b n, out_c], run, name, stage)
         self.waiting_bytes = 0

@@ -49,6 +49,7 @@ __all__ = [
     "Replay",
     "TiledMLP",
     "add_mm",
+    "sum_dtype",
     "check_chunk_tokens",
     "compute_dtype",
     "default_chunk_tokens",
@@ -79,6 +80,11 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _spans(length: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(chunk, length - start)) for start in range(0, length, chunk)]
+
+
+def sum_dtype(dtype: torch.dtype, wide: bool) -> torch.dtype:
+    """The dtype of a sum of ``dtype`` gradients: fp32 for 16-bit ones when ``wide`` (summed over several parts)."""
+    return torch.float32 if wide and dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def add_mm(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -131,7 +137,7 @@ class _GradSums:
             self.calls[i] += 1
             total = self.sums[i]
             if total is None:
-                if self.wide and grad.dtype in (torch.bfloat16, torch.float16):
+                if sum_dtype(grad.dtype, self.wide) != grad.dtype:
                     self.sums[i] = grad.float()
                 else:  # kept and added to in place: not a view of, or a broadcast into, what autograd holds
                     owned = grad._base is None and grad.is_contiguous()
@@ -148,8 +154,7 @@ class _GradSums:
         if i is None:
             return None
         if self.sums[i] is None:
-            wide = self.wide and param.dtype in (torch.bfloat16, torch.float16)
-            self.sums[i] = torch.zeros(param.shape, dtype=torch.float32 if wide else param.dtype, device=param.device)
+            self.sums[i] = torch.zeros(param.shape, dtype=sum_dtype(param.dtype, self.wide), device=param.device)
         return self.sums[i]
 
     def add_mm(self, param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -217,12 +222,12 @@ class _TiledFunction(torch.autograd.Function):
         grad_x = torch.empty_like(x) if need_x and len(spans) > 1 else None
         by_hand = tiled.chunk_backward() if x.numel() else None
         sums = _GradSums(wanted, wide=len(spans) > 1 or by_hand is not None)  # by hand: summed over row blocks
+        pre = [p for p in wanted if any(p is q for q in tiled.pre_parameters())]  # the fused norm's, by hand
         with ctx.replay(), torch.enable_grad(), sums:
             for start, length in spans:
                 chunk = x.narrow(-2, start, length).detach().contiguous().requires_grad_(need_x)  # [b, c, h]
                 grad_part = grad_out.narrow(-2, start, length)
                 if by_hand is not None:
-                    pre = [p for p in sums.params if any(p is q for q in tiled.pre_parameters())]
                     grads = [by_hand.backward(chunk, grad_part, sums, need_x, tiled.pre_forward, pre)]
                 else:
                     out = tiled.call_module(chunk)
@@ -341,9 +346,12 @@ class TiledMLP(TiledForward):
 
     called_as = "mlp(hidden_states [b, n, h])"
 
+    probed: tuple | None = None  # what gated_chunk found for this MLP, and for which of its structures
+
     def chunk_backward(self) -> GatedChunk | None:
         """A gated MLP's chunks back-propagated by hand in fewer ``[c, I]`` tensors (:mod:`ulysses_sp.gated_tile`)."""
-        return gated_chunk(self.module, self.previous is not None)
+        chunk, self.probed = gated_chunk(self.module, self.previous is not None, self.probed)
+        return chunk
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.pre is not None:  # a norm fused in: it returned its input, which must be what arrives here

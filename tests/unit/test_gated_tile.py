@@ -176,9 +176,19 @@ def test_activations_with_parameters_or_in_place_and_training_only_ops_use_autog
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_bf16_parameters_in_one_chunk_and_an_empty_batch():
+def test_bf16_parameters_in_one_chunk_and_an_empty_batch(monkeypatch):
     """One chunk in four blocks: bf16 weight gradients summed in fp32 over the blocks, as over chunks; a batch of
     no sequences back-propagates like autograd's (no block to run)."""
+    from ulysses_sp import tiling
+
+    made = []
+    grad_sums = tiling._GradSums
+
+    def spy(params, *, wide):
+        made.append(wide)
+        return grad_sums(params, wide=wide)
+
+    monkeypatch.setattr(tiling, "_GradSums", spy)
     torch.manual_seed(0)
     mlp = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=96, num_attention_heads=2)).to(torch.bfloat16)
     x, grad = torch.randn(1, 1024, 32, dtype=torch.bfloat16), torch.randn(1, 1024, 32, dtype=torch.bfloat16)
@@ -189,6 +199,7 @@ def test_bf16_parameters_in_one_chunk_and_an_empty_batch():
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.bfloat16
         assert (g.float() - w.float()).norm() <= 1e-2 * w.float().norm()
+    assert made == [True]  # one chunk, yet its block sums are fp32
     empty = torch.zeros(0, 8, 32, dtype=torch.bfloat16, requires_grad=True)
     (grad_empty,) = torch.autograd.grad(mlp(empty).sum(), [empty])
     assert grad_empty.shape == empty.shape

@@ -191,8 +191,8 @@ def test_simulate_agrees_with_the_plan_in_head_chunks(chunks):
     """The attention's heads in chunks, cores through a block kernel (output and lse saved, no recompute): the
     planner's chunked terms against one measured step (16 heads of 128, 4 kv heads, sp 2, fp32; the attention's
     backward the peak at C=2 and C=4: at C=4 it was tied with the MLP's until the MLP's chunks were back-propagated
-    by hand, measured 154.3 MB and 136.0 MB now). (bf16 on the CPU is not modelled: the CPU kernel computes in fp32
-    copies; the GPU's does not.)"""
+    by hand; measured 154.3 MB there, planned 4% under). (bf16 on the CPU is not modelled: the CPU kernel computes
+    in fp32 copies; the GPU's does not.)"""
     from ulysses_sp.simulate import simulate_step
 
     shape = LlamaConfig(
@@ -241,8 +241,8 @@ def test_at_the_planned_longest_sequence_the_step_fits_and_ten_percent_longer_it
     assert at["predicted_fits"] and at["fits"] and not at["out_of_memory"], at
     assert not above["predicted_fits"] and not above["fits"], above
     # the peak is the loss forward since the MLP's chunks are back-propagated by hand (longest 4096 -> 5120 tokens;
-    # planned 3.2% under the measured 24,580,060 bytes there; the MLP's backward within 1% before)
-    assert 0.95 <= at["ratio"] <= 1.05 and above["measured_peak_bytes"] > budget
+    # planned 2.1% over the measured 24,580,060 bytes there)
+    assert 0.97 <= at["ratio"] <= 1.03 and above["measured_peak_bytes"] > budget
     assert at["tokens_per_s"] > 0 and at["tflops"] > 0 and at["mfu"] is None  # no bf16 peak is known for a CPU
 
 
