@@ -18,6 +18,7 @@ is exact too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,8 +26,17 @@ import torch.nn.functional as F
 
 from .cores import AttentionCall
 from .ring_kernels import default_ring_kernel, get_ring_kernel
+from .tiling import sum_dtype
 
-__all__ = ["KERNEL_CORES", "chunk_kernel", "kernel_backward", "kernel_forward", "output_row_sums", "stand_in_output"]
+__all__ = [
+    "KERNEL_CORES",
+    "chunk_kernel",
+    "kernel_backward",
+    "kernel_blocks",
+    "kernel_forward",
+    "output_row_sums",
+    "stand_in_output",
+]
 
 # The cores whose arithmetic a block kernel reproduces (exact causal attention through a fused kernel).
 KERNEL_CORES = ("sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
@@ -70,39 +80,107 @@ def kernel_forward(
     return out[..., : call.d_v].transpose(1, 2).to(q.dtype), lse
 
 
+# The backward of a long chunk's core runs in blocks of queries and keys: each call's gradients (and the stand-in
+# output of its query rows) are a block's, not the whole chunk's; at most KERNEL_BLOCKS blocks a document (calls:
+# blocks x (blocks + 1) / 2, the causal triangle), each at least MIN_BLOCK_ROWS long.
+KERNEL_BLOCKS = 4
+MIN_BLOCK_ROWS = 4096
+
+
+def kernel_blocks(tokens: int) -> int:
+    """How many query (and key) blocks :func:`kernel_backward` splits a document of ``tokens`` into."""
+    return max(1, min(KERNEL_BLOCKS, tokens // MIN_BLOCK_ROWS))
+
+
 def kernel_backward(
     kernel: Any,
     grad: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     lse: torch.Tensor,
     call: AttentionCall,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    *,
+    row_sums: torch.Tensor | None = None,
+    add_kv: Callable[[tuple, torch.Tensor, torch.Tensor], None] | None = None,
+    blocked: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The gradients of q/k/v (their shapes and dtype) for the output's gradient ``grad [b, N, h, d_v]``, from the
-    forward's ``out [b, N, h, d_v]`` and ``lse``."""
+    forward's ``out [b, N, h, d_v]`` (or, ``out`` None, the output's ``row_sums`` with ``grad``, ``[b, N, h, 1]``: a
+    :func:`stand_in_output` is made block by block) and ``lse``.
+
+    ``blocked``: a document of at least 2 :data:`MIN_BLOCK_ROWS` tokens runs in blocks (:func:`kernel_blocks`): a
+    diagonal block causal, the blocks below it in full, each with its query rows' lse and output, their partial
+    gradients summed (fp32 for a 16-bit kernel). ``add_kv(piece, dk, dv)``: take the k/v gradients of the rows ``piece``
+    (indices into ``[b, hkv, N]``) instead of summing them here (they are then returned as None)."""
     dtype, scale = kernel.compute_dtype(q.dtype), _scale(call, q)
     width = q.shape[-1]
 
-    def heads_major(t: torch.Tensor) -> torch.Tensor:  # [b, N, h, d_v] -> [b, h, N, w]
+    def heads_major(t: torch.Tensor) -> torch.Tensor:  # [b, n, h, d_v] -> [b, h, n, w]
         padded = F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
         return padded.transpose(1, 2).to(dtype)
 
-    g_k, o_k = heads_major(grad), heads_major(out)
-    q_k, k_k, v_k = (t.to(dtype) for t in (q, k, v))
-    if call.segments.is_dense:
-        grads = kernel.backward(g_k, q_k, k_k, v_k, o_k, lse, causal=True, scale=scale)
-    else:
-        grads = tuple(torch.zeros_like(t) for t in (q_k, k_k, v_k))
-        for row, s, e in _documents(call):
-            piece = (slice(row, row + 1), slice(None), slice(s, e))
-            found = kernel.backward(
-                g_k[piece], q_k[piece], k_k[piece], v_k[piece], o_k[piece], lse[piece], causal=True, scale=scale
-            )
-            for target, part in zip(grads, found, strict=True):
-                target[piece] = part
-    return tuple(g.to(q.dtype) for g in grads)  # type: ignore[return-value]
+    def output(rows: tuple[slice, slice]) -> torch.Tensor:  # [b, n, h, d_v] of the query rows
+        if out is not None:
+            return out[rows]
+        return stand_in_output(grad[rows], row_sums[rows])
+
+    docs = (
+        [(slice(None), 0, q.shape[2])]
+        if call.segments.is_dense
+        else [(slice(row, row + 1), s, e) for row, s, e in _documents(call)]
+    )
+    blocks = [(row, _spans(s, e, blocked)) for row, s, e in docs]
+    if len(docs) == 1 and len(blocks[0][1]) == 1 and call.segments.is_dense:  # one call: its gradients as they are
+        everything = (slice(None), slice(None))
+        found = kernel.backward(
+            heads_major(grad),
+            *(t.to(dtype) for t in (q, k, v)),
+            heads_major(output(everything)),
+            lse,
+            causal=True,
+            scale=scale,
+        )
+        dq, dk, dv = (g.to(t.dtype) for g, t in zip(found, (q, k, v), strict=True))
+        if add_kv is None:
+            return dq, dk, dv
+        add_kv((slice(None), slice(None), slice(None)), dk, dv)
+        return dq, None, None
+    wide = sum_dtype(dtype, True)
+    dq = torch.zeros(q.shape, dtype=wide, device=q.device)
+    kv_sums = None
+    if add_kv is None:
+        kv_sums = tuple(torch.zeros(t.shape, dtype=wide, device=t.device) for t in (k, v))
+
+        def add_kv(piece: tuple, dk: torch.Tensor, dv: torch.Tensor) -> None:
+            kv_sums[0][piece].add_(dk)
+            kv_sums[1][piece].add_(dv)
+
+    for row, spans in blocks:
+        for i, (q0, q1) in enumerate(spans):
+            rows = (row, slice(q0, q1))
+            g_k, o_k = heads_major(grad[rows]), heads_major(output(rows))
+            q_k, lse_k = q[row, :, q0:q1].to(dtype), lse[row, :, q0:q1]
+            for k0, k1 in spans[: i + 1]:
+                keys = (row, slice(None), slice(k0, k1))
+                part_q, part_k, part_v = kernel.backward(
+                    g_k, q_k, k[keys].to(dtype), v[keys].to(dtype), o_k, lse_k, causal=k0 == q0, scale=scale
+                )
+                dq[row, :, q0:q1] += part_q
+                add_kv(keys, part_k, part_v)
+                del part_q, part_k, part_v
+            del g_k, o_k, q_k
+    if kv_sums is None:
+        return dq.to(q.dtype), None, None
+    return dq.to(q.dtype), kv_sums[0].to(k.dtype), kv_sums[1].to(v.dtype)
+
+
+def _spans(start: int, end: int, blocked: bool) -> list[tuple[int, int]]:
+    """``(start, end)`` of each block of the tokens ``start..end``."""
+    count = kernel_blocks(end - start) if blocked else 1
+    size = -(-(end - start) // count)
+    return [(s, min(s + size, end)) for s in range(start, end, size)]
 
 
 def output_row_sums(grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -116,8 +194,9 @@ def stand_in_output(grad: torch.Tensor, row_sums: torch.Tensor) -> torch.Tensor:
     [..., 1]``: ``grad * D / |grad|^2`` per row (0 where the gradient's row is 0, and then D is 0 too). The kernels
     read the output only through those sums, so their gradients are the true output's; no larger than the true
     output row by row (Cauchy-Schwarz: ``|D| <= |grad| |out|``)."""
-    norm2 = torch.linalg.vector_norm(grad, dim=-1, keepdim=True, dtype=torch.float32).square()
-    scale = torch.where(norm2 > 0, row_sums.float() / norm2, 0.0)  # [..., 1] fp32
+    wide = torch.promote_types(grad.dtype, torch.float32)
+    norm2 = torch.linalg.vector_norm(grad, dim=-1, keepdim=True, dtype=wide).square()
+    scale = torch.where(norm2 > 0, row_sums.to(wide) / norm2, 0.0)  # [..., 1] fp32 (fp64 for fp64)
     if grad.dtype == torch.float16:  # the scale may pass fp16's range where the gradient is small
         return (grad.float() * scale).to(grad.dtype)
     return grad * scale.to(grad.dtype)

@@ -53,11 +53,13 @@ class Blank:
     rows: int
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Zeros ``[..., rows]`` in the dtype ``F.linear(x, weight)`` gives (autocast's where it is on); ``x`` may
-        be a data-less stand-in (only its shape is read)."""
+        """Zeros ``[..., rows]`` in the dtype ``F.linear(x, weight)`` gives (autocast's where it is on), one element
+        expanded (no memory: a chunk's blank k/v were ``[t, 2 d]`` of zeros at its peak); ``x`` may be a data-less
+        stand-in (only its shape is read). A module that wrote into its projection's output in place would fail
+        loudly here (and its probe would keep it unchunked), never compute on shared zeros."""
         device = weight.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-        return torch.zeros(*x.shape[:-1], self.rows, dtype=dtype, device=weight.device)
+        return torch.zeros((), dtype=dtype, device=weight.device).expand(*x.shape[:-1], self.rows)
 
 
 class ChunkParts:

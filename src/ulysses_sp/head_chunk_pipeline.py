@@ -24,8 +24,9 @@ gradient, and the output's row sums with its gradient, which the kernels read in
 :func:`~ulysses_sp.chunk_core.stand_in_output`), and drops them (:mod:`ulysses_sp.head_chunk_output`: freed
 there under this library's checkpointing or offloading, which hand the saved tensors over); then runs each chunk by
 hand: the projections again (their graph), the q/k/v exchange, one exchange of the output's gradient and
-row sums, the kernel's fused backward, the q/k/v exchange's adjoint, the projections' backward (by hand for the
-projections of the block's input, :class:`ProjectionCut`: in-place matmuls into the sums, no ``[t, h]``
+row sums, the kernel's fused backward (in blocks of queries and keys on long sequences:
+:func:`~ulysses_sp.chunk_core.kernel_backward`), the q/k/v exchange's adjoint, the projections' backward (by hand
+for the projections of the block's input, :class:`ProjectionCut`: in-place matmuls into the sums, no ``[t, h]``
 temporaries; the input's gradient sum made only once the gradients waiting for it would outgrow it). Under
 autocast q/k/v cross in the autocast dtype, as autocast's sdpa would cast them. Collectives per layer: 2C forward,
 3C backward (and 1 + 2 more where the chunks share the kv heads). Where no kernel fits (a ring, dropout, a window,
@@ -52,7 +53,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .attention import pad_qkv
-from .chunk_core import chunk_kernel, kernel_backward, kernel_forward, stand_in_output
+from .chunk_core import chunk_kernel, kernel_backward, kernel_forward
 from .comm import (
     out_local,
     out_local_grad,
@@ -165,11 +166,17 @@ class ChunkRun:
         rows = rows_index(self.split.shared_rows(chunk, self.blocks), full.device)
         return (full, *(take(t, 1, rows) for t in self.kv.chunk(2, dim=1)))
 
-    def add_kv_grads(self, chunk: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
-        """Add a chunk's k/v gradients into the shared kv heads' sums (their rows)."""
-        rows = rows_index(self.split.shared_rows(chunk, self.blocks), dk.device)
-        for total, grad in zip(self.kv_grad.chunk(2, dim=1), (dk, dv), strict=True):
-            add_at(total, 1, rows, grad)
+    def kv_adder(self, chunk: int) -> Callable[[tuple, torch.Tensor, torch.Tensor], None]:
+        """``add(piece, dk, dv)``: add a chunk's k/v gradients of the tokens ``piece`` (indices into ``[b, hkv_c,
+        N]``, its heads all) into the shared kv heads' sums (the chunk's rows of them)."""
+        rows = rows_index(self.split.shared_rows(chunk, self.blocks), self.kv_grad.device)
+
+        def add(piece: tuple, dk: torch.Tensor, dv: torch.Tensor) -> None:
+            batch, _, tokens = piece
+            for total, grad in zip(self.kv_grad.chunk(2, dim=1), (dk, dv), strict=True):
+                add_at(total[batch, :, tokens], 1, rows, grad)
+
+        return add
 
     def _exchange(self, send: torch.Tensor | list[torch.Tensor]) -> Generator[None, None, torch.Tensor]:
         """Launch the all-to-all of ``send``, yield while it is in flight, return what arrived (compute dtype).
@@ -276,12 +283,15 @@ class ChunkRun:
         del recv
         acc.add_chunk(self, stage, roots, grads, *graph)
 
-    def _sent_grads(self, chunk: int, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> list[torch.Tensor]:
+    def _sent_grads(
+        self, chunk: int, dq: torch.Tensor, dk: torch.Tensor | None, dv: torch.Tensor | None
+    ) -> list[torch.Tensor]:
         """The gradient of what the chunk sent, in a one-element list: its q/k/v's, or its q's where the chunks share
-        the kv heads (their gradients go into :attr:`kv_grad`)."""
+        the kv heads (their gradients go into :attr:`kv_grad`; None: already there)."""
         if not self.split.shared_kv:
             return [torch.cat((dq, dk, dv), dim=1)]
-        self.add_kv_grads(chunk, dk, dv)
+        if dk is not None:
+            self.kv_adder(chunk)((slice(None), slice(None), slice(None)), dk, dv)
         return [dq]
 
     def backward_kv(self, x: torch.Tensor) -> Stages:
@@ -320,11 +330,13 @@ class ChunkRun:
         recv = yield from self._exchange(box)
         core_grad, row_sums = out_send_grad(recv).split((d_v, 1), dim=-1)  # [b, N, Hc/P, d_v], [b, N, Hc/P, 1]
         del recv
-        core_out = stand_in_output(core_grad, row_sums)  # [b, N, Hc/P, d_v]
-        del row_sums
         q_f, k_f, v_f = self.core_qkv(chunk, full, roots.heads)
-        grads = kernel_backward(self.kernels[chunk], core_grad, q_f, k_f, v_f, core_out, lse, call)
-        del core_out, core_grad, q_f, k_f, v_f, full
+        # in blocks of queries and keys where the sequence is long, the stand-in output made block by block; shared
+        # kv heads: their gradients go into kv_grad block by block
+        add_kv = self.kv_adder(chunk) if self.split.shared_kv else None
+        kernel = self.kernels[chunk]
+        grads = kernel_backward(kernel, core_grad, q_f, k_f, v_f, None, lse, call, row_sums=row_sums, add_kv=add_kv)
+        del core_grad, row_sums, q_f, k_f, v_f, full
         grad_full = self._sent_grads(chunk, *grads)  # [b, h, N, d]
         del grads
         yield from self._grads_back(chunk, grad_full, roots, graph, acc)

@@ -65,7 +65,15 @@ class SlicedCore(torch.autograd.Function):
             qs, ks = slice(q0, q0 + qn), slice(k0, k0 + kn)
             slice_out = out[:, qs].transpose(1, 2)  # [b, N, qn, d_v]
             gq, gk, gv = kernel_backward(
-                ctx.kernel, grad[:, :, qs], q[:, qs], k[:, ks], v[:, ks], slice_out, lse[:, qs], ctx.call
+                ctx.kernel,
+                grad[:, :, qs],
+                q[:, qs],
+                k[:, ks],
+                v[:, ks],
+                slice_out,
+                lse[:, qs],
+                ctx.call,
+                blocked=False,
             )
             dq[:, qs] = gq
             dk[:, ks] += gk

@@ -21,7 +21,7 @@ from tests.dist.cases_memory_features import check_features
 from tests.helpers.harness import run_cases
 from tests.helpers.models import build, make_batch
 from tests.helpers.spy import calls_to
-from ulysses_sp import head_chunk_pipeline, sliced_core
+from ulysses_sp import chunk_core, head_chunk_pipeline, sliced_core
 from ulysses_sp.head_split import ChunkHeads
 
 P = functools.partial
@@ -62,6 +62,22 @@ def chunked_parity(layout, arch: str, chunks: int, *, layers: int = 2, fused: bo
     assert stats.calls["all_to_all"] == want, (stats.calls, want)
     if fused is not None and chunks > 1:
         assert found == (layers * chunks if fused else 0), (found, fused)
+
+
+def blocked_parity(layout, arch: str, chunks: int, **kwargs) -> None:
+    """chunked_parity with each fused chunk backward's kernel in blocks of queries and keys (chunk_core: 4 rows a
+    block at least, so the test's 24 to 48 tokens a rank attends make 2 to 4 blocks a document): more stand-in
+    outputs made than chunk backwards run proves the blocks ran."""
+    old, chunk_core.MIN_BLOCK_ROWS = chunk_core.MIN_BLOCK_ROWS, 4
+    try:
+        with (
+            calls_to(chunk_core, "stand_in_output") as stand_ins,
+            calls_to(head_chunk_pipeline, "kernel_backward") as backwards,
+        ):
+            chunked_parity(layout, arch, chunks, fused=True, **kwargs)
+    finally:
+        chunk_core.MIN_BLOCK_ROWS = old
+    assert len(stand_ins) > len(backwards) > 0, (len(stand_ins), len(backwards))
 
 
 def arch_chunked_or_refused(layout, arch: str, kv_heads: int | None, batch, train: bool) -> None:
@@ -215,6 +231,11 @@ def world2_cases(sp2) -> dict:
         **archs,
         **feature_cases(sp2, "sp2", (2, 4)),
         **sliced_cases(sp2, "sp2", 8, 2),
+        # the kernel's backward in blocks: kv heads shared by the chunks (GQA, packed) or sent by each (MHA)
+        "sp2_C4_gqa_packed_blocked_kernel": P(
+            blocked_parity, sp2, "qwen3", 4, heads=8, kv_heads=2, batch=make_batch(2, 24, packed=(10, 14))
+        ),
+        "sp2_C2_mha_blocked_kernel": P(blocked_parity, sp2, "llama", 2, heads=8),
         "sp2_C4_exchanges_overlap_cores": P(overlap, sp2),
         "sp2_C4_exchanges_overlap_cores_recomputed": P(overlap, sp2, core="eager"),
     }
@@ -226,6 +247,7 @@ def world4_cases(sp4, dp2sp2, hybrid) -> dict:
         **family_cases(sp4, "sp4", 16, 2, CHUNKS),
         **family_cases(dp2sp2, "dp2_sp2", 8, 2, (2, 4)),
         **sliced_cases(sp4, "sp4", 16, 2),
+        "sp4_C4_gqa_blocked_kernel": P(blocked_parity, sp4, "llama", 4, heads=16, kv_heads=2),
         "ulysses2_ring2_C2_gqa": P(chunked_parity, hybrid, "llama", 2, heads=8, kv_heads=2),
         "ulysses2_ring2_C4_packed": P(
             chunked_parity, hybrid, "qwen2", 4, heads=8, kv_heads=4, batch=make_batch(2, 24, packed=(9, 15))

@@ -128,11 +128,16 @@ def test_choices_and_automatic_choice():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rows", ["dense", "packed_padded"])
-def test_chunk_kernel_matches_the_eager_core_and_its_autograd(dtype, rows):
+@pytest.mark.parametrize("blocks", ["whole", "blocks", "blocks_from_sums"])
+def test_chunk_kernel_matches_the_eager_core_and_its_autograd(monkeypatch, dtype, rows, blocks):
     """ulysses_sp.chunk_core against the reference core: the kernel's output and its fused backward from the saved
     output and lse equal the eager core's output and autograd gradients (GQA, a value width below the padded one,
-    packed documents and padding with one kernel call per document)."""
-    from ulysses_sp.chunk_core import chunk_kernel, kernel_backward, kernel_forward
+    packed documents and padding with one kernel call per document). ``blocks``: the backward in blocks of queries
+    and keys (4 rows at least: the 24 dense rows in 4 blocks, 10 calls; the documents of 10 and 14 in 2 and 3,
+    3 + 6 calls a row), from the output or from its row sums with the gradient (a stand-in output per block), the
+    k/v gradients summed here or handed to ``add_kv`` block by block."""
+    from ulysses_sp import chunk_core
+    from ulysses_sp.chunk_core import chunk_kernel, kernel_backward, kernel_forward, output_row_sums
     from ulysses_sp.cores import AttentionCall, Segments, eager_core
 
     torch.manual_seed(0)
@@ -159,10 +164,34 @@ def test_chunk_kernel_matches_the_eager_core_and_its_autograd(dtype, rows):
     torch.testing.assert_close(out, ref.detach(), **tol)
     grad = torch.randn_like(ref)
     torch.autograd.backward(ref, grad)
-    grads = kernel_backward(kernel, grad, q, k, v, out, lse, call)
+    if blocks != "whole":
+        monkeypatch.setattr(chunk_core, "MIN_BLOCK_ROWS", 4)
+    calls = []
+    backward = kernel.backward
+    monkeypatch.setattr(kernel, "backward", lambda *a, **kw: calls.append(kw["causal"]) or backward(*a, **kw))
+    if blocks == "blocks_from_sums":
+        kv_sums = [torch.zeros_like(k), torch.zeros_like(v)]
+
+        def add_kv(piece, dk, dv):
+            kv_sums[0][piece] += dk
+            kv_sums[1][piece] += dv
+
+        dq, dk, dv = kernel_backward(
+            kernel, grad, q, k, v, None, lse, call, row_sums=output_row_sums(grad, out), add_kv=add_kv
+        )
+        assert dk is None and dv is None
+        grads = (dq, *kv_sums)
+    else:
+        grads = kernel_backward(kernel, grad, q, k, v, out, lse, call)
     for got, leaf in zip(grads, leaves, strict=True):
         assert got.shape == leaf.shape and got.dtype == dtype
         torch.testing.assert_close(got, leaf.grad, **tol)
+    # kernel calls: whole, one (dense) or one a document (2 + 2); in blocks, the causal triangle of each document's
+    # blocks (dense 24 rows: 4 blocks; documents of 10, 14 / 10, 10 (padding after): 2, 3 / 2, 2 blocks)
+    want = {"dense": 1, "packed_padded": 4} if blocks == "whole" else {"dense": 10, "packed_padded": 3 + 6 + 3 + 3}
+    assert len(calls) == want[rows] and calls.count(True) == (
+        len(calls) if blocks == "whole" else {"dense": 4}.get(rows, 9)
+    )
 
 
 def test_out_pack_send_is_out_local_grads_side_by_side():
@@ -358,3 +387,35 @@ def test_backward_frees_the_saved_outputs_first_and_makes_the_input_sum_late(mon
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_blank_projection_holds_no_memory():
+    """A projection a stage does not compute (a chunk's k/v where the chunks share the kv heads) is one zero expanded:
+    ``[t, 2 d]`` of zeros were live at the recompute's peak (0.25 [t, h] at 8 heads of 64 / 2 kv heads, C=4)."""
+    from ulysses_sp.head_chunk_parts import Blank
+
+    weight = torch.randn(64, 32)
+    zeros = Blank(64)(torch.empty(2, 1000, 32), weight)
+    assert zeros.shape == (2, 1000, 64) and zeros.dtype == weight.dtype and not zeros.any()
+    assert zeros.untyped_storage().nbytes() == weight.element_size()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert Blank(64)(torch.empty(3, 32), weight).dtype == torch.bfloat16
+
+
+def test_blocked_kernel_backward_lowers_the_attention_backward_peak(monkeypatch):
+    """The chunks' kernel backward in blocks of queries and keys (chunk_core.kernel_backward) holds a block's
+    stand-in output and gradients, not the chunk's: in a checkpointed layer (benchmarks/layer_peak.py, hidden 512,
+    8 heads / 2 kv, 8K tokens on rank 0 of sp=2, C=4) the attention's backward peaks at least 0.2 [t, h] lower
+    (4.90 -> 4.67 measured; 4.71 -> 4.47 at 16K tokens, where the layer's peak became 2.55x below the tiled MLP's)."""
+    from tests.unit.test_tiled_norms import layer_peak_bench
+    from ulysses_sp import chunk_core
+    from ulysses_sp.features import Features
+
+    bench, _, _ = layer_peak_bench()
+    shape = dict(sp=2, hidden=512, heads=8, kv_heads=2, intermediate=1408, tokens=8192)
+    features = Features(tiled_loss=False, activation_checkpointing="checkpoint", mlp_chunk_tokens=512)
+    phases = {}
+    for rows in (10**9, 1024):  # whole: one call a chunk; blocks: 4 of 1024 of the 4096 tokens a rank attends
+        monkeypatch.setattr(chunk_core, "MIN_BLOCK_ROWS", rows)
+        phases[rows] = bench.layer_backward_peak(features, 4, **shape)["phases"]
+    assert phases[10**9]["attention backward"] - phases[1024]["attention backward"] >= 0.2, phases

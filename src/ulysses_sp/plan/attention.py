@@ -19,8 +19,10 @@ Notation as in :mod:`ulysses_sp.plan.memory`: U = ulysses, R = ring, d = head di
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from ..chunk_core import kernel_blocks
 from ..head_split import DEFAULT_HEAD_CHUNK_BUDGET_BYTES, DEPTH, ChunkHeads, choose_head_chunks, core_slices
 
 __all__ = ["AttentionTerms", "attention_terms", "planned_core_slices", "planned_head_chunks"]
@@ -41,6 +43,7 @@ class AttentionTerms:
     ring_backward: float  # the ring's backward instead of the core's (R > 1)
     local: float  # the projections' q/k/v before the exchange
     q_width: int  # query elements per local token after the exchange (H d)
+    slices: int = 1  # the unchunked core's slices of heads (planned_core_slices)
 
 
 def planned_head_chunks(
@@ -159,12 +162,15 @@ def attention_terms(
     c: int,
     device: str,
     chunks: int,
-    slices: int = 1,
+    tokens: int,
 ) -> AttentionTerms:
-    """One attention layer's terms with its heads in ``chunks`` chunks (1: the unchunked path, its core in
-    ``slices`` slices of heads, :func:`planned_core_slices`)."""
+    """One attention layer's terms with its heads in ``chunks`` chunks over the ``tokens`` a rank attends (b x N /
+    R; 1 chunk: the unchunked path, its core in :func:`planned_core_slices`' slices of heads)."""
     if chunks == 1:
-        return _unchunked(heads, kv_heads, d, ulysses, ring, c, device, slices, block_kernel=slices > 1)
+        slices = planned_core_slices(heads, kv_heads, ulysses, ring=ring, chunks=1, tokens=tokens, head_dim=d)
+        found = _unchunked(heads, kv_heads, d, ulysses, ring, c, device, slices, block_kernel=slices > 1)
+        return dataclasses.replace(found, slices=slices)
+    blocks = kernel_blocks(tokens)  # the chunks' kernel backward in blocks of queries and keys
     whole = _unchunked(heads, kv_heads, d, ulysses, ring, c, device)
     split = ChunkHeads(heads, kv_heads, chunks, ulysses)
     one = _unchunked(split.heads_per_chunk, split.kv_per_chunk, d, ulysses, ring, c, device, block_kernel=ring == 1)
@@ -200,7 +206,7 @@ def attention_terms(
         # the chunks add into, each alive chunk's projected q/k/v, the receive buffers of both exchanges in flight
         # and the send buffer of the latest.
         forward = c * hidden + DEPTH * one.local + (DEPTH + 1) * qkv1 + shared
-        in_core = DEPTH * one_saved + one.backward + (DEPTH - 1) * q1
+        in_core = DEPTH * one_saved + _blocked(one, q1, kv1, c, device, blocks, split.shared_kv) + (DEPTH - 1) * q1
         exchanging = DEPTH * one_saved + 2 * DEPTH * q1
         # Backward first reads the saved outputs (o_proj's weight gradient, the row sums that travel with the
         # output's gradient: head_chunk_output.output_grads), keeping the first DEPTH chunks' output gradients (one more
@@ -234,6 +240,20 @@ def attention_terms(
         local=one.local,
         q_width=whole.q_width,
     )
+
+
+def _blocked(one: AttentionTerms, q1: int, kv1: int, c: int, device: str, blocks: int, shared: bool) -> float:
+    """A chunk's kernel backward (:func:`ulysses_sp.chunk_core.kernel_backward`), bytes per local token: ``one``'s
+    (its stand-in output and q/k/v gradients) in one call; in ``blocks`` blocks the fp32 sums of dq (and of dk/dv
+    where the chunk sent its own kv heads: shared ones go into their sum, counted with it), one call's stand-in
+    output and gradients (1 / blocks of the chunk's; the CPU kernel's in fp32) and dq cast back where it is not fp32."""
+    if blocks == 1:
+        return one.backward
+    kernel = 4 if device == "cpu" else c
+    q_el, kv_el = q1 // c, kv1 // c  # elements per local token
+    sums = 4 * q_el + (0 if shared else 4 * kv_el)
+    call = (c * q_el + kernel * (q_el + kv_el)) / blocks
+    return sums + call + (c * q_el if c != 4 else 0) + (one.backward - c * one.q_width - c * (q_el + kv_el)) / blocks
 
 
 def _ring_backward(q_width: int, kv_width: int, c: int, device: str, ring: int) -> int:

@@ -28,7 +28,7 @@ from ..ring import ring_bytes_per_layer
 from ..tiled_loss import chunk_bytes_per_logit, loss_chunk_tokens
 from ..tiling import default_chunk_tokens
 from ..traffic import ulysses_bytes_per_layer
-from .attention import AttentionTerms, attention_terms, planned_core_slices, planned_head_chunks
+from .attention import AttentionTerms, attention_terms, planned_head_chunks
 from .placement import choose_placement, placement_is_chosen
 from .shape import ModelShape, model_shape
 from .units import GiB
@@ -225,19 +225,18 @@ def _terms(
     norm_post = (4 + 2 * c) * h
     recomputed_norm_out = 0  # the input norm's output where nothing saves it: alive through the (re)compute only
     if features.tiled_norms:  # a norm keeps only its input: for the input norm the layer input (counted with it),
-        # for the MLP's the residual sum. The linear projections of a tiled norm's output save the norm's input
-        # instead of it (ulysses_sp.norm_projections); so does the head-chunked block, whose backward remakes the
-        # norm's output tile by tile (ulysses_sp.deferred_input; the planned q/k/v projections read their input
-        # only through themselves, as the probe requires).
+        # for the MLP's the residual sum. The projections of a tiled norm's output save the norm's input instead
+        # (ulysses_sp.norm_projections); so does the head-chunked block, whose backward remakes the norm's output
+        # tile by tile (ulysses_sp.deferred_input; the planned q/k/v projections read their input only themselves).
         norm_in = 0
         norm_post = c * h
         recomputed_norm_out = c * h
     if shape.qk_norm:  # per-head q/k norms: fp32 input + normalised copy (their output feeds RoPE, not saved)
         norm_in += (4 + c) * (heads + kv_heads) * d
-    slices = planned_core_slices(heads, kv_heads, ulysses, ring=ring, chunks=chunks, tokens=t * ulysses, head_dim=d)
     attn = attention_terms(
-        heads, kv_heads, d, h, ulysses=ulysses, ring=ring, c=c, device=device, chunks=chunks, slices=slices
+        heads, kv_heads, d, h, ulysses=ulysses, ring=ring, c=c, device=device, chunks=chunks, tokens=t * ulysses
     )
+    slices = attn.slices
     attention_saved, o_proj_input, exchange = attn.saved, attn.o_proj_input, ulysses > 1
     # Gated MLP: saves 4 [t, I], backward adds 2; tiled: by hand in blocks of r rows (ulysses_sp.gated_tile): 5 [r, I]
     mlp_chunk = min(features.mlp_chunk_tokens or default_chunk_tokens(h), t)
