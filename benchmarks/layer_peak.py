@@ -37,7 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ulysses_sp import parallelize
 from ulysses_sp.features import Features, apply_features
-from ulysses_sp.head_chunk_pipeline import HeadChunkedFunction
+from ulysses_sp.head_chunks import HeadChunkedFunction
 from ulysses_sp.memory import _StorageTracker
 from ulysses_sp.standin import StandIn, random_batch
 

@@ -214,6 +214,29 @@ def out_pack_send(sp: int, *parts: torch.Tensor) -> torch.Tensor:
     return send
 
 
+def pack_rows(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[torch.Size, torch.dtype, int]]]:
+    """Send buffers ``[P, ...]`` of any dtypes -> one ``[P, bytes]`` uint8 buffer with each rank's rows side by side
+    (each part's row padded to the widest element size, so that :func:`unpack_rows` reads views) and the layout."""
+    sp, align = parts[0].shape[0], max(t.element_size() for t in parts)
+    layout, rows = [], []
+    for t in parts:
+        row = t.contiguous().view(sp, -1).view(torch.uint8)  # [P, bytes]
+        pad = -row.shape[1] % align
+        rows.append(torch.nn.functional.pad(row, (0, pad)) if pad else row)
+        layout.append((t.shape, t.dtype, row.shape[1] + pad))
+    return torch.cat(rows, dim=1), layout
+
+
+def unpack_rows(recv: torch.Tensor, layout: list[tuple[torch.Size, torch.dtype, int]]) -> list[torch.Tensor]:
+    """The parts of a :func:`pack_rows` buffer as received ``[P, bytes]``: views, in their shapes and dtypes."""
+    found, start = [], 0
+    for shape, dtype, width in layout:
+        size = shape.numel() // shape[0] * torch.empty((), dtype=dtype).element_size()
+        found.append(recv[:, start : start + size].view(dtype).view(shape))
+        start += width
+    return found
+
+
 def qkv_seq_to_heads(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -16,24 +16,23 @@ only and reads its rows of them, and backward sums the chunks' k/v gradients and
 
 Forward, per chunk (under no_grad): project q/k/v for the chunk's heads with the module's own code (its projections
 sliced to those heads), exchange (one fused all-to-all), core, exchange back, and add the chunk's share of the
-output projection into one ``[b, n, h]`` buffer. :class:`HeadChunkedFunction` saves the block's input (or, where a
-tiled norm made it, that norm's input: :mod:`ulysses_sp.deferred_input`) and, where a block kernel runs the core
-(:mod:`ulysses_sp.chunk_core`), the core's output after the exchange back (``[b, n, Hc, d_v]`` per chunk) and its
-log-sum-exp. Its backward first reads the saved outputs, all it needs of them (the output projection's weight
-gradient, and the output's row sums with its gradient, which the kernels read in place of the output:
-:func:`~ulysses_sp.chunk_core.stand_in_output`), and drops them (:mod:`ulysses_sp.head_chunk_output`: freed
+output projection into one ``[b, n, h]`` buffer. :class:`~ulysses_sp.head_chunks.HeadChunkedFunction` saves the
+block's input (or, where a tiled norm made it, that norm's input: :mod:`ulysses_sp.deferred_input`) and, where a
+block kernel runs the core (:mod:`ulysses_sp.chunk_core`), the core's output after the exchange back (``[b, n, Hc,
+d_v]`` per chunk) and its log-sum-exp. Its backward first reads the saved outputs, all it needs of them (the output
+projection's weight gradient, and the output's row sums with its gradient, which the kernels read in place of the
+output: :func:`~ulysses_sp.chunk_core.stand_in_output`), and drops them (:mod:`ulysses_sp.head_chunk_output`: freed
 there under this library's checkpointing or offloading, which hand the saved tensors over); then runs each chunk by
-hand: the projections again (their graph), the q/k/v exchange, one exchange of the output's gradient and
-row sums, the kernel's fused backward (in blocks of queries and keys on long sequences:
+hand: the projections again (their graph), one exchange of the q/k/v with the output's gradient and row sums
+(:func:`~ulysses_sp.comm.pack_rows`), the kernel's fused backward (in blocks of queries and keys on long sequences:
 :func:`~ulysses_sp.chunk_core.kernel_backward`), the q/k/v exchange's adjoint, the projections' backward (by hand
 for the projections of the block's input, :class:`ProjectionCut`: in-place matmuls into the sums, no ``[t, h]``
-temporaries; the input's gradient sum made only once the gradients waiting for it would outgrow it). Under
-autocast q/k/v cross in the autocast dtype, as autocast's sdpa would cast them. Collectives per layer: 2C forward,
-3C backward (and 1 + 2 more where the chunks share the kv heads). Where no kernel fits (a ring, dropout, a window,
+temporaries; the input's gradient sum made only once the gradients waiting for it would outgrow it). Under autocast
+q/k/v cross in the autocast dtype, as autocast's sdpa would cast them. Collectives per layer: 2C forward, 2C
+backward (and 1 + 2 more where the chunks share the kv heads). Where no kernel fits (a ring, dropout, a window,
 softcap, the eager core) the chunk's core and output exchange are recomputed instead and the core's backward is
-autograd's (4C backward).
-Only one or two chunks' q/k/v (or q), exchange buffers and core working set exist at any time, next to the shared
-kv heads (and, in backward, their gradients' sum: fp32 under a 16-bit dtype).
+autograd's (4C backward). Only one or two chunks' q/k/v (or q), exchange buffers and core working set exist at any
+time, next to the shared kv heads (and, in backward, their gradients' sum: fp32 under a 16-bit dtype).
 
 On CUDA the exchanges run on the process group's own communication stream (``async_op=True``): the stream
 waits for the producer's work, ``work.wait()`` makes the compute stream wait for the exchange without blocking
@@ -50,7 +49,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from .attention import pad_qkv
 from .chunk_core import chunk_kernel, kernel_backward, kernel_forward
@@ -60,11 +58,13 @@ from .comm import (
     out_pack_send,
     out_send_buffer,
     out_send_grad,
+    pack_rows,
     qkv_full,
     qkv_full_grad,
     qkv_send_buffer,
     qkv_send_grad,
     start_all_to_all,
+    unpack_rows,
 )
 from .cores import AttentionCall
 from .deferred_input import Absent, NormRemake
@@ -78,7 +78,7 @@ if TYPE_CHECKING:
     from .head_chunks import HeadChunkedAttention
     from .head_split import ChunkHeads
 
-__all__ = ["ChunkRun", "HeadChunkedFunction", "placer"]
+__all__ = ["ChunkRun", "placer"]
 
 
 def placer(name: str, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], tuple[tuple, dict]]:
@@ -255,20 +255,40 @@ class ChunkRun:
         return out
 
     # ------------------------------------------------------------------------------------------- backward
-    def _recompute_qkv(self, x: torch.Tensor, stage: int) -> Generator[None, None, tuple]:
-        """The stage's projections again, with their graph (cut at the projections of ``x``), and their exchange:
-        ``((leaves, cut), roots, call, full)`` with ``full [b, h, N, d]`` the q/k/v it sent after the exchange and
-        ``roots`` those projections' outputs as autograd sees them (:class:`Roots`; the tensors are freed once sent)."""
+    def _reproject(self, x: torch.Tensor, stage: int) -> tuple:
+        """The stage's projections again, with their graph (cut at the projections of ``x``): ``((leaves, cut),
+        roots, call, send)`` with ``send`` the q/k/v it sends ``[P, ...]`` and ``roots`` those projections' outputs
+        as autograd sees them (:class:`Roots`; the tensors are freed once the send buffer is made)."""
         leaves, cut = self.parts.weights(stage, leaves=True), ProjectionCut(x, self.remake, self.source)
         with torch.enable_grad():
             q, k, v, call = self.project(x, stage, leaves, cut)
         sent = self.sent(stage, q, k, v)
         del q, k, v
         roots = Roots(*sent)
-        send = [qkv_send_buffer(*_core_inputs(x, *(None if t is None else t.detach() for t in sent)), self.sp)]
-        del sent
-        recv = yield from self._exchange(send)
-        return (leaves, cut), roots, call, qkv_full(recv)
+        send = qkv_send_buffer(*_core_inputs(x, *(None if t is None else t.detach() for t in sent)), self.sp)
+        return (leaves, cut), roots, call, send
+
+    def _recompute_qkv(self, x: torch.Tensor, stage: int) -> Generator[None, None, tuple]:
+        """:meth:`_reproject` and the exchange: ``(graph, roots, call, full)``, ``full [b, h, N, d]`` the q/k/v the
+        stage sent, after the exchange."""
+        graph, roots, call, send = self._reproject(x, stage)
+        recv = yield from self._exchange([send])
+        return graph, roots, call, qkv_full(recv)
+
+    def _exchange_parts(self, parts: list[torch.Tensor]) -> Generator[None, None, list[torch.Tensor]]:
+        """:meth:`_exchange` of several send buffers ``[P, ...]`` (in a list, emptied) in one all-to-all
+        (:func:`~ulysses_sp.comm.pack_rows`): what arrived of each, in its dtype."""
+        dtypes = [t.dtype for t in parts]
+        if self.sp == 1:
+            found = list(parts)
+            parts.clear()
+            return found
+        box = [pack_rows([t.to(self.wire) if self.wire is not None else t for t in parts])]
+        layout = box[0][1]
+        box[0] = box[0][0]
+        parts.clear()
+        recv = yield from self._exchange(box)
+        return [t.to(dtype) for t, dtype in zip(unpack_rows(recv, layout), dtypes, strict=True)]
 
     def _grads_back(
         self, stage: int, grad_full: list[torch.Tensor], roots: Roots, graph: tuple, acc: Accumulators
@@ -316,18 +336,20 @@ class ChunkRun:
         kept of its saved core output (``saved``, emptied) and its lse, no recompute of the core: projections, q/k/v
         exchange, one exchange of the output's gradient and row sums, the kernel's backward, the gradients' exchange,
         the projections' backward."""
-        graph, roots, call, full = yield from self._recompute_qkv(x, chunk)
+        graph, roots, call, send = self._reproject(x, chunk)
         grad_local, sums, shape = saved  # [b, n, Hc, d_v] (or None: made again), [b, n, Hc, 1]
         saved.clear()
         if grad_local is None:
             grad_local = out_input_grad(self, chunk, grad_out, shape)
         d_v = shape[-1]
         # The kernel's backward reads the output only through its row sums with the gradient: those travel with
-        # the gradient instead of the output ([P, b, n, Hc/P, d_v + 1], held by the exchange alone), and the kernel
-        # gets an output with the same sums (chunk_core.stand_in_output)
-        box = [out_pack_send(self.sp, grad_local, sums)]
-        del grad_local, sums
-        recv = yield from self._exchange(box)
+        # the gradient instead of the output ([P, b, n, Hc/P, d_v + 1]), and the kernel gets an output with the same
+        # sums (chunk_core.stand_in_output); in the same all-to-all as the q/k/v (held by the exchange alone)
+        box = [send, out_pack_send(self.sp, grad_local, sums)]
+        del send, grad_local, sums
+        recv_qkv, recv = yield from self._exchange_parts(box)
+        full = qkv_full(recv_qkv)  # [b, h, N, d]
+        del recv_qkv
         core_grad, row_sums = out_send_grad(recv).split((d_v, 1), dim=-1)  # [b, N, Hc/P, d_v], [b, N, Hc/P, 1]
         del recv
         q_f, k_f, v_f = self.core_qkv(chunk, full, roots.heads)
@@ -414,33 +436,3 @@ def _core_inputs(x: torch.Tensor, *qkv: torch.Tensor | None) -> tuple[torch.Tens
     fp32; autocast's sdpa casts them, and so does this before the exchange), else as they are (None stays)."""
     dtype = compute_dtype(x)
     return tuple(None if t is None else t.to(dtype) for t in qkv)
-
-
-class HeadChunkedFunction(torch.autograd.Function):
-    """``out = attention block(x)`` in head chunks; saves ``x`` and, for the chunks whose core ran through a
-    kernel, its output after the exchange back and its lse (through ``save_for_backward``, so activation
-    checkpointing and offloading treat them as any saved tensor); backward works chunk by chunk."""
-
-    @staticmethod
-    def forward(ctx: Any, run: ChunkRun, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        ctx.run, ctx.replay, ctx.x_meta = run, Replay(x.device), (x.shape, x.dtype, x.device)
-        out = run.forward(x, save=True)
-        # ``x``, or the input of the tiled norm that made it (run.source: backward remakes x from it by tiles)
-        ctx.save_for_backward(x if run.source is None else run.source, *run.local, *run.lse)
-        run.local, run.lse, run.source = [None] * run.split.chunks, [None] * run.split.chunks, None  # ctx's alone
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        kept, *saved = ctx.saved_tensors
-        chunks = ctx.run.split.chunks
-        local, lse = saved[:chunks], tuple(saved[chunks:])  # run.backward drops each output once it has read it
-        del saved
-        x, source = (kept, None) if ctx.run.remake is None else (Absent(*ctx.x_meta), kept)
-        with ctx.replay():
-            needs = tuple(ctx.needs_input_grad[1:])
-            grad_x, *grads = ctx.run.backward(x, grad_out, needs, local, lse, source)
-        for hook in ctx.run.owner.ctx.backward_hooks:  # every chunk's backward is done (UlyssesAttention)
-            hook()
-        return (None, None if grad_x is None else grad_x.to(ctx.x_meta[1]), *grads)

@@ -32,12 +32,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from .attention import UlyssesAttention, intercepting
-from .deferred_input import NormRemake
+from .deferred_input import Absent, NormRemake
 from .head_chunk_grads import ProjectionCut
 from .head_chunk_parts import Blank
-from .head_chunk_pipeline import ChunkRun, HeadChunkedFunction, placer
+from .head_chunk_pipeline import ChunkRun, placer
 from .head_chunk_probe import probe_problem
 from .head_split import (
     DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
@@ -47,10 +48,11 @@ from .head_split import (
     head_chunk_choices,
 )
 from .norm_projections import NormProjection
-from .tiling import compute_dtype
+from .tiling import Replay, compute_dtype
 
 __all__ = [
     "HeadChunkedAttention",
+    "HeadChunkedFunction",
     "Projections",
     "head_chunk_targets",
     "install_head_chunks",
@@ -359,6 +361,36 @@ class HeadChunkedAttention:
                 f"{type(self.module).__name__} cannot run its heads in chunks: {problem}; use head_chunks=1 "
                 "(--head-chunks 1) or leave it automatic (0 / None)"
             )
+
+
+class HeadChunkedFunction(torch.autograd.Function):
+    """``out = attention block(x)`` in head chunks; saves ``x`` and, for the chunks whose core ran through a
+    kernel, its output after the exchange back and its lse (through ``save_for_backward``, so activation
+    checkpointing and offloading treat them as any saved tensor); backward works chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, run: ChunkRun, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.run, ctx.replay, ctx.x_meta = run, Replay(x.device), (x.shape, x.dtype, x.device)
+        out = run.forward(x, save=True)
+        # ``x``, or the input of the tiled norm that made it (run.source: backward remakes x from it by tiles)
+        ctx.save_for_backward(x if run.source is None else run.source, *run.local, *run.lse)
+        run.local, run.lse, run.source = [None] * run.split.chunks, [None] * run.split.chunks, None  # ctx's alone
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        kept, *saved = ctx.saved_tensors
+        chunks = ctx.run.split.chunks
+        local, lse = saved[:chunks], tuple(saved[chunks:])  # run.backward drops each output once it has read it
+        del saved
+        x, source = (kept, None) if ctx.run.remake is None else (Absent(*ctx.x_meta), kept)
+        with ctx.replay():
+            needs = tuple(ctx.needs_input_grad[1:])
+            grad_x, *grads = ctx.run.backward(x, grad_out, needs, local, lse, source)
+        for hook in ctx.run.owner.ctx.backward_hooks:  # every chunk's backward is done (UlyssesAttention)
+            hook()
+        return (None, None if grad_x is None else grad_x.to(ctx.x_meta[1]), *grads)
 
 
 def _first_argument(module: nn.Module) -> str:

@@ -41,11 +41,11 @@ REFUSED = {
 
 
 def all_to_alls(chunks: int, layers: int, fused: int = 0, shared: int = 0) -> int:
-    """All-to-alls of one forward + backward: per layer 2C forward and 4C backward chunked (3 for each of the
-    ``fused`` chunk backwards that used the saved output, and 1 + 2 more for each of the ``shared`` layers whose
-    chunks share the kv heads: exchanged once forward, once in backward and their gradients back), 2 + 2
-    unchunked."""
-    return layers * (6 * chunks if chunks > 1 else 4) - fused + 3 * shared
+    """All-to-alls of one forward + backward: per layer 2C forward and 4C backward chunked (2 for each of the
+    ``fused`` chunk backwards that used the saved output: q/k/v with the output's gradient, then their gradients;
+    and 1 + 2 more for each of the ``shared`` layers whose chunks share the kv heads: exchanged once forward, once
+    in backward and their gradients back), 2 + 2 unchunked."""
+    return layers * (6 * chunks if chunks > 1 else 4) - 2 * fused + 3 * shared
 
 
 def chunked_parity(layout, arch: str, chunks: int, *, layers: int = 2, fused: bool | None = None, **kwargs) -> None:
