@@ -9,10 +9,11 @@ computes. The order of the collectives depends only on C, so every rank issues t
 
 A chunk's heads are strided over the ranks (:class:`~ulysses_sp.head_split.ChunkHeads`): on each rank, chunk c
 brings slice c of the heads it attends without chunks, so its query heads read the same kv heads in every chunk.
-Where a chunk's kv heads are fewer than the ranks, the chunks share them: a first stage (:meth:`ChunkRun.forward_kv`,
-:meth:`ChunkRun.backward_kv`) projects and exchanges the layer's kv heads once, each chunk exchanges its query heads
-only and reads its rows of them, and backward sums the chunks' k/v gradients and sends the sum back once
-(:meth:`ChunkRun.kv_grads_back`): the bytes of C = 1's kv exchange, not C times a kv head sent whole to every rank.
+Where a chunk's kv heads are fewer than the ranks, the chunks share them: the layer's kv heads are projected and
+exchanged once, in chunk 0's exchange (forward and backward: :meth:`ChunkRun._kv_part`), each chunk exchanges its
+query heads only and reads its rows of them, and backward sums the chunks' k/v gradients and sends the sum back once,
+with the gradients of the first chunk to send after every chunk has added its own (:meth:`ChunkRun._grads_back`):
+the bytes of C = 1's kv exchange, not C times a kv head sent whole to every rank, and no all-to-all of their own.
 
 Forward, per chunk (under no_grad): project q/k/v for the chunk's heads with the module's own code (its projections
 sliced to those heads), exchange (one fused all-to-all), core, exchange back, and add the chunk's share of the
@@ -29,7 +30,7 @@ hand: the projections again (their graph), one exchange of the q/k/v with the ou
 for the projections of the block's input, :class:`ProjectionCut`: in-place matmuls into the sums, no ``[t, h]``
 temporaries; the input's gradient sum made only once the gradients waiting for it would outgrow it). Under autocast
 q/k/v cross in the autocast dtype, as autocast's sdpa would cast them. Collectives per layer: 2C forward, 2C
-backward (and 1 + 2 more where the chunks share the kv heads). Where no kernel fits (a ring, dropout, a window,
+backward (the shared kv heads travel with chunks' exchanges). Where no kernel fits (a ring, dropout, a window,
 softcap, the eager core) the chunk's core and output exchange are recomputed instead and the core's backward is
 autograd's (4C backward). Only one or two chunks' q/k/v (or q), exchange buffers and core working set exist at any
 time, next to the shared kv heads (and, in backward, their gradients' sum: fp32 under a 16-bit dtype).
@@ -42,7 +43,6 @@ the host, and the process group keeps the buffers alive until then. On CPU gloo 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
@@ -123,6 +123,7 @@ class ChunkRun:
         self.kv: torch.Tensor | None = None
         self.kv_grad: torch.Tensor | None = None
         self.kv_graph: tuple | None = None
+        self.kv_done = 0  # chunks whose k/v gradients are in kv_grad
         self.stats = owner.ctx.stats if group is not None else None
         self.wire = owner.ctx.comm_dtype
         self.rng: list[Replay | None] = [None] * split.chunks  # where the core draws dropout masks
@@ -178,15 +179,20 @@ class ChunkRun:
 
         return add
 
-    def _exchange(self, send: torch.Tensor | list[torch.Tensor]) -> Generator[None, None, torch.Tensor]:
-        """Launch the all-to-all of ``send``, yield while it is in flight, return what arrived (compute dtype).
-        ``send`` may come in a one-element list, which is emptied: then no caller's name keeps it alive."""
-        if isinstance(send, list):
-            send = send.pop()
+    def _exchange(self, parts: list[torch.Tensor]) -> Generator[None, None, list[torch.Tensor]]:
+        """Launch one all-to-all of the send buffers ``parts`` (``[P, ...]`` each, in a list, emptied: then no
+        caller's name keeps them alive; several travel side by side, :func:`~ulysses_sp.comm.pack_rows`), yield
+        while it is in flight, return what arrived of each, in its dtype."""
+        dtypes = [t.dtype for t in parts]
         if self.sp == 1:
-            return send
-        dtype = send.dtype
-        recv, work = start_all_to_all(send.to(self.wire) if self.wire is not None else send, self.group, self.stats)
+            found = parts[:]
+            parts.clear()
+            return found
+        wired = [t if self.wire is None else t.to(self.wire) for t in parts]
+        parts.clear()
+        send, layout = (wired[0], None) if len(wired) == 1 else pack_rows(wired)
+        del wired
+        recv, work = start_all_to_all(send, self.group, self.stats)
         del send
         yield
         if work is not None:
@@ -194,7 +200,8 @@ class ChunkRun:
             work.wait()
             if self.stats is not None:
                 self.stats.wait_s += time.perf_counter() - start
-        return recv.to(dtype)
+        found = [recv] if layout is None else unpack_rows(recv, layout)
+        return [t.to(dtype) for t, dtype in zip(found, dtypes, strict=True)]
 
     # ------------------------------------------------------------------------------------------- forward
     def forward_chunk(self, x: torch.Tensor, chunk: int, out: torch.Tensor, save: bool = False) -> Stages:
@@ -204,8 +211,15 @@ class ChunkRun:
         sent = self.sent(chunk, q, k, v)
         heads = (q.shape[1], 0 if sent[1] is None else k.shape[1])
         del q, k, v
-        recv = yield from self._exchange(qkv_send_buffer(*_core_inputs(x, *sent), self.sp))
+        parts = [qkv_send_buffer(*_core_inputs(x, *sent), self.sp)]
         del sent
+        if chunk == 0 and self.split.shared_kv:  # the kv heads the chunks share travel with the first chunk's q
+            _, k, v, _ = self.project(x, KV, self.parts.weights(KV))
+            parts.append(qkv_send_buffer(*_core_inputs(x, None, k, v), self.sp))
+            del k, v
+        recv, *kv = yield from self._exchange(parts)
+        if kv:
+            self.kv = qkv_full(kv.pop())  # [b, 2 hkv, N, d]
         full = qkv_full(recv)  # [b, h, N, d]
         del recv
         q_f, k_f, v_f = self.core_qkv(chunk, full, heads)
@@ -218,7 +232,7 @@ class ChunkRun:
         else:
             core_out = self.attend(q_f, k_f, v_f, call)  # [b, N, Hc/P, d_v]
         del full, q_f, k_f, v_f
-        recv = yield from self._exchange(out_send_buffer(core_out, self.sp))
+        (recv,) = yield from self._exchange([out_send_buffer(core_out, self.sp)])
         del core_out
         local = out_local(recv)  # [b, n, Hc, d_v]
         del recv
@@ -232,22 +246,12 @@ class ChunkRun:
             return None
         return chunk_kernel(call, q, ring=self.owner.ctx.layout.ring, core_name=self.owner.ctx.core_name)
 
-    def forward_kv(self, x: torch.Tensor) -> Stages:
-        """The kv heads the chunks share: project them (the queries blank), exchange, keep them in :attr:`kv`."""
-        _, k, v, _ = self.project(x, KV, self.parts.weights(KV))
-        recv = yield from self._exchange(qkv_send_buffer(*_core_inputs(x, None, k, v), self.sp))
-        del k, v
-        self.kv = qkv_full(recv)  # [b, 2 hkv, N, d]
-
     def forward(self, x: torch.Tensor, save: bool = False) -> torch.Tensor:
         """The block's output ``[b, n, h]``: every chunk's share, then the output projection's bias."""
         out_proj = self.owner.out_proj()
         out = x.new_zeros(*x.shape[:-1], out_proj.out_features, dtype=compute_dtype(x))
-        kv = [self.forward_kv(x)] if self.split.shared_kv else []
         try:
-            run_interleaved(
-                itertools.chain(kv, (self.forward_chunk(x, c, out, save) for c in range(self.split.chunks)))
-            )
+            run_interleaved(self.forward_chunk(x, c, out, save) for c in range(self.split.chunks))
         finally:
             self.kv = None
         if out_proj.bias is not None:
@@ -269,39 +273,52 @@ class ChunkRun:
         return (leaves, cut), roots, call, send
 
     def _recompute_qkv(self, x: torch.Tensor, stage: int) -> Generator[None, None, tuple]:
-        """:meth:`_reproject` and the exchange: ``(graph, roots, call, full)``, ``full [b, h, N, d]`` the q/k/v the
-        stage sent, after the exchange."""
+        """:meth:`_reproject` and the exchange (chunk 0's with the shared kv heads, :meth:`_kv_part`): ``(graph,
+        roots, call, full)``, ``full [b, h, N, d]`` the q/k/v the stage sent, after the exchange."""
         graph, roots, call, send = self._reproject(x, stage)
-        recv = yield from self._exchange([send])
+        parts = [send, *self._kv_part(x, stage)]
+        del send
+        recv, *kv = yield from self._exchange(parts)
+        self._kv_arrived(kv)
         return graph, roots, call, qkv_full(recv)
 
-    def _exchange_parts(self, parts: list[torch.Tensor]) -> Generator[None, None, list[torch.Tensor]]:
-        """:meth:`_exchange` of several send buffers ``[P, ...]`` (in a list, emptied) in one all-to-all
-        (:func:`~ulysses_sp.comm.pack_rows`): what arrived of each, in its dtype."""
-        dtypes = [t.dtype for t in parts]
-        if self.sp == 1:
-            found = list(parts)
-            parts.clear()
-            return found
-        box = [pack_rows([t.to(self.wire) if self.wire is not None else t for t in parts])]
-        layout = box[0][1]
-        box[0] = box[0][0]
-        parts.clear()
-        recv = yield from self._exchange(box)
-        return [t.to(dtype) for t, dtype in zip(unpack_rows(recv, layout), dtypes, strict=True)]
+    def _kv_part(self, x: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+        """Where the chunks share the kv heads, chunk 0's exchange carries them too: their projections again (their
+        graph kept for :meth:`_grads_back`) as a send buffer, in a list (empty for the other chunks)."""
+        if chunk != 0 or not self.split.shared_kv:
+            return []
+        graph, roots, _, send = self._reproject(x, KV)
+        self.kv_graph = (graph, roots)
+        return [send]
+
+    def _kv_arrived(self, kv: list[torch.Tensor]) -> None:
+        """The shared kv heads as received (``kv``: one buffer or none): kept in :attr:`kv` while the chunks run,
+        with a zeroed sum for their gradients (fp32 under a 16-bit dtype)."""
+        if not kv:
+            return
+        self.kv = full = qkv_full(kv.pop())  # [b, 2 hkv, N, d]
+        wide = full.dtype in (torch.bfloat16, torch.float16)
+        self.kv_grad = torch.zeros(full.shape, dtype=torch.float32 if wide else full.dtype, device=full.device)
+        self.kv_done = 0
 
     def _grads_back(
         self, stage: int, grad_full: list[torch.Tensor], roots: Roots, graph: tuple, acc: Accumulators
     ) -> Stages:
         """The gradient ``[b, h, N, d]`` of what the stage sent (in a one-element list, emptied: only the exchange
-        holds it) back to its projections, and their backward into ``acc`` (``graph``: the leaves and the cut)."""
-        box = [qkv_full_grad(grad_full.pop(), self.sp)]
-        recv = yield from self._exchange(box)
-        grads = qkv_send_grad(recv, *roots.heads)
-        # autocast's casts, undone
-        grads = tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads, roots.dtypes, strict=True))
-        del recv
-        acc.add_chunk(self, stage, roots, grads, *graph)
+        holds it) back to its projections, and their backward into ``acc`` (``graph``: the leaves and the cut). The
+        first chunk to send once every chunk has added its k/v gradients takes the shared kv heads' sum along."""
+        parts = [qkv_full_grad(grad_full.pop(), self.sp)]
+        stages = [(stage, roots, graph)]
+        if stage != KV and self.kv_grad is not None and self.kv_done == self.split.chunks:
+            parts.append(qkv_full_grad(self.kv_grad.to(self.kv.dtype), self.sp))
+            stages.append((KV, self.kv_graph[1], self.kv_graph[0]))
+            self.kv = self.kv_grad = self.kv_graph = None
+        received = yield from self._exchange(parts)
+        for recv, (done, sent, leaves) in zip(received, stages, strict=True):
+            grads = qkv_send_grad(recv, *sent.heads)
+            # autocast's casts, undone
+            grads = tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads, sent.dtypes, strict=True))
+            acc.add_chunk(self, done, sent, grads, *leaves)
 
     def _sent_grads(
         self, chunk: int, dq: torch.Tensor, dk: torch.Tensor | None, dv: torch.Tensor | None
@@ -312,18 +329,12 @@ class ChunkRun:
             return [torch.cat((dq, dk, dv), dim=1)]
         if dk is not None:
             self.kv_adder(chunk)((slice(None), slice(None), slice(None)), dk, dv)
+        self.kv_done += 1
         return [dq]
 
-    def backward_kv(self, x: torch.Tensor) -> Stages:
-        """The kv heads the chunks share, again: projected with their graph, exchanged, kept in :attr:`kv`, with a
-        zeroed sum for their gradients (fp32 under a 16-bit dtype)."""
-        graph, roots, _, full = yield from self._recompute_qkv(x, KV)
-        wide = full.dtype in (torch.bfloat16, torch.float16)
-        self.kv, self.kv_graph = full, (graph, roots)
-        self.kv_grad = torch.zeros(full.shape, dtype=torch.float32 if wide else full.dtype, device=full.device)
-
     def kv_grads_back(self, acc: Accumulators) -> Stages:
-        """Once every chunk has added its k/v gradients: send their sum back to the kv projections."""
+        """Once every chunk has added its k/v gradients, where no chunk's gradients took it along: send their sum back
+        to the kv projections."""
         graph, roots = self.kv_graph
         grad = [self.kv_grad.to(self.kv.dtype)]
         self.kv = self.kv_grad = self.kv_graph = None
@@ -345,9 +356,10 @@ class ChunkRun:
         # The kernel's backward reads the output only through its row sums with the gradient: those travel with
         # the gradient instead of the output ([P, b, n, Hc/P, d_v + 1]), and the kernel gets an output with the same
         # sums (chunk_core.stand_in_output); in the same all-to-all as the q/k/v (held by the exchange alone)
-        box = [send, out_pack_send(self.sp, grad_local, sums)]
+        box = [send, out_pack_send(self.sp, grad_local, sums), *self._kv_part(x, chunk)]
         del send, grad_local, sums
-        recv_qkv, recv = yield from self._exchange_parts(box)
+        recv_qkv, recv, *kv = yield from self._exchange(box)
+        self._kv_arrived(kv)
         full = qkv_full(recv_qkv)  # [b, h, N, d]
         del recv_qkv
         core_grad, row_sums = out_send_grad(recv).split((d_v, 1), dim=-1)  # [b, N, Hc/P, d_v], [b, N, Hc/P, 1]
@@ -373,12 +385,12 @@ class ChunkRun:
             if self.split.shared_kv:  # the shared k/v rows as leaves of their own
                 core_in = (full, *(t.detach().requires_grad_() for t in core_in[1:]))
             core_out = self.attend(*core_in, call)
-        recv = yield from self._exchange(out_send_buffer(core_out.detach(), self.sp))
+        (recv,) = yield from self._exchange([out_send_buffer(core_out.detach(), self.sp)])
         local = out_local(recv)  # [b, n, Hc, d_v]
         del recv
         grad_local = out_proj_backward(self, chunk, grad_out, local, acc)  # [b, n, Hc, d_v]
         del local
-        recv = yield from self._exchange(out_local_grad(grad_local, self.sp))
+        (recv,) = yield from self._exchange([out_local_grad(grad_local, self.sp)])
         del grad_local
         leaves = core_in if self.split.shared_kv else (full,)
         found = torch.autograd.grad(core_out, leaves, out_send_grad(recv))  # the core's backward
@@ -413,11 +425,10 @@ class ChunkRun:
                 return self.fused_backward_chunk(x, c, grad_out, acc, prepared[c], lse[c])
             return self.backward_chunk(x, c, grad_out, acc)
 
-        kv = [self.backward_kv(x)] if self.split.shared_kv else []
         self.source = source
         try:
-            run_interleaved(itertools.chain(kv, (chunk_stages(c) for c in range(self.split.chunks))))
-            if kv:
+            run_interleaved(chunk_stages(c) for c in range(self.split.chunks))
+            if self.kv_grad is not None:
                 run_interleaved([self.kv_grads_back(acc)])
         finally:
             self.source = None

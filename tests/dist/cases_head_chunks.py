@@ -22,7 +22,6 @@ from tests.helpers.harness import run_cases
 from tests.helpers.models import build, make_batch
 from tests.helpers.spy import calls_to
 from ulysses_sp import chunk_core, head_chunk_pipeline, sliced_core
-from ulysses_sp.head_split import ChunkHeads
 
 P = functools.partial
 CHUNKS = (1, 2, 4)
@@ -40,12 +39,12 @@ REFUSED = {
 }
 
 
-def all_to_alls(chunks: int, layers: int, fused: int = 0, shared: int = 0) -> int:
+def all_to_alls(chunks: int, layers: int, fused: int = 0) -> int:
     """All-to-alls of one forward + backward: per layer 2C forward and 4C backward chunked (2 for each of the
     ``fused`` chunk backwards that used the saved output: q/k/v with the output's gradient, then their gradients;
-    and 1 + 2 more for each of the ``shared`` layers whose chunks share the kv heads: exchanged once forward, once
-    in backward and their gradients back), 2 + 2 unchunked."""
-    return layers * (6 * chunks if chunks > 1 else 4) - 2 * fused + 3 * shared
+    where the chunks share the kv heads, they travel with chunk 0's q in forward and in backward and their
+    gradients' sum with the last chunk's: no all-to-all more), 2 + 2 unchunked."""
+    return layers * (6 * chunks if chunks > 1 else 4) - 2 * fused
 
 
 def chunked_parity(layout, arch: str, chunks: int, *, layers: int = 2, fused: bool | None = None, **kwargs) -> None:
@@ -54,11 +53,12 @@ def chunked_parity(layout, arch: str, chunks: int, *, layers: int = 2, fused: bo
     stats = U.CommStats()
     with (
         calls_to(head_chunk_pipeline, "kernel_backward") as fused_calls,
-        calls_to(head_chunk_pipeline.ChunkRun, "kv_grads_back") as shared,
+        calls_to(head_chunk_pipeline.ChunkRun, "kv_grads_back") as kv_alone,
     ):
         check_parity(layout, arch, head_chunks=chunks, stats=stats, **kwargs)
     found = len(fused_calls)
-    want = all_to_alls(chunks, layers, found, len(shared)) if layout.ulysses > 1 else 0
+    assert not kv_alone  # the shared kv heads' gradients went back with a chunk's
+    want = all_to_alls(chunks, layers, found) if layout.ulysses > 1 else 0
     assert stats.calls["all_to_all"] == want, (stats.calls, want)
     if fused is not None and chunks > 1:
         assert found == (layers * chunks if fused else 0), (found, fused)
@@ -192,8 +192,7 @@ def overlap(layout, chunks: int = 4, core: str = "sdpa") -> None:
         del ctx.core_for
     layers = model.config.num_hidden_layers
     fused = chunks * layers if core == "sdpa" else 0
-    heads = ChunkHeads(model.config.num_attention_heads, model.config.num_key_value_heads, chunks, layout.ulysses)
-    want = all_to_alls(chunks, layers, fused, layers * heads.shared_kv)
+    want = all_to_alls(chunks, layers, fused)
     assert launched[0] == want and not in_flight, (launched, want, in_flight)
     core_calls = (1 if fused else 2) * chunks * layers  # the recomputing backward runs each core again
     assert len(cores) == core_calls and len(core_backwards) == chunks * layers, (cores, core_backwards)

@@ -218,9 +218,8 @@ def _terms(
     chunks = planned_head_chunks(
         features.head_chunks, heads, kv_heads, ulysses, tokens=t * ulysses, head_dim=d, element_size=c
     )
-    # RMSNorm saves its fp32 input (an upcast copy under bf16), the normalised tensor cast back and its
-    # output (saved by the projections after it). Input norm: under fp32 its input IS the layer input
-    # (counted with the layer input), hence u; post-attention norm: the residual sum, always 4 bytes.
+    # RMSNorm saves its fp32 input (an upcast copy under bf16), the normalised tensor cast back and its output (saved
+    # by the projections after it). Input norm: under fp32 its input IS the layer input (counted with it), hence u.
     norm_in = (u + 2 * c) * h
     norm_post = (4 + 2 * c) * h
     recomputed_norm_out = 0  # the input norm's output where nothing saves it: alive through the (re)compute only
@@ -291,9 +290,11 @@ def _terms(
         loss_backward = 12 * t * vocab
 
     base = {"weights": weights, "optimizer": states, "rope": rope, "checkpoints": checkpoints}
+    loss_base = {**base, "weights": weights - c * layer_params * fsdp}  # FSDP2: one layer unsharded (the last), not 2
     all_layers = others + per_layer * t if mode == "none" else 0
     phases = {
-        "loss forward": {**base, "layer_activations": all_layers + final_norm, "logits_loss": loss_forward},
+        # FSDP2: one decoder layer unsharded in the loss forward (the last one's, kept for its backward), not two
+        "loss forward": {**loss_base, "layer_activations": all_layers + final_norm, "logits_loss": loss_forward},
         "loss backward": {
             **base,
             "gradients": 0 if features.tiled_loss else head_grad,  # tiled: made at its end (in logits_loss)
