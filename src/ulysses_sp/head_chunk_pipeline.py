@@ -332,14 +332,6 @@ class ChunkRun:
         self.kv_done += 1
         return [dq]
 
-    def kv_grads_back(self, acc: Accumulators) -> Stages:
-        """Once every chunk has added its k/v gradients, where no chunk's gradients took it along: send their sum back
-        to the kv projections."""
-        graph, roots = self.kv_graph
-        grad = [self.kv_grad.to(self.kv.dtype)]
-        self.kv = self.kv_grad = self.kv_graph = None
-        yield from self._grads_back(KV, grad, roots, graph, acc)
-
     def fused_backward_chunk(
         self, x: torch.Tensor, chunk: int, grad_out: torch.Tensor, acc: Accumulators, saved: list, lse: torch.Tensor
     ) -> Stages:
@@ -428,8 +420,8 @@ class ChunkRun:
         self.source = source
         try:
             run_interleaved(chunk_stages(c) for c in range(self.split.chunks))
-            if self.kv_grad is not None:
-                run_interleaved([self.kv_grads_back(acc)])
+            if self.kv_grad is not None:  # each chunk adds its k/v gradients before it sends, so the last one took them
+                raise RuntimeError("the shared kv heads' gradients were not sent back")
         finally:
             self.source = None
             self.kv = self.kv_grad = self.kv_graph = None
