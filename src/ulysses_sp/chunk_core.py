@@ -132,7 +132,7 @@ def kernel_backward(
         else [(slice(row, row + 1), s, e) for row, s, e in _documents(call)]
     )
     blocks = [(row, _spans(s, e, blocked)) for row, s, e in docs]
-    if len(docs) == 1 and len(blocks[0][1]) == 1 and call.segments.is_dense:  # one call: its gradients as they are
+    if call.segments.is_dense and len(blocks[0][1]) == 1:  # one call: its gradients as they are
         everything = (slice(None), slice(None))
         found = kernel.backward(
             heads_major(grad),

@@ -231,7 +231,7 @@ def unpack_rows(recv: torch.Tensor, layout: list[tuple[torch.Size, torch.dtype, 
     """The parts of a :func:`pack_rows` buffer as received ``[P, bytes]``: views, in their shapes and dtypes."""
     found, start = [], 0
     for shape, dtype, width in layout:
-        size = shape.numel() // shape[0] * torch.empty((), dtype=dtype).element_size()
+        size = shape.numel() // shape[0] * dtype.itemsize
         found.append(recv[:, start : start + size].view(dtype).view(shape))
         start += width
     return found

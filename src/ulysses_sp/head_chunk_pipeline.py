@@ -72,7 +72,7 @@ from .head_chunk_grads import Accumulators, ProjectionCut, Roots
 from .head_chunk_output import out_input_grad, out_proj_backward, output_grads
 from .head_chunk_parts import KV, ChunkParts, add_at, rows_index, take
 from .interleave import Stages, run_interleaved
-from .tiling import Replay, compute_dtype
+from .tiling import Replay, compute_dtype, sum_dtype
 
 if TYPE_CHECKING:
     from .head_chunks import HeadChunkedAttention
@@ -297,8 +297,7 @@ class ChunkRun:
         if not kv:
             return
         self.kv = full = qkv_full(kv.pop())  # [b, 2 hkv, N, d]
-        wide = full.dtype in (torch.bfloat16, torch.float16)
-        self.kv_grad = torch.zeros(full.shape, dtype=torch.float32 if wide else full.dtype, device=full.device)
+        self.kv_grad = torch.zeros(full.shape, dtype=sum_dtype(full.dtype, True), device=full.device)
         self.kv_done = 0
 
     def _grads_back(
@@ -309,7 +308,7 @@ class ChunkRun:
         first chunk to send once every chunk has added its k/v gradients takes the shared kv heads' sum along."""
         parts = [qkv_full_grad(grad_full.pop(), self.sp)]
         stages = [(stage, roots, graph)]
-        if stage != KV and self.kv_grad is not None and self.kv_done == self.split.chunks:
+        if self.kv_grad is not None and self.kv_done == self.split.chunks:
             parts.append(qkv_full_grad(self.kv_grad.to(self.kv.dtype), self.sp))
             stages.append((KV, self.kv_graph[1], self.kv_graph[0]))
             self.kv = self.kv_grad = self.kv_graph = None

@@ -64,6 +64,7 @@ class SlicedCore(torch.autograd.Function):
             (q0, qn), (k0, kn) = split.query_heads(s), split.kv_heads(s)
             qs, ks = slice(q0, q0 + qn), slice(k0, k0 + kn)
             slice_out = out[:, qs].transpose(1, 2)  # [b, N, qn, d_v]
+            # one call a slice (its gradients are copied into the core's whole ones below, as the planner counts)
             gq, gk, gv = kernel_backward(
                 ctx.kernel,
                 grad[:, :, qs],

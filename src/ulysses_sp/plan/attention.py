@@ -252,8 +252,9 @@ def _blocked(one: AttentionTerms, q1: int, kv1: int, c: int, device: str, blocks
     kernel = 4 if device == "cpu" else c
     q_el, kv_el = q1 // c, kv1 // c  # elements per local token
     sums = 4 * q_el + (0 if shared else 4 * kv_el)
-    call = (c * q_el + kernel * (q_el + kv_el)) / blocks
-    return sums + call + (c * q_el if c != 4 else 0) + (one.backward - c * one.q_width - c * (q_el + kv_el)) / blocks
+    cuda_buffers = one.backward - c * (2 * q_el + kv_el)  # one.backward less its stand-in output and gradients
+    call = (c * q_el + kernel * (q_el + kv_el) + cuda_buffers) / blocks
+    return sums + call + (c * q_el if c != 4 else 0)
 
 
 def _ring_backward(q_width: int, kv_width: int, c: int, device: str, ring: int) -> int:

@@ -218,15 +218,16 @@ def _terms(
     chunks = planned_head_chunks(
         features.head_chunks, heads, kv_heads, ulysses, tokens=t * ulysses, head_dim=d, element_size=c
     )
-    # RMSNorm saves its fp32 input (an upcast copy under bf16), the normalised tensor cast back and its output (saved
-    # by the projections after it). Input norm: under fp32 its input IS the layer input (counted with it), hence u.
+    # RMSNorm saves its fp32 input (an upcast copy under bf16), the normalised tensor cast back and its
+    # output (saved by the projections after it). Input norm: under fp32 its input IS the layer input
+    # (counted with the layer input), hence u; post-attention norm: the residual sum, always 4 bytes.
     norm_in = (u + 2 * c) * h
     norm_post = (4 + 2 * c) * h
     recomputed_norm_out = 0  # the input norm's output where nothing saves it: alive through the (re)compute only
     if features.tiled_norms:  # a norm keeps only its input: for the input norm the layer input (counted with it),
         # for the MLP's the residual sum. The projections of a tiled norm's output save the norm's input instead
         # (ulysses_sp.norm_projections); so does the head-chunked block, whose backward remakes the norm's output
-        # tile by tile (ulysses_sp.deferred_input; the planned q/k/v projections read their input only themselves).
+        # tile by tile (ulysses_sp.deferred_input; as the probe requires, its q/k/v projections are its only readers).
         norm_in = 0
         norm_post = c * h
         recomputed_norm_out = c * h
@@ -293,7 +294,6 @@ def _terms(
     loss_base = {**base, "weights": weights - c * layer_params * fsdp}  # FSDP2: one layer unsharded (the last), not 2
     all_layers = others + per_layer * t if mode == "none" else 0
     phases = {
-        # FSDP2: one decoder layer unsharded in the loss forward (the last one's, kept for its backward), not two
         "loss forward": {**loss_base, "layer_activations": all_layers + final_norm, "logits_loss": loss_forward},
         "loss backward": {
             **base,
