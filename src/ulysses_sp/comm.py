@@ -215,16 +215,18 @@ def out_pack_send(sp: int, *parts: torch.Tensor) -> torch.Tensor:
 
 
 def pack_rows(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[torch.Size, torch.dtype, int]]]:
-    """Send buffers ``[P, ...]`` of any dtypes -> one ``[P, bytes]`` uint8 buffer with each rank's rows side by side
-    (each part's row padded to the widest element size, so that :func:`unpack_rows` reads views) and the layout."""
+    """Send buffers ``[P, ...]`` of any dtypes and strides -> one ``[P, bytes]`` uint8 buffer with each rank's rows
+    side by side (each part's row padded to the widest element size, so that :func:`unpack_rows` reads views) and
+    the layout; each part copied once, straight into its place."""
     sp, align = parts[0].shape[0], max(t.element_size() for t in parts)
-    layout, rows = [], []
+    layout = []
     for t in parts:
-        row = t.contiguous().view(sp, -1).view(torch.uint8)  # [P, bytes]
-        pad = -row.shape[1] % align
-        rows.append(torch.nn.functional.pad(row, (0, pad)) if pad else row)
-        layout.append((t.shape, t.dtype, row.shape[1] + pad))
-    return torch.cat(rows, dim=1), layout
+        size = t[0].numel() * t.element_size()
+        layout.append((t.shape, t.dtype, size + -size % align))
+    send = torch.empty(sp, sum(width for *_, width in layout), dtype=torch.uint8, device=parts[0].device)
+    for t, place in zip(parts, unpack_rows(send, layout), strict=True):
+        place.copy_(t)
+    return send, layout
 
 
 def unpack_rows(recv: torch.Tensor, layout: list[tuple[torch.Size, torch.dtype, int]]) -> list[torch.Tensor]:
