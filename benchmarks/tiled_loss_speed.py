@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ulysses_sp.bench.report import save_table
 from ulysses_sp.tiled_loss import loss_chunk_tokens, tiled_cross_entropy_sum
 
 RESULTS = Path(__file__).parent / "results"
@@ -165,10 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         "setup": {**vars(args), "threads": torch.get_num_threads()},
         "rows": rows,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (RESULTS / f"{args.name}.md").write_text(_markdown(result))
-    print(_markdown(result))
+    save_table(RESULTS, args.name, result, _markdown(result))
     return result
 
 

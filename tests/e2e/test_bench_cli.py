@@ -108,10 +108,13 @@ def test_collectives_and_agreement(run):
 
 def test_head_chunk_step_time(run):
     """Section 6: C=4 over C=1 step-time ratios (plain and checkpointed layers), the same loss for all four
-    models, the exchange wait of a C=4 step, and the table in the report."""
+    models, the exchange wait of a C=4 step, the same ratios of one process standing in for rank 0 with no
+    exchange (compute alone), and the table in the report."""
     root, results = run
     world = results["head_chunks"]["2"]
-    assert set(world["ratios"]) == {"C=4 / C=1", "C=4 / C=1, checkpointed layers"}
+    plain = {"C=4 / C=1", "C=4 / C=1, checkpointed layers"}
+    assert set(world["ratios"]) == plain | {name + ", compute alone" for name in plain}
+    assert all(len(times) == 3 for times in world["compute_alone_s"].values()), world["compute_alone_s"]
     for ratio in world["ratios"].values():
         assert math.isfinite(ratio["median"]) and 0.05 < ratio["median"] < 20 and ratio["reps"] == 3, ratio
     losses = list(world["losses"].values())
@@ -119,6 +122,7 @@ def test_head_chunk_step_time(run):
     assert 0 <= world["exposed_wait_s"] < max(ratio["median_time_s"] for ratio in world["ratios"].values())
     report = (root / "REPORT.md").read_text()
     assert "## 6. Head-chunked attention" in report and "| 2 | 512 | C=4 / C=1 |" in report
+    assert "| 2 | 512 | C=4 / C=1, compute alone |" in report
 
 
 def test_bad_flag_exits_2_naming_it(tmp_path, capsys):

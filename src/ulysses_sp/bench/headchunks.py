@@ -5,13 +5,16 @@ attention-heavy model (``llama-bench-heads``: 16 heads, so 4 chunks split over 4
 parallelized with sp = world, with ``head_chunks=1`` (today's path) and ``head_chunks=4``, each without and with
 activation checkpointing of the decoder layers (four models); train steps are timed interleaved
 (:func:`ulysses_sp.bench.steptime.time_interleaved`), and the ratio is taken repetition by repetition. With C = 4
-every layer issues 5x the all-to-alls (each a quarter of the size) and projects q/k/v again in backward (the core's
-backward runs from its saved output and lse, :mod:`ulysses_sp.chunk_core`); the exchange of chunk c+1 runs
+every layer issues 4x the all-to-alls (each about a quarter of the size) and projects q/k/v again in backward (the
+core's backward runs from its saved output and lse, :mod:`ulysses_sp.chunk_core`); the exchange of chunk c+1 runs
 (asynchronously, in gloo's threads on the CPU) while chunk c's core computes, which is what is to pay for the
 chunking.
 
 Also measured, in one C = 4 step: how long the ranks waited on exchanges inside the chunked layers during one step
-(:attr:`ulysses_sp.CommStats.wait_s`: the exchange time that was not hidden behind a core).
+(:attr:`ulysses_sp.CommStats.wait_s`: the exchange time that was not hidden behind a core); and, by
+:func:`compute_alone` in the calling process, the same four models' steps with no exchange at all (one process
+standing in for rank 0): the chunking's own compute (smaller kernel calls, q/k/v projected again), which the overlap
+has to pay for.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ulysses_sp.comm import CommStats
@@ -27,19 +31,31 @@ from ulysses_sp.model import parallelize
 from ulysses_sp.offload import enable_activation_checkpointing
 from ulysses_sp.shapes import SHAPES
 from ulysses_sp.sharding import shard_batch
-from ulysses_sp.standin import random_batch
+from ulysses_sp.standin import StandIn, random_batch
 
 from .runner import bench_model
 from .steptime import Variant, time_interleaved
 
-__all__ = ["HEAD_CHUNKS", "HEAD_CHUNK_MODEL", "variant_name", "worker"]
+__all__ = ["COMPUTE_ALONE", "HEAD_CHUNKS", "HEAD_CHUNK_MODEL", "compute_alone", "variant_name", "worker"]
 
 HEAD_CHUNK_MODEL = "llama-bench-heads"
 HEAD_CHUNKS = (1, 4)  # the baseline, and the chunk count whose step time is compared with it
+COMPUTE_ALONE = ", compute alone"  # the ratios of compute_alone's step times are named with this after them
 
 
 def variant_name(chunks: int, checkpointed: bool) -> str:
     return f"C={chunks}" + (" checkpointed" if checkpointed else "")
+
+
+def _variants(layout: ParallelLayout, shard: dict[str, Any], seq_len: int, stats: CommStats) -> dict[str, Variant]:
+    """The four models (C = 1 and 4, without and with checkpointed layers) from one seed, on ``layout``."""
+    variants = {}
+    for checkpointed, chunks in itertools.product((False, True), HEAD_CHUNKS):
+        model = parallelize(bench_model(HEAD_CHUNK_MODEL, seq_len, seed=0), layout, head_chunks=chunks, stats=stats)
+        if checkpointed:
+            enable_activation_checkpointing(model, "checkpoint")
+        variants[variant_name(chunks, checkpointed)] = Variant(model, layout, shard)
+    return variants
 
 
 def worker(params: dict[str, Any]) -> dict[str, Any]:
@@ -48,12 +64,8 @@ def worker(params: dict[str, Any]) -> dict[str, Any]:
     seq_len = params["seq_len"]
     layout = ParallelLayout.from_env(sp=world)
     batch = random_batch(SHAPES[HEAD_CHUNK_MODEL]["vocab_size"], seq_len, seed=1)
-    variants, stats = {}, CommStats()
-    for checkpointed, chunks in itertools.product((False, True), HEAD_CHUNKS):
-        model = parallelize(bench_model(HEAD_CHUNK_MODEL, seq_len, seed=0), layout, head_chunks=chunks, stats=stats)
-        if checkpointed:
-            enable_activation_checkpointing(model, "checkpoint")
-        variants[variant_name(chunks, checkpointed)] = Variant(model, layout, shard_batch(batch, layout))
+    stats = CommStats()
+    variants = _variants(layout, shard_batch(batch, layout), seq_len, stats)
     losses = {name: v.loss_and_grads()[0].item() for name, v in variants.items()}
     times = time_interleaved(variants, params.get("reps", 5), params.get("warmup", 1))
     stats.reset()  # shared by the variants; only the chunked ones wait on asynchronous exchanges
@@ -67,3 +79,18 @@ def worker(params: dict[str, Any]) -> dict[str, Any]:
         "step_times_s": times,
         "exposed_wait_s": exposed,
     }
+
+
+def compute_alone(world: int, seq_len: int, reps: int, warmup: int = 1) -> dict[str, list[float]]:
+    """The four variants' train-step times in this process standing in for rank 0 of sp = ``world``
+    (:class:`~ulysses_sp.standin.StandIn`: a fake process group, the exchanges move no data), on one thread as each
+    rank of the world has: what the chunking costs in compute alone, with no exchange to wait on or to hide."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with StandIn(sp=world, sp_rank=0) as rank:
+            batch = random_batch(SHAPES[HEAD_CHUNK_MODEL]["vocab_size"], seq_len, seed=1)
+            variants = _variants(rank.layout, rank.shard(batch), seq_len, CommStats())
+            return time_interleaved(variants, reps, warmup)
+    finally:
+        torch.set_num_threads(threads)

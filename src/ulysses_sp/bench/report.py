@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["render_markdown", "write_markdown"]
+__all__ = ["render_markdown", "save_table", "write_markdown"]
 
 
 def _mib(nbytes: float) -> str:
@@ -361,9 +362,12 @@ def _head_chunks(results: dict[str, Any]) -> list[str]:
         "backward; their gradients' sum back with the last chunk's) and each chunk sends its query heads, so C=4 "
         "sends more bytes than C=1 (the "
         "backward's q again and the row sums; the ratio per P below); "
-        "chunk c+1's exchange is in flight (gloo's threads) while chunk c's core computes. The waited time is what "
-        "rank 0 blocked on those exchanges in one C=4 step (the exchange time not hidden behind a core); the loss "
-        "spread is over the four models.",
+        "chunk c+1's exchange is in flight (gloo's threads) while chunk c's core computes. The rows 'compute alone' "
+        "time the same four models' steps in one process standing in for rank 0 of P (a fake process group: the "
+        "exchanges move no data), on one thread as each rank has: what the chunking costs in compute (smaller "
+        "kernel calls, q/k/v projected again in backward), which the overlap has to pay for. The waited time is "
+        "what rank 0 blocked on those exchanges in one C=4 step (the exchange time not hidden behind a core); the "
+        "loss spread is over the four models.",
         "",
         *(
             [f"This section was measured in a later run than the others: {results['head_chunks_run']}.", ""]
@@ -401,3 +405,12 @@ def write_markdown(results: dict[str, Any], path: Path, out_dir: Path) -> None:
     image_dir = os.path.relpath(out_dir.resolve(), path.resolve().parent)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_markdown(results, image_dir.replace(os.sep, "/")), encoding="utf-8")
+
+
+def save_table(directory: Path, name: str, result: dict[str, Any], markdown: str) -> None:
+    """A benchmark script's output: ``result`` as ``name.json`` and its table as ``name.md`` under ``directory``
+    (made if missing), and the table printed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (directory / f"{name}.md").write_text(markdown)
+    print(markdown)

@@ -146,7 +146,7 @@ def _world_section(config: BenchConfig, log) -> dict[str, Any]:
 
 def _head_chunk_section(config: BenchConfig, log) -> dict[str, Any]:
     """Step time with the heads in 4 chunks over 1, per world (:mod:`ulysses_sp.bench.headchunks`)."""
-    from .headchunks import variant_name
+    from .headchunks import COMPUTE_ALONE, compute_alone, variant_name
     from .world import run_world
 
     worlds = {}
@@ -154,9 +154,11 @@ def _head_chunk_section(config: BenchConfig, log) -> dict[str, Any]:
         params = {"seq_len": config.head_chunk_seq_len, "reps": config.reps_for(world), "warmup": 1}
         start = time.monotonic()
         result = run_world(world, "ulysses_sp.bench.headchunks:worker", params)[0]
-        times = result["step_times_s"]
+        # the same steps in one process standing in for rank 0: the chunking's compute, no exchange to hide
+        result["compute_alone_s"] = compute_alone(world, params["seq_len"], params["reps"])
         result["ratios"] = {
-            label: _ratios(times[variant_name(4, checkpointed)], times[variant_name(1, checkpointed)])
+            label + suffix: _ratios(times[variant_name(4, checkpointed)], times[variant_name(1, checkpointed)])
+            for suffix, times in (("", result["step_times_s"]), (COMPUTE_ALONE, result["compute_alone_s"]))
             for label, checkpointed in (("C=4 / C=1", False), ("C=4 / C=1, checkpointed layers", True))
         }
         worlds[str(world)] = result
