@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ..chunk_core import kernel_blocks
 from ..head_split import DEFAULT_HEAD_CHUNK_BUDGET_BYTES, DEPTH, ChunkHeads, choose_head_chunks, core_slices
 
-__all__ = ["AttentionTerms", "attention_terms", "planned_core_slices", "planned_head_chunks"]
+__all__ = ["AttentionTerms", "attention_backward", "attention_terms", "planned_core_slices", "planned_head_chunks"]
 
 
 @dataclass(frozen=True)
@@ -271,3 +271,11 @@ def _ring_backward(q_width: int, kv_width: int, c: int, device: str, ring: int) 
     half_block = kernel * max(q_width + kv_width // 2, q_width // 2 + kv_width)
     later = 3 * 4 * kv_width + (2 if ring > 2 else 1) * c * kv_width + half_block
     return c * q_width + 4 * q_width + casts + max(first, later)
+
+
+def attention_backward(attn: AttentionTerms, mode: str, ring: int) -> float:
+    """Bytes per local token the last layer's attention holds in its backward: what it saved (all of it without
+    checkpointing, where autograd holds it until the block's backward returns; else what the chunks keep after
+    reading it) and its working set (the ring's is counted apart), or the moment before its chunks if larger."""
+    held = attn.saved if mode == "none" else attn.saved_in_backward
+    return max(attn.saved + attn.backward_start, held + (0 if ring > 1 else attn.backward))

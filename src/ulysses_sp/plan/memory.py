@@ -5,9 +5,10 @@
 library trains it: Ulysses attention over ``sp`` ranks, FSDP2 (or DDP) over the whole world ``dp x sp``,
 AdamW, bf16 autocast with fp32 master weights (or fp32 throughout), and the long-sequence
 :class:`~ulysses_sp.features.Features`. It counts tensors, term by term, at the moments a step can peak
-(loss forward, loss backward, the backward of the last decoder layer's MLP and of its attention, the
-optimizer step) and returns the breakdown of the highest one in a :class:`MemoryPlan`. Every term says where it
-comes from; ``tests/unit/test_plan.py`` and ``tests/dist`` hold it against measured peaks (:mod:`..simulate`).
+(loss forward, loss backward, the backward of the last decoder layer's MLP and of its attention, under FSDP2
+also of two layers after it, :mod:`.earlier_layers`; the optimizer step) and returns the breakdown of the highest
+one in a :class:`MemoryPlan`. Every term says where it comes from; ``tests/unit/test_plan.py`` and ``tests/dist``
+hold it against measured peaks (:mod:`..simulate`).
 
 Notation: P = sp, N = full sequence, t = micro_batch x ceil(N / P) tokens on this rank, h = hidden size,
 H / Hkv = query / kv heads, d = head dim, I = MLP width, V = vocabulary, L = layers, c = bytes of the
@@ -28,7 +29,8 @@ from ..ring import ring_bytes_per_layer
 from ..tiled_loss import chunk_bytes_per_logit, loss_chunk_tokens
 from ..tiling import default_chunk_tokens
 from ..traffic import ulysses_bytes_per_layer
-from .attention import AttentionTerms, attention_terms, planned_head_chunks
+from .attention import attention_backward, attention_terms, planned_head_chunks
+from .earlier_layers import add_earlier_layers
 from .placement import choose_placement, placement_is_chosen
 from .shape import ModelShape, model_shape
 from .units import GiB
@@ -318,7 +320,7 @@ def _terms(
             **base,
             "gradients": head_grad + layer_grads,
             "layer_activations": others + own_input + (norm_in + attention_stream) * t,
-            "attention": _attention_backward(attn, mode, ring) * t,
+            "attention": attention_backward(attn, mode, ring) * t,
             "ring_buffers": attn.ring_backward * t,  # the ring's backward instead of the core's
         },
         **(
@@ -335,18 +337,14 @@ def _terms(
         ),
         "optimizer step": {"weights": master, "gradients": sharded_grads, "optimizer": states + step_temp},
     }
+    freed = (per_layer if mode == "none" else layer_input) * t if mode != "offload" or device == "cpu" else 0
+    if fsdp:  # the same phases in layers back-propagated later (FSDP2's gradients and reduce-scatter)
+        add_earlier_layers(phases, layers=layers, layer_params=layer_params, world=world, c=c,
+                           offload_states=offload_states, freed=freed, mode=mode, kept=kept)  # fmt: skip
     # Host memory of this rank: offloaded states (fp32 params, grads, AdamW) and offloaded checkpoints.
     offloaded = kept * layer_input * t if mode == "offload" and device == "cuda" else 0
     host = (16 * params // world if offload_states else 0) + offloaded
     return phases, host, t, chunks, slices
-
-
-def _attention_backward(attn: AttentionTerms, mode: str, ring: int) -> float:
-    """Bytes per local token the last layer's attention holds in its backward: what it saved (all of it without
-    checkpointing, where autograd holds it until the block's backward returns; else what the chunks keep after
-    reading it) and its working set (the ring's is counted apart), or the moment before its chunks if larger."""
-    held = attn.saved if mode == "none" else attn.saved_in_backward
-    return max(attn.saved + attn.backward_start, held + (0 if ring > 1 else attn.backward))
 
 
 def _comm_bytes(
