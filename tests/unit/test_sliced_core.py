@@ -103,7 +103,7 @@ def test_the_planner_counts_one_slice_of_kernel_buffers_on_a_gpu():
     plan = plan_memory("llama-3.1-8b", **args)
     assert (plan.head_chunks, plan.core_slices) == (1, 4)
     # the second layer in backward order: the last one's plus its fp32 reduce-scatter input (plan.earlier_layers)
-    assert plan.phase == "backward: second-to-last layer's attention"
+    assert plan.phase == "backward: layer 30's attention"
     cpu = plan_memory("llama-3.1-8b", device="cpu", **args)  # no kernel buffers modelled on a CPU
     kernel = plan.phases[plan.phase]["attention"] - cpu.phases[plan.phase]["attention"]
     per_head = 1 << 20 << 3 << 7  # one local head: 8M tokens x 128, elements

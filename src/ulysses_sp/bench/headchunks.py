@@ -11,10 +11,10 @@ core's backward runs from its saved output and lse, :mod:`ulysses_sp.chunk_core`
 chunking.
 
 Also measured, in one C = 4 step: how long the ranks waited on exchanges inside the chunked layers during one step
-(:attr:`ulysses_sp.CommStats.wait_s`: the exchange time that was not hidden behind a core); and, by
-:func:`compute_alone` in the calling process, the same four models' steps with no exchange at all (one process
-standing in for rank 0): the chunking's own compute (smaller kernel calls, q/k/v projected again), which the overlap
-has to pay for.
+(:attr:`ulysses_sp.CommStats.wait_s`: the exchange time that was not hidden behind a core); and, in the calling
+process (:func:`compute_alone`), the same four models' steps with no real exchange (one process standing in for
+rank 0): the chunking's own compute (q/k/v projected again, the output projection added chunk by chunk, the chunks'
+own code), which the overlap has to pay for.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def worker(params: dict[str, Any]) -> dict[str, Any]:
 
 def compute_alone(world: int, seq_len: int, reps: int, warmup: int = 1) -> dict[str, list[float]]:
     """The four variants' train-step times in this process standing in for rank 0 of sp = ``world``
-    (:class:`~ulysses_sp.standin.StandIn`: a fake process group, the exchanges move no data), on one thread as each
+    (:class:`~ulysses_sp.standin.StandIn`: a fake process group, each exchange a local copy), on one thread as each
     rank of the world has: what the chunking costs in compute alone, with no exchange to wait on or to hide."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

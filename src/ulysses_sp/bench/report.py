@@ -362,12 +362,17 @@ def _head_chunks(results: dict[str, Any]) -> list[str]:
         "backward; their gradients' sum back with the last chunk's) and each chunk sends its query heads, so C=4 "
         "sends more bytes than C=1 (the "
         "backward's q again and the row sums; the ratio per P below); "
-        "chunk c+1's exchange is in flight (gloo's threads) while chunk c's core computes. The rows 'compute alone' "
-        "time the same four models' steps in one process standing in for rank 0 of P (a fake process group: the "
-        "exchanges move no data), on one thread as each rank has: what the chunking costs in compute (smaller "
-        "kernel calls, q/k/v projected again in backward), which the overlap has to pay for. The waited time is "
-        "what rank 0 blocked on those exchanges in one C=4 step (the exchange time not hidden behind a core); the "
-        "loss spread is over the four models.",
+        "chunk c+1's exchange is in flight (gloo's threads) while chunk c's core computes. "
+        + (
+            "The rows 'compute alone' time the same four models' steps in one process standing in for rank 0 of P "
+            "(a fake process group: each exchange a local copy), on one thread as each rank has: what the chunking "
+            "costs in compute (q/k/v projected again in backward, the output projection added chunk by chunk, the "
+            "chunks' own code), which the overlap has to pay for. "
+            if any("compute_alone_s" in r for r in results["head_chunks"].values())
+            else ""
+        )
+        + "The waited time is what rank 0 blocked on those exchanges in one C=4 step (the exchange time not hidden "
+        "behind a core); the loss spread is over the four models.",
         "",
         *(
             [f"This section was measured in a later run than the others: {results['head_chunks_run']}.", ""]

@@ -3,13 +3,16 @@
 The planner builds its backward phases for the last decoder layer (the first to run its backward), where the
 other layers' activations are all still held. Every layer after it in backward order holds what FSDP2 made of the
 layers before it: the fp32 reduce-scatter input of the previous one (its unsharded gradients, kept until this
-layer's own reduce-scatter begins) and, unless the optimizer states live on the host, the fp32 sharded gradients
-of all of them; it no longer holds those layers' activations; the first layer has no next one prefetched. Where
-weights outweigh activations (short sequences, large layers) one of these layers peaks higher than the last:
-:func:`earlier_layers` gives the two candidates (the second layer in backward order, the first layer), as changes
-to the last layer's phases, and :func:`shifted` applies one. Measured (``ulysses_sp.simulate.simulate_step``,
-FSDP2 over 2 ranks, sp=2, fp32, CPU): hidden 1024, 4 layers, 512 tokens, plan / simulate 0.847 from the last
-layer's phases alone, 0.972 with these; hidden 512, 256 tokens: 0.854 -> 0.973 (4 layers), 0.958 -> 1.019 (2).
+layer's own reduce-scatter begins: FSDP2 keeps one such buffer) and, unless the optimizer states live on the host,
+the fp32 sharded gradients of all of them; it no longer holds those layers' activations (without checkpointing all
+they saved, with it the inputs of the checkpoint groups already done and those its own group rebuilt after it);
+layer 0 has no next one prefetched. From layer L-2 down to layer 1 each layer (each group of layers, with a
+checkpoint stride) changes the total by the same amount, a layer's sharded gradients less what it freed, so the
+highest of them is at one end: :func:`earlier_layers` gives layers L-2, 1 and 0 as changes to the last layer's
+phases and :func:`add_earlier_layers` adds them. Where weights outweigh activations (short sequences, large
+layers) one of them peaks higher than the last layer. Measured (``ulysses_sp.simulate.simulate_step``, FSDP2 over
+2 ranks, sp=2, fp32, CPU), plan / simulate: hidden 1024, 4 layers, 512 tokens, 1.012 (0.847 from the last layer's
+phases alone); hidden 512, 256 tokens, 1.012 with 4 layers (0.854) and 1.019 with 2 (0.958).
 """
 
 from __future__ import annotations
@@ -26,26 +29,30 @@ def earlier_layers(
     offload_states: bool,
     freed: float,
     freed_in: str,
-    kept: int,
-) -> dict[str, dict[str, float]]:
-    """``{layer name: {component: bytes}}``: what the second layer in backward order (``"second-to-last"``, where
-    there are more than two) and the first layer (``"first"``) hold over the last layer's backward phases; ``freed``:
-    the bytes of ``freed_in`` one layer releases once its backward is done (0 where they live on the host), ``kept``:
-    the layers whose inputs are kept (a checkpoint stride of k keeps one layer in k); ``c``: bytes of the dtype FSDP2
+    stride: int = 1,
+) -> dict[int, dict[str, float]]:
+    """``{layer index: {component: bytes}}``: what layers L-2, 1 and 0 (those that exist, each once; layer 1 only
+    where it differs from layer L-2) hold over the last layer's backward phases; ``freed``: the bytes of ``freed_in``
+    one layer releases once its backward is done (without checkpointing) or one layer input (with it, in groups of
+    ``stride`` layers: a group's head input is freed once the group is done, and the inputs rebuilt from it, which
+    the last layer's phases count whole, one by one); 0 where they live on the host; ``c``: bytes of the dtype FSDP2
     gathers weights in."""
-    if layers < 2:
-        return {}
     reduce_input = 4 * layer_params  # fp32 (reduce_dtype) unsharded gradients, padded shards aside
     shard = 0 if offload_states else 4 * layer_params / world
-    found = {
-        "first": {
-            "gradients": reduce_input + (layers - 1) * shard,
-            freed_in: -freed * (kept - 1),
-            "weights": -c * layer_params,  # no next layer to prefetch
+    groups = -(-layers // stride)
+    found: dict[int, dict[str, float]] = {}
+    for layer in dict.fromkeys((layers - 2, 1, 0)):  # L-2 first: layer 1 is added only where it differs
+        if not 0 <= layer < layers - 1:
+            continue
+        done = layers - 1 - layer  # layers back-propagated before this one
+        change = {
+            "gradients": reduce_input + done * shard,
+            # the heads of the groups wholly after this layer, and the inputs its own group rebuilt after it
+            freed_in: -freed * (groups - (layer // stride + 1) + stride - 1 - layer % stride),
+            "weights": -c * layer_params if layer == 0 else 0,  # layer 0: no next layer to prefetch
         }
-    }
-    if layers > 2:
-        found["second-to-last"] = {"gradients": reduce_input + shard, freed_in: -freed if kept == layers else 0}
+        if layer == 0 or change not in found.values():
+            found[layer] = change
     return found
 
 
@@ -54,14 +61,16 @@ def shifted(phase: dict[str, float], change: dict[str, float]) -> dict[str, floa
     return {**phase, **{k: phase.get(k, 0) + v for k, v in change.items()}}
 
 
-def add_earlier_layers(phases: dict[str, dict[str, float]], *, mode: str, kept: int, **sizes: float) -> None:
-    """Add to ``phases`` (in place) each of the last layer's phases again for the layers of :func:`earlier_layers`
-    (``sizes``: its sizes but ``freed_in`` and ``kept``, which follow from the checkpointing ``mode``: without it a
-    layer frees all it saved, every layer's; with it the inputs of ``kept`` layers)."""
+def add_earlier_layers(phases: dict[str, dict[str, float]], *, mode: str, stride: int, **sizes: float) -> None:
+    """Add to ``phases`` (in place) each of the last layer's phases again for the layers of :func:`earlier_layers`,
+    named by index (``"backward: layer 0's attention"``); ``sizes``: its sizes but ``freed_in`` and ``stride``,
+    which follow from the checkpointing ``mode`` (without it a layer frees all it saved; with it a group of
+    ``stride`` layers frees its input)."""
     none = mode == "none"
     later = earlier_layers(
-        **sizes, freed_in="layer_activations" if none else "checkpoints", kept=sizes["layers"] if none else kept
+        **sizes, freed_in="layer_activations" if none else "checkpoints", stride=1 if none else stride
     )
-    for name, change in later.items():
-        for phase in [p for p in phases if "last layer's" in p]:
-            phases[phase.replace("last layer's", f"{name} layer's")] = shifted(phases[phase], change)
+    last = [name for name in phases if "last layer's" in name]
+    for layer, change in later.items():
+        for name in last:
+            phases[name.replace("last layer's", f"layer {layer}'s")] = shifted(phases[name], change)

@@ -340,7 +340,7 @@ def _terms(
     freed = (per_layer if mode == "none" else layer_input) * t if mode != "offload" or device == "cpu" else 0
     if fsdp:  # the same phases in layers back-propagated later (FSDP2's gradients and reduce-scatter)
         add_earlier_layers(phases, layers=layers, layer_params=layer_params, world=world, c=c,
-                           offload_states=offload_states, freed=freed, mode=mode, kept=kept)  # fmt: skip
+                           offload_states=offload_states, freed=freed, mode=mode, stride=stride)  # fmt: skip
     # Host memory of this rank: offloaded states (fp32 params, grads, AdamW) and offloaded checkpoints.
     offloaded = kept * layer_input * t if mode == "offload" and device == "cuda" else 0
     host = (16 * params // world if offload_states else 0) + offloaded
