@@ -25,6 +25,7 @@ import torch
 
 from ulysses_sp.bench.report import save_table
 from ulysses_sp.bench.runner import environment
+from ulysses_sp.head_split import HeadSplit, head_chunk_choices
 from ulysses_sp.ring_kernels import default_ring_kernel, get_ring_kernel
 
 RESULTS = Path(__file__).parent / "results"
@@ -32,10 +33,11 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _calls(heads: int, kv_heads: int, chunks: int) -> list[tuple[slice, slice]]:
-    """The (query heads, kv heads) of each call: chunk c's queries and the kv heads its groups read."""
-    group, per = heads // kv_heads, heads // chunks
-    return [(slice(c * per, (c + 1) * per), slice(c * per // group, max((c + 1) * per // group, c * per // group + 1)))
-            for c in range(chunks)]  # fmt: skip
+    """The (query heads, kv heads) of each call: chunk c's queries and the kv heads they read (as the chunks split
+    one process's heads: :class:`ulysses_sp.head_split.HeadSplit`)."""
+    split = HeadSplit(heads, kv_heads, chunks)
+    spans = [(split.query_heads(c), split.kv_heads(c)) for c in range(chunks)]
+    return [(slice(q, q + nq), slice(k, k + nk)) for (q, nq), (k, nk) in spans]
 
 
 def _timed(fn: Callable[[], object], device: str) -> float:
@@ -126,10 +128,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.heads % args.kv_heads:
         raise SystemExit(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
-    for chunks in args.chunks:
-        group = args.heads // args.kv_heads
-        if args.heads % chunks or (args.heads // chunks % group and group % (args.heads // chunks)):
-            raise SystemExit(f"--chunks {chunks} must split {args.heads} heads into chunks of whole kv groups or parts")
+    allowed = head_chunk_choices(args.heads, args.kv_heads, 1)
+    if bad := [c for c in args.chunks if c not in allowed]:
+        raise SystemExit(f"--chunks {bad} do not split {args.heads} heads on {args.kv_heads} kv heads; use {allowed}")
     torch.set_num_threads(args.threads)
     rows = [measure(args, chunks) for chunks in args.chunks]
     env = environment()

@@ -17,7 +17,7 @@ phases alone); hidden 512, 256 tokens, 1.012 with 4 layers (0.854) and 1.019 wit
 
 from __future__ import annotations
 
-__all__ = ["add_earlier_layers", "earlier_layers", "shifted"]
+__all__ = ["add_earlier_layers", "earlier_layers"]
 
 
 def earlier_layers(
@@ -56,7 +56,7 @@ def earlier_layers(
     return found
 
 
-def shifted(phase: dict[str, float], change: dict[str, float]) -> dict[str, float]:
+def _shifted(phase: dict[str, float], change: dict[str, float]) -> dict[str, float]:
     """A phase's components with ``change`` added (components it lacks start at 0)."""
     return {**phase, **{k: phase.get(k, 0) + v for k, v in change.items()}}
 
@@ -73,4 +73,4 @@ def add_earlier_layers(phases: dict[str, dict[str, float]], *, mode: str, stride
     last = [name for name in phases if "last layer's" in name]
     for layer, change in later.items():
         for name in last:
-            phases[name.replace("last layer's", f"layer {layer}'s")] = shifted(phases[name], change)
+            phases[name.replace("last layer's", f"layer {layer}'s")] = _shifted(phases[name], change)

@@ -6,7 +6,7 @@ library trains it: Ulysses attention over ``sp`` ranks, FSDP2 (or DDP) over the 
 AdamW, bf16 autocast with fp32 master weights (or fp32 throughout), and the long-sequence
 :class:`~ulysses_sp.features.Features`. It counts tensors, term by term, at the moments a step can peak
 (loss forward, loss backward, the backward of the last decoder layer's MLP and of its attention, under FSDP2
-also of two layers after it, :mod:`.earlier_layers`; the optimizer step) and returns the breakdown of the highest
+also of layers L-2, 1 and 0, :mod:`.earlier_layers`; the optimizer step) and returns the breakdown of the highest
 one in a :class:`MemoryPlan`. Every term says where it comes from; ``tests/unit/test_plan.py`` and ``tests/dist``
 hold it against measured peaks (:mod:`..simulate`).
 
