@@ -111,7 +111,7 @@ def test_head_chunk_step_time(run):
     models, the exchange wait of a C=4 step, the same ratios of one process standing in for rank 0 with no
     exchange (compute alone), and the table in the report."""
     root, results = run
-    world = results["head_chunks"]["2"]
+    world = results["head_chunks"]["2@512"]
     plain = {"C=4 / C=1", "C=4 / C=1, checkpointed layers"}
     assert set(world["ratios"]) == plain | {name + ", compute alone" for name in plain}
     assert all(len(times) == 3 for times in world["compute_alone_s"].values()), world["compute_alone_s"]

@@ -226,3 +226,33 @@ def test_gpu_validation_script_runs_each_point_with_its_own_memory(tmp_path):
     table = (tmp_path / "gpu_validation.md").read_text()
     assert table.count("| llama-bench-tiny | 2 | planned max + 10% |") == 2 and "planned for 12MiB" in table
     assert json.loads((tmp_path / "gpu_validation.json").read_text())["environment"]["torch"] == torch.__version__
+
+
+def test_bench_lengths_are_checked_per_value_naming_the_flag():
+    """Every length of a tuple flag must be >= 1 and split over every world; the error names the flag and value."""
+    from ulysses_sp.bench.config import BenchConfig
+
+    BenchConfig(head_chunk_seq_lens=(4096, 8192), worlds=(2, 4)).validate()
+    for bad, message in [
+        (dict(head_chunk_seq_lens=(4096, 4098), worlds=(2, 4)), "--head-chunk-seq-lens 4098 must be divisible"),
+        (dict(head_chunk_seq_lens=(0,)), "--head-chunk-seq-lens must be >= 1"),
+        (dict(memory_seq_lens=(512, -1)), "--memory-seq-lens must be >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            BenchConfig(**bad).validate()
+
+
+def test_head_chunk_table_reads_runs_of_several_lengths_and_of_one():
+    """Section 6's rows by P then tokens, whether the runs are keyed 'P@tokens' (several lengths) or 'P' (a
+    results.json of before: benchmarks/results/results.json)."""
+    from ulysses_sp.bench.report import _head_chunks
+
+    old = json.loads((ROOT / "benchmarks" / "results" / "results.json").read_text())
+    runs = old["head_chunks"]
+    assert set(runs) == {"2", "4"}
+    longer = {f"{r['world']}@{2 * r['seq_len']}": {**r, "seq_len": 2 * r["seq_len"]} for r in runs.values()}
+    for section in (runs, {**longer, **{f"{r['world']}@{r['seq_len']}": r for r in runs.values()}}):
+        lines = _head_chunks({"head_chunks": section})
+        rows = [line.split(" | ")[:3] for line in lines if line.startswith("| 2 ") or line.startswith("| 4 ")]
+        keys = [(int(p.strip("| ")), int(t.replace(",", ""))) for p, t, _ in rows]
+        assert keys == sorted(keys) and len(keys) == 4 * len(section), keys

@@ -17,12 +17,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         model="llama-bench-small",
         memory_seq_lens=(512, 1024, 2048, 4096),
         seq_len=2048,
-        head_chunk_seq_len=4096,
+        head_chunk_seq_lens=(4096, 8192),
         worlds=(2, 4),
     ),
     # For the test suite: a tiny model, seconds per section.
     "tiny": dict(
-        model="llama-bench-tiny", memory_seq_lens=(256, 512), seq_len=512, head_chunk_seq_len=512, worlds=(2,)
+        model="llama-bench-tiny", memory_seq_lens=(256, 512), seq_len=512, head_chunk_seq_lens=(512,), worlds=(2,)
     ),
 }
 _PRESET_REPS = {"small": {2: 11, 4: 7}, "tiny": {2: 3}}  # timed repetitions per world size
@@ -39,10 +39,11 @@ class BenchConfig:
     )
     memory_sp: tuple[int, ...] = option((1, 2, 4), help="sp degrees of the per-rank memory section.", metavar="SPS")
     seq_len: int | None = option(None, help="Sequence length of the step-time worlds.")
-    head_chunk_seq_len: int | None = option(
+    head_chunk_seq_lens: tuple[int, ...] | None = option(
         None,
-        help="Sequence length of the head-chunk section (longer than --seq-len: head chunks are for long sequences, "
-        "where the attention core outweighs each chunk's fixed costs).",
+        help="Sequence lengths of the head-chunk section, e.g. 4096,8192 (longer than --seq-len: head chunks are for "
+        "long sequences, where the attention core outweighs each chunk's fixed costs).",
+        metavar="LENS",
     )
     worlds: tuple[int, ...] | None = option(None, help="World sizes (gloo ranks) of the step-time section.")
     reps: int | None = option(None, help="Timed repetitions per world (after 1 warm-up).")
@@ -80,16 +81,16 @@ class BenchConfig:
         self.gpu_settings()  # parses the sizes, naming the flag on error
         if self.gpu_step_budget_s <= 0:
             raise ValueError(f"--gpu-step-budget-s must be > 0, got {self.gpu_step_budget_s}")
-        for name in ("seq_len", "head_chunk_seq_len", "reps"):
+        for name in ("seq_len", "memory_seq_lens", "head_chunk_seq_lens", "reps"):
             value = getattr(self, name)
-            if value is not None and value < 1:
+            if value is not None and min(_values(value)) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         resolved = self.resolve()
-        for name in ("seq_len", "head_chunk_seq_len"):
-            value = getattr(resolved, name)
-            if any(value % world for world in resolved.worlds):
-                flag = f"--{name.replace('_', '-')}"
-                raise ValueError(f"{flag} {value} must be divisible by every world size {resolved.worlds}")
+        for name in ("seq_len", "head_chunk_seq_lens"):
+            for value in _values(getattr(resolved, name)):
+                if any(value % world for world in resolved.worlds):
+                    flag = f"--{name.replace('_', '-')}"
+                    raise ValueError(f"{flag} {value} must be divisible by every world size {resolved.worlds}")
 
     def resolve(self) -> BenchConfig:
         """The config with every 'none' filled from the ``--size`` preset (and the default output folder)."""
@@ -112,3 +113,7 @@ class BenchConfig:
     def markdown_path(self) -> str | None:
         """Where the markdown report goes (None: not written)."""
         return "BENCHMARKS.md" if self.markdown is True else (self.markdown or None)
+
+
+def _values(value: int | tuple[int, ...]) -> tuple[int, ...]:
+    return value if isinstance(value, tuple) else (value,)

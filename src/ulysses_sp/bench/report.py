@@ -337,14 +337,15 @@ def _head_chunks(results: dict[str, Any]) -> list[str]:
     if "head_chunks" not in results:  # a results.json from before this section
         return []
     rows, waits = [], []
-    for world, result in results["head_chunks"].items():
+    # by P, then tokens (keyed "P@tokens"; a results.json of before several lengths is keyed "P")
+    for result in sorted(results["head_chunks"].values(), key=lambda r: (r["world"], r["seq_len"])):
         losses = result["losses"]
-        rows += _ratio_rows(world, result)
+        rows += _ratio_rows(str(result["world"]), result)
         spread = max(losses.values()) - min(losses.values())
         sent = _chunk_traffic(result)
         waits.append(
-            f"P={world}: {result['exposed_wait_s']:.3f} s waited in one C=4 step; all-to-all bytes per layer C=4 / C=1 "
-            f"{sent:.2f} (`ulysses_sp.traffic`); loss spread {spread:.1e}"
+            f"P={result['world']}, {result['seq_len']:,} tokens: {result['exposed_wait_s']:.3f} s waited in one C=4 "
+            f"step; all-to-all bytes per layer C=4 / C=1 {sent:.2f} (`ulysses_sp.traffic`); loss spread {spread:.1e}"
         )
     header = ["P", "tokens", "ratio", "median", "min - max", "reps", "median step s (num / den)"]
     return [
@@ -353,8 +354,9 @@ def _head_chunks(results: dict[str, Any]) -> list[str]:
         f"One gloo world per P; `{next(iter(results['head_chunks'].values()))['model']}` (16 heads, 4 kv heads) "
         "parallelized with sp = P from one seed with `head_chunks=1` and `head_chunks=4`, each without and with "
         "activation checkpointing of the decoder layers; train steps interleaved as in section 3, ratio per "
-        "repetition, median (min-max), at a longer sequence than section 3 (head chunks are for long sequences; "
-        "automatic C keeps 1 at short ones). With 4 chunks each layer issues 16 all-to-alls, C=1 4 (2 per chunk "
+        "repetition, median (min-max), at longer sequences than section 3 (head chunks are for long sequences; "
+        "automatic C keeps 1 at short ones; each chunk's fixed costs weigh less as the attention core grows with the "
+        "square of the length). With 4 chunks each layer issues 16 all-to-alls, C=1 4 (2 per chunk "
         "forward, 2 backward: the q/k/v again with the output's gradient and the output's row sums, then the q/k/v "
         "gradients), projects q/k/v again in backward and runs the core's fused backward from its saved output's row "
         "sums and lse (no second core forward); a chunk's kv heads would be fewer than the ranks, so the chunks "

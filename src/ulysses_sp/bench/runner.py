@@ -16,6 +16,7 @@ Sections (each measured in this run; ratios are taken against a baseline measure
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -145,28 +146,29 @@ def _world_section(config: BenchConfig, log) -> dict[str, Any]:
 
 
 def _head_chunk_section(config: BenchConfig, log) -> dict[str, Any]:
-    """Step time with the heads in 4 chunks over 1, per world (:mod:`ulysses_sp.bench.headchunks`)."""
+    """Step time with the heads in 4 chunks over 1, per sequence length and world, keyed ``"P@tokens"``
+    (:mod:`ulysses_sp.bench.headchunks`)."""
     from .headchunks import COMPUTE_ALONE, compute_alone, variant_name
     from .world import run_world
 
-    worlds = {}
-    for world in config.worlds:
-        params = {"seq_len": config.head_chunk_seq_len, "reps": config.reps_for(world), "warmup": 1}
+    runs = {}
+    for seq_len, world in itertools.product(config.head_chunk_seq_lens, config.worlds):
+        params = {"seq_len": seq_len, "reps": config.reps_for(world), "warmup": 1}
         start = time.monotonic()
         result = run_world(world, "ulysses_sp.bench.headchunks:worker", params)[0]
         # the same steps in one process standing in for rank 0: the chunking's compute, no exchange to hide
-        result["compute_alone_s"] = compute_alone(world, params["seq_len"], params["reps"])
+        result["compute_alone_s"] = compute_alone(world, seq_len, params["reps"])
         result["ratios"] = {
             label + suffix: _ratios(times[variant_name(4, checkpointed)], times[variant_name(1, checkpointed)])
             for suffix, times in (("", result["step_times_s"]), (COMPUTE_ALONE, result["compute_alone_s"]))
             for label, checkpointed in (("C=4 / C=1", False), ("C=4 / C=1, checkpointed layers", True))
         }
-        worlds[str(world)] = result
+        runs[f"{world}@{seq_len}"] = result
         log(
-            f"head chunks, world {world}: done in {time.monotonic() - start:.0f} s; "
+            f"head chunks, world {world}, {seq_len} tokens: done in {time.monotonic() - start:.0f} s; "
             + ", ".join(f"{k} {v['median']:.3f}" for k, v in result["ratios"].items())
         )
-    return worlds
+    return runs
 
 
 def _comm_table(config: BenchConfig, worlds: dict[str, Any]) -> list[dict[str, Any]]:
