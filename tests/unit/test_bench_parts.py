@@ -244,15 +244,32 @@ def test_bench_lengths_are_checked_per_value_naming_the_flag():
 
 def test_head_chunk_table_reads_runs_of_several_lengths_and_of_one():
     """Section 6's rows by P then tokens, whether the runs are keyed 'P@tokens' (several lengths) or 'P' (a
-    results.json of before: benchmarks/results/results.json)."""
+    results.json of before several lengths), from the runs of benchmarks/results/results.json."""
     from ulysses_sp.bench.report import _head_chunks
 
-    old = json.loads((ROOT / "benchmarks" / "results" / "results.json").read_text())
-    runs = old["head_chunks"]
-    assert set(runs) == {"2", "4"}
-    longer = {f"{r['world']}@{2 * r['seq_len']}": {**r, "seq_len": 2 * r["seq_len"]} for r in runs.values()}
-    for section in (runs, {**longer, **{f"{r['world']}@{r['seq_len']}": r for r in runs.values()}}):
+    runs = json.loads((ROOT / "benchmarks" / "results" / "results.json").read_text())["head_chunks"]
+    one_length = {str(r["world"]): r for r in runs.values() if r["seq_len"] == 4096}
+    several = {f"{r['world']}@{r['seq_len']}": r for r in runs.values()}
+    assert set(one_length) == {"2", "4"} and len(several) == 4, list(runs)
+    for section in (one_length, dict(reversed(several.items()))):
         lines = _head_chunks({"head_chunks": section})
         rows = [line.split(" | ")[:3] for line in lines if line.startswith("| 2 ") or line.startswith("| 4 ")]
         keys = [(int(p.strip("| ")), int(t.replace(",", ""))) for p, t, _ in rows]
         assert keys == sorted(keys) and len(keys) == 4 * len(section), keys
+
+
+def test_chunk_fixed_cost_script_tables_each_length(tmp_path):
+    """benchmarks/chunk_fixed_cost.py: a row per length and layer setting, each from interleaved steps of C=1 and
+    C=4 on the stand-in rank; a length the ranks cannot split is refused naming it."""
+    spec = importlib.util.spec_from_file_location("chunk_fixed_cost", ROOT / "benchmarks" / "chunk_fixed_cost.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(ValueError, match="--seq-lens 130 must be a positive multiple of --sp 4"):
+        script.main(["--seq-lens", "130", "--out", str(tmp_path)])
+    found = script.main(["--sp", "2", "--seq-lens", "64", "128", "--reps", "2", "--out", str(tmp_path)])
+    assert [(r["tokens"], r["layers"]) for r in found["rows"]] == [
+        (64, "plain"), (64, "checkpointed"), (128, "plain"), (128, "checkpointed")
+    ]  # fmt: skip
+    for row in found["rows"]:
+        assert row["c1_ms"] > 0 and row["c4_ms"] > 0 and row["ratio_min"] <= row["ratio"] <= row["ratio_max"], row
+    assert "| 128 | checkpointed |" in (tmp_path / "chunk_fixed_cost_sp2.md").read_text()
