@@ -61,11 +61,12 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for seq_len in args.seq_lens:
         rows += rows_for(seq_len, compute_alone(args.sp, seq_len, args.reps))
+    env = environment()
     lines = [
         f"# Head chunks in compute alone: C=4 against C=1, `{HEAD_CHUNK_MODEL}`, stand-in rank 0 of sp={args.sp}",
         "",
         f"{args.reps} repetitions, one thread, each with one step of every variant in a rotating order; medians. "
-        f"Machine: {environment()['machine']}, torch {environment()['torch']}.",
+        f"Machine: {env['machine']}, torch {env['torch']}.",
         "",
         "| tokens | layers | C=1 ms | C=4 ms | C=4 - C=1 ms | C=4 / C=1 | min - max |",
         "|---|---|---|---|---|---|---|",
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
         ),
         "",
     ]
-    result = {"environment": environment(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+    result = {"environment": env, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
     save_table(args.out, f"chunk_fixed_cost_sp{args.sp}", result, "\n".join(lines))
     return result
 
