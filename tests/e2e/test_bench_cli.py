@@ -108,13 +108,19 @@ def test_collectives_and_agreement(run):
 
 def test_head_chunk_step_time(run):
     """Section 6: C=4 over C=1 step-time ratios (plain and checkpointed layers), the same loss for all four
-    models, the exchange wait of a C=4 step, the same ratios of one process standing in for rank 0 with no
-    exchange (compute alone), and the table in the report."""
+    models, the exchange wait of a C=4 step, the same ratios of the CPU time summed over the ranks and of one
+    process standing in for rank 0 with no exchange (compute alone), and the table in the report."""
     root, results = run
     world = results["head_chunks"]["2@512"]
     plain = {"C=4 / C=1", "C=4 / C=1, checkpointed layers"}
-    assert set(world["ratios"]) == plain | {name + ", compute alone" for name in plain}
+    suffixes = ("", ", CPU over the ranks", ", compute alone")
+    assert set(world["ratios"]) == {name + suffix for name in plain for suffix in suffixes}
     assert all(len(times) == 3 for times in world["compute_alone_s"].values()), world["compute_alone_s"]
+    # the ranks' CPU per step, summed: some, and no more than the cores give in the step's wall time (a little slack:
+    # each rank's window is its own, rank 0's wall time is between its barriers)
+    for name, cpu in world["cpu_s"].items():
+        wall = world["step_times_s"][name]
+        assert len(cpu) == 3 and all(0 < c < 1.25 * world["cores"] * w for c, w in zip(cpu, wall, strict=True)), name
     for ratio in world["ratios"].values():
         assert math.isfinite(ratio["median"]) and 0.05 < ratio["median"] < 20 and ratio["reps"] == 3, ratio
     losses = list(world["losses"].values())
@@ -123,6 +129,7 @@ def test_head_chunk_step_time(run):
     report = (root / "REPORT.md").read_text()
     assert "## 6. Head-chunked attention" in report and "| 2 | 512 | C=4 / C=1 |" in report
     assert "| 2 | 512 | C=4 / C=1, compute alone |" in report
+    assert "| 2 | 512 | C=4 / C=1, CPU over the ranks |" in report and "CPU s over the 2 ranks on" in report
 
 
 def test_bad_flag_exits_2_naming_it(tmp_path, capsys):

@@ -14,7 +14,10 @@ Also measured, in one C = 4 step: how long the ranks waited on exchanges inside 
 (:attr:`ulysses_sp.CommStats.wait_s`: the exchange time that was not hidden behind a core); and, in the calling
 process (:func:`compute_alone`), the same four models' steps with no real exchange (one process standing in for
 rank 0): the chunking's own compute (q/k/v projected again, the output projection added chunk by chunk, the chunks'
-own code), which the overlap has to pay for.
+own code), which the overlap has to pay for. And every rank's CPU time in each step (all its threads, gloo's
+included): where the ranks outnumber the cores, no core is free to run an exchange while another computes, the step
+takes about the ranks' CPU time over the cores, and the overlap cannot pay; the CPU ratio then shows what C = 4
+costs.
 """
 
 from __future__ import annotations
@@ -36,11 +39,20 @@ from ulysses_sp.standin import StandIn, random_batch
 from .runner import bench_model
 from .steptime import Variant, time_interleaved
 
-__all__ = ["COMPUTE_ALONE", "HEAD_CHUNKS", "HEAD_CHUNK_MODEL", "compute_alone", "variant_name", "worker"]
+__all__ = [
+    "COMPUTE_ALONE",
+    "CPU_OVER_RANKS",
+    "HEAD_CHUNKS",
+    "HEAD_CHUNK_MODEL",
+    "compute_alone",
+    "variant_name",
+    "worker",
+]
 
 HEAD_CHUNK_MODEL = "llama-bench-heads"
 HEAD_CHUNKS = (1, 4)  # the baseline, and the chunk count whose step time is compared with it
 COMPUTE_ALONE = ", compute alone"  # the ratios of compute_alone's step times are named with this after them
+CPU_OVER_RANKS = ", CPU over the ranks"  # the ratios of the world's CPU time per step, summed over its ranks
 
 
 def variant_name(chunks: int, checkpointed: bool) -> str:
@@ -59,7 +71,8 @@ def _variants(layout: ParallelLayout, shard: dict[str, Any], seq_len: int, stats
 
 
 def worker(params: dict[str, Any]) -> dict[str, Any]:
-    """One rank of the head-chunk world; returns its step times (rank 0's are reported)."""
+    """One rank of the head-chunk world; returns its step times (rank 0's are reported) and the CPU time this
+    process spent in each step (``cpu_s``: summed over the ranks in the report)."""
     world = dist.get_world_size()
     seq_len = params["seq_len"]
     layout = ParallelLayout.from_env(sp=world)
@@ -68,6 +81,7 @@ def worker(params: dict[str, Any]) -> dict[str, Any]:
     variants = _variants(layout, shard_batch(batch, layout), seq_len, stats)
     losses = {name: v.loss_and_grads()[0].item() for name, v in variants.items()}
     times = time_interleaved(variants, params.get("reps", 5), params.get("warmup", 1))
+    cpu = {name: v.cpu_times for name, v in variants.items()}
     stats.reset()  # shared by the variants; only the chunked ones wait on asynchronous exchanges
     variants[variant_name(HEAD_CHUNKS[-1], False)].train_step()
     exposed = stats.wait_s
@@ -77,6 +91,7 @@ def worker(params: dict[str, Any]) -> dict[str, Any]:
         "model": HEAD_CHUNK_MODEL,
         "losses": losses,
         "step_times_s": times,
+        "cpu_s": cpu,
         "exposed_wait_s": exposed,
     }
 

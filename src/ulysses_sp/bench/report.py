@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -333,6 +334,18 @@ def _chunk_traffic(result: dict[str, Any]) -> float:
     return sent[0] / sent[1]
 
 
+def _busy(result: dict[str, Any]) -> str:
+    """How busy the cores were in a C=1 step of a head-chunk run: its CPU time summed over the ranks, over the
+    cores, against its wall time ('' for a run of before the CPU times were recorded)."""
+    if "cpu_s" not in result:
+        return ""
+    cpu, wall = (statistics.median(result[key]["C=1"]) for key in ("cpu_s", "step_times_s"))
+    return (
+        f"; a C=1 step used {cpu:.2f} CPU s over the {result['world']} ranks on {result['cores']} cores, "
+        f"{cpu / result['cores'] / wall:.0%} of the cores for its {wall:.2f} s"
+    )
+
+
 def _head_chunks(results: dict[str, Any]) -> list[str]:
     if "head_chunks" not in results:  # a results.json from before this section
         return []
@@ -346,6 +359,7 @@ def _head_chunks(results: dict[str, Any]) -> list[str]:
         waits.append(
             f"P={result['world']}, {result['seq_len']:,} tokens: {result['exposed_wait_s']:.3f} s waited in one C=4 "
             f"step; all-to-all bytes per layer C=4 / C=1 {sent:.2f} (`ulysses_sp.traffic`); loss spread {spread:.1e}"
+            + _busy(result)
         )
     header = ["P", "tokens", "ratio", "median", "min - max", "reps", "median step s (num / den)"]
     return [
@@ -371,6 +385,14 @@ def _head_chunks(results: dict[str, Any]) -> list[str]:
             "costs in compute (q/k/v projected again in backward, the output projection added chunk by chunk, the "
             "chunks' own code), which the overlap has to pay for. "
             if any("compute_alone_s" in r for r in results["head_chunks"].values())
+            else ""
+        )
+        + (
+            "The rows 'CPU over the ranks' divide the CPU time of the steps (every rank's, all its threads, gloo's "
+            "included), summed over the ranks: where the ranks outnumber the cores (or fill them), no core is free to "
+            "run an exchange while another computes, a step takes about that CPU time over the cores, and the "
+            "overlap cannot pay; the wall ratio then follows the CPU ratio. "
+            if any("cpu_s" in r for r in results["head_chunks"].values())
             else ""
         )
         + "The waited time is what rank 0 blocked on those exchanges in one C=4 step (the exchange time not hidden "

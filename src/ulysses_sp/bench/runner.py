@@ -148,19 +148,31 @@ def _world_section(config: BenchConfig, log) -> dict[str, Any]:
 def _head_chunk_section(config: BenchConfig, log) -> dict[str, Any]:
     """Step time with the heads in 4 chunks over 1, per sequence length and world, keyed ``"P@tokens"``
     (:mod:`ulysses_sp.bench.headchunks`)."""
-    from .headchunks import COMPUTE_ALONE, compute_alone, variant_name
+    from .headchunks import COMPUTE_ALONE, CPU_OVER_RANKS, compute_alone, variant_name
     from .world import run_world
 
     runs = {}
     for seq_len, world in itertools.product(config.head_chunk_seq_lens, config.worlds):
         params = {"seq_len": seq_len, "reps": config.reps_for(world), "warmup": 1}
         start = time.monotonic()
-        result = run_world(world, "ulysses_sp.bench.headchunks:worker", params)[0]
+        ranks = run_world(world, "ulysses_sp.bench.headchunks:worker", params)
+        result = ranks[0]
+        # every rank's CPU seconds, summed per step: with fewer cores than ranks the step takes about that over
+        # the cores, whatever overlaps
+        result["cpu_s"] = {
+            name: [sum(step) for step in zip(*(r["cpu_s"][name] for r in ranks), strict=True)]
+            for name in result["cpu_s"]
+        }
+        result["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         # the same steps in one process standing in for rank 0: the chunking's compute, no exchange to hide
         result["compute_alone_s"] = compute_alone(world, seq_len, params["reps"])
         result["ratios"] = {
             label + suffix: _ratios(times[variant_name(4, checkpointed)], times[variant_name(1, checkpointed)])
-            for suffix, times in (("", result["step_times_s"]), (COMPUTE_ALONE, result["compute_alone_s"]))
+            for suffix, times in (
+                ("", result["step_times_s"]),
+                (CPU_OVER_RANKS, result["cpu_s"]),
+                (COMPUTE_ALONE, result["compute_alone_s"]),
+            )
             for label, checkpointed in (("C=4 / C=1", False), ("C=4 / C=1, checkpointed layers", True))
         }
         runs[f"{world}@{seq_len}"] = result

@@ -56,6 +56,7 @@ class Variant:
     active: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     optimizer: torch.optim.Optimizer | None = None
     times: list[float] = field(default_factory=list)
+    cpu_times: list[float] = field(default_factory=list)  # this process's CPU seconds per timed step (all threads)
 
     def loss_and_grads(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         self.model.zero_grad(set_to_none=True)
@@ -103,7 +104,9 @@ def _count(variant: Variant) -> dict[str, dict[str, int]]:
 
 def time_interleaved(variants: dict[str, Variant], reps: int, warmup: int) -> dict[str, list[float]]:
     """Train-step times of every variant: each once per repetition, in a rotating order, between barriers (the
-    first ``warmup`` repetitions untimed); ``{name: [seconds per repetition]}``."""
+    first ``warmup`` repetitions untimed); ``{name: [seconds per repetition]}``. Each variant's
+    :attr:`Variant.cpu_times` gets the CPU time this process spent in the step (its threads all: gloo's too; the
+    barriers not)."""
     names = list(variants)
     for variant in variants.values():
         variant.optimizer = torch.optim.AdamW(variant.model.parameters(), lr=1e-4)
@@ -111,11 +114,13 @@ def time_interleaved(variants: dict[str, Variant], reps: int, warmup: int) -> di
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             variants[name].train_step()
+            cpu = time.process_time() - cpu
             dist.barrier()
             if rep >= warmup:
                 variants[name].times.append(time.perf_counter() - start)
+                variants[name].cpu_times.append(cpu)
     return {name: v.times for name, v in variants.items()}
 
 
