@@ -334,6 +334,11 @@ def _chunk_traffic(result: dict[str, Any]) -> float:
     return sent[0] / sent[1]
 
 
+def _where_recorded(runs: list[dict[str, Any]], key: str, text: str) -> str:
+    """``text`` where some run recorded ``key`` (a results.json of before it was recorded: '')."""
+    return text if any(key in run for run in runs) else ""
+
+
 def _busy(result: dict[str, Any]) -> str:
     """How busy the cores were in a C=1 step of a head-chunk run: its CPU time summed over the ranks, over the
     cores, against its wall time ('' for a run of before the CPU times were recorded)."""
@@ -362,10 +367,11 @@ def _head_chunks(results: dict[str, Any]) -> list[str]:
             + _busy(result)
         )
     header = ["P", "tokens", "ratio", "median", "min - max", "reps", "median step s (num / den)"]
+    runs = list(results["head_chunks"].values())
     return [
         "## 6. Head-chunked attention: step time with 4 chunks over 1",
         "",
-        f"One gloo world per P; `{next(iter(results['head_chunks'].values()))['model']}` (16 heads, 4 kv heads) "
+        f"One gloo world per P; `{runs[0]['model']}` (16 heads, 4 kv heads) "
         "parallelized with sp = P from one seed with `head_chunks=1` and `head_chunks=4`, each without and with "
         "activation checkpointing of the decoder layers; train steps interleaved as in section 3, ratio per "
         "repetition, median (min-max), at longer sequences than section 3 (head chunks are for long sequences; "
@@ -379,21 +385,21 @@ def _head_chunks(results: dict[str, Any]) -> list[str]:
         "sends more bytes than C=1 (the "
         "backward's q again and the row sums; the ratio per P below); "
         "chunk c+1's exchange is in flight (gloo's threads) while chunk c's core computes. "
-        + (
+        + _where_recorded(
+            runs,
+            "compute_alone_s",
             "The rows 'compute alone' time the same four models' steps in one process standing in for rank 0 of P "
             "(a fake process group: each exchange a local copy), on one thread as each rank has: what the chunking "
             "costs in compute (q/k/v projected again in backward, the output projection added chunk by chunk, the "
-            "chunks' own code), which the overlap has to pay for. "
-            if any("compute_alone_s" in r for r in results["head_chunks"].values())
-            else ""
+            "chunks' own code), which the overlap has to pay for. ",
         )
-        + (
+        + _where_recorded(
+            runs,
+            "cpu_s",
             "The rows 'CPU over the ranks' divide the CPU time of the steps (every rank's, all its threads, gloo's "
             "included), summed over the ranks: where the ranks outnumber the cores (or fill them), no core is free to "
             "run an exchange while another computes, a step takes about that CPU time over the cores, and the "
-            "overlap cannot pay; the wall ratio then follows the CPU ratio. "
-            if any("cpu_s" in r for r in results["head_chunks"].values())
-            else ""
+            "overlap cannot pay; the wall ratio then follows the CPU ratio. ",
         )
         + "The waited time is what rank 0 blocked on those exchanges in one C=4 step (the exchange time not hidden "
         "behind a core); the loss spread is over the four models.",
