@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Every GPU check the open issues ask for, as one prepared script for a lent GPU machine (H100 / H200).
+#
+#   bash benchmarks/gpu_session.sh OUT [STEP[=SECONDS] ...]
+#
+# Steps, in the order given (default: all, in this order, each under its own time limit in seconds):
+#   env         nvidia-smi, torch / CUDA / transformers versions                                     (30)
+#   validation  benchmarks/gpu_validation.py: the planner's maximum and 10% above it, measured peak
+#               against the prediction, Llama-3.1-8B and Qwen3-4B at sp=1 and one rank of sp=8       (300)
+#   tests       python -m pytest tests/gpu                                                            (180)
+#   packed      benchmarks/packed_attention.py: per-document sdpa against one flex call, recompiles    (60)
+#   loss        benchmarks/tiled_loss_speed.py: tiled against plain loss, 32K tokens, vocab 152K      (60)
+#   kernels     benchmarks/chunk_kernel_calls.py: a rank's heads in one kernel call or one per chunk  (45)
+#
+# A lease gives about 15 minutes of device time in all (a machine's start included), a call at most 10: run the
+# steps over two calls, `env validation tests` (at most 510 s) then `packed loss kernels` (at most 165 s). A failing or timed-out step does not stop the others.
+# Every step's output goes under $GPU_SESSION_WORK (default /tmp/gpu_session), which is packed into
+# OUT/gpu_session.tgz after each step (so a call cut off keeps what finished); OUT/session.log lists each
+# step's command, exit status and seconds. GPU_SESSION_DRY_RUN=1 prints the commands and runs nothing.
+set -u
+
+if [ $# -lt 1 ]; then
+    echo "usage: bash benchmarks/gpu_session.sh OUT [STEP[=SECONDS] ...]" >&2
+    exit 2
+fi
+out=$1
+shift
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(env validation tests packed loss kernels)
+work=${GPU_SESSION_WORK:-/tmp/gpu_session}
+root=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH="$root/src:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+command_for() {  # the step's default seconds, then its command
+    case $1 in
+        env) echo "30 nvidia-smi; python3 -c 'import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)'" ;;
+        validation) echo "300 python3 $root/benchmarks/gpu_validation.py --point llama-3.1-8b:1:14GiB llama-3.1-8b:8:14GiB qwen3-4b:1:14GiB qwen3-4b:8:10GiB --host-memory 120GiB --out $work" ;;
+        tests) echo "180 python3 -m pytest -q -p no:cacheprovider $root/tests/gpu --timeout=150 -rfEs --junitxml=$work/gpu_tests.xml" ;;
+        packed) echo "60 TORCH_LOGS=recompiles python3 $root/benchmarks/packed_attention.py --seq-len 32768 --docs 1 8 32 128 512 --heads 4 --kv-heads 1 --head-dim 128 --out $work" ;;
+        loss) echo "60 python3 $root/benchmarks/tiled_loss_speed.py --tokens 32768 --hidden 2560 --vocab 151936 --dtype bf16 --chunk-tokens 0 --rounds 5 --name $work/tiled_loss_gpu" ;;
+        kernels) echo "45 python3 $root/benchmarks/chunk_kernel_calls.py --device cuda --dtype bf16 --head-dim 128 --tokens 32768 --name $work/chunk_kernel_calls_gpu" ;;
+        *) return 1 ;;
+    esac
+}
+
+for spec in "${steps[@]}"; do  # every step is checked before any runs
+    name=${spec%%=*}
+    if ! command_for "$name" > /dev/null; then
+        echo "gpu_session.sh: unknown step '$name'; steps: env validation tests packed loss kernels" >&2
+        exit 2
+    fi
+    if [ "$spec" != "$name" ] && ! [[ ${spec#*=} =~ ^[1-9][0-9]*$ ]]; then
+        echo "gpu_session.sh: step '$spec': the limit after '=' must be a whole number of seconds, e.g. $name=120" >&2
+        exit 2
+    fi
+done
+
+planned() {  # the step's limit (its own or the default) and command
+    local limit cmd
+    read -r limit cmd <<< "$(command_for "${1%%=*}")"
+    [ "$1" != "${1%%=*}" ] && limit=${1#*=}
+    echo "$limit $cmd"
+}
+
+if [ "${GPU_SESSION_DRY_RUN:-0}" = 1 ]; then
+    for spec in "${steps[@]}"; do
+        read -r limit cmd <<< "$(planned "$spec")"
+        echo "${spec%%=*} ($limit s): $cmd"
+    done
+    exit 0
+fi
+
+mkdir -p "$out" "$work"
+cd "$root" || exit 2
+for spec in "${steps[@]}"; do
+    name=${spec%%=*}
+    read -r limit cmd <<< "$(planned "$spec")"
+    echo "== $name ($limit s): $cmd" | tee -a "$out/session.log"
+    start=$SECONDS
+    timeout "$limit" bash -c "$cmd" > "$work/$name.log" 2>&1
+    status=$?
+    echo "== $name: exit $status after $((SECONDS - start)) s$([ $status -eq 124 ] && echo ' (time limit)')" \
+        | tee -a "$out/session.log"
+    tail -n 5 "$work/$name.log"
+    tar -czf "$out/gpu_session.tgz" -C "$work" .
+done

@@ -1,0 +1,79 @@
+"""benchmarks/gpu_session.sh: the prepared script of GPU checks (its steps run here only as far as a CPU allows)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
+STEPS = ["env", "validation", "tests", "packed", "loss", "kernels"]
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def _run(tmp_path: Path, *args: str, dry: bool = False) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # python3: this one
+        "GPU_SESSION_WORK": str(tmp_path / "work"),
+        "GPU_SESSION_DRY_RUN": "1" if dry else "0",
+    }
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out"), *args], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_every_step_names_a_script_and_flags_that_exist(tmp_path):
+    """The dry run lists every step in order with its limit; each Python script it calls exists and defines every
+    flag the step passes it (a renamed flag would waste a GPU lease on an argparse error)."""
+    done = _run(tmp_path, dry=True)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(" ")[0] for line in lines] == STEPS, lines
+    assert not (tmp_path / "out").exists()  # a dry run makes nothing
+    scripts = 0
+    for line in lines:
+        for path, flags in re.findall(r"python3 (\S+\.py)((?: \S+)*)", line):
+            source = Path(path).read_text()
+            for flag in re.findall(r"(--[a-z][a-z-]*)", flags):
+                assert f'"{flag}"' in source, (path, flag)
+            scripts += 1
+    assert scripts == 4, lines
+    assert f"{ROOT}/tests/gpu" in done.stdout and (ROOT / "tests" / "gpu").is_dir()
+
+
+def test_limits_can_be_set_per_step_and_bad_steps_are_refused_before_any_runs(tmp_path):
+    done = _run(tmp_path, "tests=120", "loss", dry=True)
+    assert done.returncode == 0 and done.stdout.startswith("tests (120 s): ") and "loss (60 s): " in done.stdout
+    for args, message in [
+        (("env", "gpu"), "unknown step 'gpu'"),
+        (("env", "tests=2m"), "step 'tests=2m': the limit after '=' must be a whole number of seconds"),
+    ]:
+        done = _run(tmp_path, *args)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+        assert not (tmp_path / "out").exists()  # nothing ran, not even the good step before it
+    done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "usage:" in done.stderr
+
+
+def test_a_step_runs_logs_and_is_packed(tmp_path):
+    """A real run of the env step (no GPU here: nvidia-smi's failure is logged, the versions still printed)."""
+    done = _run(tmp_path, "env=60")
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "out" / "session.log").read_text()
+    assert "== env (60 s): " in log and re.search(r"== env: exit \d+ after \d+ s", log), log
+    with tarfile.open(tmp_path / "out" / "gpu_session.tgz") as packed:
+        names = packed.getnames()
+        assert "./env.log" in names, names
+        text = packed.extractfile("./env.log").read().decode()
+    import torch
+
+    assert torch.__version__ in text, text
