@@ -20,8 +20,8 @@ import statistics
 from pathlib import Path
 
 from ulysses_sp.bench.headchunks import HEAD_CHUNK_MODEL, compute_alone, variant_name
-from ulysses_sp.bench.report import save_table
 from ulysses_sp.bench.runner import environment
+from ulysses_sp.bench.tables import save_table
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ulysses_sp.bench.report import save_table
 from ulysses_sp.bench.runner import environment
+from ulysses_sp.bench.tables import save_table
 from ulysses_sp.head_split import HeadSplit, head_chunk_choices
 from ulysses_sp.ring_kernels import default_ring_kernel, get_ring_kernel
 

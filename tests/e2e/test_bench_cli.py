@@ -132,6 +132,23 @@ def test_head_chunk_step_time(run):
     assert "| 2 | 512 | C=4 / C=1, CPU over the ranks |" in report and "CPU s over the 2 ranks on" in report
 
 
+def test_tiled_loss_against_the_plain_loss(run):
+    """Section 7: the tiled loss (and its recompute form) against the plain loss, one row per chunk size, each
+    ratio taken against the plain loss of its own round, and the table in the report."""
+    root, results = run
+    found = results["tiled_loss"]
+    assert found["setup"]["tokens"] == 256 and found["setup"]["vocab"] == 2048 and found["setup"]["rounds"] == 3
+    assert [row["chunk_tokens"] for row in found["rows"]] == [256, 256]  # the default and 512, capped at the tokens
+    for row in found["rows"]:
+        for clock in ("wall", "cpu"):
+            assert row[f"{clock}_ratio"]["plain"] == 1.0, row
+            for name in ("tiled", "recompute"):
+                low, high = row[f"{clock}_ratio_range"][name]
+                assert 0.01 < low <= row[f"{clock}_ratio"][name] <= high < 100, (clock, name, row)
+    report = (root / "REPORT.md").read_text()
+    assert "## 7. Tiled lm_head + loss against the plain loss" in report and "| cpu | 256 | 1 |" in report
+
+
 def test_bad_flag_exits_2_naming_it(tmp_path, capsys):
     from ulysses_sp.bench.runner import main
 

@@ -237,6 +237,8 @@ def test_bench_lengths_are_checked_per_value_naming_the_flag():
         (dict(head_chunk_seq_lens=(4096, 4098), worlds=(2, 4)), "--head-chunk-seq-lens 4098 must be divisible"),
         (dict(head_chunk_seq_lens=(0,)), "--head-chunk-seq-lens must be >= 1"),
         (dict(memory_seq_lens=(512, -1)), "--memory-seq-lens must be >= 1"),
+        (dict(loss_tokens=-1), "--loss-tokens must be >= 0"),
+        (dict(loss_vocab=0), "--loss-vocab must be >= 1"),
     ]:
         with pytest.raises(ValueError, match=message):
             BenchConfig(**bad).validate()
@@ -245,14 +247,14 @@ def test_bench_lengths_are_checked_per_value_naming_the_flag():
 def test_head_chunk_table_reads_runs_of_several_lengths_and_of_one():
     """Section 6's rows by P then tokens, whether the runs are keyed 'P@tokens' (several lengths) or 'P' (a
     results.json of before several lengths), from the runs of benchmarks/results/results.json."""
-    from ulysses_sp.bench.report import _head_chunks
+    from ulysses_sp.bench.report_chunks import head_chunks_section
 
     runs = json.loads((ROOT / "benchmarks" / "results" / "results.json").read_text())["head_chunks"]
     one_length = {str(r["world"]): r for r in runs.values() if r["seq_len"] == 4096}
     several = {f"{r['world']}@{r['seq_len']}": r for r in runs.values()}
     assert set(one_length) == {"2", "4"} and len(several) == 4, list(runs)
     for section in (one_length, dict(reversed(several.items()))):
-        lines = _head_chunks({"head_chunks": section})
+        lines = head_chunks_section({"head_chunks": section})
         rows = [line.split(" | ")[:3] for line in lines if line.startswith("| 2 ") or line.startswith("| 4 ")]
         keys = [(int(p.strip("| ")), int(t.replace(",", ""))) for p, t, _ in rows]
         assert keys == sorted(keys) and len(keys) == sum(len(r["ratios"]) for r in section.values()), keys
@@ -273,3 +275,21 @@ def test_chunk_fixed_cost_script_tables_each_length(tmp_path):
     for row in found["rows"]:
         assert row["c1_ms"] > 0 and row["c4_ms"] > 0 and row["ratio_min"] <= row["ratio"] <= row["ratio_max"], row
     assert "| 128 | checkpointed |" in (tmp_path / "chunk_fixed_cost_sp2.md").read_text()
+
+
+def test_tiled_loss_measurement_and_its_script(tmp_path):
+    """The tiled-loss measurement (bench section 7) on a tiny case: a row per chunk size, the plain loss the ratio 1
+    of every round, bad sizes refused naming them; benchmarks/tiled_loss_speed.py tables the same rows."""
+    from ulysses_sp.bench.tiledloss import measure_chunks
+
+    rows = measure_chunks(64, 16, 128, [0, 16], 2, "fp32", "cpu")
+    assert [(row["chunk_tokens"], row["chunks"]) for row in rows] == [(64, 1), (16, 4)], rows
+    assert all(row["cpu_ratio"]["plain"] == 1.0 and row["wall_median_s"]["tiled"] > 0 for row in rows)
+    with pytest.raises(ValueError, match="got tokens 0, hidden 16, vocab 128"):
+        measure_chunks(0, 16, 128, [0], 2, "fp32", "cpu")
+    spec = importlib.util.spec_from_file_location("tiled_loss_speed", ROOT / "benchmarks" / "tiled_loss_speed.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = ["--tokens", "64", "--hidden", "16", "--vocab", "128", "--rounds", "2", "--chunk-tokens", "0", "16"]
+    result = script.main([*argv, "--name", str(tmp_path / "loss")])
+    assert len(result["rows"]) == 2 and "| cpu | 16 | 4 |" in (tmp_path / "loss.md").read_text()

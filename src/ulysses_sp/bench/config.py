@@ -19,13 +19,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         seq_len=2048,
         head_chunk_seq_lens=(4096, 8192),
         worlds=(2, 4),
+        loss_tokens=4096,
+        loss_vocab=32000,
     ),
     # For the test suite: a tiny model, seconds per section.
     "tiny": dict(
-        model="llama-bench-tiny", memory_seq_lens=(256, 512), seq_len=512, head_chunk_seq_lens=(512,), worlds=(2,)
+        model="llama-bench-tiny",
+        memory_seq_lens=(256, 512),
+        seq_len=512,
+        head_chunk_seq_lens=(512,),
+        worlds=(2,),
+        loss_tokens=256,
+        loss_vocab=2048,
     ),
 }
 _PRESET_REPS = {"small": {2: 11, 4: 7}, "tiny": {2: 3}}  # timed repetitions per world size
+_PRESET_LOSS_ROUNDS = {"small": 7, "tiny": 3}  # timed rounds of the tiled-loss section
 
 
 @dataclass(kw_only=True)
@@ -46,6 +55,10 @@ class BenchConfig:
         metavar="LENS",
     )
     worlds: tuple[int, ...] | None = option(None, help="World sizes (gloo ranks) of the step-time section.")
+    loss_tokens: int | None = option(
+        None, help="Tokens of the tiled-loss section (the lm_head + loss of the model's hidden size; 0: skip it)."
+    )
+    loss_vocab: int | None = option(None, help="Vocabulary of the tiled-loss section.")
     reps: int | None = option(None, help="Timed repetitions per world (after 1 warm-up).")
     deepspeed: bool = option(True, help="Run DeepSpeed's Ulysses side by side when it is installed.")
     gpu: str = option("auto", help="auto: the GPU mode when CUDA is present.", choices=("auto", "off"))
@@ -81,7 +94,9 @@ class BenchConfig:
         self.gpu_settings()  # parses the sizes, naming the flag on error
         if self.gpu_step_budget_s <= 0:
             raise ValueError(f"--gpu-step-budget-s must be > 0, got {self.gpu_step_budget_s}")
-        for name in ("seq_len", "memory_seq_lens", "head_chunk_seq_lens", "reps"):
+        if self.loss_tokens is not None and self.loss_tokens < 0:
+            raise ValueError(f"--loss-tokens must be >= 0 (0: skip the tiled-loss section), got {self.loss_tokens}")
+        for name in ("seq_len", "memory_seq_lens", "head_chunk_seq_lens", "reps", "loss_vocab"):
             value = getattr(self, name)
             if value is not None and min(_values(value)) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -100,6 +115,10 @@ class BenchConfig:
     def reps_for(self, world: int) -> int:
         """Timed repetitions of the world of ``world`` ranks: ``--reps``, else the preset's."""
         return self.reps if self.reps is not None else _PRESET_REPS[self.size].get(world, 3)
+
+    def loss_rounds(self) -> int:
+        """Timed rounds of the tiled-loss section: ``--reps``, else the preset's."""
+        return self.reps if self.reps is not None else _PRESET_LOSS_ROUNDS[self.size]
 
     def gpu_settings(self) -> dict[str, Any]:
         """The GPU mode's keyword arguments (:func:`ulysses_sp.bench.gpu.run_gpu`) from the flags."""

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import os
-import statistics
 from pathlib import Path
 from typing import Any
 
-__all__ = ["render_markdown", "save_table", "write_markdown"]
+from .report_chunks import head_chunks_section, tiled_loss_section
+from .tables import md_table, ratio_rows
+
+__all__ = ["render_markdown", "write_markdown"]
 
 
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.2f}"
-
-
-def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return lines + [""]
 
 
 def _load_lines(results: dict[str, Any]) -> list[str]:
@@ -83,7 +78,7 @@ def _memory(results: dict[str, Any], image: str) -> list[str]:
         "gradients, temporaries; `ulysses_sp.memory.PeakMemory`). sp > 1 is measured in one process standing in "
         "for one rank with torch's fake process group (memory depends on shapes only).",
         "",
-        *_table(header, table),
+        *md_table(header, table),
         *(line + "\n" for line in check),
         f"![memory]({image})",
         "",
@@ -132,7 +127,7 @@ def _comm(results: dict[str, Any], image: str) -> list[str]:
         "per step (whole model): ulysses-sp gathers shapes and positions once per forward, DeepSpeed gathers "
         "position_ids in every layer. The loss all-reduce (2 per step) is the same for all and not listed.",
         "",
-        *_table(
+        *md_table(
             [
                 "P",
                 "implementation",
@@ -165,22 +160,6 @@ def _agreement_rows(result: dict[str, Any]) -> list[list[Any]]:
     ]
 
 
-def _ratio_rows(world: str, result: dict[str, Any]) -> list[list[Any]]:
-    """One table row per step-time ratio of a world: P, tokens, name, median, min - max, reps, median times."""
-    return [
-        [
-            world,
-            f"{result['seq_len']:,}",
-            name,
-            f"**{ratio['median']:.3f}**",
-            f"{ratio['min']:.3f} - {ratio['max']:.3f}",
-            ratio["reps"],
-            f"{ratio['median_time_s']:.3f} / {ratio['baseline_median_time_s']:.3f}",
-        ]
-        for name, ratio in result["ratios"].items()
-    ]
-
-
 def _steps(results: dict[str, Any], image: str) -> list[str]:
     lines = [
         "## 3. Train-step time against DeepSpeed's UlyssesSPAttentionHF, and agreement",
@@ -209,15 +188,15 @@ def _steps(results: dict[str, Any], image: str) -> list[str]:
     for world, result in results["worlds"].items():
         if result.get("deepspeed_error"):
             lines += [f"DeepSpeed failed to set up at P={world}: `{result['deepspeed_error']}`", ""]
-        rows += _ratio_rows(world, result)
+        rows += ratio_rows(world, result)
         agreement += [[world, *row] for row in _agreement_rows(result)]
-    lines += _table(["P", "tokens", "ratio", "median", "min - max", "reps", "median step s (num / den)"], rows)
+    lines += md_table(["P", "tokens", "ratio", "median", "min - max", "reps", "median step s (num / den)"], rows)
     lines += [
         "Loss and gradients after one step from identical weights (gradients averaged over the world, fp32). "
         "`rel` = the largest absolute difference of a parameter's gradient divided by that gradient's largest entry.",
         "",
     ]
-    lines += _table(["P", "pair", "loss abs diff", "grad max abs diff", "grad max rel", "params"], agreement)
+    lines += md_table(["P", "pair", "loss abs diff", "grad max abs diff", "grad max rel", "params"], agreement)
     lines += [f"![step time]({image})", ""]
     return lines
 
@@ -244,7 +223,7 @@ def _overhead(results: dict[str, Any]) -> list[str]:
         "N tokens for H / P heads costs P times the attention FLOPs of N / P tokens for H heads), so the ratio "
         "includes both.",
         "",
-        *_table(["P", "N", "tokens per rank", "ulysses-sp / no-sp", "min - max"], rows),
+        *md_table(["P", "N", "tokens per rank", "ulysses-sp / no-sp", "min - max"], rows),
     ]
 
 
@@ -284,7 +263,7 @@ def gpu_table(gpu: dict[str, Any]) -> list[str]:
         "(model FLOPs 6 N + 6 L H d T, recomputation not counted; an sp > 1 rank as if every rank took as long). "
         f"Points estimated to take over {gpu['step_budget_s']:.0f} s a step are skipped.",
         "",
-        *_table(
+        *md_table(
             [
                 "model", "sp", "point", "tokens", "result", "phase", "predicted peak", "measured peak",
                 "predicted / measured", "tokens/s", "TFLOPs", "MFU",
@@ -318,103 +297,6 @@ def _gpu_cells(found: dict[str, Any]) -> list[str]:
     ]
 
 
-def _chunk_traffic(result: dict[str, Any]) -> float:
-    """All-to-all bytes per layer, 4 chunks over 1 (:func:`ulysses_sp.traffic.ulysses_bytes_per_layer`)."""
-    from ulysses_sp.shapes import SHAPES
-    from ulysses_sp.traffic import ulysses_bytes_per_layer
-
-    shape = SHAPES[result["model"]]
-    heads = dict(heads=shape["num_attention_heads"], kv_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"])
-    sent = [
-        ulysses_bytes_per_layer(
-            batch=1, seq_len=result["seq_len"], sp=result["world"], element_size=4, chunks=c, **heads
-        )
-        for c in (4, 1)
-    ]
-    return sent[0] / sent[1]
-
-
-def _where_recorded(runs: list[dict[str, Any]], key: str, text: str) -> str:
-    """``text`` where some run recorded ``key`` (a results.json of before it was recorded: '')."""
-    return text if any(key in run for run in runs) else ""
-
-
-def _busy(result: dict[str, Any]) -> str:
-    """How busy the cores were in a C=1 step of a head-chunk run: its CPU time summed over the ranks, over the
-    cores, against its wall time ('' for a run of before the CPU times were recorded)."""
-    if "cpu_s" not in result:
-        return ""
-    cpu, wall = (statistics.median(result[key]["C=1"]) for key in ("cpu_s", "step_times_s"))
-    return (
-        f"; a C=1 step used {cpu:.2f} CPU s over the {result['world']} ranks on {result['cores']} cores, "
-        f"{cpu / result['cores'] / wall:.0%} of the cores for its {wall:.2f} s"
-    )
-
-
-def _head_chunks(results: dict[str, Any]) -> list[str]:
-    if "head_chunks" not in results:  # a results.json from before this section
-        return []
-    rows, waits = [], []
-    # by P, then tokens (keyed "P@tokens"; a results.json of before several lengths is keyed "P")
-    for result in sorted(results["head_chunks"].values(), key=lambda r: (r["world"], r["seq_len"])):
-        losses = result["losses"]
-        rows += _ratio_rows(str(result["world"]), result)
-        spread = max(losses.values()) - min(losses.values())
-        sent = _chunk_traffic(result)
-        waits.append(
-            f"P={result['world']}, {result['seq_len']:,} tokens: {result['exposed_wait_s']:.3f} s waited in one C=4 "
-            f"step; all-to-all bytes per layer C=4 / C=1 {sent:.2f} (`ulysses_sp.traffic`); loss spread {spread:.1e}"
-            + _busy(result)
-        )
-    header = ["P", "tokens", "ratio", "median", "min - max", "reps", "median step s (num / den)"]
-    runs = list(results["head_chunks"].values())
-    return [
-        "## 6. Head-chunked attention: step time with 4 chunks over 1",
-        "",
-        f"One gloo world per P; `{runs[0]['model']}` (16 heads, 4 kv heads) "
-        "parallelized with sp = P from one seed with `head_chunks=1` and `head_chunks=4`, each without and with "
-        "activation checkpointing of the decoder layers; train steps interleaved as in section 3, ratio per "
-        "repetition, median (min-max), at longer sequences than section 3 (head chunks are for long sequences; "
-        "automatic C keeps 1 at short ones; each chunk's fixed costs weigh less as the attention core grows with the "
-        "square of the length). With 4 chunks each layer issues 16 all-to-alls, C=1 4 (2 per chunk "
-        "forward, 2 backward: the q/k/v again with the output's gradient and the output's row sums, then the q/k/v "
-        "gradients), projects q/k/v again in backward and runs the core's fused backward from its saved output's row "
-        "sums and lse (no second core forward); a chunk's kv heads would be fewer than the ranks, so the chunks "
-        "share them: they are exchanged once per layer as with C=1 (with chunk 0's q, forward and again in "
-        "backward; their gradients' sum back with the last chunk's) and each chunk sends its query heads, so C=4 "
-        "sends more bytes than C=1 (the "
-        "backward's q again and the row sums; the ratio per P below); "
-        "chunk c+1's exchange is in flight (gloo's threads) while chunk c's core computes. "
-        + _where_recorded(
-            runs,
-            "compute_alone_s",
-            "The rows 'compute alone' time the same four models' steps in one process standing in for rank 0 of P "
-            "(a fake process group: each exchange a local copy), on one thread as each rank has: what the chunking "
-            "costs in compute (q/k/v projected again in backward, the output projection added chunk by chunk, the "
-            "chunks' own code), which the overlap has to pay for. ",
-        )
-        + _where_recorded(
-            runs,
-            "cpu_s",
-            "The rows 'CPU over the ranks' divide the CPU time of the steps (every rank's, all its threads, gloo's "
-            "included), summed over the ranks: where the ranks outnumber the cores (or fill them), no core is free to "
-            "run an exchange while another computes, a step takes about that CPU time over the cores, and the "
-            "overlap cannot pay; the wall ratio then follows the CPU ratio. ",
-        )
-        + "The waited time is what rank 0 blocked on those exchanges in one C=4 step (the exchange time not hidden "
-        "behind a core); the loss spread is over the four models.",
-        "",
-        *(
-            [f"This section was measured in a later run than the others: {results['head_chunks_run']}.", ""]
-            if "head_chunks_run" in results
-            else []
-        ),
-        *_table(header, rows),
-        *[f"- {line}" for line in waits],
-        "",
-    ]
-
-
 def render_markdown(results: dict[str, Any], image_dir: str) -> str:
     """The markdown text; images are referenced as ``image_dir/<name>``."""
     plots = {k: f"{image_dir}/{v}" for k, v in results["plots"].items()}
@@ -430,7 +312,8 @@ def render_markdown(results: dict[str, Any], image_dir: str) -> str:
         *_steps(results, plots["steps"]),
         *_overhead(results),
         *_gpu(results, plots.get("gpu")),
-        *_head_chunks(results),
+        *head_chunks_section(results),
+        *tiled_loss_section(results),
     ]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -440,12 +323,3 @@ def write_markdown(results: dict[str, Any], path: Path, out_dir: Path) -> None:
     image_dir = os.path.relpath(out_dir.resolve(), path.resolve().parent)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_markdown(results, image_dir.replace(os.sep, "/")), encoding="utf-8")
-
-
-def save_table(directory: Path, name: str, result: dict[str, Any], markdown: str) -> None:
-    """A benchmark script's output: ``result`` as ``name.json`` and its table as ``name.md`` under ``directory``
-    (made if missing), and the table printed."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (directory / f"{name}.md").write_text(markdown)
-    print(markdown)

@@ -10,7 +10,8 @@ Sections (each measured in this run; ratios are taken against a baseline measure
    same world, and the loss/gradient agreement of each with one process (and of ulysses-sp with DeepSpeed);
 4. step time with SP against no SP (dp over the same ranks) at the same tokens per rank;
 5. GPU mode (only with CUDA): see :mod:`ulysses_sp.bench.gpu`;
-6. step time with the attention heads in 4 chunks over 1 (:mod:`ulysses_sp.bench.headchunks`).
+6. step time with the attention heads in 4 chunks over 1 (:mod:`ulysses_sp.bench.headchunks`);
+7. the tiled lm_head + loss against the plain loss (:mod:`ulysses_sp.bench.tiledloss`).
 """
 
 from __future__ import annotations
@@ -183,6 +184,36 @@ def _head_chunk_section(config: BenchConfig, log) -> dict[str, Any]:
     return runs
 
 
+def _tiled_loss_section(config: BenchConfig, log) -> dict[str, Any]:
+    """The tiled lm_head + loss against the plain loss, forward + backward, at the model's hidden size, on this
+    process's threads (:mod:`ulysses_sp.bench.tiledloss`); chunks of the library's default size and of 512
+    tokens."""
+    import torch
+
+    from ulysses_sp.shapes import SHAPES
+
+    from .tiledloss import measure_chunks
+
+    if not config.loss_tokens:
+        return {"skipped": "--loss-tokens 0"}
+    setup = {
+        "tokens": config.loss_tokens,
+        "hidden": SHAPES[config.model]["hidden_size"],
+        "vocab": config.loss_vocab,
+        "rounds": config.loss_rounds(),
+        "dtype": "fp32",
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+    }
+    start = time.monotonic()
+    rows = measure_chunks(setup["tokens"], setup["hidden"], setup["vocab"], [0, 512], setup["rounds"], "fp32", "cpu")
+    log(
+        f"tiled loss: done in {time.monotonic() - start:.0f} s; tiled / plain "
+        + ", ".join(f"{row['chunks']} chunks {row['cpu_ratio']['tiled']:.2f}x CPU" for row in rows)
+    )
+    return {"setup": setup, "rows": rows}
+
+
 def _comm_table(config: BenchConfig, worlds: dict[str, Any]) -> list[dict[str, Any]]:
     from ulysses_sp.shapes import SHAPES
     from ulysses_sp.traffic import ring_p2p_per_layer, ulysses_bytes_per_layer
@@ -265,6 +296,7 @@ def run_bench(config: BenchConfig, log=print, command: str = "ulysses-sp bench")
     results["worlds"] = _world_section(config, log)
     results["comm"] = _comm_table(config, results["worlds"])
     results["head_chunks"] = _head_chunk_section(config, log)
+    results["tiled_loss"] = _tiled_loss_section(config, log)
     results["gpu"] = run_gpu(log=log, **config.gpu_settings()) if config.gpu == "auto" else {"skipped": "--gpu off"}
     results["wall_s"] = time.monotonic() - started
     results["environment"]["load_average_end"] = _load_average()
