@@ -130,6 +130,11 @@ def tiled_loss_section(results: dict[str, Any]) -> list[str]:
         "(all threads), wall = the clock. Chunks of the library's default size (`loss_chunk_tokens`) and of 512 "
         "tokens.",
         "",
+        *(
+            [f"This section was measured in a later run than the others: {results['tiled_loss_run']}.", ""]
+            if "tiled_loss_run" in results
+            else []
+        ),
         *table_lines(found["rows"]),
         "",
     ]
