@@ -14,7 +14,7 @@ import torch.distributed as dist
 import ulysses_sp
 from ulysses_sp.bench.collectives import CollectiveCounter
 from ulysses_sp.bench.gpu import run_gpu
-from ulysses_sp.bench.runner import bench_model
+from ulysses_sp.bench.models import bench_model
 from ulysses_sp.memory import SavedActivations
 from ulysses_sp.plan import search_longest
 from ulysses_sp.shapes import SHAPES

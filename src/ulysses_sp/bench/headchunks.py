@@ -36,7 +36,7 @@ from ulysses_sp.shapes import SHAPES
 from ulysses_sp.sharding import shard_batch
 from ulysses_sp.standin import StandIn, random_batch
 
-from .runner import bench_model
+from .models import bench_model
 from .steptime import Variant, time_interleaved
 
 __all__ = [

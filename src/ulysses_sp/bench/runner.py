@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from .config import BenchConfig
+from .models import bench_model
 
-__all__ = ["bench_model", "environment", "main", "rerender", "run_bench"]
+__all__ = ["environment", "main", "rerender", "run_bench"]
 
 
 def _run(command: list[str]) -> str | None:
@@ -76,14 +77,6 @@ def environment() -> dict[str, Any]:
         "deepspeed": deepspeed_version(),
         "ulysses_sp_commit": _run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"]),
     }
-
-
-def bench_model(name: str, max_positions: int, seed: int = 0) -> Any:
-    """The benchmark model ``name`` (a shape of :data:`ulysses_sp.shapes.SHAPES`) with seeded random weights."""
-    from ulysses_sp.shapes import random_model, shape_config
-
-    config = shape_config(name, max_position_embeddings=max(max_positions, 2048), use_cache=False)
-    return random_model(config, seed=seed)
 
 
 def _memory_section(config: BenchConfig, log) -> list[dict[str, Any]]:

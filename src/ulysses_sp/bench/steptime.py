@@ -40,7 +40,7 @@ from ulysses_sp.standin import measure_step, random_batch
 
 from .collectives import CollectiveCounter
 from .deepspeed_ref import DeepSpeedUlysses, deepspeed_available
-from .runner import bench_model
+from .models import bench_model
 
 __all__ = ["RING", "Variant", "time_interleaved", "worker"]
 
