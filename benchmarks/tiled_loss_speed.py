@@ -12,27 +12,16 @@ JSON under ``benchmarks/results/``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import json
-import os
-import platform
 from pathlib import Path
 
 import torch
 
+from ulysses_sp.bench.runner import environment
 from ulysses_sp.bench.tables import save_table
 from ulysses_sp.bench.tiledloss import DTYPES, measure_chunks, table_lines
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def _markdown(result: dict) -> str:
@@ -83,11 +72,11 @@ def main(argv: list[str] | None = None) -> dict:
         args.device,
         log=lambda row: print(json.dumps(row), flush=True),
     )
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else _cpu_name()
+    env = environment()
     result = {
-        "machine": f"{device}, {os.cpu_count()} CPUs visible, {platform.system()}",
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": torch.cuda.get_device_name() if args.device.startswith("cuda") else env["machine"],
+        "torch": env["torch"],
+        "date": env["date"],
         "setup": {**vars(args), "threads": torch.get_num_threads()},
         "rows": rows,
     }

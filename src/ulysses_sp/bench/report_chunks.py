@@ -33,6 +33,13 @@ def _where_recorded(runs: list[dict[str, Any]], key: str, text: str) -> str:
     return text if any(key in run for run in runs) else ""
 
 
+def _later_run(results: dict[str, Any], key: str) -> list[str]:
+    """Where a section was measured apart from the rest of the report (``results[key]`` says how): a line saying so."""
+    if key not in results:
+        return []
+    return [f"This section was measured in a later run than the others: {results[key]}.", ""]
+
+
 def _busy(result: dict[str, Any]) -> str:
     """How busy the cores were in a C=1 step of a head-chunk run: its CPU time summed over the ranks, over the
     cores, against its wall time ('' for a run of before the CPU times were recorded)."""
@@ -98,11 +105,7 @@ def head_chunks_section(results: dict[str, Any]) -> list[str]:
         + "The waited time is what rank 0 blocked on those exchanges in one C=4 step (the exchange time not hidden "
         "behind a core); the loss spread is over the four models.",
         "",
-        *(
-            [f"This section was measured in a later run than the others: {results['head_chunks_run']}.", ""]
-            if "head_chunks_run" in results
-            else []
-        ),
+        *_later_run(results, "head_chunks_run"),
         *md_table(header, rows),
         *[f"- {line}" for line in waits],
         "",
@@ -130,11 +133,7 @@ def tiled_loss_section(results: dict[str, Any]) -> list[str]:
         "(all threads), wall = the clock. Chunks of the library's default size (`loss_chunk_tokens`) and of 512 "
         "tokens.",
         "",
-        *(
-            [f"This section was measured in a later run than the others: {results['tiled_loss_run']}.", ""]
-            if "tiled_loss_run" in results
-            else []
-        ),
+        *_later_run(results, "tiled_loss_run"),
         *table_lines(found["rows"]),
         "",
     ]

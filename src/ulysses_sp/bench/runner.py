@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from typing import Any
 
 from .config import BenchConfig
 from .models import bench_model
+from .tables import ratio_summary
 
 __all__ = ["environment", "main", "rerender", "run_bench"]
 
@@ -96,19 +96,6 @@ def _memory_section(config: BenchConfig, log) -> list[dict[str, Any]]:
     return rows
 
 
-def _ratios(numerator: list[float], denominator: list[float]) -> dict[str, float]:
-    """Per-repetition ratios (the two were measured back to back), summarised."""
-    ratios = sorted(a / b for a, b in zip(numerator, denominator, strict=True))
-    return {
-        "median": statistics.median(ratios),
-        "min": ratios[0],
-        "max": ratios[-1],
-        "reps": len(ratios),
-        "median_time_s": statistics.median(numerator),
-        "baseline_median_time_s": statistics.median(denominator),
-    }
-
-
 def _world_section(config: BenchConfig, log) -> dict[str, Any]:
     from .steptime import RING
     from .world import run_world
@@ -125,11 +112,11 @@ def _world_section(config: BenchConfig, log) -> dict[str, Any]:
         start = time.monotonic()
         result = run_world(world, "ulysses_sp.bench.steptime:worker", params)[0]
         times = result["step_times_s"]
-        ratios = {"ulysses-sp / no-sp": _ratios(times["ulysses-sp"], times["no-sp"])}
+        ratios = {"ulysses-sp / no-sp": ratio_summary(times["ulysses-sp"], times["no-sp"])}
         if "deepspeed" in times:
-            ratios["deepspeed / ulysses-sp"] = _ratios(times["deepspeed"], times["ulysses-sp"])
+            ratios["deepspeed / ulysses-sp"] = ratio_summary(times["deepspeed"], times["ulysses-sp"])
         if RING in times:
-            ratios[f"{RING} / ulysses-sp"] = _ratios(times[RING], times["ulysses-sp"])
+            ratios[f"{RING} / ulysses-sp"] = ratio_summary(times[RING], times["ulysses-sp"])
         result["ratios"] = ratios
         worlds[str(world)] = result
         log(
@@ -161,7 +148,7 @@ def _head_chunk_section(config: BenchConfig, log) -> dict[str, Any]:
         # the same steps in one process standing in for rank 0: the chunking's compute, no exchange to hide
         result["compute_alone_s"] = compute_alone(world, seq_len, params["reps"])
         result["ratios"] = {
-            label + suffix: _ratios(times[variant_name(4, checkpointed)], times[variant_name(1, checkpointed)])
+            label + suffix: ratio_summary(times[variant_name(4, checkpointed)], times[variant_name(1, checkpointed)])
             for suffix, times in (
                 ("", result["step_times_s"]),
                 (CPU_OVER_RANKS, result["cpu_s"]),

@@ -4,10 +4,11 @@ script's saved table."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
-__all__ = ["md_table", "ratio_rows", "save_table"]
+__all__ = ["md_table", "ratio_rows", "ratio_summary", "save_table"]
 
 
 def md_table(header: list[str], rows: list[list[Any]]) -> list[str]:
@@ -39,3 +40,16 @@ def save_table(directory: Path, name: str, result: dict[str, Any], markdown: str
     (directory / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (directory / f"{name}.md").write_text(markdown)
     print(markdown)
+
+
+def ratio_summary(numerator: list[float], denominator: list[float]) -> dict[str, float]:
+    """Per-repetition ratios (the two were measured back to back), summarised."""
+    ratios = sorted(a / b for a, b in zip(numerator, denominator, strict=True))
+    return {
+        "median": statistics.median(ratios),
+        "min": ratios[0],
+        "max": ratios[-1],
+        "reps": len(ratios),
+        "median_time_s": statistics.median(numerator),
+        "baseline_median_time_s": statistics.median(denominator),
+    }
