@@ -9,22 +9,61 @@ The three calls a user needs::
     loss = causal_lm_loss(model, shard, layout)      # token-weighted over every shard and replica
 
 Gradients come out right once averaged over dp x sp (DDP / FSDP2 over the world, or ``sync_gradients``).
+
+Names are imported on first use (PEP 562): ``import ulysses_sp``, and the commands that need no transformers
+model (``ulysses-sp plan``, ``--help``, a flag's error), do not pay for importing transformers.
 """
 
-from .comm import CommStats
-from .cores import CORES, Segments
-from .features import Features, apply_features
-from .layout import ParallelLayout, choose_layout, choose_ring_degree
-from .loss import causal_lm_loss, count_valid_tokens, reduce_token_loss, sequence_parallel_cross_entropy, sync_gradients
-from .model import parallelize, plain_attention, ulysses_context, unparallelize
-from .offload import disable_activation_checkpointing, enable_activation_checkpointing
-from .process_group import init_default_group
-from .sharding import shard_batch, shift_labels
-from .tiled_loss import disable_tiled_loss, enable_tiled_loss, tiled_cross_entropy_sum
-from .tiled_norms import disable_tiled_norms, enable_tiled_norms
-from .tiling import disable_tiled_mlp, enable_tiled_mlp
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .comm import CommStats
+    from .cores import CORES, Segments
+    from .features import Features, apply_features
+    from .layout import ParallelLayout, choose_layout, choose_ring_degree
+    from .loss import (
+        causal_lm_loss,
+        count_valid_tokens,
+        reduce_token_loss,
+        sequence_parallel_cross_entropy,
+        sync_gradients,
+    )
+    from .model import parallelize, plain_attention, ulysses_context, unparallelize
+    from .offload import disable_activation_checkpointing, enable_activation_checkpointing
+    from .process_group import init_default_group
+    from .sharding import shard_batch, shift_labels
+    from .tiled_loss import disable_tiled_loss, enable_tiled_loss, tiled_cross_entropy_sum
+    from .tiled_norms import disable_tiled_norms, enable_tiled_norms
+    from .tiling import disable_tiled_mlp, enable_tiled_mlp
 
 __version__ = "0.1.0"
+
+# the public names, by the module that defines each
+_EXPORTS = {
+    "comm": ("CommStats",),
+    "cores": ("CORES", "Segments"),
+    "features": ("Features", "apply_features"),
+    "layout": ("ParallelLayout", "choose_layout", "choose_ring_degree"),
+    "loss": (
+        "causal_lm_loss",
+        "count_valid_tokens",
+        "reduce_token_loss",
+        "sequence_parallel_cross_entropy",
+        "sync_gradients",
+    ),
+    "model": ("parallelize", "plain_attention", "ulysses_context", "unparallelize"),
+    "offload": ("disable_activation_checkpointing", "enable_activation_checkpointing"),
+    "process_group": ("init_default_group",),
+    "sharding": ("shard_batch", "shift_labels"),
+    "tiled_loss": ("disable_tiled_loss", "enable_tiled_loss", "tiled_cross_entropy_sum"),
+    "tiled_norms": ("disable_tiled_norms", "enable_tiled_norms"),
+    "tiling": ("disable_tiled_mlp", "enable_tiled_mlp"),
+}
+_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "CORES",
@@ -35,7 +74,6 @@ __all__ = [
     "apply_features",
     "causal_lm_loss",
     "choose_layout",
-    "init_default_group",
     "choose_ring_degree",
     "count_valid_tokens",
     "disable_activation_checkpointing",
@@ -46,6 +84,7 @@ __all__ = [
     "enable_tiled_loss",
     "enable_tiled_mlp",
     "enable_tiled_norms",
+    "init_default_group",
     "parallelize",
     "plain_attention",
     "reduce_token_loss",
@@ -57,3 +96,20 @@ __all__ = [
     "ulysses_context",
     "unparallelize",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use (then kept in this module's namespace); a submodule
+    (``ulysses_sp.hf``) likewise, as once every module the public names need was imported with the package."""
+    if name in _HOME:
+        value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

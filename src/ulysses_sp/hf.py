@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+
+if TYPE_CHECKING:  # imported where a model is searched: the planner reads this module without transformers
+    from transformers import PreTrainedModel
 
 __all__ = [
     "MLP_NAMES",
@@ -33,6 +35,8 @@ MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
 
 def find_pretrained(model: nn.Module, caller: str = "parallelize") -> PreTrainedModel:
     """The model itself, or the transformers model inside a wrapper (PEFT, DDP, ...); TypeError otherwise."""
+    from transformers import PreTrainedModel
+
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
             return module
@@ -44,6 +48,8 @@ def find_pretrained(model: nn.Module, caller: str = "parallelize") -> PreTrained
 
 def find_causal_lm(model: nn.Module, caller: str = "enable_tiled_loss") -> PreTrainedModel:
     """The transformers model with an output embedding (``lm_head``) in ``model``; TypeError otherwise."""
+    from transformers import PreTrainedModel
+
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and module.get_output_embeddings() is not None:
             return module

@@ -1,0 +1,58 @@
+"""The package's public names resolve (imported on first use), and what needs no model (a command's help, a bad flag)
+does not import transformers (about 6 s of a 2-core VM's 10 s for ``ulysses-sp train --seq-len 0`` to name its flag)."""
+
+import importlib
+import subprocess
+import sys
+
+import ulysses_sp
+
+
+def test_every_public_name_is_its_module_s_object():
+    assert sorted(ulysses_sp.__all__) == sorted(ulysses_sp._HOME)
+    for name in ulysses_sp.__all__:
+        home = importlib.import_module(f"ulysses_sp.{ulysses_sp._HOME[name]}")
+        assert getattr(ulysses_sp, name) is getattr(home, name), name
+    assert set(ulysses_sp.__all__) <= set(dir(ulysses_sp))
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    try:
+        ulysses_sp.paralelize  # noqa: B018
+    except AttributeError as error:
+        assert "paralelize" in str(error)
+    else:
+        raise AssertionError("an unknown name resolved")
+
+
+def _modules_after(code: str) -> set[str]:
+    """The modules a fresh interpreter holds after running ``code``."""
+    script = f"{code}\nimport sys\nprint('\\n'.join(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    return set(out.stdout.split())
+
+
+def test_help_and_a_bad_flag_do_not_import_transformers():
+    for argv in (
+        ["plan", "--model", "llama-3.1-8b", "--seq-len", "65536", "--sp", "3"],
+        ["train", "--seq-len", "0"],
+        ["plan", "--help"],
+    ):
+        run = (
+            "import contextlib, io\n"
+            "from ulysses_sp.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "    try:\n"
+            f"        status = main({argv!r})\n"
+            "    except SystemExit as exit:\n"
+            "        status = exit.code\n"
+            "assert status in (0, 2), status\n"
+        )
+        assert "transformers" not in _modules_after(run), argv
+    assert "transformers" not in _modules_after("import ulysses_sp")
+    # a model's name resolves on first use, and brings transformers with it
+    assert "transformers" in _modules_after("import ulysses_sp\nulysses_sp.parallelize")
+
+
+def test_a_submodule_resolves_without_its_own_import():
+    assert "ulysses_sp.traffic" in _modules_after("import ulysses_sp\nulysses_sp.traffic.ulysses_bytes_per_layer")
