@@ -10,8 +10,8 @@ The three calls a user needs::
 
 Gradients come out right once averaged over dp x sp (DDP / FSDP2 over the world, or ``sync_gradients``).
 
-Names are imported on first use (PEP 562): ``import ulysses_sp``, and the commands that need no transformers
-model (``ulysses-sp plan``, ``--help``, a flag's error), do not pay for importing transformers.
+Names are imported on first use (PEP 562): ``import ulysses_sp``, a command's ``--help`` and a bad flag import no
+transformers, and ``ulysses-sp plan`` only its configuration classes, not its model code.
 """
 
 from __future__ import annotations
