@@ -32,26 +32,37 @@ def _modules_after(code: str) -> set[str]:
     return set(out.stdout.split())
 
 
+def _cli(argv: list[str]) -> str:
+    """Code that runs ``ulysses-sp ARGV`` in-process, quietly, and checks it answered (status 0) or named a bad flag
+    (2)."""
+    return (
+        "import contextlib, io\n"
+        "from ulysses_sp.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "    try:\n"
+        f"        status = main({argv!r})\n"
+        "    except SystemExit as exit:\n"
+        "        status = exit.code\n"
+        "assert status in (0, 2), status\n"
+    )
+
+
 def test_help_and_a_bad_flag_do_not_import_transformers():
     for argv in (
         ["plan", "--model", "llama-3.1-8b", "--seq-len", "65536", "--sp", "3"],
         ["train", "--seq-len", "0"],
         ["plan", "--help"],
     ):
-        run = (
-            "import contextlib, io\n"
-            "from ulysses_sp.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
-            "    try:\n"
-            f"        status = main({argv!r})\n"
-            "    except SystemExit as exit:\n"
-            "        status = exit.code\n"
-            "assert status in (0, 2), status\n"
-        )
-        assert "transformers" not in _modules_after(run), argv
+        assert "transformers" not in _modules_after(_cli(argv)), argv
     assert "transformers" not in _modules_after("import ulysses_sp")
     # a model's name resolves on first use, and brings transformers with it
     assert "transformers" in _modules_after("import ulysses_sp\nulysses_sp.parallelize")
+
+
+def test_a_plan_reads_transformers_configs_not_its_model_code():
+    found = _modules_after(_cli(["plan", "--model", "llama-3.1-8b", "--seq-len", "65536", "--sp", "8", "--json"]))
+    assert "transformers.models.auto.configuration_auto" in found
+    assert "transformers.modeling_utils" not in found
 
 
 def test_a_submodule_resolves_without_its_own_import():
