@@ -174,7 +174,7 @@ class UlyssesAttention:
         if layout.sp > 1:
             positions, attention_mask = self._gather_rows(positions, attention_mask)
         # the full rows from here on: every check below gives the same verdict on every rank
-        problem = left_padding_problem(positions, attention_mask, self.masks) if given else None
+        problem = left_padding_problem(positions if given else None, attention_mask, self.masks)
         if problem is not None:
             raise ValueError(problem)
         segments = Segments.from_positions(positions, attention_mask, documents=self.masks.documents is not False)

@@ -12,7 +12,8 @@ once per forward pass; no core builds an O(N^2) mask:
 * ``flex_attention``: one ``flex_attention`` call with a document (+ window) ``BlockMask``.
 * ``flash_attention_2`` / ``flash_attention_3``: varlen kernels fed with ``cu_seqlens`` (CUDA only).
 
-Padding tokens get a zero output (their loss is ignored; they never feed a real token).
+Padding tokens get a zero output (they never feed a real token; a target on padding whose output one process
+makes otherwise is refused before any core runs: :func:`ulysses_sp.shard_batch`, :mod:`ulysses_sp.masks`).
 Sliding window ``W`` follows transformers: query ``i`` sees keys ``j`` with ``i - W < j <= i``.
 
 A core is any callable with the signature of :func:`sdpa_core`, so new kernels (a ring core for the

@@ -110,25 +110,44 @@ class DecoderMasks:
     documents apart, as Ulysses does), False when some builder gets none (one process lets packed documents
     attend to each other), None when it calls no builder Ulysses can see (unknown). ``positions_from_mask``:
     position_ids it is not given are derived from ``attention_mask`` (OPT: ``cumsum(mask) - 1``).
+    ``empty_rows_average``: the model's own attention is eager, which gives a query that sees no key (a left pad)
+    the mean of every value in its row (a softmax over equally masked scores), where sdpa, flash attention and
+    every Ulysses core give it zero.
     """
 
     documents: bool | None = True
     positions_from_mask: bool = False
     decoder: str = "the model"  # its class name, for messages
+    empty_rows_average: bool = False
 
 
 def left_padding_problem(
-    positions: torch.Tensor, attention_mask: torch.Tensor | None, masks: DecoderMasks
+    positions: torch.Tensor | None, attention_mask: torch.Tensor | None, masks: DecoderMasks
 ) -> str | None:
-    """For a decoder that derives position_ids from the attention mask (``cumsum(mask) * mask - 1``): what is wrong
-    when a left-padded row of the full rows (positions, attention_mask ``[b, N]``) holds other positions up to its
-    last token (the last left pad carries the first token's target, so its position counts too; right padding
-    carries no target)."""
-    if attention_mask is None or not masks.positions_from_mask:
+    """What is wrong with left padding in the full rows (positions, attention_mask ``[b, N]``), or None.
+
+    The last left pad carries the first token's target, so what the model gives it counts: under eager attention
+    (``masks.empty_rows_average``) that is the mean of every value in the row, which no Ulysses core gives; for a
+    decoder that derives position_ids from the attention mask (``cumsum(mask) * mask - 1``) its position counts
+    too, so a left-padded row must hold those positions up to its last token (None: the model makes its own).
+    Right padding carries no target.
+    """
+    if attention_mask is None:
         return None
     mask = attention_mask.to(torch.long)
     left = (mask[:, 0] == 0) & (mask.sum(dim=1) > 0)  # [b]: rows that start with padding
     if not bool(left.any()):
+        return None
+    if masks.empty_rows_average:
+        row = int(torch.nonzero(left).flatten()[0])
+        return (
+            f"row {row} starts with padding, and {masks.decoder} runs eager attention, which gives a query that sees "
+            "no key (a left pad) the mean of every value in its row, later tokens included; transformers' loss "
+            "counts the last pad's prediction of the first token, and Ulysses gives padding zero output (as sdpa "
+            "and flash attention do), so the losses would differ; pad on the right (tokenizer.padding_side = "
+            "'right'), or load the model with attn_implementation='sdpa'"
+        )
+    if positions is None or not masks.positions_from_mask:
         return None
     index = torch.arange(mask.shape[1], device=mask.device)
     last = (mask * index).amax(dim=1, keepdim=True)  # [b, 1]: each row's last token
@@ -237,12 +256,14 @@ def _builder_calls(tree: ast.AST, pairs) -> list[tuple[ast.Call, str]]:
     return calls
 
 
-def read_decoder_masks(decoder: torch.nn.Module) -> DecoderMasks:
-    """Read :class:`DecoderMasks` from the source of ``type(decoder).forward`` (unknown when it has none)."""
+def read_decoder_masks(decoder: torch.nn.Module, attn_implementation: str | None = None) -> DecoderMasks:
+    """Read :class:`DecoderMasks` from the source of ``type(decoder).forward`` (unknown when it has none);
+    ``attn_implementation``: the model's own (before Ulysses)."""
+    eager = attn_implementation == "eager"
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(decoder).forward)))
     except (OSError, TypeError, SyntaxError):
-        return DecoderMasks(documents=None, decoder=type(decoder).__name__)
+        return DecoderMasks(documents=None, decoder=type(decoder).__name__, empty_rows_average=eager)
     pairs = _assignments(tree)
     keys = _dict_keys(tree, pairs)
     given = []
@@ -270,4 +291,5 @@ def read_decoder_masks(decoder: torch.nn.Module) -> DecoderMasks:
         documents=all(given) if given else None,
         positions_from_mask="position_ids" in tainted,
         decoder=type(decoder).__name__,
+        empty_rows_average=eager,
     )

@@ -347,7 +347,7 @@ def parallelize(
         comm_dtype=comm_dtype,
         stats=stats,
         vocab_size=vocab_size,
-        masks=read_decoder_masks(decoder),
+        masks=read_decoder_masks(decoder, pretrained.config._attn_implementation),
         slice_budget_bytes=head_chunk_budget_bytes,
     )
     name = f"ulysses_{core_name}" if isinstance(core, str) else "ulysses_custom"

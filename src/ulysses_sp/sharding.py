@@ -196,7 +196,30 @@ def _validated(
             problem = _bad_id(name, full[name], vocab_size, ignored)
             if problem is not None:
                 return full, problem
-    return full, None
+    return full, _padding_target_problem(full, ignore_index)
+
+
+def _padding_target_problem(full: dict[str, torch.Tensor], ignore_index: int) -> _Problem | None:
+    """A target on a padding token that follows real tokens: one process lets that token's query attend to the
+    tokens before it (the mask hides padding as a key, not as a query), while every Ulysses core gives padding
+    zero output, so the loss term would silently differ. (A left pad sees no key: zero in both.)"""
+    mask, labels = full.get("attention_mask"), full.get("labels")
+    targets = shift_labels(labels, ignore_index) if labels is not None else full.get("shift_labels")
+    if mask is None or targets is None:
+        return None
+    real = mask != 0  # [b, N]
+    after_real = ~real & (real.long().cumsum(dim=1) > 0)  # [b, N]: padding with a real token before it
+    bad = torch.nonzero(after_real & (targets != ignore_index))
+    if bad.numel() == 0:
+        return None
+    row, token = (int(i) for i in bad[0])
+    where = f"labels[{row}, {token + 1}]" if labels is not None else f"shift_labels[{row}, {token}]"
+    return _Problem(
+        f"padding token {token} of row {row} (attention_mask 0, after the row's real tokens) has a target "
+        f"({where} = {int(targets[row, token])}): one process lets a padding query attend to the tokens before "
+        "it, Ulysses gives padding no attention, so this loss term would differ; set the labels to "
+        f"{ignore_index} wherever attention_mask is 0 (as transformers' DataCollatorForLanguageModeling does)"
+    )
 
 
 def _fingerprint(x: torch.Tensor | None) -> list[torch.Tensor]:

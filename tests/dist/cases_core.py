@@ -149,6 +149,36 @@ def bad_input_on_one_rank(layout):
         raise AssertionError("bad input on one rank was not rejected")
 
 
+def padding_with_targets_refused(layout):
+    """Two ways padding could carry a target whose output one process and Ulysses compute differently: the
+    labels of right padding left unmasked (refused by shard_batch), and left padding under an eager model,
+    whose pads average every value (refused at the forward); both on every rank, before any exchange."""
+    unmasked = make_batch(2, 24, pad="right")
+    unmasked["labels"] = unmasked["input_ids"].clone()
+    try:
+        U.shard_batch(unmasked, layout)
+    except ValueError as err:
+        assert "padding token 19 of row 1" in str(err) and "-100 wherever attention_mask is 0" in str(err), err
+    else:
+        raise AssertionError("a target on right padding was not refused")
+    model = U.parallelize(build("llama", kv_heads=2, attn="eager"), layout, core="eager")
+    shard = U.shard_batch(make_batch(2, 24, pad="left"), layout)
+    try:
+        model(**{k: shard[k] for k in ("input_ids", "position_ids", "attention_mask")})
+    except ValueError as err:
+        assert "row 1 starts with padding" in str(err) and "attn_implementation='sdpa'" in str(err), err
+    else:
+        raise AssertionError("left padding under an eager model was not refused")
+
+
+def unmasked_left_padding():
+    """Left padding whose labels are left unmasked: a left pad sees no key (zero output in one sdpa process
+    and in Ulysses), so its target counts alike."""
+    batch = make_batch(2, 24, pad="left")
+    batch["labels"] = batch["input_ids"].clone()
+    return batch
+
+
 def different_batches(layout):
     """A sampler split over the world instead of dp gives SP ranks different samples: caught at sharding."""
     batch = make_batch(1, 16, seed=10 + layout.sp_rank)
@@ -216,6 +246,11 @@ def world2() -> dict[str, str]:
         "padded_right": P(check_parity, sp2, "llama", batch=make_batch(2, 24, pad="right")),
         "padded_left": P(check_parity, sp2, "llama", kv_heads=2, batch=make_batch(2, 24, pad="left")),
         "padded_eager_core": P(check_parity, sp2, "llama", core="eager", batch=make_batch(2, 23, pad="right")),
+        "padded_right_eager_model": P(
+            check_parity, sp2, "llama", ref_attn="eager", core="eager", batch=make_batch(2, 23, pad="right")
+        ),
+        "padded_left_unmasked_labels": P(check_parity, sp2, "llama", kv_heads=2, batch=unmasked_left_padding()),
+        "padding_with_targets_refused": P(padding_with_targets_refused, sp2),
         "packed_documents": P(check_parity, sp2, "llama", kv_heads=2, batch=make_batch(2, 24, packed=(5, 9, 10))),
         "packed_sliding_window": P(check_parity, sp2, "mistral", batch=make_batch(2, 30, packed=(13, 17))),
         "packed_eager_core": P(check_parity, sp2, "qwen3", core="eager", batch=make_batch(2, 24, packed=(12, 3, 9))),

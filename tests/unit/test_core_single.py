@@ -238,6 +238,42 @@ def test_softcap_with_sdpa_is_rejected_before_training():
         U.parallelize(model, U.ParallelLayout.single(), core="sdpa")
 
 
+def test_a_target_on_padding_after_real_tokens_is_refused():
+    """Right padding whose labels were left unmasked: one process lets a padding query attend to the tokens
+    before it, Ulysses gives padding no attention, so shard_batch refuses the batch, naming the label."""
+    batch = make_batch(2, 10, pad="right", pad_lengths=(0, 3))
+    batch["labels"] = batch["input_ids"].clone()
+    fix = "set the labels to -100 wherever attention_mask is 0"
+    with pytest.raises(ValueError, match=rf"padding token 7 of row 1 .*labels\[1, 8\] = \d+.*{fix}"):
+        U.shard_batch(batch, fake_layout(2, 0))
+    given = {k: v for k, v in batch.items() if k != "labels"} | {"shift_labels": U.shift_labels(batch["labels"])}
+    with pytest.raises(ValueError, match=r"padding token 7 of row 1 .*shift_labels\[1, 7\]"):
+        U.shard_batch(given, U.ParallelLayout.single())
+    U.shard_batch(make_batch(2, 10, pad="right", pad_lengths=(0, 3)), fake_layout(2, 0))  # labels masked: taken
+    left = make_batch(2, 10, pad="left", pad_lengths=(0, 3))
+    left["labels"] = left["input_ids"].clone()  # a left pad sees no key: zero output in one process too
+    U.shard_batch(left, fake_layout(2, 0))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_left_padding_under_an_eager_model_is_refused(attn):
+    """An eager model gives a left pad (a query that sees no key) the mean of every value in its row, and the
+    last pad's target counts; Ulysses gives it zero, as sdpa does: refused for eager, equal for sdpa."""
+    model = build("llama", kv_heads=2, attn=attn)
+    batch = make_batch(2, 12, pad="left", pad_lengths=(0, 4))
+    layout = U.ParallelLayout.single()
+    par = U.parallelize(copy.deepcopy(model), layout, core="eager")
+    shard = U.shard_batch(batch, layout)
+    inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask")}
+    if attn == "eager":
+        with pytest.raises(ValueError, match=r"row 1 starts with padding.*eager attention.*padding_side = 'right'"):
+            par(**inputs)
+        return
+    logits = par(**inputs).logits
+    loss = U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
+    torch.testing.assert_close(loss, model(**batch, use_cache=False).loss)
+
+
 def test_given_shift_labels_are_sharded_when_labels_are_absent():
     batch = make_batch(1, 7)
     targets = U.shift_labels(batch.pop("labels"))
