@@ -1,0 +1,122 @@
+"""Random parity cases: architecture x heads x head chunks x memory features x batch shape x wrapper x layout,
+each one training step compared with one process on the full batch (loss and every gradient).
+
+A case is drawn from ``(seed, index, world)`` alone, so every rank draws the same one and a failure is
+reproduced by its numbers. :func:`run_case` returns ``"ok"`` or ``"refused: <ValueError>"`` (a layout the heads
+cannot take, or a batch Ulysses refuses); a result that differs raises. tests/dist/test_random_parity.py runs
+a fixed seed's first cases; a longer campaign (how the padding cases of docs/semantics.md were found)::
+
+    python -m tests.dist.test_random_parity --world 4 --seed 7 --count 100
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import ulysses_sp as U
+from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, reference
+from tests.dist.cases_memory_features import full_grad, wrap
+from tests.helpers.models import build, make_batch
+
+ARCHS = (
+    "llama", "qwen3", "mistral", "qwen2", "gemma2", "mixtral", "qwen3_moe", "deepseek_v3_mla_v4", "starcoder2",
+    "granite", "glm4", "smollm3", "exaone4", "ministral", "stablelm", "llama3_yarn",
+)  # fmt: skip
+SEED_ENV, START_ENV, COUNT_ENV = "ULYSSES_SP_RANDOM_SEED", "ULYSSES_SP_RANDOM_START", "ULYSSES_SP_RANDOM_COUNT"
+
+
+def random_case(seed: int, index: int, world: int) -> dict:
+    """The parameters of case ``index`` of ``seed`` on ``world`` ranks (plain data: printed with a failure)."""
+    r = random.Random(f"{seed}/{world}/{index}")
+    layout = r.choice(["sp", "dp", "ring"]) if world == 4 else "sp"
+    sp = 2 if layout == "dp" else world
+    heads = r.choice([2, 4, 8] if world == 2 else [4, 8, 8])
+    rows = 2 if layout == "dp" else r.choice([1, 2])
+    n = sp * r.randint(2, 14) if r.random() < 0.6 else r.randint(2 * sp, 44)  # divisible by sp or not
+    batch: dict = dict(batch=rows, seq_len=n, seed=r.randint(0, 99))
+    kind = r.choice(["plain", "packed", "pad"])
+    if kind == "packed":
+        cuts = sorted(r.sample(range(1, n), k=min(r.randint(1, 3), n - 1)))
+        batch["packed"] = tuple(b - a for a, b in zip([0, *cuts], [*cuts, n], strict=True))
+    elif kind == "pad":
+        batch["pad"] = r.choice(["right", "right", "left"])
+        batch["pad_lengths"] = tuple(r.randint(0, n // 2) for _ in range(rows))
+    return dict(
+        arch=(arch := r.choice(ARCHS)),
+        heads=heads,
+        kv_heads=r.choice([h for h in (1, 2, 4, 8) if heads % h == 0]),
+        # gemma2's softcapping runs under eager attention only (in transformers and here)
+        core="eager" if arch == "gemma2" else r.choice(["sdpa", "eager"]),
+        layout=layout,
+        batch=batch,
+        head_chunks=r.choice([None, 1, 2, 4]),
+        mlp_chunk=r.choice([None, r.randint(1, 9)]),  # None: no tiled MLP and norms
+        checkpointing=r.choice(["none", "checkpoint", "offload"]),
+        loss_chunk=r.choice([None, r.randint(1, 9)]),  # None: no tiled loss
+        wrapper=r.choice(["none", "ddp", "fsdp2"]),
+    )
+
+
+def run_case(case: dict, layouts: dict[str, U.ParallelLayout]) -> str:
+    """One step of ``case`` on this rank against one process; "ok", or "refused: ..." for a ValueError."""
+    layout = layouts[case["layout"]]
+    model = build(case["arch"], heads=case["heads"], kv_heads=case["kv_heads"], attn=case["core"])
+    batch = make_batch(**case["batch"])
+    ref_loss, ref_grads = reference(model, batch)
+    try:
+        par = U.parallelize(copy.deepcopy(model), layout, core=case["core"], head_chunks=case["head_chunks"])
+        if case["mlp_chunk"] is not None:
+            U.enable_tiled_mlp(par, chunk_tokens=case["mlp_chunk"])
+            U.enable_tiled_norms(par, chunk_tokens=case["mlp_chunk"])
+        U.enable_activation_checkpointing(par, case["checkpointing"])
+        if case["loss_chunk"] is not None:
+            U.enable_tiled_loss(par, chunk_tokens=case["loss_chunk"])
+        par.train()
+        wrapped = par if case["wrapper"] == "none" else wrap(par, case["wrapper"])
+        rows = batch["input_ids"].shape[0] // layout.dp
+        mine = {k: v[layout.dp_rank * rows : (layout.dp_rank + 1) * rows] for k, v in batch.items()}
+        loss = U.causal_lm_loss(wrapped, U.shard_batch(mine, layout), layout)
+    except ValueError as error:
+        return f"refused: {error}"
+    loss.backward()
+    if case["wrapper"] == "none":
+        U.sync_gradients(par, layout)
+    torch.testing.assert_close(loss.detach(), ref_loss, **LOSS_TOL)
+    for name, param in par.named_parameters():
+        want = ref_grads[name]
+        if want is None:  # a parameter the loss does not reach
+            assert param.grad is None or not full_grad(param).any(), name
+            continue
+        torch.testing.assert_close(full_grad(param), want, **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+    return "ok"
+
+
+def _world(world: int) -> dict[str, str]:
+    layouts = {"sp": U.ParallelLayout.from_env(sp=world)}
+    if world == 4:
+        layouts |= {"dp": U.ParallelLayout.from_env(sp=2), "ring": U.ParallelLayout.from_env(sp=4, ring=2)}
+    seed = int(os.environ.get(SEED_ENV, 0))
+    start, count = int(os.environ.get(START_ENV, 0)), int(os.environ.get(COUNT_ENV, 12))
+    results = {}
+    for index in range(start, start + count):
+        case = random_case(seed, index, world)
+        try:
+            results[str(index)] = run_case(case, layouts)
+        except Exception:
+            results[str(index)] = f"{case}\n{traceback.format_exc()}"
+        dist.barrier()
+    return results
+
+
+def world2() -> dict[str, str]:
+    return _world(2)
+
+
+def world4() -> dict[str, str]:
+    return _world(4)
