@@ -90,6 +90,35 @@ def test_collator_without_labels_or_with_shift_labels_or_unknown_token_tensor_ra
         SequenceParallelCollator(collator, fake_layout(2, 0))
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_transformers_padding_collators_pass_and_unmasked_padding_labels_are_refused(side):
+    """transformers' collators set -100 on padding, so their batches are sharded as they are; a collator that
+    copies input_ids into labels leaves targets on right padding, which one process would compute differently
+    (docs/semantics.md): refused, naming the fix."""
+    from transformers import DataCollatorForLanguageModeling, DataCollatorForSeq2Seq
+
+    from ulysses_sp.train.documents import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    tokenizer.pad_token, tokenizer.padding_side = tokenizer.eos_token, side
+    texts = ["In the beginning God created the heaven and the earth.", "Amen."]
+    features = [{"input_ids": tokenizer(text)["input_ids"]} for text in texts]
+    for collate in (DataCollatorForLanguageModeling(tokenizer, mlm=False), DataCollatorForSeq2Seq(tokenizer)):
+        batch = [dict(f, labels=f["input_ids"]) if isinstance(collate, DataCollatorForSeq2Seq) else f for f in features]
+        parts = shards(collate, batch, 2)
+        assert joined(parts, "attention_mask").eq(0).any()  # the short text was padded
+
+    def copy_labels(rows):
+        padded = tokenizer.pad(rows, return_tensors="pt")
+        return dict(padded, labels=padded["input_ids"].clone())
+
+    if side == "right":
+        with pytest.raises(ValueError, match="has a target.*-100 wherever attention_mask is 0"):
+            shards(copy_labels, features, 2)
+    else:  # a left pad sees no key: zero output in one process too
+        shards(copy_labels, features, 2)
+
+
 def test_deal_batches_over_dp_repoints_accelerate_shards():
     from accelerate.data_loader import BatchSamplerShard, DataLoaderShard
 
