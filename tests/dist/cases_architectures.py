@@ -16,7 +16,7 @@ import torch
 import ulysses_sp as U
 from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, check_parity, reference
 from tests.helpers.harness import run_cases
-from tests.helpers.models import VOCAB, build, build_generic, make_batch
+from tests.helpers.models import VOCAB, build, build_generic, dp_share, make_batch
 
 # Every family of the issue, tiny: (arch, kv_heads). heads=4 so sp=4 splits them.
 PARITY_ARCHS = {
@@ -206,8 +206,7 @@ def router_aux_parity(layout, arch: str, *, tiled: bool, batch) -> None:
     par = U.parallelize(copy.deepcopy(model), layout)
     if tiled:
         U.enable_tiled_loss(par, chunk_tokens=5)
-    rows = batch["input_ids"].shape[0] // layout.dp
-    mine = {k: v[layout.dp_rank * rows : (layout.dp_rank + 1) * rows] for k, v in batch.items()}
+    mine = dp_share(batch, layout)
     loss = U.causal_lm_loss(par, U.shard_batch(mine, layout), layout)
     loss.backward()
     U.sync_gradients(par, layout)

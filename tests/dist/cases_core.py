@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import ulysses_sp as U
 from tests.helpers.harness import run_cases
-from tests.helpers.models import build, make_batch
+from tests.helpers.models import build, dp_share, make_batch
 
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -37,8 +37,7 @@ def sequence_parallel(model, batch, layout, prepare=None, **kwargs):
     which then reduces the grads itself); it returns True when it wrapped the model so."""
     par = U.parallelize(copy.deepcopy(model), layout, **kwargs)
     wrapped = prepare(par) if prepare is not None else False
-    rows = batch["input_ids"].shape[0] // layout.dp
-    mine = {k: v[layout.dp_rank * rows : (layout.dp_rank + 1) * rows] for k, v in batch.items()}
+    mine = dp_share(batch, layout)
     shard = U.shard_batch(mine, layout)
     inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
     loss = U.sequence_parallel_cross_entropy(par(**inputs).logits, shard["shift_labels"], layout)

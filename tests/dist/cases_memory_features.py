@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 import ulysses_sp as U
 from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, reference
 from tests.helpers.harness import run_cases
-from tests.helpers.models import _common, make_batch
+from tests.helpers.models import _common, dp_share, make_batch
 from ulysses_sp.offload import offload_store
 
 
@@ -78,8 +78,7 @@ def check_features(
         U.enable_tiled_loss(par, chunk_tokens=7)
     par.train()
     wrapped = wrapped or wrap(par, wrapper)
-    rows = batch["input_ids"].shape[0] // layout.dp
-    mine = {k: v[layout.dp_rank * rows : (layout.dp_rank + 1) * rows] for k, v in batch.items()}
+    mine = dp_share(batch, layout)
     shard = U.shard_batch(mine, layout)
     if tiled_loss:
         loss = U.causal_lm_loss(wrapped, shard, layout)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import ulysses_sp as U
 from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, reference
 from tests.dist.cases_memory_features import full_grad, wrap
-from tests.helpers.models import build, make_batch
+from tests.helpers.models import build, dp_share, make_batch
 
 ARCHS = (
     "llama", "qwen3", "mistral", "qwen2", "gemma2", "mixtral", "qwen3_moe", "deepseek_v3_mla_v4", "starcoder2",
@@ -79,8 +79,7 @@ def run_case(case: dict, layouts: dict[str, U.ParallelLayout]) -> str:
             U.enable_tiled_loss(par, chunk_tokens=case["loss_chunk"])
         par.train()
         wrapped = par if case["wrapper"] == "none" else wrap(par, case["wrapper"])
-        rows = batch["input_ids"].shape[0] // layout.dp
-        mine = {k: v[layout.dp_rank * rows : (layout.dp_rank + 1) * rows] for k, v in batch.items()}
+        mine = dp_share(batch, layout)
         loss = U.causal_lm_loss(wrapped, U.shard_batch(mine, layout), layout)
     except ValueError as error:
         return f"refused: {error}"

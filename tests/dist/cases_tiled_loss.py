@@ -17,7 +17,7 @@ import torch.distributed as dist
 import ulysses_sp as U
 from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, reference
 from tests.helpers.harness import run_cases
-from tests.helpers.models import build, make_batch
+from tests.helpers.models import build, dp_share, make_batch
 
 
 def wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
@@ -53,8 +53,7 @@ def run_parallel(model, batch, layout, *, how="none", features=(), chunk_tokens=
     for feature in features:
         feature(par)
     par = wrap(par, how)
-    rows = batch["input_ids"].shape[0] // layout.dp
-    mine = {k: v[layout.dp_rank * rows : (layout.dp_rank + 1) * rows] for k, v in batch.items()}
+    mine = dp_share(batch, layout)
     shard = U.shard_batch(mine, layout)
     loss = U.causal_lm_loss(par, shard, layout)
     loss.backward()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from unittest import mock
 
 import pytest
 
@@ -25,16 +26,8 @@ _SPLIT = ("do not split over", "does not split")  # the heads or the head chunks
 def run(world: int, seed: int, start: int, count: int) -> dict[str, dict[int, str]]:
     """``{index: {rank: result}}`` of cases ``start .. start + count - 1`` of ``seed`` on ``world`` ranks."""
     env = {SEED_ENV: str(seed), START_ENV: str(start), COUNT_ENV: str(count)}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)  # the spawned ranks read them
-    try:
+    with mock.patch.dict(os.environ, env):  # the spawned ranks read them
         return run_world(world, f"tests.dist.cases_random:world{world}", timeout=60 * count + 120)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = value
 
 
 def verdict(case: dict, results: dict[int, str], world: int) -> str | None:

@@ -332,6 +332,12 @@ def make_batch(
     return out
 
 
+def dp_share(batch: dict[str, torch.Tensor], layout) -> dict[str, torch.Tensor]:
+    """This rank's rows of a full batch: its dp replica's equal share (as a dp-split sampler would give it)."""
+    rows = batch["input_ids"].shape[0] // layout.dp
+    return {k: v[layout.dp_rank * rows : (layout.dp_rank + 1) * rows] for k, v in batch.items()}
+
+
 def loss_and_grads(model, batch: dict[str, torch.Tensor], layout=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and fp32 gradients (None: a parameter the step did not reach) of one forward + backward: the model's
     own loss (``layout`` None), or the SP loss of ``layout``'s shard of ``batch`` (ulysses_sp.shard_batch,

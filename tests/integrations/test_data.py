@@ -103,9 +103,12 @@ def test_transformers_padding_collators_pass_and_unmasked_padding_labels_are_ref
     tokenizer.pad_token, tokenizer.padding_side = tokenizer.eos_token, side
     texts = ["In the beginning God created the heaven and the earth.", "Amen."]
     features = [{"input_ids": tokenizer(text)["input_ids"]} for text in texts]
-    for collate in (DataCollatorForLanguageModeling(tokenizer, mlm=False), DataCollatorForSeq2Seq(tokenizer)):
-        batch = [dict(f, labels=f["input_ids"]) if isinstance(collate, DataCollatorForSeq2Seq) else f for f in features]
-        parts = shards(collate, batch, 2)
+    with_labels = [dict(f, labels=f["input_ids"]) for f in features]  # seq2seq pads given labels with -100
+    for collate, rows in (
+        (DataCollatorForLanguageModeling(tokenizer, mlm=False), features),
+        (DataCollatorForSeq2Seq(tokenizer), with_labels),
+    ):
+        parts = shards(collate, rows, 2)
         assert joined(parts, "attention_mask").eq(0).any()  # the short text was padded
 
     def copy_labels(rows):
