@@ -135,6 +135,14 @@ def ulysses_lora(job: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- TRL jobs
+def sft_trainer(model, args, sp: int = 2):
+    """UlyssesSFTTrainer(sp_size=sp) on the tiny training set."""
+    from ulysses_sp.integrations import UlyssesSFTTrainer
+
+    data = token_dataset(TRAIN_LENGTHS, seed=1).remove_columns("labels")
+    return UlyssesSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer(), sp_size=sp)
+
+
 def sft(job: str, sp: int | None, **args) -> None:
     """TRL SFTTrainer with padding-free packing: plain (sp=None) or UlyssesSFTTrainer(sp_size=sp) with an eval."""
     from trl import SFTTrainer
@@ -210,6 +218,10 @@ def bad_input() -> None:
     _expect(ValueError, "LlamaForCausalLM has DTensor parameters on a world of 2 ranks", lambda: make(sharded))
     trainer = make(collator=drop_labels_collate)
     _expect(ValueError, "the collated batch has no 'labels'", trainer.train)
+    # TRL turns an MoE model's load-balancing loss on from its own router_aux_loss_coef: the fix names it
+    sft_moe = lambda: sft_trainer(build("mixtral", kv_heads=2), sft_args(_out("bad_input")))  # noqa: E731
+    _expect(ValueError, "pass router_aux_loss_coef=0.0 in the SFTConfig", sft_moe)
+    sft_trainer(build("mixtral", kv_heads=2), sft_args(_out("bad_input"), router_aux_loss_coef=0.0))
 
 
 # ----------------------------------------------------------------------------------------------- accelerate jobs

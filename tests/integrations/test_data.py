@@ -9,7 +9,7 @@ from tests.helpers.models import build
 from tests.integrations.common import drop_labels_collate, pad_collate, token_dataset
 from ulysses_sp import ParallelLayout
 from ulysses_sp.integrations import SequenceParallelCollator, deal_batches_over_dp
-from ulysses_sp.integrations.data import check_world_size
+from ulysses_sp.integrations.data import TOKEN_COUNT_KEY, check_world_size
 from ulysses_sp.integrations.hf_trainer import resolve_core
 
 
@@ -171,3 +171,42 @@ def test_single_process_trainer_with_sp1_matches_plain_trainer(tmp_path):
         runs.append(train_losses(trainer.state.log_history))
     assert isinstance(trainer.sp_layout, ParallelLayout) and trainer.sp_layout.world_size == 1
     torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_full_batch_token_counts_ride_on_sp_rank_0_only(masked):
+    """Summed over the ranks, the Trainer's counts are the full batch's (not the shards', which hold the padding
+    added for divisibility); -1 on every rank when the batch has no attention_mask."""
+    features = [{"input_ids": [7] * n, "labels": [7] * n} for n in (5, 2)]  # a full batch of 2 x 5, 7 real tokens
+
+    def collate(rows):
+        batch = pad_collate(rows)
+        return batch if masked else {k: v for k, v in batch.items() if k != "attention_mask"}
+
+    parts = [
+        SequenceParallelCollator(collate, fake_layout(2, r), check_same_batch=False, token_counts=True)(features)
+        for r in range(2)
+    ]
+    assert sum(p["input_ids"].numel() for p in parts) == 12  # the shards: 2 x 6
+    counts = [p[TOKEN_COUNT_KEY].tolist() for p in parts]
+    assert counts == ([[10, 7], [0, 0]] if masked else [[10, -1], [0, -1]])
+    assert TOKEN_COUNT_KEY not in shards(collate, features, 2)[0]  # only for a consumer that removes it
+
+
+def test_tiled_loss_gives_trl_its_fused_lm_head():
+    """TRL's fused LM head (installed before the tiled loss, as UlyssesSFTTrainer does) still answers
+    ``fused_lm_head=True`` with its per-token log-probabilities; a plain call gets the tiled loss."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    if not hasattr(trl_utils, "add_fused_lm_head"):
+        pytest.skip("this TRL has no fused LM head")
+    import ulysses_sp as U
+
+    model = build("llama")
+    trl_utils.add_fused_lm_head(model)
+    ids = torch.randint(3, 100, (2, 11), generator=torch.Generator().manual_seed(0))
+    want = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    U.enable_tiled_loss(model, chunk_tokens=4)
+    got = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    torch.testing.assert_close(got.log_probs, want.log_probs)
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, loss)

@@ -24,6 +24,7 @@ from ..sharding import SHARDED_KEYS, shard_batch
 
 __all__ = [
     "FULL_SEQUENCE_KEYS",
+    "TOKEN_COUNT_KEY",
     "SequenceParallelCollator",
     "check_world_size",
     "deal_batches_over_dp",
@@ -34,6 +35,20 @@ __all__ = [
 # Keys some collators add (TRL's padding-free collator) that describe the FULL packed row for varlen kernels.
 # They are stale for a shard; the Ulysses attention derives documents from the global position_ids instead.
 FULL_SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+# Where SequenceParallelCollator(token_counts=True) puts the full batch's token counts for the Trainer, which
+# removes the key before the model sees the batch (UlyssesTrainerMixin._prepare_inputs).
+TOKEN_COUNT_KEY = "ulysses_sp_token_counts"
+
+
+def full_batch_token_counts(batch: Mapping[str, Any], layout: ParallelLayout) -> torch.Tensor:
+    """``[all, attention_mask ones]`` of a collated full batch (-1: no attention_mask) on SP rank 0, zero counts
+    on the others: summed over the world, each SP group's batch counts once, with the tokens one process counts
+    (a shard's own ``input_ids`` also hold the few tokens added to make the length divisible by ``sp``)."""
+    mask = batch.get("attention_mask")
+    counted = layout.sp_rank == 0
+    masked = -1 if mask is None else int(mask.sum()) * counted
+    return torch.tensor([batch["input_ids"].numel() * counted, masked])
 
 
 def shard_full_batch(
@@ -92,6 +107,8 @@ class SequenceParallelCollator:
         check_same_batch: when collating in the main process (``num_workers=0``), compare a fingerprint of
             the full batch across the SP group and raise ValueError if the ranks hold different batches.
             Dataloader worker processes have no process group, so there the check is skipped.
+        token_counts: add :data:`TOKEN_COUNT_KEY` (:func:`full_batch_token_counts`) for a consumer that
+            removes it before the model (the Trainer integration, for ``include_num_input_tokens_seen``).
     """
 
     def __init__(
@@ -101,6 +118,7 @@ class SequenceParallelCollator:
         *,
         pad_token_id: int = 0,
         check_same_batch: bool = True,
+        token_counts: bool = False,
     ) -> None:
         if isinstance(collator, SequenceParallelCollator):
             raise ValueError("this collator is already a SequenceParallelCollator; wrap the original collator once")
@@ -108,15 +126,16 @@ class SequenceParallelCollator:
         self.layout = layout
         self.pad_token_id = pad_token_id
         self.check_same_batch = check_same_batch
+        self.token_counts = token_counts
 
     def __call__(self, features: list[Any]) -> dict[str, torch.Tensor]:
         in_main_process = torch.utils.data.get_worker_info() is None
-        return shard_full_batch(
-            self.collator(features),
-            self.layout,
-            pad_token_id=self.pad_token_id,
-            check_same_batch=self.check_same_batch and in_main_process,
-        )
+        batch = self.collator(features)
+        check = self.check_same_batch and in_main_process
+        shard = shard_full_batch(batch, self.layout, pad_token_id=self.pad_token_id, check_same_batch=check)
+        if self.token_counts:
+            shard[TOKEN_COUNT_KEY] = full_batch_token_counts(batch, self.layout)
+        return shard
 
     def __repr__(self) -> str:
         return f"SequenceParallelCollator({self.collator!r}, sp={self.layout.sp}, sp_rank={self.layout.sp_rank})"

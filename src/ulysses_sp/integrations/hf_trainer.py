@@ -20,6 +20,9 @@ What the mixin changes, and why (the Trainer's own DDP / FSDP2 wrapping over the
   local shards, which partition the tokens - summed over the world, so the count is exact; the model divides
   its shard's loss sum by it and the Trainer multiplies by the world size, which is what DDP/FSDP's gradient
   average over dp x sp expects. The logged loss (mean over ranks) is the true token-weighted loss.
+* token counts and metrics are those of one process: ``include_num_input_tokens_seen`` from the full batches'
+  counts (:meth:`_track_num_input_tokens`), and scalars gathered for metrics (TRL's token count, entropy and
+  accuracy) keep every shard's part at the end of an epoch too;
 * evaluation runs sharded too (:meth:`prediction_step`): per batch, the loss sums of the SP group's shards
   over its valid-token count - equal to the one-process batch loss - and no rank ever holds the full
   sequence's activations or logits. Per-token predictions stay sharded, so ``compute_metrics`` is refused.
@@ -41,6 +44,7 @@ from ..model import parallelize
 from ..moe import router_aux_loss
 from ..validation import IGNORE_INDEX
 from .data import (
+    TOKEN_COUNT_KEY,
     SequenceParallelCollator,
     check_world_size,
     deal_batches_over_dp,
@@ -120,8 +124,10 @@ class UlyssesTrainerMixin:
         tiled = self.sp_tiled_loss_default if sp_tiled_loss is None else sp_tiled_loss
         apply_features(self.model, loss_only_features(tiled), self.sp_layout.device.type)
         self.data_collator = SequenceParallelCollator(
-            self.data_collator, self.sp_layout, pad_token_id=self._pad_token_id()
+            self.data_collator, self.sp_layout, pad_token_id=self._pad_token_id(), token_counts=True
         )
+        if self.sp_layout.sp > 1:
+            self.accelerator.gather_for_metrics = _keep_shard_partials(self.accelerator)
         if self.args.fsdp and not self.is_fsdp_enabled:
             logger.warning(
                 "TrainingArguments.fsdp is set but Accelerate did not enable FSDP (it does so on accelerator "
@@ -156,10 +162,16 @@ class UlyssesTrainerMixin:
         if config is not None and ((config.sp_size or 1) > 1 or (config.cp_size or 1) > 1):
             problems.append("a parallelism_config with sp_size or cp_size > 1 (sp_size= here replaces it)")
         if router_aux_loss(self.model) is not None:
+            # TRL's SFTTrainer sets output_router_logits from its own router_aux_loss_coef (the model's by default)
+            off = (
+                "pass router_aux_loss_coef=0.0 in the SFTConfig, from which TRL sets it"
+                if hasattr(args, "router_aux_loss_coef")
+                else "set model.config.output_router_logits = False"
+            )
             problems.append(
                 "output_router_logits=True (the Trainer takes the model's own loss, whose load-balancing term would "
                 "come from each shard alone; train with ulysses_sp.causal_lm_loss in your own loop, which adds it "
-                "over the whole sequence, or set model.config.output_router_logits = False)"
+                f"over the whole sequence, or {off})"
             )
         if not self.model_accepts_loss_kwargs:
             problems.append(
@@ -191,6 +203,27 @@ class UlyssesTrainerMixin:
     def get_total_train_batch_size(self, args: Any) -> int:
         """Samples per optimizer step: per-device batch x gradient accumulation x dp (SP ranks share samples)."""
         return self._train_batch_size * args.gradient_accumulation_steps * self.sp_layout.dp
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        """The Trainer's device placement of a batch, without the full batch's token counts (not a model input)."""
+        prepared = super()._prepare_inputs(inputs)
+        return {key: value for key, value in prepared.items() if key != TOKEN_COUNT_KEY}
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        """``include_num_input_tokens_seen`` as one process counts it: from the full batch's counts (a shard also
+        holds the padding that makes the length divisible by ``sp``), summed over the dp SP groups."""
+        counts = inputs.get(TOKEN_COUNT_KEY)
+        mode = self.args.include_num_input_tokens_seen
+        if counts is None or mode == "no" or getattr(self.model, "main_input_name", "input_ids") != "input_ids":
+            return super()._track_num_input_tokens({k: v for k, v in inputs.items() if k != TOKEN_COUNT_KEY})
+        tokens = counts[0]  # "all", and "non_padding" with neither an attention_mask nor a pad token (HF's rule)
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        if mode == "non_padding" and counts[1] >= 0:
+            tokens = counts[1]
+        elif mode == "non_padding" and pad is not None:  # the SP padding is this pad token: the shards add up
+            tokens = (inputs["input_ids"] != pad).sum()
+        tokens = torch.as_tensor(tokens, device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += self.accelerator.gather(tokens).sum().item()
 
     # ------------------------------------------------------------------------------------- evaluation
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
@@ -236,6 +269,21 @@ class UlyssesTrainerMixin:
         if state.end_of_dataloader and state.remainder > 0:
             losses = losses[: state.remainder]
         return losses
+
+
+def _keep_shard_partials(accelerator: Any) -> Any:
+    """``accelerator.gather_for_metrics`` that keeps every rank's part of a scalar (TRL's token counts, entropy
+    and accuracy sums are each a shard's part under SP): at the end of an epoch accelerate would keep as many
+    gathered entries as the last batch has samples, dropping the other shards' parts."""
+
+    gather_for_metrics = accelerator.gather_for_metrics
+
+    def gather(input_data: Any, use_gather_object: bool = False) -> Any:
+        if isinstance(input_data, torch.Tensor) and input_data.dim() == 0 and not use_gather_object:
+            return accelerator.gather(input_data)
+        return gather_for_metrics(input_data, use_gather_object=use_gather_object)
+
+    return gather
 
 
 class UlyssesTrainer(UlyssesTrainerMixin, Trainer):

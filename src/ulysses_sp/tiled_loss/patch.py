@@ -234,7 +234,10 @@ def _tiled_forward(
     state: _TiledLossState = getattr(self, _STATE_ATTR)
     shift_labels = kwargs.pop("shift_labels", None)
     wants_loss = labels is not None or shift_labels is not None
-    if not wants_loss or not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+    # TRL's fused LM head (`fused_lm_head=True`, a forward it installs before this one) scores the targets in
+    # tiles itself and returns per-token log-probabilities: it gets the forward it asked for.
+    fused_by_caller = bool(kwargs.get("fused_lm_head", False))
+    if fused_by_caller or not wants_loss or not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         if shift_labels is not None:
             kwargs["shift_labels"] = shift_labels
         return state.original_forward(
