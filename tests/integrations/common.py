@@ -58,7 +58,7 @@ def tokenizer():
 
 
 # fp32 on CPU, constant learning rate, no clipping, a log entry per optimizer step, no saving unless asked.
-_RUN = dict(
+RUN_SETTINGS = dict(
     gradient_accumulation_steps=1,
     learning_rate=1e-3,
     lr_scheduler_type="constant",
@@ -79,7 +79,7 @@ def trainer_args(out: str, **overrides):
     from transformers import TrainingArguments
 
     sizes = dict(per_device_train_batch_size=2, per_device_eval_batch_size=2, num_train_epochs=2)
-    return TrainingArguments(output_dir=out, **{**_RUN, **sizes, **overrides})
+    return TrainingArguments(output_dir=out, **{**RUN_SETTINGS, **sizes, **overrides})
 
 
 def checkpointing_arg() -> str:
@@ -98,7 +98,7 @@ def sft_args(out: str, **overrides):
     from trl import SFTConfig
 
     sizes = dict(per_device_train_batch_size=1, per_device_eval_batch_size=1, num_train_epochs=1)
-    return SFTConfig(output_dir=out, packing=True, max_length=48, **{**_RUN, **sizes, **overrides})
+    return SFTConfig(output_dir=out, packing=True, max_length=48, **{**RUN_SETTINGS, **sizes, **overrides})
 
 
 def train_losses(log_history: list[dict]) -> list[float]:

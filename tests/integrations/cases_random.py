@@ -1,0 +1,240 @@
+"""Random Trainer / SFTTrainer cases: architecture x heads x layout x batch x accumulation x padding or packing x
+activation checkpointing x LoRA x tiled loss x head chunks x clipping x schedule x token counting, each a short
+training run plus an eval under Ulysses SP, compared afterwards with the plain trainer in one process.
+
+A case is drawn from ``(seed, index, world)`` alone, so every rank and the test draw the same one and a failure
+is reproduced by its numbers. On the ranks :func:`run_case` trains and writes what it measured under
+``$ULYSSES_IT_OUT/random/<seed>-<world>-<index>/`` (per-step losses and gradient norms, the eval loss, the
+tokens counted, the trained weights); it returns ``"ok"`` or ``"refused: <ValueError>"``. The test runs
+:func:`reference` (the same case, one process, the plain trainer: the same samples per optimizer step) and
+compares. tests/integrations/test_random_trainer.py runs a fixed seed's first cases; a campaign::
+
+    python -m tests.integrations.test_random_trainer --world 4 --seed 3 --count 20
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from datasets import Dataset
+
+from tests.helpers.models import VOCAB, build
+from tests.integrations.common import (
+    RUN_SETTINGS,
+    checkpointing_arg,
+    pad_collate,
+    tokenizer,
+    train_losses,
+    write_json,
+)
+
+ARCHS = (
+    "llama", "qwen3", "mistral", "qwen2", "gemma2", "mixtral", "qwen3_moe", "deepseek_v3_mla_v4", "starcoder2",
+    "granite", "glm4", "smollm3", "stablelm",
+)  # fmt: skip
+SEED_ENV, START_ENV, COUNT_ENV = "ULYSSES_SP_RANDOM_SEED", "ULYSSES_SP_RANDOM_START", "ULYSSES_SP_RANDOM_COUNT"
+
+
+def random_case(seed: int, index: int, world: int) -> dict:
+    """The parameters of case ``index`` of ``seed`` on ``world`` ranks (plain data: printed with a failure)."""
+    r = random.Random(f"trainer/{seed}/{world}/{index}")
+    dp = r.choice([1, 2]) if world == 4 else 1
+    sp = world // dp
+    heads = r.choice([4, 8])
+    kind = r.choice(["trainer", "trainer", "sft"])
+    batch = r.randint(1, 3)
+    if dp == 1:  # one SP group sees every batch as one process does, a partial last one included
+        samples, eval_samples = r.randint(3, 13), r.randint(1, 7)
+    else:  # full batches, as many on each dp rank: accelerate would repeat samples to even them out (as DDP)
+        samples, eval_samples = batch * dp * r.randint(1, 3), 0
+    packing = kind == "sft" and dp == 1 and r.random() < 0.6  # packed rows: their number depends on the data
+    arch = r.choice(ARCHS)
+    return dict(
+        arch=arch,
+        heads=heads,
+        kv_heads=r.choice([h for h in (1, 2, 4, 8) if heads % h == 0]),
+        attn="eager" if arch == "gemma2" else r.choice(["sdpa", "sdpa", "eager"]),  # softcapping: eager only
+        dp=dp,
+        sp=sp,
+        kind=kind,
+        batch=batch,
+        accum=r.randint(1, 3),
+        epochs=r.choice([1, 1, 2]),
+        lengths=tuple(r.randint(3, 60) for _ in range(samples)),
+        eval_lengths=tuple(r.randint(3, 60) for _ in range(eval_samples)),
+        eval_batch=r.randint(1, 3),
+        data_seed=r.randint(0, 99),
+        pad="left" if kind == "trainer" and r.random() < 0.3 else "right",
+        packing=packing,
+        max_length=r.randint(24, 64) if kind == "sft" else None,
+        checkpointing=r.random() < 0.4,
+        lora=r.random() < 0.25,
+        tiled_loss=r.choice([None, True, False]),
+        head_chunks=r.choice([None, None, 1, 2]),
+        max_grad_norm=r.choice([0.0, 1.0]),
+        schedule=r.choice([("constant", 0), ("linear", 1), ("cosine", 2)]),
+        tokens_seen=r.choice(["no", "all", "non_padding"]),
+        router_aux_off=r.random() < 0.5,  # SFTConfig(router_aux_loss_coef=0.0): TRL's MoE load-balancing term off
+    )
+
+
+# ----------------------------------------------------------------------------------------------- the pieces
+def _rows(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def dataset(case: dict, eval_set: bool = False) -> Dataset | None:
+    """The case's rows: ``input_ids`` (SFT) or ``input_ids`` and ``labels`` ignoring a prompt of 2 tokens."""
+    lengths = case["eval_lengths"] if eval_set else case["lengths"]
+    if not lengths:
+        return None
+    rows = _rows(lengths, case["data_seed"] + eval_set)
+    if case["kind"] == "sft":
+        return Dataset.from_dict({"input_ids": rows})
+    return Dataset.from_dict({"input_ids": rows, "labels": [[-100] * 2 + row[2:] for row in rows]})
+
+
+def left_pad_collate(features: list[dict]) -> dict[str, torch.Tensor]:
+    """``pad_collate`` with the padding on the left (a generation-style collator); labels -100 on padding."""
+    batch = pad_collate(features)
+    for row, mask in enumerate(batch["attention_mask"]):
+        shift = int((mask == 0).sum())
+        for key in batch:
+            batch[key][row] = torch.roll(batch[key][row], shift)
+    return batch
+
+
+def model(case: dict) -> torch.nn.Module:
+    """The case's tiny model (the same weights in every process), with LoRA adapters when the case asks."""
+    net = build(case["arch"], heads=case["heads"], kv_heads=case["kv_heads"], attn=case["attn"])
+    if not case["lora"]:
+        return net
+    from peft import LoraConfig, get_peft_model
+
+    names = {name.rsplit(".", 1)[-1] for name, _ in net.named_modules()}
+    targets = [n for n in ("q_proj", "v_proj", "q_b_proj", "kv_b_proj") if n in names] or "all-linear"
+    return get_peft_model(net, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+
+
+def training_args(case: dict, out: str, accum: int) -> Any:
+    """TrainingArguments (or SFTConfig) of the case; ``accum``: micro-batches per optimizer step here."""
+    scheduler, warmup = case["schedule"]
+    args = dict(
+        RUN_SETTINGS,  # lr 1e-3 as test_equivalence: AdamW turns round-off in near-zero gradients into lr-sized steps
+        output_dir=out,
+        per_device_train_batch_size=case["batch"],
+        per_device_eval_batch_size=case["eval_batch"],
+        gradient_accumulation_steps=accum,
+        num_train_epochs=case["epochs"],
+        lr_scheduler_type=scheduler,
+        warmup_steps=warmup,
+        max_grad_norm=case["max_grad_norm"],
+        include_num_input_tokens_seen=case["tokens_seen"],
+        **{checkpointing_arg(): case["checkpointing"]},
+    )
+    if case["kind"] == "sft":
+        from trl import SFTConfig
+
+        aux = {"router_aux_loss_coef": 0.0} if case["router_aux_off"] else {}
+        return SFTConfig(**args, packing=case["packing"], max_length=case["max_length"], **aux)
+    from transformers import TrainingArguments
+
+    return TrainingArguments(**args)
+
+
+def trainer(case: dict, out: str, sp: int | None) -> Any:
+    """The case's trainer: plain in one process (``sp=None``; ``accum`` micro-batches of every dp rank), or
+    UlyssesTrainer / UlyssesSFTTrainer with ``sp_size=sp`` and the case's SP options."""
+    accum = case["accum"] * (case["dp"] if sp is None else 1)
+    kwargs: dict[str, Any] = dict(
+        model=model(case),
+        args=training_args(case, out, accum),
+        train_dataset=dataset(case),
+        eval_dataset=dataset(case, eval_set=True),
+    )
+    if case["kind"] == "sft":
+        kwargs["processing_class"] = tokenizer()
+    else:
+        kwargs["data_collator"] = left_pad_collate if case["pad"] == "left" else pad_collate
+    if sp is not None:
+        options = dict(sp_size=sp, sp_tiled_loss=case["tiled_loss"], sp_head_chunks=case["head_chunks"])
+        kwargs.update(options)
+    if case["kind"] == "sft":
+        from trl import SFTTrainer
+
+        from ulysses_sp.integrations import UlyssesSFTTrainer
+
+        return SFTTrainer(**kwargs) if sp is None else UlyssesSFTTrainer(**kwargs)
+    from transformers import Trainer
+
+    from ulysses_sp.integrations import UlyssesTrainer
+
+    return Trainer(**kwargs) if sp is None else UlyssesTrainer(**kwargs)
+
+
+def measure(run: Any) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Train and evaluate ``run``; what the comparison reads, and the trainable weights."""
+    run.train()
+    history = run.state.log_history
+    result = {
+        "losses": train_losses(history),
+        "grad_norms": [e["grad_norm"] for e in history if "grad_norm" in e],
+        "global_step": run.state.global_step,
+        "tokens_seen": run.state.num_input_tokens_seen,
+        "trl_num_tokens": [e["num_tokens"] for e in history if "num_tokens" in e],  # TRL's metric
+        "eval_loss": run.evaluate()["eval_loss"] if run.eval_dataset is not None else None,
+    }
+    weights = {n: p.detach().clone() for n, p in run.model.named_parameters() if p.requires_grad}
+    return result, weights
+
+
+def reference(case: dict, out: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The case in this process with the plain trainer (the test calls it; no process group)."""
+    return measure(trainer(case, out, sp=None))
+
+
+# ----------------------------------------------------------------------------------------------- on the ranks
+def case_dir(out: str, seed: int, world: int, index: int) -> str:
+    return os.path.join(out, "random", f"{seed}-{world}-{index}")
+
+
+def run_case(case: dict, out: str) -> str:
+    """The case under SP on this rank; rank 0 writes what it measured to ``out``. "ok", or "refused: ..."."""
+    try:
+        result, weights = measure(trainer(case, out, sp=case["sp"]))
+    except ValueError as error:
+        return f"refused: {error}"
+    if dist.get_rank() == 0:
+        write_json(os.path.join(out, "result.json"), result)
+        torch.save(weights, os.path.join(out, "weights.pt"))
+    return "ok"
+
+
+def _world(world: int) -> dict[str, str]:
+    from tests.helpers.harness import run_cases
+
+    seed, start = int(os.environ[SEED_ENV]), int(os.environ[START_ENV])
+    out = os.environ["ULYSSES_IT_OUT"]
+    results = {}
+
+    def one(index: int) -> None:
+        verdict = run_case(random_case(seed, index, world), case_dir(out, seed, world, index))
+        if verdict != "ok":
+            results[str(index)] = verdict
+
+    indices = range(start, start + int(os.environ[COUNT_ENV]))
+    ran = run_cases({str(i): (lambda i=i: one(i)) for i in indices})
+    return {index: results.get(index, verdict) for index, verdict in ran.items()}
+
+
+def world2() -> dict[str, str]:
+    return _world(2)
+
+
+def world4() -> dict[str, str]:
+    return _world(4)

@@ -1,0 +1,140 @@
+"""Random Trainer / SFTTrainer cases (tests/integrations/cases_random.py) on 2 and 4 gloo ranks: the first cases
+of seed 0, each against the plain trainer in one process.
+
+Each case must train to the same per-step losses (and gradient norms where clipped), the same eval loss, the
+same count of tokens seen and the same weights as one process, or be refused for a reason its parameters
+give: heads that do not split over the ranks, left padding under an eager model (docs/semantics.md), head
+chunks asked of LoRA projections, or TRL's MoE load-balancing term (computed from each shard alone). A
+campaign of any seed and length runs from the command line and prints one line per case::
+
+    python -m tests.integrations.test_random_trainer --world 4 --seed 3 --count 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from unittest import mock
+
+import pytest
+import torch
+
+from tests.helpers.harness import run_world
+from tests.integrations.cases_random import COUNT_ENV, SEED_ENV, START_ENV, case_dir, random_case, reference
+from tests.integrations.common import read_json
+
+COUNTS = {2: 5, 4: 4}  # cases of seed 0 per world size in the suite
+LOSS_ATOL = 1e-5  # fp32 logged losses, as tests/integrations/test_equivalence.py
+WEIGHT_ATOL = 1e-4
+_SPLIT = ("do not split over", "does not split")  # the heads or the head chunks cannot take the layout
+
+
+def run(world: int, seed: int, start: int, count: int, out: str) -> dict[str, dict[int, str]]:
+    """``{index: {rank: result}}`` of cases ``start .. start + count - 1`` of ``seed`` on ``world`` ranks."""
+    env = {SEED_ENV: str(seed), START_ENV: str(start), COUNT_ENV: str(count), "ULYSSES_IT_OUT": out}
+    with mock.patch.dict(os.environ, env):  # the spawned ranks read them
+        return run_world(world, f"tests.integrations.cases_random:world{world}", timeout=60 * count + 120)
+
+
+def _moe_aux(case: dict) -> bool:
+    """TRL turns on the load-balancing loss of an MoE model whose config has a coefficient (Mixtral, Qwen3-MoE)."""
+    return case["kind"] == "sft" and not case["router_aux_off"] and case["arch"] in ("mixtral", "qwen3_moe")
+
+
+def _eager_left(case: dict) -> bool:
+    return case["attn"] == "eager" and case["pad"] == "left" and len(set(case["lengths"])) > 1
+
+
+def compare(case: dict, out: str) -> str | None:
+    """None when the SP run written under ``out`` equals the plain trainer in one process; else what differs."""
+    want, want_weights = reference(case, os.path.join(out, "reference"))
+    got = read_json(os.path.join(out, "result.json"))
+    got_weights = torch.load(os.path.join(out, "weights.pt"))
+    problems = []
+    for key in ("global_step", "tokens_seen", "trl_num_tokens"):
+        if got[key] != want[key]:
+            problems.append(f"{key}: {got[key]} under SP, {want[key]} in one process")
+    for key, rtol in (("losses", 1e-5), ("grad_norms", 1e-4), ("eval_loss", 1e-5)):
+        if got[key] is None or want[key] is None:  # no eval set
+            if got[key] != want[key]:
+                problems.append(f"{key}: {got[key]} under SP, {want[key]} in one process")
+            continue
+        try:
+            torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]), atol=LOSS_ATOL, rtol=rtol)
+        except (AssertionError, TypeError) as error:
+            problems.append(f"{key}: {got[key]} under SP, {want[key]} in one process ({error})")
+    if got_weights.keys() != want_weights.keys():
+        problems.append(f"trained parameters differ: {sorted(got_weights.keys() ^ want_weights.keys())}")
+    for name in got_weights.keys() & want_weights.keys():
+        try:
+            torch.testing.assert_close(got_weights[name], want_weights[name], atol=WEIGHT_ATOL, rtol=0)
+        except AssertionError as error:
+            problems.append(f"weight {name}: {error}")
+            break
+    return "; ".join(problems) or None
+
+
+def refusal_problem(case: dict, reason: str) -> str | None:
+    """None when the case's parameters give ``reason`` for refusing it; else what is wrong."""
+    if any(text in reason for text in _SPLIT) or (_eager_left(case) and "starts with padding, and" in reason):
+        return None
+    if case["lora"] and (case["head_chunks"] or 1) > 1 and "cannot run its heads in chunks" in reason:
+        return None  # a LoRA projection cannot be cut into head chunks
+    if _moe_aux(case) and "pass router_aux_loss_coef=0.0 in the SFTConfig" in reason:
+        return None  # TRL adds the MoE load-balancing term from each shard alone
+    return f"refused for a reason the case does not give: {reason}"
+
+
+def verdict(case: dict, results: dict[int, str], world: int, out: str) -> str | None:
+    """None when every rank's result is right for ``case``; else what is wrong. The ranks of different dp
+    groups may refuse in their own words (e.g. each names its own left-padded row)."""
+    refused = [r.removeprefix("refused: ") for r in results.values() if r.startswith("refused: ")]
+    if len(results) == world and len(refused) == world:
+        return next((p for p in (refusal_problem(case, reason) for reason in refused) if p), None)
+    if len(results) != world or len(set(results.values())) != 1:
+        return f"the ranks disagree or some are missing: {results}"
+    return compare(case, out) if results[0] == "ok" else results[0]  # else the traceback
+
+
+def failures(world: int, seed: int, results: dict[str, dict[int, str]], out: str) -> dict[str, str]:
+    """``{index: what is wrong}`` over a run's cases (the whole run's failure under its own key)."""
+    wrong = {key: str(results[key]) for key in ("<setup>", "<process>") if key in results}
+    for index, per_rank in results.items():
+        if index.isdigit():
+            why = verdict(random_case(seed, int(index), world), per_rank, world, case_dir(out, seed, world, int(index)))
+            if why is not None:
+                wrong[index] = why
+    return wrong
+
+
+@pytest.mark.parametrize("world", sorted(COUNTS))
+def test_random_trainer_cases_equal_one_process_or_are_refused_for_their_reason(world, tmp_path):
+    results = run(world, 0, 0, COUNTS[world], str(tmp_path))
+    wrong = failures(world, 0, results, str(tmp_path))
+    assert not wrong, "\n\n".join(f"case {i} of seed 0 on {world} ranks: {why}" for i, why in wrong.items())
+    assert sorted(results, key=int) == [str(i) for i in range(COUNTS[world])], sorted(results)
+    ran = sum(per_rank[0] == "ok" for per_rank in results.values())
+    assert ran >= COUNTS[world] // 2, f"only {ran} of {COUNTS[world]} cases ran: {results}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="a campaign of random Trainer / SFTTrainer cases")
+    parser.add_argument("--world", type=int, choices=(2, 4), default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--count", type=int, default=20)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as out:
+        results = run(args.world, args.seed, args.start, args.count, out)
+        wrong = failures(args.world, args.seed, results, out)
+    for index in sorted(results, key=lambda i: int(i) if i.isdigit() else -1):
+        status = f"FAILED {wrong[index]}" if index in wrong else results[index][0].splitlines()[0][:160]
+        print(f"case {index}: {status}")
+    print(f"{len(wrong)} of {len(results)} failed (seed {args.seed}, world {args.world})")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
