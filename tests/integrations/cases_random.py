@@ -1,6 +1,7 @@
 """Random Trainer / SFTTrainer cases: architecture x heads x layout x batch x accumulation x padding or packing x
-activation checkpointing x LoRA x tiled loss x head chunks x clipping x schedule x token counting, each a short
-training run plus an eval under Ulysses SP, compared afterwards with the plain trainer in one process.
+activation checkpointing x LoRA x tiled loss x head chunks x clipping x schedule x token counting x dataloader
+workers x sampling x evaluation during training, each a short training run plus an eval under Ulysses SP,
+compared afterwards with the plain trainer in one process.
 
 A case is drawn from ``(seed, index, world)`` alone, so every rank and the test draw the same one and a failure
 is reproduced by its numbers. On the ranks :func:`run_case` trains and writes what it measured under
@@ -53,7 +54,7 @@ def random_case(seed: int, index: int, world: int) -> dict:
         samples, eval_samples = batch * dp * r.randint(1, 3), 0
     packing = kind == "sft" and dp == 1 and r.random() < 0.6  # packed rows: their number depends on the data
     arch = r.choice(ARCHS)
-    return dict(
+    case = dict(
         arch=arch,
         heads=heads,
         kv_heads=r.choice([h for h in (1, 2, 4, 8) if heads % h == 0]),
@@ -79,7 +80,19 @@ def random_case(seed: int, index: int, world: int) -> dict:
         schedule=r.choice([("constant", 0), ("linear", 1), ("cosine", 2)]),
         tokens_seen=r.choice(["no", "all", "non_padding"]),
         router_aux_off=r.random() < 0.5,  # SFTConfig(router_aux_loss_coef=0.0): TRL's MoE load-balancing term off
+        # collating in a dataloader worker process (spawned here: a worker per rank on 2 cores; 2 ranks only)
+        workers=r.choice([0, 0, 1]) if world == 2 else 0,
+        sampling=r.choice(["random", "random", "sequential", "group_by_length"]),
+        eval_every=r.choice([None, None, 2]),  # evaluate during training too, then train on
     )
+    if case["sampling"] == "group_by_length":
+        # one epoch: its second epoch's order came out differently under 2 and 4 ranks than in one process (the
+        # first epoch's is the same), while "random" and "sequential" match over every epoch; and over dp ranks
+        # a step's samples are the same but not how they split into micro-batches, so their padding differs
+        case["epochs"] = 1
+        if dp > 1 and case["tokens_seen"] == "all":
+            case["tokens_seen"] = "non_padding"
+    return case
 
 
 # ----------------------------------------------------------------------------------------------- the pieces
@@ -135,6 +148,14 @@ def training_args(case: dict, out: str, accum: int) -> Any:
         warmup_steps=warmup,
         max_grad_norm=case["max_grad_norm"],
         include_num_input_tokens_seen=case["tokens_seen"],
+        # AdamW's eps at 1e-8 turns the round-off in a gradient that is zero in exact arithmetic (a key bias
+        # outside RoPE's dimensions) into steps near the learning rate, which would swamp the weight comparison
+        adam_epsilon=1e-6,
+        dataloader_num_workers=case["workers"],
+        dataloader_persistent_workers=case["workers"] > 0,  # one worker start per dataloader, not per epoch
+        train_sampling_strategy=case["sampling"],
+        eval_strategy="steps" if case["eval_every"] and case["eval_lengths"] else "no",
+        eval_steps=case["eval_every"],
         **{checkpointing_arg(): case["checkpointing"]},
     )
     if case["kind"] == "sft":
@@ -187,6 +208,7 @@ def measure(run: Any) -> tuple[dict, dict[str, torch.Tensor]]:
         "global_step": run.state.global_step,
         "tokens_seen": run.state.num_input_tokens_seen,
         "trl_num_tokens": [e["num_tokens"] for e in history if "num_tokens" in e],  # TRL's metric
+        "eval_losses": [e["eval_loss"] for e in history if "eval_loss" in e],  # during training
         "eval_loss": run.evaluate()["eval_loss"] if run.eval_dataset is not None else None,
     }
     weights = {n: p.detach().clone() for n, p in run.model.named_parameters() if p.requires_grad}

@@ -210,3 +210,26 @@ def test_tiled_loss_gives_trl_its_fused_lm_head():
     got = model(input_ids=ids, labels=ids, fused_lm_head=True)
     torch.testing.assert_close(got.log_probs, want.log_probs)
     torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, loss)
+
+
+def test_the_collator_pickles_for_spawned_dataloader_workers():
+    """A worker started by spawn or forkserver gets the collator pickled; its layout's process groups do not
+    pickle, so the worker's copy holds a rank view that cuts the same shard."""
+    import copy
+    import pickle
+    import threading
+
+    features = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in (7, 4)]
+    view = ParallelLayout.rank_view(4, 3, dp=2, dp_rank=1, ring=2)
+    layout = copy.copy(view)
+    object.__setattr__(layout, "sp_group", threading.Lock())  # a lock does not pickle either: a ProcessGroup's stand-in
+    collator = SequenceParallelCollator(pad_collate, layout, check_same_batch=False, token_counts=True)
+    with pytest.raises(TypeError):
+        pickle.dumps(layout)
+    worker = pickle.loads(pickle.dumps(collator))
+    assert worker.layout.sp_group is None and (worker.layout.sp, worker.layout.sp_rank, worker.layout.ring) == (4, 3, 2)
+    want = SequenceParallelCollator(pad_collate, view, check_same_batch=False, token_counts=True)(features)
+    got = worker(features)
+    assert want.keys() == got.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], msg=key)

@@ -137,6 +137,15 @@ class SequenceParallelCollator:
             shard[TOKEN_COUNT_KEY] = full_batch_token_counts(batch, self.layout)
         return shard
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a dataloader worker started by spawn or forkserver receives (process groups do not pickle): the
+        layout as a rank view, which cuts the same shard (workers skip the same-batch check: no group there)."""
+        layout = self.layout
+        view = ParallelLayout.rank_view(
+            layout.sp, layout.sp_rank, dp=layout.dp, dp_rank=layout.dp_rank, ring=layout.ring, device=layout.device
+        )
+        return {**self.__dict__, "layout": view}
+
     def __repr__(self) -> str:
         return f"SequenceParallelCollator({self.collator!r}, sp={self.layout.sp}, sp_rank={self.layout.sp_rank})"
 
