@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .tiling import _spans
 
@@ -83,13 +82,13 @@ class NormRemake:
                 x = self.remake(source.narrow(-2, start, length).contiguous())  # [b, tile, h]
             yield start, length, x
 
-    def linear(self, source: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` for the norm's output ``x`` (no graph; under the caller's autocast state),
+    def project(self, source: torch.Tensor, linear: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``linear(x)`` (a projection) for the norm's output ``x`` (no graph; under the caller's autocast state),
         tile by tile into one ``[b, n, out]`` tensor."""
         out: torch.Tensor | None = None
         for start, length, x in self.tiles(source):
             with torch.no_grad():
-                y = F.linear(x, weight, bias)  # [b, tile, out]
+                y = linear(x)  # [b, tile, out]
             if length == source.shape[-2]:
                 return y
             if out is None:

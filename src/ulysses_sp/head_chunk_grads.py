@@ -15,14 +15,15 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.autograd.graph import get_gradient_edge
 
+from .head_chunk_lora import lora_linear
 from .tiling import add_mm, sum_dtype
 
 if TYPE_CHECKING:
     from .deferred_input import NormRemake
+    from .head_chunk_lora import Adapter
     from .head_chunk_pipeline import ChunkRun
     from .head_chunks import HeadChunkedAttention
 
@@ -76,13 +77,16 @@ class ProjectionCut:
         """Whether ``x`` is remade from the norm's input (it is then an :class:`Absent`)."""
         return self.remake is not None and self.source is not None
 
-    def project(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` without a graph, under the caller's autocast state; tile by tile from the
-        norm's input where ``x`` is :class:`~ulysses_sp.deferred_input.Absent`."""
+    def project(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, adapters: tuple[Adapter, ...] = ()
+    ) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` (plus LoRA ``adapters``) without a graph, under the caller's autocast
+        state; tile by tile from the norm's input where ``x`` is :class:`~ulysses_sp.deferred_input.Absent`."""
+        linear = functools.partial(lora_linear, weight=weight, bias=bias, adapters=adapters)
         if self.remade:
-            return self.remake.linear(self.source, weight, bias)
+            return self.remake.project(self.source, linear)
         with torch.no_grad():
-            return F.linear(self.x, weight, bias)
+            return linear(self.x)
 
     def tiles(self) -> Iterator[tuple[int, int, torch.Tensor]]:
         """``x`` as ``(start, length, tile [b, length, h])``: one tile, or remade tile by tile from the norm's input."""
@@ -172,8 +176,12 @@ class Accumulators:
                 self.waiting_bytes += held
                 return
         weight = run.parts.part(name, stage, self.owner.projection(name).weight).to(grad_2d.dtype)  # [out_c, h]
-        target = self.x
-        add_mm(target.view(-1, target.shape[-1]), grad_2d, weight)
+        target = self.x.view(-1, self.x.shape[-1])
+        add_mm(target, grad_2d, weight)
+        for adapter in run.parts.adapters(name, stage):  # LoRA: s (g B_c) A
+            dtype = adapter.dtype(grad_2d.dtype)
+            low = grad_2d.to(dtype).mm(adapter.b.to(dtype)) * adapter.scaling  # [b n, r]
+            add_mm(target, low, adapter.a.to(dtype))
 
     def add_chunk(
         self,
@@ -194,7 +202,7 @@ class Accumulators:
             targets.append((_INPUT, None))
         for name, pair in leaves.items():
             proj = self.owner.projection(name)
-            for leaf, param in zip(pair, (proj.weight, proj.bias), strict=True):
+            for leaf, param in zip(pair[:2], (proj.weight, proj.bias), strict=True):  # (its adapters: by autograd)
                 if isinstance(leaf, torch.Tensor) and self.need.get(id(param)):
                     inputs.append(leaf)
                     targets.append((name, self.sums[id(param)]))
@@ -227,12 +235,52 @@ class Accumulators:
         grad_2d = grad.reshape(-1, grad.shape[-1])  # [b n, out_c]
         if self.need_x:
             self._add_input(grad_2d, run, name, stage)
-        if self.need.get(id(proj.weight)):
+        need_weight = self.need.get(id(proj.weight))
+        adapters = [
+            a for a in run.parts.adapters(name, stage) if self.need.get(id(a.a)) or self.need.get(id(a.b_param))
+        ]
+        if need_weight or adapters:
             for start, length, x in cut.tiles():  # x [b, length, h]: the input, whole or one remade tile
                 g = grad.narrow(-2, start, length).reshape(-1, grad.shape[-1])  # [b length, out_c]
-                run.parts.add_mm(name, stage, self.sums[id(proj.weight)], g.t(), x.reshape(-1, x.shape[-1]).to(g.dtype))
+                x_2d = x.reshape(-1, x.shape[-1]).to(g.dtype)
+                if need_weight:
+                    run.parts.add_mm(name, stage, self.sums[id(proj.weight)], g.t(), x_2d)
+                for adapter in adapters:  # LoRA: B_c += s g^T (x A^T), A += s (g B_c)^T x
+                    self._adapter_backward(run, stage, name, adapter, g, x_2d)
         if proj.bias is not None and self.need.get(id(proj.bias)):
             run.parts.add(name, stage, self.sums[id(proj.bias)], grad_2d.sum(0))
+
+    def _adapter_backward(
+        self, run: ChunkRun, stage: int, name: str, adapter: Adapter, g: torch.Tensor, x_2d: torch.Tensor
+    ) -> None:
+        """A LoRA adapter's gradients from one tile: ``g [b n, out_c]`` of the projection's output, ``x_2d [b n,
+        h]`` of its input."""
+        dtype = adapter.dtype(g.dtype)
+        g, x_2d = g.to(dtype), x_2d.to(dtype)
+        if self.need.get(id(adapter.b_param)):
+            low = x_2d.mm(adapter.a.to(dtype).t())  # [b n, r]
+            run.parts.add(name, stage, self.sums[id(adapter.b_param)], g.t().mm(low) * adapter.scaling)
+        if self.need.get(id(adapter.a)):
+            low = g.mm(adapter.b.to(dtype)) * adapter.scaling  # [b n, r]
+            add_mm(self.sums[id(adapter.a)], low.t(), x_2d)
+
+    def out_adapters(
+        self, grad_out: torch.Tensor, lows: tuple[torch.Tensor, ...]
+    ) -> list[tuple[Adapter, torch.Tensor]]:
+        """The output projection's LoRA adapters: B's gradient ``s g^T (y A^T)`` from the forward's ``lows`` (``y
+        A^T [b n, r]`` each) into the sums, and each adapter with ``s g B [b n, r]``, from which every chunk takes
+        its columns' part of A's gradient and of its input's (:mod:`ulysses_sp.head_chunk_output`)."""
+        adapters = self.owner.adapters(self.owner.names.out)
+        if len(adapters) != len(lows):
+            raise RuntimeError("the output projection's LoRA adapters changed between forward and backward")
+        g = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
+        found = []
+        for adapter, low in zip(adapters, lows, strict=True):
+            g_a = g.to(adapter.dtype(g.dtype))
+            if self.need.get(id(adapter.b_param)):
+                add_mm(self.sums[id(adapter.b_param)], g_a.t() * adapter.scaling, low.to(g_a.dtype))
+            found.append((adapter, g_a.mm(adapter.b.to(g_a.dtype)) * adapter.scaling))
+        return found
 
     def result(self, grad_out: torch.Tensor) -> tuple:
         """``(grad x, *grad params)`` in the parameters' order, each in its tensor's dtype."""

@@ -1,5 +1,6 @@
-"""The head-chunked block's output projection in backward: its weight gradient and its input's gradient per chunk,
-and the first step of the fused backward (:func:`output_grads`), which reads the cores' saved outputs once.
+"""The head-chunked block's output projection: each chunk's share in forward (and its LoRA adapters'); in backward
+its weight gradient and its input's gradient per chunk, and the first step of the fused backward
+(:func:`output_grads`), which reads the cores' saved outputs once.
 
 Used by :mod:`ulysses_sp.head_chunk_pipeline` (:class:`~ulysses_sp.head_chunk_pipeline.ChunkRun`'s backward).
 """
@@ -12,12 +13,49 @@ import torch
 
 from .chunk_core import output_row_sums
 from .head_split import DEPTH
+from .tiling import add_mm, compute_dtype, sum_dtype
 
 if TYPE_CHECKING:
     from .head_chunk_grads import Accumulators
     from .head_chunk_pipeline import ChunkRun
 
-__all__ = ["out_input_grad", "out_proj_backward", "output_grads"]
+__all__ = ["out_finish", "out_input_grad", "out_proj_backward", "out_share", "out_start", "output_grads"]
+
+
+def out_start(run: ChunkRun, x: torch.Tensor) -> torch.Tensor:
+    """The block's output sum ``[b, n, h]`` (zeros, in the dtype the projections compute in, for input ``x``); and
+    ``run.out_low``, zeroed sums of ``y A^T [b n, r]`` over the chunks, one per LoRA adapter of the output
+    projection (fp32 under a 16-bit dtype)."""
+    out = x.new_zeros(*x.shape[:-1], run.owner.out_proj().out_features, dtype=compute_dtype(x))
+    tokens = out.numel() // out.shape[-1]
+    adapters = run.owner.adapters(run.owner.names.out)
+    run.out_low = [out.new_zeros(tokens, a.a.shape[0], dtype=sum_dtype(out.dtype, True)) for a in adapters]
+    return out
+
+
+def out_share(run: ChunkRun, chunk: int, local: torch.Tensor, out: torch.Tensor) -> None:
+    """Chunk ``chunk``'s share of the output projection: its columns of the weight times ``local [b, n, Hc, d_v]``
+    added into ``out [b, n, h]``; LoRA: ``y_c A_c^T`` into ``run.out_low``."""
+    name = run.owner.names.out
+    weight = run.parts.part(name, chunk, run.owner.out_proj().weight)  # [h, Hc d_v]
+    local_2d = local.reshape(-1, weight.shape[1])  # [b n, Hc d_v]
+    out.view(-1, out.shape[-1]).addmm_(local_2d, weight.t().to(out.dtype))
+    for low, adapter in zip(run.out_low, run.owner.adapters(name), strict=True):
+        dtype = adapter.dtype(local_2d.dtype)
+        add_mm(low, local_2d.to(dtype), run.parts.part(name, chunk, adapter.a).t().to(dtype))
+
+
+def out_finish(run: ChunkRun, out: torch.Tensor) -> torch.Tensor:
+    """``out [b, n, h]`` (every chunk's share) plus the output projection's bias and its LoRA adapters'
+    ``s (y A^T) B^T``."""
+    out_proj = run.owner.out_proj()
+    if out_proj.bias is not None:
+        out += out_proj.bias
+    adapters = run.owner.adapters(run.owner.names.out)
+    for low, adapter in zip(run.out_low, adapters, strict=True):
+        dtype = adapter.dtype(out.dtype)
+        out.view(-1, out.shape[-1]).add_(low.to(dtype).mm(adapter.b.t().to(dtype)) * adapter.scaling)
+    return out
 
 
 def out_proj_backward(
@@ -25,18 +63,25 @@ def out_proj_backward(
 ) -> torch.Tensor:
     """The output projection's backward for chunk ``chunk``: its weight columns' gradient into ``acc`` and the
     gradient of its input ``local [b, n, Hc, d_v]`` (returned)."""
+    name, local_2d = run.owner.names.out, local.reshape(-1, local.shape[-2] * local.shape[-1])  # [b n, Hc d_v]
     if acc.out_weight is not None:
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
-        cols = local.shape[-2] * local.shape[-1]
-        run.parts.add_mm(run.owner.names.out, chunk, acc.out_weight, grad_2d.t(), local.reshape(-1, cols))
+        run.parts.add_mm(name, chunk, acc.out_weight, grad_2d.t(), local_2d)
+    for adapter, low_grad in run.out_low_grads:  # LoRA: A's columns += (s g B)^T y_c
+        if acc.need.get(id(adapter.a)):
+            run.parts.add(name, chunk, acc.sums[id(adapter.a)], low_grad.t().mm(local_2d.to(low_grad.dtype)))
     return out_input_grad(run, chunk, grad_out, local.shape)
 
 
 def out_input_grad(run: ChunkRun, chunk: int, grad_out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """The gradient of chunk ``chunk``'s share of the output projection's input, ``shape [b, n, Hc, d_v]``."""
     grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
-    weight = run.parts.part(run.owner.names.out, chunk, run.owner.out_proj().weight)  # [h, Hc d_v]
-    return grad_2d.mm(weight.to(grad_2d.dtype)).view(shape)
+    name = run.owner.names.out
+    weight = run.parts.part(name, chunk, run.owner.out_proj().weight)  # [h, Hc d_v]
+    grad = grad_2d.mm(weight.to(grad_2d.dtype))
+    for adapter, low_grad in run.out_low_grads:  # LoRA: (s g B) A_c
+        grad.add_(low_grad.mm(run.parts.part(name, chunk, adapter.a).to(low_grad.dtype)).to(grad.dtype))
+    return grad.view(shape)
 
 
 def output_grads(

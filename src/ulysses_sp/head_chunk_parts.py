@@ -10,12 +10,13 @@ not compute is :class:`Blank` there (the module's own forward still runs it, on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
+    from .head_chunk_lora import Adapter
     from .head_chunks import HeadChunkedAttention
     from .head_split import ChunkHeads
 
@@ -133,15 +134,21 @@ class ChunkParts:
                 return
         self.add(name, stage, target, a.mm(b))
 
+    def adapters(self, name: str, stage: int) -> tuple[Adapter, ...]:
+        """Projection ``name``'s LoRA adapters with ``stage``'s rows of their B (a view or copy of the parameter,
+        so that autograd reaches the parameter where it differentiates them)."""
+        return tuple(replace(a, b=self.part(name, stage, a.b_param)) for a in self.owner.adapters(name))
+
     def weights(self, stage: int, *, leaves: bool = False) -> dict[str, tuple]:
-        """``stage``'s ``(weight, bias)`` of every sliced input projection: its parts, or (``leaves``) detached
-        parts that autograd differentiates separately; ``(Blank, None)`` for one it does not compute."""
+        """``stage``'s ``(weight, bias, adapters)`` of every sliced input projection: its parts, or (``leaves``)
+        detached parts that autograd differentiates separately, and its LoRA adapters (:meth:`adapters`);
+        ``(Blank, None, ())`` for one it does not compute."""
         found: dict[str, tuple] = {}
         for name in (*self.owner.names.query, *self.owner.names.kv):
             proj = self.owner.projection(name)
             if self.head_ids(name, stage) is None:
                 query, kv = self.head_counts(stage)
-                found[name] = (Blank((query if name in self.owner.names.query else kv) * self._width(name)), None)
+                found[name] = (Blank((query if name in self.owner.names.query else kv) * self._width(name)), None, ())
                 continue
             pair = []
             for t in (proj.weight, proj.bias):
@@ -149,5 +156,5 @@ class ChunkParts:
                     pair.append(self.part(name, stage, t.detach()).requires_grad_(t.requires_grad))
                 else:
                     pair.append(None if t is None else self.part(name, stage, t))
-            found[name] = (pair[0], pair[1])
+            found[name] = (pair[0], pair[1], self.adapters(name, stage))
         return found

@@ -69,12 +69,13 @@ from .comm import (
 from .cores import AttentionCall
 from .deferred_input import Absent, NormRemake
 from .head_chunk_grads import Accumulators, ProjectionCut, Roots
-from .head_chunk_output import out_input_grad, out_proj_backward, output_grads
+from .head_chunk_output import out_finish, out_input_grad, out_proj_backward, out_share, out_start, output_grads
 from .head_chunk_parts import KV, ChunkParts, add_at, rows_index, take
 from .interleave import Stages, run_interleaved
 from .tiling import Replay, compute_dtype, sum_dtype
 
 if TYPE_CHECKING:
+    from .head_chunk_lora import Adapter
     from .head_chunks import HeadChunkedAttention
     from .head_split import ChunkHeads
 
@@ -137,6 +138,10 @@ class ChunkRun:
         # it instead of the block's input and while the backward remakes from it (:mod:`ulysses_sp.deferred_input`).
         self.remake: NormRemake | None = None
         self.source: torch.Tensor | None = None
+        # LoRA adapters of the output projection (ulysses_sp.head_chunk_lora): y A^T per adapter [b n, r] (forward),
+        # and in backward each adapter with the gradient of that, s g B [b n, r]
+        self.out_low: list[torch.Tensor] = []
+        self.out_low_grads: list[tuple[Adapter, torch.Tensor]] = []
 
     # ------------------------------------------------------------------------------------------- stages
     def project(
@@ -238,8 +243,7 @@ class ChunkRun:
         del recv
         if kernel is not None:  # saved: one tensor per chunk, made as its output arrives (a view where sp = 1)
             self.local[chunk] = local.contiguous()
-        weight = self.parts.part(self.owner.names.out, chunk, self.owner.out_proj().weight)  # [h, Hc d_v]
-        out.view(-1, out.shape[-1]).addmm_(local.reshape(-1, weight.shape[1]), weight.t().to(out.dtype))
+        out_share(self, chunk, local, out)
 
     def kernel_for(self, call: AttentionCall, q: torch.Tensor) -> Any | None:
         if not self.fused:
@@ -247,24 +251,22 @@ class ChunkRun:
         return chunk_kernel(call, q, ring=self.owner.ctx.layout.ring, core_name=self.owner.ctx.core_name)
 
     def forward(self, x: torch.Tensor, save: bool = False) -> torch.Tensor:
-        """The block's output ``[b, n, h]``: every chunk's share, then the output projection's bias."""
-        out_proj = self.owner.out_proj()
-        out = x.new_zeros(*x.shape[:-1], out_proj.out_features, dtype=compute_dtype(x))
+        """The block's output ``[b, n, h]``: every chunk's share, then the output projection's bias (and LoRA)."""
+        out = out_start(self, x)
         try:
             run_interleaved(self.forward_chunk(x, c, out, save) for c in range(self.split.chunks))
         finally:
             self.kv = None
-        if out_proj.bias is not None:
-            out += out_proj.bias
-        return out
+        return out_finish(self, out)
 
     # ------------------------------------------------------------------------------------------- backward
     def _reproject(self, x: torch.Tensor, stage: int) -> tuple:
         """The stage's projections again, with their graph (cut at the projections of ``x``): ``((leaves, cut),
         roots, call, send)`` with ``send`` the q/k/v it sends ``[P, ...]`` and ``roots`` those projections' outputs
         as autograd sees them (:class:`Roots`; the tensors are freed once the send buffer is made)."""
-        leaves, cut = self.parts.weights(stage, leaves=True), ProjectionCut(x, self.remake, self.source)
-        with torch.enable_grad():
+        cut = ProjectionCut(x, self.remake, self.source)
+        with torch.enable_grad():  # LoRA adapters' rows of B: in the graph, which reaches B
+            leaves = self.parts.weights(stage, leaves=True)
             q, k, v, call = self.project(x, stage, leaves, cut)
         sent = self.sent(stage, q, k, v)
         del q, k, v
@@ -398,17 +400,19 @@ class ChunkRun:
         local: list[torch.Tensor | None],
         lse: tuple[torch.Tensor | None, ...],
         source: torch.Tensor | None = None,
+        out_low: tuple[torch.Tensor, ...] = (),
     ) -> tuple:
         """Gradients of ``(x, *params)`` (None where not needed) for ``grad_out [b, n, h]``; ``local`` / ``lse``:
         what the forward saved per chunk (None where chunk c's core did not run through a kernel; ``local``, the
         cores' outputs, is emptied as they are read); ``source``: the input of the tiled norm that made ``x``, where
-        ``x`` is an :class:`Absent` remade from it by tiles."""
+        ``x`` is an :class:`Absent` remade from it by tiles; ``out_low``: the forward's :attr:`out_low`."""
         if source is None:
             x = x.detach().requires_grad_(needs[0])
         elif not isinstance(x, Absent) or self.remake is None:
             raise RuntimeError("a remade input needs an Absent input and the norm that made it")
         acc = Accumulators(self.owner, x, needs, self.split.chunks)
         grad_out = grad_out.contiguous()
+        self.out_low_grads = acc.out_adapters(grad_out, out_low)
         prepared = output_grads(self, grad_out, local, lse, acc)
 
         def chunk_stages(c: int) -> Stages:
@@ -422,7 +426,7 @@ class ChunkRun:
             if self.kv_grad is not None:  # each chunk adds its k/v gradients before it sends, so the last one took them
                 raise RuntimeError("the shared kv heads' gradients were not sent back")
         finally:
-            self.source = None
+            self.source, self.out_low_grads = None, []
             self.kv = self.kv_grad = self.kv_graph = None
         return acc.result(grad_out)
 

@@ -14,7 +14,8 @@ over the ranks, :class:`~ulysses_sp.head_split.ChunkHeads`); a chunk holds whole
 heads that read one kv head, so every chunk is a smaller attention of the same kind.
 
 Which modules: children ``q_proj`` (or ``q_b_proj``), ``k_proj`` + ``v_proj`` (or ``kv_b_proj``, MLA) and
-``o_proj``, all plain ``nn.Linear`` whose rows split by heads (:func:`split_problem`). On its first chunked call
+``o_proj``, all plain ``nn.Linear`` (or PEFT LoRA layers around one: :mod:`ulysses_sp.head_chunk_lora`) whose rows
+split by heads (:func:`split_problem`). On its first chunked call
 a module is probed: its own forward and the chunked one run on a few random tokens with one local core, and
 must agree (:meth:`HeadChunkedAttention.verify`). A module that fails either check is refused with a ValueError
 when C > 1 was asked for, and keeps the unchunked path when C is automatic.
@@ -37,6 +38,7 @@ from torch.autograd.function import once_differentiable
 from .attention import UlyssesAttention, intercepting
 from .deferred_input import Absent, NormRemake
 from .head_chunk_grads import ProjectionCut
+from .head_chunk_lora import Adapter, active_adapters, base_linear, is_lora, lora_linear, lora_problem
 from .head_chunk_parts import Blank
 from .head_chunk_pipeline import ChunkRun, placer
 from .head_chunk_probe import probe_problem
@@ -89,10 +91,15 @@ def split_problem(module: nn.Module, num_heads: int, num_kv_heads: int) -> str |
     if isinstance(names, str):
         return names
     for name in (*names.query, *names.kv, names.out):
-        child = module._modules[name]
+        wrapper = module._modules[name]
+        if is_lora(wrapper):
+            problem = lora_problem(wrapper)
+            if problem is not None:
+                return f"{name}: {problem}"
+        child = base_linear(wrapper)
         if not isinstance(child, nn.Linear) or type(child).forward is not nn.Linear.forward:
-            return f"{name} is a {type(child).__name__}, not a plain torch.nn.Linear (e.g. a LoRA or quantized layer)"
-        if child._forward_hooks or child._forward_pre_hooks:
+            return f"{name} is a {type(child).__name__}, not a plain torch.nn.Linear or a LoRA layer around one"
+        if any(m._forward_hooks or m._forward_pre_hooks for m in {wrapper, child}):
             return f"{name} has forward hooks, which a sliced projection would skip"
         heads = num_heads if name in names.query or name == names.out else num_kv_heads
         size = child.in_features if name == names.out else child.out_features
@@ -162,17 +169,19 @@ class _Slice:
         bias: torch.Tensor | None,
         cut: ProjectionCut | None,
         blank: Blank | None = None,
+        adapters: tuple[Adapter, ...] = (),
     ) -> None:
         self.name, self.weight, self.bias, self.cut, self.blank = name, weight, bias, cut, blank
+        self.adapters = adapters  # LoRA (head_chunk_lora): B's rows of the chunk
         self.out_features, self.in_features = (blank.rows, weight.shape[1]) if blank else weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blank is not None:
             return self.blank(x, self.weight)
         if self.cut is None or x is not self.cut.x:
-            return torch.nn.functional.linear(x, self.weight, self.bias)
+            return lora_linear(x, self.weight, self.bias, self.adapters)
         # without a graph, under autocast still (the same casts as the forward's)
-        return self.cut.tap(self.name, self.cut.project(self.weight, self.bias))
+        return self.cut.tap(self.name, self.cut.project(self.weight, self.bias, self.adapters))
 
 
 class HeadChunkedAttention:
@@ -209,7 +218,23 @@ class HeadChunkedAttention:
 
     # ------------------------------------------------------------------------------------------- parts
     def projection(self, name: str) -> nn.Linear:
-        return self.module._modules[name]  # type: ignore[return-value]
+        """The linear layer whose weight ``name`` slices (a LoRA layer's base layer)."""
+        return base_linear(self.module._modules[name])  # type: ignore[return-value]
+
+    def adapters(self, name: str) -> tuple[Adapter, ...]:
+        """The LoRA adapters that projection ``name`` adds in this call (:mod:`ulysses_sp.head_chunk_lora`)."""
+        found = active_adapters(self.module._modules[name])
+        if isinstance(found, str):
+            raise RuntimeError(f"{name}: {found}")  # call_problem() keeps such a call unchunked
+        return found
+
+    def call_problem(self) -> str | None:
+        """Why this call cannot run in chunks though the module can (a LoRA adapter's dropout while training)."""
+        for name in (*self.names.query, *self.names.kv, self.names.out):
+            found = active_adapters(self.module._modules[name])
+            if isinstance(found, str):
+                return f"{name}: {found}"
+        return None
 
     def out_proj(self) -> nn.Linear:
         return self.projection(self.names.out)
@@ -248,11 +273,11 @@ class HeadChunkedAttention:
         counts = self._head_counts(*heads)
         kept = {name: self.module.__dict__[name] for name in counts}
         try:
-            for name, (weight, bias) in weights.items():
+            for name, (weight, bias, adapters) in weights.items():
                 if isinstance(weight, Blank):
-                    stand_in = _Slice(name, saved[name].weight, None, cut, weight)
+                    stand_in = _Slice(name, self.projection(name).weight, None, cut, weight)
                 else:
-                    stand_in = _Slice(name, weight, bias, cut)
+                    stand_in = _Slice(name, weight, bias, cut, adapters=adapters)
                 self.module._modules[name] = stand_in  # type: ignore[assignment]
             self.module.__dict__.update(counts)
             with intercepting(self.module, stop):
@@ -317,6 +342,14 @@ class HeadChunkedAttention:
         chunks = self.chunks_for(x)
         if chunks == 1:
             return type(module).forward(module, *args, **kwargs)
+        problem = self.call_problem()
+        if problem is not None:
+            if self.requested:
+                raise ValueError(
+                    f"{type(module).__name__} cannot run its heads in chunks in this call: {problem}; or use "
+                    "head_chunks=1 (--head-chunks 1) or leave it automatic (0 / None)"
+                )
+            return type(module).forward(module, *args, **kwargs)
         split = ChunkHeads(self.num_heads, self.num_kv_heads, chunks, self.ctx.layout.ulysses)
         if self.verified is None:
             self.verify(x, args, kwargs, split)
@@ -373,8 +406,9 @@ class HeadChunkedFunction(torch.autograd.Function):
         ctx.run, ctx.replay, ctx.x_meta = run, Replay(x.device), (x.shape, x.dtype, x.device)
         out = run.forward(x, save=True)
         # ``x``, or the input of the tiled norm that made it (run.source: backward remakes x from it by tiles)
-        ctx.save_for_backward(x if run.source is None else run.source, *run.local, *run.lse)
+        ctx.save_for_backward(x if run.source is None else run.source, *run.local, *run.lse, *run.out_low)
         run.local, run.lse, run.source = [None] * run.split.chunks, [None] * run.split.chunks, None  # ctx's alone
+        run.out_low = []
         return out
 
     @staticmethod
@@ -382,12 +416,13 @@ class HeadChunkedFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         kept, *saved = ctx.saved_tensors
         chunks = ctx.run.split.chunks
-        local, lse = saved[:chunks], tuple(saved[chunks:])  # run.backward drops each output once it has read it
+        # run.backward drops each output once it has read it; then the output projection's LoRA y A^T
+        local, lse, out_low = saved[:chunks], tuple(saved[chunks : 2 * chunks]), tuple(saved[2 * chunks :])
         del saved
         x, source = (kept, None) if ctx.run.remake is None else (Absent(*ctx.x_meta), kept)
         with ctx.replay():
             needs = tuple(ctx.needs_input_grad[1:])
-            grad_x, *grads = ctx.run.backward(x, grad_out, needs, local, lse, source)
+            grad_x, *grads = ctx.run.backward(x, grad_out, needs, local, lse, source, out_low)
         for hook in ctx.run.owner.ctx.backward_hooks:  # every chunk's backward is done (UlyssesAttention)
             hook()
         return (None, None if grad_x is None else grad_x.to(ctx.x_meta[1]), *grads)

@@ -64,12 +64,15 @@ def check_parity(
     checkpointing=False,
     train=True,
     sp_batch=None,
+    adapt=None,
     **kwargs,
 ):
     """``sp_batch``: what the sequence-parallel run shards instead of ``batch`` (e.g. with position_ids the
-    reference derives itself)."""
+    reference derives itself); ``adapt(model)``: the model to run instead of the built one (e.g. with LoRA)."""
     batch = batch if batch is not None else make_batch(2, 24)
     model = build(arch, heads=heads, kv_heads=kv_heads, attn=ref_attn)
+    if adapt is not None:
+        model = adapt(model)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train(checkpointing or train)  # built models start in train mode; the configs have no dropout

@@ -19,7 +19,7 @@ from tests.dist.cases_architectures import EVAL_ONLY, PARITY_ARCHS
 from tests.dist.cases_core import check_parity
 from tests.dist.cases_memory_features import check_features
 from tests.helpers.harness import run_cases
-from tests.helpers.models import build, make_batch
+from tests.helpers.models import build, make_batch, with_lora
 from tests.helpers.spy import calls_to
 from ulysses_sp import chunk_core, head_chunk_pipeline, sliced_core
 
@@ -111,10 +111,11 @@ def family_cases(layout, prefix: str, heads: int, kv: int, chunks: tuple[int, ..
     return cases
 
 
-def feature_cases(layout, prefix: str, chunks: tuple[int, ...]) -> dict:
-    """DDP and FSDP2 with the memory features on (tiled MLP, offloaded checkpoints, tiled loss), 8 heads."""
+def feature_cases(layout, prefix: str, chunks: tuple[int, ...], adapt=None, tag: str = "") -> dict:
+    """DDP and FSDP2 with the memory features on (tiled MLP, offloaded checkpoints, tiled loss), 8 heads;
+    ``adapt``: check_features', named with ``tag``."""
     return {
-        f"{prefix}_C{c}_features_{wrapper}": P(
+        f"{prefix}_C{c}{tag}_features_{wrapper}": P(
             check_features,
             layout,
             wrapper,
@@ -123,6 +124,7 @@ def feature_cases(layout, prefix: str, chunks: tuple[int, ...]) -> dict:
             tiled_loss=True,
             heads=8,
             head_chunks=c,
+            adapt=adapt,
         )
         for c in chunks
         for wrapper in ("ddp", "fsdp2")
@@ -215,6 +217,49 @@ def sliced_cases(layout, prefix: str, heads: int, kv: int) -> dict:
     }
 
 
+def lora_cases(layout, prefix: str, heads: int, chunks: int, features: bool = False) -> dict:
+    """PEFT LoRA adapters (random A and B) on every attention projection: exact in chunks, the kernel's backward
+    (GQA, packed) and the recompute (a window), the projections of the input (q/k/v) and of an inner tensor (MLA's
+    q_b / kv_b); ``features``: with every memory feature on (the chunks remake the tiled norm's output) under DDP
+    and FSDP2."""
+    attention = P(with_lora, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    cases = {
+        f"{prefix}_C{chunks}_lora_gqa_packed": P(
+            chunked_parity,
+            layout,
+            "qwen3",
+            chunks,
+            heads=heads,
+            kv_heads=2,
+            adapt=attention,
+            fused=layout.ring == 1,
+            batch=make_batch(2, 24, packed=(10, 14)),
+        ),
+        f"{prefix}_C{chunks}_lora_window": P(
+            chunked_parity,
+            layout,
+            "mistral",
+            chunks,
+            heads=heads,
+            kv_heads=2,
+            adapt=attention,
+            fused=False,
+            batch=make_batch(2, 30, packed=(13, 17)),
+        ),
+        f"{prefix}_C{chunks}_lora_mla": P(
+            chunked_parity,
+            layout,
+            "deepseek_v3_mla_v4",
+            chunks,
+            heads=heads,
+            adapt=P(with_lora, targets=("q_b_proj", "kv_b_proj", "o_proj")),
+        ),
+    }
+    if features:
+        cases |= feature_cases(layout, prefix, (chunks,), adapt=attention, tag="_lora")
+    return cases
+
+
 def world2_cases(sp2) -> dict:
     batch = make_batch(2, 24, packed=(15, 9))
     archs = {
@@ -233,6 +278,7 @@ def world2_cases(sp2) -> dict:
         "sp2_C2_mha_blocked_kernel": P(blocked_parity, sp2, "llama", 2, heads=8),
         "sp2_C4_exchanges_overlap_cores": P(overlap, sp2),
         "sp2_C4_exchanges_overlap_cores_recomputed": P(overlap, sp2, core="eager"),
+        **lora_cases(sp2, "sp2", 8, 2, features=True),
     }
 
 
@@ -252,6 +298,9 @@ def world4_cases(sp4, dp2sp2, hybrid) -> dict:
         # every memory feature on, the chunked block remaking the tiled norm's output, on the other 4-rank layouts
         **feature_cases(sp4, "sp4", (2,)),
         **feature_cases(hybrid, "ulysses2_ring2", (4,)),
+        **lora_cases(sp4, "sp4", 16, 4),
+        **lora_cases(dp2sp2, "dp2_sp2", 8, 2, features=True),
+        **lora_cases(hybrid, "ulysses2_ring2", 8, 2),
     }
 
 

@@ -19,6 +19,7 @@ import ulysses_sp as U
 from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, reference
 from tests.helpers.harness import run_cases
 from tests.helpers.models import _common, dp_share, make_batch
+from ulysses_sp.hf import decoder_layers
 from ulysses_sp.offload import offload_store
 
 
@@ -37,7 +38,7 @@ def wrap(model, wrapper: str):
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("world",))
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):  # a PEFT model's too
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -62,10 +63,14 @@ def check_features(
     tiled_loss=False,
     heads=4,
     head_chunks=None,
+    adapt=None,
 ):
-    """``heads`` query heads (2 kv heads); ``head_chunks``: parallelize's (None: its default)."""
+    """``heads`` query heads (2 kv heads); ``head_chunks``: parallelize's (None: its default); ``adapt(model)``:
+    the model to run instead of the built one (e.g. with LoRA)."""
     batch = batch if batch is not None else make_batch(2, 24, packed=(10, 14))
     model = build_model(arch, tied, heads=heads)
+    if adapt is not None:
+        model = adapt(model)
     ref_loss, ref_grads = reference(model, batch)
 
     par = U.parallelize(copy.deepcopy(model), layout, head_chunks=head_chunks)

@@ -64,3 +64,33 @@ def test_chunked_block_remakes_the_tiled_norm_output_on_cuda(dtype):
     for name, grad in grads.items():
         ref_grad = ref_grads[name]
         assert (grad - ref_grad).norm() <= (2.5 * rtol) * ref_grad.norm(), (name, (grad - ref_grad).norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_block_with_lora_adapters_on_cuda(dtype):
+    """PEFT LoRA on every attention projection of a CUDA model (in bf16 PEFT keeps the adapters in fp32 and casts
+    their input): the chunks' kernels, and the adapters' gradients, match the plain PEFT model."""
+    pytest.importorskip("peft")
+    from tests.helpers.models import with_lora
+
+    device = torch.device("cuda")
+    batch = {k: v.to(device) for k, v in make_batch(2, 128, packed=(40, 88)).items()}
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    ref = with_lora(build("llama", heads=8, kv_heads=2, head_dim=16).to(device, dtype), targets)
+    par = with_lora(build("llama", heads=8, kv_heads=2, head_dim=16).to(device, dtype), targets)
+    ref_loss, ref_grads = loss_and_grads(ref, batch)
+    layout = U.ParallelLayout.single(device)
+    U.parallelize(par, layout, head_chunks=4)
+    with calls_to(head_chunk_pipeline, "kernel_backward") as calls:
+        loss, grads = loss_and_grads(par, batch, layout)
+    assert len(calls) == 4 * par.config.num_hidden_layers, calls
+    rtol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=rtol, atol=0.0)
+    trained = [name for name, grad in grads.items() if grad is not None]
+    assert trained and all("lora_" in name for name in trained)
+    for name in trained:
+        ref_grad = ref_grads[name]
+        assert (grads[name] - ref_grad).norm() <= (2.5 * rtol) * ref_grad.norm(), (
+            name,
+            (grads[name] - ref_grad).norm(),
+        )

@@ -302,6 +302,16 @@ def build_generic(model_type: str, *, seed: int = 0, attn: str = "sdpa", **extra
     return _from_config(model_type, _common(4, 2), attn, **extra).float()
 
 
+def with_lora(model, targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj"), seed: int = 2, **config):
+    """``model`` with PEFT LoRA adapters (r 4) on ``targets``, A and B both random (PEFT's default B is zeros,
+    which would leave A's gradient zero); ``config``: more LoraConfig fields."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False, **config)
+    return get_peft_model(model, lora)
+
+
 def make_batch(
     batch: int,
     seq_len: int,

@@ -3,8 +3,8 @@ of seed 0, each against the plain trainer in one process.
 
 Each case must train to the same per-step losses (and gradient norms where clipped), the same eval loss, the
 same count of tokens seen and the same weights as one process, or be refused for a reason its parameters
-give: heads that do not split over the ranks, left padding under an eager model (docs/semantics.md), head
-chunks asked of LoRA projections, or TRL's MoE load-balancing term (computed from each shard alone). A
+give: heads that do not split over the ranks, left padding under an eager model (docs/semantics.md), or TRL's
+MoE load-balancing term (computed from each shard alone). A
 campaign of any seed and length runs from the command line and prints one line per case::
 
     python -m tests.integrations.test_random_trainer --world 4 --seed 3 --count 20
@@ -81,8 +81,6 @@ def refusal_problem(case: dict, reason: str) -> str | None:
     """None when the case's parameters give ``reason`` for refusing it; else what is wrong."""
     if any(text in reason for text in _SPLIT) or (_eager_left(case) and "starts with padding, and" in reason):
         return None
-    if case["lora"] and (case["head_chunks"] or 1) > 1 and "cannot run its heads in chunks" in reason:
-        return None  # a LoRA projection cannot be cut into head chunks
     if _moe_aux(case) and "pass router_aux_loss_coef=0.0 in the SFTConfig" in reason:
         return None  # TRL adds the MoE load-balancing term from each shard alone
     return f"refused for a reason the case does not give: {reason}"
