@@ -82,13 +82,13 @@ class NormRemake:
                 x = self.remake(source.narrow(-2, start, length).contiguous())  # [b, tile, h]
             yield start, length, x
 
-    def project(self, source: torch.Tensor, linear: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def project(self, source: torch.Tensor, linear: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
         """``linear(x)`` (a projection) for the norm's output ``x`` (no graph; under the caller's autocast state),
-        tile by tile into one ``[b, n, out]`` tensor."""
+        tile by tile into one ``[b, n, out]`` tensor: ``linear(tile, start)``, ``start`` its first token."""
         out: torch.Tensor | None = None
         for start, length, x in self.tiles(source):
             with torch.no_grad():
-                y = linear(x)  # [b, tile, out]
+                y = linear(x, start)  # [b, tile, out]
             if length == source.shape[-2]:
                 return y
             if out is None:

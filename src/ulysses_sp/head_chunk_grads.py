@@ -18,7 +18,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.autograd.graph import get_gradient_edge
 
-from .head_chunk_lora import lora_linear
+from .head_chunk_lora import a_grad, adapter_low, add_adapter_input_grad, lora_linear
 from .tiling import add_mm, sum_dtype
 
 if TYPE_CHECKING:
@@ -82,7 +82,10 @@ class ProjectionCut:
     ) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` (plus LoRA ``adapters``) without a graph, under the caller's autocast
         state; tile by tile from the norm's input where ``x`` is :class:`~ulysses_sp.deferred_input.Absent`."""
-        linear = functools.partial(lora_linear, weight=weight, bias=bias, adapters=adapters)
+
+        def linear(x: torch.Tensor, start: int = 0) -> torch.Tensor:
+            return lora_linear(x, weight, bias, adapters, start)
+
         if self.remade:
             return self.remake.project(self.source, linear)
         with torch.no_grad():
@@ -178,10 +181,10 @@ class Accumulators:
         weight = run.parts.part(name, stage, self.owner.projection(name).weight).to(grad_2d.dtype)  # [out_c, h]
         target = self.x.view(-1, self.x.shape[-1])
         add_mm(target, grad_2d, weight)
-        for adapter in run.parts.adapters(name, stage):  # LoRA: s (g B_c) A
+        for adapter in run.parts.adapters(name, stage):  # LoRA: dropout'(s (g B_c) A)
             dtype = adapter.dtype(grad_2d.dtype)
             low = grad_2d.to(dtype).mm(adapter.b.to(dtype)) * adapter.scaling  # [b n, r]
-            add_mm(target, low, adapter.a.to(dtype))
+            add_adapter_input_grad(adapter, self.x, low.view(*self.x.shape[:-1], -1))
 
     def add_chunk(
         self,
@@ -241,45 +244,46 @@ class Accumulators:
         ]
         if need_weight or adapters:
             for start, length, x in cut.tiles():  # x [b, length, h]: the input, whole or one remade tile
-                g = grad.narrow(-2, start, length).reshape(-1, grad.shape[-1])  # [b length, out_c]
-                x_2d = x.reshape(-1, x.shape[-1]).to(g.dtype)
+                g = grad.narrow(-2, start, length)  # [b, length, out_c]
                 if need_weight:
-                    run.parts.add_mm(name, stage, self.sums[id(proj.weight)], g.t(), x_2d)
-                for adapter in adapters:  # LoRA: B_c += s g^T (x A^T), A += s (g B_c)^T x
-                    self._adapter_backward(run, stage, name, adapter, g, x_2d)
+                    g_2d, x_2d = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1]).to(g.dtype)
+                    run.parts.add_mm(name, stage, self.sums[id(proj.weight)], g_2d.t(), x_2d)
+                for adapter in adapters:  # LoRA: B_c += s g^T (dropout(x) A^T), A += s (g B_c)^T dropout(x)
+                    self._adapter_backward(run, stage, name, adapter, g, x, start)
         if proj.bias is not None and self.need.get(id(proj.bias)):
             run.parts.add(name, stage, self.sums[id(proj.bias)], grad_2d.sum(0))
 
     def _adapter_backward(
-        self, run: ChunkRun, stage: int, name: str, adapter: Adapter, g: torch.Tensor, x_2d: torch.Tensor
+        self, run: ChunkRun, stage: int, name: str, adapter: Adapter, g: torch.Tensor, x: torch.Tensor, start: int
     ) -> None:
-        """A LoRA adapter's gradients from one tile: ``g [b n, out_c]`` of the projection's output, ``x_2d [b n,
-        h]`` of its input."""
+        """A LoRA adapter's gradients from one tile of tokens from ``start``: ``g [b, n, out_c]`` of the projection's
+        output, ``x [b, n, h]`` of its input."""
         dtype = adapter.dtype(g.dtype)
-        g, x_2d = g.to(dtype), x_2d.to(dtype)
+        g = g.to(dtype)
         if self.need.get(id(adapter.b_param)):
-            low = x_2d.mm(adapter.a.to(dtype).t())  # [b n, r]
-            run.parts.add(name, stage, self.sums[id(adapter.b_param)], g.t().mm(low) * adapter.scaling)
+            low = adapter_low(adapter, x, start).to(dtype)  # [b, n, r]
+            grad = g.reshape(-1, g.shape[-1]).t().mm(low.reshape(-1, low.shape[-1])) * adapter.scaling
+            run.parts.add(name, stage, self.sums[id(adapter.b_param)], grad)
         if self.need.get(id(adapter.a)):
-            low = g.mm(adapter.b.to(dtype)) * adapter.scaling  # [b n, r]
-            add_mm(self.sums[id(adapter.a)], low.t(), x_2d)
+            low_grad = g @ adapter.b.to(dtype) * adapter.scaling  # [b, n, r]
+            self.sums[id(adapter.a)].add_(a_grad(adapter, low_grad, x.to(dtype), start))
 
     def out_adapters(
-        self, grad_out: torch.Tensor, lows: tuple[torch.Tensor, ...]
+        self, adapters: tuple[Adapter, ...], grad_out: torch.Tensor, lows: tuple[torch.Tensor, ...]
     ) -> list[tuple[Adapter, torch.Tensor]]:
-        """The output projection's LoRA adapters: B's gradient ``s g^T (y A^T)`` from the forward's ``lows`` (``y
-        A^T [b n, r]`` each) into the sums, and each adapter with ``s g B [b n, r]``, from which every chunk takes
-        its columns' part of A's gradient and of its input's (:mod:`ulysses_sp.head_chunk_output`)."""
-        adapters = self.owner.adapters(self.owner.names.out)
+        """The output projection's LoRA ``adapters``: B's gradient ``s g^T (dropout(y) A^T)`` from the forward's
+        ``lows`` (``dropout(y) A^T [b, n, r]`` each) into the sums, and each adapter with ``s g B [b, n, r]``, from
+        which every chunk takes its columns' part of A's gradient and of its input's
+        (:mod:`ulysses_sp.head_chunk_output`)."""
         if len(adapters) != len(lows):
             raise RuntimeError("the output projection's LoRA adapters changed between forward and backward")
-        g = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
         found = []
         for adapter, low in zip(adapters, lows, strict=True):
-            g_a = g.to(adapter.dtype(g.dtype))
+            g = grad_out.to(adapter.dtype(grad_out.dtype))  # [b, n, h]
             if self.need.get(id(adapter.b_param)):
-                add_mm(self.sums[id(adapter.b_param)], g_a.t() * adapter.scaling, low.to(g_a.dtype))
-            found.append((adapter, g_a.mm(adapter.b.to(g_a.dtype)) * adapter.scaling))
+                grad = g.reshape(-1, g.shape[-1]).t().mm(low.reshape(-1, low.shape[-1]).to(g.dtype))
+                self.sums[id(adapter.b_param)].add_(grad * adapter.scaling)
+            found.append((adapter, g @ adapter.b.to(g.dtype) * adapter.scaling))
         return found
 
     def result(self, grad_out: torch.Tensor) -> tuple:

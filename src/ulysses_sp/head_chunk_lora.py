@@ -7,35 +7,106 @@ columns split ``A`` by columns and ``B`` stays whole, so the chunks' ``y_c A_c^T
 Gradients: ``B``'s rows (columns of ``A`` for the output projection) from each chunk, ``A``'s (``B``'s) summed
 over the chunks (:mod:`ulysses_sp.head_chunk_grads`, :mod:`ulysses_sp.head_chunk_output`).
 
+Dropout on an adapter's input (``lora_dropout`` while training) must drop the same elements in every chunk and in
+backward: :class:`InputDropout` draws its mask from the call's seed (drawn from torch's generator, as a dropout would
+advance it) and each element's position (row, token, column) through a counter-based hash, so any tiling of the
+tokens (backward remakes a tiled norm's output tile by tile) sees the same mask, and no mask is stored. The mask is
+not the one PEFT's ``nn.Dropout`` would draw (no two runs of dropout agree anyway), with the same law: each element
+kept with probability ``1 - p`` and scaled by ``1 / (1 - p)``.
+
 PEFT is not imported: a projection is taken for a LoRA layer by its attributes (``base_layer``, ``lora_A``,
-``lora_B``, ``scaling``). What the chunks cannot compute exactly is refused (:func:`lora_problem`, checked when
-the chunks are installed) or, for the state of the call, keeps the unchunked path (:func:`active_adapters`): a LoRA
-variant (DoRA and the like), a bias on ``B``, dropout on the adapter's input while training (each chunk would draw
-its own mask), adapters per sample (``adapter_names``).
+``lora_B``, ``scaling``). What the chunks cannot compute is refused when they are installed (:func:`lora_problem`):
+a LoRA variant (DoRA and the like), a bias on ``B``, a dropout module other than ``nn.Dropout``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Adapter", "active_adapters", "base_linear", "is_lora", "lora_linear", "lora_problem"]
+__all__ = [
+    "Adapter",
+    "InputDropout",
+    "active_adapters",
+    "adapter_seed",
+    "dropout_off",
+    "adapter_low",
+    "add_adapter_input_grad",
+    "a_grad",
+    "base_linear",
+    "is_lora",
+    "lora_linear",
+    "lora_problem",
+]
+
+# splitmix64's finalizer constants, as signed int64 (torch's integer arithmetic wraps)
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+_TILE_ELEMENTS = 1 << 22  # a mask tile's elements (its int64 temporaries: 32 MiB each)
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 ``z``."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+@dataclass(frozen=True)
+class InputDropout:
+    """Dropout on an adapter's input ``x [rows, n, w]`` that any chunk, and backward, draws alike: element (row,
+    token, column) is kept with probability ``1 - p`` and scaled by ``1 / (1 - p)``, a function of ``seed`` and
+    its position only (``start``: the token of ``x``'s first; ``columns``: its columns' indices, default all)."""
+
+    p: float
+    seed: int
+
+    def mask(self, rows: int, start: int, length: int, columns: torch.Tensor) -> torch.Tensor:
+        """``[rows, length, len(columns)]`` float32 of 0 and ``1 / (1 - p)``."""
+        device = columns.device
+        row = torch.arange(rows, device=device).view(-1, 1, 1) << 44
+        token = torch.arange(start, start + length, device=device).view(1, -1, 1) << 20
+        z = (row + token + columns.view(1, 1, -1)) * _GOLDEN + self.seed
+        z = (z ^ _shr(z, 30)) * _MIX1
+        z = (z ^ _shr(z, 27)) * _MIX2
+        uniform = _shr(z ^ _shr(z, 31), 40).to(torch.float32) * 2.0**-24  # [0, 1) in steps of 2^-24
+        return (uniform >= self.p).to(torch.float32) / (1.0 - self.p)
+
+    def spans(self, x: torch.Tensor) -> Iterator[tuple[int, int]]:
+        """Tiles of ``x [b, n, w]``'s tokens, ``(start, length)`` (local), small enough for the mask's temporaries."""
+        step = max(1, _TILE_ELEMENTS // max(1, x.shape[0] * x.shape[-1]))
+        for start in range(0, x.shape[1], step):
+            yield start, min(step, x.shape[1] - start)
+
+    def tile(self, x: torch.Tensor, start: int, length: int, offset: int, columns: torch.Tensor | None) -> torch.Tensor:
+        """``x[:, start : start + length]`` dropped out (its first token is token ``offset + start``)."""
+        part = x.narrow(1, start, length)
+        cols = torch.arange(x.shape[-1], device=x.device) if columns is None else columns
+        return part * self.mask(x.shape[0], offset + start, length, cols).to(part.dtype)
+
+
+def adapter_seed(call_seed: int, projection: str, index: int, rank: int) -> int:
+    """One adapter's :class:`InputDropout` seed: the call's, mixed with the projection, the adapter and the rank."""
+    key = zlib.crc32(f"{projection}/{index}/{rank}".encode())
+    return ((call_seed ^ (key << 20)) & ((1 << 63) - 1)) - (1 << 62)
 
 
 @dataclass(frozen=True)
 class Adapter:
     """One active adapter of a projection: ``a`` = A ``[r, in]`` (the parameter), ``b`` = the rows of B ``[out, r]``
-    a chunk computes (``b_param``: the parameter), the scaling, and whether the input is cast to A's dtype first
-    (PEFT's ``cast_input_dtype_enabled``)."""
+    a chunk computes (``b_param``: the parameter), the scaling, whether the input is cast to A's dtype first
+    (PEFT's ``cast_input_dtype_enabled``), and the dropout on its input."""
 
     a: torch.Tensor
     b: torch.Tensor
     b_param: torch.Tensor
     scaling: float
     cast: bool
+    p: float = 0.0  # dropout on its input (training only): given an InputDropout per call
+    dropout: InputDropout | None = None
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.a.dtype) if self.cast else x
@@ -78,9 +149,9 @@ def lora_problem(child: nn.Module) -> str | None:
     return None
 
 
-def active_adapters(child: nn.Module) -> tuple[Adapter, ...] | str:
-    """The adapters that ``child``'s forward adds now (none for a plain layer, a merged or disabled LoRA layer), or
-    why this call cannot run in chunks (dropout on the adapter's input while training)."""
+def active_adapters(child: nn.Module) -> tuple[Adapter, ...]:
+    """The adapters that ``child``'s forward adds now (none for a plain layer, a merged or disabled LoRA layer), with
+    their input's dropout probability where it is active (``lora_dropout`` while training)."""
     if not is_lora(child) or child.disable_adapters or child.merged:
         return ()
     found = []
@@ -88,33 +159,102 @@ def active_adapters(child: nn.Module) -> tuple[Adapter, ...] | str:
         if name not in child.lora_A:
             continue
         dropout = child.lora_dropout[name] if name in child.lora_dropout else nn.Identity()
-        if isinstance(dropout, nn.Dropout) and dropout.p > 0 and dropout.training:
-            return (
-                f"its LoRA adapter {name!r} drops out its input while training (lora_dropout={dropout.p}), and "
-                "the chunks would each draw their own mask; use LoraConfig(lora_dropout=0.0)"
-            )
+        p = float(dropout.p) if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
         b = child.lora_B[name].weight
-        found.append(
-            Adapter(
-                child.lora_A[name].weight,
-                b,
-                b,
-                float(child.scaling[name]),
-                getattr(child, "cast_input_dtype_enabled", True),
-            )
-        )
+        cast = getattr(child, "cast_input_dtype_enabled", True)
+        found.append(Adapter(child.lora_A[name].weight, b, b, float(child.scaling[name]), cast, p))
     return tuple(found)
 
 
-def lora_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, adapters: tuple[Adapter, ...] = ()
+@contextlib.contextmanager
+def dropout_off(module: nn.Module) -> Iterator[None]:
+    """Inside the block, the LoRA layers' input dropouts under ``module`` are in eval mode (off)."""
+    found = [d for m in module.modules() if is_lora(m) for d in m.lora_dropout.values() if d.training]
+    for dropout in found:
+        dropout.eval()
+    try:
+        yield
+    finally:
+        for dropout in found:
+            dropout.train()
+
+
+def _spans(adapter: Adapter, x: torch.Tensor) -> Iterator[tuple[int, int]]:
+    if adapter.dropout is None:
+        yield 0, x.shape[1]
+    else:
+        yield from adapter.dropout.spans(x)
+
+
+def _dropped(adapter: Adapter, x: torch.Tensor, start: int, length: int, offset: int, columns=None) -> torch.Tensor:
+    if adapter.dropout is None:
+        return x.narrow(1, start, length)
+    return adapter.dropout.tile(x, start, length, offset, columns)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t [..., n, w]`` as ``[rows, n, w]`` (a view): the tokens are the last dimension but one (the input of a
+    projection such as MLA's kv_b_proj is ``[b, 1, n, w]``)."""
+    return t.view(-1, t.shape[-2], t.shape[-1]) if t.dim() != 3 else t
+
+
+def adapter_low(
+    adapter: Adapter, x: torch.Tensor, offset: int = 0, columns: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` plus each adapter's ``s * (x A^T) B^T`` (``adapters``' ``b``: the rows that
-    ``weight`` has), in the order and dtypes of PEFT's forward."""
+    """``dropout(x) A^T [..., n, r]`` for ``x [..., n, w]`` (its first token is token ``offset``; ``columns``: the
+    columns of A that ``x`` has, default all), tile by tile under dropout; with ``x``'s graph where grad is on."""
+    x = adapter.input(x)
+    a = adapter.a if columns is None else adapter.a.index_select(1, columns)
+    if adapter.dropout is None:
+        return F.linear(x, a)
+    x3 = _rows(x.contiguous())
+    tiles = [F.linear(_dropped(adapter, x3, s, n, offset, columns), a) for s, n in _spans(adapter, x3)]
+    low = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
+    return low.view(*x.shape[:-1], a.shape[0])
+
+
+def add_adapter_input_grad(
+    adapter: Adapter, target: torch.Tensor, low_grad: torch.Tensor, offset: int = 0, columns=None
+) -> None:
+    """``target [..., n, w] += dropout'(low_grad A)`` (in place) for the gradient ``low_grad [..., n, r]`` of
+    ``adapter_low``'s output (``columns``: A's columns, as there)."""
+    dtype = low_grad.dtype
+    a = (adapter.a if columns is None else adapter.a.index_select(1, columns)).to(dtype)
+    target, low_grad = _rows(target), _rows(low_grad.contiguous())
+    for start, length in _spans(adapter, target):
+        grad = low_grad.narrow(1, start, length) @ a  # [rows, length, w]
+        if adapter.dropout is not None:
+            grad = _dropped(adapter, grad, 0, length, offset + start, columns)
+        target.narrow(1, start, length).add_(grad)
+
+
+def a_grad(adapter: Adapter, low_grad: torch.Tensor, x: torch.Tensor, offset: int = 0, columns=None) -> torch.Tensor:
+    """A's gradient ``low_grad^T dropout(x) [r, w]`` (``columns``: those of A that ``x [..., n, w]`` has) for the
+    gradient ``low_grad [..., n, r]`` of ``adapter_low(x)``, in ``low_grad``'s dtype."""
+    x, low_grad = _rows(adapter.input(x).contiguous()), _rows(low_grad.contiguous())
+    total = None
+    for start, length in _spans(adapter, x):
+        dropped = _dropped(adapter, x, start, length, offset, columns).reshape(-1, x.shape[-1])
+        grad = low_grad.narrow(1, start, length).reshape(-1, low_grad.shape[-1])  # [rows length, r]
+        part = grad.t() @ dropped.to(grad.dtype)
+        total = part if total is None else total.add_(part)
+    return total
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    adapters: tuple[Adapter, ...] = (),
+    offset: int = 0,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` plus each adapter's ``s * (dropout(x) A^T) B^T`` (``adapters``' ``b``: the rows
+    that ``weight`` has; ``offset``: the token of ``x``'s first, for the dropout), in the order and dtypes of PEFT's
+    forward."""
     out = F.linear(x, weight, bias)
     if not adapters:
         return out
     dtype = out.dtype
     for adapter in adapters:
-        out = out + F.linear(F.linear(adapter.input(x), adapter.a), adapter.b) * adapter.scaling
+        out = out + F.linear(adapter_low(adapter, x, offset), adapter.b) * adapter.scaling
     return out.to(dtype)

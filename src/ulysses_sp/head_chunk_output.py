@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from .chunk_core import output_row_sums
+from .head_chunk_lora import a_grad, adapter_low, add_adapter_input_grad
 from .head_split import DEPTH
-from .tiling import add_mm, compute_dtype, sum_dtype
+from .tiling import compute_dtype, sum_dtype
 
 if TYPE_CHECKING:
     from .head_chunk_grads import Accumulators
@@ -24,37 +25,37 @@ __all__ = ["out_finish", "out_input_grad", "out_proj_backward", "out_share", "ou
 
 def out_start(run: ChunkRun, x: torch.Tensor) -> torch.Tensor:
     """The block's output sum ``[b, n, h]`` (zeros, in the dtype the projections compute in, for input ``x``); and
-    ``run.out_low``, zeroed sums of ``y A^T [b n, r]`` over the chunks, one per LoRA adapter of the output
+    ``run.out_low``, zeroed sums of ``dropout(y) A^T [b, n, r]`` over the chunks, one per LoRA adapter of the output
     projection (fp32 under a 16-bit dtype)."""
     out = x.new_zeros(*x.shape[:-1], run.owner.out_proj().out_features, dtype=compute_dtype(x))
-    tokens = out.numel() // out.shape[-1]
-    adapters = run.owner.adapters(run.owner.names.out)
-    run.out_low = [out.new_zeros(tokens, a.a.shape[0], dtype=sum_dtype(out.dtype, True)) for a in adapters]
+    adapters = run.parts.adapters(run.owner.names.out)
+    run.out_low = [out.new_zeros(*out.shape[:-1], a.a.shape[0], dtype=sum_dtype(out.dtype, True)) for a in adapters]
     return out
 
 
 def out_share(run: ChunkRun, chunk: int, local: torch.Tensor, out: torch.Tensor) -> None:
     """Chunk ``chunk``'s share of the output projection: its columns of the weight times ``local [b, n, Hc, d_v]``
-    added into ``out [b, n, h]``; LoRA: ``y_c A_c^T`` into ``run.out_low``."""
+    added into ``out [b, n, h]``; LoRA: ``dropout(y_c) A_c^T`` into ``run.out_low``."""
     name = run.owner.names.out
     weight = run.parts.part(name, chunk, run.owner.out_proj().weight)  # [h, Hc d_v]
     local_2d = local.reshape(-1, weight.shape[1])  # [b n, Hc d_v]
     out.view(-1, out.shape[-1]).addmm_(local_2d, weight.t().to(out.dtype))
-    for low, adapter in zip(run.out_low, run.owner.adapters(name), strict=True):
-        dtype = adapter.dtype(local_2d.dtype)
-        add_mm(low, local_2d.to(dtype), run.parts.part(name, chunk, adapter.a).t().to(dtype))
+    adapters = run.parts.adapters(name)
+    if adapters:
+        local_3d, columns = local.flatten(-2), run.parts.columns(chunk, local.device)  # [b, n, Hc d_v]
+        for low, adapter in zip(run.out_low, adapters, strict=True):
+            low.add_(adapter_low(adapter, local_3d, columns=columns))
 
 
 def out_finish(run: ChunkRun, out: torch.Tensor) -> torch.Tensor:
     """``out [b, n, h]`` (every chunk's share) plus the output projection's bias and its LoRA adapters'
-    ``s (y A^T) B^T``."""
+    ``s (dropout(y) A^T) B^T``."""
     out_proj = run.owner.out_proj()
     if out_proj.bias is not None:
         out += out_proj.bias
-    adapters = run.owner.adapters(run.owner.names.out)
-    for low, adapter in zip(run.out_low, adapters, strict=True):
+    for low, adapter in zip(run.out_low, run.parts.adapters(run.owner.names.out), strict=True):
         dtype = adapter.dtype(out.dtype)
-        out.view(-1, out.shape[-1]).add_(low.to(dtype).mm(adapter.b.t().to(dtype)) * adapter.scaling)
+        out.add_(low.to(dtype) @ adapter.b.t().to(dtype) * adapter.scaling)
     return out
 
 
@@ -67,9 +68,11 @@ def out_proj_backward(
     if acc.out_weight is not None:
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
         run.parts.add_mm(name, chunk, acc.out_weight, grad_2d.t(), local_2d)
-    for adapter, low_grad in run.out_low_grads:  # LoRA: A's columns += (s g B)^T y_c
+    for adapter, low_grad in run.out_low_grads:  # LoRA: A's columns += (s g B)^T dropout(y_c)
         if acc.need.get(id(adapter.a)):
-            run.parts.add(name, chunk, acc.sums[id(adapter.a)], low_grad.t().mm(local_2d.to(low_grad.dtype)))
+            columns = run.parts.columns(chunk, local.device)
+            grad = a_grad(adapter, low_grad, local.flatten(-2).to(low_grad.dtype), columns=columns)
+            run.parts.add(name, chunk, acc.sums[id(adapter.a)], grad)
     return out_input_grad(run, chunk, grad_out, local.shape)
 
 
@@ -78,9 +81,9 @@ def out_input_grad(run: ChunkRun, chunk: int, grad_out: torch.Tensor, shape: tor
     grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
     name = run.owner.names.out
     weight = run.parts.part(name, chunk, run.owner.out_proj().weight)  # [h, Hc d_v]
-    grad = grad_2d.mm(weight.to(grad_2d.dtype))
-    for adapter, low_grad in run.out_low_grads:  # LoRA: (s g B) A_c
-        grad.add_(low_grad.mm(run.parts.part(name, chunk, adapter.a).to(low_grad.dtype)).to(grad.dtype))
+    grad = grad_2d.mm(weight.to(grad_2d.dtype)).view(*shape[:-2], -1)  # [b, n, Hc d_v]
+    for adapter, low_grad in run.out_low_grads:  # LoRA: dropout'((s g B) A_c)
+        add_adapter_input_grad(adapter, grad, low_grad, columns=run.parts.columns(chunk, grad.device))
     return grad.view(shape)
 
 

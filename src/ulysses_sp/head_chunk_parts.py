@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .head_chunk_lora import Adapter, InputDropout, adapter_seed
+
 if TYPE_CHECKING:
-    from .head_chunk_lora import Adapter
     from .head_chunks import HeadChunkedAttention
     from .head_split import ChunkHeads
 
@@ -66,8 +67,9 @@ class Blank:
 class ChunkParts:
     """The rows (columns for the output projection) of ``owner``'s sliced projections for each stage of ``heads``."""
 
-    def __init__(self, owner: HeadChunkedAttention, heads: ChunkHeads) -> None:
+    def __init__(self, owner: HeadChunkedAttention, heads: ChunkHeads, seed: int = 0, rank: int = 0) -> None:
         self.owner, self.heads = owner, heads
+        self.seed, self.rank = seed, rank  # the call's draw for the LoRA adapters' input dropout, this rank
         self.stages = ([KV] if heads.shared_kv else []) + list(range(heads.chunks))
         self._index: dict[tuple[str, int, torch.device], slice | torch.Tensor] = {}
 
@@ -134,10 +136,23 @@ class ChunkParts:
                 return
         self.add(name, stage, target, a.mm(b))
 
-    def adapters(self, name: str, stage: int) -> tuple[Adapter, ...]:
-        """Projection ``name``'s LoRA adapters with ``stage``'s rows of their B (a view or copy of the parameter,
-        so that autograd reaches the parameter where it differentiates them)."""
-        return tuple(replace(a, b=self.part(name, stage, a.b_param)) for a in self.owner.adapters(name))
+    def adapters(self, name: str, stage: int | None = None) -> tuple[Adapter, ...]:
+        """Projection ``name``'s LoRA adapters with the dropout of their input in this call and ``stage``'s rows of
+        their B (a view or copy of the parameter, so that autograd reaches the parameter where it differentiates
+        them; None: B whole)."""
+        found = []
+        for index, a in enumerate(self.owner.adapters(name)):
+            dropout = InputDropout(a.p, adapter_seed(self.seed, name, index, self.rank)) if a.p > 0 else None
+            b = a.b_param if stage is None else self.part(name, stage, a.b_param)
+            found.append(replace(a, b=b, dropout=dropout))
+        return tuple(found)
+
+    def columns(self, stage: int, device: torch.device) -> torch.Tensor:
+        """The output projection's input columns that chunk ``stage`` has, as indices."""
+        index = self.index(self.owner.names.out, stage, device)
+        if isinstance(index, slice):
+            return torch.arange(index.start, index.stop, device=device)
+        return index
 
     def weights(self, stage: int, *, leaves: bool = False) -> dict[str, tuple]:
         """``stage``'s ``(weight, bias, adapters)`` of every sliced input projection: its parts, or (``leaves``)

@@ -116,7 +116,7 @@ class ChunkRun:
         self.owner, self.place, self.split = owner, place, split
         self.prepare, self.attend, self.group = prepare, attend, group
         self.sp = 1 if group is None else dist.get_world_size(group)
-        self.parts = ChunkParts(owner, split)
+        self.parts = ChunkParts(owner, split, owner.dropout_seed(), owner.ctx.layout.rank)
         self.blocks = split.ulysses // self.sp  # the ranks' blocks of a chunk's query heads this process attends
         # Where the chunks share the kv heads (split.shared_kv): the layer's k/v after the exchange [b, 2 hkv, N, d],
         # kept while the chunks run, and in backward their gradients' sum over the chunks and what the kv stage
@@ -138,8 +138,8 @@ class ChunkRun:
         # it instead of the block's input and while the backward remakes from it (:mod:`ulysses_sp.deferred_input`).
         self.remake: NormRemake | None = None
         self.source: torch.Tensor | None = None
-        # LoRA adapters of the output projection (ulysses_sp.head_chunk_lora): y A^T per adapter [b n, r] (forward),
-        # and in backward each adapter with the gradient of that, s g B [b n, r]
+        # LoRA adapters of the output projection (ulysses_sp.head_chunk_lora): dropout(y) A^T per adapter [b, n, r]
+        # (forward), and in backward each adapter with the gradient of that, s g B [b, n, r]
         self.out_low: list[torch.Tensor] = []
         self.out_low_grads: list[tuple[Adapter, torch.Tensor]] = []
 
@@ -412,7 +412,7 @@ class ChunkRun:
             raise RuntimeError("a remade input needs an Absent input and the norm that made it")
         acc = Accumulators(self.owner, x, needs, self.split.chunks)
         grad_out = grad_out.contiguous()
-        self.out_low_grads = acc.out_adapters(grad_out, out_low)
+        self.out_low_grads = acc.out_adapters(self.parts.adapters(self.owner.names.out), grad_out, out_low)
         prepared = output_grads(self, grad_out, local, lse, acc)
 
         def chunk_stages(c: int) -> Stages:

@@ -38,7 +38,7 @@ from torch.autograd.function import once_differentiable
 from .attention import UlyssesAttention, intercepting
 from .deferred_input import Absent, NormRemake
 from .head_chunk_grads import ProjectionCut
-from .head_chunk_lora import Adapter, active_adapters, base_linear, is_lora, lora_linear, lora_problem
+from .head_chunk_lora import Adapter, active_adapters, base_linear, dropout_off, is_lora, lora_linear, lora_problem
 from .head_chunk_parts import Blank
 from .head_chunk_pipeline import ChunkRun, placer
 from .head_chunk_probe import probe_problem
@@ -223,18 +223,15 @@ class HeadChunkedAttention:
 
     def adapters(self, name: str) -> tuple[Adapter, ...]:
         """The LoRA adapters that projection ``name`` adds in this call (:mod:`ulysses_sp.head_chunk_lora`)."""
-        found = active_adapters(self.module._modules[name])
-        if isinstance(found, str):
-            raise RuntimeError(f"{name}: {found}")  # call_problem() keeps such a call unchunked
-        return found
+        return active_adapters(self.module._modules[name])
 
-    def call_problem(self) -> str | None:
-        """Why this call cannot run in chunks though the module can (a LoRA adapter's dropout while training)."""
-        for name in (*self.names.query, *self.names.kv, self.names.out):
-            found = active_adapters(self.module._modules[name])
-            if isinstance(found, str):
-                return f"{name}: {found}"
-        return None
+    def dropout_seed(self) -> int:
+        """A seed drawn from torch's generator for this call's LoRA input dropout, where an adapter has one (as a
+        dropout would draw; activation checkpointing's recompute restores the generator, so draws it again); else 0."""
+        names = (*self.names.query, *self.names.kv, self.names.out)
+        if not any(a.p > 0 for name in names for a in self.adapters(name)):
+            return 0
+        return int(torch.randint(-(1 << 62), 1 << 62, ()).item())
 
     def out_proj(self) -> nn.Linear:
         return self.projection(self.names.out)
@@ -342,14 +339,6 @@ class HeadChunkedAttention:
         chunks = self.chunks_for(x)
         if chunks == 1:
             return type(module).forward(module, *args, **kwargs)
-        problem = self.call_problem()
-        if problem is not None:
-            if self.requested:
-                raise ValueError(
-                    f"{type(module).__name__} cannot run its heads in chunks in this call: {problem}; or use "
-                    "head_chunks=1 (--head-chunks 1) or leave it automatic (0 / None)"
-                )
-            return type(module).forward(module, *args, **kwargs)
         split = ChunkHeads(self.num_heads, self.num_kv_heads, chunks, self.ctx.layout.ulysses)
         if self.verified is None:
             self.verify(x, args, kwargs, split)
@@ -387,7 +376,8 @@ class HeadChunkedAttention:
         """Run the module's own forward and the chunked one on a few random tokens with one local core; they must
         agree. Sets :attr:`verified` (and :attr:`remakeable`); raises ValueError when C > 1 was asked for and they
         do not."""
-        problem = probe_problem(self, x, args, kwargs, split)
+        with dropout_off(self.module):  # the module's own forward and the chunks' draw other masks
+            problem = probe_problem(self, x, args, kwargs, split)
         self.verified = problem is None
         if problem is not None and self.requested:
             raise ValueError(

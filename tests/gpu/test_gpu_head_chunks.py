@@ -5,6 +5,8 @@ One GPU hosts one rank, so these run sp=1 through the chunked path (identity exc
 layout are proven on gloo in tests/dist/test_head_chunks_parity.py.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -67,17 +69,24 @@ def test_chunked_block_remakes_the_tiled_norm_output_on_cuda(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_block_with_lora_adapters_on_cuda(dtype):
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_chunked_block_with_lora_adapters_on_cuda(monkeypatch, dtype, dropout):
     """PEFT LoRA on every attention projection of a CUDA model (in bf16 PEFT keeps the adapters in fp32 and casts
-    their input): the chunks' kernels, and the adapters' gradients, match the plain PEFT model."""
+    their input), with and without lora_dropout (the reference draws the chunks' mask, computed on the GPU): the
+    chunks' kernels, and the adapters' gradients, match the plain PEFT model."""
     pytest.importorskip("peft")
-    from tests.helpers.models import with_lora
+    from tests.helpers.models import with_chunk_dropout, with_lora
+    from ulysses_sp.head_chunks import HeadChunkedAttention
 
     device = torch.device("cuda")
     batch = {k: v.to(device) for k, v in make_batch(2, 128, packed=(40, 88)).items()}
     targets = ("q_proj", "k_proj", "v_proj", "o_proj")
-    ref = with_lora(build("llama", heads=8, kv_heads=2, head_dim=16).to(device, dtype), targets)
-    par = with_lora(build("llama", heads=8, kv_heads=2, head_dim=16).to(device, dtype), targets)
+    model = build("llama", heads=8, kv_heads=2, head_dim=16).to(device, dtype)
+    ref = with_lora(model, targets, lora_dropout=dropout)
+    par = copy.deepcopy(ref)
+    if dropout:
+        with_chunk_dropout(ref, targets, dropout, seed=1000)
+        monkeypatch.setattr(HeadChunkedAttention, "dropout_seed", lambda self: 1000 + self.module.layer_idx)
     ref_loss, ref_grads = loss_and_grads(ref, batch)
     layout = U.ParallelLayout.single(device)
     U.parallelize(par, layout, head_chunks=4)
@@ -94,3 +103,13 @@ def test_chunked_block_with_lora_adapters_on_cuda(dtype):
             name,
             (grads[name] - ref_grad).norm(),
         )
+
+
+def test_lora_input_dropout_mask_is_the_cpus():
+    """The position hash's int64 arithmetic wraps alike on the GPU: the same mask as on the CPU."""
+    from ulysses_sp.head_chunk_lora import InputDropout
+
+    dropout = InputDropout(0.1, seed=-(1 << 61) + 12345)
+    cpu = dropout.mask(3, 17, 64, torch.arange(40, 72))
+    cuda = dropout.mask(3, 17, 64, torch.arange(40, 72, device="cuda"))
+    assert torch.equal(cuda.cpu(), cpu)

@@ -312,6 +312,35 @@ def with_lora(model, targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj"), 
     return get_peft_model(model, lora)
 
 
+class _ChunkMask(torch.nn.Module):
+    """A LoRA input dropout drawing the mask the head chunks draw for ``seed`` (sp=1, rank 0; see
+    ulysses_sp.head_chunk_lora.InputDropout)."""
+
+    def __init__(self, p: float, seed: int) -> None:
+        super().__init__()
+        from ulysses_sp.head_chunk_lora import InputDropout
+
+        self.dropout = InputDropout(p, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., n, w]: rows are every dimension before the tokens
+        rows, columns = x[..., 0, 0].numel(), torch.arange(x.shape[-1], device=x.device)
+        return x * self.dropout.mask(rows, 0, x.shape[-2], columns).view(x.shape).to(x.dtype)
+
+
+def with_chunk_dropout(peft_model, targets: tuple[str, ...], p: float, seed: int):
+    """``peft_model`` (in place) with each LoRA dropout of ``targets`` replaced by the mask the head chunks draw
+    when layer ``l``'s call seed is ``seed + l`` (patch ``HeadChunkedAttention.dropout_seed`` to match)."""
+    from ulysses_sp.head_chunk_lora import adapter_seed
+
+    for layer in peft_model.base_model.model.model.layers:
+        for name in targets:
+            proj = getattr(layer.self_attn, name, None)  # (an MLA without q_lora_rank has no q_b_proj)
+            if proj is not None:
+                call_seed = seed + layer.self_attn.layer_idx
+                proj.lora_dropout["default"] = _ChunkMask(p, adapter_seed(call_seed, name, 0, 0))
+    return peft_model
+
+
 def make_batch(
     batch: int,
     seq_len: int,

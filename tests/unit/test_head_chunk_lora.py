@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import ulysses_sp as U
-from tests.helpers.models import build, loss_and_grads, make_batch, with_lora
+from tests.helpers.models import build, loss_and_grads, make_batch, with_chunk_dropout, with_lora
+from ulysses_sp.head_chunk_lora import InputDropout
 from ulysses_sp.head_chunks import HeadChunkedAttention
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -58,32 +59,71 @@ def test_lora_chunks_match_the_plain_peft_model(arch, targets, unfreeze, autocas
         torch.testing.assert_close(grads[name], want[name], **tol, msg=name)
 
 
-def test_lora_dropout_while_training_refused_or_kept_unchunked():
-    """Each chunk would draw its own dropout mask: asked-for chunks raise at the call (naming the fix) before any
-    gradient; automatic chunks keep the module's own path; in eval mode (no dropout) the chunks run."""
-    batch = make_batch(1, 12)
-    model = with_lora(build("llama", kv_heads=2), ATTENTION, lora_dropout=0.1)
-    asked = U.parallelize(copy.deepcopy(model), U.ParallelLayout.single(), head_chunks=2)
-    with pytest.raises(ValueError, match=r"lora_dropout=0.1.*LoraConfig\(lora_dropout=0.0\)"):
-        loss_and_grads(asked, batch, U.ParallelLayout.single())
-    assert all(p.grad is None for p in asked.parameters())
-
-    auto = U.parallelize(copy.deepcopy(model), U.ParallelLayout.single(), head_chunk_budget_bytes=1)
-    torch.manual_seed(5)
-    loss, _ = loss_and_grads(auto, batch, U.ParallelLayout.single())
-    assert all(h.verified is None for h in _chunked(auto))  # never chunked, so never probed
-    torch.manual_seed(5)
-    torch.testing.assert_close(loss, model(**batch, use_cache=False).loss.detach(), rtol=1e-5, atol=1e-6)
-
-    asked.eval()
+@pytest.mark.parametrize(
+    ("arch", "targets", "tiled_norms"),
+    [
+        ("llama", ATTENTION, False),
+        ("llama", ATTENTION, True),
+        ("deepseek_v3_mla_v4", ("q_b_proj", "kv_b_proj", "o_proj"), False),  # projections of an inner tensor
+    ],
+)
+def test_lora_dropout_is_one_mask_per_call_in_every_chunk_and_in_backward(monkeypatch, arch, targets, tiled_norms):
+    """lora_dropout while training: every chunk, and backward (whole or remaking the tiled norm's output tile by
+    tile), drop the same elements. The reference is the plain PEFT model whose dropout draws that mask."""
+    p, seed = 0.25, 1000
+    batch = make_batch(2, 20, packed=(8, 12))
+    model = with_lora(build(arch, kv_heads=2 if arch == "llama" else None), targets, lora_dropout=p)
+    ref = with_chunk_dropout(copy.deepcopy(model), targets, p, seed)
+    want_loss, want = loss_and_grads(ref, batch)
     with torch.no_grad():
-        want = model.eval()(**batch, use_cache=False).loss
-        layout = U.ParallelLayout.single()
-        shard = U.shard_batch(batch, layout)
-        logits = asked(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-        got = U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
-    assert all(h.verified for h in _chunked(asked))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        no_dropout = copy.deepcopy(model).eval()(**batch, use_cache=False).loss
+    monkeypatch.setattr(HeadChunkedAttention, "dropout_seed", lambda self: seed + self.module.layer_idx)
+    layout = U.ParallelLayout.single()
+    U.parallelize(model, layout, head_chunks=2)
+    if tiled_norms:
+        U.enable_tiled_norms(model, chunk_tokens=7)  # 40 tokens: tiles of 7
+    loss, grads = loss_and_grads(model, batch, layout)
+    assert all(h.verified for h in _chunked(model))
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    trained = [n for n, g in grads.items() if g is not None]
+    assert sorted(trained) == sorted(n for n, q in model.named_parameters() if q.requires_grad)
+    assert len(trained) >= 2 * 2 * 2  # A and B of two projections or more, two layers
+    for name in trained:
+        torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.allclose(no_dropout, want_loss)  # the adapters' dropout was on
+
+
+def test_lora_dropout_seed_comes_back_under_activation_checkpointing():
+    """The call's seed is drawn from torch's generator, which checkpointing's recompute restores: the same step
+    with and without checkpointing gives the same loss and gradients."""
+    batch = make_batch(1, 16)
+    model = with_lora(build("llama", kv_heads=2), ATTENTION, lora_dropout=0.3)
+    results = []
+    for checkpointing in (False, True):
+        par = U.parallelize(copy.deepcopy(model), U.ParallelLayout.single(), head_chunks=2)
+        if checkpointing:
+            par.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        par.train()
+        torch.manual_seed(7)
+        results.append(loss_and_grads(par, batch, U.ParallelLayout.single()))
+    (loss, grads), (loss_ckpt, grads_ckpt) = results
+    torch.testing.assert_close(loss_ckpt, loss, rtol=0, atol=0)
+    for name, grad in grads.items():
+        if grad is not None:
+            torch.testing.assert_close(grads_ckpt[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_input_dropout_mask_depends_on_position_only():
+    dropout = InputDropout(0.25, seed=123)
+    columns = torch.arange(6)
+    whole = dropout.mask(2, 0, 10, columns)
+    tiles = torch.cat([dropout.mask(2, 0, 4, columns), dropout.mask(2, 4, 6, columns)], dim=1)
+    assert torch.equal(whole, tiles)
+    assert torch.equal(dropout.mask(2, 3, 5, torch.tensor([1, 4])), whole[:, 3:8][..., [1, 4]])
+    assert set(whole.unique().tolist()) <= {0.0, torch.tensor(1 / 0.75).item()}
+    big = InputDropout(0.25, seed=5).mask(4, 0, 500, torch.arange(512))
+    assert abs(float((big > 0).float().mean()) - 0.75) < 0.01
+    assert not torch.equal(big, InputDropout(0.25, seed=6).mask(4, 0, 500, torch.arange(512)))
 
 
 @pytest.mark.parametrize(
