@@ -11,9 +11,10 @@
 #   packed      benchmarks/packed_attention.py: per-document sdpa against one flex call, recompiles    (60)
 #   loss        benchmarks/tiled_loss_speed.py: tiled against plain loss, 32K tokens, vocab 152K      (60)
 #   kernels     benchmarks/chunk_kernel_calls.py: a rank's heads in one kernel call or one per chunk  (45)
+#   lora        benchmarks/lora_head_chunks.py: a LoRA model in 4 head chunks against 1, dropout 0 / 0.1 (60)
 #
 # A lease gives about 15 minutes of device time in all (a machine's start included), a call at most 10: run the
-# steps over two calls, `env validation tests` (at most 510 s) then `packed loss kernels` (at most 165 s). A failing or timed-out step does not stop the others.
+# steps over two calls, `env validation tests` (at most 510 s) then `packed loss kernels lora` (at most 225 s). A failing or timed-out step does not stop the others.
 # Every step's output goes under $GPU_SESSION_WORK (default /tmp/gpu_session), which is packed into
 # OUT/gpu_session.tgz after each step (so a call cut off keeps what finished); OUT/session.log lists each
 # step's command, exit status and seconds. GPU_SESSION_DRY_RUN=1 prints the commands and runs nothing.
@@ -26,7 +27,7 @@ fi
 out=$1
 shift
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env validation tests packed loss kernels)
+[ ${#steps[@]} -eq 0 ] && steps=(env validation tests packed loss kernels lora)
 work=${GPU_SESSION_WORK:-/tmp/gpu_session}
 root=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$root/src:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -39,6 +40,7 @@ command_for() {  # the step's default seconds, then its command
         packed) echo "60 TORCH_LOGS=recompiles python3 $root/benchmarks/packed_attention.py --seq-len 32768 --docs 1 8 32 128 512 --heads 4 --kv-heads 1 --head-dim 128 --out $work" ;;
         loss) echo "60 python3 $root/benchmarks/tiled_loss_speed.py --tokens 32768 --hidden 2560 --vocab 151936 --dtype bf16 --chunk-tokens 0 --rounds 5 --name $work/tiled_loss_gpu" ;;
         kernels) echo "45 python3 $root/benchmarks/chunk_kernel_calls.py --device cuda --dtype bf16 --head-dim 128 --tokens 32768 --name $work/chunk_kernel_calls_gpu" ;;
+        lora) echo "60 python3 $root/benchmarks/lora_head_chunks.py --device cuda --dtype bf16 --hidden 2048 --heads 16 --kv-heads 4 --tokens 32768 --chunks 4 --rounds 5 --name $work/lora_head_chunks_gpu" ;;
         *) return 1 ;;
     esac
 }
@@ -46,7 +48,7 @@ command_for() {  # the step's default seconds, then its command
 for spec in "${steps[@]}"; do  # every step is checked before any runs
     name=${spec%%=*}
     if ! command_for "$name" > /dev/null; then
-        echo "gpu_session.sh: unknown step '$name'; steps: env validation tests packed loss kernels" >&2
+        echo "gpu_session.sh: unknown step '$name'; steps: env validation tests packed loss kernels lora" >&2
         exit 2
     fi
     if [ "$spec" != "$name" ] && ! [[ ${spec#*=} =~ ^[1-9][0-9]*$ ]]; then

@@ -15,10 +15,11 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.autograd.graph import get_gradient_edge
 
-from .head_chunk_lora import a_grad, adapter_low, add_adapter_input_grad, lora_linear
+from .head_chunk_lora import lora_linear, with_lows
 from .tiling import add_mm, sum_dtype
 
 if TYPE_CHECKING:
@@ -78,13 +79,21 @@ class ProjectionCut:
         return self.remake is not None and self.source is not None
 
     def project(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, adapters: tuple[Adapter, ...] = ()
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        adapters: tuple[Adapter, ...] = (),
+        lows: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` (plus LoRA ``adapters``) without a graph, under the caller's autocast
-        state; tile by tile from the norm's input where ``x`` is :class:`~ulysses_sp.deferred_input.Absent`."""
+        """``F.linear(x, weight, bias)`` (plus LoRA ``adapters``; ``lows``: their ``dropout(x) A^T [b, n, r]``, made
+        already) without a graph, under the caller's autocast state; tile by tile from the norm's input where ``x``
+        is :class:`~ulysses_sp.deferred_input.Absent`."""
 
         def linear(x: torch.Tensor, start: int = 0) -> torch.Tensor:
-            return lora_linear(x, weight, bias, adapters, start)
+            if lows is None:
+                return lora_linear(x, weight, bias, adapters, start)
+            tiles = [low.narrow(-2, start, x.shape[-2]) for low in lows]
+            return with_lows(F.linear(x, weight, bias), adapters, tiles)
 
         if self.remade:
             return self.remake.project(self.source, linear)
@@ -153,8 +162,18 @@ class Accumulators:
         self.waiting: deque[tuple[torch.Tensor, ChunkRun, str, int]] = deque()  # (grad [b n, out_c], run, name, stage)
         self.waiting_bytes = 0
         self.sums = {id(p): _zeros(p, chunks) for p in self.params if self.need[id(p)]}
-        self.out_weight = self.sums.get(id(owner.out_proj().weight))
+        # the sums something was added to: the others' parameters get None, as autograd gives a parameter it does
+        # not reach (e.g. an inactive LoRA adapter's), not zeros (which an optimizer would apply weight decay with)
+        self.touched: set[int] = set()
+        self.out_weight = self.sum(owner.out_proj().weight)
         self.sliced = owner.sliced_parameters()
+
+    def sum(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s gradient sum to add to (None: not wanted), marked as reached."""
+        found = self.sums.get(id(param))
+        if found is not None:
+            self.touched.add(id(param))
+        return found
 
     @property
     def x(self) -> torch.Tensor | None:
@@ -180,11 +199,7 @@ class Accumulators:
                 return
         weight = run.parts.part(name, stage, self.owner.projection(name).weight).to(grad_2d.dtype)  # [out_c, h]
         target = self.x.view(-1, self.x.shape[-1])
-        add_mm(target, grad_2d, weight)
-        for adapter in run.parts.adapters(name, stage):  # LoRA: dropout'(s (g B_c) A)
-            dtype = adapter.dtype(grad_2d.dtype)
-            low = grad_2d.to(dtype).mm(adapter.b.to(dtype)) * adapter.scaling  # [b n, r]
-            add_adapter_input_grad(adapter, self.x, low.view(*self.x.shape[:-1], -1))
+        add_mm(target, grad_2d, weight)  # (LoRA's share: InputLows.finish)
 
     def add_chunk(
         self,
@@ -208,11 +223,11 @@ class Accumulators:
             for leaf, param in zip(pair[:2], (proj.weight, proj.bias), strict=True):  # (its adapters: by autograd)
                 if isinstance(leaf, torch.Tensor) and self.need.get(id(param)):
                     inputs.append(leaf)
-                    targets.append((name, self.sums[id(param)]))
+                    targets.append((name, param))
         for param in self.params:
             if id(param) not in self.sliced and self.need[id(param)]:
                 inputs.append(param)
-                targets.append((None, self.sums[id(param)]))
+                targets.append((None, param))
         if cut.count:
             inputs.append(cut.anchor)
         if not inputs:
@@ -221,15 +236,15 @@ class Accumulators:
         with torch.enable_grad():
             found = roots.backward(grads, inputs)
         cut.sink = None
-        for (name, target), grad in zip(targets, found, strict=False):  # the anchor's (None) is last
+        for (name, param), grad in zip(targets, found, strict=False):  # the anchor's (None) is last
             if grad is None:
                 continue
             if name == _INPUT:
                 self.x.add_(grad)
             elif name is None:
-                target.add_(grad)
+                self.sum(param).add_(grad)
             else:
-                run.parts.add(name, stage, target, grad)
+                run.parts.add(name, stage, self.sum(param), grad)
 
     def _linear_backward(self, run: ChunkRun, stage: int, name: str, cut: ProjectionCut, grad: torch.Tensor) -> None:
         """Projection ``name``'s backward for the stage, ``grad [b, n, out_c]`` of its output: added in place into
@@ -238,35 +253,26 @@ class Accumulators:
         grad_2d = grad.reshape(-1, grad.shape[-1])  # [b n, out_c]
         if self.need_x:
             self._add_input(grad_2d, run, name, stage)
-        need_weight = self.need.get(id(proj.weight))
-        adapters = [
-            a for a in run.parts.adapters(name, stage) if self.need.get(id(a.a)) or self.need.get(id(a.b_param))
-        ]
-        if need_weight or adapters:
+        if self.need.get(id(proj.weight)):
             for start, length, x in cut.tiles():  # x [b, length, h]: the input, whole or one remade tile
-                g = grad.narrow(-2, start, length)  # [b, length, out_c]
-                if need_weight:
-                    g_2d, x_2d = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1]).to(g.dtype)
-                    run.parts.add_mm(name, stage, self.sums[id(proj.weight)], g_2d.t(), x_2d)
-                for adapter in adapters:  # LoRA: B_c += s g^T (dropout(x) A^T), A += s (g B_c)^T dropout(x)
-                    self._adapter_backward(run, stage, name, adapter, g, x, start)
+                g = grad.narrow(-2, start, length).reshape(-1, grad.shape[-1])  # [b length, out_c]
+                run.parts.add_mm(name, stage, self.sum(proj.weight), g.t(), x.reshape(-1, x.shape[-1]).to(g.dtype))
         if proj.bias is not None and self.need.get(id(proj.bias)):
-            run.parts.add(name, stage, self.sums[id(proj.bias)], grad_2d.sum(0))
+            run.parts.add(name, stage, self.sum(proj.bias), grad_2d.sum(0))
+        for index, adapter in enumerate(run.parts.adapters(name, stage)):  # LoRA
+            dtype = adapter.dtype(grad.dtype)
+            g = grad.to(dtype)  # [b, n, out_c]
+            if self.need.get(id(adapter.b_param)):  # B_c += s g^T (dropout(x) A^T)
+                low = run.inputs.low(name, index, adapter).to(dtype)  # [b, n, r]
+                b_grad = g.reshape(-1, g.shape[-1]).t().mm(low.reshape(-1, low.shape[-1])) * adapter.scaling
+                run.parts.add(name, stage, self.sum(adapter.b_param), b_grad)
+            if self.need.get(id(adapter.a)) or self.need_x:  # A's and the input's: once, from the sum of s g B_c
+                run.inputs.add(name, index, adapter, g @ adapter.b.to(dtype) * adapter.scaling)
 
-    def _adapter_backward(
-        self, run: ChunkRun, stage: int, name: str, adapter: Adapter, g: torch.Tensor, x: torch.Tensor, start: int
-    ) -> None:
-        """A LoRA adapter's gradients from one tile of tokens from ``start``: ``g [b, n, out_c]`` of the projection's
-        output, ``x [b, n, h]`` of its input."""
-        dtype = adapter.dtype(g.dtype)
-        g = g.to(dtype)
-        if self.need.get(id(adapter.b_param)):
-            low = adapter_low(adapter, x, start).to(dtype)  # [b, n, r]
-            grad = g.reshape(-1, g.shape[-1]).t().mm(low.reshape(-1, low.shape[-1])) * adapter.scaling
-            run.parts.add(name, stage, self.sums[id(adapter.b_param)], grad)
-        if self.need.get(id(adapter.a)):
-            low_grad = g @ adapter.b.to(dtype) * adapter.scaling  # [b, n, r]
-            self.sums[id(adapter.a)].add_(a_grad(adapter, low_grad, x.to(dtype), start))
+    def finish_inputs(self, run: ChunkRun) -> None:
+        """The LoRA adapters' gradients of A and of the block's input, once every stage has run
+        (:meth:`~ulysses_sp.head_chunk_lora.InputLows.finish`)."""
+        run.inputs.finish(lambda adapter: self.sum(adapter.a), lambda: self.x)
 
     def out_adapters(
         self, adapters: tuple[Adapter, ...], grad_out: torch.Tensor, lows: tuple[torch.Tensor, ...]
@@ -282,7 +288,7 @@ class Accumulators:
             g = grad_out.to(adapter.dtype(grad_out.dtype))  # [b, n, h]
             if self.need.get(id(adapter.b_param)):
                 grad = g.reshape(-1, g.shape[-1]).t().mm(low.reshape(-1, low.shape[-1]).to(g.dtype))
-                self.sums[id(adapter.b_param)].add_(grad * adapter.scaling)
+                self.sum(adapter.b_param).add_(grad * adapter.scaling)
             found.append((adapter, g @ adapter.b.to(g.dtype) * adapter.scaling))
         return found
 
@@ -290,6 +296,6 @@ class Accumulators:
         """``(grad x, *grad params)`` in the parameters' order, each in its tensor's dtype."""
         bias = self.owner.out_proj().bias
         if bias is not None and self.need.get(id(bias)):
-            self.sums[id(bias)].add_(grad_out.reshape(-1, grad_out.shape[-1]).sum(0))
-        grads = [self.sums[id(p)].to(p.dtype) if id(p) in self.sums else None for p in self.params]
+            self.sum(bias).add_(grad_out.reshape(-1, grad_out.shape[-1]).sum(0))
+        grads = [self.sums[id(p)].to(p.dtype) if id(p) in self.touched else None for p in self.params]
         return (self.x, *grads)

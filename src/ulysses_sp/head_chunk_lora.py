@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +33,7 @@ from torch import nn
 __all__ = [
     "Adapter",
     "InputDropout",
+    "InputLows",
     "active_adapters",
     "adapter_seed",
     "dropout_off",
@@ -40,9 +41,11 @@ __all__ = [
     "add_adapter_input_grad",
     "a_grad",
     "base_linear",
+    "call_problem",
     "is_lora",
     "lora_linear",
     "lora_problem",
+    "with_lows",
 ]
 
 # splitmix64's finalizer constants, as signed int64 (torch's integer arithmetic wraps)
@@ -166,6 +169,33 @@ def active_adapters(child: nn.Module) -> tuple[Adapter, ...]:
     return tuple(found)
 
 
+def call_problem(module: nn.Module, names: tuple[str, ...]) -> tuple[str, bool] | None:
+    """Why this call of ``module`` (projections ``names``) must run its own forward though it can run in chunks,
+    and whether that is an error where C > 1 was asked for: a projection's forward hooks now (PEFT's
+    ``adapter_names`` adds them for one call), a LoRA adapter added since the chunks were installed (a variant,
+    say), dropout in a LoRA layer the chunks do not slice (its forward would run once per chunk, each drawing a
+    mask). Merged adapters that are disabled are unmerged first, as PEFT's forward does."""
+    sliced = set()
+    for name in names:
+        wrapper = module._modules[name]
+        sliced.add(wrapper)
+        if any(m._forward_hooks or m._forward_pre_hooks for m in {wrapper, base_linear(wrapper)}):
+            return f"{name} has forward hooks (e.g. PEFT's adapter_names)", False
+        if is_lora(wrapper):
+            problem = lora_problem(wrapper)
+            if problem is not None:
+                return f"{name}: {problem}", True
+            if wrapper.disable_adapters and wrapper.merged:
+                wrapper.unmerge()
+    for inner_name, inner in module.named_modules():
+        if is_lora(inner) and inner not in sliced:
+            for dropout in inner.lora_dropout.values():
+                drops = not isinstance(dropout, nn.Identity) and (not isinstance(dropout, nn.Dropout) or dropout.p > 0)
+                if drops and dropout.training:
+                    return f"{inner_name}, a LoRA layer the chunks do not slice, drops out its input", True
+    return None
+
+
 @contextlib.contextmanager
 def dropout_off(module: nn.Module) -> Iterator[None]:
     """Inside the block, the LoRA layers' input dropouts under ``module`` are in eval mode (off)."""
@@ -239,6 +269,87 @@ def a_grad(adapter: Adapter, low_grad: torch.Tensor, x: torch.Tensor, offset: in
         part = grad.t() @ dropped.to(grad.dtype)
         total = part if total is None else total.add_(part)
     return total
+
+
+def with_lows(out: torch.Tensor, adapters: tuple[Adapter, ...], lows: list[torch.Tensor]) -> torch.Tensor:
+    """``out`` (the base projection's output) plus each adapter's ``s * low B^T``, ``low = dropout(x) A^T`` made
+    already, in the order and dtypes of PEFT's forward."""
+    dtype = out.dtype
+    for adapter, low in zip(adapters, lows, strict=True):
+        out = out + F.linear(low, adapter.b) * adapter.scaling
+    return out.to(dtype)
+
+
+class InputLows:
+    """The LoRA adapters of the projections of the block's input ``x [b, n, h]`` in one forward or backward:
+    ``dropout(x) A^T [b, n, r]`` per (projection, adapter) made once, not once per chunk (:meth:`low`); in backward
+    the sums over the stages of ``s g_c B_c [b, n, r]`` (:meth:`add`), from which A's gradient and the input's are
+    made once, in one pass over ``x``'s tiles that draws each tile's dropout mask once (:meth:`finish`).
+    ``tiles()``: ``x`` as ``(start, length, tile)`` (whole, or remade tile by tile)."""
+
+    def __init__(self, x: torch.Tensor, tiles: Callable[[], Iterator[tuple[int, int, torch.Tensor]]]) -> None:
+        self.x, self.tiles = x, tiles
+        self.lows: dict[tuple[str, int], torch.Tensor] = {}
+        self.grads: dict[tuple[str, int], tuple[Adapter, torch.Tensor]] = {}
+
+    def low(self, name: str, index: int, adapter: Adapter) -> torch.Tensor:
+        key = (name, index)
+        if key not in self.lows:
+            with torch.no_grad():
+                parts = [adapter_low(adapter, tile, start) for start, _, tile in self.tiles()]
+            self.lows[key] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+        return self.lows[key]
+
+    def add(self, name: str, index: int, adapter: Adapter, low_grad: torch.Tensor) -> None:
+        """Add a stage's ``s g_c B_c [b, n, r]`` (the gradient of :meth:`low`'s output)."""
+        key = (name, index)
+        if key in self.grads:
+            self.grads[key][1].add_(low_grad)
+        else:
+            self.grads[key] = (adapter, low_grad.to(torch.promote_types(low_grad.dtype, torch.float32)))
+
+    def finish(self, a_sum: Callable[[Adapter], torch.Tensor | None], x_sum: Callable[[], torch.Tensor | None]) -> None:
+        """A's gradients ``G^T dropout(x)`` into ``a_sum(adapter)`` (None: not wanted) and the input's
+        ``dropout'(G A)`` into ``x_sum()`` (None: not wanted), tile by tile; then forget the sums."""
+        grads, self.grads = list(self.grads.values()), {}
+        if not grads:
+            return
+        target = x_sum()
+        for start, length, tile in self.tiles():  # [b, length, h]
+            for adapter, total in grads:
+                _tile_grads(adapter, total.narrow(1, start, length), tile, start, a_sum(adapter), target, start)
+
+
+def _tile_grads(
+    adapter: Adapter,
+    low_grad: torch.Tensor,
+    x: torch.Tensor,
+    offset: int,
+    a_target: torch.Tensor | None,
+    x_target: torch.Tensor | None,
+    x_start: int,
+) -> None:
+    """For one tile ``x [b, n, h]`` (tokens from ``offset``) and ``low_grad [b, n, r]``: A's gradient into
+    ``a_target`` and the input's into ``x_target``'s tokens from ``x_start``, each mask drawn once."""
+    dtype = adapter.dtype(low_grad.dtype)
+    a = adapter.a.to(dtype)
+    for start, length in _spans(adapter, x):
+        g = low_grad.narrow(1, start, length).to(dtype)  # [b, length, r]
+        tile = adapter.input(x.narrow(1, start, length))
+        mask = None
+        if adapter.dropout is not None:
+            cols = torch.arange(x.shape[-1], device=x.device)
+            mask = adapter.dropout.mask(x.shape[0], offset + start, length, cols).to(dtype)
+            tile = tile * mask
+        if a_target is not None:
+            a_target.add_(
+                (g.reshape(-1, g.shape[-1]).t() @ tile.reshape(-1, tile.shape[-1]).to(dtype)).to(a_target.dtype)
+            )
+        if x_target is not None:
+            grad = g @ a  # [b, length, h]
+            if mask is not None:
+                grad = grad * mask
+            x_target.narrow(1, x_start + start, length).add_(grad)
 
 
 def lora_linear(

@@ -72,7 +72,7 @@ def out_proj_backward(
         if acc.need.get(id(adapter.a)):
             columns = run.parts.columns(chunk, local.device)
             grad = a_grad(adapter, low_grad, local.flatten(-2).to(low_grad.dtype), columns=columns)
-            run.parts.add(name, chunk, acc.sums[id(adapter.a)], grad)
+            run.parts.add(name, chunk, acc.sum(adapter.a), grad)
     return out_input_grad(run, chunk, grad_out, local.shape)
 
 

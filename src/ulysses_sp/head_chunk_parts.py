@@ -67,9 +67,14 @@ class Blank:
 class ChunkParts:
     """The rows (columns for the output projection) of ``owner``'s sliced projections for each stage of ``heads``."""
 
-    def __init__(self, owner: HeadChunkedAttention, heads: ChunkHeads, seed: int = 0, rank: int = 0) -> None:
+    def __init__(self, owner: HeadChunkedAttention, heads: ChunkHeads, rank: int = 0) -> None:
         self.owner, self.heads = owner, heads
-        self.seed, self.rank = seed, rank  # the call's draw for the LoRA adapters' input dropout, this rank
+        # The projections' LoRA adapters as the call found them (backward uses the same, whatever train() / eval()
+        # or adapter switches happen before it), and the call's seed for their input dropout (drawn only if one has)
+        names = (*owner.names.query, *owner.names.kv, owner.names.out)
+        self._adapters = {name: owner.adapters(name) for name in names}
+        active = any(a.p > 0 for found in self._adapters.values() for a in found)
+        self.seed, self.rank = (owner.dropout_seed() if active else 0), rank
         self.stages = ([KV] if heads.shared_kv else []) + list(range(heads.chunks))
         self._index: dict[tuple[str, int, torch.device], slice | torch.Tensor] = {}
 
@@ -141,7 +146,7 @@ class ChunkParts:
         their B (a view or copy of the parameter, so that autograd reaches the parameter where it differentiates
         them; None: B whole)."""
         found = []
-        for index, a in enumerate(self.owner.adapters(name)):
+        for index, a in enumerate(self._adapters[name]):
             dropout = InputDropout(a.p, adapter_seed(self.seed, name, index, self.rank)) if a.p > 0 else None
             b = a.b_param if stage is None else self.part(name, stage, a.b_param)
             found.append(replace(a, b=b, dropout=dropout))

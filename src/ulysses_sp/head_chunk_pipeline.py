@@ -69,6 +69,7 @@ from .comm import (
 from .cores import AttentionCall
 from .deferred_input import Absent, NormRemake
 from .head_chunk_grads import Accumulators, ProjectionCut, Roots
+from .head_chunk_lora import InputLows
 from .head_chunk_output import out_finish, out_input_grad, out_proj_backward, out_share, out_start, output_grads
 from .head_chunk_parts import KV, ChunkParts, add_at, rows_index, take
 from .interleave import Stages, run_interleaved
@@ -116,7 +117,7 @@ class ChunkRun:
         self.owner, self.place, self.split = owner, place, split
         self.prepare, self.attend, self.group = prepare, attend, group
         self.sp = 1 if group is None else dist.get_world_size(group)
-        self.parts = ChunkParts(owner, split, owner.dropout_seed(), owner.ctx.layout.rank)
+        self.parts = ChunkParts(owner, split, owner.ctx.layout.rank)  # (the call's LoRA adapters, as they are now)
         self.blocks = split.ulysses // self.sp  # the ranks' blocks of a chunk's query heads this process attends
         # Where the chunks share the kv heads (split.shared_kv): the layer's k/v after the exchange [b, 2 hkv, N, d],
         # kept while the chunks run, and in backward their gradients' sum over the chunks and what the kv stage
@@ -141,6 +142,7 @@ class ChunkRun:
         # LoRA adapters of the output projection (ulysses_sp.head_chunk_lora): dropout(y) A^T per adapter [b, n, r]
         # (forward), and in backward each adapter with the gradient of that, s g B [b, n, r]
         self.out_low: list[torch.Tensor] = []
+        self.inputs: InputLows | None = None  # the LoRA adapters' work on the block's input, during one pass
         self.out_low_grads: list[tuple[Adapter, torch.Tensor]] = []
 
     # ------------------------------------------------------------------------------------------- stages
@@ -151,7 +153,7 @@ class ChunkRun:
         (what a stage does not compute is zeros, :class:`~ulysses_sp.head_chunk_parts.Blank`); ``cut``: record the
         projections of ``x`` there (:class:`ProjectionCut`)."""
         args, kwargs = self.place(x)
-        captured = self.owner.capture(args, kwargs, weights, self.parts.head_counts(stage), cut)
+        captured = self.owner.capture(args, kwargs, weights, self.parts.head_counts(stage), cut, self.inputs)
         call = self.prepare(self.owner.module, *captured.qkv, captured.mask, **captured.kwargs)
         return (*pad_qkv(*captured.qkv, call.width), call)
 
@@ -253,10 +255,11 @@ class ChunkRun:
     def forward(self, x: torch.Tensor, save: bool = False) -> torch.Tensor:
         """The block's output ``[b, n, h]``: every chunk's share, then the output projection's bias (and LoRA)."""
         out = out_start(self, x)
+        self.inputs = InputLows(x, lambda: iter([(0, x.shape[-2], x)]))
         try:
             run_interleaved(self.forward_chunk(x, c, out, save) for c in range(self.split.chunks))
         finally:
-            self.kv = None
+            self.kv, self.inputs = None, None
         return out_finish(self, out)
 
     # ------------------------------------------------------------------------------------------- backward
@@ -421,12 +424,14 @@ class ChunkRun:
             return self.backward_chunk(x, c, grad_out, acc)
 
         self.source = source
+        self.inputs = InputLows(x, lambda: ProjectionCut(x, self.remake, source).tiles())
         try:
             run_interleaved(chunk_stages(c) for c in range(self.split.chunks))
             if self.kv_grad is not None:  # each chunk adds its k/v gradients before it sends, so the last one took them
                 raise RuntimeError("the shared kv heads' gradients were not sent back")
+            acc.finish_inputs(self)
         finally:
-            self.source, self.out_low_grads = None, []
+            self.source, self.out_low_grads, self.inputs = None, [], None
             self.kv = self.kv_grad = self.kv_graph = None
         return acc.result(grad_out)
 

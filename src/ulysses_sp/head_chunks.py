@@ -32,13 +32,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
 from .attention import UlyssesAttention, intercepting
 from .deferred_input import Absent, NormRemake
 from .head_chunk_grads import ProjectionCut
-from .head_chunk_lora import Adapter, active_adapters, base_linear, dropout_off, is_lora, lora_linear, lora_problem
+from .head_chunk_lora import (
+    Adapter,
+    InputLows,
+    active_adapters,
+    base_linear,
+    call_problem,
+    dropout_off,
+    is_lora,
+    lora_linear,
+    lora_problem,
+    with_lows,
+)
 from .head_chunk_parts import Blank
 from .head_chunk_pipeline import ChunkRun, placer
 from .head_chunk_probe import probe_problem
@@ -170,18 +182,25 @@ class _Slice:
         cut: ProjectionCut | None,
         blank: Blank | None = None,
         adapters: tuple[Adapter, ...] = (),
+        inputs: InputLows | None = None,
     ) -> None:
         self.name, self.weight, self.bias, self.cut, self.blank = name, weight, bias, cut, blank
-        self.adapters = adapters  # LoRA (head_chunk_lora): B's rows of the chunk
+        # LoRA (head_chunk_lora): the adapters with B's rows of the chunk; what their input makes once per call
+        self.adapters, self.inputs = adapters, inputs
         self.out_features, self.in_features = (blank.rows, weight.shape[1]) if blank else weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blank is not None:
             return self.blank(x, self.weight)
+        lows = None
+        if self.adapters and self.inputs is not None and x is self.inputs.x:  # the block's input: made once
+            lows = [self.inputs.low(self.name, i, adapter) for i, adapter in enumerate(self.adapters)]
         if self.cut is None or x is not self.cut.x:
+            if lows is not None:
+                return with_lows(F.linear(x, self.weight, self.bias), self.adapters, lows)
             return lora_linear(x, self.weight, self.bias, self.adapters)
         # without a graph, under autocast still (the same casts as the forward's)
-        return self.cut.tap(self.name, self.cut.project(self.weight, self.bias, self.adapters))
+        return self.cut.tap(self.name, self.cut.project(self.weight, self.bias, self.adapters, lows))
 
 
 class HeadChunkedAttention:
@@ -226,11 +245,8 @@ class HeadChunkedAttention:
         return active_adapters(self.module._modules[name])
 
     def dropout_seed(self) -> int:
-        """A seed drawn from torch's generator for this call's LoRA input dropout, where an adapter has one (as a
-        dropout would draw; activation checkpointing's recompute restores the generator, so draws it again); else 0."""
-        names = (*self.names.query, *self.names.kv, self.names.out)
-        if not any(a.p > 0 for name in names for a in self.adapters(name)):
-            return 0
+        """A seed drawn from torch's generator for a call's LoRA input dropout (as a dropout would draw; activation
+        checkpointing's recompute restores the generator, so draws it again)."""
         return int(torch.randint(-(1 << 62), 1 << 62, ()).item())
 
     def out_proj(self) -> nn.Linear:
@@ -251,10 +267,11 @@ class HeadChunkedAttention:
         weights: dict[str, tuple],
         heads: tuple[int, int],
         cut: ProjectionCut | None = None,
+        inputs: InputLows | None = None,
     ) -> Captured:
         """Run the module's own forward with its projections replaced by ``weights`` (the chunk's ``heads``: query
         and kv head counts) up to its attention call; ``cut``: record the projections of its input there
-        (:class:`ProjectionCut`).
+        (:class:`ProjectionCut`); ``inputs``: the LoRA adapters' work on the block's input, made once per call.
 
         The call's arguments are recorded and the forward stopped by an exception, which is dropped at once: its
         traceback holds the forward's frames (and their tensors) until it is freed. Head counts the module keeps
@@ -274,7 +291,7 @@ class HeadChunkedAttention:
                 if isinstance(weight, Blank):
                     stand_in = _Slice(name, self.projection(name).weight, None, cut, weight)
                 else:
-                    stand_in = _Slice(name, weight, bias, cut, adapters=adapters)
+                    stand_in = _Slice(name, weight, bias, cut, adapters=adapters, inputs=inputs)
                 self.module._modules[name] = stand_in  # type: ignore[assignment]
             self.module.__dict__.update(counts)
             with intercepting(self.module, stop):
@@ -338,6 +355,14 @@ class HeadChunkedAttention:
             return type(module).forward(module, *args, **kwargs)
         chunks = self.chunks_for(x)
         if chunks == 1:
+            return type(module).forward(module, *args, **kwargs)
+        problem = call_problem(module, (*self.names.query, *self.names.kv, self.names.out))  # (head_chunk_lora)
+        if problem is not None:
+            if problem[1] and self.requested:
+                raise ValueError(
+                    f"{type(module).__name__} cannot run its heads in chunks: {problem[0]}; use head_chunks=1 "
+                    "(--head-chunks 1) or leave it automatic (0 / None)"
+                )
             return type(module).forward(module, *args, **kwargs)
         split = ChunkHeads(self.num_heads, self.num_kv_heads, chunks, self.ctx.layout.ulysses)
         if self.verified is None:

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
-STEPS = ["env", "validation", "tests", "packed", "loss", "kernels"]
+STEPS = ["env", "validation", "tests", "packed", "loss", "kernels", "lora"]
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -46,7 +46,7 @@ def test_every_step_names_a_script_and_flags_that_exist(tmp_path):
             for flag in re.findall(r"(--[a-z][a-z-]*)", flags):
                 assert f'"{flag}"' in source, (path, flag)
             scripts += 1
-    assert scripts == 4, lines
+    assert scripts == 5, lines
     assert f"{ROOT}/tests/gpu" in done.stdout and (ROOT / "tests" / "gpu").is_dir()
 
 

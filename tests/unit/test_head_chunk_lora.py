@@ -165,3 +165,108 @@ def test_merged_and_disabled_adapters_run_the_base_weights_in_chunks():
     merged = both(lambda m: contextlib.nullcontext())
     torch.testing.assert_close(*merged, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(merged[0], with_adapters[0], rtol=1e-5, atol=1e-6)
+
+
+def _sp_loss(model, batch):
+    layout = U.ParallelLayout.single()
+    shard = U.shard_batch(batch, layout)
+    logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+    return U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
+
+
+def _second_adapter(model, seed=5, **config):
+    from peft import LoraConfig
+
+    torch.manual_seed(seed)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(ATTENTION), init_lora_weights=False, **config)
+    model.add_adapter("other", lora)
+
+
+def test_backward_keeps_the_forwards_dropout_after_a_mode_switch():
+    """The adapters (and their dropout) are read once per call: eval() between forward and backward changes no
+    gradient, as under PEFT's own forward."""
+    batch = make_batch(1, 12)
+    model = with_lora(build("llama", kv_heads=2), ATTENTION, lora_dropout=0.3)
+    par = U.parallelize(model, U.ParallelLayout.single(), head_chunks=2)
+    found = []
+    for switch in (False, True):
+        par.train()
+        torch.manual_seed(3)
+        loss = _sp_loss(par, batch)
+        if switch:
+            par.eval()
+        loss.backward()
+        found.append({n: p.grad.clone() for n, p in par.named_parameters() if p.grad is not None})
+        par.zero_grad(set_to_none=True)
+    assert found[0].keys() == found[1].keys() and found[0]
+    for name, grad in found[0].items():
+        torch.testing.assert_close(found[1][name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_inactive_trainable_adapter_gets_no_gradient_and_mixed_batches_match_peft():
+    """A trainable adapter that is not active gets None (not zeros, which AdamW's weight decay would act on); PEFT's
+    per-sample ``adapter_names`` (forward hooks for one call) runs the module's own forward, exact."""
+    batch = make_batch(2, 12)
+    model = with_lora(build("llama", kv_heads=2), ATTENTION)
+    _second_adapter(model)
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+    want_loss, want = loss_and_grads(copy.deepcopy(model), batch)
+    par = U.parallelize(copy.deepcopy(model), U.ParallelLayout.single(), head_chunks=2)
+    loss, grads = loss_and_grads(par, batch, U.ParallelLayout.single())
+    assert all(h.verified for h in _chunked(par))
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert {n for n, g in grads.items() if g is not None} == {n for n, g in want.items() if g is not None}
+    assert all(grads[n] is None for n in grads if ".other." in n)
+    model.eval()
+    par.eval()
+    with torch.no_grad():
+        names = ["default", "other"]
+        want_logits = model(input_ids=batch["input_ids"], adapter_names=names, use_cache=False).logits
+        got_logits = par(input_ids=batch["input_ids"], adapter_names=names).logits
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_added_after_parallelize_is_checked_per_call():
+    """A DoRA adapter added and set after the chunks were installed: asked-for chunks raise at the call; automatic
+    chunks run the module's own forward (exact)."""
+    batch = make_batch(1, 12)
+    model = with_lora(build("llama", kv_heads=2), ATTENTION)
+    asked = U.parallelize(copy.deepcopy(model), U.ParallelLayout.single(), head_chunks=2)
+    auto = U.parallelize(copy.deepcopy(model), U.ParallelLayout.single(), head_chunk_budget_bytes=1)
+    for m in (model, asked, auto):
+        _second_adapter(m, use_dora=True)
+        m.set_adapter("other")
+    with torch.no_grad():
+        want = model(**batch, use_cache=False).loss
+        torch.testing.assert_close(_sp_loss(auto, batch), want, rtol=1e-5, atol=1e-6)
+        with pytest.raises(ValueError, match=r"q_proj: its LoRA adapter 'other' is a variant"):
+            _sp_loss(asked, batch)
+
+
+def test_merged_adapters_disabled_are_unmerged_as_peft_does():
+    batch = make_batch(1, 12)
+    model = with_lora(build("llama", kv_heads=2), ATTENTION)
+    par = U.parallelize(copy.deepcopy(model), U.ParallelLayout.single(), head_chunks=2)
+    with torch.no_grad():
+        with model.disable_adapter():
+            base = model(**batch, use_cache=False).loss
+        assert not torch.allclose(model(**batch, use_cache=False).loss, base)  # the adapters count
+        for m in (model, par):
+            m.merge_adapter()
+        with model.disable_adapter(), par.disable_adapter():
+            torch.testing.assert_close(_sp_loss(par, batch), base, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(model(**batch, use_cache=False).loss, base, rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_in_a_lora_layer_the_chunks_do_not_slice_is_refused_or_unchunked():
+    """MLA with LoRA on every linear layer: kv_a_proj_with_mqa runs inside each chunk's forward, so its dropout
+    would draw a mask per chunk."""
+    batch = make_batch(1, 12)
+    model = with_lora(build("deepseek_v3_mla_v4"), ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj"), lora_dropout=0.2)
+    asked = U.parallelize(copy.deepcopy(model), U.ParallelLayout.single(), head_chunks=2)
+    with pytest.raises(ValueError, match=r"kv_a_proj_with_mqa, a LoRA layer the chunks do not slice, drops out"):
+        _sp_loss(asked, batch)
+    auto = U.parallelize(copy.deepcopy(model), U.ParallelLayout.single(), head_chunk_budget_bytes=1)
+    _sp_loss(auto, batch).backward()
+    assert all(h.verified is None for h in _chunked(auto))  # never chunked
