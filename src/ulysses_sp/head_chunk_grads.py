@@ -145,15 +145,19 @@ class Accumulators:
     """The gradients of one backward, summed over the chunks: the input's, the sliced projections' (each chunk
     adds into its rows, or columns for the output projection) and the module's other parameters'."""
 
-    def __init__(self, owner: HeadChunkedAttention, x: torch.Tensor, needs: tuple[bool, ...], chunks: int) -> None:
-        self.owner = owner
-        self.params = owner.trainable_parameters()
-        if len(self.params) != len(needs) - 1:
-            raise RuntimeError(
-                f"{type(owner.module).__name__} had {len(needs) - 1} trainable parameters in forward and "
-                f"{len(self.params)} in backward; do not change requires_grad between forward and backward"
-            )
-        self.need = {id(p): need for p, need in zip(self.params, needs[1:], strict=True)}
+    def __init__(
+        self,
+        owner: HeadChunkedAttention,
+        x: torch.Tensor,
+        needs: tuple[bool, ...],
+        chunks: int,
+        params: list[torch.Tensor],
+    ) -> None:
+        """``params``: the module's trainable parameters as the forward found them (PEFT's ``disable_adapter`` or
+        ``set_adapter`` may change which are trainable before backward)."""
+        self.owner, self.params = owner, params
+        # (one that no longer requires grad gets none: backward's projections differentiate only what does)
+        self.need = {id(p): need and p.requires_grad for p, need in zip(self.params, needs[1:], strict=True)}
         # The input's gradient sum: made only once the projections' output gradients waiting to be added into it
         # would outgrow it (kept till then: :meth:`_add_input`), so the first chunks' backward does not hold it.
         self.need_x, self._x = needs[0], None

@@ -36,6 +36,7 @@ __all__ = [
     "InputLows",
     "active_adapters",
     "adapter_seed",
+    "as_in_forward",
     "dropout_off",
     "adapter_low",
     "add_adapter_input_grad",
@@ -45,6 +46,7 @@ __all__ = [
     "is_lora",
     "lora_linear",
     "lora_problem",
+    "unsliced_states",
     "with_lows",
 ]
 
@@ -188,12 +190,41 @@ def call_problem(module: nn.Module, names: tuple[str, ...]) -> tuple[str, bool] 
             if wrapper.disable_adapters and wrapper.merged:
                 wrapper.unmerge()
     for inner_name, inner in module.named_modules():
-        if is_lora(inner) and inner not in sliced:
-            for dropout in inner.lora_dropout.values():
+        if is_lora(inner) and inner not in sliced and not inner.disable_adapters and not inner.merged:
+            active = [name for name in inner.active_adapters if name in inner.lora_A]
+            for dropout in (inner.lora_dropout[name] for name in active if name in inner.lora_dropout):
                 drops = not isinstance(dropout, nn.Identity) and (not isinstance(dropout, nn.Dropout) or dropout.p > 0)
                 if drops and dropout.training:
                     return f"{inner_name}, a LoRA layer the chunks do not slice, drops out its input", True
     return None
+
+
+def unsliced_states(module: nn.Module, sliced: set[nn.Module]) -> list[tuple[nn.Module, bool, object, tuple]]:
+    """The LoRA layers under ``module`` other than ``sliced`` (those run inside the module's own forward, again in
+    backward) with their PEFT state: disabled, active adapter(s), merged adapters."""
+    return [
+        (m, m._disable_adapters, m._active_adapter, tuple(m.merged_adapters))
+        for m in module.modules()
+        if m not in sliced and is_lora(m) and hasattr(m, "_disable_adapters") and hasattr(m, "_active_adapter")
+    ]
+
+
+@contextlib.contextmanager
+def as_in_forward(module: nn.Module, states: list[tuple[nn.Module, bool, object, tuple]]) -> Iterator[None]:
+    """Inside the block the LoRA layers the chunks do not slice are as the forward found them (``states``:
+    :func:`unsliced_states`; a merge since is an error) and every LoRA input dropout is off (theirs was off in
+    forward, or the call ran unchunked; the sliced ones' masks are the chunks' own)."""
+    now = [(m, m._disable_adapters, m._active_adapter) for m, *_ in states]
+    for m, disabled, active, merged in states:
+        if tuple(m.merged_adapters) != merged:
+            raise RuntimeError("a LoRA layer was merged or unmerged between a head-chunked forward and its backward")
+        m._disable_adapters, m._active_adapter = disabled, active
+    try:
+        with dropout_off(module):
+            yield
+    finally:
+        for m, disabled, active in now:
+            m._disable_adapters, m._active_adapter = disabled, active
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .head_chunk_lora import Adapter, InputDropout, adapter_seed
+from .head_chunk_lora import Adapter, InputDropout, adapter_seed, unsliced_states
 
 if TYPE_CHECKING:
     from .head_chunks import HeadChunkedAttention
@@ -73,6 +73,7 @@ class ChunkParts:
         # or adapter switches happen before it), and the call's seed for their input dropout (drawn only if one has)
         names = (*owner.names.query, *owner.names.kv, owner.names.out)
         self._adapters = {name: owner.adapters(name) for name in names}
+        self.unsliced = unsliced_states(owner.module, {owner.module._modules[name] for name in names})
         active = any(a.p > 0 for found in self._adapters.values() for a in found)
         self.seed, self.rank = (owner.dropout_seed() if active else 0), rank
         self.stages = ([KV] if heads.shared_kv else []) + list(range(heads.chunks))

@@ -143,6 +143,7 @@ class ChunkRun:
         # (forward), and in backward each adapter with the gradient of that, s g B [b, n, r]
         self.out_low: list[torch.Tensor] = []
         self.inputs: InputLows | None = None  # the LoRA adapters' work on the block's input, during one pass
+        self.params: list[torch.Tensor] = []  # the trainable parameters the forward differentiates (set by its caller)
         self.out_low_grads: list[tuple[Adapter, torch.Tensor]] = []
 
     # ------------------------------------------------------------------------------------------- stages
@@ -413,7 +414,7 @@ class ChunkRun:
             x = x.detach().requires_grad_(needs[0])
         elif not isinstance(x, Absent) or self.remake is None:
             raise RuntimeError("a remade input needs an Absent input and the norm that made it")
-        acc = Accumulators(self.owner, x, needs, self.split.chunks)
+        acc = Accumulators(self.owner, x, needs, self.split.chunks, self.params)
         grad_out = grad_out.contiguous()
         self.out_low_grads = acc.out_adapters(self.parts.adapters(self.owner.names.out), grad_out, out_low)
         prepared = output_grads(self, grad_out, local, lse, acc)

@@ -43,6 +43,7 @@ from .head_chunk_lora import (
     Adapter,
     InputLows,
     active_adapters,
+    as_in_forward,
     base_linear,
     call_problem,
     dropout_off,
@@ -372,7 +373,7 @@ class HeadChunkedAttention:
         layout = self.ctx.layout
         group = layout.ulysses_group if layout.ulysses > 1 else None
         run = ChunkRun(self, place, split, prepare=self.ctx.prepare, attend=self.ctx.core_for, group=group, fused=True)
-        params = self.trainable_parameters()
+        run.params = params = self.trainable_parameters()
         if torch.is_grad_enabled() and (x.requires_grad or params):
             found = self.made_by_norm(x)
             if found is not None:  # save the norm's input, not x (ulysses_sp.deferred_input)
@@ -435,7 +436,7 @@ class HeadChunkedFunction(torch.autograd.Function):
         local, lse, out_low = saved[:chunks], tuple(saved[chunks : 2 * chunks]), tuple(saved[2 * chunks :])
         del saved
         x, source = (kept, None) if ctx.run.remake is None else (Absent(*ctx.x_meta), kept)
-        with ctx.replay():
+        with ctx.replay(), as_in_forward(ctx.run.owner.module, ctx.run.parts.unsliced):  # (LoRA layers run again)
             needs = tuple(ctx.needs_input_grad[1:])
             grad_x, *grads = ctx.run.backward(x, grad_out, needs, local, lse, source, out_low)
         for hook in ctx.run.owner.ctx.backward_hooks:  # every chunk's backward is done (UlyssesAttention)

@@ -270,3 +270,41 @@ def test_dropout_in_a_lora_layer_the_chunks_do_not_slice_is_refused_or_unchunked
     auto = U.parallelize(copy.deepcopy(model), U.ParallelLayout.single(), head_chunk_budget_bytes=1)
     _sp_loss(auto, batch).backward()
     assert all(h.verified is None for h in _chunked(auto))  # never chunked
+
+
+def _switched_step(model, batch, sp: bool, before, after):
+    """One step whose forward runs under ``before(model)`` and backward under ``after(model)`` (context managers)."""
+    with before(model):
+        loss = _sp_loss(model, batch) if sp else model(**batch, use_cache=False).loss
+    with after(model):
+        loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def _mode(model, training: bool):
+    model.train(training)
+    yield
+
+
+@pytest.mark.parametrize("case", ["eval_forward_train_backward", "adapters_disabled_in_forward_only"])
+def test_state_changes_between_forward_and_backward_match_peft(case):
+    """MLA with dropout in a LoRA layer the chunks do not slice: a forward in eval (dropout off, so chunked) and a
+    backward after train(); and a forward under ``disable_adapter()`` (train mode: that dropout is inactive as the
+    adapters are, so no refusal), its backward after it (the adapters trainable again)."""
+    batch = make_batch(1, 12)
+    model = with_lora(build("deepseek_v3_mla_v4"), ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj"), lora_dropout=0.5)
+    if case == "adapters_disabled_in_forward_only":
+        model.get_input_embeddings().weight.requires_grad_(True)
+        before, after = (lambda m: m.disable_adapter()), (lambda m: contextlib.nullcontext())
+    else:
+        before, after = (lambda m: _mode(m, False)), (lambda m: _mode(m, True))
+    par = U.parallelize(copy.deepcopy(model), U.ParallelLayout.single(), head_chunks=2)
+    want_loss, want = _switched_step(model, batch, False, before, after)
+    loss, grads = _switched_step(par, batch, True, before, after)
+    assert all(h.verified for h in _chunked(par))
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert {n for n, g in grads.items() if g is not None} == {n for n, g in want.items() if g is not None}
+    for name, grad in grads.items():
+        if grad is not None:
+            torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-6, msg=name)
