@@ -106,7 +106,7 @@ def test_chunked_block_with_lora_adapters_on_cuda(monkeypatch, dtype, dropout):
 
 
 def test_lora_input_dropout_mask_is_the_cpus():
-    """The position hash's int64 arithmetic wraps alike on the GPU: the same mask as on the CPU."""
+    """The position hash's int32 arithmetic wraps alike on the GPU: the same mask as on the CPU."""
     from ulysses_sp.head_chunk_lora import InputDropout
 
     dropout = InputDropout(0.1, seed=-(1 << 61) + 12345)
