@@ -14,9 +14,15 @@ tokens (backward remakes a tiled norm's output tile by tile) sees the same mask,
 not the one PEFT's ``nn.Dropout`` would draw (no two runs of dropout agree anyway), with the same law: each element
 kept with probability ``1 - p`` and scaled by ``1 / (1 - p)``.
 
+The block's input is projected by every q/k/v chunk: :class:`InputLows` makes its ``dropout(x) A^T`` once per
+forward and once per backward, and A's and the input's gradients once, from the chunks' summed ``s g_c B_c``.
+
 PEFT is not imported: a projection is taken for a LoRA layer by its attributes (``base_layer``, ``lora_A``,
 ``lora_B``, ``scaling``). What the chunks cannot compute is refused when they are installed (:func:`lora_problem`):
-a LoRA variant (DoRA and the like), a bias on ``B``, a dropout module other than ``nn.Dropout``.
+a LoRA variant (DoRA and the like), a bias on ``B``, a dropout module other than ``nn.Dropout``; and per call
+(:func:`call_problem`): the same for an adapter added since, hooks on a projection, dropout in a LoRA layer the
+chunks do not slice. The adapters are fixed per call, and backward sees the other LoRA layers as the forward did
+(:func:`as_in_forward`).
 """
 
 from __future__ import annotations
