@@ -65,10 +65,12 @@ def check_parity(
     train=True,
     sp_batch=None,
     adapt=None,
+    ref_adapt=None,
     **kwargs,
 ):
     """``sp_batch``: what the sequence-parallel run shards instead of ``batch`` (e.g. with position_ids the
-    reference derives itself); ``adapt(model)``: the model to run instead of the built one (e.g. with LoRA)."""
+    reference derives itself); ``adapt(model)``: the model to run instead of the built one (e.g. with LoRA);
+    ``ref_adapt(copy)``: the reference's instead of that model (e.g. its dropout drawing the run's masks)."""
     batch = batch if batch is not None else make_batch(2, 24)
     model = build(arch, heads=heads, kv_heads=kv_heads, attn=ref_attn)
     if adapt is not None:
@@ -76,7 +78,7 @@ def check_parity(
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train(checkpointing or train)  # built models start in train mode; the configs have no dropout
-    ref_loss, ref_grads = reference(model, batch)
+    ref_loss, ref_grads = reference(model if ref_adapt is None else ref_adapt(copy.deepcopy(model)), batch)
     loss, grads, _ = sequence_parallel(model, sp_batch if sp_batch is not None else batch, layout, **kwargs)
     assert grads.keys() == ref_grads.keys()
     if rel is not None:

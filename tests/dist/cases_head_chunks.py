@@ -19,9 +19,10 @@ from tests.dist.cases_architectures import EVAL_ONLY, PARITY_ARCHS
 from tests.dist.cases_core import check_parity
 from tests.dist.cases_memory_features import check_features
 from tests.helpers.harness import run_cases
-from tests.helpers.models import build, make_batch, with_lora
+from tests.helpers.models import build, make_batch, with_chunk_dropout, with_lora
 from tests.helpers.spy import calls_to
 from ulysses_sp import chunk_core, head_chunk_pipeline, sliced_core
+from ulysses_sp.head_chunks import HeadChunkedAttention
 
 P = functools.partial
 CHUNKS = (1, 2, 4)
@@ -217,6 +218,35 @@ def sliced_cases(layout, prefix: str, heads: int, kv: int) -> dict:
     }
 
 
+def with_dropout_seeds(check, *args, seed: int = 1000, **kwargs) -> None:
+    """``check(*args, **kwargs)`` with layer ``l``'s LoRA dropout call seed ``seed + l`` on every rank (the seed
+    tests.helpers.models.with_chunk_dropout gives the reference's masks)."""
+    old = HeadChunkedAttention.dropout_seed
+    HeadChunkedAttention.dropout_seed = lambda self: seed + self.module.layer_idx
+    try:
+        check(*args, **kwargs)
+    finally:
+        HeadChunkedAttention.dropout_seed = old
+
+
+def lora_dropout_cases(layout, prefix: str, heads: int, chunks: int, features: bool = False) -> dict:
+    """:func:`lora_cases`' GQA case (and ``features``: its DDP and FSDP2 cases with every memory feature on, the
+    chunks remaking the tiled norm's output tile by tile) with lora_dropout 0.25: every rank draws its own masks
+    (salted by its rank, at its local positions); the reference is the plain PEFT model whose dropout draws, on
+    each rank's rows and tokens, that rank's mask."""
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    adapt = P(with_lora, targets=targets, lora_dropout=0.25)
+    ref_adapt = P(with_chunk_dropout, targets=targets, p=0.25, seed=1000, layout=layout)
+    plain = lora_cases(layout, prefix, heads, chunks, features)
+    return {
+        name.replace("_lora", "_lora_dropout"): P(
+            with_dropout_seeds, case.func, *case.args, **(case.keywords | {"adapt": adapt, "ref_adapt": ref_adapt})
+        )
+        for name, case in plain.items()
+        if name.endswith(("_gqa_packed", "_features_ddp", "_features_fsdp2"))
+    }
+
+
 def lora_cases(layout, prefix: str, heads: int, chunks: int, features: bool = False) -> dict:
     """PEFT LoRA adapters (random A and B) on every attention projection: exact in chunks, the kernel's backward
     (GQA, packed) and the recompute (a window), the projections of the input (q/k/v) and of an inner tensor (MLA's
@@ -279,6 +309,7 @@ def world2_cases(sp2) -> dict:
         "sp2_C4_exchanges_overlap_cores": P(overlap, sp2),
         "sp2_C4_exchanges_overlap_cores_recomputed": P(overlap, sp2, core="eager"),
         **lora_cases(sp2, "sp2", 8, 2, features=True),
+        **lora_dropout_cases(sp2, "sp2", 8, 2, features=True),
     }
 
 
@@ -300,6 +331,8 @@ def world4_cases(sp4, dp2sp2, hybrid) -> dict:
         **feature_cases(hybrid, "ulysses2_ring2", (4,)),
         **lora_cases(sp4, "sp4", 16, 4),
         **lora_cases(dp2sp2, "dp2_sp2", 8, 2, features=True),
+        **lora_dropout_cases(sp4, "sp4", 16, 4),
+        **lora_dropout_cases(dp2sp2, "dp2_sp2", 8, 2, features=True),
         **lora_cases(hybrid, "ulysses2_ring2", 8, 2),
     }
 

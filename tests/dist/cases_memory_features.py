@@ -64,14 +64,16 @@ def check_features(
     heads=4,
     head_chunks=None,
     adapt=None,
+    ref_adapt=None,
 ):
     """``heads`` query heads (2 kv heads); ``head_chunks``: parallelize's (None: its default); ``adapt(model)``:
-    the model to run instead of the built one (e.g. with LoRA)."""
+    the model to run instead of the built one (e.g. with LoRA); ``ref_adapt(copy)``: the reference's instead of
+    that model (e.g. its dropout drawing the run's masks)."""
     batch = batch if batch is not None else make_batch(2, 24, packed=(10, 14))
     model = build_model(arch, tied, heads=heads)
     if adapt is not None:
         model = adapt(model)
-    ref_loss, ref_grads = reference(model, batch)
+    ref_loss, ref_grads = reference(model if ref_adapt is None else ref_adapt(copy.deepcopy(model)), batch)
 
     par = U.parallelize(copy.deepcopy(model), layout, head_chunks=head_chunks)
     wrapped = wrap(par, wrapper) if after_wrap else None

@@ -1,6 +1,6 @@
 """Head-chunked attention (C = 1, 2, 4) on 2 and 4 gloo ranks: exact against one process for every family,
 layout (sp, dp x sp, Ulysses x ring) and wrapper (DDP, FSDP2 with the memory features on), with and without
-PEFT LoRA adapters on the attention projections.
+PEFT LoRA adapters on the attention projections (their dropout too: each rank's masks).
 
 Each world size is spawned once (module-scoped fixture) and runs every case; each test checks one case.
 """

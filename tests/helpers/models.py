@@ -313,31 +313,50 @@ def with_lora(model, targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj"), 
 
 
 class _ChunkMask(torch.nn.Module):
-    """A LoRA input dropout drawing the mask the head chunks draw for ``seed`` (sp=1, rank 0; see
-    ulysses_sp.head_chunk_lora.InputDropout)."""
+    """A LoRA input dropout drawing the mask the head chunks of a ``dp x sp`` run draw (see
+    ulysses_sp.head_chunk_lora.InputDropout), on the full batch: dp rank ``d``'s rows and sp rank ``s``'s tokens
+    (contiguous shards) get global rank ``d * sp + s``'s mask, ``seeds[d * sp + s]``, at their local positions."""
 
-    def __init__(self, p: float, seed: int) -> None:
+    def __init__(self, p: float, seeds: list[int], dp: int = 1, sp: int = 1) -> None:
         super().__init__()
         from ulysses_sp.head_chunk_lora import InputDropout
 
-        self.dropout = InputDropout(p, seed)
+        assert len(seeds) == dp * sp
+        self.dropouts, self.dp, self.sp = [InputDropout(p, s) for s in seeds], dp, sp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., n, w]: rows are every dimension before the tokens
-        rows, columns = x[..., 0, 0].numel(), torch.arange(x.shape[-1], device=x.device)
-        return x * self.dropout.mask(rows, 0, x.shape[-2], columns).view(x.shape).to(x.dtype)
+        rows, n, columns = x[..., 0, 0].numel(), x.shape[-2], torch.arange(x.shape[-1], device=x.device)
+        assert rows % self.dp == 0 and n % self.sp == 0, (rows, n)
+        mask = torch.cat(
+            [
+                torch.cat(
+                    [
+                        self.dropouts[d * self.sp + s].mask(rows // self.dp, 0, n // self.sp, columns)
+                        for s in range(self.sp)
+                    ],
+                    dim=1,
+                )
+                for d in range(self.dp)
+            ]
+        )  # [rows, n, w]
+        return x * mask.view(x.shape).to(x.dtype)
 
 
-def with_chunk_dropout(peft_model, targets: tuple[str, ...], p: float, seed: int):
+def with_chunk_dropout(peft_model, targets: tuple[str, ...], p: float, seed: int, layout=None):
     """``peft_model`` (in place) with each LoRA dropout of ``targets`` replaced by the mask the head chunks draw
-    when layer ``l``'s call seed is ``seed + l`` (patch ``HeadChunkedAttention.dropout_seed`` to match)."""
+    when layer ``l``'s call seed is ``seed + l`` (patch ``HeadChunkedAttention.dropout_seed`` to match) on every
+    rank of ``layout`` (None: one process; its shards must be contiguous, not a ring's zigzag)."""
     from ulysses_sp.head_chunk_lora import adapter_seed
 
+    dp, sp = (1, 1) if layout is None else (layout.dp, layout.sp)
+    assert layout is None or layout.ring == 1, "the ring's zigzag shards are not contiguous"
     for layer in peft_model.base_model.model.model.layers:
         for name in targets:
             proj = getattr(layer.self_attn, name, None)  # (an MLA without q_lora_rank has no q_b_proj)
             if proj is not None:
                 call_seed = seed + layer.self_attn.layer_idx
-                proj.lora_dropout["default"] = _ChunkMask(p, adapter_seed(call_seed, name, 0, 0))
+                seeds = [adapter_seed(call_seed, name, 0, rank) for rank in range(dp * sp)]
+                proj.lora_dropout["default"] = _ChunkMask(p, seeds, dp, sp)
     return peft_model
 
 
