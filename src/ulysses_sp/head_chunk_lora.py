@@ -168,8 +168,8 @@ def lora_problem(child: nn.Module) -> str | None:
             return f"its LoRA adapter {name!r} has a {type(dropout).__name__} on its input, not torch.nn.Dropout"
         if lora_b.bias is not None:
             return f"its LoRA adapter {name!r} has a bias (lora_bias=True)"
-        if lora_a._forward_hooks or lora_a._forward_pre_hooks or lora_b._forward_hooks or lora_b._forward_pre_hooks:
-            return f"its LoRA adapter {name!r} has forward hooks, which the chunks would skip"
+        if any(m._forward_hooks or m._forward_pre_hooks for m in (lora_a, lora_b, dropout)):
+            return f"its LoRA adapter {name!r} has forward hooks (lora_A, lora_B or its dropout) the chunks would skip"
     return None
 
 

@@ -127,14 +127,21 @@ def test_input_dropout_mask_depends_on_position_only():
 
 
 @pytest.mark.parametrize(
-    ("config", "reason"),
+    ("config", "hooked", "reason"),
     [
-        (dict(use_dora=True), r"q_proj: its LoRA adapter 'default' is a variant \(DoRA or another\)"),
-        (dict(lora_bias=True), r"q_proj: its LoRA adapter 'default' has a bias \(lora_bias=True\)"),
+        (dict(use_dora=True), None, r"q_proj: its LoRA adapter 'default' is a variant \(DoRA or another\)"),
+        (dict(lora_bias=True), None, r"q_proj: its LoRA adapter 'default' has a bias \(lora_bias=True\)"),
+        (dict(lora_dropout=0.1), "lora_dropout", r"q_proj: its LoRA adapter 'default' has forward hooks"),
+        ({}, "lora_dropout", r"q_proj: its LoRA adapter 'default' has forward hooks"),  # (an nn.Identity)
+        ({}, "lora_B", r"q_proj: its LoRA adapter 'default' has forward hooks"),
     ],
 )
-def test_lora_variants_refused_at_parallelize(config, reason):
+def test_lora_variants_refused_at_parallelize(config, hooked, reason):
+    """Adapters the chunks cannot run as PEFT does: DoRA, a bias on B, a forward hook on lora_A, lora_B or the
+    dropout of the input (the chunks call none of these modules)."""
     model = with_lora(build("llama", kv_heads=2), ATTENTION, **config)
+    for layer in model.base_model.model.model.layers if hooked is not None else ():
+        getattr(layer.self_attn.q_proj, hooked)["default"].register_forward_pre_hook(lambda *_: None)
     with pytest.raises(ValueError, match=rf"LlamaAttention cannot run its heads in chunks: {reason}.*head_chunks=1"):
         U.parallelize(copy.deepcopy(model), U.ParallelLayout.single(), head_chunks=2)
     auto = U.parallelize(model, U.ParallelLayout.single(), head_chunk_budget_bytes=1)  # automatic: unchunked
