@@ -45,8 +45,7 @@ __all__ = [
     "as_in_forward",
     "dropout_off",
     "adapter_low",
-    "add_adapter_input_grad",
-    "a_grad",
+    "adapter_grads",
     "base_linear",
     "call_problem",
     "is_lora",
@@ -99,11 +98,12 @@ class InputDropout:
         keep = _shr(z, 8) >= round(self.p * (1 << 24))  # kept with probability 1 - p, in steps of 2^-24
         return keep.to(torch.float32) / (1.0 - self.p)
 
-    def spans(self, x: torch.Tensor) -> Iterator[tuple[int, int]]:
-        """Tiles of ``x [b, n, w]``'s tokens, ``(start, length)`` (local), small enough for the mask's temporaries."""
-        step = max(1, _TILE_ELEMENTS // max(1, x.shape[0] * x.shape[-1]))
-        for start in range(0, x.shape[1], step):
-            yield start, min(step, x.shape[1] - start)
+    def spans(self, rows: int, length: int, width: int) -> Iterator[tuple[int, int]]:
+        """Tiles of an ``[rows, length, width]`` input's tokens, ``(start, length)`` (local), small enough for the
+        mask's temporaries."""
+        step = max(1, _TILE_ELEMENTS // max(1, rows * width))
+        for start in range(0, length, step):
+            yield start, min(step, length - start)
 
     def tile(self, x: torch.Tensor, start: int, length: int, offset: int, columns: torch.Tensor | None) -> torch.Tensor:
         """``x[:, start : start + length]`` dropped out (its first token is token ``offset + start``)."""
@@ -259,11 +259,11 @@ def dropout_off(module: nn.Module) -> Iterator[None]:
             dropout.train()
 
 
-def _spans(adapter: Adapter, x: torch.Tensor) -> Iterator[tuple[int, int]]:
+def _spans(adapter: Adapter, rows: int, length: int, width: int) -> Iterator[tuple[int, int]]:
     if adapter.dropout is None:
-        yield 0, x.shape[1]
+        yield 0, length
     else:
-        yield from adapter.dropout.spans(x)
+        yield from adapter.dropout.spans(rows, length, width)
 
 
 def _dropped(adapter: Adapter, x: torch.Tensor, start: int, length: int, offset: int, columns=None) -> torch.Tensor:
@@ -288,37 +288,9 @@ def adapter_low(
     if adapter.dropout is None:
         return F.linear(x, a)
     x3 = _rows(x.contiguous())
-    tiles = [F.linear(_dropped(adapter, x3, s, n, offset, columns), a) for s, n in _spans(adapter, x3)]
+    tiles = [F.linear(_dropped(adapter, x3, s, n, offset, columns), a) for s, n in _spans(adapter, *x3.shape)]
     low = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
     return low.view(*x.shape[:-1], a.shape[0])
-
-
-def add_adapter_input_grad(
-    adapter: Adapter, target: torch.Tensor, low_grad: torch.Tensor, offset: int = 0, columns=None
-) -> None:
-    """``target [..., n, w] += dropout'(low_grad A)`` (in place) for the gradient ``low_grad [..., n, r]`` of
-    ``adapter_low``'s output (``columns``: A's columns, as there)."""
-    dtype = low_grad.dtype
-    a = (adapter.a if columns is None else adapter.a.index_select(1, columns)).to(dtype)
-    target, low_grad = _rows(target), _rows(low_grad.contiguous())
-    for start, length in _spans(adapter, target):
-        grad = low_grad.narrow(1, start, length) @ a  # [rows, length, w]
-        if adapter.dropout is not None:
-            grad = _dropped(adapter, grad, 0, length, offset + start, columns)
-        target.narrow(1, start, length).add_(grad)
-
-
-def a_grad(adapter: Adapter, low_grad: torch.Tensor, x: torch.Tensor, offset: int = 0, columns=None) -> torch.Tensor:
-    """A's gradient ``low_grad^T dropout(x) [r, w]`` (``columns``: those of A that ``x [..., n, w]`` has) for the
-    gradient ``low_grad [..., n, r]`` of ``adapter_low(x)``, in ``low_grad``'s dtype."""
-    x, low_grad = _rows(adapter.input(x).contiguous()), _rows(low_grad.contiguous())
-    total = None
-    for start, length in _spans(adapter, x):
-        dropped = _dropped(adapter, x, start, length, offset, columns).reshape(-1, x.shape[-1])
-        grad = low_grad.narrow(1, start, length).reshape(-1, low_grad.shape[-1])  # [rows length, r]
-        part = grad.t() @ dropped.to(grad.dtype)
-        total = part if total is None else total.add_(part)
-    return total
 
 
 def with_lows(out: torch.Tensor, adapters: tuple[Adapter, ...], lows: list[torch.Tensor]) -> torch.Tensor:
@@ -367,39 +339,44 @@ class InputLows:
         target = x_sum()
         for start, length, tile in self.tiles():  # [b, length, h]
             for adapter, total in grads:
-                _tile_grads(adapter, total.narrow(1, start, length), tile, start, a_sum(adapter), target, start)
+                grad = total.narrow(1, start, length)
+                adapter_grads(adapter, grad, tile, start, a_target=a_sum(adapter), x_target=target, x_start=start)
 
 
-def _tile_grads(
+def adapter_grads(
     adapter: Adapter,
     low_grad: torch.Tensor,
-    x: torch.Tensor,
-    offset: int,
-    a_target: torch.Tensor | None,
-    x_target: torch.Tensor | None,
-    x_start: int,
+    x: torch.Tensor | None,
+    offset: int = 0,
+    columns: torch.Tensor | None = None,
+    *,
+    a_target: torch.Tensor | None = None,
+    x_target: torch.Tensor | None = None,
+    x_start: int = 0,
 ) -> None:
-    """For one tile ``x [b, n, h]`` (tokens from ``offset``) and ``low_grad [b, n, r]``: A's gradient into
-    ``a_target`` and the input's into ``x_target``'s tokens from ``x_start``, each mask drawn once."""
+    """For the gradient ``low_grad [..., n, r]`` of :func:`adapter_low`'s output (``x [..., n, w]``, its first token
+    token ``offset``; ``columns``: A's columns that ``x`` has, default all): A's gradient ``low_grad^T dropout(x)``
+    into ``a_target [r, w]`` and the input's ``dropout'(low_grad A)`` into ``x_target``'s tokens from ``x_start``
+    (each None: not wanted; ``x`` is read only for A's), tile by tile, each tile's dropout mask drawn once."""
     dtype = adapter.dtype(low_grad.dtype)
-    a = adapter.a.to(dtype)
-    for start, length in _spans(adapter, x):
-        g = low_grad.narrow(1, start, length).to(dtype)  # [b, length, r]
-        tile = adapter.input(x.narrow(1, start, length))
+    a = (adapter.a if columns is None else adapter.a.index_select(1, columns)).to(dtype)  # [r, w]
+    low_grad = _rows(low_grad.contiguous())  # [rows, n, r]
+    x = None if a_target is None else _rows(adapter.input(x).contiguous())  # [rows, n, w]
+    target = None if x_target is None else _rows(x_target)
+    cols = torch.arange(a.shape[1], device=a.device) if columns is None else columns
+    for start, length in _spans(adapter, *low_grad.shape[:2], a.shape[1]):
+        g = low_grad.narrow(1, start, length).to(dtype)  # [rows, length, r]
         mask = None
         if adapter.dropout is not None:
-            cols = torch.arange(x.shape[-1], device=x.device)
-            mask = adapter.dropout.mask(x.shape[0], offset + start, length, cols).to(dtype)
-            tile = tile * mask
-        if a_target is not None:
-            a_target.add_(
-                (g.reshape(-1, g.shape[-1]).t() @ tile.reshape(-1, tile.shape[-1]).to(dtype)).to(a_target.dtype)
-            )
-        if x_target is not None:
-            grad = g @ a  # [b, length, h]
-            if mask is not None:
-                grad = grad * mask
-            x_target.narrow(1, x_start + start, length).add_(grad)
+            mask = adapter.dropout.mask(g.shape[0], offset + start, length, cols).to(dtype)
+        if x is not None:
+            tile = x.narrow(1, start, length).to(dtype)
+            tile = tile if mask is None else tile * mask
+            grad = g.reshape(-1, g.shape[-1]).t() @ tile.reshape(-1, tile.shape[-1])  # [r, w]
+            a_target.add_(grad.to(a_target.dtype))
+        if target is not None:
+            grad = g @ a  # [rows, length, w]
+            target.narrow(1, x_start + start, length).add_(grad if mask is None else grad * mask)
 
 
 def lora_linear(

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .chunk_core import output_row_sums
-from .head_chunk_lora import a_grad, adapter_low, add_adapter_input_grad
+from .head_chunk_lora import adapter_grads, adapter_low
 from .head_split import DEPTH
 from .tiling import compute_dtype, sum_dtype
 
@@ -68,22 +68,34 @@ def out_proj_backward(
     if acc.out_weight is not None:
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
         run.parts.add_mm(name, chunk, acc.out_weight, grad_2d.t(), local_2d)
-    for adapter, low_grad in run.out_low_grads:  # LoRA: A's columns += (s g B)^T dropout(y_c)
-        if acc.need.get(id(adapter.a)):
-            columns = run.parts.columns(chunk, local.device)
-            grad = a_grad(adapter, low_grad, local.flatten(-2).to(low_grad.dtype), columns=columns)
-            run.parts.add(name, chunk, acc.sum(adapter.a), grad)
-    return out_input_grad(run, chunk, grad_out, local.shape)
+    return out_input_grad(run, chunk, grad_out, local.shape, local, acc)
 
 
-def out_input_grad(run: ChunkRun, chunk: int, grad_out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """The gradient of chunk ``chunk``'s share of the output projection's input, ``shape [b, n, Hc, d_v]``."""
+def out_input_grad(
+    run: ChunkRun,
+    chunk: int,
+    grad_out: torch.Tensor,
+    shape: torch.Size,
+    local: torch.Tensor | None = None,
+    acc: Accumulators | None = None,
+) -> torch.Tensor:
+    """The gradient of chunk ``chunk``'s share of the output projection's input, ``shape [b, n, Hc, d_v]``; with
+    that input ``local`` and ``acc``, its LoRA adapters' gradients of A's columns too (into ``acc``), in the same
+    pass over the dropout's masks."""
     grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
     name = run.owner.names.out
     weight = run.parts.part(name, chunk, run.owner.out_proj().weight)  # [h, Hc d_v]
     grad = grad_2d.mm(weight.to(grad_2d.dtype)).view(*shape[:-2], -1)  # [b, n, Hc d_v]
-    for adapter, low_grad in run.out_low_grads:  # LoRA: dropout'((s g B) A_c)
-        add_adapter_input_grad(adapter, grad, low_grad, columns=run.parts.columns(chunk, grad.device))
+    columns = run.parts.columns(chunk, grad.device) if run.out_low_grads else None
+    for adapter, low_grad in run.out_low_grads:  # LoRA: dropout'((s g B) A_c), A_c += (s g B)^T dropout(y_c)
+        part = total = None
+        if local is not None and acc is not None and acc.need.get(id(adapter.a)):
+            total = acc.sum(adapter.a)  # [r, h_in]
+            part = total.new_zeros(total.shape[0], len(columns))
+        y = None if part is None else local.flatten(-2)  # [b, n, Hc d_v]
+        adapter_grads(adapter, low_grad, y, columns=columns, a_target=part, x_target=grad)
+        if part is not None:
+            run.parts.add(name, chunk, total, part)
     return grad.view(shape)
 
 
