@@ -79,7 +79,9 @@ def random_case(seed: int, index: int, world: int) -> dict:
         max_grad_norm=r.choice([0.0, 1.0]),
         schedule=r.choice([("constant", 0), ("linear", 1), ("cosine", 2)]),
         tokens_seen=r.choice(["no", "all", "non_padding"]),
-        router_aux_off=r.random() < 0.5,  # SFTConfig(router_aux_loss_coef=0.0): TRL's MoE load-balancing term off
+        # an MoE's load-balancing term off: SFTConfig(router_aux_loss_coef=0.0) (TRL's); under the Trainer, on
+        # means output_router_logits=True (weighted 0.5)
+        router_aux_off=r.random() < 0.5,
         # collating in a dataloader worker process (spawned here: a worker per rank on 2 cores; 2 ranks only)
         workers=r.choice([0, 0, 1]) if world == 2 else 0,
         sampling=r.choice(["random", "random", "sequential", "group_by_length"]),
@@ -127,6 +129,9 @@ def left_pad_collate(features: list[dict]) -> dict[str, torch.Tensor]:
 def model(case: dict) -> torch.nn.Module:
     """The case's tiny model (the same weights in every process), with LoRA adapters when the case asks."""
     net = build(case["arch"], heads=case["heads"], kv_heads=case["kv_heads"], attn=case["attn"])
+    if case["kind"] == "trainer" and not case["router_aux_off"] and hasattr(net, "router_aux_loss_coef"):
+        net.config.output_router_logits = True
+        net.config.router_aux_loss_coef = net.router_aux_loss_coef = 0.5
     if not case["lora"]:
         return net
     from peft import LoraConfig, get_peft_model

@@ -123,6 +123,32 @@ def test_trainer_dp2_sp2_on_4_ranks_equals_dp2(world2_plain, world4, out_dir):
     assert result(out_dir, "trainer_dp2_sp2")["train_batches"] == 4  # batches dealt over dp=2 SP groups
 
 
+def test_trainer_moe_load_balancing_loss_dp2_sp2_equals_one_process(world4, out_dir):
+    """An MoE model with output_router_logits: its load-balancing term over each dp replica's micro-batch, as one
+    process adds it to each micro-batch (dp2 x sp2 x GAS 2 against GAS 4): losses, eval loss and weights."""
+    from transformers import MixtralForCausalLM, Trainer
+
+    from tests.integrations.jobs import moe_model
+
+    job = "trainer_moe_aux_dp2_sp2_gas2"
+    assert_case(world4, job, 4)
+    reference = Trainer(
+        model=moe_model(),
+        args=trainer_args(os.path.join(out_dir, "moe_ref"), gradient_accumulation_steps=4, num_train_epochs=1),
+        train_dataset=token_dataset(TRAIN_LENGTHS, seed=1),
+        eval_dataset=token_dataset(EVAL_LENGTHS[:8], seed=2),
+        data_collator=pad_collate,
+    )
+    reference.train()
+    ours, want = result(out_dir, job), train_losses(reference.state.log_history)
+    assert len(want) == ours["global_step"] == 2  # 16 samples / (2 per batch x GAS 2 x dp 2)
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(want), atol=LOSS_ATOL, rtol=0)
+    assert abs(ours["eval_loss"] - reference.evaluate()["eval_loss"]) < LOSS_ATOL
+    saved = MixtralForCausalLM.from_pretrained(os.path.join(out_dir, job, "final"))
+    for name, param in reference.model.named_parameters():
+        torch.testing.assert_close(saved.get_parameter(name), param, atol=WEIGHT_ATOL, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("job", ["trainer_sp2_gas2", FSDP2_JOB, "trainer_dp2_sp2"])
 def test_eval_under_sp_equals_one_process_eval(world2_sp, world4, out_dir, job):
     """Eval of long odd-length sequences, run sharded, reports the loss one process computes on the saved model."""

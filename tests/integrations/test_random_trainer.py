@@ -4,8 +4,8 @@ of seed 0, each against the plain trainer in one process.
 Each case must train to the same per-step losses (and gradient norms where clipped), the same eval loss, the
 same count of tokens seen and the same weights as one process, or be refused for a reason its parameters
 give: heads that do not split over the ranks, left padding under an eager model (docs/semantics.md), or TRL's
-MoE load-balancing term (computed from each shard alone). A
-campaign of any seed and length runs from the command line and prints one line per case::
+MoE load-balancing term (computed from each shard alone; under the plain Trainer that term is drawn on too, and
+must be exact). A campaign of any seed and length runs from the command line and prints one line per case::
 
     python -m tests.integrations.test_random_trainer --world 4 --seed 3 --count 20
 """

@@ -16,10 +16,12 @@ What the mixin changes, and why (the Trainer's own DDP / FSDP2 wrapping over the
   per optimizer step as DP=2/SP=1/GAS=1, and epochs have the right number of steps.
 * the model computes its loss with the tiled lm_head + cross-entropy (:func:`ulysses_sp.enable_tiled_loss`;
   ``sp_tiled_loss=False`` turns it off), so no rank ever holds ``[tokens, vocab]`` logits;
-* the loss needs no override: the Trainer counts ``num_items_in_batch`` from ``shift_labels`` - now the
+* the loss is the model's own: the Trainer counts ``num_items_in_batch`` from ``shift_labels`` - now the
   local shards, which partition the tokens - summed over the world, so the count is exact; the model divides
   its shard's loss sum by it and the Trainer multiplies by the world size, which is what DDP/FSDP's gradient
-  average over dp x sp expects. The logged loss (mean over ranks) is the true token-weighted loss.
+  average over dp x sp expects. The logged loss (mean over ranks) is the true token-weighted loss. Only an MoE
+  model's load-balancing term (``output_router_logits``) is computed here (:meth:`compute_loss`), over the
+  router sums of the SP group's shards, as one process computes it on the dp replica's micro-batch.
 * token counts and metrics are those of one process: ``include_num_input_tokens_seen`` from the full batches'
   counts (:meth:`_track_num_input_tokens`), and scalars gathered for metrics (TRL's token count, entropy and
   accuracy) keep every shard's part at the end of an epoch too;
@@ -30,6 +32,7 @@ What the mixin changes, and why (the Trainer's own DDP / FSDP2 wrapping over the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -40,6 +43,7 @@ from transformers import Trainer
 from ..cores import CORES
 from ..features import apply_features
 from ..hf import find_pretrained, text_config
+from ..loss import causal_lm_loss
 from ..model import parallelize
 from ..moe import router_aux_loss
 from ..validation import IGNORE_INDEX
@@ -161,17 +165,12 @@ class UlyssesTrainerMixin:
         config = getattr(self.accelerator, "parallelism_config", None)
         if config is not None and ((config.sp_size or 1) > 1 or (config.cp_size or 1) > 1):
             problems.append("a parallelism_config with sp_size or cp_size > 1 (sp_size= here replaces it)")
-        if router_aux_loss(self.model) is not None:
+        if hasattr(args, "router_aux_loss_coef") and router_aux_loss(self.model) is not None:
             # TRL's SFTTrainer sets output_router_logits from its own router_aux_loss_coef (the model's by default)
-            off = (
-                "pass router_aux_loss_coef=0.0 in the SFTConfig, from which TRL sets it"
-                if hasattr(args, "router_aux_loss_coef")
-                else "set model.config.output_router_logits = False"
-            )
             problems.append(
-                "output_router_logits=True (the Trainer takes the model's own loss, whose load-balancing term would "
-                "come from each shard alone; train with ulysses_sp.causal_lm_loss in your own loop, which adds it "
-                f"over the whole sequence, or {off})"
+                "output_router_logits=True (TRL adds the model's load-balancing term, which would come from each "
+                "shard alone; pass router_aux_loss_coef=0.0 in the SFTConfig, from which TRL sets it, or train with "
+                "UlyssesTrainer or ulysses_sp.causal_lm_loss, which add it over the whole sequence)"
             )
         if not self.model_accepts_loss_kwargs:
             problems.append(
@@ -180,6 +179,27 @@ class UlyssesTrainerMixin:
             )
         if problems:
             raise ValueError(f"{type(self).__name__}(sp_size={sp_size}) does not support: " + "; ".join(problems))
+
+    # ------------------------------------------------------------------------------------- loss
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        """The Trainer's loss; for an MoE model with ``output_router_logits``, its load-balancing term over the
+        whole sequence of this dp replica's batch (the router sums of every shard of its SP group,
+        :mod:`ulysses_sp.moe`), as one process adds it to the loss of that micro-batch, not from this shard alone."""
+        if router_aux_loss(self.model) is None:
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        layout = dataclasses.replace(self.sp_layout, loss_group=self.sp_layout.sp_group)
+        # the dp replica's loss (equal on its SP group, gradients right once averaged over it) x dp: the scale of
+        # the Trainer's own (its shard's sum / the world's count, x the world size; gradients averaged over dp x sp)
+        loss = causal_lm_loss(model, inputs, layout, num_items_in_batch=num_items_in_batch) * layout.dp
+        return (loss, None) if return_outputs else loss
 
     def _pad_token_id(self) -> int:
         pad = getattr(self.processing_class, "pad_token_id", None)
