@@ -102,6 +102,9 @@ class UlyssesAttention:
         self.stats = stats if stats is not None else CommStats()
         self.vocab_size = vocab_size  # input_ids / labels outside [0, vocab_size) are refused on every rank
         self.masks = masks if masks is not None else DecoderMasks()  # what the model's own mask does
+        # True while a caller replaces the load-balancing loss the model computes from its shard with the whole
+        # sequence's (ulysses_sp.integrations.trl_sft): labels with router logits are then not refused
+        self.router_aux_by_caller = False
         # id(position_ids of a forward pass) -> (weak ref to that tensor, its Segments). An entry lives as long
         # as its position_ids tensor (held by autograd while the forward may still be recomputed by
         # activation checkpointing), so a recomputed layer always finds its own documents.

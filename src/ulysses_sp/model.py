@@ -80,7 +80,7 @@ class _BeginForward:
             router = kwargs.get("output_router_logits")
             if router is None:
                 router = getattr(self.pretrained.config.get_text_config(), "output_router_logits", False)
-            if labels is not None and router and self.ctx.layout.sp > 1:
+            if labels is not None and router and self.ctx.layout.sp > 1 and not self.ctx.router_aux_by_caller:
                 raise ValueError(
                     f"{type(module).__name__} was given labels with output_router_logits=True: its own loss would add "
                     "a load-balancing loss computed from this shard's tokens alone; train with "

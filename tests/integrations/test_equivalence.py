@@ -205,6 +205,33 @@ def test_sft_eval_under_sp_equals_one_process_eval(world2_sp, out_dir):
     assert abs(result(out_dir, "sft_sp2_gas2")["eval_loss"] - trainer.evaluate()["eval_loss"]) < LOSS_ATOL
 
 
+def test_sft_moe_load_balancing_term_dp2_sp2_equals_one_process(world4, out_dir):
+    """TRL's MoE load-balancing term (router_aux_loss_coef, weighted 0.5 here) over each dp replica's micro-batch,
+    as TRL adds it in one process (dp2 x sp2 x GAS 2 against GAS 4): losses, eval loss and weights."""
+    from transformers import MixtralForCausalLM
+    from trl import SFTTrainer
+
+    from tests.integrations.common import sft_args, tokenizer
+
+    job = "sft_moe_aux_dp2_sp2_gas2"
+    assert_case(world4, job, 4)
+    reference = SFTTrainer(
+        model=build("mixtral", kv_heads=2),
+        args=sft_args(os.path.join(out_dir, "sft_moe_ref"), router_aux_loss_coef=0.5, gradient_accumulation_steps=4),
+        train_dataset=token_dataset(TRAIN_LENGTHS, seed=1).remove_columns("labels"),
+        eval_dataset=token_dataset(EVAL_LENGTHS, seed=2).remove_columns("labels"),
+        processing_class=tokenizer(),
+    )
+    reference.train()
+    ours, want = result(out_dir, job), train_losses(reference.state.log_history)
+    assert ours["global_step"] == len(want) >= 2
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(want), atol=LOSS_ATOL, rtol=0)
+    assert abs(ours["eval_loss"] - reference.evaluate()["eval_loss"]) < LOSS_ATOL
+    saved = MixtralForCausalLM.from_pretrained(os.path.join(out_dir, job, "final"))
+    for name, param in reference.model.named_parameters():
+        torch.testing.assert_close(saved.get_parameter(name), param, atol=WEIGHT_ATOL, rtol=0, msg=name)
+
+
 # ------------------------------------------------------------------------------------- PEFT
 def test_lora_under_sp_equals_one_process(world2_sp, out_dir):
     """LoRA through the PEFT wrapper: SP=2/GAS=2 against one process/GAS=2; losses, adapter weights, eval loss."""

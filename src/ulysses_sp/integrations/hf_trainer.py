@@ -165,12 +165,12 @@ class UlyssesTrainerMixin:
         config = getattr(self.accelerator, "parallelism_config", None)
         if config is not None and ((config.sp_size or 1) > 1 or (config.cp_size or 1) > 1):
             problems.append("a parallelism_config with sp_size or cp_size > 1 (sp_size= here replaces it)")
-        if hasattr(args, "router_aux_loss_coef") and router_aux_loss(self.model) is not None:
-            # TRL's SFTTrainer sets output_router_logits from its own router_aux_loss_coef (the model's by default)
+        if sp_size > 1 and getattr(self, "aux_loss_enabled", False) and router_aux_loss(self.model) is None:
+            # TRL's SFTTrainer turns its load-balancing term on from router_aux_loss_coef (the model's by default)
             problems.append(
-                "output_router_logits=True (TRL adds the model's load-balancing term, which would come from each "
-                "shard alone; pass router_aux_loss_coef=0.0 in the SFTConfig, from which TRL sets it, or train with "
-                "UlyssesTrainer or ulysses_sp.causal_lm_loss, which add it over the whole sequence)"
+                f"TRL's load-balancing term for {type(find_pretrained(self.model)).__name__}, whose module has no "
+                "load_balancing_loss_func that ulysses-sp can compute over the whole sequence (each shard's alone "
+                "would be wrong); pass router_aux_loss_coef=0.0 in the SFTConfig"
             )
         if not self.model_accepts_loss_kwargs:
             problems.append(

@@ -5,13 +5,25 @@ batch with ``position_ids`` that restart at 0 for every document; the wrapped co
 global only where the sequence is padded) so attention never crosses a document, and drops the full-row
 ``cu_seq_lens_*`` / ``max_length_*`` / ``seq_idx`` keys, which would be stale for a shard. TRL's fused LM head
 scores the pre-shifted ``shift_labels`` as they are, so its loss, entropy and token-accuracy metrics come out
-right over the shards.
+right over the shards. With TRL's MoE load-balancing term on (``router_aux_loss_coef``, the model's by
+default), that term comes from the router statistics of every shard of the SP group (:func:`whole_sequence_aux`),
+as TRL computes it in one process on the dp replica's micro-batch, not from each shard alone.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
 from trl import SFTTrainer
 
+from ..comm import all_reduce_sum
+from ..hf import find_pretrained
+from ..layout import ParallelLayout
+from ..model import ulysses_context
+from ..moe import router_aux_loss
 from .hf_trainer import UlyssesTrainerMixin
 
 __all__ = ["UlyssesSFTTrainer"]
@@ -26,3 +38,62 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
     """
 
     sp_tiled_loss_default = False
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        """TRL's loss, its MoE load-balancing term (when on) over the SP group's whole sequence."""
+        loss = SFTTrainer.compute_loss  # TRL's, not the mixin's (which serves the plain Trainer's convention)
+        if not getattr(self, "aux_loss_enabled", False) or self.sp_layout.sp == 1:
+            return loss(self, model, inputs, return_outputs, num_items_in_batch)
+        scale = 1
+        if not self.model.training and num_items_in_batch is not None:
+            # evaluation (prediction_step: this loss / the world size, summed over the SP group): TRL divides the
+            # term by the accumulation steps where given a token count, one process's eval adds it whole
+            scale = self.sp_layout.dp * self.current_gradient_accumulation_steps
+        with whole_sequence_aux(model, self.sp_layout, scale):
+            return loss(self, model, inputs, return_outputs, num_items_in_batch)
+
+
+@contextlib.contextmanager
+def whole_sequence_aux(model: torch.nn.Module, layout: ParallelLayout, scale: float = 1) -> Iterator[None]:
+    """Inside the block a call of ``model`` (wrapped or not) returns as ``aux_loss`` the load-balancing loss of
+    the whole sequence of the SP group (:mod:`ulysses_sp.moe`: its shards' router sums added, in an all-reduce
+    whose backward adds the gradients over the group too), not the one its shard alone gives; the model may be
+    given labels with router logits meanwhile. TRL adds ``coef * aux_loss`` to each rank's loss without the
+    world-size scale of its cross-entropy, so that value on every rank of the group, with that gradient, is what
+    one process gives once DDP averages the gradients over dp x sp (``scale``: a factor on it)."""
+    aux = router_aux_loss(model)
+    ctx = ulysses_context(model)
+    found: list[torch.Tensor] = []
+
+    def take(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        router_logits = getattr(output, "router_logits", None)
+        if not router_logits:
+            raise ValueError(
+                "TRL asked for router logits but the model returned none, so its load-balancing loss cannot be "
+                "computed over the whole sequence; pass router_aux_loss_coef=0.0 in the SFTConfig"
+            )
+        sums = aux.statistics(tuple(router_logits), kwargs.get("attention_mask")).double()  # [2E + 1]
+        found.append((aux.loss(all_reduce_sum(sums, layout.sp_group)) * scale).to(torch.float32))
+
+    def give(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if getattr(output, "aux_loss", None) is not None:
+            output.aux_loss = found.pop()
+        found.clear()
+
+    handles = [
+        find_pretrained(model).base_model.register_forward_hook(take, with_kwargs=True),
+        model.register_forward_hook(give),
+    ]
+    ctx.router_aux_by_caller = True
+    try:
+        yield
+    finally:
+        ctx.router_aux_by_caller = False
+        for handle in handles:
+            handle.remove()
