@@ -17,10 +17,9 @@ from unittest import mock
 import pytest
 
 from tests.dist.cases_random import COUNT_ENV, SEED_ENV, START_ENV, random_case
-from tests.helpers.harness import run_world
+from tests.helpers.harness import refused_for_its_parameters, run_world
 
 COUNTS = {2: 12, 4: 8}  # cases of seed 0 per world size in the suite
-_SPLIT = ("do not split over", "does not split")  # the heads or the head chunks cannot take the layout
 
 
 def run(world: int, seed: int, start: int, count: int) -> dict[str, dict[int, str]]:
@@ -41,7 +40,7 @@ def verdict(case: dict, results: dict[int, str], world: int) -> str | None:
         return "left padding under an eager model was not refused" if eager_left else None
     if result.startswith("refused: "):
         reason = result.removeprefix("refused: ")
-        if any(text in reason for text in _SPLIT) or (eager_left and "starts with padding, and" in reason):
+        if refused_for_its_parameters(reason, eager_left):
             return None
         return f"refused for a reason the case does not give: {reason}"
     return result  # the case's parameters and the traceback

@@ -98,3 +98,11 @@ def dist_suite(cases_module: str, worlds: dict[int, list[str]]):
         assert set(results(world)) == listed, set(results(world)) ^ listed
 
     return results, test_case, test_every_worker_case_is_checked
+
+
+def refused_for_its_parameters(reason: str, eager_left: bool) -> bool:
+    """Whether ``reason`` (a ValueError's text) is one a random case's parameters give for refusing it: heads or
+    head chunks that do not split over the ranks, or (``eager_left``: the case left-pads rows under an eager
+    model) a query that sees no key."""
+    split = "do not split over" in reason or "does not split" in reason
+    return split or (eager_left and "starts with padding, and" in reason)

@@ -22,14 +22,13 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.helpers.harness import run_world
+from tests.helpers.harness import refused_for_its_parameters, run_world
 from tests.integrations.cases_random import COUNT_ENV, SEED_ENV, START_ENV, case_dir, random_case, reference
 from tests.integrations.common import read_json
 
 COUNTS = {2: 5, 4: 4}  # cases of seed 0 per world size in the suite
 LOSS_ATOL = 1e-5  # fp32 logged losses, as tests/integrations/test_equivalence.py
 WEIGHT_ATOL = 1e-4
-_SPLIT = ("do not split over", "does not split")  # the heads or the head chunks cannot take the layout
 
 
 def run(world: int, seed: int, start: int, count: int, out: str) -> dict[str, dict[int, str]]:
@@ -75,7 +74,7 @@ def compare(case: dict, out: str) -> str | None:
 
 def refusal_problem(case: dict, reason: str) -> str | None:
     """None when the case's parameters give ``reason`` for refusing it; else what is wrong."""
-    if any(text in reason for text in _SPLIT) or (_eager_left(case) and "starts with padding, and" in reason):
+    if refused_for_its_parameters(reason, _eager_left(case)):
         return None
     return f"refused for a reason the case does not give: {reason}"
 
