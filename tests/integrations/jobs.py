@@ -8,6 +8,7 @@ those files with each other and with one-process references.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -152,9 +153,9 @@ def sft_trainer(model, args, sp: int = 2):
     return UlyssesSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer(), sp_size=sp)
 
 
-def sft(job: str, sp: int | None, model=None, **args) -> None:
-    """TRL SFTTrainer with padding-free packing: plain (sp=None) or UlyssesSFTTrainer(sp_size=sp) with an eval;
-    ``model``: the tiny Llama by default."""
+def sft(job: str, sp: int | None, model=None, eval_first: bool = False, **args) -> None:
+    """TRL SFTTrainer with padding-free packing: plain (sp=None) or UlyssesSFTTrainer(sp_size=sp) with an eval
+    (``eval_first``: before training too); ``model``: the tiny Llama by default."""
     from trl import SFTTrainer
 
     from ulysses_sp.integrations import UlyssesSFTTrainer
@@ -171,9 +172,17 @@ def sft(job: str, sp: int | None, model=None, **args) -> None:
         _record(job, trainer)
         return
     eval_dataset = token_dataset(EVAL_LENGTHS, seed=2).remove_columns("labels")
+    first = {}
+    if eval_first:  # on a trainer of its own: under several processes an evaluate() before train() changes the
+        # steps after the first, plain DDP with TRL's SFTTrainer too (one process: not)
+        fresh = UlyssesSFTTrainer(
+            **{**kwargs, "model": copy.deepcopy(kwargs["model"])}, eval_dataset=eval_dataset, sp_size=sp
+        )
+        first = {"eval_first": fresh.evaluate()}
     trainer = UlyssesSFTTrainer(**kwargs, eval_dataset=eval_dataset, sp_size=sp)
     trainer.train()
-    _record(job, trainer, eval_loss=trainer.evaluate()["eval_loss"])
+    metrics = trainer.evaluate()
+    _record(job, trainer, eval_loss=metrics["eval_loss"], eval_aux_loss=metrics.get("eval_aux_loss"), **first)
 
 
 # ----------------------------------------------------------------------------------------------- bad input
@@ -319,6 +328,7 @@ def world4() -> dict[str, str]:
                 model=build("mixtral", kv_heads=2),
                 router_aux_loss_coef=0.5,
                 gradient_accumulation_steps=2,
+                eval_first=True,
             ),
             "trainer_moe_aux_dp2_sp2_gas2": lambda: ulysses_trainer(
                 "trainer_moe_aux_dp2_sp2_gas2",

@@ -207,7 +207,8 @@ def test_sft_eval_under_sp_equals_one_process_eval(world2_sp, out_dir):
 
 def test_sft_moe_load_balancing_term_dp2_sp2_equals_one_process(world4, out_dir):
     """TRL's MoE load-balancing term (router_aux_loss_coef, weighted 0.5 here) over each dp replica's micro-batch,
-    as TRL adds it in one process (dp2 x sp2 x GAS 2 against GAS 4): losses, eval loss and weights."""
+    as TRL adds it in one process (dp2 x sp2 x GAS 2 against GAS 4): losses, weights, and the eval loss and TRL's
+    eval_aux_loss metric before and after training."""
     from transformers import MixtralForCausalLM
     from trl import SFTTrainer
 
@@ -222,11 +223,21 @@ def test_sft_moe_load_balancing_term_dp2_sp2_equals_one_process(world4, out_dir)
         eval_dataset=token_dataset(EVAL_LENGTHS, seed=2).remove_columns("labels"),
         processing_class=tokenizer(),
     )
+    ours = result(out_dir, job)
+
+    def same_eval(got: dict, want: dict) -> None:
+        assert abs(got["eval_loss"] - want["eval_loss"]) < LOSS_ATOL, (got["eval_loss"], want["eval_loss"])
+        # TRL's metric: the mean of each eval step's mean over the ranks (under dp, of dp batches at a time, as
+        # under plain DDP): close to one process's mean over its batches, not equal; a per-shard or scaled term
+        # would be far off
+        torch.testing.assert_close(got["eval_aux_loss"], want["eval_aux_loss"], rtol=1e-3, atol=0)
+
+    same_eval(ours["eval_first"], reference.evaluate())  # before any training step (no accumulation count yet)
     reference.train()
-    ours, want = result(out_dir, job), train_losses(reference.state.log_history)
+    want = train_losses(reference.state.log_history)
     assert ours["global_step"] == len(want) >= 2
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(want), atol=LOSS_ATOL, rtol=0)
-    assert abs(ours["eval_loss"] - reference.evaluate()["eval_loss"]) < LOSS_ATOL
+    same_eval(ours, reference.evaluate())
     saved = MixtralForCausalLM.from_pretrained(os.path.join(out_dir, job, "final"))
     for name, param in reference.model.named_parameters():
         torch.testing.assert_close(saved.get_parameter(name), param, atol=WEIGHT_ATOL, rtol=0, msg=name)

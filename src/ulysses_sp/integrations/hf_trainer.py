@@ -43,7 +43,7 @@ from transformers import Trainer
 from ..cores import CORES
 from ..features import apply_features
 from ..hf import find_pretrained, text_config
-from ..loss import causal_lm_loss
+from ..loss import MODEL_INPUTS, causal_lm_loss
 from ..model import parallelize
 from ..moe import router_aux_loss
 from ..validation import IGNORE_INDEX
@@ -165,13 +165,19 @@ class UlyssesTrainerMixin:
         config = getattr(self.accelerator, "parallelism_config", None)
         if config is not None and ((config.sp_size or 1) > 1 or (config.cp_size or 1) > 1):
             problems.append("a parallelism_config with sp_size or cp_size > 1 (sp_size= here replaces it)")
-        if sp_size > 1 and getattr(self, "aux_loss_enabled", False) and router_aux_loss(self.model) is None:
+        if sp_size > 1 and getattr(self, "aux_loss_enabled", False):
             # TRL's SFTTrainer turns its load-balancing term on from router_aux_loss_coef (the model's by default)
-            problems.append(
-                f"TRL's load-balancing term for {type(find_pretrained(self.model)).__name__}, whose module has no "
-                "load_balancing_loss_func that ulysses-sp can compute over the whole sequence (each shard's alone "
-                "would be wrong); pass router_aux_loss_coef=0.0 in the SFTConfig"
-            )
+            # and sets output_router_logits from it: that coefficient is the way to turn it off
+            try:
+                why = None if router_aux_loss(self.model) is not None else "its module has no load_balancing_loss_func"
+            except ValueError as error:
+                why = str(error).split("; set model.config")[0]
+            if why is not None:
+                problems.append(
+                    f"TRL's load-balancing term for {type(find_pretrained(self.model)).__name__}, which ulysses-sp "
+                    f"cannot compute over the whole sequence ({why}; each shard's alone would be wrong); pass "
+                    "router_aux_loss_coef=0.0 in the SFTConfig"
+                )
         if not self.model_accepts_loss_kwargs:
             problems.append(
                 f"{type(find_pretrained(self.model)).__name__}, which does not accept loss kwargs "
@@ -190,10 +196,17 @@ class UlyssesTrainerMixin:
     ) -> Any:
         """The Trainer's loss; for an MoE model with ``output_router_logits``, its load-balancing term over the
         whole sequence of this dp replica's batch (the router sums of every shard of its SP group,
-        :mod:`ulysses_sp.moe`), as one process adds it to the loss of that micro-batch, not from this shard alone."""
+        :mod:`ulysses_sp.moe`), as one process adds it to the loss of that micro-batch, not from this shard alone
+        (then ``return_outputs`` gives ``(loss, None)``: the model's outputs are not kept)."""
         if router_aux_loss(self.model) is None:
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        extra = sorted(set(inputs) - {*MODEL_INPUTS, "labels", "shift_labels"})
+        if extra:
+            raise ValueError(
+                f"the batch has {extra}, which the MoE load-balancing loss path does not pass to the model (it takes "
+                f"{list(MODEL_INPUTS)}); drop them in the collator, or set model.config.output_router_logits = False"
             )
         layout = dataclasses.replace(self.sp_layout, loss_group=self.sp_layout.sp_group)
         # the dp replica's loss (equal on its SP group, gradients right once averaged over it) x dp: the scale of

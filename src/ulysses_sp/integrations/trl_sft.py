@@ -50,26 +50,38 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
         loss = SFTTrainer.compute_loss  # TRL's, not the mixin's (which serves the plain Trainer's convention)
         if not getattr(self, "aux_loss_enabled", False) or self.sp_layout.sp == 1:
             return loss(self, model, inputs, return_outputs, num_items_in_batch)
-        scale = 1
-        if not self.model.training and num_items_in_batch is not None:
-            # evaluation (prediction_step: this loss / the world size, summed over the SP group): TRL divides the
-            # term by the accumulation steps where given a token count, one process's eval adds it whole
-            scale = self.sp_layout.dp * self.current_gradient_accumulation_steps
-        with whole_sequence_aux(model, self.sp_layout, scale):
-            return loss(self, model, inputs, return_outputs, num_items_in_batch)
+        if self.model.training or num_items_in_batch is None:
+            with whole_sequence_aux(model, self.sp_layout):
+                return loss(self, model, inputs, return_outputs, num_items_in_batch)
+        # evaluation (prediction_step: this loss / the world size, summed over the SP group; one process's eval adds
+        # the term whole): TRL divides it by current_gradient_accumulation_steps (unset before any training step),
+        # pinned to 1 here, and it is added dp - 1 times more
+        before = self.__dict__.get("current_gradient_accumulation_steps")
+        self.current_gradient_accumulation_steps = 1
+        try:
+            with whole_sequence_aux(model, self.sp_layout) as given:
+                out = loss(self, model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            if before is None:
+                del self.current_gradient_accumulation_steps
+            else:
+                self.current_gradient_accumulation_steps = before
+        more = self.router_aux_loss_coef * given[0] * (self.sp_layout.dp - 1)
+        return (out[0] + more, *out[1:]) if return_outputs else out + more
 
 
 @contextlib.contextmanager
-def whole_sequence_aux(model: torch.nn.Module, layout: ParallelLayout, scale: float = 1) -> Iterator[None]:
+def whole_sequence_aux(model: torch.nn.Module, layout: ParallelLayout) -> Iterator[list[torch.Tensor]]:
     """Inside the block a call of ``model`` (wrapped or not) returns as ``aux_loss`` the load-balancing loss of
     the whole sequence of the SP group (:mod:`ulysses_sp.moe`: its shards' router sums added, in an all-reduce
     whose backward adds the gradients over the group too), not the one its shard alone gives; the model may be
     given labels with router logits meanwhile. TRL adds ``coef * aux_loss`` to each rank's loss without the
     world-size scale of its cross-entropy, so that value on every rank of the group, with that gradient, is what
-    one process gives once DDP averages the gradients over dp x sp (``scale``: a factor on it)."""
+    one process gives once DDP averages the gradients over dp x sp. Yields the list of the values given."""
     aux = router_aux_loss(model)
     ctx = ulysses_context(model)
     found: list[torch.Tensor] = []
+    given: list[torch.Tensor] = []
 
     def take(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         router_logits = getattr(output, "router_logits", None)
@@ -79,11 +91,12 @@ def whole_sequence_aux(model: torch.nn.Module, layout: ParallelLayout, scale: fl
                 "computed over the whole sequence; pass router_aux_loss_coef=0.0 in the SFTConfig"
             )
         sums = aux.statistics(tuple(router_logits), kwargs.get("attention_mask")).double()  # [2E + 1]
-        found.append((aux.loss(all_reduce_sum(sums, layout.sp_group)) * scale).to(torch.float32))
+        found.append(aux.loss(all_reduce_sum(sums, layout.sp_group)).to(torch.float32))
 
     def give(module: torch.nn.Module, args: tuple, output: Any) -> None:
         if getattr(output, "aux_loss", None) is not None:
             output.aux_loss = found.pop()
+            given.append(output.aux_loss)
         found.clear()
 
     handles = [
@@ -92,7 +105,7 @@ def whole_sequence_aux(model: torch.nn.Module, layout: ParallelLayout, scale: fl
     ]
     ctx.router_aux_by_caller = True
     try:
-        yield
+        yield given
     finally:
         ctx.router_aux_by_caller = False
         for handle in handles:
