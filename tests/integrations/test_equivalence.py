@@ -330,7 +330,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "accelerate_fsdp2_sp2",
             "bad_input",
         },
-        {"trainer_dp2_sp2", "accelerate_dp2_sp2"},
+        {"trainer_dp2_sp2", "accelerate_dp2_sp2", "trainer_moe_aux_dp2_sp2_gas2", "sft_moe_aux_dp2_sp2_gas2"},
     )
     for results, jobs in zip((world2_plain, world2_sp, world4), checked, strict=True):
         assert set(results) == jobs, set(results) ^ jobs
