@@ -1,7 +1,8 @@
 """Random Trainer / SFTTrainer cases: architecture x heads x layout x batch x accumulation x padding or packing x
 activation checkpointing x LoRA x tiled loss x head chunks x clipping x schedule x token counting x dataloader
-workers x sampling x evaluation during training, each a short training run plus an eval under Ulysses SP,
-compared afterwards with the plain trainer in one process.
+workers x sampling x evaluation during training x an MoE's load-balancing term x a resume from a halfway
+checkpoint, each a short training run plus an eval under Ulysses SP, compared afterwards with the plain trainer in
+one process (uninterrupted).
 
 A case is drawn from ``(seed, index, world)`` alone, so every rank and the test draw the same one and a failure
 is reproduced by its numbers. On the ranks :func:`run_case` trains and writes what it measured under
@@ -87,6 +88,8 @@ def random_case(seed: int, index: int, world: int) -> dict:
         sampling=r.choice(["random", "random", "sequential", "group_by_length"]),
         eval_every=r.choice([None, None, 2]),  # evaluate during training too, then train on
         lora_all=r.random() < 0.5,  # LoRA on every attention projection (else q and v only)
+        # under SP: stopped after half the optimizer steps with a checkpoint, then resumed from it by a new trainer
+        resume=r.random() < 0.3,
     )
     if case["sampling"] == "group_by_length" and dp > 1:
         # over dp ranks a step's micro-batches hold other samples than the one process's: losses differ from the
@@ -207,8 +210,9 @@ def trainer(case: dict, out: str, sp: int | None) -> Any:
 
 
 def measure(run: Any) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Train and evaluate ``run``; what the comparison reads, and the trainable weights."""
-    run.train()
+    """Train (resuming from ``run.resume_from`` where set) and evaluate ``run``; what the comparison reads, and the
+    trainable weights."""
+    run.train(resume_from_checkpoint=getattr(run, "resume_from", None))
     history = run.state.log_history
     result = {
         "losses": train_losses(history),
@@ -233,10 +237,38 @@ def case_dir(out: str, seed: int, world: int, index: int) -> str:
     return os.path.join(out, "random", f"{seed}-{world}-{index}")
 
 
+def _stop_halfway() -> Any:
+    """A TrainerCallback that saves a checkpoint after half the optimizer steps (one at least) and stops there."""
+    from transformers import TrainerCallback
+
+    class StopHalfway(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs) -> None:
+            if state.global_step == max(1, state.max_steps // 2):
+                control.should_save = control.should_training_stop = True
+
+    return StopHalfway()
+
+
+def interrupted(case: dict, out: str) -> Any:
+    """The case's SP trainer, resumed (in :func:`measure`) from a checkpoint another one saved halfway, when
+    ``case["resume"]`` and the run has two optimizer steps or more; else the trainer of an uninterrupted run."""
+    if not case["resume"]:
+        return trainer(case, out, sp=case["sp"])
+    first = trainer(case, os.path.join(out, "first"), sp=case["sp"])
+    first.add_callback(_stop_halfway())
+    first.train()
+    # made after the first run: a trainer seeds torch's generator when it is made, and the training order of a
+    # sampler that draws from it (group_by_length) depends on what ran in between
+    run = trainer(case, out, sp=case["sp"])
+    if first.state.global_step < first.state.max_steps:  # else one optimizer step in all: nothing to resume
+        run.resume_from = os.path.join(out, "first", f"checkpoint-{first.state.global_step}")
+    return run
+
+
 def run_case(case: dict, out: str) -> str:
     """The case under SP on this rank; rank 0 writes what it measured to ``out``. "ok", or "refused: ..."."""
     try:
-        result, weights = measure(trainer(case, out, sp=case["sp"]))
+        result, weights = measure(interrupted(case, out))
     except ValueError as error:
         return f"refused: {error}"
     if dist.get_rank() == 0:
