@@ -15,11 +15,10 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.autograd.graph import get_gradient_edge
 
-from .head_chunk_lora import lora_linear, with_lows
+from .head_chunk_lora import lora_linear
 from .tiling import add_mm, sum_dtype
 
 if TYPE_CHECKING:
@@ -90,10 +89,8 @@ class ProjectionCut:
         is :class:`~ulysses_sp.deferred_input.Absent`."""
 
         def linear(x: torch.Tensor, start: int = 0) -> torch.Tensor:
-            if lows is None:
-                return lora_linear(x, weight, bias, adapters, start)
-            tiles = [low.narrow(-2, start, x.shape[-2]) for low in lows]
-            return with_lows(F.linear(x, weight, bias), adapters, tiles)
+            tiles = None if lows is None else [low.narrow(-2, start, x.shape[-2]) for low in lows]
+            return lora_linear(x, weight, bias, adapters, start, tiles)
 
         if self.remade:
             return self.remake.project(self.source, linear)

@@ -52,7 +52,6 @@ __all__ = [
     "lora_linear",
     "lora_problem",
     "unsliced_states",
-    "with_lows",
 ]
 
 # A 32-bit integer hash (Wellons' lowbias32) and the golden ratio's 32 bits, as signed int32 (torch's integer
@@ -293,15 +292,6 @@ def adapter_low(
     return low.view(*x.shape[:-1], a.shape[0])
 
 
-def with_lows(out: torch.Tensor, adapters: tuple[Adapter, ...], lows: list[torch.Tensor]) -> torch.Tensor:
-    """``out`` (the base projection's output) plus each adapter's ``s * low B^T``, ``low = dropout(x) A^T`` made
-    already, in the order and dtypes of PEFT's forward."""
-    dtype = out.dtype
-    for adapter, low in zip(adapters, lows, strict=True):
-        out = out + F.linear(low, adapter.b) * adapter.scaling
-    return out.to(dtype)
-
-
 class InputLows:
     """The LoRA adapters of the projections of the block's input ``x [b, n, h]`` in one forward or backward:
     ``dropout(x) A^T [b, n, r]`` per (projection, adapter) made once, not once per chunk (:meth:`low`); in backward
@@ -385,14 +375,17 @@ def lora_linear(
     bias: torch.Tensor | None,
     adapters: tuple[Adapter, ...] = (),
     offset: int = 0,
+    lows: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` plus each adapter's ``s * (dropout(x) A^T) B^T`` (``adapters``' ``b``: the rows
-    that ``weight`` has; ``offset``: the token of ``x``'s first, for the dropout), in the order and dtypes of PEFT's
-    forward."""
+    that ``weight`` has; ``offset``: the token of ``x``'s first, for the dropout; ``lows``: the adapters'
+    ``dropout(x) A^T`` where made already), in the order and dtypes of PEFT's forward."""
     out = F.linear(x, weight, bias)
     if not adapters:
         return out
+    if lows is None:
+        lows = [adapter_low(adapter, x, offset) for adapter in adapters]
     dtype = out.dtype
-    for adapter in adapters:
-        out = out + F.linear(adapter_low(adapter, x, offset), adapter.b) * adapter.scaling
+    for adapter, low in zip(adapters, lows, strict=True):
+        out = out + F.linear(low, adapter.b) * adapter.scaling
     return out.to(dtype)

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
@@ -50,7 +49,6 @@ from .head_chunk_lora import (
     is_lora,
     lora_linear,
     lora_problem,
-    with_lows,
 )
 from .head_chunk_parts import Blank
 from .head_chunk_pipeline import ChunkRun, placer
@@ -197,9 +195,7 @@ class _Slice:
         if self.adapters and self.inputs is not None and x is self.inputs.x:  # the block's input: made once
             lows = [self.inputs.low(self.name, i, adapter) for i, adapter in enumerate(self.adapters)]
         if self.cut is None or x is not self.cut.x:
-            if lows is not None:
-                return with_lows(F.linear(x, self.weight, self.bias), self.adapters, lows)
-            return lora_linear(x, self.weight, self.bias, self.adapters)
+            return lora_linear(x, self.weight, self.bias, self.adapters, lows=lows)
         # without a graph, under autocast still (the same casts as the forward's)
         return self.cut.tap(self.name, self.cut.project(self.weight, self.bias, self.adapters, lows))
 
