@@ -80,6 +80,18 @@ def assert_same_run(out_dir, reference: str, run: str) -> None:
         torch.testing.assert_close(got_w[name], ref_w[name], atol=WEIGHT_ATOL, rtol=0, msg=name)
 
 
+def assert_trained_as(out_dir, job: str, reference) -> None:
+    """Job ``job``'s per-step losses and saved weights against the trained one-process ``reference`` trainer's."""
+    from transformers import AutoModelForCausalLM
+
+    ours, want = result(out_dir, job), train_losses(reference.state.log_history)
+    assert ours["global_step"] == len(want) >= 2
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(want), atol=LOSS_ATOL, rtol=0)
+    saved = AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, job, "final"))
+    for name, param in reference.model.named_parameters():
+        torch.testing.assert_close(saved.get_parameter(name), param, atol=WEIGHT_ATOL, rtol=0, msg=name)
+
+
 def one_process_eval_loss(model, samples: int) -> float:
     """The eval loss a plain, single-process Trainer reports for this model."""
     from transformers import Trainer
@@ -126,7 +138,7 @@ def test_trainer_dp2_sp2_on_4_ranks_equals_dp2(world2_plain, world4, out_dir):
 def test_trainer_moe_load_balancing_loss_dp2_sp2_equals_one_process(world4, out_dir):
     """An MoE model with output_router_logits: its load-balancing term over each dp replica's micro-batch, as one
     process adds it to each micro-batch (dp2 x sp2 x GAS 2 against GAS 4): losses, eval loss and weights."""
-    from transformers import MixtralForCausalLM, Trainer
+    from transformers import Trainer
 
     from tests.integrations.jobs import moe_model
 
@@ -140,13 +152,9 @@ def test_trainer_moe_load_balancing_loss_dp2_sp2_equals_one_process(world4, out_
         data_collator=pad_collate,
     )
     reference.train()
-    ours, want = result(out_dir, job), train_losses(reference.state.log_history)
-    assert len(want) == ours["global_step"] == 2  # 16 samples / (2 per batch x GAS 2 x dp 2)
-    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(want), atol=LOSS_ATOL, rtol=0)
-    assert abs(ours["eval_loss"] - reference.evaluate()["eval_loss"]) < LOSS_ATOL
-    saved = MixtralForCausalLM.from_pretrained(os.path.join(out_dir, job, "final"))
-    for name, param in reference.model.named_parameters():
-        torch.testing.assert_close(saved.get_parameter(name), param, atol=WEIGHT_ATOL, rtol=0, msg=name)
+    assert_trained_as(out_dir, job, reference)
+    assert result(out_dir, job)["global_step"] == 2  # 16 samples / (2 per batch x GAS 2 x dp 2)
+    assert abs(result(out_dir, job)["eval_loss"] - reference.evaluate()["eval_loss"]) < LOSS_ATOL
 
 
 @pytest.mark.parametrize("job", ["trainer_sp2_gas2", FSDP2_JOB, "trainer_dp2_sp2"])
@@ -209,7 +217,6 @@ def test_sft_moe_load_balancing_term_dp2_sp2_equals_one_process(world4, out_dir)
     """TRL's MoE load-balancing term (router_aux_loss_coef, weighted 0.5 here) over each dp replica's micro-batch,
     as TRL adds it in one process (dp2 x sp2 x GAS 2 against GAS 4): losses, weights, and the eval loss and TRL's
     eval_aux_loss metric before and after training."""
-    from transformers import MixtralForCausalLM
     from trl import SFTTrainer
 
     from tests.integrations.common import sft_args, tokenizer
@@ -234,13 +241,8 @@ def test_sft_moe_load_balancing_term_dp2_sp2_equals_one_process(world4, out_dir)
 
     same_eval(ours["eval_first"], reference.evaluate())  # before any training step (no accumulation count yet)
     reference.train()
-    want = train_losses(reference.state.log_history)
-    assert ours["global_step"] == len(want) >= 2
-    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(want), atol=LOSS_ATOL, rtol=0)
+    assert_trained_as(out_dir, job, reference)
     same_eval(ours, reference.evaluate())
-    saved = MixtralForCausalLM.from_pretrained(os.path.join(out_dir, job, "final"))
-    for name, param in reference.model.named_parameters():
-        torch.testing.assert_close(saved.get_parameter(name), param, atol=WEIGHT_ATOL, rtol=0, msg=name)
 
 
 # ------------------------------------------------------------------------------------- PEFT
