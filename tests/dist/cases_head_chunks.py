@@ -19,10 +19,9 @@ from tests.dist.cases_architectures import EVAL_ONLY, PARITY_ARCHS
 from tests.dist.cases_core import check_parity
 from tests.dist.cases_memory_features import check_features
 from tests.helpers.harness import run_cases
-from tests.helpers.models import build, make_batch, with_chunk_dropout, with_lora
+from tests.helpers.models import build, dropout_seeds, make_batch, with_chunk_dropout, with_lora
 from tests.helpers.spy import calls_to
 from ulysses_sp import chunk_core, head_chunk_pipeline, sliced_core
-from ulysses_sp.head_chunks import HeadChunkedAttention
 
 P = functools.partial
 CHUNKS = (1, 2, 4)
@@ -221,12 +220,8 @@ def sliced_cases(layout, prefix: str, heads: int, kv: int) -> dict:
 def with_dropout_seeds(check, *args, seed: int = 1000, **kwargs) -> None:
     """``check(*args, **kwargs)`` with layer ``l``'s LoRA dropout call seed ``seed + l`` on every rank (the seed
     tests.helpers.models.with_chunk_dropout gives the reference's masks)."""
-    old = HeadChunkedAttention.dropout_seed
-    HeadChunkedAttention.dropout_seed = lambda self: seed + self.module.layer_idx
-    try:
+    with dropout_seeds(seed):
         check(*args, **kwargs)
-    finally:
-        HeadChunkedAttention.dropout_seed = old
 
 
 def lora_dropout_cases(layout, prefix: str, heads: int, chunks: int, features: bool = False) -> dict:

@@ -1,5 +1,6 @@
-"""Random parity cases: architecture x heads x head chunks x memory features x batch shape x wrapper x layout,
-each one training step compared with one process on the full batch (loss and every gradient).
+"""Random parity cases: architecture x heads x head chunks x memory features x batch shape x wrapper x layout x
+LoRA adapters (with their input dropout where the head chunks draw its masks), each one training step compared
+with one process on the full batch (loss and every gradient).
 
 A case is drawn from ``(seed, index, world)`` alone, so every rank draws the same one and a failure is
 reproduced by its numbers. :func:`run_case` returns ``"ok"`` or ``"refused: <ValueError>"`` (a layout the heads
@@ -22,12 +23,13 @@ import torch.distributed as dist
 import ulysses_sp as U
 from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, reference
 from tests.dist.cases_memory_features import full_grad, wrap
-from tests.helpers.models import build, dp_share, make_batch
+from tests.helpers.models import build, dp_share, dropout_seeds, make_batch, with_chunk_dropout, with_lora
 
 ARCHS = (
     "llama", "qwen3", "mistral", "qwen2", "gemma2", "mixtral", "qwen3_moe", "deepseek_v3_mla_v4", "starcoder2",
     "granite", "glm4", "smollm3", "exaone4", "ministral", "stablelm", "llama3_yarn",
 )  # fmt: skip
+DROPOUT_SEED = 1000
 SEED_ENV, START_ENV, COUNT_ENV = "ULYSSES_SP_RANDOM_SEED", "ULYSSES_SP_RANDOM_START", "ULYSSES_SP_RANDOM_COUNT"
 
 
@@ -47,7 +49,7 @@ def random_case(seed: int, index: int, world: int) -> dict:
     elif kind == "pad":
         batch["pad"] = r.choice(["right", "right", "left"])
         batch["pad_lengths"] = tuple(r.randint(0, n // 2) for _ in range(rows))
-    return dict(
+    case = dict(
         arch=(arch := r.choice(ARCHS)),
         heads=heads,
         kv_heads=r.choice([h for h in (1, 2, 4, 8) if heads % h == 0]),
@@ -60,7 +62,15 @@ def random_case(seed: int, index: int, world: int) -> dict:
         checkpointing=r.choice(["none", "checkpoint", "offload"]),
         loss_chunk=r.choice([None, r.randint(1, 9)]),  # None: no tiled loss
         wrapper=r.choice(["none", "ddp", "fsdp2"]),
+        # PEFT LoRA (random A and B) on q and v, or on every attention projection (MLA: its q_b / kv_b / o)
+        lora=r.choice([None, None, "qv", "all"]),
+        # the adapters' input dropout: compared where the reference can draw the head chunks' masks (chunks >= 2,
+        # contiguous shards: not the ring's zigzag); else the case runs without it
+        lora_dropout=r.choice([0.0, 0.25]),
     )
+    if case["lora"] is None or case["head_chunks"] not in (2, 4) or layout == "ring":
+        case["lora_dropout"] = 0.0
+    return case
 
 
 def run_case(case: dict, layouts: dict[str, U.ParallelLayout]) -> str:
@@ -68,7 +78,21 @@ def run_case(case: dict, layouts: dict[str, U.ParallelLayout]) -> str:
     layout = layouts[case["layout"]]
     model = build(case["arch"], heads=case["heads"], kv_heads=case["kv_heads"], attn=case["core"])
     batch = make_batch(**case["batch"])
-    ref_loss, ref_grads = reference(model, batch)
+    ref_model = model
+    if case["lora"] is not None:
+        names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        wanted = ("q_proj", "v_proj") if case["lora"] == "qv" else ("q_proj", "k_proj", "v_proj", "o_proj")
+        targets = tuple(n for n in (*wanted, "q_b_proj", "kv_b_proj") if n in names)
+        ref_model = model = with_lora(model, targets, lora_dropout=case["lora_dropout"])
+        if case["lora_dropout"]:  # the reference draws each rank's masks as the head chunks do (seed 1000 + layer)
+            p, copied = case["lora_dropout"], copy.deepcopy(model)
+            ref_model = with_chunk_dropout(copied, targets, p=p, seed=DROPOUT_SEED, layout=layout)
+    ref_loss, ref_grads = reference(ref_model, batch)
+    with dropout_seeds(DROPOUT_SEED):
+        return _parallel_step(case, layout, model, batch, ref_loss, ref_grads)
+
+
+def _parallel_step(case: dict, layout: U.ParallelLayout, model, batch: dict, ref_loss, ref_grads) -> str:
     try:
         par = U.parallelize(copy.deepcopy(model), layout, core=case["core"], head_chunks=case["head_chunks"])
         if case["mlp_chunk"] is not None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from transformers import (
     Gemma2Config,
@@ -315,7 +318,8 @@ def with_lora(model, targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj"), 
 class _ChunkMask(torch.nn.Module):
     """A LoRA input dropout drawing the mask the head chunks of a ``dp x sp`` run draw (see
     ulysses_sp.head_chunk_lora.InputDropout), on the full batch: dp rank ``d``'s rows and sp rank ``s``'s tokens
-    (contiguous shards) get global rank ``d * sp + s``'s mask, ``seeds[d * sp + s]``, at their local positions."""
+    (contiguous shards of ``ceil(n / sp)``, the last cut where shard_batch pads the sequence) get global rank
+    ``d * sp + s``'s mask, ``seeds[d * sp + s]``, at their local positions."""
 
     def __init__(self, p: float, seeds: list[int], dp: int = 1, sp: int = 1) -> None:
         super().__init__()
@@ -326,19 +330,17 @@ class _ChunkMask(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., n, w]: rows are every dimension before the tokens
         rows, n, columns = x[..., 0, 0].numel(), x.shape[-2], torch.arange(x.shape[-1], device=x.device)
-        assert rows % self.dp == 0 and n % self.sp == 0, (rows, n)
+        assert rows % self.dp == 0, rows
+        shard = -(-n // self.sp)
         mask = torch.cat(
             [
                 torch.cat(
-                    [
-                        self.dropouts[d * self.sp + s].mask(rows // self.dp, 0, n // self.sp, columns)
-                        for s in range(self.sp)
-                    ],
+                    [self.dropouts[d * self.sp + s].mask(rows // self.dp, 0, shard, columns) for s in range(self.sp)],
                     dim=1,
                 )
                 for d in range(self.dp)
             ]
-        )  # [rows, n, w]
+        )[:, :n]  # [rows, n, w]
         return x * mask.view(x.shape).to(x.dtype)
 
 
@@ -358,6 +360,20 @@ def with_chunk_dropout(peft_model, targets: tuple[str, ...], p: float, seed: int
                 seeds = [adapter_seed(call_seed, name, 0, rank) for rank in range(dp * sp)]
                 proj.lora_dropout["default"] = _ChunkMask(p, seeds, dp, sp)
     return peft_model
+
+
+@contextlib.contextmanager
+def dropout_seeds(seed: int) -> Iterator[None]:
+    """Layer ``l``'s LoRA dropout call seed ``seed + l`` in the head chunks on this rank (the seed
+    :func:`with_chunk_dropout` gives the reference's masks); outside it they draw a fresh seed per call."""
+    from ulysses_sp.head_chunks import HeadChunkedAttention
+
+    old = HeadChunkedAttention.dropout_seed
+    HeadChunkedAttention.dropout_seed = lambda self: seed + self.module.layer_idx
+    try:
+        yield
+    finally:
+        HeadChunkedAttention.dropout_seed = old
 
 
 def make_batch(
