@@ -26,6 +26,7 @@ __all__ = [
     "find_pretrained",
     "head_counts",
     "mlp_modules",
+    "own_class",
     "text_config",
 ]
 
@@ -59,6 +60,15 @@ def find_causal_lm(model: nn.Module, caller: str = "enable_tiled_loss") -> PreTr
     )
 
 
+def own_class(module: nn.Module) -> type:
+    """``module``'s class as its library defines it: FSDP2's ``fully_shard`` swaps a module's class for
+    ``FSDP<Name>``, a subclass of FSDPModule and it made in torch's own module, so ``type(module)`` no longer
+    names the module that defines the model (where transformers keeps e.g. ``load_balancing_loss_func``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
+
+
 def text_config(model_or_config: Any) -> Any:
     """The text part of a model's (or a config's) configuration: the config itself for a text-only model."""
     config = getattr(model_or_config, "config", model_or_config)
@@ -75,7 +85,7 @@ def head_counts(config: Any) -> tuple[int | None, int | None]:
 def decoder_layers(pretrained: nn.Module) -> list[nn.Module]:
     """The transformer blocks: modules whose class is in ``_no_split_modules``, else ``base_model.layers``."""
     names = set(getattr(pretrained, "_no_split_modules", None) or ())
-    layers = [m for m in pretrained.modules() if type(m).__name__ in names]
+    layers = [m for m in pretrained.modules() if own_class(m).__name__ in names]
     if not layers:
         layers = list(getattr(getattr(pretrained, "base_model", None), "layers", None) or [])
     return layers

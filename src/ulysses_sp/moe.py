@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hf import find_causal_lm, text_config
+from .hf import find_causal_lm, own_class, text_config
 
 __all__ = ["RouterAuxLoss", "router_aux_loss"]
 
@@ -89,7 +89,7 @@ def router_aux_loss(model: nn.Module) -> RouterAuxLoss | None:
     causal_lm = find_causal_lm(model, "the MoE load-balancing loss")
     if not getattr(text_config(causal_lm), "output_router_logits", False):
         return None
-    theirs = getattr(sys.modules.get(type(causal_lm).__module__), "load_balancing_loss_func", None)
+    theirs = getattr(sys.modules.get(own_class(causal_lm).__module__), "load_balancing_loss_func", None)
     if theirs is None:
         return None
     values = [getattr(causal_lm, k, None) for k in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")]

@@ -15,6 +15,7 @@ import torch
 
 import ulysses_sp as U
 from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, check_parity, reference
+from tests.dist.cases_memory_features import full_grad, wrap
 from tests.helpers.harness import run_cases
 from tests.helpers.models import VOCAB, build, build_generic, dp_share, make_batch
 
@@ -198,21 +199,24 @@ def with_router_aux(arch: str, coef: float = 0.5):
     return model
 
 
-def router_aux_parity(layout, arch: str, *, tiled: bool, batch) -> None:
+def router_aux_parity(layout, arch: str, *, tiled: bool, batch, wrapper: str = "none") -> None:
     """Loss (cross-entropy + coef x load-balancing loss) and every gradient against one process on the full batch of
-    all dp replicas' rows, the model's own loss; under SP via causal_lm_loss, with or without the tiled loss."""
+    all dp replicas' rows, the model's own loss; under SP via causal_lm_loss, with or without the tiled loss;
+    ``wrapper``: "ddp" or "fsdp2" (fully_shard, whose class swap hides the model's module) after parallelize."""
     model = with_router_aux(arch)
     ref_loss, ref_grads = reference(model, batch)
     par = U.parallelize(copy.deepcopy(model), layout)
     if tiled:
         U.enable_tiled_loss(par, chunk_tokens=5)
+    wrapped = par if wrapper == "none" else wrap(par, wrapper)
     mine = dp_share(batch, layout)
-    loss = U.causal_lm_loss(par, U.shard_batch(mine, layout), layout)
+    loss = U.causal_lm_loss(wrapped, U.shard_batch(mine, layout), layout)
     loss.backward()
-    U.sync_gradients(par, layout)
+    if wrapper == "none":
+        U.sync_gradients(par, layout)
     torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
     for name, param in par.named_parameters():
-        torch.testing.assert_close(param.grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(full_grad(param), ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def router_aux_own_loss_refused(layout) -> None:
@@ -276,6 +280,12 @@ def world2_cases(sp2) -> dict:
         "deepcopy_parallelized": P(deepcopy_parallelized, sp2),
         "own_mask_refused": P(own_mask_refused, sp2),
         **router_aux_cases(sp2, "sp2", make_batch(2, 23, pad="right"), (False, True)),
+        **{
+            f"sp2_mixtral_router_aux{'_tiled' if t else ''}_fsdp2": P(
+                router_aux_parity, sp2, "mixtral", tiled=t, batch=make_batch(2, 23, pad="right"), wrapper="fsdp2"
+            )
+            for t in (False, True)
+        },
         "router_aux_own_loss_refused": P(router_aux_own_loss_refused, sp2),
         "dropout_streams_per_sp_rank": P(dropout_streams, sp2),
         "opt_left_padding": P(left_padding, sp2, "opt"),
@@ -284,10 +294,17 @@ def world2_cases(sp2) -> dict:
 
 
 def world4_cases(sp4, dp2sp2) -> dict:
+    P = functools.partial
     return {
         **parity_cases(sp4, "sp4", 26, ("train",)),  # train mode: forward and backward as in training
         **router_aux_cases(sp4, "sp4", make_batch(2, 26, packed=(9, 17)), (True,)),
         **router_aux_cases(dp2sp2, "dp2_sp2", make_batch(4, 22, pad="left"), (False,)),
+        "dp2_sp2_qwen3_moe_router_aux_ddp": P(
+            router_aux_parity, dp2sp2, "qwen3_moe", tiled=False, batch=make_batch(4, 22, pad="left"), wrapper="ddp"
+        ),
+        "dp2_sp2_qwen3_moe_router_aux_tiled_fsdp2": P(
+            router_aux_parity, dp2sp2, "qwen3_moe", tiled=True, batch=make_batch(4, 22, pad="left"), wrapper="fsdp2"
+        ),
     }
 
 
