@@ -1,8 +1,8 @@
 """Random Trainer / SFTTrainer cases: architecture x heads x layout x batch x accumulation x padding or packing x
 activation checkpointing x LoRA x tiled loss x head chunks x clipping x schedule x token counting x dataloader
 workers x sampling x evaluation during training x an MoE's load-balancing term x a resume from a halfway
-checkpoint, each a short training run plus an eval under Ulysses SP, compared afterwards with the plain trainer in
-one process (uninterrupted).
+checkpoint x FSDP2 (the model sharded as it loads), each a short training run plus an eval under Ulysses SP,
+compared afterwards with the plain trainer in one process (uninterrupted, unsharded).
 
 A case is drawn from ``(seed, index, world)`` alone, so every rank and the test draw the same one and a failure
 is reproduced by its numbers. On the ranks :func:`run_case` trains and writes what it measured under
@@ -90,7 +90,14 @@ def random_case(seed: int, index: int, world: int) -> dict:
         lora_all=r.random() < 0.5,  # LoRA on every attention projection (else q and v only)
         # under SP: stopped after half the optimizer steps with a checkpoint, then resumed from it by a new trainer
         resume=r.random() < 0.3,
+        # under SP: the model sharded with FSDP2 over the world as it loads (transformers' DistributedConfig), which
+        # the Trainer leaves unwrapped (its adapters, if any, replicated and averaged by the Trainer)
+        fsdp2=r.random() < 0.3,
     )
+    if case["fsdp2"]:
+        # transformers' Trainer refuses checkpoints with optimizer state for a model sharded at load time
+        # ("Resuming is not supported ..."; save_only_model=True is its way)
+        case["resume"] = False
     if case["sampling"] == "group_by_length" and dp > 1:
         # over dp ranks a step's micro-batches hold other samples than the one process's: losses differ from the
         # first step under plain DDP too (sp=1: the same losses as dp2 x sp2), so not a sequence-parallel matter
@@ -129,9 +136,12 @@ def left_pad_collate(features: list[dict]) -> dict[str, torch.Tensor]:
     return batch
 
 
-def model(case: dict) -> torch.nn.Module:
-    """The case's tiny model (the same weights in every process), with LoRA adapters when the case asks."""
+def model(case: dict, sharded_in: str | None = None) -> torch.nn.Module:
+    """The case's tiny model (the same weights in every process), with LoRA adapters when the case asks;
+    ``sharded_in``: saved there by rank 0 and loaded back sharded with FSDP2 over the world."""
     net = build(case["arch"], heads=case["heads"], kv_heads=case["kv_heads"], attn=case["attn"])
+    if sharded_in is not None:
+        net = _load_sharded(net, sharded_in)
     if case["kind"] == "trainer" and not case["router_aux_off"] and hasattr(net, "router_aux_loss_coef"):
         net.config.output_router_logits = True
         net.config.router_aux_loss_coef = net.router_aux_loss_coef = 0.5
@@ -143,6 +153,22 @@ def model(case: dict) -> torch.nn.Module:
     attention = ("q_proj", "k_proj", "v_proj", "o_proj") if case["lora_all"] else ("q_proj", "v_proj")
     targets = [n for n in (*attention, "q_b_proj", "kv_b_proj") if n in names] or "all-linear"
     return get_peft_model(net, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+
+
+def _load_sharded(net: torch.nn.Module, path: str) -> torch.nn.Module:
+    """``net`` as transformers loads it sharded with FSDP2 over the world (``from_pretrained(distributed_config=
+    DistributedConfig(fsdp_size=world))``): its parameters DTensors, the Trainer leaves it unwrapped."""
+    from transformers.distributed import DistributedConfig
+
+    if dist.get_rank() == 0:
+        net.save_pretrained(path)
+    dist.barrier()
+    config = DistributedConfig(fsdp_size=dist.get_world_size())
+    loaded = type(net).from_pretrained(
+        path, distributed_config=config, attn_implementation=net.config._attn_implementation
+    )
+    assert loaded.is_distributed_loading_by_transformers, type(loaded).__name__
+    return loaded
 
 
 def training_args(case: dict, out: str, accum: int) -> Any:
@@ -183,8 +209,9 @@ def trainer(case: dict, out: str, sp: int | None) -> Any:
     """The case's trainer: plain in one process (``sp=None``; ``accum`` micro-batches of every dp rank), or
     UlyssesTrainer / UlyssesSFTTrainer with ``sp_size=sp`` and the case's SP options."""
     accum = case["accum"] * (case["dp"] if sp is None else 1)
+    sharded = sp is not None and case["fsdp2"]
     kwargs: dict[str, Any] = dict(
-        model=model(case),
+        model=model(case, os.path.join(out, "sharded_model") if sharded else None),
         args=training_args(case, out, accum),
         train_dataset=dataset(case),
         eval_dataset=dataset(case, eval_set=True),
@@ -223,8 +250,13 @@ def measure(run: Any) -> tuple[dict, dict[str, torch.Tensor]]:
         "eval_losses": [e["eval_loss"] for e in history if "eval_loss" in e],  # during training
         "eval_loss": run.evaluate()["eval_loss"] if run.eval_dataset is not None else None,
     }
-    weights = {n: p.detach().clone() for n, p in run.model.named_parameters() if p.requires_grad}
+    # (a sharded parameter gathered whole on every rank)
+    weights = {n: _whole(p.detach()).clone() for n, p in run.model.named_parameters() if p.requires_grad}
     return result, weights
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def reference(case: dict, out: str) -> tuple[dict, dict[str, torch.Tensor]]:

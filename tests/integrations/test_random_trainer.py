@@ -4,10 +4,10 @@ of seed 0, each against the plain trainer in one process.
 Each case must train to the same per-step losses (and gradient norms where clipped), the same eval loss, the
 same count of tokens seen and the same weights as one process, or be refused for a reason its parameters
 give: heads that do not split over the ranks, or left padding under an eager model (docs/semantics.md). Some
-cases stop halfway with a checkpoint and resume from it in a new trainer (the result is compared as well). An
-MoE's load-balancing term is drawn on half the time (TRL's router_aux_loss_coef, the Trainer's
-output_router_logits) and must be exact too. A campaign of any seed and length runs from the command line and
-prints one line per case::
+cases stop halfway with a checkpoint and resume from it in a new trainer (the result is compared as well); some
+load the model sharded with FSDP2 over the world (transformers' DistributedConfig). An MoE's load-balancing term
+is drawn on half the time (TRL's router_aux_loss_coef, the Trainer's output_router_logits) and must be exact too.
+A campaign of any seed and length runs from the command line and prints one line per case::
 
     python -m tests.integrations.test_random_trainer --world 4 --seed 3 --count 20
 """
