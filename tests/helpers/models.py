@@ -130,7 +130,7 @@ def _model_family_archs() -> dict:
     def dims(common):
         return {k: common[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")}
 
-    def mla(c, v_head_dim, cls=None):
+    def mla(c, v_head_dim, cls=None, attn="sdpa"):
         cls = cls or (t.DeepseekV3Config, t.DeepseekV3ForCausalLM)
         extra = dict(
             kv_lora_rank=16,
@@ -149,7 +149,7 @@ def _model_family_archs() -> dict:
             extra.update(n_group=1, topk_group=1, n_shared_experts=1)
         else:
             extra.update(n_group=1, topk_group=1, n_shared_experts=1, topk_method="greedy")
-        return cls[1](cls[0](**{**cfg(c), **extra}))
+        return cls[1](cls[0](**{**cfg(c), **extra}, attn_implementation=attn))
 
     # The test rows hold documents longer than 12 tokens, so the long/dynamic frequencies are the ones in use
     # for the whole row, while the first shard alone (positions < 12) would pick the short ones.
@@ -206,9 +206,9 @@ def _model_family_archs() -> dict:
                 **cfg(c), sliding_window=w, num_local_experts=4, num_experts_per_tok=2, attn_implementation=a
             )
         ),
-        "deepseek_v3_mla": lambda c, w, a: mla(c, 8),
-        "deepseek_v3_mla_v4": lambda c, w, a: mla(c, 4),
-        "deepseek_v2_mla_v4": lambda c, w, a: mla(c, 4, (t.DeepseekV2Config, t.DeepseekV2ForCausalLM)),
+        "deepseek_v3_mla": lambda c, w, a: mla(c, 8, attn=a),
+        "deepseek_v3_mla_v4": lambda c, w, a: mla(c, 4, attn=a),
+        "deepseek_v2_mla_v4": lambda c, w, a: mla(c, 4, (t.DeepseekV2Config, t.DeepseekV2ForCausalLM), attn=a),
         "opt": lambda c, w, a: t.OPTForCausalLM(
             t.OPTConfig(
                 **dims(c),
