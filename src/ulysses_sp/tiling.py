@@ -26,9 +26,9 @@ least 1024 rows. No collective runs per chunk (FSDP2 unshards a whole decoder la
 with different sequence lengths, hence different numbers of chunks, cannot deadlock.
 
 Mixture-of-experts blocks that route each token on its own and return a tensor (Mixtral, Qwen3-MoE in
-transformers 5) are tiled exactly. Refused with a ValueError: blocks that return anything but a tensor or
-change their input in place (Mixtral's ``router_jitter_noise`` in training), and router-logit collection
-(``output_router_logits``) for an auxiliary loss, whose logits chunking would detach and split.
+transformers 5) are tiled exactly; their router logits for the load-balancing loss (``output_router_logits``)
+are recorded whole and with gradient by :mod:`ulysses_sp.tiled_router`. Refused with a ValueError: blocks that
+return anything but a tensor or change their input in place (Mixtral's ``router_jitter_noise`` in training).
 """
 
 from __future__ import annotations
@@ -347,6 +347,8 @@ class TiledMLP(TiledForward):
     called_as = "mlp(hidden_states [b, n, h])"
 
     probed: tuple | None = None  # what gated_chunk found for this MLP, and for which of its structures
+    recorders: dict = {}  # noqa: RUF012 (never mutated) the model's _can_record_outputs (ulysses_sp.tiled_router)
+    config: Any = None  # the model's text config: output_router_logits
 
     def chunk_backward(self) -> GatedChunk | None:
         """A gated MLP's chunks back-propagated by hand in fewer ``[c, I]`` tensors (:mod:`ulysses_sp.gated_tile`)."""
@@ -363,23 +365,21 @@ class TiledMLP(TiledForward):
                     "received something other than that norm's output: this decoder layer is not a pre-norm block "
                     "whose norm feeds only its MLP; call ulysses_sp.disable_tiled_norms(model)"
                 )
-        if _collecting_router_logits():
+        from .tiled_router import record_router_logits, router_collection
+
+        collected = router_collection()  # router logits for the load-balancing loss: recorded whole, with grad
+        routed = bool(getattr(self.config, "output_router_logits", False))
+        if collected is not None and not routed:
             raise ValueError(
-                "router logits are being collected (output_router_logits=True, for the auxiliary loss): tiled MoE "
-                "blocks would record them per chunk and without gradient; pass output_router_logits=False or "
-                f"{self.hint}"
+                "router logits are collected (output_router_logits=True passed to forward) while the config has "
+                "output_router_logits=False: the tiled MLP reads the config, so that activation checkpointing "
+                "recomputes what the forward ran; set model.config.output_router_logits = True instead"
             )
-        return super().__call__(hidden_states, *args, **kwargs)
-
-
-def _collecting_router_logits() -> bool:
-    """True while transformers records router logits in this forward (its output-capturing context)."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # other transformers versions: the config check in enable_tiled_mlp still applies
-        return False
-    collected = _active_collector.get()
-    return bool(collected) and any("router" in key for key in collected)
+        before = {key: len(entries) for key, entries in (collected or {}).items()}
+        out = super().__call__(hidden_states, *args, **kwargs)
+        if routed:
+            record_router_logits(self, hidden_states, collected, before)
+        return out
 
 
 def _installed(module: nn.Module) -> TiledMLP | None:
@@ -396,23 +396,19 @@ def enable_tiled_mlp(model: nn.Module, *, chunk_tokens: int | None = None) -> nn
         chunk_tokens: tokens per chunk, or None for ``max(1024, hidden_size)``.
 
     Loss and gradients equal the untiled model's (up to fp32 rounding of the summed chunk gradients).
-    Raises ValueError if the model is already tiled, has no recognisable MLP, ``chunk_tokens`` is not a
-    positive int, or its config collects router logits (``output_router_logits=True``).
+    Raises ValueError if the model is already tiled, has no recognisable MLP, or ``chunk_tokens`` is not a
+    positive int.
     """
     check_chunk_tokens(chunk_tokens)
     pretrained = find_pretrained(model, "enable_tiled_mlp")
     mlps = mlp_modules(pretrained)
     if any(_installed(m) is not None for m in mlps):
         raise ValueError("the MLPs of this model are already tiled; call ulysses_sp.disable_tiled_mlp(model) first")
-    if getattr(text_config(pretrained), "output_router_logits", False):
-        raise ValueError(
-            f"{type(pretrained).__name__} has output_router_logits=True (router logits for an auxiliary loss): "
-            "tiled MoE blocks would record them per chunk and without gradient; set "
-            "model.config.output_router_logits = False to tile its MLPs"
-        )
     for mlp in mlps:
         previous = mlp.__dict__.get("forward")
         mlp.forward = TiledMLP(mlp, chunk_tokens, previous)
+        mlp.forward.recorders = dict(getattr(pretrained, "_can_record_outputs", None) or {})
+        mlp.forward.config = text_config(pretrained)
     return model
 
 

@@ -199,15 +199,23 @@ def with_router_aux(arch: str, coef: float = 0.5):
     return model
 
 
-def router_aux_parity(layout, arch: str, *, tiled: bool, batch, wrapper: str = "none") -> None:
+def router_aux_parity(
+    layout, arch: str, *, tiled: bool, batch, wrapper: str = "none", layer: str | None = None
+) -> None:
     """Loss (cross-entropy + coef x load-balancing loss) and every gradient against one process on the full batch of
     all dp replicas' rows, the model's own loss; under SP via causal_lm_loss, with or without the tiled loss;
-    ``wrapper``: "ddp" or "fsdp2" (fully_shard, whose class swap hides the model's module) after parallelize."""
+    ``wrapper``: "ddp" or "fsdp2" (fully_shard, whose class swap hides the model's module) after parallelize;
+    ``layer``: the tiled MLP and norms (chunks of 5 tokens: the router logits recorded whole, with gradient) with
+    activation checkpointing ``layer`` ("none", "checkpoint", "offload")."""
     model = with_router_aux(arch)
     ref_loss, ref_grads = reference(model, batch)
     par = U.parallelize(copy.deepcopy(model), layout)
     if tiled:
         U.enable_tiled_loss(par, chunk_tokens=5)
+    if layer is not None:
+        U.enable_tiled_mlp(par, chunk_tokens=5)
+        U.enable_tiled_norms(par, chunk_tokens=5)
+        U.enable_activation_checkpointing(par, layer)
     wrapped = par if wrapper == "none" else wrap(par, wrapper)
     mine = dp_share(batch, layout)
     loss = U.causal_lm_loss(wrapped, U.shard_batch(mine, layout), layout)
@@ -286,6 +294,9 @@ def world2_cases(sp2) -> dict:
             )
             for t in (False, True)
         },
+        "sp2_qwen3_moe_router_aux_tiled_layer_checkpoint": P(
+            router_aux_parity, sp2, "qwen3_moe", tiled=False, batch=make_batch(2, 23, pad="right"), layer="checkpoint"
+        ),
         "router_aux_own_loss_refused": P(router_aux_own_loss_refused, sp2),
         "dropout_streams_per_sp_rank": P(dropout_streams, sp2),
         "opt_left_padding": P(left_padding, sp2, "opt"),
@@ -304,6 +315,15 @@ def world4_cases(sp4, dp2sp2) -> dict:
         ),
         "dp2_sp2_qwen3_moe_router_aux_tiled_fsdp2": P(
             router_aux_parity, dp2sp2, "qwen3_moe", tiled=True, batch=make_batch(4, 22, pad="left"), wrapper="fsdp2"
+        ),
+        "dp2_sp2_mixtral_router_aux_tiled_layer_offload_fsdp2": P(
+            router_aux_parity,
+            dp2sp2,
+            "mixtral",
+            tiled=True,
+            batch=make_batch(4, 22, packed=(9, 13)),
+            wrapper="fsdp2",
+            layer="offload",
         ),
     }
 

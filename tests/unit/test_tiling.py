@@ -198,11 +198,49 @@ def test_moe_blocks_are_tiled_exactly(arch):
     want = loss_and_grads(copy.deepcopy(model), batch)
     tiled = U.enable_tiled_mlp(copy.deepcopy(model), chunk_tokens=5)
     assert_same(loss_and_grads(tiled, batch), want)
-    with pytest.raises(ValueError, match="output_router_logits=False"):
-        tiled(**batch, output_router_logits=True)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe_window"])
+@pytest.mark.parametrize("fused_norm", [False, True])
+def test_moe_router_logits_for_the_load_balancing_loss_are_recorded_whole_with_gradient(arch, fused_norm):
+    """output_router_logits=True under the tiled MLP (and its fused norm): the model's own loss (cross-entropy +
+    0.5 x the load-balancing loss, which reads the router logits) and every gradient, the routers' included, equal
+    the untiled model's; one entry per layer, [b n, experts] in the untiled block's row order."""
+    model = build(arch, kv_heads=2)
     model.config.output_router_logits = True
-    with pytest.raises(ValueError, match="output_router_logits = False"):
-        U.enable_tiled_mlp(model)
+    model.config.router_aux_loss_coef = model.router_aux_loss_coef = 0.5
+    batch = make_batch(2, 23, pad="right")
+    want = loss_and_grads(copy.deepcopy(model), batch)
+    tiled = U.enable_tiled_mlp(copy.deepcopy(model), chunk_tokens=5)
+    if fused_norm:
+        U.enable_tiled_norms(tiled, chunk_tokens=5)
+    assert_same(loss_and_grads(tiled, batch), want)
+    out, ref = tiled(**batch), model(**batch)
+    assert len(out.router_logits) == len(ref.router_logits) == model.config.num_hidden_layers
+    for got, logits in zip(out.router_logits, ref.router_logits, strict=True):
+        assert got.requires_grad
+        torch.testing.assert_close(got, logits, **TOL)
+
+
+def test_router_logits_of_a_block_that_routes_otherwise_are_refused():
+    """A block whose router sees something other than the block's input as one [tokens, hidden] matrix (here: an
+    instance forward that scales it first) records logits the tiled MLP cannot remake: refused, not recorded
+    wrong."""
+    model = build("mixtral", kv_heads=2)
+    model.config.output_router_logits = True
+    block = model.model.layers[0].mlp
+    block.forward = lambda x: type(block).forward(block, 2 * x)
+    tiled = U.enable_tiled_mlp(model, chunk_tokens=5)
+    with pytest.raises(ValueError, match="does not give the router_logits the block records"):
+        tiled(**make_batch(1, 12))
+
+
+def test_router_logits_asked_for_in_the_call_only_are_refused():
+    """The tiled MLP reads the config (a checkpointed layer's recompute, outside transformers' collection, must
+    run what its forward ran): output_router_logits=True in the call alone is refused, naming the config."""
+    tiled = U.enable_tiled_mlp(build("qwen3_moe", kv_heads=2), chunk_tokens=5)
+    with pytest.raises(ValueError, match="set model.config.output_router_logits = True"):
+        tiled(**make_batch(1, 12), output_router_logits=True)
 
 
 def test_errors():
