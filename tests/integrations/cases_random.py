@@ -2,7 +2,8 @@
 activation checkpointing x LoRA x tiled loss x head chunks x clipping x schedule x token counting x dataloader
 workers x sampling x evaluation during training x an MoE's load-balancing term x a resume from a halfway
 checkpoint x FSDP2 (the model sharded as it loads), each a short training run plus an eval under Ulysses SP,
-compared afterwards with the plain trainer in one process (uninterrupted, unsharded).
+compared afterwards with the plain trainer in one process (unsharded; stopped and resumed at the same step
+where the case resumes, so that what transformers or TRL do on a resume in one process is the reference too).
 
 A case is drawn from ``(seed, index, world)`` alone, so every rank and the test draw the same one and a failure
 is reproduced by its numbers. On the ranks :func:`run_case` trains and writes what it measured under
@@ -261,7 +262,7 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 def reference(case: dict, out: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """The case in this process with the plain trainer (the test calls it; no process group)."""
-    return measure(trainer(case, out, sp=None))
+    return measure(interrupted(case, out, sp=None))
 
 
 # ----------------------------------------------------------------------------------------------- on the ranks
@@ -281,17 +282,18 @@ def _stop_halfway() -> Any:
     return StopHalfway()
 
 
-def interrupted(case: dict, out: str) -> Any:
-    """The case's SP trainer, resumed (in :func:`measure`) from a checkpoint another one saved halfway, when
-    ``case["resume"]`` and the run has two optimizer steps or more; else the trainer of an uninterrupted run."""
+def interrupted(case: dict, out: str, sp: int | None) -> Any:
+    """The case's trainer (``sp``: as in :func:`trainer`), resumed (in :func:`measure`) from a checkpoint another
+    one saved halfway, when ``case["resume"]`` and the run has two optimizer steps or more; else the trainer of an
+    uninterrupted run."""
     if not case["resume"]:
-        return trainer(case, out, sp=case["sp"])
-    first = trainer(case, os.path.join(out, "first"), sp=case["sp"])
+        return trainer(case, out, sp=sp)
+    first = trainer(case, os.path.join(out, "first"), sp=sp)
     first.add_callback(_stop_halfway())
     first.train()
     # made after the first run: a trainer seeds torch's generator when it is made, and the training order of a
     # sampler that draws from it (group_by_length) depends on what ran in between
-    run = trainer(case, out, sp=case["sp"])
+    run = trainer(case, out, sp=sp)
     if first.state.global_step < first.state.max_steps:  # else one optimizer step in all: nothing to resume
         run.resume_from = os.path.join(out, "first", f"checkpoint-{first.state.global_step}")
     return run
@@ -300,7 +302,7 @@ def interrupted(case: dict, out: str) -> Any:
 def run_case(case: dict, out: str) -> str:
     """The case under SP on this rank; rank 0 writes what it measured to ``out``. "ok", or "refused: ..."."""
     try:
-        result, weights = measure(interrupted(case, out))
+        result, weights = measure(interrupted(case, out, sp=case["sp"]))
     except ValueError as error:
         return f"refused: {error}"
     if dist.get_rank() == 0:
