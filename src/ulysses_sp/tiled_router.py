@@ -31,7 +31,7 @@ def router_collection() -> dict[str, list] | None:
     """The router outputs transformers collects in this forward (``{key: entries}``), or None when it collects none."""
     try:
         from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers without output capturing: enable_tiled_mlp's config check applies
+    except ImportError:  # an older transformers returns router logits from the block: run_chunks refuses that
         return None
     collected = _active_collector.get()
     found = {key: entries for key, entries in (collected or {}).items() if "router" in key}
@@ -103,18 +103,18 @@ def record_router_logits(
     not (``collected`` None: activation checkpointing's recompute, which must save what the forward saved)."""
     for key in [k for k in block.recorders if "router" in k]:
         entries = (collected or {}).get(key)
-        chunks = entries[before.get(key, len(entries)) :] if entries is not None else []
-        found = _router_of(block.module, block.recorders, key)
-        spans = _spans(hidden_states.shape[-2], block.chunk_size(hidden_states))
-        if found is None and not chunks:
+        chunks = entries[before[key] :] if entries is not None else []
+        tiles = _tiles(block, key)
+        if tiles is None and not chunks:
             continue  # a block without a router (a dense layer of an MoE)
-        if found is None or (entries is not None and len(chunks) != len(spans)):
+        spans = _spans(hidden_states.shape[-2], block.chunk_size(hidden_states))
+        if tiles is None or (entries is not None and len(chunks) != len(spans)):
             raise ValueError(
                 f"the tiled {type(block.module).__name__} recorded {len(chunks)} {key} over {len(spans)} chunks, "
                 "not one per chunk from one router of its own; set model.config.output_router_logits = False or "
                 f"{block.hint}"
             )
-        logits = _tiles(block, *found)(hidden_states)  # [..., n, experts]
+        logits = tiles(hidden_states)  # [..., n, experts]
         if entries is None:
             continue
         del entries[before[key] :]
@@ -129,9 +129,11 @@ def record_router_logits(
         entries.append(logits.reshape(-1, logits.shape[-1]))  # [b n, experts], as the untiled block records
 
 
-def _tiles(block: Any, router: nn.Module, index: int) -> RouterTiles:
-    """The block's :class:`RouterTiles`, made once."""
-    tiles = getattr(block, "router_tiles", None)
-    if tiles is None or tiles.module is not router or tiles.index != index:
-        tiles = block.router_tiles = RouterTiles(block, router, index)
-    return tiles
+def _tiles(block: Any, key: str) -> RouterTiles | None:
+    """The block's :class:`RouterTiles` for ``key`` (None: the block has no router that ``key`` records), found on
+    the block's first routed forward and kept: not searched for again in every layer's forward."""
+    made = block.__dict__.setdefault("router_tiles", {})
+    if key not in made:
+        found = _router_of(block.module, block.recorders, key)
+        made[key] = None if found is None else RouterTiles(block, *found)
+    return made[key]

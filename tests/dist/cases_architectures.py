@@ -17,7 +17,7 @@ import ulysses_sp as U
 from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, check_parity, reference
 from tests.dist.cases_memory_features import full_grad, wrap
 from tests.helpers.harness import run_cases
-from tests.helpers.models import VOCAB, build, build_generic, dp_share, make_batch
+from tests.helpers.models import VOCAB, build, build_generic, dp_share, make_batch, router_aux_on
 
 # Every family of the issue, tiny: (arch, kv_heads). heads=4 so sp=4 splits them.
 PARITY_ARCHS = {
@@ -191,12 +191,8 @@ def dropout_streams(layout) -> None:
 
 
 def with_router_aux(arch: str, coef: float = 0.5):
-    """``arch`` collecting router logits, with a load-balancing coefficient large enough that an aux loss off by
-    1% shows in the loss (transformers' default, 1e-3, would hide it under rtol 1e-5)."""
-    model = build(arch, kv_heads=2)
-    model.config.output_router_logits = True
-    model.config.router_aux_loss_coef = model.router_aux_loss_coef = coef
-    return model
+    """``arch`` (2 kv heads) collecting router logits for its load-balancing loss, weighted ``coef``."""
+    return router_aux_on(build(arch, kv_heads=2), coef)
 
 
 def router_aux_parity(

@@ -23,7 +23,15 @@ import torch.distributed as dist
 import ulysses_sp as U
 from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, reference
 from tests.dist.cases_memory_features import full_grad, wrap
-from tests.helpers.models import build, dp_share, dropout_seeds, make_batch, with_chunk_dropout, with_lora
+from tests.helpers.models import (
+    build,
+    dp_share,
+    dropout_seeds,
+    make_batch,
+    router_aux_on,
+    with_chunk_dropout,
+    with_lora,
+)
 
 ARCHS = (
     "llama", "qwen3", "mistral", "qwen2", "gemma2", "mixtral", "qwen3_moe", "deepseek_v3_mla_v4", "starcoder2",
@@ -81,8 +89,7 @@ def run_case(case: dict, layouts: dict[str, U.ParallelLayout]) -> str:
     model = build(case["arch"], heads=case["heads"], kv_heads=case["kv_heads"], attn=case["core"])
     batch = make_batch(**case["batch"])
     if case["router_aux"] and hasattr(model, "router_aux_loss_coef"):
-        model.config.output_router_logits = True
-        model.config.router_aux_loss_coef = model.router_aux_loss_coef = 0.5
+        router_aux_on(model)
     ref_model = model
     if case["lora"] is not None:
         names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}

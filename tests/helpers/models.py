@@ -362,6 +362,14 @@ def with_chunk_dropout(peft_model, targets: tuple[str, ...], p: float, seed: int
     return peft_model
 
 
+def router_aux_on(model, coef: float = 0.5):
+    """``model`` (in place) collecting router logits, its load-balancing loss weighted ``coef``: 0.5 is large enough
+    that an aux loss off by 1% shows in the loss (transformers' default, 1e-3, would hide it under rtol 1e-5)."""
+    model.config.output_router_logits = True
+    model.config.router_aux_loss_coef = model.router_aux_loss_coef = coef
+    return model
+
+
 @contextlib.contextmanager
 def dropout_seeds(seed: int) -> Iterator[None]:
     """Layer ``l``'s LoRA dropout call seed ``seed + l`` in the head chunks on this rank (the seed

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 
-from tests.helpers.models import VOCAB, build
+from tests.helpers.models import VOCAB, build, router_aux_on
 from tests.integrations.common import (
     RUN_SETTINGS,
     checkpointing_arg,
@@ -89,7 +89,8 @@ def random_case(seed: int, index: int, world: int) -> dict:
         sampling=r.choice(["random", "random", "sequential", "group_by_length"]),
         eval_every=r.choice([None, None, 2]),  # evaluate during training too, then train on
         lora_all=r.random() < 0.5,  # LoRA on every attention projection (else q and v only)
-        # under SP: stopped after half the optimizer steps with a checkpoint, then resumed from it by a new trainer
+        # stopped after half the optimizer steps with a checkpoint, then resumed from it by a new trainer (under SP
+        # and in the one-process reference alike)
         resume=r.random() < 0.3,
         # under SP: the model sharded with FSDP2 over the world as it loads (transformers' DistributedConfig), which
         # the Trainer leaves unwrapped (its adapters, if any, replicated and averaged by the Trainer)
@@ -144,8 +145,7 @@ def model(case: dict, sharded_in: str | None = None) -> torch.nn.Module:
     if sharded_in is not None:
         net = _load_sharded(net, sharded_in)
     if case["kind"] == "trainer" and not case["router_aux_off"] and hasattr(net, "router_aux_loss_coef"):
-        net.config.output_router_logits = True
-        net.config.router_aux_loss_coef = net.router_aux_loss_coef = 0.5
+        router_aux_on(net)
     if not case["lora"]:
         return net
     from peft import LoraConfig, get_peft_model

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.harness import run_cases
-from tests.helpers.models import build
+from tests.helpers.models import build, router_aux_on
 from tests.integrations.common import (
     EVAL_LENGTHS,
     TRAIN_LENGTHS,
@@ -60,10 +60,7 @@ def lora_model():
 def moe_model():
     """A tiny Mixtral whose loss adds its load-balancing term (weighted 0.5, so that one computed from a shard alone
     would show in the losses)."""
-    model = build("mixtral", kv_heads=2)
-    model.config.output_router_logits = True
-    model.config.router_aux_loss_coef = model.router_aux_loss_coef = 0.5
-    return model
+    return router_aux_on(build("mixtral", kv_heads=2))
 
 
 # ----------------------------------------------------------------------------------------------- trainer jobs

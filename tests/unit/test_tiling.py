@@ -8,7 +8,7 @@ from transformers import LlamaConfig, MixtralConfig, MixtralForCausalLM, Qwen3Mo
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 import ulysses_sp as U
-from tests.helpers.models import VOCAB, build, make_batch
+from tests.helpers.models import VOCAB, build, make_batch, router_aux_on
 from ulysses_sp.memory import PeakMemory
 from ulysses_sp.tiling import TiledMLP, default_chunk_tokens
 
@@ -206,9 +206,7 @@ def test_moe_router_logits_for_the_load_balancing_loss_are_recorded_whole_with_g
     """output_router_logits=True under the tiled MLP (and its fused norm): the model's own loss (cross-entropy +
     0.5 x the load-balancing loss, which reads the router logits) and every gradient, the routers' included, equal
     the untiled model's; one entry per layer, [b n, experts] in the untiled block's row order."""
-    model = build(arch, kv_heads=2)
-    model.config.output_router_logits = True
-    model.config.router_aux_loss_coef = model.router_aux_loss_coef = 0.5
+    model = router_aux_on(build(arch, kv_heads=2))
     batch = make_batch(2, 23, pad="right")
     want = loss_and_grads(copy.deepcopy(model), batch)
     tiled = U.enable_tiled_mlp(copy.deepcopy(model), chunk_tokens=5)
