@@ -34,7 +34,7 @@ from .layout import ParallelLayout
 from .masks import DecoderMasks, left_padding_problem, mask_window
 from .ring import ring_attention, zigzag_order
 from .sliced_core import sliced_core
-from .validation import IGNORE_INDEX, check_id_ranges, id_range, input_problem
+from .validation import IGNORE_INDEX, PeerRejected, check_id_ranges, id_range, input_problem, replicas_agree
 
 __all__ = [
     "INTERCEPT_ATTR",
@@ -155,8 +155,29 @@ class UlyssesAttention:
         position_ids ``[b or 1, n]`` hold global positions; attention_mask ``[b, n]`` (or None); input_ids
         and targets (labels given to the model, -100 ignored) are checked against ``vocab_size``. Under
         sp > 1 every check is agreed across the SP group before any other collective, so bad input on one
-        rank raises a ValueError on every rank instead of leaving the others waiting.
+        rank raises a ValueError on every rank instead of leaving the others waiting; in training with dp > 1
+        the verdict is then shared with the other replicas too (:func:`~ulysses_sp.validation.replicas_agree`).
         """
+        with replicas_agree(self.layout):
+            position_ids, segments = self._checked_segments(
+                position_ids, attention_mask, batch_size, seq_len, input_ids=input_ids, targets=targets
+            )
+        key = id(position_ids)
+        self._segments[key] = (weakref.ref(position_ids), segments)
+        weakref.finalize(position_ids, self._segments.pop, key, None)
+        self._latest = segments
+
+    def _checked_segments(
+        self,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        batch_size: int,
+        seq_len: int,
+        *,
+        input_ids: torch.Tensor | None,
+        targets: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, Segments]:
+        # (the position_ids the forward runs with, the documents of the full rows); ValueError for bad input
         layout = self.layout
         problem = input_problem(position_ids, attention_mask, seq_len, layout.sp)
         if input_ids is not None and (input_ids.is_floating_point() or input_ids.dtype == torch.bool):
@@ -187,10 +208,7 @@ class UlyssesAttention:
                 "whether one process keeps packed documents apart; give one document per row (pad instead of "
                 "packing) for this model"
             )
-        key = id(position_ids)
-        self._segments[key] = (weakref.ref(position_ids), segments)
-        weakref.finalize(position_ids, self._segments.pop, key, None)
-        self._latest = segments
+        return position_ids, segments
 
     def _agree(self, batch: int, seq_len: int, has_mask: bool, problem: str | None, ranges: torch.Tensor) -> None:
         # One tiny all-gather of (batch, seq, mask?, bad input?, id ranges) over the SP group.
@@ -201,7 +219,9 @@ class UlyssesAttention:
             raise ValueError(problem)
         bad = [i for i, r in enumerate(reports) if r[3]]
         if bad:
-            raise ValueError(f"sp_rank(s) {bad} of this sequence-parallel group rejected their input (see their error)")
+            raise PeerRejected(
+                f"sp_rank(s) {bad} of this sequence-parallel group rejected their input (see their error)"
+            )
         if any(r[:3] != reports[0][:3] for r in reports):
             described = ", ".join(
                 f"sp_rank {i}: batch={r[0]} seq={r[1]} mask={bool(r[2])}" for i, r in enumerate(reports)

@@ -11,6 +11,7 @@ every per-token key moves with its token, so the loss (a sum over tokens) is unc
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from collections.abc import Mapping
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from .comm import all_gather_tensor
 from .layout import ParallelLayout
 from .ring import zigzag_order
-from .validation import IGNORE_INDEX, bad_id_message, first_bad_id
+from .validation import IGNORE_INDEX, PeerRejected, bad_id_message, first_bad_id, replicas_agree
 
 __all__ = ["IGNORE_INDEX", "SHARDED_KEYS", "pad_to_multiple", "shard_batch", "shift_labels"]
 
@@ -76,7 +77,9 @@ def shard_batch(
             all-gather of 20 integers) and raise ValueError on every rank if the ranks hold different batches
             — the usual sign of a data sampler split over the whole world instead of over ``layout.dp`` — or
             if any rank's batch is malformed (so a bad batch on one rank never leaves the others waiting).
-            Skipped for a :meth:`~ulysses_sp.ParallelLayout.rank_view` (no group to compare over).
+            With ``dp > 1`` and gradients enabled (training), the verdict is then shared with the other
+            data-parallel replicas (one flag all-reduce over the world), so a batch refused on one replica
+            raises on every rank. Skipped for a :meth:`~ulysses_sp.ParallelLayout.rank_view` (no group).
         vocab_size: when given, input_ids and labels outside ``[0, vocab_size)`` (labels may also be
             ``ignore_index``) raise a ValueError naming the id, on every rank of the group; without it
             only negative ids are caught. Pass ``model.config.vocab_size``.
@@ -90,13 +93,15 @@ def shard_batch(
     load-balancing loss). With ``layout.ring > 1`` the row is padded to a multiple of
     ``lcm(sp, 2 * ring)`` and dealt in zigzag order (see the module docstring).
     """
-    full, problem = _validated(batch, vocab_size, ignore_index)
-    if check_same_batch and layout.sp > 1 and not layout.is_view:
-        _check_same_batch(
-            full, problem, layout, vocab_size, ignore_index
-        )  # raises on every rank if any rank has a problem
-    elif problem is not None:
-        raise ValueError(problem.message)
+    # in training with dp > 1, a refusal on one replica stops them all
+    with replicas_agree(layout) if check_same_batch else contextlib.nullcontext():
+        full, problem = _validated(batch, vocab_size, ignore_index)
+        if check_same_batch and layout.sp > 1 and not layout.is_view:
+            _check_same_batch(
+                full, problem, layout, vocab_size, ignore_index
+            )  # raises on every rank if any rank has a problem
+        elif problem is not None:
+            raise ValueError(problem.message)
     input_ids, labels, mask, positions = (
         full.get(k) for k in ("input_ids", "labels", "attention_mask", "position_ids")
     )
@@ -270,7 +275,9 @@ def _check_same_batch(
             )
             for r, rep in bad.items()
         )
-        raise ValueError(f"rank(s) of this sequence-parallel group rejected their batch ({described}); see their error")
+        raise PeerRejected(
+            f"rank(s) of this sequence-parallel group rejected their batch ({described}); see their error"
+        )
     prints = [rep[3:] for rep in reports]
     if any(p != prints[0] for p in prints):
         differing = sorted(

@@ -4,13 +4,32 @@ and the shape of the per-token inputs under sequence parallelism.
 Used by :func:`ulysses_sp.shard_batch` (on the full batch) and by the model's once-per-forward agreement
 (:meth:`ulysses_sp.attention.UlyssesAttention.begin_forward`, on the shard): both report the offending id
 with the same message, and both agree across the SP group before any rank raises, so no peer is left waiting.
+In training with several data-parallel replicas, :func:`replicas_agree` then shares the verdict with the
+whole world, so a batch refused on one replica stops every replica (they must step together).
 """
 
 from __future__ import annotations
 
-import torch
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-__all__ = ["IGNORE_INDEX", "bad_id_message", "check_id_ranges", "first_bad_id", "id_range", "input_problem"]
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .layout import ParallelLayout
+
+__all__ = [
+    "IGNORE_INDEX",
+    "PeerRejected",
+    "bad_id_message",
+    "check_id_ranges",
+    "first_bad_id",
+    "id_range",
+    "input_problem",
+    "replicas_agree",
+]
 
 IGNORE_INDEX = -100  # a target with this id carries no loss (transformers' and PyTorch's convention)
 
@@ -79,3 +98,47 @@ def input_problem(
             f"{tuple(attention_mask.shape)}; 4-D masks are not supported (documents come from position_ids)"
         )
     return None
+
+
+class PeerRejected(ValueError):
+    """Raised on the ranks of an SP group whose own input was fine because a peer's was not (the peer raises
+    the reason)."""
+
+
+@contextlib.contextmanager
+def replicas_agree(layout: ParallelLayout) -> Iterator[None]:
+    """Share the verdict of the checks run inside with every rank of ``layout.loss_group``.
+
+    Only where the data-parallel replicas must step together: ``layout.dp > 1`` and gradients enabled (a
+    training step; an evaluation under ``torch.no_grad`` may run different numbers of batches per replica,
+    and is agreed over the SP group only). There, one flag all-reduce; if any rank's checks raised a
+    ValueError, one all-gather of the messages, and every rank raises the same ValueError naming the replica
+    and the reason, instead of the replicas that had good batches waiting for the ones that stopped.
+    """
+    if layout.dp == 1 or layout.loss_group is None or layout.is_view or not torch.is_grad_enabled():
+        yield
+        return
+    try:
+        yield
+    except ValueError as error:
+        _share_verdict(layout, error)
+        raise  # unreachable: _share_verdict raises
+    _share_verdict(layout, None)
+
+
+def _share_verdict(layout: ParallelLayout, error: ValueError | None) -> None:
+    failed = torch.tensor([float(error is not None)], device=layout.device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=layout.loss_group)
+    if not failed.item():
+        return
+    mine = None if error is None else (layout.dp_rank, not isinstance(error, PeerRejected), str(error))
+    reports: list = [None] * dist.get_world_size(layout.loss_group)
+    dist.all_gather_object(reports, mine, group=layout.loss_group)
+    failures = [(rank, *report) for rank, report in enumerate(reports) if report is not None]
+    # the reason: the first rank that rejected its own input (its SP peers only echo it)
+    rank, dp_rank, _, reason = next((f for f in failures if f[2]), failures[0])
+    replicas = sorted({f[1] for f in failures})
+    raise ValueError(
+        f"data-parallel replica(s) {replicas} rejected their batch, so every rank stops here (the replicas step "
+        f"together); rank {rank} (replica {dp_rank}): {reason}"
+    ) from error

@@ -282,6 +282,39 @@ def world_not_divisible() -> None:
         raise AssertionError("sp=3 on 4 ranks was accepted")
 
 
+def refusal_on_one_replica(layout):
+    """dp=2 x sp=2: a batch refused on replica 1 only (at sharding, then at the forward) raises the same
+    ValueError on all four ranks instead of replica 0 going on to a collective replica 1 never reaches; an
+    evaluation under no_grad may still run an extra batch on one replica alone; afterwards the replicas
+    still step together (a training step equals one process)."""
+    vocab = build("llama").config.vocab_size
+    batch = make_batch(1, 16, seed=3)
+    if layout.dp_rank == 1:
+        batch["input_ids"][0, 5] = vocab
+    try:
+        U.shard_batch(batch, layout, vocab_size=vocab)
+    except ValueError as err:
+        assert "data-parallel replica(s) [1] rejected" in str(err) and f"holds id {vocab}" in str(err), err
+    else:
+        raise AssertionError("an id outside the vocabulary on replica 1 was not refused on every rank")
+    model = U.parallelize(build("llama", kv_heads=2, attn="eager"), layout, core="eager")
+    model.train()
+    left = make_batch(1, 16, pad="left", pad_lengths=(3,)) if layout.dp_rank == 1 else make_batch(1, 16)
+    shard = U.shard_batch(left, layout)
+    inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
+    try:
+        model(**inputs)
+    except ValueError as err:
+        assert "data-parallel replica(s) [1] rejected" in str(err) and "starts with padding" in str(err), err
+    else:
+        raise AssertionError("left padding under an eager model on replica 1 was not refused on every rank")
+    if layout.dp_rank == 0:  # an uneven evaluation: one more batch on replica 0 only, agreed within its SP group
+        with torch.no_grad():
+            shard = U.shard_batch(make_batch(1, 16), layout)
+            model(**{k: shard[k] for k in ("input_ids", "position_ids")})
+    check_parity(layout, "llama", kv_heads=2, batch=make_batch(2, 18))
+
+
 def groups_made_by_hand() -> U.ParallelLayout:
     """dp=2 x sp=2 from new_group calls (as Accelerate or a user would make them): from_groups."""
     rank = dist.get_rank()
@@ -310,5 +343,6 @@ def world4() -> dict[str, str]:
         "dp2_sp2_packed": P(check_parity, dp2sp2, "qwen2", batch=make_batch(2, 24, packed=(9, 15))),
         "from_groups_dp2_sp2": P(check_parity, by_hand, "llama", kv_heads=2, batch=make_batch(2, 21, pad="right")),
         "world_not_divisible": world_not_divisible,
+        "dp2_sp2_refusal_on_one_replica": P(refusal_on_one_replica, dp2sp2),
     }
     return run_cases(cases)

@@ -51,6 +51,7 @@ WORLD4 = [
     "dp2_sp2_packed",
     "from_groups_dp2_sp2",
     "world_not_divisible",
+    "dp2_sp2_refusal_on_one_replica",
 ]
 
 results, test_case, test_every_worker_case_is_checked = dist_suite("tests.dist.cases_core", {2: WORLD2, 4: WORLD4})
