@@ -155,8 +155,8 @@ class UlyssesAttention:
         position_ids ``[b or 1, n]`` hold global positions; attention_mask ``[b, n]`` (or None); input_ids
         and targets (labels given to the model, -100 ignored) are checked against ``vocab_size``. Under
         sp > 1 every check is agreed across the SP group before any other collective, so bad input on one
-        rank raises a ValueError on every rank instead of leaving the others waiting; in training with dp > 1
-        the verdict is then shared with the other replicas too (:func:`~ulysses_sp.validation.replicas_agree`).
+        rank raises a ValueError on every rank instead of leaving the others waiting; with dp > 1 the verdict
+        is then shared with the other replicas too (:func:`~ulysses_sp.validation.replicas_agree`).
         """
         with replicas_agree(self.layout):
             position_ids, segments = self._checked_segments(
@@ -179,7 +179,7 @@ class UlyssesAttention:
     ) -> tuple[torch.Tensor, Segments]:
         # (the position_ids the forward runs with, the documents of the full rows); ValueError for bad input
         layout = self.layout
-        problem = input_problem(position_ids, attention_mask, seq_len, layout.sp)
+        problem = input_problem(position_ids, attention_mask, batch_size, seq_len, layout.sp)
         if input_ids is not None and (input_ids.is_floating_point() or input_ids.dtype == torch.bool):
             problem = problem or f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; use .long()"
             input_ids = None

@@ -77,9 +77,9 @@ def shard_batch(
             all-gather of 20 integers) and raise ValueError on every rank if the ranks hold different batches
             — the usual sign of a data sampler split over the whole world instead of over ``layout.dp`` — or
             if any rank's batch is malformed (so a bad batch on one rank never leaves the others waiting).
-            With ``dp > 1`` and gradients enabled (training), the verdict is then shared with the other
-            data-parallel replicas (one flag all-reduce over the world), so a batch refused on one replica
-            raises on every rank. Skipped for a :meth:`~ulysses_sp.ParallelLayout.rank_view` (no group).
+            With ``dp > 1`` the verdict is then shared with the other data-parallel replicas (one flag
+            all-reduce over the world), so a batch refused on one replica raises on every rank. Skipped for a
+            :meth:`~ulysses_sp.ParallelLayout.rank_view` (no group) and under ``sp == 1``.
         vocab_size: when given, input_ids and labels outside ``[0, vocab_size)`` (labels may also be
             ``ignore_index``) raise a ValueError naming the id, on every rank of the group; without it
             only negative ids are caught. Pass ``model.config.vocab_size``.
@@ -93,7 +93,7 @@ def shard_batch(
     load-balancing loss). With ``layout.ring > 1`` the row is padded to a multiple of
     ``lcm(sp, 2 * ring)`` and dealt in zigzag order (see the module docstring).
     """
-    # in training with dp > 1, a refusal on one replica stops them all
+    # with dp > 1, a refusal on one replica stops them all
     with replicas_agree(layout) if check_same_batch else contextlib.nullcontext():
         full, problem = _validated(batch, vocab_size, ignore_index)
         if check_same_batch and layout.sp > 1 and not layout.is_view:

@@ -4,8 +4,8 @@ and the shape of the per-token inputs under sequence parallelism.
 Used by :func:`ulysses_sp.shard_batch` (on the full batch) and by the model's once-per-forward agreement
 (:meth:`ulysses_sp.attention.UlyssesAttention.begin_forward`, on the shard): both report the offending id
 with the same message, and both agree across the SP group before any rank raises, so no peer is left waiting.
-In training with several data-parallel replicas, :func:`replicas_agree` then shares the verdict with the
-whole world, so a batch refused on one replica stops every replica (they must step together).
+With several data-parallel replicas, :func:`replicas_agree` then shares the verdict with the whole world,
+so a batch refused on one replica stops every replica (they step together).
 """
 
 from __future__ import annotations
@@ -80,9 +80,10 @@ def check_id_ranges(ranges: list[list[int]], vocab_size: int | None) -> None:
 
 
 def input_problem(
-    position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, seq_len: int, sp: int
+    position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch: int, seq_len: int, sp: int
 ) -> str | None:
-    """What is wrong with a rank's model input under ``sp`` ranks (None if nothing), checked locally."""
+    """What is wrong with a rank's model input ``[batch, seq_len]`` under ``sp`` ranks (None if nothing),
+    checked locally."""
     if position_ids is None:
         if sp > 1:
             return (
@@ -90,11 +91,11 @@ def input_problem(
                 "rank's tokens (else RoPE restarts at 0 on every shard); pass the output of "
                 "ulysses_sp.shard_batch(batch, layout) to the model"
             )
-    elif position_ids.dim() != 2 or position_ids.shape[-1] != seq_len:
-        return f"position_ids must be [batch, {seq_len}], got shape {tuple(position_ids.shape)}"
-    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[-1] != seq_len):
+    elif position_ids.dim() != 2 or position_ids.shape[-1] != seq_len or position_ids.shape[0] not in (1, batch):
+        return f"position_ids must be [{batch} or 1, {seq_len}], got shape {tuple(position_ids.shape)}"
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape != (batch, seq_len)):
         return (
-            f"attention_mask must be a 2-D padding mask [batch, {seq_len}] under Ulysses, got shape "
+            f"attention_mask must be a 2-D padding mask [{batch}, {seq_len}] under Ulysses, got shape "
             f"{tuple(attention_mask.shape)}; 4-D masks are not supported (documents come from position_ids)"
         )
     return None
@@ -109,36 +110,42 @@ class PeerRejected(ValueError):
 def replicas_agree(layout: ParallelLayout) -> Iterator[None]:
     """Share the verdict of the checks run inside with every rank of ``layout.loss_group``.
 
-    Only where the data-parallel replicas must step together: ``layout.dp > 1`` and gradients enabled (a
-    training step; an evaluation under ``torch.no_grad`` may run different numbers of batches per replica,
-    and is agreed over the SP group only). There, one flag all-reduce; if any rank's checks raised a
-    ValueError, one all-gather of the messages, and every rank raises the same ValueError naming the replica
-    and the reason, instead of the replicas that had good batches waiting for the ones that stopped.
+    Under sequence parallelism with several data-parallel replicas (``sp > 1`` and ``dp > 1``), whose steps
+    (and evaluation batches, whose losses are reduced over the world) go together: one flag all-reduce over
+    the world; if any rank's checks raised, one all-gather of the reasons, and every rank raises (the same
+    ValueError naming the replica and the reason, for a ValueError) instead of the replicas whose batches
+    were fine waiting in a collective for those that stopped. A rank whose own check raised something other
+    than a ValueError raises that again.
     """
-    if layout.dp == 1 or layout.loss_group is None or layout.is_view or not torch.is_grad_enabled():
+    if layout.sp == 1 or layout.dp == 1 or layout.loss_group is None or layout.is_view:
         yield
         return
     try:
         yield
-    except ValueError as error:
+    except Exception as error:
         _share_verdict(layout, error)
-        raise  # unreachable: _share_verdict raises
+        raise
     _share_verdict(layout, None)
 
 
-def _share_verdict(layout: ParallelLayout, error: ValueError | None) -> None:
+def _share_verdict(layout: ParallelLayout, error: Exception | None) -> None:
     failed = torch.tensor([float(error is not None)], device=layout.device)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=layout.loss_group)
     if not failed.item():
         return
-    mine = None if error is None else (layout.dp_rank, not isinstance(error, PeerRejected), str(error))
+    mine = None
+    if error is not None:
+        named = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+        mine = (layout.dp_rank, not isinstance(error, PeerRejected), isinstance(error, ValueError), named)
     reports: list = [None] * dist.get_world_size(layout.loss_group)
     dist.all_gather_object(reports, mine, group=layout.loss_group)
+    if error is not None and not isinstance(error, ValueError):
+        return  # the caller raises this rank's own error again
     failures = [(rank, *report) for rank, report in enumerate(reports) if report is not None]
     # the reason: the first rank that rejected its own input (its SP peers only echo it)
-    rank, dp_rank, _, reason = next((f for f in failures if f[2]), failures[0])
+    rank, dp_rank, _, bad_input, reason = next((f for f in failures if f[2]), failures[0])
     replicas = sorted({f[1] for f in failures})
-    raise ValueError(
+    raise (ValueError if bad_input else RuntimeError)(
         f"data-parallel replica(s) {replicas} rejected their batch, so every rank stops here (the replicas step "
         f"together); rank {rank} (replica {dp_rank}): {reason}"
     ) from error

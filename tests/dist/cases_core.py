@@ -6,8 +6,10 @@ no ulysses_sp code) and compares loss and every parameter gradient with the sequ
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -283,36 +285,46 @@ def world_not_divisible() -> None:
 
 
 def refusal_on_one_replica(layout):
-    """dp=2 x sp=2: a batch refused on replica 1 only (at sharding, then at the forward) raises the same
-    ValueError on all four ranks instead of replica 0 going on to a collective replica 1 never reaches; an
-    evaluation under no_grad may still run an extra batch on one replica alone; afterwards the replicas
-    still step together (a training step equals one process)."""
+    """dp=2 x sp=2: a batch refused on replica 1 only (at sharding, then at the forward, in training and in
+    evaluation) raises the same ValueError on all four ranks instead of replica 0 going on to a collective
+    replica 1 never reaches; another error in replica 1's checks raises there and a RuntimeError naming it on
+    replica 0; afterwards the replicas still step together (a training step equals one process)."""
     vocab = build("llama").config.vocab_size
     batch = make_batch(1, 16, seed=3)
     if layout.dp_rank == 1:
         batch["input_ids"][0, 5] = vocab
-    try:
-        U.shard_batch(batch, layout, vocab_size=vocab)
-    except ValueError as err:
-        assert "data-parallel replica(s) [1] rejected" in str(err) and f"holds id {vocab}" in str(err), err
-    else:
-        raise AssertionError("an id outside the vocabulary on replica 1 was not refused on every rank")
+    expect_raise(ValueError, ["data-parallel replica(s) [1] rejected", f"holds id {vocab}"])(
+        lambda: U.shard_batch(batch, layout, vocab_size=vocab)
+    )
     model = U.parallelize(build("llama", kv_heads=2, attn="eager"), layout, core="eager")
-    model.train()
     left = make_batch(1, 16, pad="left", pad_lengths=(3,)) if layout.dp_rank == 1 else make_batch(1, 16)
     shard = U.shard_batch(left, layout)
     inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
-    try:
-        model(**inputs)
-    except ValueError as err:
-        assert "data-parallel replica(s) [1] rejected" in str(err) and "starts with padding" in str(err), err
-    else:
-        raise AssertionError("left padding under an eager model on replica 1 was not refused on every rank")
-    if layout.dp_rank == 0:  # an uneven evaluation: one more batch on replica 0 only, agreed within its SP group
-        with torch.no_grad():
-            shard = U.shard_batch(make_batch(1, 16), layout)
-            model(**{k: shard[k] for k in ("input_ids", "position_ids")})
+    refused = expect_raise(ValueError, ["data-parallel replica(s) [1] rejected", "starts with padding"])
+    for grad in (True, False):  # a training step, an evaluation batch
+        with torch.set_grad_enabled(grad):
+            refused(lambda: model(**inputs))
+    shard = U.shard_batch(make_batch(1, 16), layout)
+    inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
+    broken = mock.patch("ulysses_sp.attention.left_padding_problem", side_effect=RuntimeError("boom"))
+    with broken if layout.dp_rank == 1 else contextlib.nullcontext():
+        wanted = ["boom"] if layout.dp_rank == 1 else ["data-parallel replica(s) [1] rejected", "RuntimeError: boom"]
+        expect_raise(RuntimeError, wanted)(lambda: model(**inputs))
     check_parity(layout, "llama", kv_heads=2, batch=make_batch(2, 18))
+
+
+def expect_raise(kind: type[Exception], fragments: list[str]):
+    """A function that calls ``fn`` and checks that it raises ``kind`` with every fragment in its message."""
+
+    def check(fn) -> None:
+        try:
+            fn()
+        except kind as err:
+            assert all(f in str(err) for f in fragments), err
+        else:
+            raise AssertionError(f"no {kind.__name__} with {fragments}")
+
+    return check
 
 
 def groups_made_by_hand() -> U.ParallelLayout:
