@@ -36,7 +36,7 @@ from torch import nn
 
 from .hf import decoder_layers, find_pretrained
 from .norm_projections import install_norm_projections, record_output, remove_norm_projections
-from .tiling import TiledForward, TiledMLP, check_chunk_tokens
+from .tiling import NORMS_OFF, TiledForward, TiledMLP, check_chunk_tokens
 
 __all__ = ["TiledNorm", "disable_tiled_norms", "enable_tiled_norms", "is_norm", "mlp_norm_name"]
 
@@ -67,7 +67,7 @@ class TiledNorm(TiledForward):
     """The ``forward`` :func:`enable_tiled_norms` installs on one norm that is not fused into an MLP; it records
     what it made for the projections of its layer (:mod:`ulysses_sp.norm_projections`)."""
 
-    hint = "call ulysses_sp.disable_tiled_norms(model)"
+    hint = NORMS_OFF
     called_as = "norm(hidden_states [b, n, h])"
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -90,7 +90,7 @@ class _HandThrough:
         if args or kwargs or not isinstance(hidden_states, torch.Tensor):
             raise ValueError(
                 f"the fused {type(self.norm).__name__} expects norm(hidden_states [b, n, h]); got {len(args)} more "
-                f"positional and {sorted(kwargs)} keyword arguments; call ulysses_sp.disable_tiled_norms(model)"
+                f"positional and {sorted(kwargs)} keyword arguments; {NORMS_OFF}"
             )
         self.mlp.handed_over = weakref.ref(hidden_states)
         return hidden_states

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .tiling import TiledForward, _spans
+from .tiling import MLP_OFF, TiledForward, _spans
 
 if TYPE_CHECKING:
     from .tiling import TiledMLP
@@ -64,8 +64,7 @@ def _router_of(mlp: nn.Module, specs: dict, key: str) -> tuple[nn.Module, int] |
     if len(found) > 1:
         raise ValueError(
             f"{type(mlp).__name__} holds {len(found)} modules whose {key} transformers records; the tiled MLP can "
-            "record one router per block; set model.config.output_router_logits = False or call "
-            "ulysses_sp.disable_tiled_mlp(model)"
+            f"record one router per block; set model.config.output_router_logits = False or {MLP_OFF}"
         )
     return found[0] if found else None
 

@@ -65,6 +65,17 @@ def default_chunk_tokens(hidden_size: int) -> int:
     return max(MIN_CHUNK_TOKENS, hidden_size)
 
 
+# How to turn each off, named in the errors (the library call, the integrations' argument, train's flag).
+MLP_OFF = (
+    "call ulysses_sp.disable_tiled_mlp(model) (UlyssesTrainer(sp_tiled_mlp=False), "
+    "SequenceParallelConfig(tiled_mlp=False), or ulysses-sp train --no-tiled-mlp)"
+)
+NORMS_OFF = (
+    "call ulysses_sp.disable_tiled_norms(model) (UlyssesTrainer(sp_tiled_norms=False), "
+    "SequenceParallelConfig(tiled_norms=False), or ulysses-sp train --no-tiled-norms)"
+)
+
+
 def check_chunk_tokens(chunk_tokens: Any) -> None:
     """ValueError unless ``chunk_tokens`` is a positive int or None."""
     if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)):
@@ -259,7 +270,7 @@ class TiledForward:
     whole. Called with one tensor ``[..., n, h]``; returns ``[..., n, h_out]``.
     """
 
-    hint = "call ulysses_sp.disable_tiled_mlp(model)"  # how to turn it off, named in errors
+    hint = MLP_OFF  # how to turn it off, named in errors
     called_as = "module(hidden_states [b, n, h])"  # the one call it accepts, named in errors
 
     def __init__(self, module: nn.Module, chunk_tokens: int | None, previous: Callable | None = None) -> None:
@@ -363,7 +374,7 @@ class TiledMLP(TiledForward):
                 raise ValueError(
                     f"{type(self.pre).__name__} is fused into the tiled {type(self.module).__name__}, but the MLP "
                     "received something other than that norm's output: this decoder layer is not a pre-norm block "
-                    "whose norm feeds only its MLP; call ulysses_sp.disable_tiled_norms(model)"
+                    f"whose norm feeds only its MLP; {NORMS_OFF}"
                 )
         from .tiled_router import record_router_logits, router_collection
 

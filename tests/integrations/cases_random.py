@@ -1,6 +1,6 @@
 """Random Trainer / SFTTrainer cases: architecture x heads x layout x batch x accumulation x padding or packing x
-activation checkpointing x LoRA x tiled loss x head chunks x clipping x schedule x token counting x dataloader
-workers x sampling x evaluation during training x an MoE's load-balancing term x a resume from a halfway
+activation checkpointing x LoRA x tiled loss, MLP and norms x head chunks x clipping x schedule x token counting x
+dataloader workers x sampling x evaluation during training x an MoE's load-balancing term x a resume from a halfway
 checkpoint x FSDP2 (the model sharded as it loads), each a short training run plus an eval under Ulysses SP,
 compared afterwards with the plain trainer in one process (unsharded; stopped and resumed at the same step
 where the case resumes, so that what transformers or TRL do on a resume in one process is the reference too).
@@ -95,6 +95,10 @@ def random_case(seed: int, index: int, world: int) -> dict:
         # under SP: the model sharded with FSDP2 over the world as it loads (transformers' DistributedConfig), which
         # the Trainer leaves unwrapped (its adapters, if any, replicated and averaged by the Trainer)
         fsdp2=r.random() < 0.3,
+        # the tiled MLP and norms (None: the trainer's default, on), in chunks of a few tokens so that rows split
+        tiled_mlp=r.choice([None, None, False]),
+        tiled_norms=r.choice([None, False]),
+        mlp_chunk=r.choice([None, 4, 7, 16]),
     )
     if case["fsdp2"]:
         # transformers' Trainer refuses checkpoints with optimizer state for a model sharded at load time
@@ -223,7 +227,9 @@ def trainer(case: dict, out: str, sp: int | None) -> Any:
         kwargs["data_collator"] = left_pad_collate if case["pad"] == "left" else pad_collate
     if sp is not None:
         options = dict(sp_size=sp, sp_tiled_loss=case["tiled_loss"], sp_head_chunks=case["head_chunks"])
-        kwargs.update(options)
+        tiling = dict(sp_tiled_mlp=case["tiled_mlp"], sp_tiled_norms=case["tiled_norms"])
+        kwargs.update(options, sp_mlp_chunk_tokens=case["mlp_chunk"])
+        kwargs.update({k: v for k, v in tiling.items() if v is not None})  # None: the trainer's default
     if case["kind"] == "sft":
         from trl import SFTTrainer
 

@@ -173,6 +173,58 @@ def test_single_process_trainer_with_sp1_matches_plain_trainer(tmp_path):
     torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), atol=1e-6, rtol=0)
 
 
+def test_trainer_tiles_mlp_and_norms_by_default_and_each_turns_off(tmp_path):
+    """As ulysses-sp train: the tiled MLP (its norm fused in) and the other norms on by default, each off by
+    its argument; the chunk size is passed on."""
+    from transformers import TrainingArguments
+
+    from ulysses_sp.integrations import UlyssesTrainer
+    from ulysses_sp.tiled_norms import _installed as norm_tiled
+    from ulysses_sp.tiling import _installed as mlp_tiled
+
+    def tiling(**extra):
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+        model = UlyssesTrainer(model=build("llama"), args=args, sp_size=1, **extra).model
+        layer = model.model.layers[0]
+        mlp = mlp_tiled(layer.mlp)
+        norms = [norm_tiled(layer.input_layernorm), norm_tiled(layer.post_attention_layernorm)]
+        return mlp and mlp.chunk_tokens, [type(n).__name__ if n else None for n in norms]
+
+    assert tiling() == (None, ["TiledNorm", "_HandThrough"])  # the MLP's norm fused into its chunks
+    assert tiling(sp_mlp_chunk_tokens=4) == (4, ["TiledNorm", "_HandThrough"])
+    assert tiling(sp_tiled_mlp=False) == (None, ["TiledNorm", "TiledNorm"])
+    assert tiling(sp_tiled_norms=False) == (None, [None, None])
+    assert tiling(sp_tiled_mlp=False, sp_tiled_norms=False) == (None, [None, None])
+
+
+def test_a_bad_chunk_size_is_refused_by_its_argument_name_before_the_model_is_touched(tmp_path):
+    from transformers import TrainingArguments
+
+    from ulysses_sp.integrations import SequenceParallelConfig, UlyssesTrainer
+
+    model = build("llama")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match=r"sp_mlp_chunk_tokens must be a positive int or None, got 0"):
+        UlyssesTrainer(model=model, args=args, sp_size=1, sp_mlp_chunk_tokens=0)
+    with pytest.raises(ValueError, match=r"^mlp_chunk_tokens must be a positive int or None, got 2.5"):
+        SequenceParallelConfig(sp_size=2, mlp_chunk_tokens=2.5)
+    assert UlyssesTrainer(model=model, args=args, sp_size=1).sp_layout.sp == 1  # the model was left as it was
+
+
+def test_default_tiling_stays_off_with_a_warning_where_the_model_has_no_mlp_or_norm(caplog):
+    from ulysses_sp.integrations.data import integration_features
+
+    model = build("llama")
+    for layer in model.model.layers:  # an MLP under a name the tiled MLP does not know, and no norms
+        layer.dense_block = layer._modules.pop("mlp")
+        layer.input_layernorm = layer.post_attention_layernorm = torch.nn.Identity()
+    features = integration_features(
+        model, tiled_loss=True, tiled_mlp=None, tiled_norms=None, mlp_chunk_tokens=None, switch=lambda n: f"{n}=0"
+    )
+    assert (features.tiled_loss, features.tiled_mlp, features.tiled_norms) == (True, False, False)
+    assert "no recognisable MLP" in caplog.text and "tiled_mlp=0" in caplog.text and "tiled_norms=0" in caplog.text
+
+
 @pytest.mark.parametrize("masked", [True, False])
 def test_full_batch_token_counts_ride_on_sp_rank_0_only(masked):
     """Summed over the ranks, the Trainer's counts are the full batch's (not the shards', which hold the padding

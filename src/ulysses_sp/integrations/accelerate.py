@@ -33,8 +33,14 @@ from ..features import apply_features
 from ..layout import ParallelLayout
 from ..loss import causal_lm_loss, count_valid_tokens, sequence_parallel_cross_entropy
 from ..model import parallelize
-from .data import SequenceParallelCollator, check_world_size, deal_batches_over_dp, layout_for_model
-from .data import loss_only_features as _loss_only
+from .data import (
+    SequenceParallelCollator,
+    check_sp_options,
+    check_world_size,
+    deal_batches_over_dp,
+    integration_features,
+    layout_for_model,
+)
 
 __all__ = ["SequenceParallelConfig", "SequenceParallelLoss"]
 
@@ -85,6 +91,11 @@ class SequenceParallelConfig:
             ``loss_fn(model, batch)`` (default True).
         head_chunks: run each attention layer's heads in this many chunks (``parallelize(head_chunks=)``);
             default None: automatic, as ``ulysses-sp train``.
+        tiled_mlp: run each decoder layer's MLP over chunks of tokens, recomputed in backward (exact); default
+            None: on, as ``ulysses-sp train``, where the decoder layers have an MLP it recognises.
+        tiled_norms: run the decoder layers' norms over chunks of tokens (exact); default None: on where the
+            decoder layers have norms.
+        mlp_chunk_tokens: tokens per chunk of the tiled MLP and norms; default None: max(1024, hidden size).
     """
 
     sp_size: int
@@ -94,10 +105,12 @@ class SequenceParallelConfig:
     tiled_loss: bool = True
     ring: int | None = None
     head_chunks: int | None = None
+    tiled_mlp: bool | None = None
+    tiled_norms: bool | None = None
+    mlp_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.sp_size, int) or isinstance(self.sp_size, bool) or self.sp_size < 1:
-            raise ValueError(f"sp_size must be a positive int, got {self.sp_size!r}")
+        check_sp_options("", self.sp_size, self.mlp_chunk_tokens)
 
     def prepare(self, accelerator: Any, model: torch.nn.Module, *objects: Any) -> tuple[Any, ...]:
         """Parallelize ``model`` and prepare it with ``objects`` (optimizer, dataloaders, scheduler).
@@ -111,7 +124,15 @@ class SequenceParallelConfig:
         layout = layout_for_model(model, self.sp_size, accelerator.device, ring=self.ring)
         check_world_size(accelerator.num_processes, layout, "on a CPU-only machine create Accelerator(cpu=True)")
         parallelize(model, layout, core=self.core, comm_dtype=self.comm_dtype, head_chunks=self.head_chunks)
-        apply_features(model, _loss_only(self.tiled_loss), layout.device.type)
+        features = integration_features(
+            model,
+            tiled_loss=self.tiled_loss,
+            tiled_mlp=self.tiled_mlp,
+            tiled_norms=self.tiled_norms,
+            mlp_chunk_tokens=self.mlp_chunk_tokens,
+            switch=lambda name: f"SequenceParallelConfig({name}=False)",
+        )
+        apply_features(model, features, layout.device.type)
         objects = tuple(self._shard_loader(obj, layout) if isinstance(obj, DataLoader) else obj for obj in objects)
         from accelerate.utils import model_has_dtensor
 

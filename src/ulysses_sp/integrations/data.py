@@ -13,6 +13,7 @@ Two rules make the Hugging Face data pipeline right under sequence parallelism:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,6 +32,8 @@ __all__ = [
     "layout_for_model",
     "shard_full_batch",
 ]
+
+logger = logging.getLogger(__name__)
 
 # Keys some collators add (TRL's padding-free collator) that describe the FULL packed row for varlen kernels.
 # They are stale for a shard; the Ulysses attention derives documents from the global position_ids instead.
@@ -205,10 +208,50 @@ def layout_for_model(model: torch.nn.Module, sp_size: int, device: Any, ring: in
     return ParallelLayout.from_env(sp_size, ring=ring, num_heads=heads, num_kv_heads=kv_heads, device=device)
 
 
-def loss_only_features(tiled_loss: bool) -> Features:
-    """The memory features the integrations switch on: the tiled loss (or not). Activation checkpointing is the
-    framework's own (``TrainingArguments(gradient_checkpointing=...)``); the tiled MLP and norms are the user's."""
-    return Features(tiled_loss=tiled_loss, tiled_mlp=False, tiled_norms=False, activation_checkpointing="none")
+def integration_features(
+    model: torch.nn.Module,
+    *,
+    tiled_loss: bool,
+    tiled_mlp: bool | None,
+    tiled_norms: bool | None,
+    mlp_chunk_tokens: int | None,
+    switch: Callable[[str], str],
+) -> Features:
+    """The memory features the integrations switch on: the tiled loss, MLP and norms, as in ``ulysses-sp
+    train``. ``tiled_mlp`` / ``tiled_norms`` None: on where the model's decoder layers have an MLP / a norm that
+    they recognise (else off, with a warning naming ``switch(name)``, the argument that says so). Activation
+    checkpointing is the framework's own (``TrainingArguments(gradient_checkpointing=...)``, or the user's)."""
+    from ..hf import decoder_layers, find_pretrained, mlp_modules
+    from ..tiled_norms import is_norm
+
+    pretrained = find_pretrained(model)
+    if tiled_mlp is None:
+        try:
+            tiled_mlp = bool(mlp_modules(pretrained))
+        except ValueError as error:
+            logger.warning("the tiled MLP stays off: %s (pass %s to say so)", error, switch("tiled_mlp"))
+            tiled_mlp = False
+    if tiled_norms is None:
+        tiled_norms = any(is_norm(m) for layer in decoder_layers(pretrained) for m in layer.children())
+        if not tiled_norms:
+            logger.warning("the tiled norms stay off: no norm in the decoder layers (pass %s)", switch("tiled_norms"))
+    return Features(
+        tiled_loss=tiled_loss,
+        tiled_mlp=tiled_mlp,
+        tiled_norms=tiled_norms,
+        mlp_chunk_tokens=mlp_chunk_tokens,
+        activation_checkpointing="none",
+    )
+
+
+def check_sp_options(prefix: str, sp_size: Any, mlp_chunk_tokens: Any) -> None:
+    """ValueError naming the argument (``prefix`` + its name) unless ``sp_size`` is a positive int and
+    ``mlp_chunk_tokens`` one or None; called before the model is touched."""
+    for name, value, optional in (("sp_size", sp_size, False), (f"{prefix}mlp_chunk_tokens", mlp_chunk_tokens, True)):
+        if optional and value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
 
 
 def check_world_size(framework_world: int, layout: ParallelLayout, fix: str) -> None:

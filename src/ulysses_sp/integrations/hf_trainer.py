@@ -15,7 +15,8 @@ What the mixin changes, and why (the Trainer's own DDP / FSDP2 wrapping over the
   (:func:`~ulysses_sp.integrations.data.deal_batches_over_dp`): DP=1/SP=2/GAS=2 consumes the same samples
   per optimizer step as DP=2/SP=1/GAS=1, and epochs have the right number of steps.
 * the model computes its loss with the tiled lm_head + cross-entropy (:func:`ulysses_sp.enable_tiled_loss`;
-  ``sp_tiled_loss=False`` turns it off), so no rank ever holds ``[tokens, vocab]`` logits;
+  ``sp_tiled_loss=False`` turns it off), so no rank ever holds ``[tokens, vocab]`` logits, and runs its MLPs
+  and norms over chunks of tokens (``sp_tiled_mlp`` / ``sp_tiled_norms``), as ``ulysses-sp train`` does;
 * the loss is the model's own: the Trainer counts ``num_items_in_batch`` from ``shift_labels`` - now the
   local shards, which partition the tokens - summed over the world, so the count is exact; the model divides
   its shard's loss sum by it and the Trainer multiplies by the world size, which is what DDP/FSDP's gradient
@@ -50,10 +51,11 @@ from ..validation import IGNORE_INDEX
 from .data import (
     TOKEN_COUNT_KEY,
     SequenceParallelCollator,
+    check_sp_options,
     check_world_size,
     deal_batches_over_dp,
+    integration_features,
     layout_for_model,
-    loss_only_features,
 )
 
 __all__ = ["UlyssesTrainer", "UlyssesTrainerMixin", "resolve_core"]
@@ -96,6 +98,13 @@ class UlyssesTrainerMixin:
             SFTTrainer, whose own fused LM head already never builds the logits).
         sp_head_chunks: run each attention layer's heads in this many chunks (``parallelize(head_chunks=)``);
             default None: automatic, as ``ulysses-sp train``.
+        sp_tiled_mlp: run each decoder layer's MLP over chunks of tokens, recomputed in backward
+            (:func:`ulysses_sp.enable_tiled_mlp`; exact); default None: on, as ``ulysses-sp train``, where the
+            decoder layers have an MLP it recognises.
+        sp_tiled_norms: run the decoder layers' norms over chunks of tokens, the norm before a tiled MLP fused
+            into its chunks (:func:`ulysses_sp.enable_tiled_norms`; exact); default None: on where they have
+            norms.
+        sp_mlp_chunk_tokens: tokens per chunk of the tiled MLP and norms; default None: max(1024, hidden size).
 
     Attributes set: ``sp_layout`` (the :class:`~ulysses_sp.ParallelLayout`).
     """
@@ -110,10 +119,12 @@ class UlyssesTrainerMixin:
         sp_tiled_loss: bool | None = None,
         sp_ring: int | None = None,
         sp_head_chunks: int | None = None,
+        sp_tiled_mlp: bool | None = None,
+        sp_tiled_norms: bool | None = None,
+        sp_mlp_chunk_tokens: int | None = None,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
-            raise ValueError(f"sp_size must be a positive int, got {sp_size!r}")
+        check_sp_options("sp_", sp_size, sp_mlp_chunk_tokens)
         _refuse_sharded_before(  # Trainer(model, args, ...) or by keyword
             kwargs.get("model", args[0] if args else None), kwargs.get("args", args[1] if len(args) > 1 else None)
         )
@@ -126,7 +137,15 @@ class UlyssesTrainerMixin:
         )
         parallelize(self.model, self.sp_layout, core=core, head_chunks=sp_head_chunks)
         tiled = self.sp_tiled_loss_default if sp_tiled_loss is None else sp_tiled_loss
-        apply_features(self.model, loss_only_features(tiled), self.sp_layout.device.type)
+        features = integration_features(
+            self.model,
+            tiled_loss=tiled,
+            tiled_mlp=sp_tiled_mlp,
+            tiled_norms=sp_tiled_norms,
+            mlp_chunk_tokens=sp_mlp_chunk_tokens,
+            switch=lambda name: f"sp_{name}=False",
+        )
+        apply_features(self.model, features, self.sp_layout.device.type)
         self.data_collator = SequenceParallelCollator(
             self.data_collator, self.sp_layout, pad_token_id=self._pad_token_id(), token_counts=True
         )
