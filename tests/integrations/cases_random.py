@@ -99,6 +99,8 @@ def random_case(seed: int, index: int, world: int) -> dict:
         tiled_mlp=r.choice([None, None, False]),
         tiled_norms=r.choice([None, False]),
         mlp_chunk=r.choice([None, 4, 7, 16]),
+        # with checkpointing: transformers' every_n_layers (the other layers keep their activations)
+        checkpoint_every=r.choice([1, 2]),
     )
     if case["fsdp2"]:
         # transformers' Trainer refuses checkpoints with optimizer state for a model sharded at load time
@@ -200,6 +202,8 @@ def training_args(case: dict, out: str, accum: int) -> Any:
         eval_steps=case["eval_every"],
         **{checkpointing_arg(): case["checkpointing"]},
     )
+    if case["checkpointing"] and case["checkpoint_every"] > 1:
+        args[checkpointing_arg() + "_kwargs"] = {"every_n_layers": case["checkpoint_every"]}
     if case["kind"] == "sft":
         from trl import SFTConfig
 

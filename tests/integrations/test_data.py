@@ -211,6 +211,16 @@ def test_a_bad_chunk_size_is_refused_by_its_argument_name_before_the_model_is_to
     assert UlyssesTrainer(model=model, args=args, sp_size=1).sp_layout.sp == 1  # the model was left as it was
 
 
+def test_liger_kernels_are_refused(tmp_path):
+    from transformers import TrainingArguments
+
+    from ulysses_sp.integrations import UlyssesTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, use_liger_kernel=True, report_to=[])
+    with pytest.raises(ValueError, match=r"does not support: use_liger_kernel=True \(train\(\) would patch"):
+        UlyssesTrainer(model=build("llama"), args=args, sp_size=1)
+
+
 def test_default_tiling_stays_off_with_a_warning_where_the_model_has_no_mlp_or_norm(caplog):
     from ulysses_sp.integrations.data import integration_features
 

@@ -177,6 +177,12 @@ class UlyssesTrainerMixin:
                 "compute_metrics / include_for_metrics (logits stay sharded over the SP group; evaluation reports "
                 "the loss)"
             )
+        if getattr(args, "use_liger_kernel", False):
+            problems.append(
+                "use_liger_kernel=True (train() would patch Liger's forwards over the norms, MLPs and loss head "
+                "that ulysses-sp has tiled, so neither runs as set up, untested under SP; the tiled loss, MLP and "
+                "norms bound the same memory)"
+            )
         if args.train_sampling_strategy == "batch_rebalance":
             problems.append(
                 "train_sampling_strategy='batch_rebalance' (use 'random', 'sequential' or 'group_by_length')"
