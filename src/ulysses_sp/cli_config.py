@@ -252,11 +252,13 @@ def read_yaml(path: str) -> dict[str, Any]:
     """The mapping in a ``--config`` YAML file; ValueError naming the file when it is missing or not a mapping."""
     if not os.path.isfile(path):
         raise ValueError(f"--config file not found: {path!r}")
-    with open(path, encoding="utf-8") as handle:
-        try:
+    try:
+        with open(path, encoding="utf-8") as handle:
             data = yaml.safe_load(handle)
-        except yaml.YAMLError as error:
-            raise ValueError(f"--config {path!r} is not valid YAML: {error}") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"--config {path!r} is not valid YAML: {error}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--config {path!r} cannot be read as UTF-8 text: {error}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -174,7 +174,11 @@ class Features:
                 f"head chunks {self.head_chunks or 'auto'}",
                 "tiled norms" if self.tiled_norms else "plain norms",
                 f"activation checkpointing {self.activation_checkpointing}"
-                + (f" every {self.checkpoint_stride} layers" if (self.checkpoint_stride or 1) > 1 else ""),
+                + (
+                    f" every {self.checkpoint_stride} layers"
+                    if (self.checkpoint_stride or 1) > 1 and self.activation_checkpointing != "none"
+                    else ""
+                ),
                 "optimizer on CPU" if self.cpu_offload_optimizer else "optimizer on GPU",
                 self.parallel.upper(),
                 self.dtype,

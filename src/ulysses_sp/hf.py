@@ -82,6 +82,22 @@ def head_counts(config: Any) -> tuple[int | None, int | None]:
     return heads, getattr(text, "num_key_value_heads", None) or heads
 
 
+def config_size_problem(config: Any) -> str | None:
+    """What makes a (text) config's sizes impossible to build or plan (None if nothing): a size that is not a
+    positive int, or heads that do not group (kv heads) or split the hidden size (without ``head_dim``)."""
+    text = text_config(config)
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        value = getattr(text, name, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return f"its config's {name} must be a positive int, got {value!r}"
+    heads, kv_heads = head_counts(text)
+    if kv_heads is not None and (not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads):
+        return f"its config's num_key_value_heads={kv_heads!r} does not divide num_attention_heads={heads}"
+    if not getattr(text, "head_dim", None) and text.hidden_size % heads:
+        return f"its config's hidden_size={text.hidden_size} is not a multiple of num_attention_heads={heads}"
+    return None
+
+
 def decoder_layers(pretrained: nn.Module) -> list[nn.Module]:
     """The transformer blocks: modules whose class is in ``_no_split_modules``, else ``base_model.layers``."""
     names = set(getattr(pretrained, "_no_split_modules", None) or ())

@@ -239,9 +239,23 @@ def test_bench_lengths_are_checked_per_value_naming_the_flag():
         (dict(memory_seq_lens=(512, -1)), "--memory-seq-lens must be >= 1"),
         (dict(loss_tokens=-1), "--loss-tokens must be >= 0"),
         (dict(loss_vocab=0), "--loss-vocab must be >= 1"),
+        (dict(worlds=(0,)), "--worlds must be >= 1"),
+        (dict(worlds=(2, -2)), "--worlds must be >= 1"),
+        (dict(memory_sp=(0,)), "--memory-sp must be >= 1"),
+        (dict(gpu_step_budget_s=float("nan")), "--gpu-step-budget-s must be > 0"),
     ]:
         with pytest.raises(ValueError, match=message):
             BenchConfig(**bad).validate()
+
+
+def test_report_from_a_file_that_is_not_a_results_json_exits_2_naming_it(tmp_path, capsys):
+    from ulysses_sp.bench.runner import main
+
+    for name, text in (("empty.json", "{}"), ("broken.json", "{"), ("list.json", "[1]")):
+        path = tmp_path / name
+        path.write_text(text)
+        assert main(["--report-from", str(path)]) == 2
+        assert f"--report-from {path}: not a results.json" in capsys.readouterr().err
 
 
 def test_head_chunk_table_reads_runs_of_several_lengths_and_of_one():

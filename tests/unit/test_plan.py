@@ -153,6 +153,51 @@ def test_bad_input_names_the_value():
         load_model_config("no-such-model-here")
 
 
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--head-chunks", "3"], "--head-chunks 3 with --sp 1: head_chunks=3 does not split"),
+        (["--gpus-per-node", "1000000000"], "the planner takes at most 1,048,576"),
+        (["--gpu-memory", "80"], "--gpu-memory: '80' has no unit"),
+        (["--device", "foo", "--simulate"], "--device must be cpu, cuda or cuda:N, got 'foo'"),
+        (["--device", "cpu"], "--device cpu: the device is for --simulate"),
+        (["--config", "/proc/self/mem"], "cannot be read as UTF-8 text"),
+    ],
+)
+def test_plan_flags_that_cannot_be_planned_exit_2_naming_the_flag(flags, message, capsys):
+    from ulysses_sp.plan.cli import plan_command
+
+    with pytest.raises(SystemExit) as exit_:
+        plan_command(["--model", "llama-tiny", "--seq-len", "4096", *flags])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(num_attention_heads=0), "cannot be loaded (ZeroDivisionError"),  # transformers' own check
+        (dict(num_hidden_layers=0), "num_hidden_layers must be a positive int, got 0"),
+        (dict(vocab_size=0), "vocab_size must be a positive int, got 0"),
+        (dict(num_key_value_heads=3), "num_key_value_heads=3 does not divide num_attention_heads=4"),
+        (dict(hidden_size=30, head_dim=None), "cannot be loaded (StrictDataclassClassValidationError"),
+    ],
+)
+def test_a_config_json_with_impossible_sizes_is_refused_naming_the_size(fields, message, tmp_path):
+    import json
+
+    tiny().save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | fields))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        load_model_config(str(path))
+
+
+def test_recommend_skips_the_sp_that_requested_head_chunks_do_not_split():
+    """4 heads on 2 kv heads: 4 chunks split them on 1 rank only, so a plan that needs sp > 1 cannot use them."""
+    advice = recommend("llama-tiny", seq_len=100_000_000, world_size=8, features=Features(head_chunks=4))
+    assert advice.sp == 1 and not advice.reaches_target
+
+
 def test_config_json_and_directory(tmp_path):
     tiny().save_pretrained(tmp_path)
     by_file = plan_memory(str(tmp_path / "config.json"), seq_len=2048)

@@ -92,11 +92,11 @@ class BenchConfig:
                 f"--model {self.model!r} is not a benchmark model; choose one of {', '.join(BENCH_MODELS)}"
             )
         self.gpu_settings()  # parses the sizes, naming the flag on error
-        if self.gpu_step_budget_s <= 0:
+        if not self.gpu_step_budget_s > 0:  # nan too
             raise ValueError(f"--gpu-step-budget-s must be > 0, got {self.gpu_step_budget_s}")
         if self.loss_tokens is not None and self.loss_tokens < 0:
             raise ValueError(f"--loss-tokens must be >= 0 (0: skip the tiled-loss section), got {self.loss_tokens}")
-        for name in ("seq_len", "memory_seq_lens", "head_chunk_seq_lens", "reps", "loss_vocab"):
+        for name in ("seq_len", "memory_seq_lens", "head_chunk_seq_lens", "reps", "loss_vocab", "worlds", "memory_sp"):
             value = getattr(self, name)
             if value is not None and min(_values(value)) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

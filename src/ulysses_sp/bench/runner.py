@@ -323,8 +323,17 @@ def main(argv: Sequence[str]) -> int:
         if not source.is_file():
             print(f"ulysses-sp bench: error: --report-from {source}: no such file", file=sys.stderr)
             return 2
-        markdown = config.markdown_path
-        rerender(source, Path(markdown) if markdown else None, Path(config.output_dir) if config.output_dir else None)
+        markdown = Path(config.markdown_path) if config.markdown_path else None
+        try:
+            rerender(source, markdown, Path(config.output_dir) if config.output_dir else None)
+        except (ValueError, KeyError, TypeError, IndexError) as error:  # json's errors are ValueErrors
+            what = f"missing {error}" if isinstance(error, KeyError) else f"{type(error).__name__}: {error}"
+            print(
+                f"ulysses-sp bench: error: --report-from {source}: not a results.json this version of ulysses-sp "
+                f"bench can render ({what})",
+                file=sys.stderr,
+            )
+            return 2
         return 0
     run_bench(config, log=lambda text: print(text, flush=True), command=shlex.join(["ulysses-sp", "bench", *argv]))
     return 0

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..cli_config import option, parse_config
 from ..features import Features
+from ..head_split import check_head_chunks
 from ..layout import resolve_ring_degree
 from .memory import MemoryPlan, plan_memory
 from .recommend import recommend
@@ -26,6 +27,8 @@ from .shape import load_model_config
 from .units import format_bytes, parse_flag_bytes
 
 __all__ = ["PlanConfig", "plan_command"]
+
+MAX_WORLD = 1 << 20  # GPUs: past this the planner's search over the divisors of the world is not worth running
 
 
 @dataclass(kw_only=True)
@@ -80,7 +83,18 @@ class PlanConfig(Features):
             )
         if self.seq_len < self.sp:
             raise ValueError(f"--seq-len {self.seq_len} must be >= --sp {self.sp} (every rank holds a token)")
-        _check_heads(self.model_config[0], self.sp, self.ring, self.gpus_per_node)
+        if self.device is not None:
+            _check_device(self.device, self.simulate)
+        ring = _check_heads(self.model_config[0], self.sp, self.ring, self.gpus_per_node)
+        try:
+            check_head_chunks(self.head_chunks, *_heads(self.model_config[0]), self.sp // ring)
+        except ValueError as error:
+            raise ValueError(f"--head-chunks {self.head_chunks} with --sp {self.sp}: {error}") from None
+        if self.world_size > MAX_WORLD:
+            raise ValueError(
+                f"--gpus-per-node {self.gpus_per_node} x --nodes {self.nodes} = {self.world_size:,} GPUs; the planner "
+                f"takes at most {MAX_WORLD:,}"
+            )
 
     @functools.cached_property
     def model_config(self) -> tuple[Any, str]:
@@ -129,11 +143,34 @@ def _table(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-def _check_heads(config: Any, sp: int, ring: int | None, gpus_per_node: int) -> None:
+def _check_device(device: str, simulate: bool) -> None:
+    if not simulate:
+        raise ValueError(f"--device {device}: the device is for --simulate's step; add --simulate or drop --device")
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine has no CUDA device; use --device cpu (or leave it out)")
+
+
+def _heads(config: Any) -> tuple[int, int]:
+    from ..hf import head_counts
+
+    heads, kv_heads = head_counts(config)
+    return heads, kv_heads or heads
+
+
+def _check_heads(config: Any, sp: int, ring: int | None, gpus_per_node: int) -> int:
+    """The ring degree for ``sp`` (``ring`` or as train chooses it); ValueError naming the flags."""
     from ..hf import head_counts
 
     try:
-        resolve_ring_degree(sp, ring, *head_counts(config), gpus_per_node)
+        return resolve_ring_degree(sp, ring, *head_counts(config), gpus_per_node)
     except ValueError as error:
         raise ValueError(f"--sp {sp}" + (f" --ring {ring}" if ring else "") + f": {error}") from None
 
@@ -197,8 +234,10 @@ def plan_command(argv: Sequence[str]) -> int:
             out["simulate"] = simulated
         print(json.dumps(out, indent=2))
         return 0
+    padded = args.sp * plan.tokens_per_rank
+    split = f"= sp {args.sp} x" if padded == args.seq_len else f"padded to {padded:,} = sp {args.sp} x"
     print(
-        f"ulysses-sp plan: {name}, seq_len {args.seq_len:,} = sp {args.sp} x {plan.tokens_per_rank:,} tokens "
+        f"ulysses-sp plan: {name}, seq_len {args.seq_len:,} {split} {plan.tokens_per_rank:,} tokens "
         f"per rank, dp {dp}, micro-batch {args.micro_batch}, {args.world_size} GPUs"
     )
     print(f"layout: {plan.layout_reason}")

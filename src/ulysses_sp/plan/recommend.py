@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..features import Features
+from ..head_split import check_head_chunks
+from ..layout import choose_layout
 from .memory import MemoryPlan, plan_memory
 from .search import max_seq_len
-from .shape import model_shape
+from .shape import ModelShape, model_shape
 from .units import GiB
 
 __all__ = ["Recommendation", "recommend"]
@@ -80,7 +83,8 @@ def recommend(
     shape = model_shape(model_config)
     stride = (features or Features()).checkpoint_stride  # None: the placement may choose one ("auto")
     base = (features or Features()).resolve("cuda")
-    sps = [p for p in range(1, world_size + 1) if world_size % p == 0]  # past the heads: a ring inside sp
+    # past the heads: a ring inside sp; a requested number of head chunks must split each sp's Ulysses heads
+    sps = [p for p in _divisors(world_size) if _chunks_split(shape, p, base.head_chunks, gpus_per_node)]
     common = dict(
         gpu_memory_bytes=gpu_memory_bytes,
         host_memory_bytes=host_memory_bytes,
@@ -101,7 +105,28 @@ def recommend(
             longest = max_seq_len(shape, sp=sp, dp=world_size // sp, features=candidate, **common)
             if best is None or longest > best[0]:
                 best = (longest, sp, candidate)
-    assert best is not None
+    if best is None:
+        raise ValueError(
+            f"head_chunks={base.head_chunks} splits the heads of no sp that divides the {world_size} GPUs; use 0 / "
+            "None to choose automatically"
+        )
     longest, sp, candidate = best
     plan = plan_memory(shape, seq_len=max(longest, sp), sp=sp, dp=world_size // sp, features=candidate, **common)
     return Recommendation(sp, world_size // sp, plan.features, plan, longest, False, seq_len)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def _chunks_split(shape: ModelShape, sp: int, head_chunks: int | None, gpus_per_node: int) -> bool:
+    """Whether ``head_chunks`` (None / 0: automatic, always) splits the heads over sp's Ulysses ranks."""
+    if not head_chunks:
+        return True
+    _, ring, _ = choose_layout(sp, shape.num_heads, shape.num_kv_heads, gpus_per_node)
+    try:
+        check_head_chunks(head_chunks, shape.num_heads, shape.num_kv_heads, sp // ring)
+    except ValueError:
+        return False
+    return True

@@ -80,16 +80,23 @@ def load_model_config(model: Any) -> tuple[Any, str]:
         return shape_config(key), key
     from transformers import AutoConfig
 
+    from ..hf import config_size_problem
+
     path = Path(model)
     try:
         if path.is_file():
-            return AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path)), model
-        return AutoConfig.from_pretrained(model, local_files_only=True), model  # no network retries
-    except (OSError, ValueError) as error:
+            config = AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path))
+        else:
+            config = AutoConfig.from_pretrained(model, local_files_only=True)  # no network retries
+    except Exception as error:  # noqa: BLE001 (a file's content: transformers' validators raise their own types)
         raise ValueError(
-            f"model {model!r} cannot be loaded ({error}); give a built-in shape ({', '.join(SHAPES)}), a "
-            "config.json or model directory, or a Hugging Face id that is in the local cache"
+            f"model {model!r} cannot be loaded ({type(error).__name__}: {error}); give a built-in shape "
+            f"({', '.join(SHAPES)}), a config.json or model directory, or a Hugging Face id that is in the local cache"
         ) from None
+    problem = config_size_problem(config)
+    if problem is not None:
+        raise ValueError(f"model {model!r}: {problem}")
+    return config, model
 
 
 def model_shape(model_config: Any) -> ModelShape:

@@ -31,7 +31,10 @@ def parse_bytes(text: str) -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GiB, 141GB, 1TiB or 512MiB")
-    return int(float(match.group(1)) * _UNITS[unit])
+    value = float(match.group(1))
+    if not unit and value:  # "80" would be 80 bytes: almost surely meant as GiB or GB
+        raise ValueError(f"{text!r} has no unit (it would be {value:g} bytes); write e.g. {value:g}GiB or {value:g}B")
+    return int(value * _UNITS[unit])
 
 
 def parse_flag_bytes(name: str, text: str) -> int:

@@ -75,17 +75,23 @@ def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | No
         )
     from transformers import AutoConfig
 
+    from ..hf import config_size_problem
+
     name = source or config.model
     if name.startswith((".", "/", "~")) and not Path(name).expanduser().exists():
         raise ValueError(f"--model {name!r}: no such directory; give a model directory, a hub id or a built-in name")
     try:
-        return AutoConfig.from_pretrained(name)
-    except (OSError, ValueError) as error:
+        loaded = AutoConfig.from_pretrained(name)
+    except Exception as error:  # noqa: BLE001 (a file's content: transformers' validators raise their own types)
         builtins = ", ".join(SHAPES)
         raise ValueError(
-            f"--model {source or config.model!r} cannot be loaded ({error}); give a Hugging Face id that is "
-            f"cached or reachable, a local model directory, or a built-in name: {builtins}"
+            f"--model {source or config.model!r} cannot be loaded ({type(error).__name__}: {error}); give a Hugging "
+            f"Face id that is cached or reachable, a local model directory, or a built-in name: {builtins}"
         ) from None
+    problem = config_size_problem(loaded)
+    if problem is not None:
+        raise ValueError(f"--model {source or config.model!r}: {problem}")
+    return loaded
 
 
 def choose_run_layout(
