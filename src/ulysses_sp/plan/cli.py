@@ -75,6 +75,11 @@ class PlanConfig(Features):
         if self.gpu_memory_bytes <= 0:
             raise ValueError(f"--gpu-memory must be more than 0, got {self.gpu_memory!r}")
         self.host_memory_bytes  # noqa: B018 (parses, naming the flag on error)
+        if self.dp is None and self.world_size % self.sp:
+            raise ValueError(
+                f"--sp {self.sp} does not divide the world size {self.world_size} (--gpus-per-node "
+                f"{self.gpus_per_node} x --nodes {self.nodes}); data parallelism takes world / sp SP groups"
+            )
         if self.sp * self.data_parallel != self.world_size:
             flag = "--dp" if self.dp is not None else "--sp"
             raise ValueError(
