@@ -221,6 +221,18 @@ def test_liger_kernels_are_refused(tmp_path):
         UlyssesTrainer(model=build("llama"), args=args, sp_size=1)
 
 
+def test_deepspeed_is_refused_before_the_trainer_is_built(tmp_path):
+    """(TrainingArguments refuses deepspeed= itself where DeepSpeed is not installed: set on the built args.)"""
+    from transformers import TrainingArguments
+
+    from ulysses_sp.integrations import UlyssesTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    args.deepspeed = {"zero_optimization": {"stage": 3}}
+    with pytest.raises(ValueError, match=r"deepspeed=...\) is not supported by ulysses-sp's trainers"):
+        UlyssesTrainer(model=build("llama"), args=args, sp_size=1)
+
+
 def test_default_tiling_stays_off_with_a_warning_where_the_model_has_no_mlp_or_norm(caplog):
     from ulysses_sp.integrations.data import integration_features
 

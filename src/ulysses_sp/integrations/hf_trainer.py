@@ -125,9 +125,9 @@ class UlyssesTrainerMixin:
         **kwargs: Any,
     ) -> None:
         check_sp_options("sp_", sp_size, sp_mlp_chunk_tokens)
-        _refuse_sharded_before(  # Trainer(model, args, ...) or by keyword
-            kwargs.get("model", args[0] if args else None), kwargs.get("args", args[1] if len(args) > 1 else None)
-        )
+        given_args = kwargs.get("args", args[1] if len(args) > 1 else None)  # Trainer(model, args, ...) or by keyword
+        _refuse_deepspeed(given_args)
+        _refuse_sharded_before(kwargs.get("model", args[0] if args else None), given_args)
         super().__init__(*args, **kwargs)
         self._check_supported(sp_size)
         core = resolve_core(self.model, sp_core)
@@ -349,6 +349,17 @@ class UlyssesTrainer(UlyssesTrainerMixin, Trainer):
 
     See :class:`UlyssesTrainerMixin` for the extra arguments and the module docstring for what changes.
     """
+
+
+def _refuse_deepspeed(args: Any) -> None:
+    """ulysses-sp runs on DDP and FSDP2; under DeepSpeed (ZeRO-3 gathers weights only inside module calls, which
+    the tiled MLP's backward and the parallel paths do not all go through) nothing of it is tested."""
+    if getattr(args, "deepspeed", None):
+        raise ValueError(
+            "TrainingArguments(deepspeed=...) is not supported by ulysses-sp's trainers, which run on DDP or FSDP2; "
+            "to shard parameters, gradients and optimizer states use FSDP2 (from_pretrained(..., distributed_config="
+            "DistributedConfig(fsdp_size=...)), or TrainingArguments(fsdp=...) on GPUs)"
+        )
 
 
 def _refuse_sharded_before(model: Any, args: Any) -> None:
