@@ -233,6 +233,18 @@ def test_deepspeed_is_refused_before_the_trainer_is_built(tmp_path):
         UlyssesTrainer(model=build("llama"), args=args, sp_size=1)
 
 
+def test_an_accelerator_with_deepspeed_is_refused_before_the_model_is_touched():
+    from types import SimpleNamespace
+
+    from ulysses_sp.integrations import SequenceParallelConfig
+
+    model = build("llama")
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=object()))
+    with pytest.raises(ValueError, match="DeepSpeed plugin is not supported by SequenceParallelConfig"):
+        SequenceParallelConfig(sp_size=2).prepare(accelerator, model)
+    assert model.config._attn_implementation == "sdpa"  # not parallelized
+
+
 def test_default_tiling_stays_off_with_a_warning_where_the_model_has_no_mlp_or_norm(caplog):
     from ulysses_sp.integrations.data import integration_features
 

@@ -121,6 +121,12 @@ class SequenceParallelConfig:
         Raises ValueError before any training for heads that do not split over ``sp_size``, an unknown core,
         or a world size that is not a multiple of ``sp_size``.
         """
+        if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None:
+            raise ValueError(
+                "an Accelerator with a DeepSpeed plugin is not supported by SequenceParallelConfig, which runs on DDP "
+                "or FSDP2 (untested under DeepSpeed, whose ZeRO-3 gathers weights only inside module calls); use "
+                "fully_shard or Accelerate's FSDP2 plugin to shard"
+            )
         layout = layout_for_model(model, self.sp_size, accelerator.device, ring=self.ring)
         check_world_size(accelerator.num_processes, layout, "on a CPU-only machine create Accelerator(cpu=True)")
         parallelize(model, layout, core=self.core, comm_dtype=self.comm_dtype, head_chunks=self.head_chunks)
