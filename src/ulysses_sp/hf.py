@@ -90,8 +90,8 @@ def config_size_problem(config: Any) -> str | None:
         value = getattr(text, name, None)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             return f"its config's {name} must be a positive int, got {value!r}"
-    heads, kv_heads = head_counts(text)
-    if kv_heads is not None and (not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads):
+    heads, kv_heads = head_counts(text)  # kv heads: the heads where the config has none
+    if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
         return f"its config's num_key_value_heads={kv_heads!r} does not divide num_attention_heads={heads}"
     if not getattr(text, "head_dim", None) and text.hidden_size % heads:
         return f"its config's hidden_size={text.hidden_size} is not a multiple of num_attention_heads={heads}"

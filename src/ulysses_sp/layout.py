@@ -21,6 +21,7 @@ describes one process with no process group at all; it is the reference every pa
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ __all__ = [
     "check_heads_split",
     "choose_layout",
     "choose_ring_degree",
+    "divisors",
     "hybrid_layouts_for",
     "resolve_ring_degree",
     "sp_degrees_for",
@@ -43,14 +45,16 @@ __all__ = [
 ProcessGroup = dist.ProcessGroup
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending (found up to its square root)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def sp_degrees_for(num_heads: int, num_kv_heads: int | None = None) -> list[int]:
     """The sp values that work for a model with these head counts (see :func:`check_heads_split`)."""
     kv = num_kv_heads or num_heads
-    return [p for p in _divisors(num_heads) if (kv % p == 0 or p % kv == 0)]
+    return [p for p in divisors(num_heads) if (kv % p == 0 or p % kv == 0)]
 
 
 def check_heads_split(num_heads: int, num_kv_heads: int | None, sp: int) -> None:
@@ -74,7 +78,7 @@ def check_heads_split(num_heads: int, num_kv_heads: int | None, sp: int) -> None
 def hybrid_layouts_for(sp: int, num_heads: int, num_kv_heads: int | None = None) -> list[tuple[int, int]]:
     """The ``(ulysses, ring)`` pairs with ``ulysses * ring == sp`` whose Ulysses degree the heads allow."""
     allowed = set(sp_degrees_for(num_heads, num_kv_heads))
-    return [(u, sp // u) for u in sorted(_divisors(sp), reverse=True) if u in allowed]
+    return [(u, sp // u) for u in sorted(divisors(sp), reverse=True) if u in allowed]
 
 
 def _describe(pairs: list[tuple[int, int]]) -> str:
@@ -102,7 +106,7 @@ def choose_layout(
     if gpus_per_node is not None and (not isinstance(gpus_per_node, int) or gpus_per_node < 1):
         raise ValueError(f"gpus_per_node must be a positive int or None, got {gpus_per_node!r}")
     if num_heads is None:
-        pairs = [(u, sp // u) for u in sorted(_divisors(sp), reverse=True)]
+        pairs = [(u, sp // u) for u in sorted(divisors(sp), reverse=True)]
         heads = "no head counts given"
     else:
         pairs = hybrid_layouts_for(sp, num_heads, num_kv_heads)
@@ -281,7 +285,7 @@ class ParallelLayout:
         init_default_group(backend)
         world = dist.get_world_size()
         if world % sp != 0:
-            good = ", ".join(str(d) for d in _divisors(world))
+            good = ", ".join(str(d) for d in divisors(world))
             raise ValueError(f"world size {world} is not divisible by sp={sp}; sp values that work: {good}")
         if device is None:
             if dist.get_backend() == "nccl":
@@ -412,7 +416,7 @@ class ParallelLayout:
 
 
 def _ring_choices(sp: int) -> str:
-    return f"ring degrees that divide sp={sp}: {', '.join(str(r) for r in _divisors(sp))}"
+    return f"ring degrees that divide sp={sp}: {', '.join(str(r) for r in divisors(sp))}"
 
 
 def resolve_ring_degree(

@@ -227,7 +227,7 @@ def integration_features(
     pretrained = find_pretrained(model)
     if tiled_mlp is None:
         try:
-            tiled_mlp = bool(mlp_modules(pretrained))
+            tiled_mlp = bool(mlp_modules(pretrained))  # it raises when it finds none
         except ValueError as error:
             logger.warning("the tiled MLP stays off: %s (pass %s to say so)", error, switch("tiled_mlp"))
             tiled_mlp = False

@@ -19,6 +19,7 @@ from typing import Any
 from ..cli_config import option, parse_config
 from ..features import Features
 from ..head_split import check_head_chunks
+from ..hf import head_counts
 from ..layout import resolve_ring_degree
 from .memory import MemoryPlan, plan_memory
 from .recommend import recommend
@@ -70,6 +71,11 @@ class PlanConfig(Features):
         for name in ("seq_len", "gpus_per_node", "nodes", "sp", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.world_size > MAX_WORLD:
+            raise ValueError(
+                f"--gpus-per-node {self.gpus_per_node} x --nodes {self.nodes} = {self.world_size:,} GPUs; the planner "
+                f"takes at most {MAX_WORLD:,}"
+            )
         if self.dp is not None and self.dp < 1:
             raise ValueError(f"--dp must be >= 1, got {self.dp}")
         if self.gpu_memory_bytes <= 0:
@@ -92,14 +98,9 @@ class PlanConfig(Features):
             _check_device(self.device, self.simulate)
         ring = _check_heads(self.model_config[0], self.sp, self.ring, self.gpus_per_node)
         try:
-            check_head_chunks(self.head_chunks, *_heads(self.model_config[0]), self.sp // ring)
+            check_head_chunks(self.head_chunks, *head_counts(self.model_config[0]), self.sp // ring)
         except ValueError as error:
             raise ValueError(f"--head-chunks {self.head_chunks} with --sp {self.sp}: {error}") from None
-        if self.world_size > MAX_WORLD:
-            raise ValueError(
-                f"--gpus-per-node {self.gpus_per_node} x --nodes {self.nodes} = {self.world_size:,} GPUs; the planner "
-                f"takes at most {MAX_WORLD:,}"
-            )
 
     @functools.cached_property
     def model_config(self) -> tuple[Any, str]:
@@ -163,17 +164,8 @@ def _check_device(device: str, simulate: bool) -> None:
         raise ValueError(f"--device {device}: this machine has no CUDA device; use --device cpu (or leave it out)")
 
 
-def _heads(config: Any) -> tuple[int, int]:
-    from ..hf import head_counts
-
-    heads, kv_heads = head_counts(config)
-    return heads, kv_heads or heads
-
-
 def _check_heads(config: Any, sp: int, ring: int | None, gpus_per_node: int) -> int:
     """The ring degree for ``sp`` (``ring`` or as train chooses it); ValueError naming the flags."""
-    from ..hf import head_counts
-
     try:
         return resolve_ring_degree(sp, ring, *head_counts(config), gpus_per_node)
     except ValueError as error:

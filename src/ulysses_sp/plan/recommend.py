@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..features import Features
 from ..head_split import check_head_chunks
-from ..layout import choose_layout
+from ..layout import choose_layout, divisors
 from .memory import MemoryPlan, plan_memory
 from .search import max_seq_len
 from .shape import ModelShape, model_shape
@@ -84,7 +83,7 @@ def recommend(
     stride = (features or Features()).checkpoint_stride  # None: the placement may choose one ("auto")
     base = (features or Features()).resolve("cuda")
     # past the heads: a ring inside sp; a requested number of head chunks must split each sp's Ulysses heads
-    sps = [p for p in _divisors(world_size) if _chunks_split(shape, p, base.head_chunks, gpus_per_node)]
+    sps = [p for p in divisors(world_size) if _chunks_split(shape, p, base.head_chunks, gpus_per_node)]
     common = dict(
         gpu_memory_bytes=gpu_memory_bytes,
         host_memory_bytes=host_memory_bytes,
@@ -113,11 +112,6 @@ def recommend(
     longest, sp, candidate = best
     plan = plan_memory(shape, seq_len=max(longest, sp), sp=sp, dp=world_size // sp, features=candidate, **common)
     return Recommendation(sp, world_size // sp, plan.features, plan, longest, False, seq_len)
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)})
 
 
 def _chunks_split(shape: ModelShape, sp: int, head_chunks: int | None, gpus_per_node: int) -> bool:
