@@ -111,6 +111,32 @@ class Features:
         if self.cpu_offload_optimizer and self.parallel != "fsdp2":
             raise ValueError("--cpu-offload-optimizer needs --parallel fsdp2 (DDP keeps full states on every GPU)")
 
+    def check_flags_apply(self) -> None:
+        """ValueError for a flag that the others switch off (it would be silently ignored), naming both. The CLI
+        configs call it; the planner's own candidates (which turn features off) are plain ``Features``."""
+        default_mib = DEFAULT_LOSS_BUDGET_BYTES >> 20
+        no_loss, no_tiling = not self.tiled_loss, not (self.tiled_mlp or self.tiled_norms)
+        no_checkpoints = self.activation_checkpointing == "none"
+        for given, flag, off, switch in (  # (the flag is set, the flag, it is switched off, by what)
+            (self.loss_chunk_tokens is not None, "--loss-chunk-tokens", no_loss, "--no-tiled-loss"),
+            (self.loss_chunk_mib != default_mib, "--loss-chunk-mib", no_loss, "--no-tiled-loss"),
+            (self.mlp_chunk_tokens is not None, "--mlp-chunk-tokens", no_tiling, "--no-tiled-mlp and --no-tiled-norms"),
+            (
+                (self.checkpoint_stride or 1) > 1,
+                "--checkpoint-stride",
+                no_checkpoints,
+                "--activation-checkpointing none",
+            ),
+        ):
+            if given and off:
+                value = getattr(self, flag[2:].replace("-", "_"))
+                raise ValueError(f"{flag} {value} has no effect with {switch}: drop one of them")
+        if self.loss_chunk_tokens is not None and self.loss_chunk_mib != default_mib:
+            raise ValueError(
+                f"--loss-chunk-tokens {self.loss_chunk_tokens} and --loss-chunk-mib {self.loss_chunk_mib} both size "
+                "the loss chunk: give one of them"
+            )
+
     def __post_init__(self) -> None:
         if type(self) is Features:  # configs that extend it validate as a whole (their validate() calls ours)
             self.validate()

@@ -208,6 +208,13 @@ def test_a_bad_chunk_size_is_refused_by_its_argument_name_before_the_model_is_to
         UlyssesTrainer(model=model, args=args, sp_size=1, sp_mlp_chunk_tokens=0)
     with pytest.raises(ValueError, match=r"^mlp_chunk_tokens must be a positive int or None, got 2.5"):
         SequenceParallelConfig(sp_size=2, mlp_chunk_tokens=2.5)
+    unused = r"mlp_chunk_tokens=8 has no effect with (sp_)?tiled_mlp=False and (sp_)?tiled_norms=False"
+    with pytest.raises(ValueError, match=unused):
+        UlyssesTrainer(
+            model=model, args=args, sp_size=1, sp_tiled_mlp=False, sp_tiled_norms=False, sp_mlp_chunk_tokens=8
+        )
+    with pytest.raises(ValueError, match=unused):
+        SequenceParallelConfig(sp_size=2, tiled_mlp=False, tiled_norms=False, mlp_chunk_tokens=8)
     assert UlyssesTrainer(model=model, args=args, sp_size=1).sp_layout.sp == 1  # the model was left as it was
 
 

@@ -163,6 +163,7 @@ def test_bad_input_names_the_value():
         (["--device", "cpu"], "--device cpu: the device is for --simulate"),
         (["--config", "/proc/self/mem"], "cannot be read as UTF-8 text"),
         (["--sp", "16"], "--sp 16 does not divide the world size 8 (--gpus-per-node 8 x --nodes 1)"),
+        (["--no-tiled-loss", "--loss-chunk-tokens", "64"], "--loss-chunk-tokens 64 has no effect with --no-tiled-loss"),
     ],
 )
 def test_plan_flags_that_cannot_be_planned_exit_2_naming_the_flag(flags, message, capsys):

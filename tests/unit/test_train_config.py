@@ -105,10 +105,29 @@ def test_bool_flags_and_resume_forms(tmp_path):
         (["--parallel", "ddp", "--cpu-offload-optimizer"], "--cpu-offload-optimizer needs --parallel fsdp2"),
         (["--resume", "--overwrite"], "--overwrite deletes the checkpoints that --resume"),
         (["--dist-timeout", "0"], "--dist-timeout must be >= 1"),
+        # a flag the others switch off would be silently ignored
+        (
+            ["--no-tiled-loss", "--loss-chunk-tokens", "256"],
+            "--loss-chunk-tokens 256 has no effect with --no-tiled-loss",
+        ),
+        (["--no-tiled-loss", "--loss-chunk-mib", "64"], "--loss-chunk-mib 64 has no effect with --no-tiled-loss"),
+        (["--loss-chunk-tokens", "256", "--loss-chunk-mib", "64"], "both size the loss chunk"),
+        (["--no-tiled-mlp", "--no-tiled-norms", "--mlp-chunk-tokens", "8"], "--mlp-chunk-tokens 8 has no effect"),
+        (
+            ["--activation-checkpointing", "none", "--checkpoint-stride", "2"],
+            "--checkpoint-stride 2 has no effect with --activation-checkpointing none",
+        ),
     ],
 )
 def test_bad_cli_value_exits_2_naming_the_flag(capsys, argv, expected):
     assert expected in _exit_message(capsys, argv)
+
+
+def test_chunk_flags_that_still_apply_are_accepted():
+    # the MLP chunk also sizes the tiled norms; a stride of 1 and the default loss budget are no choice at all
+    assert load_config(["--no-tiled-mlp", "--mlp-chunk-tokens", "8"]).mlp_chunk_tokens == 8
+    assert load_config(["--activation-checkpointing", "none", "--checkpoint-stride", "1"]).checkpoint_stride == 1
+    assert load_config(["--no-tiled-loss", "--loss-chunk-mib", "1024"]).tiled_loss is False
 
 
 def test_bad_yaml_exits_2(tmp_path, capsys):

@@ -110,7 +110,7 @@ class SequenceParallelConfig:
     mlp_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        check_sp_options("", self.sp_size, self.mlp_chunk_tokens)
+        check_sp_options("", self.sp_size, self.mlp_chunk_tokens, self.tiled_mlp, self.tiled_norms)
 
     def prepare(self, accelerator: Any, model: torch.nn.Module, *objects: Any) -> tuple[Any, ...]:
         """Parallelize ``model`` and prepare it with ``objects`` (optimizer, dataloaders, scheduler).

@@ -244,14 +244,22 @@ def integration_features(
     )
 
 
-def check_sp_options(prefix: str, sp_size: Any, mlp_chunk_tokens: Any) -> None:
+def check_sp_options(
+    prefix: str, sp_size: Any, mlp_chunk_tokens: Any, tiled_mlp: bool | None = None, tiled_norms: bool | None = None
+) -> None:
     """ValueError naming the argument (``prefix`` + its name) unless ``sp_size`` is a positive int and
-    ``mlp_chunk_tokens`` one or None; called before the model is touched."""
+    ``mlp_chunk_tokens`` one or None, and used (not with the tiled MLP and norms both turned off); called before
+    the model is touched."""
     for name, value, optional in (("sp_size", sp_size, False), (f"{prefix}mlp_chunk_tokens", mlp_chunk_tokens, True)):
         if optional and value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
+    if mlp_chunk_tokens is not None and tiled_mlp is False and tiled_norms is False:
+        raise ValueError(
+            f"{prefix}mlp_chunk_tokens={mlp_chunk_tokens} has no effect with {prefix}tiled_mlp=False and "
+            f"{prefix}tiled_norms=False: drop one of them"
+        )
 
 
 def check_world_size(framework_world: int, layout: ParallelLayout, fix: str) -> None:

@@ -124,7 +124,7 @@ class UlyssesTrainerMixin:
         sp_mlp_chunk_tokens: int | None = None,
         **kwargs: Any,
     ) -> None:
-        check_sp_options("sp_", sp_size, sp_mlp_chunk_tokens)
+        check_sp_options("sp_", sp_size, sp_mlp_chunk_tokens, sp_tiled_mlp, sp_tiled_norms)
         given_args = kwargs.get("args", args[1] if len(args) > 1 else None)  # Trainer(model, args, ...) or by keyword
         _refuse_deepspeed(given_args)
         _refuse_sharded_before(kwargs.get("model", args[0] if args else None), given_args)

@@ -68,6 +68,7 @@ class PlanConfig(Features):
     def validate(self) -> None:
         """ValueError naming the flag of a value that cannot be planned."""
         super().validate()
+        self.check_flags_apply()
         for name in ("seq_len", "gpus_per_node", "nodes", "sp", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

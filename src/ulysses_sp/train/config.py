@@ -207,6 +207,7 @@ class TrainConfig(Features):
     def validate(self) -> None:
         """Check every value; raise ValueError naming the flag, the value and what is allowed."""
         super().validate()
+        self.check_flags_apply()
         for f in fields(self):  # inf / nan are never a meaningful setting (--lr inf trains to NaN)
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
