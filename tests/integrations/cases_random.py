@@ -106,6 +106,8 @@ def random_case(seed: int, index: int, world: int) -> dict:
         # transformers' Trainer refuses checkpoints with optimizer state for a model sharded at load time
         # ("Resuming is not supported ..."; save_only_model=True is its way)
         case["resume"] = False
+    if case["tiled_mlp"] is False and case["tiled_norms"] is False:
+        case["mlp_chunk"] = None  # a chunk size with no tiling is refused (the trainers' own check)
     if case["sampling"] == "group_by_length" and dp > 1:
         # over dp ranks a step's micro-batches hold other samples than the one process's: losses differ from the
         # first step under plain DDP too (sp=1: the same losses as dp2 x sp2), so not a sequence-parallel matter

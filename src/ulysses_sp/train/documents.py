@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ulysses_sp.train.errors import first_line
+from ulysses_sp.train.hub import hub_unreachable
 
 __all__ = [
     "EMBEDDED_CORPUS",
@@ -246,6 +247,12 @@ def load_tokenizer(name: str | None = None, *, flag: str = "--tokenizer") -> Any
 
         if name.startswith((".", "/", "~")) and not Path(name).expanduser().exists():
             raise ValueError(f"{flag}: {name!r}: no such directory; give a tokenizer directory or a hub id")
+        offline = hub_unreachable(name)
+        if offline is not None:
+            raise ValueError(
+                f"{flag}: {offline}; give a local tokenizer directory, download it first, or --tokenizer "
+                f"{EMBEDDED_TOKENIZER}"
+            )
         try:
             return AutoTokenizer.from_pretrained(name)
         except Exception as error:  # noqa: BLE001 (files' content: the model config it reads may raise anything)

@@ -34,6 +34,7 @@ from ulysses_sp.layout import ParallelLayout, choose_layout, resolve_ring_degree
 from ulysses_sp.model import parallelize
 from ulysses_sp.shapes import EMBEDDED_VOCAB_SIZE, SHAPES, TOKENIZER_SIZED_SHAPES, random_model, shape_config
 from ulysses_sp.train.config import TrainConfig
+from ulysses_sp.train.hub import hub_unreachable
 
 __all__ = [
     "build_model",
@@ -80,6 +81,12 @@ def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | No
     name = source or config.model
     if name.startswith((".", "/", "~")) and not Path(name).expanduser().exists():
         raise ValueError(f"--model {name!r}: no such directory; give a model directory, a hub id or a built-in name")
+    offline = hub_unreachable(name)
+    if offline is not None:
+        raise ValueError(
+            f"--model: {offline}; give a local model directory, download it first, or a built-in name: "
+            f"{', '.join(SHAPES)}"
+        )
     try:
         loaded = AutoConfig.from_pretrained(name)
     except Exception as error:  # noqa: BLE001 (a file's content: transformers' validators raise their own types)

@@ -1,0 +1,49 @@
+"""Whether a model or tokenizer id can come from the Hugging Face Hub, asked before transformers is.
+
+On a machine without network, ``from_pretrained("org/model")`` spends about 50 s in huggingface_hub's retries
+before it fails. :func:`hub_unreachable` answers in a few seconds: an id that is neither a local directory nor
+in the local cache needs the Hub, and one TCP connection to its endpoint says whether it can be reached.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from urllib.parse import urlsplit
+
+__all__ = ["hub_unreachable"]
+
+PROBE_TIMEOUT_S = 5.0
+CACHED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
+
+
+def _cached(name: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return any(isinstance(try_to_load_from_cache(name, filename), str) for filename in CACHED_FILES)
+
+
+def hub_unreachable(name: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why ``name`` cannot be loaded from the Hub (None where it can, or where transformers should decide): it is
+    not a local directory, not cached, and the Hub's endpoint (``HF_ENDPOINT``) refuses a connection."""
+    from huggingface_hub import constants
+
+    if Path(name).expanduser().exists() or constants.HF_HUB_OFFLINE:  # offline: transformers fails at once
+        return None
+    try:
+        if _cached(name):
+            return None
+    except Exception:  # noqa: BLE001 (an id the hub's validators reject: transformers names the problem)
+        return None
+    endpoint = urlsplit(constants.ENDPOINT)
+    host, port = endpoint.hostname, endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    if host is None:
+        return None
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as error:
+        return (
+            f"{name!r} is not a local directory nor in the Hugging Face cache, and the Hub ({constants.ENDPOINT}) "
+            f"cannot be reached ({error.strerror or type(error).__name__})"
+        )
+    return None

@@ -1,0 +1,48 @@
+"""An id the Hub must serve is refused in seconds when the Hub cannot be reached (not after ~50 s of retries)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from huggingface_hub import constants
+
+from ulysses_sp.train.config import TrainConfig
+from ulysses_sp.train.documents import load_tokenizer
+from ulysses_sp.train.hub import hub_unreachable
+from ulysses_sp.train.model_factory import hf_model_config
+
+CLOSED = "http://127.0.0.1:1"  # nothing listens on port 1: the connection is refused at once
+
+
+@pytest.fixture
+def closed_hub(monkeypatch, tmp_path):
+    monkeypatch.setattr(constants, "ENDPOINT", CLOSED)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+def test_an_uncached_id_is_refused_at_once_when_the_hub_cannot_be_reached(closed_hub):
+    start = time.monotonic()
+    reason = hub_unreachable("some-org/not-here")
+    assert reason is not None and "'some-org/not-here' is not a local directory nor in the Hugging Face cache" in reason
+    assert CLOSED in reason
+    with pytest.raises(ValueError, match=r"--model: 'some-org/not-here' is not a local directory .* built-in name"):
+        hf_model_config(TrainConfig(model="some-org/not-here"))
+    with pytest.raises(ValueError, match=r"--tokenizer: 'some-org/not-here' .* or --tokenizer gpt2-bpe"):
+        load_tokenizer("some-org/not-here")
+    assert time.monotonic() - start < 10
+
+
+def test_local_cached_and_offline_ids_are_left_to_transformers(closed_hub, tmp_path, monkeypatch):
+    assert hub_unreachable(str(tmp_path)) is None  # a local directory
+    snapshot = closed_hub / "models--some-org--cached" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (closed_hub / "models--some-org--cached" / "refs").mkdir()
+    (closed_hub / "models--some-org--cached" / "refs" / "main").write_text("abc123")
+    assert hub_unreachable("some-org/cached") is None
+    assert hub_unreachable("not/a/valid/id") is None  # the hub's validators name that problem
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert hub_unreachable("some-org/not-here") is None  # transformers fails at once offline
