@@ -214,19 +214,60 @@ class Features:
 
 def apply_features(model: nn.Module, features: Features, device_type: str) -> Features:
     """Switch ``features`` on ``model`` (in place, before DDP / FSDP2 wrapping); returns them resolved for
-    ``device_type``. The parallel wrapper, dtype and optimizer offload are the caller's (they wrap the model)."""
-    from .offload import enable_activation_checkpointing
-    from .tiled_loss import enable_tiled_loss
-    from .tiled_norms import enable_tiled_norms
-    from .tiling import enable_tiled_mlp
+    ``device_type``. The parallel wrapper, dtype and optimizer offload are the caller's (they wrap the model).
 
+    All or nothing: when one feature cannot be switched on (e.g. a model whose layers have no MLP the tiling
+    recognises), those switched on before it are undone and the ValueError names the field that turns it off."""
+    from .offload import disable_activation_checkpointing, enable_activation_checkpointing
+    from .tiled_loss import disable_tiled_loss, enable_tiled_loss
+    from .tiled_norms import disable_tiled_norms, enable_tiled_norms
+    from .tiling import disable_tiled_mlp, enable_tiled_mlp
+
+    if not isinstance(features, Features):
+        raise ValueError(f"features must be a ulysses_sp.Features, got {type(features).__name__}")
     resolved = features.resolve(device_type)
-    if resolved.tiled_loss:
-        enable_tiled_loss(model, chunk_tokens=resolved.loss_chunk_tokens, budget_bytes=resolved.loss_budget_bytes)
-    if resolved.tiled_mlp:
-        enable_tiled_mlp(model, chunk_tokens=resolved.mlp_chunk_tokens)
-    if resolved.tiled_norms:  # after the MLPs: the norm before each tiled MLP is fused into its chunks
-        enable_tiled_norms(model, chunk_tokens=resolved.mlp_chunk_tokens)
-    if resolved.activation_checkpointing != "none":
-        enable_activation_checkpointing(model, resolved.activation_checkpointing, stride=resolved.checkpoint_stride)
+    steps = [  # (on, field that turns it off, switch on, undo); the norms after the MLPs: fused into their chunks
+        (
+            resolved.tiled_loss,
+            "tiled_loss",
+            lambda: enable_tiled_loss(
+                model, chunk_tokens=resolved.loss_chunk_tokens, budget_bytes=resolved.loss_budget_bytes
+            ),
+            disable_tiled_loss,
+        ),
+        (
+            resolved.tiled_mlp,
+            "tiled_mlp",
+            lambda: enable_tiled_mlp(model, chunk_tokens=resolved.mlp_chunk_tokens),
+            disable_tiled_mlp,
+        ),
+        (
+            resolved.tiled_norms,
+            "tiled_norms",
+            lambda: enable_tiled_norms(model, chunk_tokens=resolved.mlp_chunk_tokens),
+            disable_tiled_norms,
+        ),
+        (
+            resolved.activation_checkpointing != "none",
+            "activation_checkpointing",
+            lambda: enable_activation_checkpointing(
+                model, resolved.activation_checkpointing, stride=resolved.checkpoint_stride
+            ),
+            disable_activation_checkpointing,
+        ),
+    ]
+    done: list = []
+    for on, field, switch_on, undo in steps:
+        if not on:
+            continue
+        try:
+            switch_on()
+        except ValueError as error:
+            for earlier in reversed(done):
+                earlier(model)
+            off = "'none'" if field == "activation_checkpointing" else "False"
+            raise ValueError(
+                f"{error} [apply_features left the model as it was; Features({field}={off}) turns this one off]"
+            ) from None
+        done.append(undo)
     return resolved

@@ -101,10 +101,13 @@ def choose_layout(
     ``gpus_per_node=None``: the topology sets no limit. ``reason`` says in one sentence why, for a log line.
     Example: 32 heads / 8 kv heads at sp=16 on nodes of 8 GPUs -> ``(8, 2, "ulysses 8 x ring 2: ...")``.
     """
-    if not isinstance(sp, int) or sp < 1:
+    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
         raise ValueError(f"sp must be a positive int, got {sp!r}")
     if gpus_per_node is not None and (not isinstance(gpus_per_node, int) or gpus_per_node < 1):
         raise ValueError(f"gpus_per_node must be a positive int or None, got {gpus_per_node!r}")
+    for name, heads_given in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if heads_given is not None and (not isinstance(heads_given, int) or heads_given < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {heads_given!r}")
     if num_heads is None:
         pairs = [(u, sp // u) for u in sorted(divisors(sp), reverse=True)]
         heads = "no head counts given"
@@ -269,7 +272,7 @@ class ParallelLayout:
         With the head counts given, a ring whose Ulysses degree the heads do not allow is a ValueError
         listing the ``(ulysses, ring)`` pairs that work.
         """
-        if not isinstance(sp, int) or sp < 1:
+        if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
             raise ValueError(f"sp must be a positive int, got {sp!r}")
         if gpus_per_node is None and os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
             gpus_per_node = int(os.environ["LOCAL_WORLD_SIZE"])

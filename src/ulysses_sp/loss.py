@@ -66,6 +66,8 @@ def sequence_parallel_cross_entropy(
 
     Returns a scalar equal on every rank (see the module docstring for the gradient convention).
     """
+    if shift_labels.is_floating_point() or shift_labels.is_complex() or shift_labels.dtype == torch.bool:
+        raise ValueError(f"shift_labels must hold integer token ids, got dtype {shift_labels.dtype}")
     if logits.shape[:-1] != shift_labels.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} and shift_labels {tuple(shift_labels.shape)} disagree; expected "
@@ -93,7 +95,7 @@ def _cross_entropy_mean(
     ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
     vocab_size = logits.shape[-1]
     bad = (shift_labels >= vocab_size) | ((shift_labels < 0) & (shift_labels != ignore_index))  # [b, n]
-    targets = shift_labels.masked_fill(bad, ignore_index)
+    targets = shift_labels.masked_fill(bad, ignore_index).long()  # int32 ids too: cross-entropy takes int64
     token_loss_sum = F.cross_entropy(
         logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index, reduction="sum"
     )
@@ -185,6 +187,11 @@ def causal_lm_loss(
     from .tiled_loss import ROUTER_LOGITS_TO_CALLER, tiled_loss_enabled
 
     device = layout.device
+    if shard.get("shift_labels") is None:
+        raise ValueError(
+            f"the shard has no shift_labels (keys: {sorted(shard)}); pass ulysses_sp.shard_batch's output for a batch "
+            "with labels (unshifted; -100 where no loss is wanted)"
+        )
     inputs = {key: shard[key].to(device) for key in MODEL_INPUTS if shard.get(key) is not None}
     targets = shard["shift_labels"].to(device)
     aux = router_aux_loss(model)

@@ -106,6 +106,11 @@ class _BeginForward:
         tokens = input_ids if input_ids is not None else bound.get("inputs_embeds")
         if tokens is None:
             raise ValueError("the model needs input_ids or inputs_embeds")
+        if tokens.dim() < 2:
+            raise ValueError(
+                f"input_ids of shape {tuple(tokens.shape)}: a parallelized model takes [batch, tokens] (e.g. the "
+                "output of ulysses_sp.shard_batch)"
+            )
         self.ctx.begin_forward(
             bound.get("position_ids"),
             bound.get("attention_mask"),
@@ -301,6 +306,13 @@ def parallelize(
     Returns the same model. Raises ValueError before any training if the heads do not split over
     ``layout.sp``, the core is unknown, or ``head_chunks`` > 1 does not split the heads or an attention module.
     """
+    if not isinstance(layout, ParallelLayout):
+        raise ValueError(f"layout must be a ulysses_sp.ParallelLayout, got {type(layout).__name__}")
+    budget = head_chunk_budget_bytes
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise ValueError(f"head_chunk_budget_bytes must be a positive int (bytes), got {budget!r}")
+    if comm_dtype is not None and not isinstance(comm_dtype, torch.dtype):
+        raise ValueError(f"comm_dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {comm_dtype!r}")
     pretrained = find_pretrained(model)
     if layout.is_view:
         raise ValueError(

@@ -69,9 +69,12 @@ def shard_batch(
     Args:
         batch: ``input_ids [b, N]``; optional ``labels [b, N]`` (unshifted, as for a HF causal LM),
             ``attention_mask [b, N]`` (1 = token, 0 = padding), ``position_ids [b or 1, N]`` (restarting at 0
-            for each packed document). Other keys are passed through untouched.
+            for each packed document), ``shift_labels [b, N]`` (targets already shifted: they win over
+            ``labels``, as in transformers' loss). Other keys are passed through untouched.
         layout: the parallel layout; ``layout.sp`` ranks split the sequence.
         pad_token_id: id used to pad ``input_ids`` up to a multiple of ``sp``.
+        ignore_index: the label that means "no loss here" in ``batch`` (default -100). The shard's ``labels`` and
+            ``shift_labels`` always use -100, the value the loss functions (and transformers') ignore.
         check_same_batch: compare a fingerprint (a hash of the values) of every per-token tensor of the full
             batch (input_ids, labels, attention_mask, position_ids, shift_labels) across the SP group (one
             all-gather of 20 integers) and raise ValueError on every rank if the ranks hold different batches
@@ -93,6 +96,12 @@ def shard_batch(
     load-balancing loss). With ``layout.ring > 1`` the row is padded to a multiple of
     ``lcm(sp, 2 * ring)`` and dealt in zigzag order (see the module docstring).
     """
+    if not isinstance(batch, Mapping):
+        raise ValueError(
+            f"batch must be a dict of [batch, seq_len] tensors (input_ids, ...), got {type(batch).__name__}"
+        )
+    if not isinstance(layout, ParallelLayout):
+        raise ValueError(f"layout must be a ulysses_sp.ParallelLayout, got {type(layout).__name__}")
     # with dp > 1, a refusal on one replica stops them all
     with replicas_agree(layout) if check_same_batch else contextlib.nullcontext():
         full, problem = _validated(batch, vocab_size, ignore_index)
@@ -105,7 +114,7 @@ def shard_batch(
     input_ids, labels, mask, positions = (
         full.get(k) for k in ("input_ids", "labels", "attention_mask", "position_ids")
     )
-    given_targets = full.get("shift_labels") if labels is None else None  # already shifted by the caller
+    given_targets = full.get("shift_labels")  # already shifted by the caller: they win, as in transformers' loss
     b, seq_len = input_ids.shape
     sp = layout.sp
     if positions is None:
@@ -138,10 +147,11 @@ def shard_batch(
     if mask is not None:
         out["attention_mask"] = local(mask)
     if labels is not None:
-        out["shift_labels"] = local(pad_to_multiple(shift_labels(labels, ignore_index), multiple, ignore_index))
-        out["labels"] = local(pad_to_multiple(labels, multiple, ignore_index))
-    elif given_targets is not None:
-        out["shift_labels"] = local(pad_to_multiple(given_targets, multiple, ignore_index))
+        out["labels"] = local(pad_to_multiple(labels, multiple, IGNORE_INDEX))
+    if given_targets is None and labels is not None:
+        given_targets = shift_labels(labels)
+    if given_targets is not None:
+        out["shift_labels"] = local(pad_to_multiple(given_targets, multiple, IGNORE_INDEX))
     return out
 
 
@@ -178,9 +188,11 @@ def _validated(
         )
     full["input_ids"] = input_ids
     b, seq_len = input_ids.shape
+    if b == 0 or seq_len == 0:
+        return {}, _Problem(f"input_ids has shape {tuple(input_ids.shape)}: a batch needs at least one row and token")
     for name in ("labels", "attention_mask", "position_ids", "shift_labels"):
         value = batch.get(name)
-        if value is None or (name == "shift_labels" and "labels" in full):
+        if value is None:
             continue
         try:
             value = _as_2d(name, value).to(input_ids.device)
@@ -195,12 +207,18 @@ def _validated(
                 f"{name} has shape {tuple(value.shape)} but input_ids has shape {tuple(input_ids.shape)}; "
                 f"they must match (labels are the unshifted input ids, -100 where no loss is wanted)"
             )
-        full[name] = value.expand(b, seq_len).to(torch.long) if name == "position_ids" else value
+        if name in ("labels", "shift_labels", "position_ids"):
+            if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+                return full, _Problem(f"{name} must hold integers, got dtype {value.dtype}; cast them with .long()")
+            value = value.expand(b, seq_len).to(torch.long)  # cross-entropy takes int64 targets
+        full[name] = value
     for name, ignored in (("input_ids", None), ("labels", ignore_index), ("shift_labels", ignore_index)):
         if name in full:
             problem = _bad_id(name, full[name], vocab_size, ignored)
             if problem is not None:
                 return full, problem
+            if ignored is not None and ignored != IGNORE_INDEX:  # the loss functions, like transformers', skip -100
+                full[name] = full[name].masked_fill(full[name] == ignored, IGNORE_INDEX)
     return full, _padding_target_problem(full, ignore_index)
 
 
@@ -209,16 +227,17 @@ def _padding_target_problem(full: dict[str, torch.Tensor], ignore_index: int) ->
     tokens before it (the mask hides padding as a key, not as a query), while every Ulysses core gives padding
     zero output, so the loss term would silently differ. (A left pad sees no key: zero in both.)"""
     mask, labels = full.get("attention_mask"), full.get("labels")
-    targets = shift_labels(labels, ignore_index) if labels is not None else full.get("shift_labels")
+    given = full.get("shift_labels")
+    targets = given if given is not None or labels is None else shift_labels(labels)  # ignored: -100 by now
     if mask is None or targets is None:
         return None
     real = mask != 0  # [b, N]
     after_real = ~real & (real.long().cumsum(dim=1) > 0)  # [b, N]: padding with a real token before it
-    bad = torch.nonzero(after_real & (targets != ignore_index))
+    bad = torch.nonzero(after_real & (targets != IGNORE_INDEX))
     if bad.numel() == 0:
         return None
     row, token = (int(i) for i in bad[0])
-    where = f"labels[{row}, {token + 1}]" if labels is not None else f"shift_labels[{row}, {token}]"
+    where = f"labels[{row}, {token + 1}]" if given is None else f"shift_labels[{row}, {token}]"
     return _Problem(
         f"padding token {token} of row {row} (attention_mask 0, after the row's real tokens) has a target "
         f"({where} = {int(targets[row, token])}): one process lets a padding query attend to the tokens before "

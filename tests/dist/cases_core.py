@@ -32,15 +32,16 @@ def reference(model, batch):
     return out.loss.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
 
 
-def sequence_parallel(model, batch, layout, prepare=None, **kwargs):
+def sequence_parallel(model, batch, layout, prepare=None, shard_kwargs=None, **kwargs):
     """This rank's share of the dp x sp run: its dp rows, its sequence shard; grads averaged over the world.
 
     ``prepare(par)``: called on the parallelized copy before the step (memory features, an FSDP2 wrapping,
-    which then reduces the grads itself); it returns True when it wrapped the model so."""
+    which then reduces the grads itself); it returns True when it wrapped the model so. ``shard_kwargs``: for
+    ``shard_batch`` (e.g. ``ignore_index``)."""
     par = U.parallelize(copy.deepcopy(model), layout, **kwargs)
     wrapped = prepare(par) if prepare is not None else False
     mine = dp_share(batch, layout)
-    shard = U.shard_batch(mine, layout)
+    shard = U.shard_batch(mine, layout, **(shard_kwargs or {}))
     inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
     loss = U.sequence_parallel_cross_entropy(par(**inputs).logits, shard["shift_labels"], layout)
     loss.backward()
@@ -229,6 +230,28 @@ def plain_attention_roundtrip(layout):
     assert model.config._attn_implementation == "sdpa"
 
 
+def label_forms(layout):
+    """Labels in the other forms a collator gives them, each against one process: "no loss" marked -1 instead of
+    -100 (``ignore_index=-1``), targets already shifted next to the labels (``shift_labels`` win, as in
+    transformers' loss; e.g. completion-only targets), and int32 labels."""
+    batch = make_batch(2, 23, pad="right")
+    batch["labels"][0, 3:7] = -100
+    marked = batch["labels"].masked_fill(batch["labels"] == -100, -1)
+    check_parity(
+        layout,
+        "llama",
+        kv_heads=2,
+        batch=batch,
+        sp_batch={**batch, "labels": marked},
+        shard_kwargs={"ignore_index": -1},
+    )
+    targets = U.shift_labels(batch["labels"])
+    targets[:, :9] = -100  # the prompt's targets ignored, the labels left whole
+    both = {**batch, "shift_labels": targets}
+    check_parity(layout, "llama", kv_heads=2, batch=both)
+    check_parity(layout, "llama", kv_heads=2, batch=batch, sp_batch={**batch, "labels": batch["labels"].int()})
+
+
 def world2() -> dict[str, str]:
     sp2 = U.ParallelLayout.from_env(sp=2)
     P = functools.partial
@@ -257,6 +280,7 @@ def world2() -> dict[str, str]:
         ),
         "padded_left_unmasked_labels": P(check_parity, sp2, "llama", kv_heads=2, batch=unmasked_left_padding()),
         "padding_with_targets_refused": P(padding_with_targets_refused, sp2),
+        "label_forms": P(label_forms, sp2),
         "packed_documents": P(check_parity, sp2, "llama", kv_heads=2, batch=make_batch(2, 24, packed=(5, 9, 10))),
         "packed_sliding_window": P(check_parity, sp2, "mistral", batch=make_batch(2, 30, packed=(13, 17))),
         "packed_eager_core": P(check_parity, sp2, "qwen3", core="eager", batch=make_batch(2, 24, packed=(12, 3, 9))),

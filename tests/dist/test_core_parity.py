@@ -28,6 +28,7 @@ WORLD2 = [
     "padded_right_eager_model",
     "padded_left_unmasked_labels",
     "padding_with_targets_refused",
+    "label_forms",
     "packed_documents",
     "packed_sliding_window",
     "packed_eager_core",

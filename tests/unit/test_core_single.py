@@ -308,3 +308,41 @@ def test_checkpoint_recompute_after_many_forwards_finds_its_documents(reentrant)
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name, grad in grads[1].items():
         torch.testing.assert_close(grad, grads[0][name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda b, L: U.shard_batch(b["input_ids"], L), r"batch must be a dict of \[batch, seq_len\] tensors"),
+        (lambda b, L: U.shard_batch(b, None), "layout must be a ulysses_sp.ParallelLayout, got NoneType"),
+        (lambda b, L: U.shard_batch({**b, "input_ids": b["input_ids"][:, :0]}, L), r"shape \(2, 0\): a batch needs"),
+        (lambda b, L: U.shard_batch({**b, "labels": b["labels"].float()}, L), "labels must hold integers, got dtype"),
+        (lambda b, L: U.causal_lm_loss(build("llama"), b, L), "the shard has no shift_labels"),
+        (lambda b, L: U.parallelize(build("llama"), None), "layout must be a ulysses_sp.ParallelLayout"),
+        (lambda b, L: U.parallelize(build("llama"), L, comm_dtype="bf16"), "comm_dtype must be a torch.dtype"),
+        (lambda b, L: U.apply_features(build("llama"), {"tiled_loss": True}, "cpu"), "must be a ulysses_sp.Features"),
+        (lambda b, L: U.choose_layout(2, 0), "num_heads must be a positive int or None, got 0"),
+        (lambda b, L: U.choose_layout(True, 4), "sp must be a positive int, got True"),
+        (lambda b, L: U.parallelize(build("llama"), L, head_chunk_budget_bytes=-5), "head_chunk_budget_bytes must"),
+        (
+            lambda b, L: U.parallelize(build("llama"), L)(input_ids=b["input_ids"][0]),
+            r"input_ids of shape \(24,\): a parallelized model takes \[batch, tokens\]",
+        ),
+    ],
+)
+def test_api_misuse_is_a_value_error_naming_it(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(make_batch(2, 24), U.ParallelLayout.single())
+
+
+def test_apply_features_is_all_or_nothing_and_names_the_field_to_turn_off():
+    """OPT's layers have no MLP the tiling recognises: apply_features undoes the tiled loss it had switched on,
+    so the call the error names works on the same model."""
+    model = build("opt")
+    with pytest.raises(ValueError, match=r"no recognisable MLP .*Features\(tiled_mlp=False\) turns this one off"):
+        U.apply_features(model, U.Features(), "cpu")
+    from ulysses_sp.tiled_loss import tiled_loss_enabled
+
+    assert not tiled_loss_enabled(model)
+    U.apply_features(model, U.Features(tiled_mlp=False), "cpu")
+    assert tiled_loss_enabled(model)
