@@ -22,6 +22,7 @@ the CPU test suite. DDP and FSDP2 over the world both average gradients over dp 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,6 +153,7 @@ class SequenceParallelConfig:
         for original, obj in zip(objects, prepared, strict=True):
             if isinstance(original, DataLoader):
                 deal_batches_over_dp(obj, layout)
+            step_scheduler_per_dp_group(obj, layout.dp)
         return (model, *prepared, SequenceParallelLoss(layout))
 
     def _shard_loader(self, loader: DataLoader, layout: ParallelLayout) -> DataLoader:
@@ -161,6 +163,48 @@ class SequenceParallelConfig:
         sharded = copy.copy(loader)
         sharded.collate_fn = SequenceParallelCollator(collate, layout, pad_token_id=self.pad_token_id)
         return sharded
+
+
+def step_scheduler_per_dp_group(scheduler: Any, dp: int) -> None:
+    """Make an Accelerate-prepared scheduler step ``dp`` times per optimizer step, not once per process (in place;
+    anything else is left alone).
+
+    Without ``split_batches`` accelerate steps a prepared scheduler ``num_processes`` times per optimizer step: each
+    process then reads its own batch, so one step consumes that many of the dataloader's batches. Under sequence
+    parallelism the ``sp`` ranks of a group read the same batch (:func:`deal_batches_over_dp`), so a step consumes
+    ``dp`` batches, and a schedule written for the unprepared dataloader's length must advance ``dp`` times.
+    """
+    from accelerate.scheduler import AcceleratedScheduler
+
+    if isinstance(scheduler, AcceleratedScheduler):
+        scheduler.__class__ = _per_dp_group_class()  # in place: the accelerator holds this object (save_state)
+        scheduler.dp_groups = dp
+
+
+@functools.cache
+def _per_dp_group_class() -> type:
+    from accelerate.scheduler import AcceleratedScheduler
+
+    class PerDataParallelGroupScheduler(AcceleratedScheduler):
+        """An AcceleratedScheduler that steps ``dp_groups`` times per optimizer step (see
+        :func:`step_scheduler_per_dp_group`)."""
+
+        dp_groups = 1
+
+        def step(self, *args: Any, **kwargs: Any) -> None:
+            if self.split_batches or not self.step_with_optimizer or not self.gradient_state.sync_gradients:
+                super().step(*args, **kwargs)  # one step, or none (accelerate's own bookkeeping)
+                return
+            self.split_batches = True  # accelerate's step, one scheduler step per call
+            try:
+                for _ in range(self.dp_groups):
+                    total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR: not past its end
+                    if total is None or self.scheduler._step_count <= total:
+                        super().step(*args, **kwargs)
+            finally:
+                self.split_batches = False
+
+    return PerDataParallelGroupScheduler
 
 
 def _as_tuple(result: Any) -> tuple[Any, ...]:
