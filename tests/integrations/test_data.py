@@ -191,6 +191,25 @@ def test_core_follows_the_model_and_rejects_unknown_implementations():
         resolve_core(model, None)
 
 
+@pytest.mark.parametrize(
+    "attn, core, expected", [("eager", None, "eager"), ("sdpa", None, "sdpa"), ("sdpa", "eager", "eager")]
+)
+def test_sequence_parallel_config_core_follows_the_model_unless_given(attn, core, expected):
+    """As UlyssesTrainer(sp_core=): an eager Gemma2 (softcapping, which sdpa cannot apply) was refused with the
+    former default core='sdpa', and an eager Llama silently ran sdpa."""
+    from accelerate import Accelerator
+
+    from ulysses_sp.integrations import SequenceParallelConfig
+
+    arch = "gemma2" if attn == "eager" else "llama"
+    model, _ = SequenceParallelConfig(sp_size=1, core=core).prepare(Accelerator(cpu=True), build(arch, attn=attn))
+    assert model.config._attn_implementation == f"ulysses_{expected}"
+    unknown = build("llama")
+    unknown.config._attn_implementation = "paged|sdpa"
+    with pytest.raises(ValueError, match=r"has no Ulysses core.*or pass core=<one of them>"):
+        SequenceParallelConfig(sp_size=1).prepare(Accelerator(cpu=True), unknown)
+
+
 def test_single_process_trainer_with_sp1_matches_plain_trainer(tmp_path):
     """sp_size=1 in one process is the plain Trainer: same losses, no process group needed."""
     from transformers import Trainer

@@ -41,6 +41,7 @@ from .data import (
     deal_batches_over_dp,
     integration_features,
     layout_for_model,
+    resolve_core,
 )
 
 __all__ = ["SequenceParallelConfig", "SequenceParallelLoss"]
@@ -53,8 +54,11 @@ class SequenceParallelLoss:
     lm_head + loss when enabled, so no ``[tokens, vocab]`` logits are held); ``loss_fn(logits, shift_labels)``
     scores logits you computed yourself. Either is the loss of the whole global batch, the same value on every rank;
     its gradients are exact once averaged over dp x sp (DDP / FSDP2 do it). For exact token weighting under
-    gradient accumulation, pass ``num_items_in_batch=loss_fn.count(...)`` summed over the step's
-    micro-batches and undo Accelerate's division by the accumulation steps (multiply the loss by them).
+    gradient accumulation, pass ``num_items_in_batch=loss_fn.count(...)`` summed over the step's micro-batches
+    (fetched first) and accumulate with ``accelerator.no_sync(model)`` on all but the step's last micro-batch, on an
+    Accelerator with ``gradient_accumulation_steps=1``: ``accelerator.accumulate`` sees the end of the dataloader
+    once its last batch is fetched and would step the optimizer on every micro-batch of the last step
+    (docs/integrations.md).
     """
 
     def __init__(self, layout: ParallelLayout) -> None:
@@ -84,7 +88,8 @@ class SequenceParallelConfig:
 
     Attributes:
         sp_size: ranks that split each sequence; the world size must be a multiple of it.
-        core: local attention core (``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"``, ...).
+        core: local attention core (``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"``, ...);
+            default None: the model's own ``attn_implementation``, as ``UlyssesTrainer(sp_core=)``.
         pad_token_id: id of the tokens added to make a sequence length divisible by ``sp_size``.
         comm_dtype: dtype of the all-to-all payload (default: the activations' dtype).
         ring: ring degree inside ``sp_size`` (hybrid Ulysses x Ring); default: chosen from the model's heads.
@@ -100,7 +105,7 @@ class SequenceParallelConfig:
     """
 
     sp_size: int
-    core: str = "sdpa"
+    core: str | None = None
     pad_token_id: int = 0
     comm_dtype: torch.dtype | None = field(default=None)
     tiled_loss: bool = True
@@ -130,7 +135,8 @@ class SequenceParallelConfig:
             )
         layout = layout_for_model(model, self.sp_size, accelerator.device, ring=self.ring)
         check_world_size(accelerator.num_processes, layout, "on a CPU-only machine create Accelerator(cpu=True)")
-        parallelize(model, layout, core=self.core, comm_dtype=self.comm_dtype, head_chunks=self.head_chunks)
+        core = resolve_core(model, self.core, "core")
+        parallelize(model, layout, core=core, comm_dtype=self.comm_dtype, head_chunks=self.head_chunks)
         features = integration_features(
             model,
             tiled_loss=self.tiled_loss,
