@@ -185,9 +185,15 @@ def _loss(case: dict, net: Any, loss_fn: Any, batch: dict, num_items: int | None
 def train(case: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """The case's loop under SP on this rank; what it measured and the trained weights (whole)."""
     from accelerate import Accelerator
+    from accelerate.state import GradientState
 
     # weighting "step": the loop drives the accumulation itself (no_sync), see _step_weighted
     accum = case["accum"] if case["weighting"] == "micro" else 1
+    # Each case as in a fresh process: accelerate's GradientState is a process-wide singleton that a new Accelerator
+    # does not reset, and a case refused inside accelerator.accumulate on a micro-batch that does not sync leaves
+    # sync_gradients False, so the next case's optimizer steps outside accumulate() were silently skipped (seen: seed
+    # 1, world 4, case 3 after case 2; accelerate 1.15)
+    GradientState._reset_state()
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum)
     net = model(case)
     if case["fsdp2"]:
