@@ -1,8 +1,8 @@
 """Random custom Accelerate loops through ``SequenceParallelConfig(...).prepare``: architecture x heads x layout x
 batch x gradient accumulation (``accelerator.accumulate``) x padding side x loss-function form x loss weighting
 under accumulation x DDP or FSDP2 (``fully_shard`` over the world) x tiled loss, MLP and norms x head chunks x
-clipping x LR scheduler x LoRA x shuffling x steps and epochs, each compared afterwards with a plain loop in one
-process (:mod:`tests.integrations.reference_accelerate`).
+clipping x LR scheduler x LoRA x shuffling x activation checkpointing x steps and epochs, each compared afterwards
+with a plain loop in one process (:mod:`tests.integrations.reference_accelerate`).
 
 A case is drawn from ``(seed, index, world)`` alone, so every rank and the test draw the same one and a failure
 is reproduced by its numbers. On the ranks :func:`run_case` trains as docs/integrations.md tells Accelerate users
@@ -72,6 +72,8 @@ def random_case(seed: int, index: int, world: int) -> dict:
         scheduler=r.random() < 0.35,  # LambdaLR prepared with the rest
         lora=r.random() < 0.25,  # on q and v
         router_aux=r.random() < 0.5,  # an MoE's load-balancing term, weighted 0.5 (where the model has one)
+        # transformers' activation checkpointing, the user's own in a custom loop (docs/integrations.md)
+        checkpointing=r.random() < 0.3,
     )
     if case["tiled_mlp"] is False and case["tiled_norms"] is False:
         case["mlp_chunk"] = None  # a chunk size with no tiling is refused on purpose (check_sp_options)
@@ -110,6 +112,8 @@ def model(case: dict) -> torch.nn.Module:
     net = build(case["arch"], heads=case["heads"], kv_heads=case["kv_heads"], attn=case["attn"])
     if aux_on(case, net):
         router_aux_on(net)
+    if case["checkpointing"]:
+        net.gradient_checkpointing_enable()
     if not case["lora"]:
         return net
     from peft import LoraConfig, get_peft_model
