@@ -33,7 +33,7 @@ from tests.integrations.cases_random_accelerate import (
 from tests.integrations.common import read_json
 from tests.integrations.reference_accelerate import reference
 
-COUNTS = {2: 6, 4: 4}  # cases of seed 0 per world size in the suite
+COUNTS = {2: 5, 4: 4}  # cases of seed 0 per world size in the suite (2 and 4 ranks: a scheduler under sp=2 and dp=2)
 LOSS_ATOL = 1e-5  # fp32 losses, as tests/integrations/test_equivalence.py
 WEIGHT_ATOL = 1e-4
 
