@@ -137,6 +137,46 @@ def test_deal_batches_over_dp_repoints_accelerate_shards():
     assert deal_batches_over_dp(plain, fake_layout(1, 0, dp=4)) is plain  # sp=1: accelerate's split is right
 
 
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_prepared_scheduler_steps_once_per_dp_group_not_per_process(dp):
+    """Accelerate steps a prepared scheduler once per process (each reads its own batch); the sp ranks of a group
+    read one batch between them, so under SP (4 processes) it must step dp times, as under plain DDP over dp."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from accelerate.scheduler import AcceleratedScheduler
+    from accelerate.state import GradientState
+
+    from ulysses_sp.integrations.accelerate import step_scheduler_per_dp_group
+
+    def prepared(scheduler_class, **kwargs):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
+        optimizer.step_was_skipped = False
+        return AcceleratedScheduler(scheduler_class(optimizer, **kwargs), optimizer), optimizer
+
+    def lr_after(scheduler, optimizer, synced_steps: int) -> float:
+        GradientState()._set_sync_gradients(False)
+        scheduler.step()  # a micro-batch of an accumulation: no step
+        GradientState()._set_sync_gradients(True)
+        for _ in range(synced_steps):
+            scheduler.step()
+        return optimizer.param_groups[0]["lr"]
+
+    halving = dict(lr_lambda=lambda step: 1.0 / (1 + step))
+    with mock.patch("accelerate.scheduler.AcceleratorState", lambda: SimpleNamespace(num_processes=4)):
+        plain, optimizer = prepared(torch.optim.lr_scheduler.LambdaLR, **halving)
+        assert lr_after(plain, optimizer, 1) == 1.0 / 5  # 4 steps: one per process
+        scheduler, optimizer = prepared(torch.optim.lr_scheduler.LambdaLR, **halving)
+        step_scheduler_per_dp_group(scheduler, dp)
+        assert lr_after(scheduler, optimizer, 2) == 1.0 / (1 + 2 * dp)
+        one_cycle, optimizer = prepared(torch.optim.lr_scheduler.OneCycleLR, max_lr=1.0, total_steps=3)
+        step_scheduler_per_dp_group(one_cycle, dp)
+        lr_after(one_cycle, optimizer, 5)  # never stepped past its end (OneCycleLR would raise)
+        assert one_cycle.scheduler._step_count == 4
+    step_scheduler_per_dp_group(optimizer, dp)  # anything else is left alone
+    assert type(optimizer) is torch.optim.SGD
+
+
 def test_world_size_mismatch_names_the_fix():
     with pytest.raises(ValueError, match=r"2 processes were launched.*use_cpu=True"):
         check_world_size(1, fake_layout(2, 0), "on a CPU-only machine pass TrainingArguments(use_cpu=True)")
@@ -149,6 +189,25 @@ def test_core_follows_the_model_and_rejects_unknown_implementations():
     model.config._attn_implementation = "paged|sdpa"
     with pytest.raises(ValueError, match=r"attn_implementation='paged\|sdpa' has no Ulysses core"):
         resolve_core(model, None)
+
+
+@pytest.mark.parametrize(
+    "attn, core, expected", [("eager", None, "eager"), ("sdpa", None, "sdpa"), ("sdpa", "eager", "eager")]
+)
+def test_sequence_parallel_config_core_follows_the_model_unless_given(attn, core, expected):
+    """As UlyssesTrainer(sp_core=): an eager Gemma2 (softcapping, which sdpa cannot apply) was refused with the
+    former default core='sdpa', and an eager Llama silently ran sdpa."""
+    from accelerate import Accelerator
+
+    from ulysses_sp.integrations import SequenceParallelConfig
+
+    arch = "gemma2" if attn == "eager" else "llama"
+    model, _ = SequenceParallelConfig(sp_size=1, core=core).prepare(Accelerator(cpu=True), build(arch, attn=attn))
+    assert model.config._attn_implementation == f"ulysses_{expected}"
+    unknown = build("llama")
+    unknown.config._attn_implementation = "paged|sdpa"
+    with pytest.raises(ValueError, match=r"has no Ulysses core.*or pass core=<one of them>"):
+        SequenceParallelConfig(sp_size=1).prepare(Accelerator(cpu=True), unknown)
 
 
 def test_single_process_trainer_with_sp1_matches_plain_trainer(tmp_path):

@@ -22,6 +22,7 @@ the CPU test suite. DDP and FSDP2 over the world both average gradients over dp 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ from .data import (
     deal_batches_over_dp,
     integration_features,
     layout_for_model,
+    resolve_core,
 )
 
 __all__ = ["SequenceParallelConfig", "SequenceParallelLoss"]
@@ -52,8 +54,11 @@ class SequenceParallelLoss:
     lm_head + loss when enabled, so no ``[tokens, vocab]`` logits are held); ``loss_fn(logits, shift_labels)``
     scores logits you computed yourself. Either is the loss of the whole global batch, the same value on every rank;
     its gradients are exact once averaged over dp x sp (DDP / FSDP2 do it). For exact token weighting under
-    gradient accumulation, pass ``num_items_in_batch=loss_fn.count(...)`` summed over the step's
-    micro-batches and undo Accelerate's division by the accumulation steps (multiply the loss by them).
+    gradient accumulation, pass ``num_items_in_batch=loss_fn.count(...)`` summed over the step's micro-batches
+    (fetched first) and accumulate with ``accelerator.no_sync(model)`` on all but the step's last micro-batch, on an
+    Accelerator with ``gradient_accumulation_steps=1``: ``accelerator.accumulate`` sees the end of the dataloader
+    once its last batch is fetched and would step the optimizer on every micro-batch of the last step
+    (docs/integrations.md).
     """
 
     def __init__(self, layout: ParallelLayout) -> None:
@@ -83,7 +88,8 @@ class SequenceParallelConfig:
 
     Attributes:
         sp_size: ranks that split each sequence; the world size must be a multiple of it.
-        core: local attention core (``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"``, ...).
+        core: local attention core (``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"``, ...);
+            default None: the model's own ``attn_implementation``, as ``UlyssesTrainer(sp_core=)``.
         pad_token_id: id of the tokens added to make a sequence length divisible by ``sp_size``.
         comm_dtype: dtype of the all-to-all payload (default: the activations' dtype).
         ring: ring degree inside ``sp_size`` (hybrid Ulysses x Ring); default: chosen from the model's heads.
@@ -99,7 +105,7 @@ class SequenceParallelConfig:
     """
 
     sp_size: int
-    core: str = "sdpa"
+    core: str | None = None
     pad_token_id: int = 0
     comm_dtype: torch.dtype | None = field(default=None)
     tiled_loss: bool = True
@@ -129,7 +135,8 @@ class SequenceParallelConfig:
             )
         layout = layout_for_model(model, self.sp_size, accelerator.device, ring=self.ring)
         check_world_size(accelerator.num_processes, layout, "on a CPU-only machine create Accelerator(cpu=True)")
-        parallelize(model, layout, core=self.core, comm_dtype=self.comm_dtype, head_chunks=self.head_chunks)
+        core = resolve_core(model, self.core, "core")
+        parallelize(model, layout, core=core, comm_dtype=self.comm_dtype, head_chunks=self.head_chunks)
         features = integration_features(
             model,
             tiled_loss=self.tiled_loss,
@@ -152,6 +159,7 @@ class SequenceParallelConfig:
         for original, obj in zip(objects, prepared, strict=True):
             if isinstance(original, DataLoader):
                 deal_batches_over_dp(obj, layout)
+            step_scheduler_per_dp_group(obj, layout.dp)
         return (model, *prepared, SequenceParallelLoss(layout))
 
     def _shard_loader(self, loader: DataLoader, layout: ParallelLayout) -> DataLoader:
@@ -161,6 +169,48 @@ class SequenceParallelConfig:
         sharded = copy.copy(loader)
         sharded.collate_fn = SequenceParallelCollator(collate, layout, pad_token_id=self.pad_token_id)
         return sharded
+
+
+def step_scheduler_per_dp_group(scheduler: Any, dp: int) -> None:
+    """Make an Accelerate-prepared scheduler step ``dp`` times per optimizer step, not once per process (in place;
+    anything else is left alone).
+
+    Without ``split_batches`` accelerate steps a prepared scheduler ``num_processes`` times per optimizer step: each
+    process then reads its own batch, so one step consumes that many of the dataloader's batches. Under sequence
+    parallelism the ``sp`` ranks of a group read the same batch (:func:`deal_batches_over_dp`), so a step consumes
+    ``dp`` batches, and a schedule written for the unprepared dataloader's length must advance ``dp`` times.
+    """
+    from accelerate.scheduler import AcceleratedScheduler
+
+    if isinstance(scheduler, AcceleratedScheduler):
+        scheduler.__class__ = _per_dp_group_class()  # in place: the accelerator holds this object (save_state)
+        scheduler.dp_groups = dp
+
+
+@functools.cache
+def _per_dp_group_class() -> type:
+    from accelerate.scheduler import AcceleratedScheduler
+
+    class PerDataParallelGroupScheduler(AcceleratedScheduler):
+        """An AcceleratedScheduler that steps ``dp_groups`` times per optimizer step (see
+        :func:`step_scheduler_per_dp_group`)."""
+
+        dp_groups = 1
+
+        def step(self, *args: Any, **kwargs: Any) -> None:
+            if self.split_batches or not self.step_with_optimizer or not self.gradient_state.sync_gradients:
+                super().step(*args, **kwargs)  # one step, or none (accelerate's own bookkeeping)
+                return
+            self.split_batches = True  # accelerate's step, one scheduler step per call
+            try:
+                for _ in range(self.dp_groups):
+                    total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR: not past its end
+                    if total is None or self.scheduler._step_count <= total:
+                        super().step(*args, **kwargs)
+            finally:
+                self.split_batches = False
+
+    return PerDataParallelGroupScheduler
 
 
 def _as_tuple(result: Any) -> tuple[Any, ...]:

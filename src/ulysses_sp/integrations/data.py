@@ -30,6 +30,7 @@ __all__ = [
     "check_world_size",
     "deal_batches_over_dp",
     "layout_for_model",
+    "resolve_core",
     "shard_full_batch",
 ]
 
@@ -206,6 +207,28 @@ def layout_for_model(model: torch.nn.Module, sp_size: int, device: Any, ring: in
 
     heads, kv_heads = head_counts(find_pretrained(model))
     return ParallelLayout.from_env(sp_size, ring=ring, num_heads=heads, num_kv_heads=kv_heads, device=device)
+
+
+def resolve_core(model: torch.nn.Module, core: str | None, argument: str = "sp_core") -> str:
+    """The local attention core: ``core`` if given, else the model's own ``attn_implementation``.
+
+    Raises ValueError when the model's implementation has no Ulysses core (e.g. a kernel-hub or paged one), naming
+    ``argument`` (``sp_core``, ``core``) as the way to choose one.
+    """
+    from ..cores import CORES
+    from ..hf import find_pretrained
+
+    if core is not None:
+        return core
+    impl = find_pretrained(model).config._attn_implementation or "sdpa"
+    if impl.startswith("ulysses_"):
+        raise ValueError("the model is already parallelized; pass the original model (or unparallelize it first)")
+    if impl not in CORES:
+        raise ValueError(
+            f"the model's attn_implementation={impl!r} has no Ulysses core; load the model with "
+            f"attn_implementation set to one of {sorted(CORES)}, or pass {argument}=<one of them>"
+        )
+    return impl
 
 
 def integration_features(

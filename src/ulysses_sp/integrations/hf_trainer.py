@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer
 
-from ..cores import CORES
 from ..features import apply_features
 from ..hf import find_pretrained, text_config
 from ..loss import MODEL_INPUTS, causal_lm_loss
@@ -56,29 +55,12 @@ from .data import (
     deal_batches_over_dp,
     integration_features,
     layout_for_model,
+    resolve_core,
 )
 
 __all__ = ["UlyssesTrainer", "UlyssesTrainerMixin", "resolve_core"]
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_core(model: torch.nn.Module, core: str | None) -> str:
-    """The local attention core: ``core`` if given, else the model's own ``attn_implementation``.
-
-    Raises ValueError when the model's implementation has no Ulysses core (e.g. a kernel-hub or paged one).
-    """
-    if core is not None:
-        return core
-    impl = find_pretrained(model).config._attn_implementation or "sdpa"
-    if impl.startswith("ulysses_"):
-        raise ValueError("the model is already parallelized; pass the original model (or unparallelize it first)")
-    if impl not in CORES:
-        raise ValueError(
-            f"the model's attn_implementation={impl!r} has no Ulysses core; load the model with "
-            f"attn_implementation set to one of {sorted(CORES)}, or pass sp_core=<one of them>"
-        )
-    return impl
 
 
 class UlyssesTrainerMixin:

@@ -1,0 +1,86 @@
+"""The one-process reference of a random Accelerate case (tests/integrations/cases_random_accelerate.py).
+
+The same model (same seed), optimizer and scheduler, the same samples per optimizer step, the plain model's
+logits and a plain cross-entropy. What a micro-batch is: accelerate deals the dataloader's batches round-robin
+over the ``dp`` SP groups (batch ``j`` to dp rank ``j % dp``), so micro-batch ``t`` of an epoch is batches
+``t*dp .. t*dp + dp - 1`` together. Its loss is the library's (docs/integrations.md, src/ulysses_sp/loss.py): the
+sum of the token losses of the whole global micro-batch (every dp rank's rows) over its valid-token count, or over
+the optimizer step's count when the case passes ``num_items_in_batch``; plus, in the ``loss_fn(model, batch)``
+form, an MoE's ``router_aux_loss_coef x aux`` over that global micro-batch. Accelerate divides each loss by the
+accumulation steps (a partial last group too). The scheduler steps ``dp`` times per optimizer step, as accelerate
+steps it under plain DDP over ``dp`` processes (the samples of a step are those of ``dp`` data-parallel ranks).
+
+That global token mean is the library's definition. Plain Accelerate DDP without SP averages each rank's own
+token mean instead, which differs whenever the dp ranks' micro-batches hold different numbers of targets.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tests.integrations.cases_random_accelerate import (
+    aux_on,
+    groups,
+    loader,
+    model,
+    optimizer_and_scheduler,
+    trained_weights,
+)
+from tests.integrations.common import pad_collate
+
+
+def _micro_batches(case: dict, batches: list[list[dict]]) -> list[list[dict]]:
+    """Each micro-step's samples over the dp ranks (batch ``t*dp + r`` on dp rank ``r``)."""
+    dp = case["dp"]
+    return [sum(batches[t : t + dp], []) for t in range(0, len(batches), dp)]
+
+
+def _targets(features: list[dict]) -> int:
+    return sum(sum(label != -100 for label in f["labels"][1:]) for f in features)
+
+
+def _loss(case: dict, net: torch.nn.Module, features: list[dict], denominator: int, coef: float | None):
+    """The global micro-batch's token-loss sum over ``denominator``, plus the MoE term (``coef``) where the loss
+    function runs the model. Rows right-padded together: every real token sees what it sees under any padding."""
+    batch = pad_collate(features)
+    out = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    logits, labels = out.logits[:, :-1].float(), batch["labels"][:, 1:]
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    loss = loss / max(denominator, 1)
+    if coef is not None and case["form"] == "model":
+        loss = loss + coef * out.aux_loss
+    return loss
+
+
+def reference(case: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The case in this process (no process group): what :func:`train` measures, and the trained weights."""
+    net = model(case)
+    base = net.get_base_model() if case["lora"] else net
+    coef = base.router_aux_loss_coef if aux_on(case, base) else None
+    optimizer, scheduler = optimizer_and_scheduler(case, net)
+    net.train()
+    data = loader(case, collate_fn=list)
+    result: dict[str, list] = {"losses": [], "grad_norms": [], "lrs": []}
+    for _ in range(case["epochs"]):
+        for group in groups(_micro_batches(case, list(data)), case["accum"]):
+            step_targets = sum(_targets(features) for features in group)
+            for features in group:
+                if case["weighting"] == "step":
+                    loss = _loss(case, net, features, step_targets, coef)
+                    loss.backward()
+                else:
+                    loss = _loss(case, net, features, _targets(features), coef)
+                    (loss / case["accum"]).backward()
+                result["losses"].append(loss.item())
+            if case["clip"] is not None:
+                params = [p for p in net.parameters() if p.requires_grad]
+                result["grad_norms"].append(torch.nn.utils.clip_grad_norm_(params, case["clip"]).item())
+            optimizer.step()
+            for _ in range(case["dp"] if scheduler is not None else 0):
+                scheduler.step()
+            optimizer.zero_grad()
+            result["lrs"].append(optimizer.param_groups[0]["lr"])
+            if len(result["lrs"]) == case["max_steps"]:
+                return result, trained_weights(net)
+    return result, trained_weights(net)

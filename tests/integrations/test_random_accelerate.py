@@ -1,0 +1,125 @@
+"""Random custom Accelerate loops through SequenceParallelConfig.prepare (tests/integrations/
+cases_random_accelerate.py) on 2 and 4 gloo ranks: the first cases of seed 0, each against a plain loop in one
+process (tests/integrations/reference_accelerate.py).
+
+Each case must train to the same per-micro-batch losses, the same gradient norms where clipped, the same learning
+rates and the same trained weights as one process, or be refused for a reason its parameters give: heads that do
+not split over the ranks, or left padding under an eager model (docs/semantics.md). A campaign of any seed and
+length runs from the command line and prints one line per case::
+
+    python -m tests.integrations.test_random_accelerate --world 4 --seed 3 --count 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from unittest import mock
+
+import pytest
+import torch
+
+from tests.helpers.harness import refused_for_its_parameters, run_world
+from tests.integrations.cases_random_accelerate import (
+    COUNT_ENV,
+    SEED_ENV,
+    START_ENV,
+    case_dir,
+    eager_left,
+    random_case,
+)
+from tests.integrations.common import read_json
+from tests.integrations.reference_accelerate import reference
+
+COUNTS = {2: 5, 4: 4}  # cases of seed 0 per world size in the suite (2 and 4 ranks: a scheduler under sp=2 and dp=2)
+LOSS_ATOL = 1e-5  # fp32 losses, as tests/integrations/test_equivalence.py
+WEIGHT_ATOL = 1e-4
+
+
+def run(world: int, seed: int, start: int, count: int, out: str) -> dict[str, dict[int, str]]:
+    """``{index: {rank: result}}`` of cases ``start .. start + count - 1`` of ``seed`` on ``world`` ranks."""
+    env = {SEED_ENV: str(seed), START_ENV: str(start), COUNT_ENV: str(count), "ULYSSES_IT_OUT": out}
+    with mock.patch.dict(os.environ, env):  # the spawned ranks read them
+        return run_world(world, f"tests.integrations.cases_random_accelerate:world{world}", timeout=40 * count + 120)
+
+
+def compare(case: dict, out: str) -> str | None:
+    """None when the SP run written under ``out`` equals the plain loop in one process; else what differs."""
+    want, want_weights = reference(case)
+    got = read_json(os.path.join(out, "result.json"))
+    got_weights = torch.load(os.path.join(out, "weights.pt"))
+    problems = []
+    # a gradient norm sums the squares of every gradient, each added over the shards in another order
+    for key, rtol in (("losses", 1e-5), ("grad_norms", 1e-4), ("lrs", 1e-6)):
+        if len(got[key]) != len(want[key]):
+            problems.append(f"{key}: {got[key]} under SP, {want[key]} in one process")
+            continue
+        try:
+            torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]), atol=LOSS_ATOL, rtol=rtol)
+        except AssertionError as error:
+            problems.append(f"{key}: {got[key]} under SP, {want[key]} in one process ({error})")
+    if got_weights.keys() != want_weights.keys():
+        problems.append(f"trained parameters differ: {sorted(got_weights.keys() ^ want_weights.keys())}")
+    for name in sorted(got_weights.keys() & want_weights.keys()):
+        try:
+            torch.testing.assert_close(got_weights[name], want_weights[name], atol=WEIGHT_ATOL, rtol=0)
+        except AssertionError as error:
+            problems.append(f"weight {name}: {error}")
+            break
+    return "; ".join(problems) or None
+
+
+def verdict(case: dict, results: dict[int, str], world: int, out: str) -> str | None:
+    """None when every rank's result is right for ``case``; else what is wrong. The ranks of different dp
+    groups may refuse in their own words (e.g. each names its own left-padded row)."""
+    refused = [r.removeprefix("refused: ") for r in results.values() if r.startswith("refused: ")]
+    if len(results) == world and len(refused) == world:
+        wrong = [reason for reason in refused if not refused_for_its_parameters(reason, eager_left(case))]
+        return f"refused for a reason the case does not give: {wrong[0]}" if wrong else None
+    if len(results) != world or len(set(results.values())) != 1:
+        return f"the ranks disagree or some are missing: {results}"
+    return compare(case, out) if results[0] == "ok" else results[0]  # else the traceback
+
+
+def failures(world: int, seed: int, results: dict[str, dict[int, str]], out: str) -> dict[str, str]:
+    """``{index: what is wrong}`` over a run's cases (the whole run's failure under its own key)."""
+    wrong = {key: str(results[key]) for key in ("<setup>", "<process>") if key in results}
+    for index, per_rank in results.items():
+        if index.isdigit():
+            why = verdict(random_case(seed, int(index), world), per_rank, world, case_dir(out, seed, world, int(index)))
+            if why is not None:
+                wrong[index] = why
+    return wrong
+
+
+@pytest.mark.parametrize("world", sorted(COUNTS))
+def test_random_accelerate_cases_equal_one_process_or_are_refused_for_their_reason(world, tmp_path):
+    results = run(world, 0, 0, COUNTS[world], str(tmp_path))
+    wrong = failures(world, 0, results, str(tmp_path))
+    assert not wrong, "\n\n".join(f"case {i} of seed 0 on {world} ranks: {why}" for i, why in wrong.items())
+    assert sorted(results, key=int) == [str(i) for i in range(COUNTS[world])], sorted(results)
+    ran = sum(per_rank[0] == "ok" for per_rank in results.values())
+    assert ran >= COUNTS[world] // 2, f"only {ran} of {COUNTS[world]} cases ran: {results}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="a campaign of random Accelerate loops under Ulysses SP")
+    parser.add_argument("--world", type=int, choices=(2, 4), default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--count", type=int, default=20)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as out:
+        results = run(args.world, args.seed, args.start, args.count, out)
+        wrong = failures(args.world, args.seed, results, out)
+    for index in sorted(results, key=lambda i: int(i) if i.isdigit() else -1):
+        status = f"FAILED {wrong[index]}" if index in wrong else results[index][0].splitlines()[0][:160]
+        print(f"case {index}: {status}", flush=True)
+    print(f"{len(wrong)} of {len(results)} failed (seed {args.seed}, world {args.world})")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
