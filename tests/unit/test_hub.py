@@ -20,6 +20,11 @@ def closed_hub(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "ENDPOINT", CLOSED)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    for name in ("http_proxy", "https_proxy", "all_proxy"):  # a direct connection, as on a machine without proxy
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
     return tmp_path / "hub"
 
 
@@ -44,5 +49,9 @@ def test_local_cached_and_offline_ids_are_left_to_transformers(closed_hub, tmp_p
     (closed_hub / "models--some-org--cached" / "refs" / "main").write_text("abc123")
     assert hub_unreachable("some-org/cached") is None
     assert hub_unreachable("not/a/valid/id") is None  # the hub's validators name that problem
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:1")  # the hub client's route: not probed directly
+    assert hub_unreachable("some-org/not-here") is None
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")  # ... unless the endpoint bypasses the proxy
+    assert hub_unreachable("some-org/not-here") is not None
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert hub_unreachable("some-org/not-here") is None  # transformers fails at once offline

@@ -2,12 +2,14 @@
 
 On a machine without network, ``from_pretrained("org/model")`` spends about 50 s in huggingface_hub's retries
 before it fails. :func:`hub_unreachable` answers in a few seconds: an id that is neither a local directory nor
-in the local cache needs the Hub, and one TCP connection to its endpoint says whether it can be reached.
+in the local cache needs the Hub, and one TCP connection to its endpoint says whether it can be reached (not
+asked where a proxy carries the requests: then the hub client decides).
 """
 
 from __future__ import annotations
 
 import socket
+import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -21,6 +23,13 @@ def _cached(name: str) -> bool:
     from huggingface_hub import try_to_load_from_cache
 
     return any(isinstance(try_to_load_from_cache(name, filename), str) for filename in CACHED_FILES)
+
+
+def _through_proxy(scheme: str, host: str) -> bool:
+    """Whether the environment sends requests to ``host`` through a proxy (HTTPS_PROXY, ALL_PROXY, ... unless
+    NO_PROXY lists it), where a direct connection says nothing."""
+    proxies = urllib.request.getproxies()
+    return bool(proxies.get(scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host)
 
 
 def hub_unreachable(name: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
@@ -37,7 +46,7 @@ def hub_unreachable(name: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None
         return None
     endpoint = urlsplit(constants.ENDPOINT)
     host, port = endpoint.hostname, endpoint.port or (80 if endpoint.scheme == "http" else 443)
-    if host is None:
+    if host is None or _through_proxy(endpoint.scheme, host):  # a proxy's route is the hub client's to try
         return None
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
