@@ -9,7 +9,9 @@ integrations all call it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +20,7 @@ from torch import nn
 from .cli_config import check_choices, option
 from .tiled_loss import DEFAULT_LOSS_BUDGET_BYTES
 
-__all__ = ["CHECKPOINT_MODES", "DTYPES", "PARALLEL_MODES", "Features", "apply_features"]
+__all__ = ["CHECKPOINT_MODES", "DTYPES", "PARALLEL_MODES", "Features", "apply_features", "cli_switch"]
 
 CHECKPOINT_MODES = ("auto", "none", "checkpoint", "offload")
 PARALLEL_MODES = ("fsdp2", "ddp")
@@ -212,12 +214,26 @@ class Features:
         )
 
 
-def apply_features(model: nn.Module, features: Features, device_type: str) -> Features:
+def _features_switch(field: str) -> str:
+    return f"Features({field}={'none' if field == 'activation_checkpointing' else False!r})"
+
+
+def cli_switch(field: str) -> str:
+    """The ``ulysses-sp train`` / ``plan`` flag that turns the feature ``field`` off."""
+    return (
+        "--activation-checkpointing none" if field == "activation_checkpointing" else f"--no-{field.replace('_', '-')}"
+    )
+
+
+def apply_features(
+    model: nn.Module, features: Features, device_type: str, switch: Callable[[str], str] = _features_switch
+) -> Features:
     """Switch ``features`` on ``model`` (in place, before DDP / FSDP2 wrapping); returns them resolved for
     ``device_type``. The parallel wrapper, dtype and optimizer offload are the caller's (they wrap the model).
 
     All or nothing: when one feature cannot be switched on (e.g. a model whose layers have no MLP the tiling
-    recognises), those switched on before it are undone and the ValueError names the field that turns it off."""
+    recognises), those switched on before it are undone and the error is raised again; a ValueError then names
+    ``switch(field)``, the caller's way to turn that feature off (default: ``Features(field=False)``)."""
     from .offload import disable_activation_checkpointing, enable_activation_checkpointing
     from .tiled_loss import disable_tiled_loss, enable_tiled_loss
     from .tiled_norms import disable_tiled_norms, enable_tiled_norms
@@ -262,12 +278,14 @@ def apply_features(model: nn.Module, features: Features, device_type: str) -> Fe
             continue
         try:
             switch_on()
-        except ValueError as error:
+        except Exception as error:
             for earlier in reversed(done):
-                earlier(model)
-            off = "'none'" if field == "activation_checkpointing" else "False"
+                with contextlib.suppress(Exception):  # undo the rest even if one cannot be undone
+                    earlier(model)
+            if not isinstance(error, ValueError):
+                raise
             raise ValueError(
-                f"{error} [apply_features left the model as it was; Features({field}={off}) turns this one off]"
-            ) from None
+                f"{error} [apply_features left the model as it was; {switch(field)} turns this one off]"
+            ) from error
         done.append(undo)
     return resolved

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .comm import CommStats, all_reduce_sum
 from .layout import ParallelLayout
-from .validation import IGNORE_INDEX, first_bad_id
+from .validation import IGNORE_INDEX, as_ignored, first_bad_id
 
 __all__ = [
     "causal_lm_loss",
@@ -39,8 +39,8 @@ __all__ = [
 
 
 def count_valid_tokens(shift_labels: torch.Tensor, layout: ParallelLayout, ignore_index: int = IGNORE_INDEX) -> int:
-    """The number of target tokens (``!= ignore_index``) in this shard summed over dp x sp."""
-    count = (shift_labels != ignore_index).sum().to(torch.float64)
+    """The number of target tokens (neither ``ignore_index`` nor -100) in this shard summed over dp x sp."""
+    count = (as_ignored(shift_labels, ignore_index) != IGNORE_INDEX).sum().to(torch.float64)
     if layout.loss_group is not None and dist.get_world_size(layout.loss_group) > 1:
         dist.all_reduce(count, group=layout.loss_group)
     return int(count.item())
@@ -92,12 +92,12 @@ def _cross_entropy_mean(
     (IndexError on CPU, a device assert on CUDA) while the others wait in the all-reduce: such targets are
     ignored in the local sum and counted in the all-reduce instead, so every rank of dp x sp raises.
     """
-    ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
+    shift_labels = as_ignored(shift_labels, kwargs.get("ignore_index", IGNORE_INDEX))
     vocab_size = logits.shape[-1]
-    bad = (shift_labels >= vocab_size) | ((shift_labels < 0) & (shift_labels != ignore_index))  # [b, n]
-    targets = shift_labels.masked_fill(bad, ignore_index).long()  # int32 ids too: cross-entropy takes int64
+    bad = (shift_labels >= vocab_size) | ((shift_labels < 0) & (shift_labels != IGNORE_INDEX))  # [b, n]
+    targets = shift_labels.masked_fill(bad, IGNORE_INDEX).long()  # int32 ids too: cross-entropy takes int64
     token_loss_sum = F.cross_entropy(
-        logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index, reduction="sum"
+        logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
     return _token_mean(token_loss_sum, targets, layout, bad=(bad, shift_labels, vocab_size), extra=extra, **kwargs)
 
@@ -139,18 +139,19 @@ def _token_mean(
     vocab size): any flagged on any rank is a ValueError on every rank."""
     ignore_index = options.get("ignore_index", IGNORE_INDEX)
     num_items_in_batch = options.get("num_items_in_batch")
-    local_count = (shift_labels != ignore_index).sum().to(token_loss_sum.device)
+    local_count = (as_ignored(shift_labels, ignore_index) != IGNORE_INDEX).sum().to(token_loss_sum.device)
     flagged = bad[0].sum() if bad is not None else torch.zeros((), dtype=torch.long)
     head = torch.stack([token_loss_sum.double(), local_count.double(), flagged.to(local_count.device).double()])
     parts = [head] if extra is None else [head, extra.to(head.device).double()]
     totals = all_reduce_sum(torch.cat(parts), layout.loss_group, options.get("stats"))  # [3 + len(extra)]
     if bad is not None and bool(totals[2] > 0):
         _, targets, vocab_size = bad
-        here = first_bad_id(targets, vocab_size, ignore_index)
+        here = first_bad_id(as_ignored(targets, ignore_index), vocab_size, IGNORE_INDEX)
         raise ValueError(
             f"{int(totals[2])} target id(s) of this step (summed over the dp x sp ranks) lie outside the vocabulary "
             f"of {vocab_size} logits{'' if here is None else f' (this rank holds id {here})'}: ids must be in "
-            f"[0, {vocab_size}) or {ignore_index} (ignored); check the tokenizer and vocab_size, or pass "
+            f"[0, {vocab_size}) or {ignore_index}{'' if ignore_index == IGNORE_INDEX else f' / {IGNORE_INDEX}'} "
+            "(ignored); check the tokenizer and vocab_size, or pass "
             "vocab_size=model.config.vocab_size to shard_batch to catch them there"
         )
     denominator = totals[1] if num_items_in_batch is None else torch.as_tensor(num_items_in_batch).double()

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .features import Features, apply_features
+from .features import Features, apply_features, cli_switch
 from .layout import ParallelLayout
 from .plan import load_model_config, plan_memory
 from .standin import StandIn, measure_step, random_batch
@@ -90,7 +90,7 @@ def sharded_step_peak(
     model = random_model(config, device="meta")
     model.config.use_cache = False
     parallelize(model, layout, core=core, head_chunks=features.head_chunks)
-    apply_features(model, features, device.type)
+    apply_features(model, features, device.type, switch=cli_switch)
     offload = features.cpu_offload_optimizer and device.type == "cuda"
     fully_shard_layers(model, device, layout.world_size, compute_dtype=compute, offload_to_cpu=offload, mesh=mesh)
     _materialise(model, torch.device("cpu") if offload else device, seed)

@@ -42,13 +42,19 @@ def bad_id_message(name: str, value: int, vocab_size: int | None, ignore_index: 
     return f"{name} holds id {value}, {size}: ids must be {allowed}{extra}; check the tokenizer and vocab_size"
 
 
+def as_ignored(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``targets`` with ``ignore_index`` written as -100 (:data:`IGNORE_INDEX`, what the loss functions skip), so a
+    shard from ``shard_batch`` (always -100) and targets marked with another value are both read right."""
+    return targets if ignore_index == IGNORE_INDEX else targets.masked_fill(targets == ignore_index, IGNORE_INDEX)
+
+
 def first_bad_id(ids: torch.Tensor, vocab_size: int | None, ignore_index: int | None) -> int | None:
     """The first id outside ``[0, vocab_size)`` (``ignore_index`` allowed); without vocab_size: negatives only."""
     bad = ids < 0
-    if ignore_index is not None:
-        bad &= ids != ignore_index
     if vocab_size is not None:
         bad |= ids >= vocab_size
+    if ignore_index is not None:
+        bad &= ids != ignore_index
     if not bool(bad.any()):
         return None
     return int(ids[tuple(torch.nonzero(bad)[0].tolist())])

@@ -346,3 +346,41 @@ def test_apply_features_is_all_or_nothing_and_names_the_field_to_turn_off():
     assert not tiled_loss_enabled(model)
     U.apply_features(model, U.Features(tiled_mlp=False), "cpu")
     assert tiled_loss_enabled(model)
+
+
+def test_losses_read_another_ignore_index_on_a_shard_or_on_raw_targets():
+    """ignore_index=-1 passed to the loss functions, on shard_batch's output (already -100) or on targets marked
+    -1 by hand: the same value as torch's cross-entropy ignoring those targets."""
+    from ulysses_sp.validation import first_bad_id
+
+    layout = U.ParallelLayout.single()
+    batch = make_batch(2, 11)
+    batch["labels"][0, 2:5] = -1
+    logits = torch.randn(2, 11, 128)
+    shard = U.shard_batch(batch, layout, ignore_index=-1)
+    raw = U.shift_labels(batch["labels"], ignore_index=-1)
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), raw.flatten(), ignore_index=-1)
+    for targets in (shard["shift_labels"], raw):
+        got = U.sequence_parallel_cross_entropy(logits, targets, layout, ignore_index=-1)
+        torch.testing.assert_close(got, want)
+        assert U.count_valid_tokens(targets, layout, ignore_index=-1) == int((raw != -1).sum())
+    assert first_bad_id(torch.tensor([3, 16]), 16, 16) is None  # an ignore_index at the vocabulary size is allowed
+
+
+def test_apply_features_undoes_its_work_on_any_error(monkeypatch):
+    import ulysses_sp.tiling as tiling
+    from ulysses_sp.tiled_loss import tiled_loss_enabled
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a fault in the tiling")
+
+    monkeypatch.setattr(tiling, "enable_tiled_mlp", broken)
+    model = build("llama")
+    with pytest.raises(RuntimeError, match="a fault in the tiling"):
+        U.apply_features(model, U.Features(), "cpu")
+    assert not tiled_loss_enabled(model)
+    switch = lambda field: f"--no-{field}"  # noqa: E731
+    with pytest.raises(ValueError, match=r"already enabled.*--no-tiled_loss turns this one off"):
+        U.enable_tiled_loss(model)
+        U.apply_features(model, U.Features(), "cpu", switch=switch)
+    assert tiled_loss_enabled(model)  # the caller's own, left on

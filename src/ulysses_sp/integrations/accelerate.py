@@ -137,15 +137,16 @@ class SequenceParallelConfig:
         check_world_size(accelerator.num_processes, layout, "on a CPU-only machine create Accelerator(cpu=True)")
         core = resolve_core(model, self.core, "core")
         parallelize(model, layout, core=core, comm_dtype=self.comm_dtype, head_chunks=self.head_chunks)
+        switch = lambda name: f"SequenceParallelConfig({name}=False)"  # noqa: E731 (named in errors)
         features = integration_features(
             model,
             tiled_loss=self.tiled_loss,
             tiled_mlp=self.tiled_mlp,
             tiled_norms=self.tiled_norms,
             mlp_chunk_tokens=self.mlp_chunk_tokens,
-            switch=lambda name: f"SequenceParallelConfig({name}=False)",
+            switch=switch,
         )
-        apply_features(model, features, layout.device.type)
+        apply_features(model, features, layout.device.type, switch=switch)
         objects = tuple(self._shard_loader(obj, layout) if isinstance(obj, DataLoader) else obj for obj in objects)
         from accelerate.utils import model_has_dtensor
 
@@ -182,7 +183,7 @@ def step_scheduler_per_dp_group(scheduler: Any, dp: int) -> None:
     """
     from accelerate.scheduler import AcceleratedScheduler
 
-    if isinstance(scheduler, AcceleratedScheduler):
+    if type(scheduler) is AcceleratedScheduler:  # not a subclass of its own (DeepSpeed's wrapper)
         scheduler.__class__ = _per_dp_group_class()  # in place: the accelerator holds this object (save_state)
         scheduler.dp_groups = dp
 

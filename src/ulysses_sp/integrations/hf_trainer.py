@@ -119,15 +119,16 @@ class UlyssesTrainerMixin:
         )
         parallelize(self.model, self.sp_layout, core=core, head_chunks=sp_head_chunks)
         tiled = self.sp_tiled_loss_default if sp_tiled_loss is None else sp_tiled_loss
+        switch = lambda name: f"sp_{name}=False"  # noqa: E731 (how a feature is turned off, named in errors)
         features = integration_features(
             self.model,
             tiled_loss=tiled,
             tiled_mlp=sp_tiled_mlp,
             tiled_norms=sp_tiled_norms,
             mlp_chunk_tokens=sp_mlp_chunk_tokens,
-            switch=lambda name: f"sp_{name}=False",
+            switch=switch,
         )
-        apply_features(self.model, features, self.sp_layout.device.type)
+        apply_features(self.model, features, self.sp_layout.device.type, switch=switch)
         self.data_collator = SequenceParallelCollator(
             self.data_collator, self.sp_layout, pad_token_id=self._pad_token_id(), token_counts=True
         )

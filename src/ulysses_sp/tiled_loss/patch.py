@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..hf import attention_modules, decoder_module, find_causal_lm
-from ..validation import IGNORE_INDEX
+from ..validation import IGNORE_INDEX, as_ignored
 from .kernel import DEFAULT_LOSS_BUDGET_BYTES, LogitsHead, loss_chunk_tokens, tiled_cross_entropy_sum
 
 __all__ = ["ROUTER_LOGITS_TO_CALLER", "disable_tiled_loss", "enable_tiled_loss", "tiled_loss_enabled"]
@@ -274,14 +274,14 @@ def _tiled_forward(
     hidden = outputs.last_hidden_state  # [b, n, h]
     if not state.verified:
         _verify_head(self, state, hidden)
-    targets = _shifted_targets(labels, shift_labels, ignore_index).to(hidden.device)
+    targets = as_ignored(_shifted_targets(labels, shift_labels, IGNORE_INDEX), ignore_index).to(hidden.device)
     output = self.get_output_embeddings()
     chunk = state.chunk_tokens or loss_chunk_tokens(output.weight.shape[0], state.budget_bytes)
-    total = _head_loss(output, hidden, targets, head=state.head, chunk_tokens=chunk, ignore_index=ignore_index)
+    total = _head_loss(output, hidden, targets, head=state.head, chunk_tokens=chunk, ignore_index=IGNORE_INDEX)
     if num_items is not None:
         loss = total / torch.as_tensor(num_items, device=total.device)
     else:
-        loss = total / (targets != ignore_index).sum().clamp(min=1)
+        loss = total / (targets != IGNORE_INDEX).sum().clamp(min=1)
     return MoeCausalLMOutputWithPast(
         loss=loss,
         logits=None,

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ulysses_sp.attention import check_ring_core
-from ulysses_sp.features import apply_features
+from ulysses_sp.features import apply_features, cli_switch
 from ulysses_sp.fsdp import fully_shard_layers
 from ulysses_sp.layout import ParallelLayout, choose_layout, resolve_ring_degree
 from ulysses_sp.model import parallelize
@@ -209,7 +209,7 @@ def _prepare(model: nn.Module, config: TrainConfig, layout: ParallelLayout) -> N
     """Ulysses attention and the long-sequence memory features, before any wrapping."""
     model.config.use_cache = False
     parallelize(model, layout, core=_CORE_NAMES[config.attn_core], head_chunks=config.head_chunks)
-    apply_features(model, config, layout.device.type)
+    apply_features(model, config, layout.device.type, switch=cli_switch)
 
 
 def build_model(
