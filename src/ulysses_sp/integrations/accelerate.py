@@ -21,9 +21,11 @@ the CPU test suite. DDP and FSDP2 over the world both average gradients over dp 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,17 +152,19 @@ class SequenceParallelConfig:
         objects = tuple(self._shard_loader(obj, layout) if isinstance(obj, DataLoader) else obj for obj in objects)
         from accelerate.utils import model_has_dtensor
 
-        if model_has_dtensor(model):
-            # Sharded with fully_shard already: Accelerate would wrap it in DDP (and refuses DTensors there).
-            model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
-            prepared = _as_tuple(accelerator.prepare(*objects)) if objects else ()
-        else:
-            model, *rest = _as_tuple(accelerator.prepare(model, *objects))
-            prepared = tuple(rest)
+        split = bool(getattr(accelerator, "split_batches", False)) and layout.sp > 1
+        with _split_over_dp_groups(accelerator, objects, layout.dp, split):
+            if model_has_dtensor(model):
+                # Sharded with fully_shard already: Accelerate would wrap it in DDP (and refuses DTensors there).
+                model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+                prepared = _as_tuple(accelerator.prepare(*objects)) if objects else ()
+            else:
+                model, *rest = _as_tuple(accelerator.prepare(model, *objects))
+                prepared = tuple(rest)
         for original, obj in zip(objects, prepared, strict=True):
             if isinstance(original, DataLoader):
-                deal_batches_over_dp(obj, layout)
-            step_scheduler_per_dp_group(obj, layout.dp)
+                deal_batches_over_dp(obj, layout, split_batches=split)
+            step_scheduler_per_dp_group(obj, layout.dp, split_batches=split)
         return (model, *prepared, SequenceParallelLoss(layout))
 
     def _shard_loader(self, loader: DataLoader, layout: ParallelLayout) -> DataLoader:
@@ -172,20 +176,48 @@ class SequenceParallelConfig:
         return sharded
 
 
-def step_scheduler_per_dp_group(scheduler: Any, dp: int) -> None:
+@contextlib.contextmanager
+def _split_over_dp_groups(accelerator: Any, objects: tuple[Any, ...], dp: int, split: bool) -> Iterator[None]:
+    """Under ``split_batches`` (``split``) and SP, let ``accelerator.prepare`` shard dataloaders by whole batches.
+
+    Accelerate would split each batch over all ``dp x sp`` processes, refusing a batch size that is not a multiple
+    of the world size; under SP only the ``dp`` groups split it (:func:`deal_batches_over_dp` re-points the shards),
+    so a batch size must be a multiple of ``dp`` (ValueError otherwise, before anything is prepared).
+    """
+    if not split:
+        yield
+        return
+    for obj in (obj for obj in objects if isinstance(obj, DataLoader)):
+        size = obj.batch_size if obj.batch_size is not None else getattr(obj.batch_sampler, "batch_size", None)
+        if not isinstance(size, int) or size % dp:
+            raise ValueError(
+                f"with Accelerator(split_batches=True) each batch is split over the {dp} data-parallel SP group(s), "
+                f"so a dataloader's batch_size must be a multiple of {dp}, got {size!r}"
+            )
+    config = accelerator.dataloader_config
+    accelerator.dataloader_config = dataclasses.replace(config, split_batches=False)
+    try:
+        yield
+    finally:
+        accelerator.dataloader_config = config
+
+
+def step_scheduler_per_dp_group(scheduler: Any, dp: int, *, split_batches: bool = False) -> None:
     """Make an Accelerate-prepared scheduler step ``dp`` times per optimizer step, not once per process (in place;
-    anything else is left alone).
+    anything else is left alone); under ``split_batches`` once per optimizer step, as Accelerate steps it.
 
     Without ``split_batches`` accelerate steps a prepared scheduler ``num_processes`` times per optimizer step: each
     process then reads its own batch, so one step consumes that many of the dataloader's batches. Under sequence
     parallelism the ``sp`` ranks of a group read the same batch (:func:`deal_batches_over_dp`), so a step consumes
-    ``dp`` batches, and a schedule written for the unprepared dataloader's length must advance ``dp`` times.
+    ``dp`` batches, and a schedule written for the unprepared dataloader's length must advance ``dp`` times. With
+    ``split_batches`` a step consumes one batch (split over the dp groups), so the schedule advances once.
     """
     from accelerate.scheduler import AcceleratedScheduler
 
     if type(scheduler) is AcceleratedScheduler:  # not a subclass of its own (DeepSpeed's wrapper)
         scheduler.__class__ = _per_dp_group_class()  # in place: the accelerator holds this object (save_state)
         scheduler.dp_groups = dp
+        scheduler.split_batches = scheduler.split_batches or split_batches  # prepared with it off (see prepare)
 
 
 @functools.cache

@@ -13,6 +13,7 @@ Two rules make the Hugging Face data pipeline right under sequence parallelism:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -154,7 +155,7 @@ class SequenceParallelCollator:
         return f"SequenceParallelCollator({self.collator!r}, sp={self.layout.sp}, sp_rank={self.layout.sp_rank})"
 
 
-def deal_batches_over_dp(dataloader: Any, layout: ParallelLayout) -> Any:
+def deal_batches_over_dp(dataloader: Any, layout: ParallelLayout, *, split_batches: bool = False) -> Any:
     """Make an Accelerate-prepared dataloader deal its batches over the ``dp`` SP groups (in place).
 
     ``accelerator.prepare`` splits a dataloader over all ``dp x sp`` ranks; under sequence parallelism the
@@ -162,7 +163,10 @@ def deal_batches_over_dp(dataloader: Any, layout: ParallelLayout) -> Any:
     ``BatchSamplerShard`` or an ``IterableDatasetShard``) at ``num_processes=dp``, ``process_index=dp_rank``,
     which keeps the sample order (synchronised across ranks by accelerate), the epoch length and the
     remainder accounting of ``gather_for_metrics`` consistent. With ``dp == 1`` the batches are exactly
-    those of one process (the last one may be partial). Returns the same dataloader.
+    those of one process (the last one may be partial). ``split_batches``: the dataloader was prepared with whole
+    batches per process (see ``SequenceParallelConfig.prepare``) and each batch is now split over the dp groups, as
+    ``Accelerator(split_batches=True)`` splits it over processes (its batch size must be a multiple of ``dp``).
+    Returns the same dataloader.
     """
     from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
 
@@ -192,11 +196,35 @@ def deal_batches_over_dp(dataloader: Any, layout: ParallelLayout) -> Any:
     for shard in shards:
         shard.num_processes = layout.dp
         shard.process_index = layout.dp_rank
-        if layout.dp == 1 and isinstance(shard, BatchSamplerShard):
+        shard.split_batches = shard.split_batches or split_batches
+        if isinstance(shard, IterableDatasetShard) and split_batches:
+            # the DataLoader batches what the shard yields: the group's slice of each batch
+            dataloader.batch_sampler.batch_size = shard.batch_size // layout.dp
+        if layout.dp == 1:
             # One SP group sees every batch, as one process would: no samples repeated to even out a last
             # partial batch (with dp > 1 accelerate repeats a few, exactly as under plain DDP).
-            shard.even_batches = False
+            if isinstance(shard, BatchSamplerShard):
+                shard.even_batches = False
+            else:
+                shard.__class__ = _whole_stream_class()
     return dataloader
+
+
+@functools.cache
+def _whole_stream_class() -> type:
+    from accelerate.data_loader import IterableDatasetShard
+
+    class WholeStreamShard(IterableDatasetShard):
+        """accelerate's shard of an iterable dataset for the one dp group: every sample once, in order, as in one
+        process (accelerate's would complete a partial last batch with samples from the start)."""
+
+        def __iter__(self) -> Any:
+            generator = getattr(self.dataset, "generator", None)
+            if not hasattr(self.dataset, "set_epoch") and isinstance(generator, torch.Generator):
+                generator.manual_seed(getattr(self, "epoch", 0))  # as accelerate's shard seeds it
+            return iter(self.dataset)
+
+    return WholeStreamShard
 
 
 def layout_for_model(model: torch.nn.Module, sp_size: int, device: Any, ring: int | None = None) -> ParallelLayout:
