@@ -29,7 +29,7 @@ from tests.helpers.models import build, router_aux_on
 from tests.integrations.cases_random import ARCHS, _rows, left_pad_collate
 from tests.integrations.common import pad_collate, write_json
 
-SEED_ENV, START_ENV, COUNT_ENV = "ULYSSES_SP_ACC_SEED", "ULYSSES_SP_ACC_START", "ULYSSES_SP_ACC_COUNT"
+CASES_ENV = "ULYSSES_SP_ACC_CASES"  # the cases a world runs: "seed/index,seed/index,..."
 LR, EPS = 1e-3, 1e-6  # eps 1e-6: AdamW would turn round-off in exactly-zero gradients into lr-sized steps
 
 
@@ -75,6 +75,24 @@ def random_case(seed: int, index: int, world: int) -> dict:
         # transformers' activation checkpointing, the user's own in a custom loop (docs/integrations.md)
         checkpointing=r.random() < 0.3,
     )
+    # drawn last, so that the fields above stay those of the first campaign
+    case.update(
+        # Accelerator(split_batches=True): the dataloader's batch is the global micro-batch (batch x dp samples),
+        # split over the dp SP groups; the scheduler then steps once per optimizer step
+        split=r.random() < 0.3,
+        # an IterableDataset (no shuffling, no __len__), under dispatch_batches=False (docs/integrations.md) or
+        # accelerate's default for it (dispatching, refused by design with a ValueError)
+        iterable=r.random() < 0.3,
+        dispatch=r.choice([False, False, False, None]),
+        # evaluation in the loop: before training, after the first optimizer step, after training
+        evals=r.choice([(), (), ("before",), ("between",), ("after",), ("before", "between", "after")]),
+        eval_batch=r.randint(1, 3),
+        eval_lengths=tuple(r.randint(3, 40) for _ in range(r.randint(1, 7))),
+        # stop after this many micro-batches (inside an accumulation group where accum > 1)
+        max_micro=None if r.random() < 0.5 else r.randint(1, 6),
+    )
+    if case["iterable"]:
+        case["shuffle"] = False  # a DataLoader does not shuffle an IterableDataset
     if case["tiled_mlp"] is False and case["tiled_norms"] is False:
         case["mlp_chunk"] = None  # a chunk size with no tiling is refused on purpose (check_sp_options)
     return case
@@ -82,13 +100,35 @@ def random_case(seed: int, index: int, world: int) -> dict:
 
 def eager_left(case: dict) -> bool:
     """Whether the case left-pads rows under an eager model (refused by design, docs/semantics.md)."""
-    return case["attn"] == "eager" and case["pad"] == "left" and len(set(case["lengths"])) > 1 and case["batch"] > 1
+    rows = [(case["lengths"], case["batch"] * (case["dp"] if case["split"] else 1))]
+    if case["evals"]:
+        rows.append((case["eval_lengths"], case["eval_batch"] * (case["dp"] if case["split"] else 1)))
+    left = case["attn"] == "eager" and case["pad"] == "left"
+    return left and any(len(set(lengths)) > 1 and batch > 1 for lengths, batch in rows)
+
+
+def dispatched(case: dict) -> bool:
+    """Whether accelerate dispatches the case's batches from rank 0 (its default for an iterable dataset), which
+    cannot give an SP group one batch: refused by design (deal_batches_over_dp)."""
+    return case["iterable"] and case["dispatch"] is None and case["sp"] > 1
 
 
 # ----------------------------------------------------------------------------------------------- the pieces
-def dataset(case: dict) -> list[dict[str, list[int]]]:
-    """The case's samples: ``input_ids`` and ``labels`` ignoring a prompt of 2 tokens."""
-    return [{"input_ids": row, "labels": [-100] * 2 + row[2:]} for row in _rows(case["lengths"], case["data_seed"])]
+def dataset(case: dict, lengths: tuple[int, ...] | None = None) -> list[dict[str, list[int]]]:
+    """The case's samples (or those of ``lengths``, the eval set): ``input_ids`` and ``labels`` ignoring a prompt
+    of 2 tokens."""
+    rows = _rows(case["lengths"] if lengths is None else lengths, case["data_seed"])
+    return [{"input_ids": row, "labels": [-100] * 2 + row[2:]} for row in rows]
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """The samples as a stream, as a user's IterableDataset (no ``__len__``)."""
+
+    def __init__(self, samples: list[dict[str, list[int]]]) -> None:
+        self.samples = samples
+
+    def __iter__(self) -> Iterator[dict[str, list[int]]]:
+        return iter(self.samples)
 
 
 def collate(case: dict) -> Any:
@@ -101,6 +141,16 @@ def loader(case: dict, collate_fn: Any) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(
         dataset(case), batch_size=case["batch"], shuffle=case["shuffle"], generator=gen, collate_fn=collate_fn
     )
+
+
+def sp_loader(case: dict, lengths: tuple[int, ...], batch: int, shuffle: bool) -> torch.utils.data.DataLoader:
+    """The dataloader given to ``prepare``: under ``split_batches`` its batch is the global micro-batch (``batch``
+    per dp SP group), an IterableDataset where the case says."""
+    samples = dataset(case, lengths)
+    data = Stream(samples) if case["iterable"] else samples
+    gen = torch.Generator().manual_seed(case["data_seed"]) if shuffle else None
+    size = batch * case["dp"] if case["split"] else batch
+    return torch.utils.data.DataLoader(data, batch_size=size, shuffle=shuffle, generator=gen, collate_fn=collate(case))
 
 
 def aux_on(case: dict, net: torch.nn.Module) -> bool:
@@ -190,6 +240,7 @@ def train(case: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """The case's loop under SP on this rank; what it measured and the trained weights (whole)."""
     from accelerate import Accelerator
     from accelerate.state import GradientState
+    from accelerate.utils import DataLoaderConfiguration
 
     # weighting "step": the loop drives the accumulation itself (no_sync), see _step_weighted
     accum = case["accum"] if case["weighting"] == "micro" else 1
@@ -198,16 +249,29 @@ def train(case: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     # sync_gradients False, so the next case's optimizer steps outside accumulate() were silently skipped (seen: seed
     # 1, world 4, case 3 after case 2; accelerate 1.15)
     GradientState._reset_state()
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum)
+    config = DataLoaderConfiguration(split_batches=case["split"], dispatch_batches=case["dispatch"])
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum, dataloader_config=config)
     net = model(case)
     if case["fsdp2"]:
         _shard_fsdp2(net)
     optimizer, scheduler = optimizer_and_scheduler(case, net)
-    objects = (optimizer, loader(case, collate(case))) + ((scheduler,) if scheduler is not None else ())
-    net, optimizer, data, *rest = _config(case).prepare(accelerator, net, *objects)
-    scheduler, loss_fn = (rest[0], rest[1]) if scheduler is not None else (None, rest[0])
-    net.train()
-    result: dict[str, list] = {"losses": [], "grad_norms": [], "lrs": []}
+    loaders = [sp_loader(case, case["lengths"], case["batch"], case["shuffle"])]
+    if case["evals"]:
+        loaders.append(sp_loader(case, case["eval_lengths"], case["eval_batch"], False))
+    objects = (optimizer, *loaders) + ((scheduler,) if scheduler is not None else ())
+    net, optimizer, *rest = _config(case).prepare(accelerator, net, *objects)
+    data, eval_data = rest[0], (rest[1] if case["evals"] else None)
+    scheduler = rest[len(loaders)] if scheduler is not None else None
+    loss_fn = rest[-1]
+    result: dict[str, list] = {"losses": [], "grad_norms": [], "lrs": [], "evals": []}
+
+    def evaluate(when: str) -> None:
+        """The eval loss of each batch of the eval set, the model in eval mode under no_grad (as users do)."""
+        if when in case["evals"]:
+            net.eval()
+            with torch.no_grad():
+                result["evals"].append([_loss(case, net, loss_fn, batch, None).item() for batch in eval_data])
+            net.train()
 
     def optimizer_step() -> bool:
         """Clip (recording the norm), step, zero; True when the case's last step is done."""
@@ -218,16 +282,23 @@ def train(case: dict) -> tuple[dict, dict[str, torch.Tensor]]:
             scheduler.step()
         optimizer.zero_grad()
         result["lrs"].append(optimizer.param_groups[0]["lr"])
+        if len(result["lrs"]) == 1:
+            evaluate("between")
         return len(result["lrs"]) == case["max_steps"]
 
+    evaluate("before")
+    net.train()
     for _ in range(case["epochs"]):
-        if case["weighting"] == "step":
-            done = _step_weighted(case, accelerator, net, data, loss_fn, optimizer_step, result["losses"])
-        else:
-            done = _micro_weighted(case, accelerator, net, data, loss_fn, optimizer_step, result["losses"])
-        if done:
+        loop = _step_weighted if case["weighting"] == "step" else _micro_weighted
+        if loop(case, accelerator, net, data, loss_fn, optimizer_step, result["losses"]):
             break
+    evaluate("after")
     return result, trained_weights(accelerator.unwrap_model(net))
+
+
+def stop_mid_group(case: dict, losses: list) -> bool:
+    """Whether the loop stops here, after ``max_micro`` micro-batches (the rest of a group left unstepped)."""
+    return len(losses) == case["max_micro"]
 
 
 def _micro_weighted(case, accelerator, net, data, loss_fn, optimizer_step, losses) -> bool:
@@ -238,7 +309,7 @@ def _micro_weighted(case, accelerator, net, data, loss_fn, optimizer_step, losse
             loss = _loss(case, net, loss_fn, batch, None)
             accelerator.backward(loss)
             losses.append(loss.item())
-            if accelerator.sync_gradients and optimizer_step():
+            if (accelerator.sync_gradients and optimizer_step()) or stop_mid_group(case, losses):
                 return True
     return False
 
@@ -256,7 +327,9 @@ def _step_weighted(case, accelerator, net, data, loss_fn, optimizer_step, losses
                 loss = _loss(case, net, loss_fn, batch, total)
                 accelerator.backward(loss)
             losses.append(loss.item())
-        if optimizer_step():
+            if stop_mid_group(case, losses) and not last:
+                return True
+        if optimizer_step() or stop_mid_group(case, losses):
             return True
     return False
 
@@ -278,20 +351,20 @@ def run_case(case: dict, out: str) -> str:
 
 
 def _world(world: int) -> dict[str, str]:
+    """``{"<seed>/<index>": result}`` of the cases named in $ULYSSES_SP_ACC_CASES ("seed/index,...")."""
     from tests.helpers.harness import run_cases
 
-    seed, start = int(os.environ[SEED_ENV]), int(os.environ[START_ENV])
     out = os.environ["ULYSSES_IT_OUT"]
     results = {}
 
-    def one(index: int) -> None:
+    def one(key: str) -> None:
+        seed, index = (int(n) for n in key.split("/"))
         verdict = run_case(random_case(seed, index, world), case_dir(out, seed, world, index))
         if verdict != "ok":
-            results[str(index)] = verdict
+            results[key] = verdict
 
-    indices = range(start, start + int(os.environ[COUNT_ENV]))
-    ran = run_cases({str(i): (lambda i=i: one(i)) for i in indices})
-    return {index: results.get(index, verdict) for index, verdict in ran.items()}
+    ran = run_cases({key: (lambda key=key: one(key)) for key in os.environ[CASES_ENV].split(",")})
+    return {key: results.get(key, verdict) for key, verdict in ran.items()}
 
 
 def world2() -> dict[str, str]:

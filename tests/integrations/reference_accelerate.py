@@ -8,7 +8,9 @@ sum of the token losses of the whole global micro-batch (every dp rank's rows) o
 the optimizer step's count when the case passes ``num_items_in_batch``; plus, in the ``loss_fn(model, batch)``
 form, an MoE's ``router_aux_loss_coef x aux`` over that global micro-batch. Accelerate divides each loss by the
 accumulation steps (a partial last group too). The scheduler steps ``dp`` times per optimizer step, as accelerate
-steps it under plain DDP over ``dp`` processes (the samples of a step are those of ``dp`` data-parallel ranks).
+steps it under plain DDP over ``dp`` processes (the samples of a step are those of ``dp`` data-parallel ranks);
+under ``split_batches`` once (the dataloader's batch is then the global micro-batch, split over the dp groups).
+The eval losses are those of the eval set's global micro-batches, in eval mode without gradients.
 
 That global token mean is the library's definition. Plain Accelerate DDP without SP averages each rank's own
 token mean instead, which differs whenever the dp ranks' micro-batches hold different numbers of targets.
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 
 from tests.integrations.cases_random_accelerate import (
     aux_on,
+    dataset,
     groups,
     loader,
     model,
@@ -34,6 +37,16 @@ def _micro_batches(case: dict, batches: list[list[dict]]) -> list[list[dict]]:
     """Each micro-step's samples over the dp ranks (batch ``t*dp + r`` on dp rank ``r``)."""
     dp = case["dp"]
     return [sum(batches[t : t + dp], []) for t in range(0, len(batches), dp)]
+
+
+def _eval_batches(case: dict) -> list[list[dict]]:
+    """The eval set's global micro-batches. With dp > 1 accelerate evens the last one out with samples from the
+    start (as under plain DDP, docs/integrations.md): ``eval_batch x dp`` samples each, the last completed."""
+    samples, size = dataset(case, case["eval_lengths"]), case["eval_batch"] * case["dp"]
+    if case["dp"] > 1:
+        need = -(-len(samples) // size) * size
+        samples = [samples[i % len(samples)] for i in range(need)]
+    return [samples[i : i + size] for i in range(0, len(samples), size)]
 
 
 def _targets(features: list[dict]) -> int:
@@ -59,28 +72,51 @@ def reference(case: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     base = net.get_base_model() if case["lora"] else net
     coef = base.router_aux_loss_coef if aux_on(case, base) else None
     optimizer, scheduler = optimizer_and_scheduler(case, net)
-    net.train()
     data = loader(case, collate_fn=list)
-    result: dict[str, list] = {"losses": [], "grad_norms": [], "lrs": []}
+    result: dict[str, list] = {"losses": [], "grad_norms": [], "lrs": [], "evals": []}
+
+    def evaluate(when: str) -> None:
+        if when in case["evals"]:
+            net.eval()
+            with torch.no_grad():
+                batches = _eval_batches(case)
+                result["evals"].append([_loss(case, net, f, _targets(f), coef).item() for f in batches])
+            net.train()
+
+    evaluate("before")
+    net.train()
+    _train(case, net, optimizer, scheduler, data, coef, result, evaluate)
+    evaluate("after")
+    return result, trained_weights(net)
+
+
+def _train(case, net, optimizer, scheduler, data, coef, result, evaluate) -> None:
+    """The training loop; returns where the case stops (``max_steps`` steps or ``max_micro`` micro-batches)."""
+    losses = result["losses"]
+    # split_batches: one dataloader batch per optimizer step, so one scheduler step; else dp (as accelerate does)
+    scheduler_steps = 0 if scheduler is None else 1 if case["split"] else case["dp"]
     for _ in range(case["epochs"]):
         for group in groups(_micro_batches(case, list(data)), case["accum"]):
             step_targets = sum(_targets(features) for features in group)
-            for features in group:
+            for i, features in enumerate(group):
                 if case["weighting"] == "step":
                     loss = _loss(case, net, features, step_targets, coef)
                     loss.backward()
                 else:
                     loss = _loss(case, net, features, _targets(features), coef)
                     (loss / case["accum"]).backward()
-                result["losses"].append(loss.item())
+                losses.append(loss.item())
+                if len(losses) == case["max_micro"] and i < len(group) - 1:
+                    return  # stopped inside the group: its gradients are never stepped
             if case["clip"] is not None:
                 params = [p for p in net.parameters() if p.requires_grad]
                 result["grad_norms"].append(torch.nn.utils.clip_grad_norm_(params, case["clip"]).item())
             optimizer.step()
-            for _ in range(case["dp"] if scheduler is not None else 0):
+            for _ in range(scheduler_steps):
                 scheduler.step()
             optimizer.zero_grad()
             result["lrs"].append(optimizer.param_groups[0]["lr"])
-            if len(result["lrs"]) == case["max_steps"]:
-                return result, trained_weights(net)
-    return result, trained_weights(net)
+            if len(result["lrs"]) == 1:
+                evaluate("between")
+            if len(result["lrs"]) == case["max_steps"] or len(losses) == case["max_micro"]:
+                return

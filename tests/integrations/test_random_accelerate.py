@@ -1,10 +1,11 @@
 """Random custom Accelerate loops through SequenceParallelConfig.prepare (tests/integrations/
-cases_random_accelerate.py) on 2 and 4 gloo ranks: the first cases of seed 0, each against a plain loop in one
-process (tests/integrations/reference_accelerate.py).
+cases_random_accelerate.py) on 2 and 4 gloo ranks: the first cases of seed 0 and a few chosen from campaigns,
+each against a plain loop in one process (tests/integrations/reference_accelerate.py).
 
 Each case must train to the same per-micro-batch losses, the same gradient norms where clipped, the same learning
-rates and the same trained weights as one process, or be refused for a reason its parameters give: heads that do
-not split over the ranks, or left padding under an eager model (docs/semantics.md). A campaign of any seed and
+rates, the same eval losses and the same trained weights as one process, or be refused for a reason its
+parameters give: heads that do not split over the ranks, left padding under an eager model (docs/semantics.md),
+or an iterable dataset under accelerate's default dispatching from rank 0. A campaign of any seed and
 length runs from the command line and prints one line per case::
 
     python -m tests.integrations.test_random_accelerate --world 4 --seed 3 --count 20
@@ -23,26 +24,35 @@ import torch
 
 from tests.helpers.harness import refused_for_its_parameters, run_world
 from tests.integrations.cases_random_accelerate import (
-    COUNT_ENV,
-    SEED_ENV,
-    START_ENV,
+    CASES_ENV,
     case_dir,
+    dispatched,
     eager_left,
     random_case,
 )
 from tests.integrations.common import read_json
 from tests.integrations.reference_accelerate import reference
 
-COUNTS = {2: 5, 4: 4}  # cases of seed 0 per world size in the suite (2 and 4 ranks: a scheduler under sp=2 and dp=2)
+# (seed, index) per world size in the suite: the first cases of seed 0, and (drawn from campaigns) the corners
+# of a regression each: split_batches with a batch of 1 over sp=2 (refused by accelerate's split over the world)
+# and with an iterable dataset's partial last batch (batch_size 0 before); an iterable dataset dealt to one dp
+# group (its last batch completed with repeated samples before); dp=2 x sp=2 under split_batches with a scheduler
+# (stepped twice per optimizer step before) and evaluations; the default dispatch of an iterable dataset (refused);
+# stops inside an accumulation group (micro-batch and step weighting)
+CASES = {
+    2: [(0, i) for i in range(5)] + [(10, 2), (11, 2), (10, 6), (10, 11)],
+    4: [(0, i) for i in range(4)] + [(10, 14), (10, 10), (11, 0)],
+}
 LOSS_ATOL = 1e-5  # fp32 losses, as tests/integrations/test_equivalence.py
 WEIGHT_ATOL = 1e-4
 
 
-def run(world: int, seed: int, start: int, count: int, out: str) -> dict[str, dict[int, str]]:
-    """``{index: {rank: result}}`` of cases ``start .. start + count - 1`` of ``seed`` on ``world`` ranks."""
-    env = {SEED_ENV: str(seed), START_ENV: str(start), COUNT_ENV: str(count), "ULYSSES_IT_OUT": out}
+def run(world: int, cases: list[tuple[int, int]], out: str) -> dict[str, dict[int, str]]:
+    """``{"seed/index": {rank: result}}`` of ``cases`` (``(seed, index)`` each) on ``world`` ranks."""
+    env = {CASES_ENV: ",".join(f"{seed}/{index}" for seed, index in cases), "ULYSSES_IT_OUT": out}
     with mock.patch.dict(os.environ, env):  # the spawned ranks read them
-        return run_world(world, f"tests.integrations.cases_random_accelerate:world{world}", timeout=40 * count + 120)
+        target = f"tests.integrations.cases_random_accelerate:world{world}"
+        return run_world(world, target, timeout=40 * len(cases) + 120)
 
 
 def compare(case: dict, out: str) -> str | None:
@@ -52,7 +62,8 @@ def compare(case: dict, out: str) -> str | None:
     got_weights = torch.load(os.path.join(out, "weights.pt"))
     problems = []
     # a gradient norm sums the squares of every gradient, each added over the shards in another order
-    for key, rtol in (("losses", 1e-5), ("grad_norms", 1e-4), ("lrs", 1e-6)):
+    got["evals"], want["evals"] = flat_evals(got["evals"], want["evals"], problems)
+    for key, rtol in (("losses", 1e-5), ("grad_norms", 1e-4), ("lrs", 1e-6), ("evals", 1e-5)):
         if len(got[key]) != len(want[key]):
             problems.append(f"{key}: {got[key]} under SP, {want[key]} in one process")
             continue
@@ -71,37 +82,54 @@ def compare(case: dict, out: str) -> str | None:
     return "; ".join(problems) or None
 
 
+def flat_evals(got: list[list[float]], want: list[list[float]], problems: list[str]) -> tuple[list, list]:
+    """Each evaluation's per-batch losses, flattened once their counts are checked (a problem when they differ)."""
+    if [len(e) for e in got] != [len(e) for e in want]:
+        problems.append(f"eval batches per evaluation: {[len(e) for e in got]} under SP, {[len(e) for e in want]}")
+        return [], []
+    return sum(got, []), sum(want, [])
+
+
+def refused_by_design(case: dict, reason: str) -> bool:
+    """Whether ``reason`` is one the case's parameters give: those of every random case (heads, eager left
+    padding), or accelerate dispatching an iterable dataset's batches from rank 0 (its default for one)."""
+    return refused_for_its_parameters(reason, eager_left(case)) or (dispatched(case) and "dispatch_batches" in reason)
+
+
 def verdict(case: dict, results: dict[int, str], world: int, out: str) -> str | None:
     """None when every rank's result is right for ``case``; else what is wrong. The ranks of different dp
     groups may refuse in their own words (e.g. each names its own left-padded row)."""
     refused = [r.removeprefix("refused: ") for r in results.values() if r.startswith("refused: ")]
     if len(results) == world and len(refused) == world:
-        wrong = [reason for reason in refused if not refused_for_its_parameters(reason, eager_left(case))]
+        wrong = [reason for reason in refused if not refused_by_design(case, reason)]
         return f"refused for a reason the case does not give: {wrong[0]}" if wrong else None
+    if dispatched(case):
+        return f"an iterable dataset dispatched from rank 0 was not refused: {results}"
     if len(results) != world or len(set(results.values())) != 1:
         return f"the ranks disagree or some are missing: {results}"
     return compare(case, out) if results[0] == "ok" else results[0]  # else the traceback
 
 
-def failures(world: int, seed: int, results: dict[str, dict[int, str]], out: str) -> dict[str, str]:
-    """``{index: what is wrong}`` over a run's cases (the whole run's failure under its own key)."""
+def failures(world: int, results: dict[str, dict[int, str]], out: str) -> dict[str, str]:
+    """``{"seed/index": what is wrong}`` over a run's cases (the whole run's failure under its own key)."""
     wrong = {key: str(results[key]) for key in ("<setup>", "<process>") if key in results}
-    for index, per_rank in results.items():
-        if index.isdigit():
-            why = verdict(random_case(seed, int(index), world), per_rank, world, case_dir(out, seed, world, int(index)))
+    for key, per_rank in results.items():
+        if not key.startswith("<"):
+            seed, index = (int(n) for n in key.split("/"))
+            why = verdict(random_case(seed, index, world), per_rank, world, case_dir(out, seed, world, index))
             if why is not None:
-                wrong[index] = why
+                wrong[key] = why
     return wrong
 
 
-@pytest.mark.parametrize("world", sorted(COUNTS))
+@pytest.mark.parametrize("world", sorted(CASES))
 def test_random_accelerate_cases_equal_one_process_or_are_refused_for_their_reason(world, tmp_path):
-    results = run(world, 0, 0, COUNTS[world], str(tmp_path))
-    wrong = failures(world, 0, results, str(tmp_path))
-    assert not wrong, "\n\n".join(f"case {i} of seed 0 on {world} ranks: {why}" for i, why in wrong.items())
-    assert sorted(results, key=int) == [str(i) for i in range(COUNTS[world])], sorted(results)
+    results = run(world, CASES[world], str(tmp_path))
+    wrong = failures(world, results, str(tmp_path))
+    assert not wrong, "\n\n".join(f"case {key} on {world} ranks: {why}" for key, why in wrong.items())
+    assert list(results) == [f"{seed}/{index}" for seed, index in CASES[world]], sorted(results)
     ran = sum(per_rank[0] == "ok" for per_rank in results.values())
-    assert ran >= COUNTS[world] // 2, f"only {ran} of {COUNTS[world]} cases ran: {results}"
+    assert ran >= len(CASES[world]) // 2, f"only {ran} of {len(CASES[world])} cases ran: {results}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,11 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=20)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as out:
-        results = run(args.world, args.seed, args.start, args.count, out)
-        wrong = failures(args.world, args.seed, results, out)
-    for index in sorted(results, key=lambda i: int(i) if i.isdigit() else -1):
-        status = f"FAILED {wrong[index]}" if index in wrong else results[index][0].splitlines()[0][:160]
-        print(f"case {index}: {status}", flush=True)
+        cases = [(args.seed, index) for index in range(args.start, args.start + args.count)]
+        results = run(args.world, cases, out)
+        wrong = failures(args.world, results, out)
+    for key in results:
+        status = f"FAILED {wrong[key]}" if key in wrong else results[key][0].splitlines()[0][:160]
+        print(f"case {key}: {status}", flush=True)
     print(f"{len(wrong)} of {len(results)} failed (seed {args.seed}, world {args.world})")
     return 1 if wrong else 0
 
