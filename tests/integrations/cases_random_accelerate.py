@@ -39,9 +39,9 @@ def random_case(seed: int, index: int, world: int) -> dict:
     dp = r.choice([1, 2]) if world == 4 else 1
     heads = r.choice([4, 8])
     batch = r.randint(1, 3)
-    # dp 1: one SP group sees every batch as one process does, a partial last one included; else full batches, as
-    # many on each dp rank (accelerate would repeat samples to even them out, as under plain DDP)
-    samples = r.randint(3, 13) if dp == 1 else batch * dp * r.randint(1, 3)
+    # dp 1: one SP group sees every batch as one process does, a partial last one included; dp 2: accelerate
+    # repeats samples from the start to even out the last batches, as under plain DDP
+    samples = r.randint(3, 13)
     arch = r.choice(ARCHS)
     case = dict(
         arch=arch,

@@ -3,7 +3,8 @@
 The same model (same seed), optimizer and scheduler, the same samples per optimizer step, the plain model's
 logits and a plain cross-entropy. What a micro-batch is: accelerate deals the dataloader's batches round-robin
 over the ``dp`` SP groups (batch ``j`` to dp rank ``j % dp``), so micro-batch ``t`` of an epoch is batches
-``t*dp .. t*dp + dp - 1`` together. Its loss is the library's (docs/integrations.md, src/ulysses_sp/loss.py): the
+``t*dp .. t*dp + dp - 1`` together (with dp > 1 the last completed with samples from the start, as accelerate
+evens it out). Its loss is the library's (docs/integrations.md, src/ulysses_sp/loss.py): the
 sum of the token losses of the whole global micro-batch (every dp rank's rows) over its valid-token count, or over
 the optimizer step's count when the case passes ``num_items_in_batch``; plus, in the ``loss_fn(model, batch)``
 form, an MoE's ``router_aux_loss_coef x aux`` over that global micro-batch. Accelerate divides each loss by the
@@ -33,16 +34,11 @@ from tests.integrations.cases_random_accelerate import (
 from tests.integrations.common import pad_collate
 
 
-def _micro_batches(case: dict, batches: list[list[dict]]) -> list[list[dict]]:
-    """Each micro-step's samples over the dp ranks (batch ``t*dp + r`` on dp rank ``r``)."""
-    dp = case["dp"]
-    return [sum(batches[t : t + dp], []) for t in range(0, len(batches), dp)]
-
-
-def _eval_batches(case: dict) -> list[list[dict]]:
-    """The eval set's global micro-batches. With dp > 1 accelerate evens the last one out with samples from the
-    start (as under plain DDP, docs/integrations.md): ``eval_batch x dp`` samples each, the last completed."""
-    samples, size = dataset(case, case["eval_lengths"]), case["eval_batch"] * case["dp"]
+def global_batches(case: dict, samples: list[dict], batch: int) -> list[list[dict]]:
+    """The global micro-batches of ``samples`` read ``batch`` per dp SP group (batch ``t*dp + r`` on dp rank ``r``,
+    or under split_batches the dataloader's ``batch x dp`` split over them: the same samples). With dp > 1
+    accelerate evens the last one out with samples from the start, as under plain DDP (docs/integrations.md)."""
+    size = batch * case["dp"]
     if case["dp"] > 1:
         need = -(-len(samples) // size) * size
         samples = [samples[i % len(samples)] for i in range(need)]
@@ -79,7 +75,7 @@ def reference(case: dict) -> tuple[dict, dict[str, torch.Tensor]]:
         if when in case["evals"]:
             net.eval()
             with torch.no_grad():
-                batches = _eval_batches(case)
+                batches = global_batches(case, dataset(case, case["eval_lengths"]), case["eval_batch"])
                 result["evals"].append([_loss(case, net, f, _targets(f), coef).item() for f in batches])
             net.train()
 
@@ -96,7 +92,8 @@ def _train(case, net, optimizer, scheduler, data, coef, result, evaluate) -> Non
     # split_batches: one dataloader batch per optimizer step, so one scheduler step; else dp (as accelerate does)
     scheduler_steps = 0 if scheduler is None else 1 if case["split"] else case["dp"]
     for _ in range(case["epochs"]):
-        for group in groups(_micro_batches(case, list(data)), case["accum"]):
+        samples = [sample for batch in data for sample in batch]  # this epoch's order
+        for group in groups(global_batches(case, samples, case["batch"]), case["accum"]):
             step_targets = sum(_targets(features) for features in group)
             for i, features in enumerate(group):
                 if case["weighting"] == "step":
