@@ -48,11 +48,12 @@ def test_split_batches_splits_each_batch_over_the_dp_groups_not_the_ranks():
     """``split_batches``: batches of 4 over 4 ranks (dp=2 x sp=2) give each SP group half of every batch, the
     same half on both of its ranks; together the groups read one process's batches (the last evened out with
     samples from the start, as accelerate does over dp processes). The shards come as ``prepare`` builds them
-    under SP: whole batches per rank, re-pointed here; a map-style dataset and an iterable one alike."""
+    under SP (whole batches per rank, re-pointed here), for a map-style dataset and an iterable one alike, or as
+    accelerate builds them for an iterable one (a quarter of each batch per rank, the Trainer's route)."""
     from accelerate.data_loader import BatchSamplerShard, DataLoaderShard, IterableDatasetShard
 
     sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(10)), 4, drop_last=False)
-    for kind in ("map", "iterable"):
+    for kind in ("map", "iterable", "iterable split over the world"):
         per_group = []
         for dp_rank in (0, 1):
             per_rank = []
@@ -62,9 +63,12 @@ def test_split_batches_splits_each_batch_over_the_dp_groups_not_the_ranks():
                     shard = BatchSamplerShard(sampler, num_processes=4, process_index=rank)
                     loader = DataLoaderShard(range(10), batch_sampler=shard)
                 else:
-                    shard = IterableDatasetShard(Stream(10), batch_size=4, num_processes=4, process_index=rank)
-                    loader = DataLoaderShard(shard, batch_size=4)
-                per_rank.append(dealt(loader, sp_rank, dp=2, dp_rank=dp_rank, split=True))
+                    world = kind.endswith("world")
+                    shard = IterableDatasetShard(
+                        Stream(10), batch_size=4, num_processes=4, process_index=rank, split_batches=world
+                    )
+                    loader = DataLoaderShard(shard, batch_size=1 if world else 4)
+                per_rank.append(dealt(loader, sp_rank, dp=2, dp_rank=dp_rank, split=not kind.endswith("world")))
             assert per_rank[0] == per_rank[1], kind
             per_group.append(per_rank[0])
         assert [a + b for a, b in zip(*per_group, strict=True)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]], kind

@@ -197,8 +197,9 @@ def deal_batches_over_dp(dataloader: Any, layout: ParallelLayout, *, split_batch
         shard.num_processes = layout.dp
         shard.process_index = layout.dp_rank
         shard.split_batches = shard.split_batches or split_batches
-        if isinstance(shard, IterableDatasetShard) and split_batches:
-            # the DataLoader batches what the shard yields: the group's slice of each batch
+        if isinstance(shard, IterableDatasetShard) and shard.split_batches:
+            # the DataLoader batches what the shard yields: the group's slice of each batch (accelerate sized it
+            # for a slice per process)
             dataloader.batch_sampler.batch_size = shard.batch_size // layout.dp
         if layout.dp == 1:
             # One SP group sees every batch, as one process would: no samples repeated to even out a last
