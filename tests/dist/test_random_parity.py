@@ -9,7 +9,6 @@ any seed and length runs from the command line and prints one line per case::
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from unittest import mock
@@ -17,7 +16,7 @@ from unittest import mock
 import pytest
 
 from tests.dist.cases_random import COUNT_ENV, SEED_ENV, START_ENV, random_case
-from tests.helpers.harness import refused_for_its_parameters, run_world
+from tests.helpers.harness import campaign_args, refused_for_its_parameters, run_world
 
 COUNTS = {2: 12, 4: 8}  # cases of seed 0 per world size in the suite
 
@@ -65,12 +64,7 @@ def test_random_cases_equal_one_process_or_are_refused_for_their_reason(world_re
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="a campaign of random parity cases")
-    parser.add_argument("--world", type=int, choices=(2, 4), default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--start", type=int, default=0)
-    parser.add_argument("--count", type=int, default=50)
-    args = parser.parse_args(argv)
+    args = campaign_args("a campaign of random parity cases", argv, count=50)
     results = run(args.world, args.seed, args.start, args.count)
     failed = 0
     for index in sorted(results, key=lambda i: int(i) if i.isdigit() else -1):

@@ -14,7 +14,7 @@ from typing import Any
 
 from ulysses_sp.bench.world import free_port, spawn_ranks
 
-__all__ = ["assert_case", "dist_suite", "free_port", "run_cases", "run_world"]
+__all__ = ["assert_case", "campaign_args", "dist_suite", "free_port", "print_campaign", "run_cases", "run_world"]
 
 
 def _call(params: dict[str, Any]) -> dict[str, str]:
@@ -106,3 +106,24 @@ def refused_for_its_parameters(reason: str, eager_left: bool) -> bool:
     model) a query that sees no key."""
     split = "do not split over" in reason or "does not split" in reason
     return split or (eager_left and "starts with padding, and" in reason)
+
+
+def campaign_args(description: str, argv: list[str] | None, count: int = 20):
+    """The command line of a random campaign: ``--world 2|4 --seed S --start I --count N``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--world", type=int, choices=(2, 4), default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--count", type=int, default=count)
+    return parser.parse_args(argv)
+
+
+def print_campaign(keys: list[str], results: dict[str, dict[int, str]], wrong: dict[str, str], args) -> int:
+    """One line per case (in the order of ``keys``: what failed, else rank 0's result) and a count; 1 if any failed."""
+    for key in keys:
+        status = f"FAILED {wrong[key]}" if key in wrong else results[key][0].splitlines()[0][:160]
+        print(f"case {key}: {status}", flush=True)
+    print(f"{len(wrong)} of {len(results)} failed (seed {args.seed}, world {args.world})")
+    return 1 if wrong else 0

@@ -30,9 +30,9 @@ from tests.integrations.common import (
     RUN_SETTINGS,
     checkpointing_arg,
     pad_collate,
+    record_case,
     tokenizer,
     train_losses,
-    write_json,
 )
 
 ARCHS = (
@@ -313,14 +313,7 @@ def interrupted(case: dict, out: str, sp: int | None) -> Any:
 
 def run_case(case: dict, out: str) -> str:
     """The case under SP on this rank; rank 0 writes what it measured to ``out``. "ok", or "refused: ..."."""
-    try:
-        result, weights = measure(interrupted(case, out, sp=case["sp"]))
-    except ValueError as error:
-        return f"refused: {error}"
-    if dist.get_rank() == 0:
-        write_json(os.path.join(out, "result.json"), result)
-        torch.save(weights, os.path.join(out, "weights.pt"))
-    return "ok"
+    return record_case(out, lambda: measure(interrupted(case, out, sp=case["sp"])))
 
 
 def _world(world: int) -> dict[str, str]:

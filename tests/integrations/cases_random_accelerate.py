@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from tests.helpers.models import build, router_aux_on
 from tests.integrations.cases_random import ARCHS, _rows, left_pad_collate
-from tests.integrations.common import pad_collate, write_json
+from tests.integrations.common import pad_collate, record_case
 
 CASES_ENV = "ULYSSES_SP_ACC_CASES"  # the cases a world runs: "seed/index,seed/index,..."
 LR, EPS = 1e-3, 1e-6  # eps 1e-6: AdamW would turn round-off in exactly-zero gradients into lr-sized steps
@@ -340,14 +340,7 @@ def case_dir(out: str, seed: int, world: int, index: int) -> str:
 
 def run_case(case: dict, out: str) -> str:
     """The case under SP on this rank; rank 0 writes what it measured to ``out``. "ok", or "refused: ..."."""
-    try:
-        result, weights = train(case)
-    except ValueError as error:
-        return f"refused: {error}"
-    if dist.get_rank() == 0:
-        write_json(os.path.join(out, "result.json"), result)
-        torch.save(weights, os.path.join(out, "weights.pt"))
-    return "ok"
+    return record_case(out, lambda: train(case))
 
 
 def _world(world: int) -> dict[str, str]:

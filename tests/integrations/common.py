@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from datasets import Dataset
 
 from tests.helpers.models import VOCAB
@@ -115,3 +117,16 @@ def write_json(path: str, data) -> None:
 def read_json(path: str):
     with open(path) as f:
         return json.load(f)
+
+
+def record_case(out: str, train: Callable[[], tuple[dict, dict]]) -> str:
+    """Run a random case's ``train()`` on this rank (``(result, weights)``); rank 0 writes them under ``out``.
+    "ok", or "refused: <the ValueError>"."""
+    try:
+        result, weights = train()
+    except ValueError as error:
+        return f"refused: {error}"
+    if dist.get_rank() == 0:
+        write_json(os.path.join(out, "result.json"), result)
+        torch.save(weights, os.path.join(out, "weights.pt"))
+    return "ok"

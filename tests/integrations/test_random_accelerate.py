@@ -13,7 +13,6 @@ length runs from the command line and prints one line per case::
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.helpers.harness import refused_for_its_parameters, run_world
+from tests.helpers.harness import campaign_args, print_campaign, refused_for_its_parameters, run_world
 from tests.integrations.cases_random_accelerate import (
     CASES_ENV,
     case_dir,
@@ -133,21 +132,12 @@ def test_random_accelerate_cases_equal_one_process_or_are_refused_for_their_reas
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="a campaign of random Accelerate loops under Ulysses SP")
-    parser.add_argument("--world", type=int, choices=(2, 4), default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--start", type=int, default=0)
-    parser.add_argument("--count", type=int, default=20)
-    args = parser.parse_args(argv)
+    args = campaign_args("a campaign of random Accelerate loops under Ulysses SP", argv)
     with tempfile.TemporaryDirectory() as out:
         cases = [(args.seed, index) for index in range(args.start, args.start + args.count)]
         results = run(args.world, cases, out)
         wrong = failures(args.world, results, out)
-    for key in results:
-        status = f"FAILED {wrong[key]}" if key in wrong else results[key][0].splitlines()[0][:160]
-        print(f"case {key}: {status}", flush=True)
-    print(f"{len(wrong)} of {len(results)} failed (seed {args.seed}, world {args.world})")
-    return 1 if wrong else 0
+    return print_campaign(list(results), results, wrong, args)
 
 
 if __name__ == "__main__":

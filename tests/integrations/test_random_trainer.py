@@ -14,7 +14,6 @@ A campaign of any seed and length runs from the command line and prints one line
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.helpers.harness import refused_for_its_parameters, run_world
+from tests.helpers.harness import campaign_args, print_campaign, refused_for_its_parameters, run_world
 from tests.integrations.cases_random import COUNT_ENV, SEED_ENV, START_ENV, case_dir, random_case, reference
 from tests.integrations.common import read_json
 
@@ -113,20 +112,12 @@ def test_random_trainer_cases_equal_one_process_or_are_refused_for_their_reason(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="a campaign of random Trainer / SFTTrainer cases")
-    parser.add_argument("--world", type=int, choices=(2, 4), default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--start", type=int, default=0)
-    parser.add_argument("--count", type=int, default=20)
-    args = parser.parse_args(argv)
+    args = campaign_args("a campaign of random Trainer / SFTTrainer cases", argv)
     with tempfile.TemporaryDirectory() as out:
         results = run(args.world, args.seed, args.start, args.count, out)
         wrong = failures(args.world, args.seed, results, out)
-    for index in sorted(results, key=lambda i: int(i) if i.isdigit() else -1):
-        status = f"FAILED {wrong[index]}" if index in wrong else results[index][0].splitlines()[0][:160]
-        print(f"case {index}: {status}")
-    print(f"{len(wrong)} of {len(results)} failed (seed {args.seed}, world {args.world})")
-    return 1 if wrong else 0
+    keys = sorted(results, key=lambda i: int(i) if i.isdigit() else -1)
+    return print_campaign(keys, results, wrong, args)
 
 
 if __name__ == "__main__":
