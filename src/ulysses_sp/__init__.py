@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .model import parallelize, plain_attention, ulysses_context, unparallelize
     from .offload import disable_activation_checkpointing, enable_activation_checkpointing
     from .process_group import init_default_group
-    from .sharding import shard_batch, shift_labels
+    from .sharding import gather_sequence, shard_batch, shift_labels
     from .tiled_loss import disable_tiled_loss, enable_tiled_loss, tiled_cross_entropy_sum
     from .tiled_norms import disable_tiled_norms, enable_tiled_norms
     from .tiling import disable_tiled_mlp, enable_tiled_mlp
@@ -58,7 +58,7 @@ _EXPORTS = {
     "model": ("parallelize", "plain_attention", "ulysses_context", "unparallelize"),
     "offload": ("disable_activation_checkpointing", "enable_activation_checkpointing"),
     "process_group": ("init_default_group",),
-    "sharding": ("shard_batch", "shift_labels"),
+    "sharding": ("gather_sequence", "shard_batch", "shift_labels"),
     "tiled_loss": ("disable_tiled_loss", "enable_tiled_loss", "tiled_cross_entropy_sum"),
     "tiled_norms": ("disable_tiled_norms", "enable_tiled_norms"),
     "tiling": ("disable_tiled_mlp", "enable_tiled_mlp"),
@@ -84,6 +84,7 @@ __all__ = [
     "enable_tiled_loss",
     "enable_tiled_mlp",
     "enable_tiled_norms",
+    "gather_sequence",
     "init_default_group",
     "parallelize",
     "plain_attention",

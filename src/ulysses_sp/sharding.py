@@ -7,6 +7,8 @@ global position_ids, and slices tokens ``[sp_rank * n, (sp_rank + 1) * n)`` of e
 With a ring (``layout.ring > 1``) the rows are first put in zigzag order (:func:`ulysses_sp.ring.zigzag_order`,
 padded to a multiple of ``lcm(sp, 2 * ring)``) so that causal attention costs every ring rank the same;
 every per-token key moves with its token, so the loss (a sum over tokens) is unchanged.
+
+:func:`gather_sequence` puts the shards of a per-token tensor back together, in sequence order (for metrics).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comm import all_gather_tensor
@@ -25,7 +28,7 @@ from .layout import ParallelLayout
 from .ring import zigzag_order
 from .validation import IGNORE_INDEX, PeerRejected, bad_id_message, first_bad_id, replicas_agree
 
-__all__ = ["IGNORE_INDEX", "SHARDED_KEYS", "pad_to_multiple", "shard_batch", "shift_labels"]
+__all__ = ["IGNORE_INDEX", "SHARDED_KEYS", "gather_sequence", "pad_to_multiple", "shard_batch", "shift_labels"]
 
 # The per-token keys shard_batch slices over the sequence; any other key passes through untouched.
 SHARDED_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")
@@ -153,6 +156,54 @@ def shard_batch(
     if given_targets is not None:
         out["shift_labels"] = local(pad_to_multiple(given_targets, multiple, IGNORE_INDEX))
     return out
+
+
+def gather_sequence(x: torch.Tensor, layout: ParallelLayout, dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's shard of it: the inverse of :func:`shard_batch`'s cut, for metrics.
+
+    ``x`` is this rank's shard ``[..., n, ...]`` along ``dim`` (a tensor of :func:`shard_batch`'s output, or a
+    model output computed from one, such as logits ``[b, n, vocab]`` or their argmax ``[b, n]``). Returns
+    ``[..., sp * n, ...]`` in sequence order on every rank of the SP group (the zigzag order of ``ring > 1``
+    undone), with the padding that :func:`shard_batch` added for divisibility still at the end of each row (its
+    ``shift_labels`` are -100 there). A collective over the SP group: every rank of it must call it. Not
+    differentiable: call it under ``torch.no_grad()`` or on a detached tensor. Raises ValueError (on every rank of
+    the group) when the shards differ in shape or dtype.
+    """
+    if not isinstance(layout, ParallelLayout):
+        raise ValueError(f"layout must be a ulysses_sp.ParallelLayout, got {type(layout).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise ValueError(f"gather_sequence needs a tensor with a sequence dim, got {_describe(x)}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim!r} is not a dim of a tensor of shape {tuple(x.shape)}")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "gather_sequence is not differentiable: call it under torch.no_grad() or on x.detach() (for a loss over "
+            "the whole sequence use causal_lm_loss / sequence_parallel_cross_entropy on the shards)"
+        )
+    if layout.sp == 1:
+        return x
+    if layout.is_view:
+        raise ValueError("a ParallelLayout.rank_view has no process group to gather over; use ParallelLayout.from_env")
+    dim %= x.dim()
+    metas: list[object] = [None] * layout.sp
+    dist.all_gather_object(metas, (tuple(x.shape), str(x.dtype)), group=layout.sp_group)
+    if any(meta != metas[0] for meta in metas):
+        raise ValueError(
+            f"gather_sequence needs the same shard shape and dtype on every rank of the SP group, got "
+            f"{', '.join(f'sp_rank {r}: {shape} {dtype}' for r, (shape, dtype) in enumerate(metas))}"  # type: ignore[misc]
+        )
+    send = x.detach().contiguous()
+    send = send.view(torch.uint8) if send.dtype == torch.bool else send  # gloo has no bool
+    parts = [torch.empty_like(send) for _ in range(layout.sp)]
+    dist.all_gather(parts, send, group=layout.sp_group)
+    full = torch.cat(parts, dim=dim)  # [..., sp * n, ...] in sp_rank order
+    if layout.ring > 1:  # shard_batch dealt the tokens in zigzag order: back to sequence order
+        full = full.index_select(dim, torch.argsort(zigzag_order(full.shape[dim], layout.ring, full.device)))
+    return full.view(torch.bool) if x.dtype == torch.bool else full
+
+
+def _describe(x: object) -> str:
+    return "a 0-dim tensor" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 @dataclass(frozen=True)

@@ -278,6 +278,46 @@ def accelerate_loop(job: str, sp: int, fsdp2: bool = False, steps: int = 6) -> N
         torch.save(state, os.path.join(_out(job), "weights.pt"))
 
 
+def accelerate_metrics(job: str, sp: int, ring: int | None = None) -> None:
+    """An eval loop gathering per-sample ids (sequence_dim None) and the shards' tokens, targets and logits (whole
+    sequences) with ``loss_fn.gather_for_metrics``; rank 0 writes what each rank got, in order. A per-sample tensor
+    that differs inside an SP group is refused on every rank."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from ulysses_sp.integrations import SequenceParallelConfig
+
+    accelerator = Accelerator(cpu=True)
+    data = token_dataset(EVAL_LENGTHS, seed=2).add_column("idx", list(range(len(EVAL_LENGTHS))))
+    collate = lambda features: {**pad_collate(features), "idx": torch.tensor([f["idx"] for f in features])}  # noqa: E731
+    model, loader, loss_fn = SequenceParallelConfig(sp_size=sp, ring=ring).prepare(
+        accelerator, build("llama"), DataLoader(data, batch_size=2, collate_fn=collate)
+    )
+    model.eval()
+    got = {"idx": [], "input_ids": [], "shift_labels": [], "logits": []}
+    with torch.no_grad():
+        for batch in loader:
+            inputs = {key: batch[key] for key in ("input_ids", "position_ids", "attention_mask")}
+            logits = model(**inputs).logits
+            (idx,) = loss_fn.gather_for_metrics(accelerator, (batch["idx"],))
+            whole = loss_fn.gather_for_metrics(
+                accelerator, {"input_ids": batch["input_ids"], "shift_labels": batch["shift_labels"], "logits": logits},
+                sequence_dim=1,
+            )  # fmt: skip
+            got["idx"] += idx.tolist()
+            for key in ("input_ids", "shift_labels", "logits"):
+                got[key] += list(whole[key])
+    mine = torch.tensor([loss_fn.layout.sp_rank])
+    _expect(
+        ValueError,
+        "hold different values for a per-sample tensor",
+        lambda: loss_fn.gather_for_metrics(accelerator, mine),
+    )
+    if dist.get_rank() == 0:
+        os.makedirs(_out(job), exist_ok=True)
+        torch.save(got, os.path.join(_out(job), "gathered.pt"))
+
+
 # ----------------------------------------------------------------------------------------------- entry points
 def world2_plain() -> dict[str, str]:
     """References on 2 ranks: DP=2 / SP=1 / GAS=1 with the plain Trainer and the plain SFTTrainer."""
@@ -307,6 +347,7 @@ def world2_sp() -> dict[str, str]:
             "lora_sp2": lambda: ulysses_lora("lora_sp2"),
             "accelerate_ddp_sp2": lambda: accelerate_loop("accelerate_ddp_sp2", 2),
             "accelerate_fsdp2_sp2": lambda: accelerate_loop("accelerate_fsdp2_sp2", 2, fsdp2=True),
+            "accelerate_metrics_sp2": lambda: accelerate_metrics("accelerate_metrics_sp2", 2),
             "bad_input": bad_input,
         }
     )
@@ -319,6 +360,10 @@ def world4() -> dict[str, str]:
             # 8 eval samples: with dp=2 a partial last batch would be evened out by accelerate (as under DDP)
             "trainer_dp2_sp2": lambda: ulysses_trainer("trainer_dp2_sp2", 2, eval_samples=8),
             "accelerate_dp2_sp2": lambda: accelerate_loop("accelerate_dp2_sp2", 2, steps=4),
+            "accelerate_metrics_dp2_sp2": lambda: accelerate_metrics("accelerate_metrics_dp2_sp2", 2),
+            "accelerate_metrics_ulysses2_ring2": lambda: accelerate_metrics(
+                "accelerate_metrics_ulysses2_ring2", 4, ring=2
+            ),
             "sft_moe_aux_dp2_sp2_gas2": lambda: sft(
                 "sft_moe_aux_dp2_sp2_gas2",
                 2,

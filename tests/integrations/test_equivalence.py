@@ -312,6 +312,31 @@ def test_accelerate_loop_equals_one_process(world2_sp, world4, out_dir, job, wor
         torch.testing.assert_close(got_weights[name], value, atol=WEIGHT_ATOL, rtol=0, msg=name)
 
 
+@pytest.mark.parametrize(
+    "job, world",
+    [("accelerate_metrics_sp2", 2), ("accelerate_metrics_dp2_sp2", 4), ("accelerate_metrics_ulysses2_ring2", 4)],
+)
+def test_accelerate_gather_for_metrics_gives_every_sample_once_whole(world2_sp, world4, out_dir, job, world):
+    """``loss_fn.gather_for_metrics`` over an eval set whose last batch is partial (9 samples, batches of 2): the
+    samples come back once each in the dataset's order (Accelerate's own gather returns each SP group's batch sp
+    times), and per-token tensors as whole sequences (zigzag undone under the ring): the tokens and targets of
+    one process, and its logits at every real token; past a sample's length only padding (-100 targets)."""
+    assert_case(world2_sp if world == 2 else world4, job, world)
+    got = torch.load(os.path.join(out_dir, job, "gathered.pt"))
+    data = token_dataset(EVAL_LENGTHS, seed=2)
+    assert got["idx"] == list(range(len(EVAL_LENGTHS)))
+    assert len(got["input_ids"]) == len(got["shift_labels"]) == len(got["logits"]) == len(EVAL_LENGTHS)
+    model = build("llama").eval()
+    for i, n in enumerate(EVAL_LENGTHS):
+        ids, labels = torch.tensor(data[i]["input_ids"]), torch.tensor(data[i]["labels"])
+        with torch.no_grad():
+            logits = model(input_ids=ids[None]).logits[0]
+        torch.testing.assert_close(got["input_ids"][i][:n], ids)
+        torch.testing.assert_close(got["shift_labels"][i][: n - 1], labels[1:])
+        assert (got["shift_labels"][i][n - 1 :] == -100).all()
+        torch.testing.assert_close(got["logits"][i][:n], logits, atol=1e-5, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------------- bad input
 def test_bad_input_raises_clear_errors_on_every_rank(world2_sp):
     """Heads, attention implementation, core, compute_metrics, sp_size, world size, a model sharded by hand before the
@@ -330,9 +355,17 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "lora_sp2",
             "accelerate_ddp_sp2",
             "accelerate_fsdp2_sp2",
+            "accelerate_metrics_sp2",
             "bad_input",
         },
-        {"trainer_dp2_sp2", "accelerate_dp2_sp2", "trainer_moe_aux_dp2_sp2_gas2", "sft_moe_aux_dp2_sp2_gas2"},
+        {
+            "trainer_dp2_sp2",
+            "accelerate_dp2_sp2",
+            "accelerate_metrics_dp2_sp2",
+            "accelerate_metrics_ulysses2_ring2",
+            "trainer_moe_aux_dp2_sp2_gas2",
+            "sft_moe_aux_dp2_sp2_gas2",
+        },
     )
     for results, jobs in zip((world2_plain, world2_sp, world4), checked, strict=True):
         assert set(results) == jobs, set(results) ^ jobs

@@ -328,6 +328,17 @@ def test_checkpoint_recompute_after_many_forwards_finds_its_documents(reentrant)
             lambda b, L: U.parallelize(build("llama"), L)(input_ids=b["input_ids"][0]),
             r"input_ids of shape \(24,\): a parallelized model takes \[batch, tokens\]",
         ),
+        (lambda b, L: U.gather_sequence(b["input_ids"], None), "layout must be a ulysses_sp.ParallelLayout"),
+        (lambda b, L: U.gather_sequence(b["input_ids"].sum(), L), "needs a tensor with a sequence dim, got a 0-dim"),
+        (
+            lambda b, L: U.gather_sequence(b["input_ids"], L, dim=2),
+            r"dim=2 is not a dim of a tensor of shape \(2, 24\)",
+        ),
+        (lambda b, L: U.gather_sequence(torch.ones(2, 3, requires_grad=True), L), "gather_sequence is not differenti"),
+        (
+            lambda b, L: U.gather_sequence(b["input_ids"], U.ParallelLayout.rank_view(2, 1)),
+            "a ParallelLayout.rank_view has no process group to gather over",
+        ),
     ],
 )
 def test_api_misuse_is_a_value_error_naming_it(call, message):

@@ -45,6 +45,7 @@ from .data import (
     layout_for_model,
     resolve_core,
 )
+from .metrics import gather_for_metrics
 
 __all__ = ["SequenceParallelConfig", "SequenceParallelLoss"]
 
@@ -82,6 +83,15 @@ class SequenceParallelLoss:
     def count(self, shift_labels: torch.Tensor) -> int:
         """Valid target tokens of this micro-batch over all ranks (dp x sp)."""
         return count_valid_tokens(shift_labels, self.layout)
+
+    def gather_for_metrics(
+        self, accelerator: Any, input_data: Any, *, sequence_dim: int | None = None, pad_index: int | float = -100
+    ) -> Any:
+        """``accelerator.gather_for_metrics`` for the shards: every sample of the global batch once (Accelerate's
+        own would return each SP group's batch ``sp`` times), whole sequences with ``sequence_dim=1``, e.g.
+        ``loss_fn.gather_for_metrics(accelerator, (logits.argmax(-1), batch["shift_labels"]), sequence_dim=1)``.
+        See :func:`ulysses_sp.integrations.metrics.gather_for_metrics`."""
+        return gather_for_metrics(accelerator, input_data, self.layout, sequence_dim=sequence_dim, pad_index=pad_index)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,114 @@
+"""``accelerator.gather_for_metrics`` for sequence shards: every sample of the step once, whole sequences.
+
+Accelerate gathers from every rank and, at the end of a dataloader, keeps the first ``remainder`` rows. Under
+sequence parallelism the ``sp`` ranks of a group hold the same samples (each a different part of every
+sequence), so its gather returns each group's batch ``sp`` times, and its cut keeps rows that are not the groups'
+samples. :func:`gather_for_metrics` gathers each sequence from its SP group (:func:`~ulysses_sp.gather_sequence`),
+then the groups' samples over the ``dp`` groups in their order, and applies Accelerate's cut to those, as plain
+data parallelism over ``dp`` processes would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..layout import ParallelLayout
+from ..sharding import gather_sequence
+
+__all__ = ["gather_for_metrics"]
+
+
+def gather_for_metrics(
+    accelerator: Any,
+    input_data: Any,
+    layout: ParallelLayout,
+    *,
+    sequence_dim: int | None = None,
+    pad_index: int | float = -100,
+) -> Any:
+    """Gather ``input_data`` (tensors, nested in tuples, lists or dicts) for a metric: one row per sample of the
+    global batch, on every rank. A collective: every rank calls it with the same structure.
+
+    Args:
+        accelerator: the ``Accelerator`` whose prepared dataloader the batch came from (its end-of-dataloader
+            state says how many rows of the last, evened-out batch are real samples).
+        input_data: with ``sequence_dim`` None, per-sample tensors ``[b, ...]`` that every rank of an SP group
+            holds alike (ids, labels of a sample, values reduced over the group: ValueError if they differ); with
+            ``sequence_dim=1``, per-token tensors of this rank's shard ``[b, n, ...]`` (the batch's
+            ``shift_labels``, predictions from the shard's logits), returned as whole sequences ``[B, N, ...]``
+            with the divisibility padding at the end of each row (``shift_labels`` -100 there).
+        layout: the layout the model was parallelized with (``SequenceParallelLoss.layout``).
+        sequence_dim: the sequence dim of every tensor of ``input_data``, or None for per-sample tensors.
+        pad_index: fills the end of shorter rows where the dp groups' batches were padded to different lengths.
+    """
+    from accelerate.utils import recursively_apply
+
+    try:
+        recursively_apply(lambda t: t, input_data, error_on_other_type=True)
+    except TypeError as error:
+        raise ValueError(
+            "gather_for_metrics under SP gathers tensors (in tuples, lists or dicts); reduce other values over "
+            f"layout.loss_group first ({error})"
+        ) from None
+    if sequence_dim is not None:
+        data = recursively_apply(lambda t: gather_sequence(t, layout, sequence_dim), input_data)
+    else:
+        data = recursively_apply(lambda t: _same_in_group(t, layout), input_data)
+    if layout.dp > 1:
+        data = recursively_apply(lambda t: _gather_over_dp(t, layout, pad_index), data)
+    state = accelerator.gradient_state
+    if state.end_of_dataloader and state.remainder > 0:  # rows past it repeat samples to even the batch out
+        data = recursively_apply(lambda t: t[: state.remainder], data)
+    return data
+
+
+def _digest(t: torch.Tensor) -> bytes:
+    values = t.detach().contiguous().cpu().reshape(-1)
+    return hashlib.blake2b(values.view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
+
+
+def _same_in_group(t: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+    """``t`` when every rank of the SP group holds the same values; ValueError on every rank of it otherwise."""
+    if layout.sp == 1:
+        return t
+    mine = (tuple(t.shape), str(t.dtype), _digest(t))
+    seen: list[object] = [None] * layout.sp
+    dist.all_gather_object(seen, mine, group=layout.sp_group)
+    if any(other != seen[0] for other in seen):
+        shapes = ", ".join(f"sp_rank {r}: {shape}" for r, (shape, *_) in enumerate(seen))  # type: ignore[misc]
+        raise ValueError(
+            "gather_for_metrics: the ranks of an SP group hold different values for a per-sample tensor "
+            f"({shapes}); pass sequence_dim=1 for per-token tensors of the shards, and reduce a statistic computed "
+            "from a shard over layout.sp_group before gathering it"
+        )
+    return t
+
+
+def _gather_over_dp(t: torch.Tensor, layout: ParallelLayout, pad_index: int | float) -> torch.Tensor:
+    """``[b, ...]`` of each dp group -> ``[dp * b, ...]`` in dp order, shorter dims padded at their end."""
+    t = t[None] if t.dim() == 0 else t  # a scalar per group: one row each, as accelerate gathers it
+    metas: list[object] = [None] * layout.dp
+    dist.all_gather_object(metas, (tuple(t.shape), str(t.dtype)), group=layout.dp_group)
+    shapes = [shape for shape, _ in metas]  # type: ignore[misc]
+    if len({len(shape) for shape in shapes}) > 1 or len({dtype for _, dtype in metas}) > 1:  # type: ignore[misc]
+        raise ValueError(f"gather_for_metrics: the dp groups' tensors differ in rank or dtype: {metas}")
+    if any(shape[0] != shapes[0][0] for shape in shapes):
+        raise ValueError(
+            f"gather_for_metrics: the dp groups hold different batch sizes {[shape[0] for shape in shapes]}; "
+            "gather per-sample tensors of the batch (dim 0 the samples)"
+        )
+    largest = [max(sizes) for sizes in zip(*shapes, strict=True)]
+    send = t.detach().contiguous()
+    send = send.to(torch.uint8) if send.dtype == torch.bool else send  # gloo has no bool
+    pad = [p for d in reversed(range(1, send.dim())) for p in (0, largest[d] - send.shape[d])]
+    if any(pad):
+        send = F.pad(send, pad, value=pad_index)
+    parts = [torch.empty_like(send) for _ in range(layout.dp)]
+    dist.all_gather(parts, send, group=layout.dp_group)
+    out = torch.cat(parts)
+    return out.to(torch.bool) if t.dtype == torch.bool else out
