@@ -1,9 +1,10 @@
 """Random Trainer / SFTTrainer cases: architecture x heads x layout x batch x accumulation x padding or packing x
 activation checkpointing x LoRA x tiled loss, MLP and norms x head chunks x clipping x schedule x token counting x
-dataloader workers x sampling x evaluation during training x an MoE's load-balancing term x a resume from a halfway
-checkpoint x FSDP2 (the model sharded as it loads), each a short training run plus an eval under Ulysses SP,
-compared afterwards with the plain trainer in one process (unsharded; stopped and resumed at the same step
-where the case resumes, so that what transformers or TRL do on a resume in one process is the reference too).
+dataloader workers x sampling x evaluation during training x an MoE's load-balancing term x compute_metrics x a
+resume from a halfway checkpoint x FSDP2 (the model sharded as it loads), each a short training run plus an eval
+under Ulysses SP, compared afterwards with the plain trainer in one process (unsharded; stopped and resumed at the
+same step where the case resumes, so that what transformers or TRL do on a resume in one process is the reference
+too).
 
 A case is drawn from ``(seed, index, world)`` alone, so every rank and the test draw the same one and a failure
 is reproduced by its numbers. On the ranks :func:`run_case` trains and writes what it measured under
@@ -31,6 +32,7 @@ from tests.integrations.common import (
     checkpointing_arg,
     pad_collate,
     record_case,
+    token_metrics,
     tokenizer,
     train_losses,
 )
@@ -39,6 +41,7 @@ ARCHS = (
     "llama", "qwen3", "mistral", "qwen2", "gemma2", "mixtral", "qwen3_moe", "deepseek_v3_mla_v4", "starcoder2",
     "granite", "glm4", "smollm3", "stablelm",
 )  # fmt: skip
+METRICS = ("accuracy", "valid", "target_logit_sum")  # what token_metrics reports
 SEED_ENV, START_ENV, COUNT_ENV = "ULYSSES_SP_RANDOM_SEED", "ULYSSES_SP_RANDOM_START", "ULYSSES_SP_RANDOM_COUNT"
 
 
@@ -101,6 +104,8 @@ def random_case(seed: int, index: int, world: int) -> dict:
         mlp_chunk=r.choice([None, 4, 7, 16]),
         # with checkpointing: transformers' every_n_layers (the other layers keep their activations)
         checkpoint_every=r.choice([1, 2]),
+        # compute_metrics (next-token accuracy, valid targets, the targets' logits) from whole-sequence logits
+        metrics=r.random() < 0.4,
     )
     if case["fsdp2"]:
         # transformers' Trainer refuses checkpoints with optimizer state for a model sharded at load time
@@ -227,6 +232,8 @@ def trainer(case: dict, out: str, sp: int | None) -> Any:
         train_dataset=dataset(case),
         eval_dataset=dataset(case, eval_set=True),
     )
+    if case["metrics"]:
+        kwargs["compute_metrics"] = token_metrics
     if case["kind"] == "sft":
         kwargs["processing_class"] = tokenizer()
     else:
@@ -261,8 +268,10 @@ def measure(run: Any) -> tuple[dict, dict[str, torch.Tensor]]:
         "tokens_seen": run.state.num_input_tokens_seen,
         "trl_num_tokens": [e["num_tokens"] for e in history if "num_tokens" in e],  # TRL's metric
         "eval_losses": [e["eval_loss"] for e in history if "eval_loss" in e],  # during training
-        "eval_loss": run.evaluate()["eval_loss"] if run.eval_dataset is not None else None,
     }
+    evaluated = run.evaluate() if run.eval_dataset is not None else {}
+    result["eval_loss"] = evaluated.get("eval_loss")
+    result["eval_metrics"] = {k: v for k, v in evaluated.items() if k.removeprefix("eval_") in METRICS}
     # (a sharded parameter gathered whole on every rank)
     weights = {n: _whole(p.detach()).clone() for n, p in run.model.named_parameters() if p.requires_grad}
     return result, weights

@@ -103,6 +103,27 @@ def sft_args(out: str, **overrides):
     return SFTConfig(output_dir=out, packing=True, max_length=48, **{**RUN_SETTINGS, **sizes, **overrides})
 
 
+def token_metrics(prediction) -> dict[str, float]:
+    """A user's ``compute_metrics``: next-token accuracy over the valid targets, their count, and (given logits, not
+    argmax predictions from ``preprocess_logits_for_metrics``) the sum of the targets' logits."""
+    predictions, labels = torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids)
+    targets = labels[:, 1:]
+    valid = targets != -100
+    guesses = predictions[:, :-1]
+    out = {"valid": float(valid.sum())}
+    if guesses.dim() == 3:  # logits [b, N - 1, vocab]
+        picked = guesses.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [b, N - 1]
+        out["target_logit_sum"] = float(picked[valid].double().sum())
+        guesses = guesses.argmax(-1)
+    out["accuracy"] = float((guesses == targets)[valid].double().mean())
+    return out
+
+
+def argmax_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A user's ``preprocess_logits_for_metrics``."""
+    return logits.argmax(-1)
+
+
 def train_losses(log_history: list[dict]) -> list[float]:
     """The per-step logged training losses."""
     return [entry["loss"] for entry in log_history if "loss" in entry and "train_loss" not in entry]

@@ -19,11 +19,13 @@ from tests.helpers.models import build, router_aux_on
 from tests.integrations.common import (
     EVAL_LENGTHS,
     TRAIN_LENGTHS,
+    argmax_logits,
     checkpointing_arg,
     drop_labels_collate,
     pad_collate,
     sft_args,
     token_dataset,
+    token_metrics,
     tokenizer,
     train_losses,
     trainer_args,
@@ -48,6 +50,30 @@ def _record(job: str, trainer, **extra) -> None:
                 "epoch": state.epoch,
                 **extra,
             },
+        )
+
+
+def trainer_metrics(job: str, sp: int, **kwargs) -> None:
+    """UlyssesTrainer evaluating and predicting with compute_metrics (an untrained model, no training): rank 0 writes
+    the metrics and the predictions."""
+    from ulysses_sp.integrations import UlyssesTrainer
+
+    trainer = UlyssesTrainer(
+        model=build("llama"),
+        args=trainer_args(_out(job)),
+        eval_dataset=token_dataset(EVAL_LENGTHS, seed=2),
+        data_collator=pad_collate,
+        compute_metrics=token_metrics,
+        sp_size=sp,
+        **kwargs,
+    )
+    metrics = trainer.evaluate()
+    predicted = trainer.predict(token_dataset(EVAL_LENGTHS, seed=2))
+    if dist.get_rank() == 0:
+        write_json(os.path.join(_out(job), "result.json"), {"metrics": metrics, "predict": predicted.metrics})
+        torch.save(
+            {"predictions": torch.as_tensor(predicted.predictions), "labels": torch.as_tensor(predicted.label_ids)},
+            os.path.join(_out(job), "predicted.pt"),
         )
 
 
@@ -205,7 +231,7 @@ def bad_input() -> None:
     def make(model=None, collator=pad_collate, **kwargs):
         return UlyssesTrainer(
             model=model if model is not None else build("llama"),
-            args=trainer_args(_out("bad_input")),
+            args=kwargs.pop("args", None) or trainer_args(_out("bad_input")),
             train_dataset=data,
             data_collator=collator,
             sp_size=kwargs.pop("sp_size", 2),
@@ -223,7 +249,11 @@ def bad_input() -> None:
         lambda: make(build("llama", attn="my_kernel")),
     )
     _expect(ValueError, "unsupported attention core 'paged'", lambda: make(sp_core="paged"))
-    _expect(ValueError, "compute_metrics", lambda: make(compute_metrics=lambda p: {}))
+    _expect(
+        ValueError,
+        "include_for_metrics=['inputs']",
+        lambda: make(args=trainer_args(_out("bad_input"), include_for_metrics=["inputs"])),
+    )
     _expect(ValueError, "sp_size must be a positive int", lambda: make(sp_size=0))
     _expect(ValueError, "not divisible by sp=4", lambda: make(sp_size=4))
     sharded = build("llama")
@@ -345,6 +375,7 @@ def world2_sp() -> dict[str, str]:
             ),
             "sft_sp2_gas2": lambda: sft("sft_sp2_gas2", 2, gradient_accumulation_steps=2),
             "lora_sp2": lambda: ulysses_lora("lora_sp2"),
+            "trainer_metrics_sp2": lambda: trainer_metrics("trainer_metrics_sp2", 2),  # tiled loss: 2 forwards
             "accelerate_ddp_sp2": lambda: accelerate_loop("accelerate_ddp_sp2", 2),
             "accelerate_fsdp2_sp2": lambda: accelerate_loop("accelerate_fsdp2_sp2", 2, fsdp2=True),
             "accelerate_metrics_sp2": lambda: accelerate_metrics("accelerate_metrics_sp2", 2),
@@ -360,6 +391,9 @@ def world4() -> dict[str, str]:
             # 8 eval samples: with dp=2 a partial last batch would be evened out by accelerate (as under DDP)
             "trainer_dp2_sp2": lambda: ulysses_trainer("trainer_dp2_sp2", 2, eval_samples=8),
             "accelerate_dp2_sp2": lambda: accelerate_loop("accelerate_dp2_sp2", 2, steps=4),
+            "trainer_metrics_dp2_sp2": lambda: trainer_metrics(
+                "trainer_metrics_dp2_sp2", 2, sp_tiled_loss=False, preprocess_logits_for_metrics=argmax_logits
+            ),
             "accelerate_metrics_dp2_sp2": lambda: accelerate_metrics("accelerate_metrics_dp2_sp2", 2),
             "accelerate_metrics_ulysses2_ring2": lambda: accelerate_metrics(
                 "accelerate_metrics_ulysses2_ring2", 4, ring=2

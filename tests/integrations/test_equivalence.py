@@ -20,9 +20,11 @@ from tests.helpers.models import build
 from tests.integrations.common import (
     EVAL_LENGTHS,
     TRAIN_LENGTHS,
+    argmax_logits,
     pad_collate,
     read_json,
     token_dataset,
+    token_metrics,
     train_losses,
     trainer_args,
 )
@@ -165,6 +167,44 @@ def test_eval_under_sp_equals_one_process_eval(world2_sp, world4, out_dir, job):
     model = LlamaForCausalLM.from_pretrained(os.path.join(out_dir, job, "final"))
     got = result(out_dir, job)
     assert abs(got["eval_loss"] - one_process_eval_loss(model, got["eval_samples"])) < LOSS_ATOL
+
+
+@pytest.mark.parametrize(
+    "job, world, argmax", [("trainer_metrics_sp2", 2, False), ("trainer_metrics_dp2_sp2", 4, True)]
+)
+def test_compute_metrics_and_predict_under_sp_equal_one_process(world2_sp, world4, out_dir, job, world, argmax):
+    """compute_metrics gets whole-sequence logits (or preprocess_logits_for_metrics' argmax of them) and labels,
+    every eval sample once: the metrics one process computes (the tiled loss at sp=2 gets its logits from a second
+    forward; dp=2 x sp=2 evens out the last batch); predict() returns one process's logits at every real token."""
+    from transformers import Trainer
+
+    assert_case(world2_sp if world == 2 else world4, job, world)
+    reference = Trainer(
+        model=build("llama"),
+        args=trainer_args("unused"),
+        eval_dataset=token_dataset(EVAL_LENGTHS, seed=2),
+        data_collator=pad_collate,
+        compute_metrics=token_metrics,
+        preprocess_logits_for_metrics=argmax_logits if argmax else None,
+    )
+    want, got = reference.evaluate(), result(out_dir, job)
+    # (with dp=2 the eval loss of the last sample is that of the batch accelerate evened out, as under plain DDP)
+    keys = ["eval_accuracy", "eval_valid"] + (["eval_loss", "eval_target_logit_sum"] if world == 2 else [])
+    for key in keys:
+        assert abs(got["metrics"][key] - want[key]) < 1e-4, (key, got["metrics"], want)
+    predicted = torch.load(os.path.join(out_dir, job, "predicted.pt"))
+    expected = reference.predict(token_dataset(EVAL_LENGTHS, seed=2))
+    assert len(predicted["predictions"]) == len(EVAL_LENGTHS)
+    differ = 0
+    for row, n in enumerate(EVAL_LENGTHS):
+        torch.testing.assert_close(predicted["labels"][row][:n], torch.as_tensor(expected.label_ids[row][:n]))
+        assert (predicted["labels"][row][n:] == -100).all()
+        ours, theirs = predicted["predictions"][row][:n], torch.as_tensor(expected.predictions[row][:n])
+        if argmax:
+            differ += int((ours != theirs).sum())
+        else:
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    assert differ <= 1  # the same next-token guesses (a near tie apart)
 
 
 @pytest.mark.parametrize("job", ["trainer_sp2_gas2", FSDP2_JOB])
@@ -353,6 +393,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "trainer_fsdp2_sp2_gas2",
             "sft_sp2_gas2",
             "lora_sp2",
+            "trainer_metrics_sp2",
             "accelerate_ddp_sp2",
             "accelerate_fsdp2_sp2",
             "accelerate_metrics_sp2",
@@ -361,6 +402,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
         {
             "trainer_dp2_sp2",
             "accelerate_dp2_sp2",
+            "trainer_metrics_dp2_sp2",
             "accelerate_metrics_dp2_sp2",
             "accelerate_metrics_ulysses2_ring2",
             "trainer_moe_aux_dp2_sp2_gas2",

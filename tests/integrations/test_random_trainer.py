@@ -61,6 +61,11 @@ def compare(case: dict, out: str) -> str | None:
             torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]), atol=LOSS_ATOL, rtol=rtol)
         except (AssertionError, TypeError) as error:
             problems.append(f"{key}: {got[key]} under SP, {want[key]} in one process ({error})")
+    if got["eval_metrics"].keys() != want["eval_metrics"].keys():
+        problems.append(f"eval metrics: {got['eval_metrics']} under SP, {want['eval_metrics']} in one process")
+    for key in got["eval_metrics"].keys() & want["eval_metrics"].keys():
+        if abs(got["eval_metrics"][key] - want["eval_metrics"][key]) > 1e-4:
+            problems.append(f"{key}: {got['eval_metrics'][key]} under SP, {want['eval_metrics'][key]} in one process")
     if got_weights.keys() != want_weights.keys():
         problems.append(f"trained parameters differ: {sorted(got_weights.keys() ^ want_weights.keys())}")
     for name in got_weights.keys() & want_weights.keys():

@@ -28,7 +28,8 @@ What the mixin changes, and why (the Trainer's own DDP / FSDP2 wrapping over the
   accuracy) keep every shard's part at the end of an epoch too;
 * evaluation runs sharded too (:meth:`prediction_step`): per batch, the loss sums of the SP group's shards
   over its valid-token count - equal to the one-process batch loss - and no rank ever holds the full
-  sequence's activations or logits. Per-token predictions stay sharded, so ``compute_metrics`` is refused.
+  sequence's activations. Logits are gathered only for ``compute_metrics`` and ``predict()``: whole sequences
+  (:func:`ulysses_sp.gather_sequence`), each sample once, as one process would pass them.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from ..hf import find_pretrained, text_config
 from ..loss import MODEL_INPUTS, causal_lm_loss
 from ..model import parallelize
 from ..moe import router_aux_loss
+from ..sharding import gather_sequence
 from ..validation import IGNORE_INDEX
 from .data import (
     TOKEN_COUNT_KEY,
@@ -92,6 +94,7 @@ class UlyssesTrainerMixin:
     """
 
     sp_tiled_loss_default = True
+    _sp_predicting = False
 
     def __init__(
         self,
@@ -155,10 +158,10 @@ class UlyssesTrainerMixin:
             problems.append(f"label_smoothing_factor={args.label_smoothing_factor} (set it to 0)")
         if self.compute_loss_func is not None:
             problems.append("compute_loss_func (the model's own token-weighted loss is used)")
-        if self.compute_metrics is not None or args.include_for_metrics:
+        if args.include_for_metrics:
             problems.append(
-                "compute_metrics / include_for_metrics (logits stay sharded over the SP group; evaluation reports "
-                "the loss)"
+                f"include_for_metrics={args.include_for_metrics} (compute_metrics gets whole-sequence logits and "
+                "labels; the inputs and per-batch losses are not gathered for it)"
             )
         if getattr(args, "use_liger_kernel", False):
             problems.append(
@@ -272,31 +275,50 @@ class UlyssesTrainerMixin:
         self.gather_function = self._gather_batch_losses
         return super().evaluation_loop(*args, **kwargs)
 
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``predict``; its predictions are the whole sequences' logits (:meth:`prediction_step`)."""
+        self._sp_predicting = True
+        try:
+            return super().predict(*args, **kwargs)
+        finally:
+            self._sp_predicting = False
+
     def prediction_step(
         self,
         model: torch.nn.Module,
         inputs: dict[str, Any],
         prediction_loss_only: bool,
         ignore_keys: list[str] | None = None,
-    ) -> tuple[torch.Tensor | None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """The loss of one eval batch, computed on this rank's shard and reduced over its SP group.
 
-        Returns ``(loss, None, None)``: the token-weighted mean over the whole batch (all shards), the value one
-        process computes on the full batch. The full sequence is never gathered.
+        Returns ``(loss, logits, labels)``: the loss is the token-weighted mean over the whole batch (all shards),
+        the value one process computes on the full batch. Only for ``compute_metrics`` or ``predict()`` (and not
+        ``prediction_loss_only``), the logits ``[b, N, vocab]`` and labels ``[b, N]`` of the whole sequences,
+        gathered from the SP group's shards (``N`` rounded up to a multiple of ``sp``, labels -100 there); else
+        None, and the full sequence is never gathered. Under the tiled loss (which makes no logits) the logits
+        cost a second forward of the shard without labels.
         """
         inputs = self._prepare_inputs(inputs)
         layout = self.sp_layout
         count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
         if layout.sp > 1:
             dist.all_reduce(count, group=layout.sp_group)
+        predict = not prediction_loss_only and (self.compute_metrics is not None or self._sp_predicting)
         with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs, num_items_in_batch=count.clamp(min=1))
+            loss, outputs = self.compute_loss(model, inputs, num_items_in_batch=count.clamp(min=1), return_outputs=True)
+            logits = getattr(outputs, "logits", None) if predict else None
+            if predict and logits is None:  # the tiled loss (or the MoE path) returned no logits: the shard's
+                logits = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}).logits
         # A loss normalised by num_items_in_batch comes back multiplied by the number of processes (the
         # Trainer's convention for DDP's gradient average); undo it, then add the shards' parts.
         loss = loss.detach().float() / self.accelerator.num_processes
         if layout.sp > 1:
             dist.all_reduce(loss, group=layout.sp_group)
-        return loss, None, None
+        if not predict:
+            return loss, None, None
+        labels = inputs.get("labels")
+        return loss, gather_sequence(logits, layout), None if labels is None else gather_sequence(labels, layout)
 
     def _gather_batch_losses(self, losses: torch.Tensor) -> torch.Tensor:
         # `losses` is equal on the ranks of an SP group: gather it over dp only, then drop the samples that
