@@ -263,14 +263,21 @@ def train(case: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     data, eval_data = rest[0], (rest[1] if case["evals"] else None)
     scheduler = rest[len(loaders)] if scheduler is not None else None
     loss_fn = rest[-1]
-    result: dict[str, list] = {"losses": [], "grad_norms": [], "lrs": [], "evals": []}
+    result: dict[str, list] = {"losses": [], "grad_norms": [], "lrs": [], "evals": [], "eval_targets": []}
 
     def evaluate(when: str) -> None:
-        """The eval loss of each batch of the eval set, the model in eval mode under no_grad (as users do)."""
+        """The eval loss of each batch of the eval set, the model in eval mode under no_grad (as users do), and
+        each sample's valid targets as ``loss_fn.gather_for_metrics`` returns them (whole rows, every sample once)."""
         if when in case["evals"]:
             net.eval()
+            losses, targets = [], []
             with torch.no_grad():
-                result["evals"].append([_loss(case, net, loss_fn, batch, None).item() for batch in eval_data])
+                for batch in eval_data:
+                    losses.append(_loss(case, net, loss_fn, batch, None).item())
+                    rows = loss_fn.gather_for_metrics(accelerator, batch["shift_labels"], sequence_dim=1)
+                    targets += [row[row != -100].tolist() for row in rows]
+            result["evals"].append(losses)
+            result["eval_targets"].append(targets)
             net.train()
 
     def optimizer_step() -> bool:

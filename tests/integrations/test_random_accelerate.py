@@ -25,6 +25,7 @@ from tests.helpers.harness import campaign_args, print_campaign, refused_for_its
 from tests.integrations.cases_random_accelerate import (
     CASES_ENV,
     case_dir,
+    dataset,
     dispatched,
     eager_left,
     random_case,
@@ -70,6 +71,7 @@ def compare(case: dict, out: str) -> str | None:
             torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]), atol=LOSS_ATOL, rtol=rtol)
         except AssertionError as error:
             problems.append(f"{key}: {got[key]} under SP, {want[key]} in one process ({error})")
+    problems += metrics_problems(case, got["eval_targets"])
     if got_weights.keys() != want_weights.keys():
         problems.append(f"trained parameters differ: {sorted(got_weights.keys() ^ want_weights.keys())}")
     for name in sorted(got_weights.keys() & want_weights.keys()):
@@ -79,6 +81,17 @@ def compare(case: dict, out: str) -> str | None:
             problems.append(f"weight {name}: {error}")
             break
     return "; ".join(problems) or None
+
+
+def metrics_problems(case: dict, got: list[list[list[int]]]) -> list[str]:
+    """What ``gather_for_metrics`` gave wrong: each evaluation must see every eval sample's valid targets once, in
+    the dataset's order (not for an iterable dataset over dp > 1: without a length the repeats that even out its
+    last batch cannot be told apart, as in Accelerate)."""
+    if case["iterable"] and case["dp"] > 1:
+        return []
+    want = [[t for t in sample["labels"][1:] if t != -100] for sample in dataset(case, case["eval_lengths"])]
+    wrong = [i for i, targets in enumerate(got) if targets != want]
+    return [f"gather_for_metrics, evaluation {wrong[0]}: {got[wrong[0]]} under SP, {want}"] if wrong else []
 
 
 def flat_evals(got: list[list[float]], want: list[list[float]], problems: list[str]) -> tuple[list, list]:
