@@ -116,6 +116,11 @@ def token_metrics(prediction) -> dict[str, float]:
         out["target_logit_sum"] = float(picked[valid].double().sum())
         guesses = guesses.argmax(-1)
     out["accuracy"] = float((guesses == targets)[valid].double().mean())
+    if prediction.inputs is not None:  # include_for_metrics "inputs": whole rows, padded with 0 / -100
+        inputs = torch.as_tensor(prediction.inputs)
+        out["input_sum"] = float(inputs[inputs > 0].double().sum())
+    if prediction.losses is not None:  # include_for_metrics "loss": each sample's batch loss
+        out["loss_mean"] = float(torch.as_tensor(prediction.losses).double().mean())
     return out
 
 

@@ -53,14 +53,14 @@ def _record(job: str, trainer, **extra) -> None:
         )
 
 
-def trainer_metrics(job: str, sp: int, **kwargs) -> None:
+def trainer_metrics(job: str, sp: int, include_for_metrics: list[str] | None = None, **kwargs) -> None:
     """UlyssesTrainer evaluating and predicting with compute_metrics (an untrained model, no training): rank 0 writes
     the metrics and the predictions."""
     from ulysses_sp.integrations import UlyssesTrainer
 
     trainer = UlyssesTrainer(
         model=build("llama"),
-        args=trainer_args(_out(job)),
+        args=trainer_args(_out(job), include_for_metrics=include_for_metrics or []),
         eval_dataset=token_dataset(EVAL_LENGTHS, seed=2),
         data_collator=pad_collate,
         compute_metrics=token_metrics,
@@ -251,8 +251,8 @@ def bad_input() -> None:
     _expect(ValueError, "unsupported attention core 'paged'", lambda: make(sp_core="paged"))
     _expect(
         ValueError,
-        "include_for_metrics=['inputs']",
-        lambda: make(args=trainer_args(_out("bad_input"), include_for_metrics=["inputs"])),
+        "include_for_metrics=['nonsense']",
+        lambda: make(args=trainer_args(_out("bad_input"), include_for_metrics=["nonsense", "loss"])),
     )
     _expect(ValueError, "sp_size must be a positive int", lambda: make(sp_size=0))
     _expect(ValueError, "not divisible by sp=4", lambda: make(sp_size=4))
@@ -375,7 +375,9 @@ def world2_sp() -> dict[str, str]:
             ),
             "sft_sp2_gas2": lambda: sft("sft_sp2_gas2", 2, gradient_accumulation_steps=2),
             "lora_sp2": lambda: ulysses_lora("lora_sp2"),
-            "trainer_metrics_sp2": lambda: trainer_metrics("trainer_metrics_sp2", 2),  # tiled loss: 2 forwards
+            "trainer_metrics_sp2": lambda: trainer_metrics(  # tiled loss: 2 forwards
+                "trainer_metrics_sp2", 2, include_for_metrics=["inputs", "loss"]
+            ),
             "accelerate_ddp_sp2": lambda: accelerate_loop("accelerate_ddp_sp2", 2),
             "accelerate_fsdp2_sp2": lambda: accelerate_loop("accelerate_fsdp2_sp2", 2, fsdp2=True),
             "accelerate_metrics_sp2": lambda: accelerate_metrics("accelerate_metrics_sp2", 2),

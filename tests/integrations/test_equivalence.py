@@ -175,13 +175,15 @@ def test_eval_under_sp_equals_one_process_eval(world2_sp, world4, out_dir, job):
 def test_compute_metrics_and_predict_under_sp_equal_one_process(world2_sp, world4, out_dir, job, world, argmax):
     """compute_metrics gets whole-sequence logits (or preprocess_logits_for_metrics' argmax of them) and labels,
     every eval sample once: the metrics one process computes (the tiled loss at sp=2 gets its logits from a second
-    forward; dp=2 x sp=2 evens out the last batch); predict() returns one process's logits at every real token."""
+    forward, and include_for_metrics its inputs and losses; dp=2 x sp=2 evens out the last batch); predict() returns
+    one process's logits at every real token."""
     from transformers import Trainer
 
     assert_case(world2_sp if world == 2 else world4, job, world)
+    included = ["inputs", "loss"] if world == 2 else []  # as the job
     reference = Trainer(
         model=build("llama"),
-        args=trainer_args("unused"),
+        args=trainer_args("unused", include_for_metrics=included),
         eval_dataset=token_dataset(EVAL_LENGTHS, seed=2),
         data_collator=pad_collate,
         compute_metrics=token_metrics,
@@ -189,7 +191,8 @@ def test_compute_metrics_and_predict_under_sp_equal_one_process(world2_sp, world
     )
     want, got = reference.evaluate(), result(out_dir, job)
     # (with dp=2 the eval loss of the last sample is that of the batch accelerate evened out, as under plain DDP)
-    keys = ["eval_accuracy", "eval_valid"] + (["eval_loss", "eval_target_logit_sum"] if world == 2 else [])
+    more = ["eval_loss", "eval_target_logit_sum", "eval_input_sum", "eval_loss_mean"]
+    keys = ["eval_accuracy", "eval_valid"] + (more if world == 2 else [])
     for key in keys:
         assert abs(got["metrics"][key] - want[key]) < 1e-4, (key, got["metrics"], want)
     predicted = torch.load(os.path.join(out_dir, job, "predicted.pt"))

@@ -158,11 +158,9 @@ class UlyssesTrainerMixin:
             problems.append(f"label_smoothing_factor={args.label_smoothing_factor} (set it to 0)")
         if self.compute_loss_func is not None:
             problems.append("compute_loss_func (the model's own token-weighted loss is used)")
-        if args.include_for_metrics:
-            problems.append(
-                f"include_for_metrics={args.include_for_metrics} (compute_metrics gets whole-sequence logits and "
-                "labels; the inputs and per-batch losses are not gathered for it)"
-            )
+        unknown = sorted(set(args.include_for_metrics) - {"inputs", "loss"})
+        if unknown:
+            problems.append(f"include_for_metrics={unknown} (only 'inputs' and 'loss' are gathered for it)")
         if getattr(args, "use_liger_kernel", False):
             problems.append(
                 "use_liger_kernel=True (train() would patch Liger's forwards over the norms, MLPs and loss head "
@@ -297,9 +295,10 @@ class UlyssesTrainerMixin:
         ``prediction_loss_only``), the logits ``[b, N, vocab]`` and labels ``[b, N]`` of the whole sequences,
         gathered from the SP group's shards (``N`` rounded up to a multiple of ``sp``, labels -100 there); else
         None, and the full sequence is never gathered. Under the tiled loss (which makes no logits) the logits
-        cost a second forward of the shard without labels.
+        cost a second forward of the shard without labels. With ``include_for_metrics=["inputs"]`` the batch's
+        input ids are replaced by the whole sequences' after the forward, where the Trainer reads them.
         """
-        inputs = self._prepare_inputs(inputs)
+        batch, inputs = inputs, self._prepare_inputs(inputs)
         layout = self.sp_layout
         count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
         if layout.sp > 1:
@@ -317,6 +316,10 @@ class UlyssesTrainerMixin:
             dist.all_reduce(loss, group=layout.sp_group)
         if not predict:
             return loss, None, None
+        name = getattr(self.model, "main_input_name", "input_ids")
+        if "inputs" in self.args.include_for_metrics and name in batch:
+            # the Trainer's evaluation loop reads the inputs for compute_metrics from this batch after this call
+            batch[name] = gather_sequence(batch[name], layout)
         labels = inputs.get("labels")
         return loss, gather_sequence(logits, layout), None if labels is None else gather_sequence(labels, layout)
 
