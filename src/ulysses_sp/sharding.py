@@ -165,33 +165,30 @@ def gather_sequence(x: torch.Tensor, layout: ParallelLayout, dim: int = 1) -> to
     model output computed from one, such as logits ``[b, n, vocab]`` or their argmax ``[b, n]``). Returns
     ``[..., sp * n, ...]`` in sequence order on every rank of the SP group (the zigzag order of ``ring > 1``
     undone), with the padding that :func:`shard_batch` added for divisibility still at the end of each row (its
-    ``shift_labels`` are -100 there). A collective over the SP group: every rank of it must call it. Not
-    differentiable: call it under ``torch.no_grad()`` or on a detached tensor. Raises ValueError (on every rank of
-    the group) when the shards differ in shape or dtype.
+    ``shift_labels`` are -100 there): cut the rows back to the batch's length where it matters. A collective over
+    the SP group: every rank of it must call it. Not differentiable: call it under ``torch.no_grad()`` or on a
+    detached tensor. Raises ValueError on every rank of the group when any rank's shard is not one (no sequence
+    ``dim``, needs a gradient) or the shards differ in shape or dtype.
     """
     if not isinstance(layout, ParallelLayout):
         raise ValueError(f"layout must be a ulysses_sp.ParallelLayout, got {type(layout).__name__}")
-    if not isinstance(x, torch.Tensor) or x.dim() == 0:
-        raise ValueError(f"gather_sequence needs a tensor with a sequence dim, got {_describe(x)}")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim={dim!r} is not a dim of a tensor of shape {tuple(x.shape)}")
-    if x.requires_grad and torch.is_grad_enabled():
-        raise ValueError(
-            "gather_sequence is not differentiable: call it under torch.no_grad() or on x.detach() (for a loss over "
-            "the whole sequence use causal_lm_loss / sequence_parallel_cross_entropy on the shards)"
-        )
-    if layout.sp == 1:
+    problem = _not_a_shard(x, dim)
+    if layout.sp == 1 or problem is not None and layout.is_view:
+        if problem is not None:
+            raise ValueError(problem)
         return x
     if layout.is_view:
         raise ValueError("a ParallelLayout.rank_view has no process group to gather over; use ParallelLayout.from_env")
+    mine = (problem, None) if problem is not None else (None, (tuple(x.shape), str(x.dtype), dim % x.dim()))
+    metas: list = [None] * layout.sp
+    dist.all_gather_object(metas, mine, group=layout.sp_group)  # every rank's verdict: all raise, or none
+    bad = [(r, why) for r, (why, _) in enumerate(metas) if why is not None]
+    if bad:
+        raise ValueError(problem if problem is not None else f"sp_rank {bad[0][0]} of the SP group: {bad[0][1]}")
+    if any(meta[1] != metas[0][1] for meta in metas):
+        shards = ", ".join(f"sp_rank {r}: {shape} {dtype} dim {d}" for r, (_, (shape, dtype, d)) in enumerate(metas))
+        raise ValueError(f"gather_sequence needs the same shard shape, dtype and dim on every rank, got {shards}")
     dim %= x.dim()
-    metas: list[object] = [None] * layout.sp
-    dist.all_gather_object(metas, (tuple(x.shape), str(x.dtype)), group=layout.sp_group)
-    if any(meta != metas[0] for meta in metas):
-        raise ValueError(
-            f"gather_sequence needs the same shard shape and dtype on every rank of the SP group, got "
-            f"{', '.join(f'sp_rank {r}: {shape} {dtype}' for r, (shape, dtype) in enumerate(metas))}"  # type: ignore[misc]
-        )
     send = x.detach().contiguous()
     send = send.view(torch.uint8) if send.dtype == torch.bool else send  # gloo has no bool
     parts = [torch.empty_like(send) for _ in range(layout.sp)]
@@ -202,8 +199,19 @@ def gather_sequence(x: torch.Tensor, layout: ParallelLayout, dim: int = 1) -> to
     return full.view(torch.bool) if x.dtype == torch.bool else full
 
 
-def _describe(x: object) -> str:
-    return "a 0-dim tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+def _not_a_shard(x: object, dim: object) -> str | None:
+    """Why ``x`` cannot be gathered along ``dim`` (None when it can)."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        described = "a 0-dim tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        return f"gather_sequence needs a tensor with a sequence dim, got {described}"
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        return f"dim={dim!r} is not a dim of a tensor of shape {tuple(x.shape)}"
+    if x.requires_grad and torch.is_grad_enabled():
+        return (
+            "gather_sequence is not differentiable: call it under torch.no_grad() or on x.detach() (for a loss over "
+            "the whole sequence use causal_lm_loss / sequence_parallel_cross_entropy on the shards)"
+        )
+    return None
 
 
 @dataclass(frozen=True)

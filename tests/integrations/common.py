@@ -106,11 +106,14 @@ def sft_args(out: str, **overrides):
 def token_metrics(prediction) -> dict[str, float]:
     """A user's ``compute_metrics``: next-token accuracy over the valid targets, their count, and (given logits, not
     argmax predictions from ``preprocess_logits_for_metrics``) the sum of the targets' logits."""
-    predictions, labels = torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids)
+    predictions, labels = prediction.predictions, torch.as_tensor(prediction.label_ids)
     targets = labels[:, 1:]
     valid = targets != -100
-    guesses = predictions[:, :-1]
-    out = {"valid": float(valid.sum())}
+    out = {"valid": float(valid.sum()), "positions": float(targets.numel())}  # the latter: as long rows as one process
+    if isinstance(predictions, tuple):  # argmax_and_top's (guesses, top logits)
+        predictions, top = predictions
+        out["top_logit_sum"] = float(torch.as_tensor(top)[:, :-1][valid].double().sum())
+    guesses = torch.as_tensor(predictions)[:, :-1]
     if guesses.dim() == 3:  # logits [b, N - 1, vocab]
         picked = guesses.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [b, N - 1]
         out["target_logit_sum"] = float(picked[valid].double().sum())
@@ -124,9 +127,15 @@ def token_metrics(prediction) -> dict[str, float]:
     return out
 
 
-def argmax_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """A user's ``preprocess_logits_for_metrics``."""
-    return logits.argmax(-1)
+def first(predictions):
+    """The guesses of predictions that may be argmax_and_top's pair."""
+    return predictions[0] if isinstance(predictions, tuple) else predictions
+
+
+def argmax_and_top(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A user's ``preprocess_logits_for_metrics`` that keeps two tensors: the guesses and their logits."""
+    top = logits.max(-1)
+    return top.indices, top.values
 
 
 def train_losses(log_history: list[dict]) -> list[float]:

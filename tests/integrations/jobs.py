@@ -19,9 +19,10 @@ from tests.helpers.models import build, router_aux_on
 from tests.integrations.common import (
     EVAL_LENGTHS,
     TRAIN_LENGTHS,
-    argmax_logits,
+    argmax_and_top,
     checkpointing_arg,
     drop_labels_collate,
+    first,
     pad_collate,
     sft_args,
     token_dataset,
@@ -72,7 +73,10 @@ def trainer_metrics(job: str, sp: int, include_for_metrics: list[str] | None = N
     if dist.get_rank() == 0:
         write_json(os.path.join(_out(job), "result.json"), {"metrics": metrics, "predict": predicted.metrics})
         torch.save(
-            {"predictions": torch.as_tensor(predicted.predictions), "labels": torch.as_tensor(predicted.label_ids)},
+            {
+                "predictions": torch.as_tensor(first(predicted.predictions)),
+                "labels": torch.as_tensor(predicted.label_ids),
+            },
             os.path.join(_out(job), "predicted.pt"),
         )
 
@@ -310,11 +314,12 @@ def accelerate_loop(job: str, sp: int, fsdp2: bool = False, steps: int = 6) -> N
 
 def accelerate_metrics(job: str, sp: int, ring: int | None = None) -> None:
     """An eval loop gathering per-sample ids (sequence_dim None) and the shards' tokens, targets and logits (whole
-    sequences) with ``loss_fn.gather_for_metrics``; rank 0 writes what each rank got, in order. A per-sample tensor
-    that differs inside an SP group is refused on every rank."""
+    sequences) with ``loss_fn.gather_for_metrics``, a bool mask and a scalar too; rank 0 writes what each rank got,
+    in order. A per-sample tensor that differs inside an SP group is refused on every rank, as are unlike shards."""
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
+    from ulysses_sp import gather_sequence
     from ulysses_sp.integrations import SequenceParallelConfig
 
     accelerator = Accelerator(cpu=True)
@@ -334,15 +339,24 @@ def accelerate_metrics(job: str, sp: int, ring: int | None = None) -> None:
                 accelerator, {"input_ids": batch["input_ids"], "shift_labels": batch["shift_labels"], "logits": logits},
                 sequence_dim=1,
             )  # fmt: skip
+            # a bool per-token tensor (padded with False where the dp groups' rows differ in length) and a scalar
+            valid = loss_fn.gather_for_metrics(accelerator, batch["shift_labels"] != -100, sequence_dim=1)
+            assert torch.equal(valid, whole["shift_labels"] != -100)
+            assert loss_fn.gather_for_metrics(accelerator, batch["idx"].sum()).numel() in (1, 2)
             got["idx"] += idx.tolist()
             for key in ("input_ids", "shift_labels", "logits"):
                 got[key] += list(whole[key])
-    mine = torch.tensor([loss_fn.layout.sp_rank])
+    # refused on every rank: a per-sample tensor that differs inside one SP group (dp group 1's with dp=2), and
+    # shards of different ranks
+    layout = loss_fn.layout
+    mine = torch.tensor([layout.sp_rank * (layout.dp_rank if layout.dp > 1 else 1)])
     _expect(
         ValueError,
         "hold different values for a per-sample tensor",
         lambda: loss_fn.gather_for_metrics(accelerator, mine),
     )
+    odd = torch.zeros(2, 4, 3) if layout.sp_rank == 0 else torch.zeros(2, 4)
+    _expect(ValueError, "dim=2 is not a dim of a tensor of shape (2, 4)", lambda: gather_sequence(odd, layout, dim=2))
     if dist.get_rank() == 0:
         os.makedirs(_out(job), exist_ok=True)
         torch.save(got, os.path.join(_out(job), "gathered.pt"))
@@ -394,7 +408,7 @@ def world4() -> dict[str, str]:
             "trainer_dp2_sp2": lambda: ulysses_trainer("trainer_dp2_sp2", 2, eval_samples=8),
             "accelerate_dp2_sp2": lambda: accelerate_loop("accelerate_dp2_sp2", 2, steps=4),
             "trainer_metrics_dp2_sp2": lambda: trainer_metrics(
-                "trainer_metrics_dp2_sp2", 2, sp_tiled_loss=False, preprocess_logits_for_metrics=argmax_logits
+                "trainer_metrics_dp2_sp2", 2, sp_tiled_loss=False, preprocess_logits_for_metrics=argmax_and_top
             ),
             "accelerate_metrics_dp2_sp2": lambda: accelerate_metrics("accelerate_metrics_dp2_sp2", 2),
             "accelerate_metrics_ulysses2_ring2": lambda: accelerate_metrics(

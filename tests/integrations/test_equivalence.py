@@ -20,7 +20,8 @@ from tests.helpers.models import build
 from tests.integrations.common import (
     EVAL_LENGTHS,
     TRAIN_LENGTHS,
-    argmax_logits,
+    argmax_and_top,
+    first,
     pad_collate,
     read_json,
     token_dataset,
@@ -173,7 +174,7 @@ def test_eval_under_sp_equals_one_process_eval(world2_sp, world4, out_dir, job):
     "job, world, argmax", [("trainer_metrics_sp2", 2, False), ("trainer_metrics_dp2_sp2", 4, True)]
 )
 def test_compute_metrics_and_predict_under_sp_equal_one_process(world2_sp, world4, out_dir, job, world, argmax):
-    """compute_metrics gets whole-sequence logits (or preprocess_logits_for_metrics' argmax of them) and labels,
+    """compute_metrics gets whole-sequence logits (or preprocess_logits_for_metrics' pair of tensors) and labels,
     every eval sample once: the metrics one process computes (the tiled loss at sp=2 gets its logits from a second
     forward, and include_for_metrics its inputs and losses; dp=2 x sp=2 evens out the last batch); predict() returns
     one process's logits at every real token."""
@@ -187,12 +188,12 @@ def test_compute_metrics_and_predict_under_sp_equal_one_process(world2_sp, world
         eval_dataset=token_dataset(EVAL_LENGTHS, seed=2),
         data_collator=pad_collate,
         compute_metrics=token_metrics,
-        preprocess_logits_for_metrics=argmax_logits if argmax else None,
+        preprocess_logits_for_metrics=argmax_and_top if argmax else None,
     )
     want, got = reference.evaluate(), result(out_dir, job)
     # (with dp=2 the eval loss of the last sample is that of the batch accelerate evened out, as under plain DDP)
     more = ["eval_loss", "eval_target_logit_sum", "eval_input_sum", "eval_loss_mean"]
-    keys = ["eval_accuracy", "eval_valid"] + (more if world == 2 else [])
+    keys = ["eval_accuracy", "eval_valid", "eval_positions"] + (more if world == 2 else ["eval_top_logit_sum"])
     for key in keys:
         assert abs(got["metrics"][key] - want[key]) < 1e-4, (key, got["metrics"], want)
     predicted = torch.load(os.path.join(out_dir, job, "predicted.pt"))
@@ -202,7 +203,7 @@ def test_compute_metrics_and_predict_under_sp_equal_one_process(world2_sp, world
     for row, n in enumerate(EVAL_LENGTHS):
         torch.testing.assert_close(predicted["labels"][row][:n], torch.as_tensor(expected.label_ids[row][:n]))
         assert (predicted["labels"][row][n:] == -100).all()
-        ours, theirs = predicted["predictions"][row][:n], torch.as_tensor(expected.predictions[row][:n])
+        ours, theirs = predicted["predictions"][row][:n], torch.as_tensor(first(expected.predictions)[row][:n])
         if argmax:
             differ += int((ours != theirs).sum())
         else:

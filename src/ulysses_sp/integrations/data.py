@@ -47,13 +47,15 @@ TOKEN_COUNT_KEY = "ulysses_sp_token_counts"
 
 
 def full_batch_token_counts(batch: Mapping[str, Any], layout: ParallelLayout) -> torch.Tensor:
-    """``[all, attention_mask ones]`` of a collated full batch (-1: no attention_mask) on SP rank 0, zero counts
-    on the others: summed over the world, each SP group's batch counts once, with the tokens one process counts
-    (a shard's own ``input_ids`` also hold the few tokens added to make the length divisible by ``sp``)."""
+    """``[all, attention_mask ones, length]`` of a collated full batch (-1: no attention_mask): the counts on SP
+    rank 0, zero on the others (summed over the world, each SP group's batch counts once, with the tokens one
+    process counts: a shard's own ``input_ids`` also hold the few tokens added to make the length divisible by
+    ``sp``), and on every rank the batch's sequence length (what gathered whole sequences are cut back to)."""
     mask = batch.get("attention_mask")
     counted = layout.sp_rank == 0
     masked = -1 if mask is None else int(mask.sum()) * counted
-    return torch.tensor([batch["input_ids"].numel() * counted, masked])
+    ids = batch["input_ids"]
+    return torch.tensor([ids.numel() * counted, masked, ids.shape[-1]])
 
 
 def shard_full_batch(

@@ -59,6 +59,7 @@ from .data import (
     layout_for_model,
     resolve_core,
 )
+from .metrics import drop_repeats, gather_over_dp
 
 __all__ = ["UlyssesTrainer", "UlyssesTrainerMixin", "resolve_core"]
 
@@ -270,7 +271,7 @@ class UlyssesTrainerMixin:
     # ------------------------------------------------------------------------------------- evaluation
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's loop, gathering each batch loss once per SP group (the Trainer resets it afterwards)."""
-        self.gather_function = self._gather_batch_losses
+        self.gather_function = self._gather_over_dp_groups
         return super().evaluation_loop(*args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
@@ -293,7 +294,7 @@ class UlyssesTrainerMixin:
         Returns ``(loss, logits, labels)``: the loss is the token-weighted mean over the whole batch (all shards),
         the value one process computes on the full batch. Only for ``compute_metrics`` or ``predict()`` (and not
         ``prediction_loss_only``), the logits ``[b, N, vocab]`` and labels ``[b, N]`` of the whole sequences,
-        gathered from the SP group's shards (``N`` rounded up to a multiple of ``sp``, labels -100 there); else
+        gathered from the SP group's shards and cut back to the collated batch's length ``N``; else
         None, and the full sequence is never gathered. Under the tiled loss (which makes no logits) the logits
         cost a second forward of the shard without labels. With ``include_for_metrics=["inputs"]`` the batch's
         input ids are replaced by the whole sequences' after the forward, where the Trainer reads them.
@@ -316,25 +317,24 @@ class UlyssesTrainerMixin:
             dist.all_reduce(loss, group=layout.sp_group)
         if not predict:
             return loss, None, None
+        counts = batch.get(TOKEN_COUNT_KEY)
+        length = int(counts[2]) if counts is not None else None  # the collated batch's: drop the padding for sp
+
+        def whole(shard: torch.Tensor) -> torch.Tensor:  # [b, n, ...] -> [b, length, ...]
+            return gather_sequence(shard, layout)[:, :length]
+
         name = getattr(self.model, "main_input_name", "input_ids")
         if "inputs" in self.args.include_for_metrics and name in batch:
             # the Trainer's evaluation loop reads the inputs for compute_metrics from this batch after this call
-            batch[name] = gather_sequence(batch[name], layout)
+            batch[name] = whole(batch[name])
         labels = inputs.get("labels")
-        return loss, gather_sequence(logits, layout), None if labels is None else gather_sequence(labels, layout)
+        return loss, whole(logits), None if labels is None else whole(labels)
 
-    def _gather_batch_losses(self, losses: torch.Tensor) -> torch.Tensor:
-        # `losses` is equal on the ranks of an SP group: gather it over dp only, then drop the samples that
-        # accelerate repeated to even out the last batch (gather_for_metrics' rule, over dp).
-        layout = self.sp_layout
-        if layout.dp > 1:
-            parts = [torch.empty_like(losses) for _ in range(layout.dp)]
-            dist.all_gather(parts, losses.contiguous(), group=layout.dp_group)
-            losses = torch.cat(parts)
-        state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            losses = losses[: state.remainder]
-        return losses
+    def _gather_over_dp_groups(self, data: Any) -> Any:
+        """The Trainer's ``gather_function`` under SP: the eval losses, logits, labels and inputs (tensors or tuples
+        of them, alike on the ranks of an SP group) gathered over the dp groups only, then the samples accelerate
+        repeated to even out the last batch dropped (gather_for_metrics' rule, over dp)."""
+        return drop_repeats(self.accelerator, gather_over_dp(data, self.sp_layout))
 
 
 def _keep_shard_partials(accelerator: Any) -> Any:

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 from ..layout import ParallelLayout
 from ..sharding import gather_sequence
+from ..validation import replicas_agree
 
-__all__ = ["gather_for_metrics"]
+__all__ = ["drop_repeats", "gather_for_metrics", "gather_over_dp"]
 
 
 def gather_for_metrics(
@@ -44,7 +45,11 @@ def gather_for_metrics(
             with the divisibility padding at the end of each row (``shift_labels`` -100 there).
         layout: the layout the model was parallelized with (``SequenceParallelLoss.layout``).
         sequence_dim: the sequence dim of every tensor of ``input_data``, or None for per-sample tensors.
-        pad_index: fills the end of shorter rows where the dp groups' batches were padded to different lengths.
+        pad_index: fills the end of shorter rows where the dp groups' batches were padded to different lengths
+            (bool tensors: False).
+
+    Tensors that need a gradient are detached (metrics need none). A refusal on any rank (a per-sample tensor that
+    differs inside an SP group, shards that are not alike) raises a ValueError on every rank, never a hang.
     """
     from accelerate.utils import recursively_apply
 
@@ -55,16 +60,32 @@ def gather_for_metrics(
             "gather_for_metrics under SP gathers tensors (in tuples, lists or dicts); reduce other values over "
             f"layout.loss_group first ({error})"
         ) from None
-    if sequence_dim is not None:
-        data = recursively_apply(lambda t: gather_sequence(t, layout, sequence_dim), input_data)
-    else:
-        data = recursively_apply(lambda t: _same_in_group(t, layout), input_data)
-    if layout.dp > 1:
-        data = recursively_apply(lambda t: _gather_over_dp(t, layout, pad_index), data)
+    with replicas_agree(layout):  # a refusal inside one SP group stops every group before the dp gather below
+        if sequence_dim is not None:
+            data = recursively_apply(lambda t: gather_sequence(t.detach(), layout, sequence_dim), input_data)
+        else:
+            data = recursively_apply(lambda t: _same_in_group(t.detach(), layout), input_data)
+    return drop_repeats(accelerator, gather_over_dp(data, layout, pad_index))
+
+
+def gather_over_dp(data: Any, layout: ParallelLayout, pad_index: int | float = -100) -> Any:
+    """Each dp group's tensors ``[b, ...]`` (nested in tuples, lists or dicts; alike on the ranks of a group) ->
+    ``[dp * b, ...]`` in dp order on every rank, shorter dims padded at their end with ``pad_index`` (False for
+    bool); a scalar counts as one row."""
+    from accelerate.utils import recursively_apply
+
+    return recursively_apply(lambda t: _gather_over_dp(t, layout, pad_index), data) if layout.dp > 1 else data
+
+
+def drop_repeats(accelerator: Any, data: Any) -> Any:
+    """Accelerate's cut at the end of a dataloader: the first ``remainder`` rows of each gathered tensor are the
+    last batch's real samples, the rest repeat samples to even it out (a scalar is left whole)."""
+    from accelerate.utils import recursively_apply
+
     state = accelerator.gradient_state
-    if state.end_of_dataloader and state.remainder > 0:  # rows past it repeat samples to even the batch out
-        data = recursively_apply(lambda t: t[: state.remainder], data)
-    return data
+    if not (state.end_of_dataloader and state.remainder > 0):
+        return data
+    return recursively_apply(lambda t: t if t.dim() == 0 else t[: state.remainder], data)
 
 
 def _digest(t: torch.Tensor) -> bytes:
@@ -76,14 +97,14 @@ def _same_in_group(t: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
     """``t`` when every rank of the SP group holds the same values; ValueError on every rank of it otherwise."""
     if layout.sp == 1:
         return t
-    mine = (tuple(t.shape), str(t.dtype), _digest(t))
-    seen: list[object] = [None] * layout.sp
+    mine = (tuple(t.shape), str(t.dtype), _digest(t).hex()[:8])
+    seen: list = [None] * layout.sp
     dist.all_gather_object(seen, mine, group=layout.sp_group)
     if any(other != seen[0] for other in seen):
-        shapes = ", ".join(f"sp_rank {r}: {shape}" for r, (shape, *_) in enumerate(seen))  # type: ignore[misc]
+        held = ", ".join(f"sp_rank {r}: {shape} {dtype} digest {d}" for r, (shape, dtype, d) in enumerate(seen))
         raise ValueError(
             "gather_for_metrics: the ranks of an SP group hold different values for a per-sample tensor "
-            f"({shapes}); pass sequence_dim=1 for per-token tensors of the shards, and reduce a statistic computed "
+            f"({held}); pass sequence_dim=1 for per-token tensors of the shards, and reduce a statistic computed "
             "from a shard over layout.sp_group before gathering it"
         )
     return t
@@ -103,11 +124,20 @@ def _gather_over_dp(t: torch.Tensor, layout: ParallelLayout, pad_index: int | fl
             "gather per-sample tensors of the batch (dim 0 the samples)"
         )
     largest = [max(sizes) for sizes in zip(*shapes, strict=True)]
+    fill = False if t.dtype == torch.bool else pad_index
+    padded = any(shape != tuple(largest) for shape in shapes)
+    if padded and not t.dtype.is_floating_point and t.dtype != torch.bool:
+        info = torch.iinfo(t.dtype)
+        if not (float(fill).is_integer() and info.min <= fill <= info.max):  # every rank sees the same shapes
+            raise ValueError(
+                f"gather_for_metrics: the dp groups' {t.dtype} rows differ in length and pad_index={pad_index!r} "
+                f"does not fit {t.dtype}; pass a pad_index in [{info.min}, {info.max}]"
+            )
     send = t.detach().contiguous()
     send = send.to(torch.uint8) if send.dtype == torch.bool else send  # gloo has no bool
     pad = [p for d in reversed(range(1, send.dim())) for p in (0, largest[d] - send.shape[d])]
     if any(pad):
-        send = F.pad(send, pad, value=pad_index)
+        send = F.pad(send, pad, value=int(fill) if not t.dtype.is_floating_point else fill)
     parts = [torch.empty_like(send) for _ in range(layout.dp)]
     dist.all_gather(parts, send, group=layout.dp_group)
     out = torch.cat(parts)
