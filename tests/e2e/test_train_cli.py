@@ -254,7 +254,7 @@ def test_data_that_runs_out_stops_cleanly_with_dp2_x_sp2_and_ddp(tmp_path, corpu
 
 def test_rewind_new_settings_and_overwrite_never_lose_checkpoints(tmp_path, corpus_file):
     """Resuming from an older checkpoint moves the newer ones aside (never pruned away); a resumed run uses
-    its own --lr; a changed --grad-accum is refused; --overwrite with a bad flag deletes nothing."""
+    its own --lr; a changed --grad-accum or --model is refused; --overwrite with a bad flag deletes nothing."""
     from ulysses_sp.train.optim import lr_factor
 
     out = tmp_path / "run"
@@ -276,6 +276,10 @@ def test_rewind_new_settings_and_overwrite_never_lose_checkpoints(tmp_path, corp
 
     refused = run_cli([*base, "--max-steps", "5", "--grad-accum", "2", "--resume"])
     assert refused.returncode != 0 and "--grad-accum 1 -> 2" in refused.stdout + refused.stderr
+    # another --model: the checkpoint's llama-tiny used to train on under the new name (and its default --lr)
+    refused = run_cli([*base, "--max-steps", "5", "--resume", "--model", "llama-small"])
+    assert refused.returncode == 2 and "--model 'llama-small' differs" in refused.stderr, refused.stderr
+    assert "--model llama-tiny" in refused.stderr and "layout:" not in refused.stdout  # before any rank started
 
     bad = run_cli([*base, "--max-steps", "1", "--overwrite", "--dataset", str(tmp_path / "missing.jsonl")])
     assert bad.returncode != 0 and [p.name for p in list_checkpoints(out)] == ["checkpoint-0000003"]

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from ulysses_sp.cli_config import to_mapping
+from ulysses_sp.cli_config import flag_name, to_mapping
 from ulysses_sp.shapes import SHAPES
 from ulysses_sp.train.checkpoint import find_latest_checkpoint, list_checkpoints, resolve_checkpoint
 from ulysses_sp.train.config import TrainConfig, config_from_dict
@@ -29,7 +29,14 @@ from ulysses_sp.train.integrity import MANIFEST, newest_intact_checkpoint, verif
 from ulysses_sp.train.model_factory import choose_run_layout, hf_model_config, tokenizer_source
 from ulysses_sp.train.outdir import previous_run_files
 
-__all__ = ["RunSpec", "changed_settings", "check_same_batch_plan", "resolve_run", "resume_point"]
+__all__ = [
+    "RunSpec",
+    "changed_settings",
+    "check_same_batch_plan",
+    "check_same_model_and_data",
+    "resolve_run",
+    "resume_point",
+]
 
 # Settings that may change when resuming without changing what the run computes next.
 _FREE_ON_RESUME = {"resume", "overwrite", "nproc", "max_steps", "epochs", "eval_every", "eval_batches", "log_every"}
@@ -150,6 +157,32 @@ def check_same_batch_plan(saved: dict[str, Any], current: TrainConfig) -> None:
         )
 
 
+# Settings that choose the training documents and their order: the saved data position means nothing under others.
+_DATA_SETTINGS = ("seed", "pack", "eval_fraction", "text_field", "dataset_split")
+
+
+def check_same_model_and_data(saved: dict[str, Any], current: TrainConfig, checkpoint: Path) -> None:
+    """Refuse a resume under another ``--model`` (the checkpoint's weights would train on under the new name,
+    with the new name's default --lr) or another setting that chooses the documents and their order."""
+    if "model" in saved and saved["model"] != current.model:
+        raise ValueError(
+            f"--model {current.model!r} differs from the model of {checkpoint} ({saved['model']!r}): --resume "
+            f"continues the checkpoint's weights; resume with --model {saved['model']}, or start a new run from "
+            f"the checkpoint's weights with --model {checkpoint} (and another --output-dir or --overwrite)"
+        )
+    now = to_mapping(current)
+    changed = [
+        f"{flag_name(key)} {saved[key]!r} -> {now[key]!r}"
+        for key in _DATA_SETTINGS
+        if key in saved and saved[key] != now[key]
+    ]
+    if changed:
+        raise ValueError(
+            f"cannot resume {checkpoint} with other training documents or order ({'; '.join(changed)}): the saved "
+            "data position counts tokens of the saved ones; resume with the saved values"
+        )
+
+
 def changed_settings(saved: dict[str, Any], current: TrainConfig) -> list[str]:
     """``"lr: 0.001 -> 0.003"`` for every setting that differs from the checkpoint's and matters."""
     now = to_mapping(current)
@@ -170,6 +203,8 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
     naming the flag or file and the fix. ``--output-dir`` must exist and be held by this run already."""
     notes = []
     resume = resume_point(config)
+    if resume is not None:  # before the tokenizer and the model are looked up under names that may differ
+        check_same_model_and_data(_saved_config(resume), config, resume)
     report_to = config.report_to
     if report_to in _PACKAGES and importlib.util.find_spec(_PACKAGES[report_to]) is None:
         notes.append(
