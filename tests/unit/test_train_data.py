@@ -198,6 +198,16 @@ def test_resume_rejects_a_different_dataset_or_seed():
         SequenceLoader(corpus, schedule=16, seed=2).load_state_dict(state)
     with pytest.raises(ValueError, match="num_docs"):
         SequenceLoader(_synthetic_corpus(num_docs=5), schedule=16, seed=1).load_state_dict(state)
+    # as many documents and tokens, in another order or with one token edited: resumed silently before
+    reordered = corpus.subset(np.arange(corpus.num_docs)[::-1])
+    edited = TokenizedCorpus(corpus.tokens.copy(), corpus.offsets)
+    edited.tokens[3] += 1
+    for other in (reordered, edited):
+        assert (other.num_docs, other.num_tokens) == (corpus.num_docs, corpus.num_tokens)
+        with pytest.raises(ValueError, match="documents differ from the checkpoint's"):
+            SequenceLoader(other, schedule=16, seed=1).load_state_dict(state)
+    del state["fingerprint"]  # a checkpoint saved before fingerprints: resumes on the counts alone
+    SequenceLoader(edited, schedule=16, seed=1).load_state_dict(state)
 
 
 @pytest.mark.parametrize("pack", [True, False])

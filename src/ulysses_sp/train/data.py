@@ -26,8 +26,9 @@ micro-batch takes ``dp_size * batch_size`` consecutive rows from the cursor, and
 rows ``[r * batch_size, (r + 1) * batch_size)``, so ranks never share a token. Rows are cut at the
 sequence length that the schedule gives for the current optimizer step, so a schedule change re-packs
 the rest of the epoch at the new length without skipping or repeating a token. The state is
-``(epoch, token_index, micro_step)``: the future is a pure function of it, so resuming from a
-``state_dict`` reproduces exactly the same rows (even with a different dp size or batch size).
+``(epoch, token_index, micro_step)``: the future is a pure function of it (and of the documents, whose
+fingerprint the state carries), so resuming from a ``state_dict`` reproduces exactly the same rows (even
+with a different dp size or batch size).
 At the end of an epoch the last micro-batch is padded (rows without any tokens are fully padded, with
 all labels -100), so every rank runs the same number of steps. With ``epochs=None`` the data repeats,
 reshuffled each epoch, until the caller stops (at ``max_steps``); with ``epochs=N`` iteration raises
@@ -152,6 +153,7 @@ class SequenceLoader:
             "shuffle": self.shuffle,
             "num_docs": self.corpus.num_docs,
             "num_tokens": self.corpus.num_tokens,
+            "fingerprint": self.corpus.fingerprint,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -163,6 +165,12 @@ class SequenceLoader:
                     f"{self.state_dict()[key]!r}; resume with the same --dataset, --tokenizer, --eval-fraction, "
                     "--seed and --pack"
                 )
+        if state.get("fingerprint", self.corpus.fingerprint) != self.corpus.fingerprint:
+            raise ValueError(
+                "cannot resume the data position: the training documents differ from the checkpoint's (as many "
+                "documents and tokens, but other text or another order); resume with the same --dataset files "
+                "and --tokenizer, or start a new run from the checkpoint's weights with --model <checkpoint>"
+            )
         token_index = int(state["token_index"])
         if not 0 <= token_index < self.corpus.num_tokens:
             raise ValueError(f"saved token_index {token_index} lies outside the data ({self.corpus.num_tokens} tokens)")

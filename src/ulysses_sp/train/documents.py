@@ -16,7 +16,9 @@ tokenizer has a BOS distinct from EOS, as Llama tokenizers do). The rows built f
 from __future__ import annotations
 
 import codecs
+import functools
 import glob
+import hashlib
 import importlib.resources
 import itertools
 import json
@@ -320,6 +322,13 @@ class TokenizedCorpus:
     @property
     def doc_lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """SHA-256 of the documents' tokens and boundaries, in order (what a resumed run must read again)."""
+        digest = hashlib.sha256(np.ascontiguousarray(self.offsets, dtype="<i8").tobytes())
+        digest.update(np.ascontiguousarray(self.tokens, dtype="<i4").tobytes())
+        return digest.hexdigest()
 
     def document(self, index: int) -> np.ndarray:
         """Token ids of document ``index`` (a view)."""
