@@ -54,6 +54,17 @@ def _real_tokens(batches) -> list[int]:
     return [int(t) for b in batches for t in b["input_ids"][b["attention_mask"].bool()]]
 
 
+def _assert_each_token_once(tokens: list[int], corpus: TokenizedCorpus, pack: bool, epochs: int = 1) -> None:
+    """Every token lies in a row once per epoch, except a lone last token (of a document under --no-pack, of
+    the epoch's stream when packed): a row of one token would have nothing to predict."""
+    counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=corpus.num_tokens)
+    assert counts.max() <= epochs
+    missing = np.flatnonzero(counts < epochs)
+    assert np.isin(missing, corpus.offsets[1:] - 1).all(), missing  # only last tokens of documents
+    if pack:
+        assert int((epochs - counts).sum()) <= epochs  # at most the stream's last token, once per epoch
+
+
 def _check_rows(batches, corpus: TokenizedCorpus, seq_len: int | None, pack: bool) -> None:
     """Shapes, dtypes, labels, padding and the position-id rule, using the distinct token ids."""
     doc_of = np.repeat(np.arange(corpus.num_docs), corpus.doc_lengths)
@@ -113,7 +124,7 @@ def test_packing_keeps_every_token_once_and_restarts_positions(batch_size):
     corpus = _synthetic_corpus()
     loader = SequenceLoader(corpus, schedule=16, batch_size=batch_size, seed=3, epochs=1)
     batches = _drain(loader)
-    assert sorted(_real_tokens(batches)) == list(range(corpus.num_tokens))
+    _assert_each_token_once(_real_tokens(batches), corpus, pack=True)
     _check_rows(batches, corpus, seq_len=16, pack=True)
     assert len(batches) == loader.micro_batches_per_epoch(16)
     # packing: only the very last row of the epoch may be padded
@@ -125,9 +136,9 @@ def test_windows_keep_every_token_and_pad_last_window():
     corpus = _synthetic_corpus()
     loader = SequenceLoader(corpus, schedule=16, batch_size=2, pack=False, seed=3, epochs=1)
     batches = _drain(loader)
-    assert sorted(_real_tokens(batches)) == list(range(corpus.num_tokens))
+    _assert_each_token_once(_real_tokens(batches), corpus, pack=False)
     _check_rows(batches, corpus, seq_len=16, pack=False)
-    rows = sum(int(np.ceil(n / 16)) for n in corpus.doc_lengths)
+    rows = sum(n // 16 + (n % 16 >= 2) for n in corpus.doc_lengths)  # a lone last token makes no window
     real_rows = sum(int((b["attention_mask"].sum(dim=1) > 0).sum()) for b in batches)
     assert real_rows == rows
     assert len(batches) == loader.micro_batches_per_epoch(16)
@@ -148,7 +159,7 @@ def test_dp_ranks_get_disjoint_rows_covering_everything(pack):
     assert len(per_rank[0]) == len(per_rank[1])  # same number of steps on every rank: no hang
     tokens = [set(_real_tokens(batches)) for batches in per_rank]
     assert not tokens[0] & tokens[1]
-    assert sorted(_real_tokens(per_rank[0]) + _real_tokens(per_rank[1])) == list(range(corpus.num_tokens))
+    _assert_each_token_once(_real_tokens(per_rank[0]) + _real_tokens(per_rank[1]), corpus, pack=pack)
 
 
 def test_order_is_deterministic_per_seed_and_epoch():
@@ -219,10 +230,31 @@ def test_schedule_repacks_without_losing_tokens(pack):
     lengths = [b["input_ids"].shape[1] for b in batches]
     assert lengths[:8] == [8] * 8 and set(lengths[8:]) == {24}  # 4 optimizer steps x 2 micro-batches at 8
     assert len(batches) == loader.total_micro_batches(epochs=2)
-    tokens = _real_tokens(batches)
-    assert sorted(tokens) == sorted(list(range(corpus.num_tokens)) * 2)  # each token once per epoch
+    _assert_each_token_once(_real_tokens(batches), corpus, pack=pack, epochs=2)
     with pytest.raises(StopIteration):
         next(loader)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_every_micro_batch_has_a_target(pack):
+    """A document of seq_len + 1 tokens (--no-pack), or a stream of seq_len + 1 (packed), used to end in a row of
+    one token: a micro-batch without any target, logged as loss 0.0, on which AdamW still stepped."""
+    corpus = TokenizedCorpus.from_token_lists([list(range(9)), [9, 10], [11], list(range(12, 20))])  # 9, 2, 1, 8
+    for dp_size in (1, 2, 3):
+        loaders = [
+            SequenceLoader(corpus, schedule=8, dp_rank=r, dp_size=dp_size, pack=pack, seed=1, epochs=3)
+            for r in range(dp_size)
+        ]
+        per_rank = [_drain(loader) for loader in loaders]
+        assert len(per_rank[0]) == loaders[0].total_micro_batches(3) == len(per_rank[-1])
+        for micro_batches in zip(*per_rank, strict=True):  # the targets of one micro-batch over the dp ranks
+            rows = torch.cat([b["attention_mask"].sum(dim=1) for b in micro_batches])
+            assert int(rows.max()) >= 2, rows  # at least one token with a next token to predict
+        _assert_each_token_once(sum((_real_tokens(b) for b in per_rank), []), corpus, pack=pack, epochs=3)
+    with pytest.raises(ValueError, match="sequence lengths must be >= 2"):
+        SequenceLoader(corpus, schedule=1)
+    with pytest.raises(ValueError, match="no document of two tokens"):
+        SequenceLoader(TokenizedCorpus.from_token_lists([[1], [2]]), schedule=8, pack=False)
 
 
 def test_split_documents_is_deterministic_and_disjoint():
