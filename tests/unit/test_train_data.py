@@ -12,6 +12,7 @@ from ulysses_sp.train.config import TrainConfig
 from ulysses_sp.train.data import SequenceLoader, build_data
 from ulysses_sp.train.documents import (
     TokenizedCorpus,
+    check_dataset,
     load_bible,
     load_documents,
     load_tokenizer,
@@ -268,6 +269,24 @@ def test_split_documents_is_deterministic_and_disjoint():
     assert not np.array_equal(held.tokens, other.tokens)
     assert split_documents(corpus, 0.0, seed=4) == (corpus, None)
     assert split_documents(corpus, 0.001, seed=4)[1].num_docs == 1  # at least one held-out document
+
+
+def test_one_text_file_with_a_held_out_fraction_is_refused_before_the_ranks(tmp_path):
+    """A .txt file is one document: the default --eval-fraction has nothing to hold out. This was found only on
+    the ranks, and the fix it named (--eval-fraction 0) was refused next for the default --eval-every."""
+    book = tmp_path / "book.txt"
+    book.write_text("In the beginning God created the heaven and the earth.\n" * 20)
+    with pytest.raises(ValueError, match=r"--eval-fraction 0\.05 needs at least 2 documents.*--eval-every 0"):
+        check_dataset(str(book), eval_fraction=0.05)
+    check_dataset(str(book), eval_fraction=0.0)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="each text file is one document"):
+        check_dataset(str(tmp_path), eval_fraction=0.05)  # an empty file is no document
+    (tmp_path / "other.txt").write_text("And the earth was without form, and void.")
+    check_dataset(str(tmp_path), eval_fraction=0.05)
+    one = TokenizedCorpus.from_token_lists([[1, 2, 3]])
+    with pytest.raises(ValueError, match="--eval-fraction 0 --eval-every 0"):
+        split_documents(one, 0.05, seed=0)
 
 
 def test_load_local_files(tmp_path):
