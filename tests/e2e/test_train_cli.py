@@ -234,19 +234,23 @@ def test_under_slurm_a_dead_peer_ends_the_survivor_within_the_timeout(tmp_path, 
 
 def test_data_that_runs_out_stops_cleanly_with_dp2_x_sp2_and_ddp(tmp_path, corpus_file):
     """One epoch over unpacked documents on 4 ranks (2 SP groups): the run stops when the data ends,
-    after exactly the steps the data holds, says so, and saves a final checkpoint."""
-    out = tmp_path / "epochs"
-    args = ["--model", "llama-tiny", "--seq-len", "256", "--nproc", "4", "--sp", "2", "--parallel", "ddp"]
+    after exactly the steps the data holds, says so, and saves a final checkpoint. The last step has one window
+    for 2 SP groups x 2 rows, so the second group holds nothing but padding (that used to kill the run in a
+    mismatched gradient reduction: its attention made zeros that reached no q/k/v projection)."""
+    out, seq_len = tmp_path / "epochs", 128
+    args = ["--model", "llama-tiny", "--seq-len", str(seq_len), "--nproc", "4", "--sp", "2", "--parallel", "ddp"]
+    args += ["--batch-size", "2"]
     args += ["--dataset", str(corpus_file), "--epochs", "1", "--max-steps", "none", "--no-pack", "--eval-every", "0"]
     args += ["--eval-fraction", "0", "--output-dir", str(out)]
-    result = _ok(run_cli(args))
     documents = [json.loads(line)["text"] for line in corpus_file.read_text().splitlines()]
     corpus = tokenize_documents(documents, load_tokenizer())
-    loader = SequenceLoader(corpus, schedule=256, dp_size=2, pack=False, epochs=1)
+    windows = int(sum(-(-length // seq_len) for length in corpus.doc_lengths))
+    assert windows % 4 == 1, "the last micro-batch must give the second SP group padding alone"
+    result = _ok(run_cli(args))
+    loader = SequenceLoader(corpus, schedule=seq_len, batch_size=2, dp_size=2, pack=False, epochs=1)
     expected_steps = loader.total_micro_batches(1)
     train = records(out)
     assert [r["step"] for r in train] == list(range(1, expected_steps + 1))
-    windows = int(sum((length + 255) // 256 for length in corpus.doc_lengths))
     assert sum(r["valid_tokens"] for r in train) == corpus.num_tokens - windows  # every target exactly once
     assert "ran out after 1 epoch" in result.stdout
     assert list_checkpoints(out)[-1].name == f"checkpoint-{expected_steps:07d}"
