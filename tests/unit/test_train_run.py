@@ -48,6 +48,23 @@ def test_a_fresh_run_refuses_an_earlier_runs_files_unless_overwrite(tmp_path):
     assert previous_run_files(tmp_path, config) == []
 
 
+def test_resume_from_another_folder_into_one_that_holds_another_run_is_refused(tmp_path):
+    """--resume runA/checkpoint-1 --output-dir runB moved runB's own newer checkpoints aside and appended runA's
+    continuation to runB's metrics.jsonl: two runs' histories in one folder."""
+    run_a, run_b = tmp_path / "runA", tmp_path / "runB"
+    checkpoint = run_a / "checkpoint-0000001"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text('{"step": 1}')
+    (run_b / "checkpoint-0000004").mkdir(parents=True)
+    (run_b / "checkpoint-0000004" / "trainer_state.json").write_text('{"step": 4}')
+    into_b = TrainConfig(output_dir=str(run_b), resume=str(checkpoint))
+    with pytest.raises(ValueError, match=r"holds another run's files \(checkpoint-0000004\).*empty --output-dir"):
+        resume_point(into_b)
+    (run_b / "checkpoint-0000004" / "trainer_state.json").unlink()  # runB holds no run: resuming into it is fine
+    assert resume_point(into_b) == checkpoint
+    assert resume_point(TrainConfig(output_dir=str(run_a), resume=str(checkpoint))) == checkpoint  # its own folder
+
+
 def test_the_run_spec_is_resolved_once_and_travels_as_json(tmp_path):
     config = load_config(["--output-dir", str(tmp_path), "--seq-len", "256", "--report-to", "wandb"])
     spec = resolve_run(config, world_size=2)

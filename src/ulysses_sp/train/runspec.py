@@ -123,6 +123,14 @@ def resume_point(config: TrainConfig) -> Path | None:
     if isinstance(config.resume, str):
         path = resolve_checkpoint(config.resume)
         candidates = list_checkpoints(path.parent)
+        elsewhere = path.parent.resolve() != output_dir.resolve()
+        if elsewhere and (existing := previous_run_files(output_dir, config)):
+            names = ", ".join(p.name for p in existing[-3:])
+            raise ValueError(
+                f"--resume {config.resume!r} continues a run of {str(path.parent)!r}, but --output-dir "
+                f"{str(output_dir)!r} holds another run's files ({names}), which it would set aside and mix with "
+                f"that run's history; give an empty --output-dir, or --output-dir {str(path.parent)!r}"
+            )
     elif config.resume:
         path = find_latest_checkpoint(output_dir)
         candidates = list_checkpoints(output_dir)
