@@ -100,6 +100,9 @@ def test_a_resume_under_another_model_or_other_documents_is_refused(tmp_path, ch
     with pytest.raises(ValueError, match=needle):
         check_same_model_and_data(saved, TrainConfig(**change), tmp_path)
     check_same_model_and_data({}, TrainConfig(**change), tmp_path)  # a checkpoint without a config.yaml
+    (tmp_path / "base").mkdir(exist_ok=True)  # one local model directory, spelled two ways: the same model
+    spelled = config_to_dict(TrainConfig(model=str(tmp_path / "base")))
+    check_same_model_and_data(spelled, TrainConfig(model=f"{tmp_path}/./base/"), tmp_path)
 
 
 @pytest.mark.parametrize(

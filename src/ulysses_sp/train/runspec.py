@@ -169,10 +169,18 @@ def check_same_batch_plan(saved: dict[str, Any], current: TrainConfig) -> None:
 _DATA_SETTINGS = ("seed", "pack", "eval_fraction", "text_field", "dataset_split")
 
 
+def _same_model(saved: str, current: str) -> bool:
+    """The same name, or two spellings of one local directory (``./base/`` and ``/abs/base``)."""
+    if saved == current:
+        return True
+    paths = [Path(name).expanduser() for name in (saved, current)]
+    return all(path.exists() for path in paths) and paths[0].resolve() == paths[1].resolve()
+
+
 def check_same_model_and_data(saved: dict[str, Any], current: TrainConfig, checkpoint: Path) -> None:
     """Refuse a resume under another ``--model`` (the checkpoint's weights would train on under the new name,
     with the new name's default --lr) or another setting that chooses the documents and their order."""
-    if "model" in saved and saved["model"] != current.model:
+    if "model" in saved and not _same_model(str(saved["model"]), current.model):
         raise ValueError(
             f"--model {current.model!r} differs from the model of {checkpoint} ({saved['model']!r}): --resume "
             f"continues the checkpoint's weights; resume with --model {saved['model']}, or start a new run from "
