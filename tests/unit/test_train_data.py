@@ -279,6 +279,11 @@ def test_one_text_file_with_a_held_out_fraction_is_refused_before_the_ranks(tmp_
     with pytest.raises(ValueError, match=r"--eval-fraction 0\.05 needs at least 2 documents.*--eval-every 0"):
         check_dataset(str(book), eval_fraction=0.05)
     check_dataset(str(book), eval_fraction=0.0)
+    binary = tmp_path / "weights.txt"
+    binary.write_bytes(bytes(range(256)))
+    with pytest.raises(ValueError, match="weights.txt is not UTF-8"):  # the file's own problem is named first
+        check_dataset(str(binary), eval_fraction=0.05)
+    binary.unlink()
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match="each text file is one document"):
         check_dataset(str(tmp_path), eval_fraction=0.05)  # an empty file is no document

@@ -178,10 +178,10 @@ def check_dataset(source: str, *, text_field: str = "text", eval_fraction: float
     builder = _builder(source, files)
     if all(Path(f).stat().st_size == 0 for f in files):
         raise ValueError(f"--dataset {source!r} holds no text: every file is empty")
-    if builder == "text" and eval_fraction > 0 and sum(Path(f).stat().st_size > 0 for f in files) < 2:
-        raise ValueError(_too_few_documents(eval_fraction, 1) + " (each text file is one document)")
     for file in files[:_SNIFF_FILES]:
         _sniff(source, file, builder, text_field)
+    if builder == "text" and eval_fraction > 0 and sum(Path(f).stat().st_size > 0 for f in files) < 2:
+        raise ValueError(_too_few_documents(eval_fraction, 1) + " (each text file is one document)")
 
 
 def _hub_error(source: str, error: BaseException) -> str:
