@@ -341,6 +341,12 @@ class UlyssesAttention:
             softcap=call.softcap,
             dropout=call.dropout,
         )  # [b, N/R, h, d]
+        if torch.is_grad_enabled() and not out.requires_grad and any(x.requires_grad for x in (q, k, v)):
+            # nothing but padding here (an epoch's last batch can leave a replica without tokens): the core made
+            # zeros without a graph, so q/k/v's projections would get no gradient on this replica alone and
+            # DDP / FSDP2 would pair its next collective with the others' gradient reduction. Sums of empty
+            # slices (0, whatever q holds) hand them zero gradients instead.
+            out = out + sum(x[..., :0].sum() for x in (q, k, v)).to(out.dtype)
         return out[..., : call.d_v] if out.shape[-1] != call.d_v else out
 
     def __call__(

@@ -234,19 +234,23 @@ def test_under_slurm_a_dead_peer_ends_the_survivor_within_the_timeout(tmp_path, 
 
 def test_data_that_runs_out_stops_cleanly_with_dp2_x_sp2_and_ddp(tmp_path, corpus_file):
     """One epoch over unpacked documents on 4 ranks (2 SP groups): the run stops when the data ends,
-    after exactly the steps the data holds, says so, and saves a final checkpoint."""
-    out = tmp_path / "epochs"
-    args = ["--model", "llama-tiny", "--seq-len", "256", "--nproc", "4", "--sp", "2", "--parallel", "ddp"]
+    after exactly the steps the data holds, says so, and saves a final checkpoint. The last step has one window
+    for 2 SP groups x 2 rows, so the second group holds nothing but padding (that used to kill the run in a
+    mismatched gradient reduction: its attention made zeros that reached no q/k/v projection)."""
+    out, seq_len = tmp_path / "epochs", 128
+    args = ["--model", "llama-tiny", "--seq-len", str(seq_len), "--nproc", "4", "--sp", "2", "--parallel", "ddp"]
+    args += ["--batch-size", "2"]
     args += ["--dataset", str(corpus_file), "--epochs", "1", "--max-steps", "none", "--no-pack", "--eval-every", "0"]
     args += ["--eval-fraction", "0", "--output-dir", str(out)]
-    result = _ok(run_cli(args))
     documents = [json.loads(line)["text"] for line in corpus_file.read_text().splitlines()]
     corpus = tokenize_documents(documents, load_tokenizer())
-    loader = SequenceLoader(corpus, schedule=256, dp_size=2, pack=False, epochs=1)
+    windows = int(sum(-(-length // seq_len) for length in corpus.doc_lengths))
+    assert windows % 4 == 1, "the last micro-batch must give the second SP group padding alone"
+    result = _ok(run_cli(args))
+    loader = SequenceLoader(corpus, schedule=seq_len, batch_size=2, dp_size=2, pack=False, epochs=1)
     expected_steps = loader.total_micro_batches(1)
     train = records(out)
     assert [r["step"] for r in train] == list(range(1, expected_steps + 1))
-    windows = int(sum((length + 255) // 256 for length in corpus.doc_lengths))
     assert sum(r["valid_tokens"] for r in train) == corpus.num_tokens - windows  # every target exactly once
     assert "ran out after 1 epoch" in result.stdout
     assert list_checkpoints(out)[-1].name == f"checkpoint-{expected_steps:07d}"
@@ -254,7 +258,7 @@ def test_data_that_runs_out_stops_cleanly_with_dp2_x_sp2_and_ddp(tmp_path, corpu
 
 def test_rewind_new_settings_and_overwrite_never_lose_checkpoints(tmp_path, corpus_file):
     """Resuming from an older checkpoint moves the newer ones aside (never pruned away); a resumed run uses
-    its own --lr; a changed --grad-accum is refused; --overwrite with a bad flag deletes nothing."""
+    its own --lr; a changed --grad-accum or --model is refused; --overwrite with a bad flag deletes nothing."""
     from ulysses_sp.train.optim import lr_factor
 
     out = tmp_path / "run"
@@ -276,6 +280,10 @@ def test_rewind_new_settings_and_overwrite_never_lose_checkpoints(tmp_path, corp
 
     refused = run_cli([*base, "--max-steps", "5", "--grad-accum", "2", "--resume"])
     assert refused.returncode != 0 and "--grad-accum 1 -> 2" in refused.stdout + refused.stderr
+    # another --model: the checkpoint's llama-tiny used to train on under the new name (and its default --lr)
+    refused = run_cli([*base, "--max-steps", "5", "--resume", "--model", "llama-small"])
+    assert refused.returncode == 2 and "--model 'llama-small' differs" in refused.stderr, refused.stderr
+    assert "--model llama-tiny" in refused.stderr and "layout:" not in refused.stdout  # before any rank started
 
     bad = run_cli([*base, "--max-steps", "1", "--overwrite", "--dataset", str(tmp_path / "missing.jsonl")])
     assert bad.returncode != 0 and [p.name for p in list_checkpoints(out)] == ["checkpoint-0000003"]

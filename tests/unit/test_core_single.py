@@ -102,6 +102,26 @@ def test_sp1_matches_plain_model(arch):
         torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_batch_of_padding_alone_still_reaches_every_parameter(attn):
+    """An epoch's last batch can leave one data-parallel replica nothing but padding. Its core made zeros with
+    no graph, so q/k/v and the norm before them got no gradient there: DDP / FSDP2 on the other replicas
+    waited in a gradient reduction that this one never joined (a gloo size mismatch that killed the run).
+    Every parameter now gets a gradient, zero for such a batch."""
+    model = build("llama", kv_heads=2, attn=attn)
+    layout = U.ParallelLayout.single()
+    U.parallelize(model, layout)
+    batch = make_batch(2, 12)
+    batch["attention_mask"] = torch.zeros_like(batch["input_ids"])
+    batch["labels"] = torch.full_like(batch["input_ids"], -100)
+    loss = U.causal_lm_loss(model, U.shard_batch(batch, layout), layout, num_items_in_batch=5)
+    loss.backward()
+    assert loss.item() == 0.0
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient from a batch of padding"
+        assert not p.grad.any(), name
+
+
 def test_unsupported_core_is_rejected():
     with pytest.raises(ValueError, match=r"unsupported attention core 'flash_attention_9'"):
         U.parallelize(build("llama"), U.ParallelLayout.single(), core="flash_attention_9")

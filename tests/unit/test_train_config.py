@@ -96,6 +96,8 @@ def test_bool_flags_and_resume_forms(tmp_path):
         (["--loss-chunk-mib", "0"], "--loss-chunk-mib must be >= 1"),
         (["--mlp-chunk-tokens", "0"], "--mlp-chunk-tokens must be >= 1"),
         (["--seq-len", "abc"], "--seq-len expects an integer"),
+        (["--seq-len", "1", "--sp", "1"], "--seq-len must be >= 2, got 1"),  # one token: nothing to predict
+        (["--seq-len-schedule", "1:2,64", "--sp", "1"], "--seq-len-schedule lengths must be >= 2"),
         (["--nproc", "3"], "--nproc must be a multiple of --sp"),
         (["--lr", "0"], "--lr must be > 0"),
         (["--eval-fraction", "1.5"], "--eval-fraction must be in [0, 1)"),

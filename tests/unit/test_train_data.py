@@ -12,6 +12,7 @@ from ulysses_sp.train.config import TrainConfig
 from ulysses_sp.train.data import SequenceLoader, build_data
 from ulysses_sp.train.documents import (
     TokenizedCorpus,
+    check_dataset,
     load_bible,
     load_documents,
     load_tokenizer,
@@ -52,6 +53,17 @@ def _drain(loader: SequenceLoader, limit: int = 10_000) -> list[dict[str, torch.
 
 def _real_tokens(batches) -> list[int]:
     return [int(t) for b in batches for t in b["input_ids"][b["attention_mask"].bool()]]
+
+
+def _assert_each_token_once(tokens: list[int], corpus: TokenizedCorpus, pack: bool, epochs: int = 1) -> None:
+    """Every token lies in a row once per epoch, except a lone last token (of a document under --no-pack, of
+    the epoch's stream when packed): a row of one token would have nothing to predict."""
+    counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=corpus.num_tokens)
+    assert counts.max() <= epochs
+    missing = np.flatnonzero(counts < epochs)
+    assert np.isin(missing, corpus.offsets[1:] - 1).all(), missing  # only last tokens of documents
+    if pack:
+        assert int((epochs - counts).sum()) <= epochs  # at most the stream's last token, once per epoch
 
 
 def _check_rows(batches, corpus: TokenizedCorpus, seq_len: int | None, pack: bool) -> None:
@@ -113,7 +125,7 @@ def test_packing_keeps_every_token_once_and_restarts_positions(batch_size):
     corpus = _synthetic_corpus()
     loader = SequenceLoader(corpus, schedule=16, batch_size=batch_size, seed=3, epochs=1)
     batches = _drain(loader)
-    assert sorted(_real_tokens(batches)) == list(range(corpus.num_tokens))
+    _assert_each_token_once(_real_tokens(batches), corpus, pack=True)
     _check_rows(batches, corpus, seq_len=16, pack=True)
     assert len(batches) == loader.micro_batches_per_epoch(16)
     # packing: only the very last row of the epoch may be padded
@@ -125,9 +137,9 @@ def test_windows_keep_every_token_and_pad_last_window():
     corpus = _synthetic_corpus()
     loader = SequenceLoader(corpus, schedule=16, batch_size=2, pack=False, seed=3, epochs=1)
     batches = _drain(loader)
-    assert sorted(_real_tokens(batches)) == list(range(corpus.num_tokens))
+    _assert_each_token_once(_real_tokens(batches), corpus, pack=False)
     _check_rows(batches, corpus, seq_len=16, pack=False)
-    rows = sum(int(np.ceil(n / 16)) for n in corpus.doc_lengths)
+    rows = sum(n // 16 + (n % 16 >= 2) for n in corpus.doc_lengths)  # a lone last token makes no window
     real_rows = sum(int((b["attention_mask"].sum(dim=1) > 0).sum()) for b in batches)
     assert real_rows == rows
     assert len(batches) == loader.micro_batches_per_epoch(16)
@@ -148,7 +160,7 @@ def test_dp_ranks_get_disjoint_rows_covering_everything(pack):
     assert len(per_rank[0]) == len(per_rank[1])  # same number of steps on every rank: no hang
     tokens = [set(_real_tokens(batches)) for batches in per_rank]
     assert not tokens[0] & tokens[1]
-    assert sorted(_real_tokens(per_rank[0]) + _real_tokens(per_rank[1])) == list(range(corpus.num_tokens))
+    _assert_each_token_once(_real_tokens(per_rank[0]) + _real_tokens(per_rank[1]), corpus, pack=pack)
 
 
 def test_order_is_deterministic_per_seed_and_epoch():
@@ -198,6 +210,16 @@ def test_resume_rejects_a_different_dataset_or_seed():
         SequenceLoader(corpus, schedule=16, seed=2).load_state_dict(state)
     with pytest.raises(ValueError, match="num_docs"):
         SequenceLoader(_synthetic_corpus(num_docs=5), schedule=16, seed=1).load_state_dict(state)
+    # as many documents and tokens, in another order or with one token edited: resumed silently before
+    reordered = corpus.subset(np.arange(corpus.num_docs)[::-1])
+    edited = TokenizedCorpus(corpus.tokens.copy(), corpus.offsets)
+    edited.tokens[3] += 1
+    for other in (reordered, edited):
+        assert (other.num_docs, other.num_tokens) == (corpus.num_docs, corpus.num_tokens)
+        with pytest.raises(ValueError, match="documents differ from the checkpoint's"):
+            SequenceLoader(other, schedule=16, seed=1).load_state_dict(state)
+    del state["fingerprint"]  # a checkpoint saved before fingerprints: resumes on the counts alone
+    SequenceLoader(edited, schedule=16, seed=1).load_state_dict(state)
 
 
 @pytest.mark.parametrize("pack", [True, False])
@@ -209,10 +231,31 @@ def test_schedule_repacks_without_losing_tokens(pack):
     lengths = [b["input_ids"].shape[1] for b in batches]
     assert lengths[:8] == [8] * 8 and set(lengths[8:]) == {24}  # 4 optimizer steps x 2 micro-batches at 8
     assert len(batches) == loader.total_micro_batches(epochs=2)
-    tokens = _real_tokens(batches)
-    assert sorted(tokens) == sorted(list(range(corpus.num_tokens)) * 2)  # each token once per epoch
+    _assert_each_token_once(_real_tokens(batches), corpus, pack=pack, epochs=2)
     with pytest.raises(StopIteration):
         next(loader)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_every_micro_batch_has_a_target(pack):
+    """A document of seq_len + 1 tokens (--no-pack), or a stream of seq_len + 1 (packed), used to end in a row of
+    one token: a micro-batch without any target, logged as loss 0.0, on which AdamW still stepped."""
+    corpus = TokenizedCorpus.from_token_lists([list(range(9)), [9, 10], [11], list(range(12, 20))])  # 9, 2, 1, 8
+    for dp_size in (1, 2, 3):
+        loaders = [
+            SequenceLoader(corpus, schedule=8, dp_rank=r, dp_size=dp_size, pack=pack, seed=1, epochs=3)
+            for r in range(dp_size)
+        ]
+        per_rank = [_drain(loader) for loader in loaders]
+        assert len(per_rank[0]) == loaders[0].total_micro_batches(3) == len(per_rank[-1])
+        for micro_batches in zip(*per_rank, strict=True):  # the targets of one micro-batch over the dp ranks
+            rows = torch.cat([b["attention_mask"].sum(dim=1) for b in micro_batches])
+            assert int(rows.max()) >= 2, rows  # at least one token with a next token to predict
+        _assert_each_token_once(sum((_real_tokens(b) for b in per_rank), []), corpus, pack=pack, epochs=3)
+    with pytest.raises(ValueError, match="sequence lengths must be >= 2"):
+        SequenceLoader(corpus, schedule=1)
+    with pytest.raises(ValueError, match="no document of two tokens"):
+        SequenceLoader(TokenizedCorpus.from_token_lists([[1], [2]]), schedule=8, pack=False)
 
 
 def test_split_documents_is_deterministic_and_disjoint():
@@ -226,6 +269,29 @@ def test_split_documents_is_deterministic_and_disjoint():
     assert not np.array_equal(held.tokens, other.tokens)
     assert split_documents(corpus, 0.0, seed=4) == (corpus, None)
     assert split_documents(corpus, 0.001, seed=4)[1].num_docs == 1  # at least one held-out document
+
+
+def test_one_text_file_with_a_held_out_fraction_is_refused_before_the_ranks(tmp_path):
+    """A .txt file is one document: the default --eval-fraction has nothing to hold out. This was found only on
+    the ranks, and the fix it named (--eval-fraction 0) was refused next for the default --eval-every."""
+    book = tmp_path / "book.txt"
+    book.write_text("In the beginning God created the heaven and the earth.\n" * 20)
+    with pytest.raises(ValueError, match=r"--eval-fraction 0\.05 needs at least 2 documents.*--eval-every 0"):
+        check_dataset(str(book), eval_fraction=0.05)
+    check_dataset(str(book), eval_fraction=0.0)
+    binary = tmp_path / "weights.txt"
+    binary.write_bytes(bytes(range(256)))
+    with pytest.raises(ValueError, match="weights.txt is not UTF-8"):  # the file's own problem is named first
+        check_dataset(str(binary), eval_fraction=0.05)
+    binary.unlink()
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="each text file is one document"):
+        check_dataset(str(tmp_path), eval_fraction=0.05)  # an empty file is no document
+    (tmp_path / "other.txt").write_text("And the earth was without form, and void.")
+    check_dataset(str(tmp_path), eval_fraction=0.05)
+    one = TokenizedCorpus.from_token_lists([[1, 2, 3]])
+    with pytest.raises(ValueError, match="--eval-fraction 0 --eval-every 0"):
+        split_documents(one, 0.05, seed=0)
 
 
 def test_load_local_files(tmp_path):

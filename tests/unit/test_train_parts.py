@@ -11,6 +11,7 @@ import pytest
 from ulysses_sp.process_group import under_launcher
 from ulysses_sp.shapes import SHAPES
 from ulysses_sp.train.config import TrainConfig
+from ulysses_sp.train.documents import load_tokenizer
 from ulysses_sp.train.faults import Fault
 from ulysses_sp.train.launch import apply_slurm_env
 from ulysses_sp.train.metrics import MetricsLog, format_summary
@@ -104,6 +105,11 @@ def test_builtin_models_and_the_sp_check():
         resolve_ring(TrainConfig(sp=3, ring=1, nproc=3))
     with pytest.raises(ValueError, match="--model"):
         hf_model_config(TrainConfig(model="./no/such/model"))
+    # a benchmark shape's 512-token vocabulary cannot hold the GPT-2 BPE: named with the shapes that fit, not
+    # "use the model's own tokenizer" (a built-in shape has none) after two transformers warnings
+    bench = TrainConfig(model="llama-bench-tiny")
+    with pytest.raises(ValueError, match=r"'llama-bench-tiny' is a built-in shape with a vocabulary of 512.*llama-t"):
+        hf_model_config(bench, load_tokenizer())
 
 
 def test_flops_per_token_counts_matmul_parameters_and_causal_attention():

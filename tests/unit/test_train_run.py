@@ -10,11 +10,11 @@ import signal
 
 import pytest
 
-from ulysses_sp.train.config import TrainConfig, load_config
+from ulysses_sp.train.config import TrainConfig, config_to_dict, load_config
 from ulysses_sp.train.errors import disk_error, read_rank_errors, report_error
 from ulysses_sp.train.lifeline import RankSignals
 from ulysses_sp.train.outdir import OutputDirLock, prepare_output_dir, previous_run_files, remove_previous_run
-from ulysses_sp.train.runspec import RunSpec, resolve_run, resume_point
+from ulysses_sp.train.runspec import RunSpec, check_same_model_and_data, resolve_run, resume_point
 from ulysses_sp.train.tracking import make_reporter, write_loss_curve
 
 
@@ -48,6 +48,23 @@ def test_a_fresh_run_refuses_an_earlier_runs_files_unless_overwrite(tmp_path):
     assert previous_run_files(tmp_path, config) == []
 
 
+def test_resume_from_another_folder_into_one_that_holds_another_run_is_refused(tmp_path):
+    """--resume runA/checkpoint-1 --output-dir runB moved runB's own newer checkpoints aside and appended runA's
+    continuation to runB's metrics.jsonl: two runs' histories in one folder."""
+    run_a, run_b = tmp_path / "runA", tmp_path / "runB"
+    checkpoint = run_a / "checkpoint-0000001"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text('{"step": 1}')
+    (run_b / "checkpoint-0000004").mkdir(parents=True)
+    (run_b / "checkpoint-0000004" / "trainer_state.json").write_text('{"step": 4}')
+    into_b = TrainConfig(output_dir=str(run_b), resume=str(checkpoint))
+    with pytest.raises(ValueError, match=r"holds another run's files \(checkpoint-0000004\).*empty --output-dir"):
+        resume_point(into_b)
+    (run_b / "checkpoint-0000004" / "trainer_state.json").unlink()  # runB holds no run: resuming into it is fine
+    assert resume_point(into_b) == checkpoint
+    assert resume_point(TrainConfig(output_dir=str(run_a), resume=str(checkpoint))) == checkpoint  # its own folder
+
+
 def test_the_run_spec_is_resolved_once_and_travels_as_json(tmp_path):
     config = load_config(["--output-dir", str(tmp_path), "--seq-len", "256", "--report-to", "wandb"])
     spec = resolve_run(config, world_size=2)
@@ -60,6 +77,32 @@ def test_the_run_spec_is_resolved_once_and_travels_as_json(tmp_path):
     assert spec.model_config().num_attention_heads == 4
     with pytest.raises(ValueError, match="--tokenizer: .*no such directory"):
         resolve_run(TrainConfig(output_dir=str(tmp_path), tokenizer=str(tmp_path / "none")), world_size=2)
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (
+            {"model": "llama-small"},
+            "--model 'llama-small' differs from the model of .*'llama-tiny'.*--model llama-tiny",
+        ),
+        ({"seed": 7}, "--seed 1234 -> 7"),
+        ({"pack": False}, "--pack True -> False"),
+        ({"eval_fraction": 0.2}, "--eval-fraction 0.05 -> 0.2"),
+        ({"text_field": "body"}, "--text-field 'text' -> 'body'"),
+    ],
+)
+def test_a_resume_under_another_model_or_other_documents_is_refused(tmp_path, change, needle):
+    """The checkpoint's weights would train on under another --model's name (and its default --lr); other
+    documents or another order would make the saved data position meaningless."""
+    saved = config_to_dict(TrainConfig(model="llama-tiny"))
+    check_same_model_and_data(saved, TrainConfig(model="llama-tiny", lr=3e-3, sp=1), tmp_path)  # may change
+    with pytest.raises(ValueError, match=needle):
+        check_same_model_and_data(saved, TrainConfig(**change), tmp_path)
+    check_same_model_and_data({}, TrainConfig(**change), tmp_path)  # a checkpoint without a config.yaml
+    (tmp_path / "base").mkdir(exist_ok=True)  # one local model directory, spelled two ways: the same model
+    spelled = config_to_dict(TrainConfig(model=str(tmp_path / "base")))
+    check_same_model_and_data(spelled, TrainConfig(model=f"{tmp_path}/./base/"), tmp_path)
 
 
 @pytest.mark.parametrize(

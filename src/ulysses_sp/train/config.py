@@ -214,7 +214,8 @@ class TrainConfig(Features):
                 raise ValueError(f"{flag_name(f.name)} must be a finite number, got {value}")
         _require(bool(self.model.strip()), "--model must not be empty; give a hub id, a path or 'llama-tiny'")
         _at_least("sp", self.sp, 1)
-        _at_least("seq_len", self.seq_len, self.sp, "--sp so every rank holds at least one token")
+        shortest = max(self.sp, 2)  # a row of one token has nothing to predict
+        _at_least("seq_len", self.seq_len, shortest, "--sp so every rank holds a token" if self.sp > 1 else None)
         if self.ring is not None:
             _at_least("ring", self.ring, 1)
             _require(self.sp % self.ring == 0, f"--ring {self.ring} must divide --sp {self.sp}")
@@ -223,8 +224,8 @@ class TrainConfig(Features):
         self.host_memory_bytes  # noqa: B018 (parses, naming the flag on error)
         for seq_len, _ in self.schedule().stages:
             _require(
-                seq_len >= self.sp,
-                f"--seq-len-schedule lengths must be >= --sp ({self.sp}), got {seq_len}",
+                seq_len >= shortest,
+                f"--seq-len-schedule lengths must be >= {shortest} (and --sp), got {seq_len}",
             )
         if self.nproc is not None:
             _at_least("nproc", self.nproc, 1)

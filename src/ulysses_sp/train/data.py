@@ -26,12 +26,15 @@ micro-batch takes ``dp_size * batch_size`` consecutive rows from the cursor, and
 rows ``[r * batch_size, (r + 1) * batch_size)``, so ranks never share a token. Rows are cut at the
 sequence length that the schedule gives for the current optimizer step, so a schedule change re-packs
 the rest of the epoch at the new length without skipping or repeating a token. The state is
-``(epoch, token_index, micro_step)``: the future is a pure function of it, so resuming from a
-``state_dict`` reproduces exactly the same rows (even with a different dp size or batch size).
+``(epoch, token_index, micro_step)``: the future is a pure function of it (and of the documents, whose
+fingerprint the state carries), so resuming from a ``state_dict`` reproduces exactly the same rows (even
+with a different dp size or batch size).
 At the end of an epoch the last micro-batch is padded (rows without any tokens are fully padded, with
-all labels -100), so every rank runs the same number of steps. With ``epochs=None`` the data repeats,
-reshuffled each epoch, until the caller stops (at ``max_steps``); with ``epochs=N`` iteration raises
-``StopIteration`` after N passes.
+all labels -100), so every rank runs the same number of steps. A row of one token would have no target
+(the loss would be 0 and the optimizer would step on no data): a lone last token of a document
+(``--no-pack``) or of the epoch's stream is left out, so every micro-batch has something to predict.
+With ``epochs=None`` the data repeats, reshuffled each epoch, until the caller stops (at ``max_steps``);
+with ``epochs=N`` iteration raises ``StopIteration`` after N passes.
 """
 
 from __future__ import annotations
@@ -96,8 +99,12 @@ class SequenceLoader:
             schedule = SeqLenSchedule(((schedule, None),))
         if corpus.num_tokens == 0:
             raise ValueError("the dataset has no tokens; check --dataset and --text-field")
-        if schedule.max_seq_len < 1 or min(length for length, _ in schedule.stages) < 1:
-            raise ValueError(f"sequence lengths must be >= 1, got schedule {schedule.stages}")
+        if min(length for length, _ in schedule.stages) < 2:
+            raise ValueError(
+                f"sequence lengths must be >= 2 (a row of one token predicts nothing), got {schedule.stages}"
+            )
+        if int(np.max(corpus.doc_lengths) if not pack else corpus.num_tokens) < 2:
+            raise ValueError("the dataset has no document of two tokens or more: there is nothing to predict")
         if batch_size < 1 or grad_accum < 1:
             raise ValueError(f"batch_size and grad_accum must be >= 1, got {batch_size} and {grad_accum}")
         if not 0 <= dp_rank < dp_size:
@@ -152,6 +159,7 @@ class SequenceLoader:
             "shuffle": self.shuffle,
             "num_docs": self.corpus.num_docs,
             "num_tokens": self.corpus.num_tokens,
+            "fingerprint": self.corpus.fingerprint,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -163,6 +171,12 @@ class SequenceLoader:
                     f"{self.state_dict()[key]!r}; resume with the same --dataset, --tokenizer, --eval-fraction, "
                     "--seed and --pack"
                 )
+        if state.get("fingerprint", self.corpus.fingerprint) != self.corpus.fingerprint:
+            raise ValueError(
+                "cannot resume the data position: the training documents differ from the checkpoint's (as many "
+                "documents and tokens, but other text or another order); resume with the same --dataset files "
+                "and --tokenizer, or start a new run from the checkpoint's weights with --model <checkpoint>"
+            )
         token_index = int(state["token_index"])
         if not 0 <= token_index < self.corpus.num_tokens:
             raise ValueError(f"saved token_index {token_index} lies outside the data ({self.corpus.num_tokens} tokens)")
@@ -193,16 +207,24 @@ class SequenceLoader:
             end = min(end, int(starts[doc + 1]))
         return end
 
-    def _micro_batch_bounds(self, epoch: int, token_index: int, seq_len: int) -> list[tuple[int, int]]:
-        """Stream ranges of the ``dp_size * batch_size`` rows of one micro-batch (empty at the epoch end)."""
+    def _row_start(self, starts: np.ndarray, begin: int) -> int:
+        """``begin``, or the offset past the lone tokens there: a row of one token has no target (its label is
+        shifted out), so a lone last token of a document (``--no-pack``) or of the epoch is never a row."""
+        while begin < int(starts[-1]) and self._row_end(starts, begin, 2) - begin < 2:
+            begin += 1
+        return begin
+
+    def _micro_batch_bounds(self, epoch: int, token_index: int, seq_len: int) -> tuple[list[tuple[int, int]], int]:
+        """Stream ranges of the ``dp_size * batch_size`` rows of one micro-batch (empty at the epoch end) and
+        the offset where the next micro-batch starts."""
         _, starts = self._epoch_order(epoch)
         bounds = []
-        begin = token_index
+        begin = self._row_start(starts, token_index)
         for _ in range(self.dp_size * self.batch_size):
             end = self._row_end(starts, begin, seq_len)
             bounds.append((begin, end))
-            begin = end
-        return bounds
+            begin = self._row_start(starts, end)
+        return bounds, begin
 
     # --- iteration ------------------------------------------------------------------------------------
 
@@ -213,11 +235,10 @@ class SequenceLoader:
         if self.exhausted:
             raise StopIteration
         seq_len = self.seq_len
-        bounds = self._micro_batch_bounds(self.epoch, self.token_index, seq_len)
+        bounds, self.token_index = self._micro_batch_bounds(self.epoch, self.token_index, seq_len)
         mine = bounds[self.dp_rank * self.batch_size : (self.dp_rank + 1) * self.batch_size]
         batch = self._make_batch(self.epoch, mine, seq_len)
         self.micro_step += 1
-        self.token_index = bounds[-1][1]
         if self.token_index >= self.corpus.num_tokens:
             self.epoch += 1
             self.token_index = 0
@@ -263,10 +284,8 @@ class SequenceLoader:
 
     def micro_batches_per_epoch(self, seq_len: int) -> int:
         """Micro-batches in one epoch at a fixed ``seq_len`` (each takes ``dp_size * batch_size`` rows)."""
-        if self.pack:
-            rows = math.ceil(self.corpus.num_tokens / seq_len)
-        else:
-            rows = int(np.sum((self.corpus.doc_lengths + seq_len - 1) // seq_len))
+        lengths = np.array([self.corpus.num_tokens]) if self.pack else self.corpus.doc_lengths
+        rows = int(np.sum(lengths // seq_len + (lengths % seq_len >= 2)))  # a lone last token is no row
         return math.ceil(rows / (self.dp_size * self.batch_size))
 
     def total_micro_batches(self, epochs: int) -> int:
@@ -278,7 +297,7 @@ class SequenceLoader:
             token_index = 0
             while token_index < self.corpus.num_tokens:
                 seq_len = self.schedule.seq_len_at(micro_step // self.grad_accum)
-                token_index = self._micro_batch_bounds(epoch, token_index, seq_len)[-1][1]
+                token_index = self._micro_batch_bounds(epoch, token_index, seq_len)[1]
                 micro_step += 1
         return micro_step
 

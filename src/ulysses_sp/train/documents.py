@@ -16,7 +16,9 @@ tokenizer has a BOS distinct from EOS, as Llama tokenizers do). The rows built f
 from __future__ import annotations
 
 import codecs
+import functools
 import glob
+import hashlib
 import importlib.resources
 import itertools
 import json
@@ -154,12 +156,13 @@ def _sniff(source: str, file: str, builder: str, text_field: str) -> None:
             )
 
 
-def check_dataset(source: str, *, text_field: str = "text") -> None:
+def check_dataset(source: str, *, text_field: str = "text", eval_fraction: float = 0.0) -> None:
     """Cheap checks of ``--dataset`` before any rank starts; ValueError naming the file and the fix.
 
     Local files: they exist, are of one kind, not all empty, and their first 64 KiB are text (UTF-8, no NUL
-    byte) or parquet, the first rows of ``.jsonl`` files JSON objects with ``text_field``. A hub name: its
-    metadata can be read (or is cached). What lies further into the files is checked when the ranks load them.
+    byte) or parquet, the first rows of ``.jsonl`` files JSON objects with ``text_field``; text files (one
+    document each) are at least 2 when ``eval_fraction`` holds some out. A hub name: its metadata can be read
+    (or is cached). What lies further into the files is checked when the ranks load them.
     """
     if source == EMBEDDED_CORPUS:
         return
@@ -177,6 +180,8 @@ def check_dataset(source: str, *, text_field: str = "text") -> None:
         raise ValueError(f"--dataset {source!r} holds no text: every file is empty")
     for file in files[:_SNIFF_FILES]:
         _sniff(source, file, builder, text_field)
+    if builder == "text" and eval_fraction > 0 and sum(Path(f).stat().st_size > 0 for f in files) < 2:
+        raise ValueError(_too_few_documents(eval_fraction, 1) + " (each text file is one document)")
 
 
 def _hub_error(source: str, error: BaseException) -> str:
@@ -321,6 +326,13 @@ class TokenizedCorpus:
     def doc_lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """SHA-256 of the documents' tokens and boundaries, in order (what a resumed run must read again)."""
+        digest = hashlib.sha256(np.ascontiguousarray(self.offsets, dtype="<i8").tobytes())
+        digest.update(np.ascontiguousarray(self.tokens, dtype="<i4").tobytes())
+        return digest.hexdigest()
+
     def document(self, index: int) -> np.ndarray:
         """Token ids of document ``index`` (a view)."""
         return self.tokens[self.offsets[index] : self.offsets[index + 1]]
@@ -357,6 +369,14 @@ def tokenize_documents(documents: Sequence[str], tokenizer: Any, *, chunk_size: 
     return TokenizedCorpus.from_token_lists(token_lists)
 
 
+def _too_few_documents(eval_fraction: float, num_docs: int) -> str:
+    """The refusal of ``--eval-fraction`` on a dataset of fewer than 2 documents (none would be left to train)."""
+    return (
+        f"--eval-fraction {eval_fraction} needs at least 2 documents to hold some out, --dataset has {num_docs}; "
+        "give more documents, or use --eval-fraction 0 --eval-every 0 (no held-out loss)"
+    )
+
+
 def split_documents(
     corpus: TokenizedCorpus, eval_fraction: float, seed: int
 ) -> tuple[TokenizedCorpus, TokenizedCorpus | None]:
@@ -370,10 +390,7 @@ def split_documents(
     if eval_fraction == 0.0:
         return corpus, None
     if corpus.num_docs < 2:
-        raise ValueError(
-            f"--eval-fraction {eval_fraction} needs at least 2 documents to hold some out, the dataset has "
-            f"{corpus.num_docs}; use --eval-fraction 0"
-        )
+        raise ValueError(_too_few_documents(eval_fraction, corpus.num_docs))
     num_eval = min(max(1, round(eval_fraction * corpus.num_docs)), corpus.num_docs - 1)
     order = np.random.default_rng([seed, _SPLIT_SALT]).permutation(corpus.num_docs)
     held_out = np.sort(order[:num_eval])

@@ -55,6 +55,21 @@ def tokenizer_source(config: TrainConfig) -> str | None:
     return None if config.model in SHAPES else config.model
 
 
+def _check_shape_vocab(name: str, tokenizer: Any) -> None:
+    """A built-in shape whose fixed vocabulary is smaller than the tokenizer (a benchmark shape): ValueError naming
+    the shapes that fit (before its config is built with token ids outside that vocabulary)."""
+    vocab = SHAPES[name]["vocab_size"]
+    if tokenizer is None or name in TOKENIZER_SIZED_SHAPES or vocab >= len(tokenizer):
+        return
+    tokens = len(tokenizer)
+    fits = [shape for shape in SHAPES if shape in TOKENIZER_SIZED_SHAPES or SHAPES[shape]["vocab_size"] >= tokens]
+    raise ValueError(
+        f"--model {name!r} is a built-in shape with a vocabulary of {vocab}, smaller than the tokenizer's {tokens} "
+        f"tokens (--tokenizer); train a built-in shape that fits it ({', '.join(fits)}), or give a --tokenizer of "
+        f"at most {vocab} tokens"
+    )
+
+
 def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | None = None) -> Any:
     """The transformers config of the model to train.
 
@@ -63,6 +78,7 @@ def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | No
     naming ``--model`` when it cannot be loaded.
     """
     if source is None and config.model in SHAPES:
+        _check_shape_vocab(config.model, tokenizer)
         special = {"bos_token_id": None, "eos_token_id": EMBEDDED_VOCAB_SIZE - 1, "pad_token_id": None}
         if tokenizer is not None:
             special = {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}

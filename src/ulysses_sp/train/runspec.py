@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from ulysses_sp.cli_config import to_mapping
+from ulysses_sp.cli_config import flag_name, to_mapping
 from ulysses_sp.shapes import SHAPES
 from ulysses_sp.train.checkpoint import find_latest_checkpoint, list_checkpoints, resolve_checkpoint
 from ulysses_sp.train.config import TrainConfig, config_from_dict
@@ -29,7 +29,14 @@ from ulysses_sp.train.integrity import MANIFEST, newest_intact_checkpoint, verif
 from ulysses_sp.train.model_factory import choose_run_layout, hf_model_config, tokenizer_source
 from ulysses_sp.train.outdir import previous_run_files
 
-__all__ = ["RunSpec", "changed_settings", "check_same_batch_plan", "resolve_run", "resume_point"]
+__all__ = [
+    "RunSpec",
+    "changed_settings",
+    "check_same_batch_plan",
+    "check_same_model_and_data",
+    "resolve_run",
+    "resume_point",
+]
 
 # Settings that may change when resuming without changing what the run computes next.
 _FREE_ON_RESUME = {"resume", "overwrite", "nproc", "max_steps", "epochs", "eval_every", "eval_batches", "log_every"}
@@ -116,6 +123,14 @@ def resume_point(config: TrainConfig) -> Path | None:
     if isinstance(config.resume, str):
         path = resolve_checkpoint(config.resume)
         candidates = list_checkpoints(path.parent)
+        elsewhere = path.parent.resolve() != output_dir.resolve()
+        if elsewhere and (existing := previous_run_files(output_dir, config)):
+            names = ", ".join(p.name for p in existing[-3:])
+            raise ValueError(
+                f"--resume {config.resume!r} continues a run of {str(path.parent)!r}, but --output-dir "
+                f"{str(output_dir)!r} holds another run's files ({names}), which it would set aside and mix with "
+                f"that run's history; give an empty --output-dir, or --output-dir {str(path.parent)!r}"
+            )
     elif config.resume:
         path = find_latest_checkpoint(output_dir)
         candidates = list_checkpoints(output_dir)
@@ -150,6 +165,40 @@ def check_same_batch_plan(saved: dict[str, Any], current: TrainConfig) -> None:
         )
 
 
+# Settings that choose the training documents and their order: the saved data position means nothing under others.
+_DATA_SETTINGS = ("seed", "pack", "eval_fraction", "text_field", "dataset_split")
+
+
+def _same_model(saved: str, current: str) -> bool:
+    """The same name, or two spellings of one local directory (``./base/`` and ``/abs/base``)."""
+    if saved == current:
+        return True
+    paths = [Path(name).expanduser() for name in (saved, current)]
+    return all(path.exists() for path in paths) and paths[0].resolve() == paths[1].resolve()
+
+
+def check_same_model_and_data(saved: dict[str, Any], current: TrainConfig, checkpoint: Path) -> None:
+    """Refuse a resume under another ``--model`` (the checkpoint's weights would train on under the new name,
+    with the new name's default --lr) or another setting that chooses the documents and their order."""
+    if "model" in saved and not _same_model(str(saved["model"]), current.model):
+        raise ValueError(
+            f"--model {current.model!r} differs from the model of {checkpoint} ({saved['model']!r}): --resume "
+            f"continues the checkpoint's weights; resume with --model {saved['model']}, or start a new run from "
+            f"the checkpoint's weights with --model {checkpoint} (and another --output-dir or --overwrite)"
+        )
+    now = to_mapping(current)
+    changed = [
+        f"{flag_name(key)} {saved[key]!r} -> {now[key]!r}"
+        for key in _DATA_SETTINGS
+        if key in saved and saved[key] != now[key]
+    ]
+    if changed:
+        raise ValueError(
+            f"cannot resume {checkpoint} with other training documents or order ({'; '.join(changed)}): the saved "
+            "data position counts tokens of the saved ones; resume with the saved values"
+        )
+
+
 def changed_settings(saved: dict[str, Any], current: TrainConfig) -> list[str]:
     """``"lr: 0.001 -> 0.003"`` for every setting that differs from the checkpoint's and matters."""
     now = to_mapping(current)
@@ -170,6 +219,8 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
     naming the flag or file and the fix. ``--output-dir`` must exist and be held by this run already."""
     notes = []
     resume = resume_point(config)
+    if resume is not None:  # before the tokenizer and the model are looked up under names that may differ
+        check_same_model_and_data(_saved_config(resume), config, resume)
     report_to = config.report_to
     if report_to in _PACKAGES and importlib.util.find_spec(_PACKAGES[report_to]) is None:
         notes.append(
@@ -180,7 +231,7 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
     source = tokenizer_source(config)
     flag = "--tokenizer" if config.tokenizer is not None else "--model (its own tokenizer; --tokenizer picks one)"
     tokenizer = load_tokenizer(source, flag=flag)
-    check_dataset(config.dataset, text_field=config.text_field)
+    check_dataset(config.dataset, text_field=config.text_field, eval_fraction=config.eval_fraction)
     model_source = str(resume) if resume else (None if config.model in SHAPES else config.model)
     model_config = hf_model_config(config, tokenizer, source=model_source)
     vocab_size = model_config.get_text_config().vocab_size
