@@ -45,6 +45,7 @@ PARITY_ARCHS = {
     "llama_unused_window": 2,  # a sliding_window key that Llama's own mask never applies
     "biogpt": None,  # masks built without position_ids: packed documents attend to each other, as in one process
     "afmoe": 2,
+    "granitemoeshared": 2,  # the MLP's norm also feeds a shared MLP: tiled on its own, not fused into the MLP
 }
 # PhiMoE's router samples (Gumbel) in train mode: two runs never route alike, so it is compared in eval only.
 EVAL_ONLY = {"phimoe_window"}

@@ -283,6 +283,10 @@ MORE_ARCHS.update(
             "biogpt", c, a, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
         ),
         "gpt2": lambda c, w, a: _from_config("gpt2", c, a, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        # the post-attention norm's output feeds the MoE and a shared MLP (not fused into the tiled MLP)
+        "granitemoeshared": lambda c, w, a: _from_config(
+            "granitemoeshared", c, a, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=16
+        ),
         "afmoe": lambda c, w, a: _from_config(
             "afmoe",
             c,
