@@ -157,6 +157,20 @@ def left_padding(layout, arch: str) -> None:
     check_parity(layout, arch, batch=batch, sp_batch={**batch, "position_ids": mask.cumsum(-1) * mask - 1})
 
 
+def ids_numbered_positions(layout) -> None:
+    """RoBERTa numbers tokens from their ids when given no position_ids (padding_idx + 1 + the count of non-pad
+    tokens): shard_batch's 0, 1, ... (silently different before) are refused on every rank, and the model's own
+    numbering is exact. Token ids avoid the pad id (one inside a row would repeat a position: a second document)."""
+    batch = make_batch(2, 23, pad="right", pad_lengths=(0, 7))
+    batch["input_ids"] = batch["input_ids"] % (VOCAB - 1) + 1
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    model = U.parallelize(build("roberta"), layout)
+    shard = U.shard_batch(batch, layout)
+    raises_everywhere(lambda: U.causal_lm_loss(model, shard, layout), "RobertaEmbeddings numbers the tokens", "row 0")
+    own = model.roberta.embeddings.create_position_ids_from_input_ids(batch["input_ids"], model.config.pad_token_id)
+    check_parity(layout, "roberta", batch=batch, sp_batch={**batch, "position_ids": own})
+
+
 def dropout_streams(layout) -> None:
     """Each SP rank draws its own dropout masks (they used to repeat: same generator state, same shapes); the run
     is deterministic, the global generator stays alike on every rank, and activation checkpointing recomputes
@@ -298,6 +312,7 @@ def world2_cases(sp2) -> dict:
         "dropout_streams_per_sp_rank": P(dropout_streams, sp2),
         "opt_left_padding": P(left_padding, sp2, "opt"),
         "biogpt_left_padding": P(left_padding, sp2, "biogpt"),
+        "sp2_roberta_ids_numbered_positions": P(ids_numbered_positions, sp2),
     }
 
 
@@ -305,6 +320,7 @@ def world4_cases(sp4, dp2sp2) -> dict:
     P = functools.partial
     return {
         **parity_cases(sp4, "sp4", 26, ("train",)),  # train mode: forward and backward as in training
+        "sp4_roberta_ids_numbered_positions": P(ids_numbered_positions, sp4),
         **router_aux_cases(sp4, "sp4", make_batch(2, 26, packed=(9, 17)), (True,)),
         **router_aux_cases(dp2sp2, "dp2_sp2", make_batch(4, 22, pad="left"), (False,)),
         "dp2_sp2_qwen3_moe_router_aux_ddp": P(

@@ -287,6 +287,10 @@ MORE_ARCHS.update(
         "granitemoeshared": lambda c, w, a: _from_config(
             "granitemoeshared", c, a, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=16
         ),
+        # numbers tokens from their ids (padding_idx + 1 + ...) when given no position_ids; a causal decoder
+        "roberta": lambda c, w, a: _from_config(
+            "roberta", c, a, is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+        ),
         "afmoe": lambda c, w, a: _from_config(
             "afmoe",
             c,
