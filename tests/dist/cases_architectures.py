@@ -171,6 +171,19 @@ def ids_numbered_positions(layout) -> None:
     check_parity(layout, "roberta", batch=batch, sp_batch={**batch, "position_ids": own})
 
 
+def unshifted_own_loss(layout) -> None:
+    """Whisper's decoder scores token t's logits against labels[t] (its labels come shifted already), and its
+    config's num_attention_heads are its encoder's (2; its decoder has 4): shard_batch's shifted labels are refused
+    on every rank (silently different before), the targets as the model reads them (shift_labels=labels) are
+    exact, at sp=4 too (the config's 2 heads were refused there)."""
+    batch = make_batch(2, 24, pad="right", pad_lengths=(0, 5))
+    model = U.parallelize(build("whisper"), layout)
+    shard = U.shard_batch(batch, layout)
+    raises_everywhere(lambda: U.causal_lm_loss(model, shard, layout), "WhisperForCausalLM's own loss", "shift_labels")
+    targets = {**{k: v for k, v in batch.items() if k != "labels"}, "shift_labels": batch["labels"]}
+    check_parity(layout, "whisper", batch=batch, sp_batch=targets)
+
+
 def dropout_streams(layout) -> None:
     """Each SP rank draws its own dropout masks (they used to repeat: same generator state, same shapes); the run
     is deterministic, the global generator stays alike on every rank, and activation checkpointing recomputes
@@ -313,6 +326,7 @@ def world2_cases(sp2) -> dict:
         "opt_left_padding": P(left_padding, sp2, "opt"),
         "biogpt_left_padding": P(left_padding, sp2, "biogpt"),
         "sp2_roberta_ids_numbered_positions": P(ids_numbered_positions, sp2),
+        "sp2_whisper_unshifted_own_loss": P(unshifted_own_loss, sp2),
     }
 
 
@@ -321,6 +335,7 @@ def world4_cases(sp4, dp2sp2) -> dict:
     return {
         **parity_cases(sp4, "sp4", 26, ("train",)),  # train mode: forward and backward as in training
         "sp4_roberta_ids_numbered_positions": P(ids_numbered_positions, sp4),
+        "sp4_whisper_unshifted_own_loss": P(unshifted_own_loss, sp4),
         **router_aux_cases(sp4, "sp4", make_batch(2, 26, packed=(9, 17)), (True,)),
         **router_aux_cases(dp2sp2, "dp2_sp2", make_batch(4, 22, pad="left"), (False,)),
         "dp2_sp2_qwen3_moe_router_aux_ddp": P(
