@@ -31,7 +31,7 @@ from torch import nn
 from .comm import CommStats, all_gather_tensor, heads_to_seq, qkv_seq_to_heads
 from .cores import AttentionCall, Core, Segments
 from .layout import ParallelLayout
-from .masks import DecoderMasks, left_padding_problem, mask_window
+from .masks import DecoderMasks, ids_positions_problem, left_padding_problem, mask_window
 from .ring import ring_attention, zigzag_order
 from .sliced_core import sliced_core
 from .validation import IGNORE_INDEX, PeerRejected, check_id_ranges, id_range, input_problem, replicas_agree
@@ -195,10 +195,13 @@ class UlyssesAttention:
         if not given:  # sp == 1: the model's own default positions
             position_ids = torch.arange(seq_len, device=layout.device)[None]
         positions = position_ids.expand(batch_size, seq_len)
+        # the token ids, where the model numbers tokens from them when given no position_ids (RoBERTa)
+        ids = input_ids if given and self.masks.positions_from_ids is not None else None
         if layout.sp > 1:
-            positions, attention_mask = self._gather_rows(positions, attention_mask)
+            positions, attention_mask, ids = self._gather_rows(positions, attention_mask, ids)
         # the full rows from here on: every check below gives the same verdict on every rank
         problem = left_padding_problem(positions if given else None, attention_mask, self.masks)
+        problem = problem or ids_positions_problem(positions, ids, attention_mask, self.masks)
         if problem is not None:
             raise ValueError(problem)
         segments = Segments.from_positions(positions, attention_mask, documents=self.masks.documents is not False)
@@ -234,19 +237,19 @@ class UlyssesAttention:
         check_id_ranges([r[4:] for r in reports], self.vocab_size)
 
     def _gather_rows(
-        self, positions: torch.Tensor, attention_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # positions [b, n] local -> [b, N]; mask likewise (shapes already agreed by _agree).
+        self, positions: torch.Tensor, attention_mask: torch.Tensor | None, input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        # positions [b, n] local -> [b, N]; mask and input_ids likewise (shapes already agreed by _agree).
         layout, device = self.layout, positions.device
         batch, n = positions.shape
-        rows = [positions.to(torch.long)]
-        if attention_mask is not None:
-            rows.append(attention_mask.to(device=device, dtype=torch.long))
-        gathered = all_gather_tensor(torch.stack(rows), layout.sp_group, self.stats)  # [P, 1|2, b, n]
-        full = gathered.permute(1, 2, 0, 3).reshape(len(rows), batch, layout.sp * n)  # [1|2, b, N]
+        given = [t for t in (attention_mask, input_ids) if t is not None]
+        rows = [positions.to(torch.long), *(t.to(device=device, dtype=torch.long) for t in given)]
+        gathered = all_gather_tensor(torch.stack(rows), layout.sp_group, self.stats)  # [P, 1..3, b, n]
+        full = gathered.permute(1, 2, 0, 3).reshape(len(rows), batch, layout.sp * n)  # [1..3, b, N]
         if layout.ring > 1:  # shard_batch dealt the tokens in zigzag order: back to sequence order
             full = full.index_select(2, torch.argsort(zigzag_order(layout.sp * n, layout.ring, device)))
-        return full[0], (full[1] if attention_mask is not None else None)
+        mask = full[1] if attention_mask is not None else None
+        return full[0], mask, (full[-1] if input_ids is not None else None)
 
     def segments_for(self, position_ids: torch.Tensor | None) -> Segments:
         """The Segments of the forward pass that ``position_ids`` belongs to."""

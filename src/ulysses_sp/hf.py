@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # imported where a model is searched: the planner reads this 
 
 __all__ = [
     "MLP_NAMES",
+    "attention_head_counts",
     "attention_modules",
     "decoder_layers",
     "decoder_module",
@@ -80,6 +81,20 @@ def head_counts(config: Any) -> tuple[int | None, int | None]:
     text = text_config(config)
     heads = getattr(text, "num_attention_heads", None)
     return heads, getattr(text, "num_key_value_heads", None) or heads
+
+
+def attention_head_counts(config: Any, modules: list[nn.Module]) -> tuple[int | None, int | None]:
+    """:func:`head_counts` of ``config``, unless every attention module in ``modules`` holds an int ``num_heads``,
+    all the same and another: then theirs (with their ``num_key_value_heads``, else no grouping). Whisper's config
+    maps ``num_attention_heads`` to its encoder's heads; its decoder's attention has ``decoder_attention_heads``."""
+    heads, kv_heads = head_counts(config)
+    own = [getattr(m, "num_heads", None) for m in modules]
+    if not own or not all(isinstance(h, int) and not isinstance(h, bool) for h in own) or len(set(own)) != 1:
+        return heads, kv_heads
+    if own[0] == heads:
+        return heads, kv_heads
+    own_kv = {getattr(m, "num_key_value_heads", own[0]) for m in modules}
+    return own[0], own_kv.pop() if len(own_kv) == 1 else own[0]
 
 
 def config_size_problem(config: Any) -> str | None:

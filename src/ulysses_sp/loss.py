@@ -21,6 +21,11 @@ of the full step.
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -188,6 +193,14 @@ def causal_lm_loss(
     from .tiled_loss import ROUTER_LOGITS_TO_CALLER, tiled_loss_enabled
 
     device = layout.device
+    unshifted = unshifted_own_loss(model) if shard.get("labels") is not None else None
+    if unshifted is not None:  # the same model and batch keys on every rank: every rank raises here
+        raise ValueError(
+            f"{unshifted}'s own loss scores the logits of token t against labels[t] (it reads labels shifted "
+            "already, as Whisper's processor makes them), but shard_batch shifted the labels it was given (token t "
+            "against labels[t + 1]), so the loss would differ from one process; give shard_batch the targets as "
+            "the model reads them: shift_labels=labels, and no labels"
+        )
     if shard.get("shift_labels") is None:
         raise ValueError(
             f"the shard has no shift_labels (keys: {sorted(shard)}); pass ulysses_sp.shard_batch's output for a batch "
@@ -210,6 +223,38 @@ def causal_lm_loss(
     if aux is None:
         return mean
     return (mean.double() + aux.coef * aux.loss(sums)).to(torch.float32)
+
+
+def unshifted_own_loss(model: torch.nn.Module) -> str | None:
+    """The class name of the causal LM in ``model`` when its own loss does not shift the labels (logits of token
+    t against ``labels[t]``: Whisper's and the BART family's decoders), else None; read from its forward's code:
+    a cross-entropy with no ``[..., :-1]`` / ``[..., 1:]`` slice and no ``self.loss_function`` (which shifts)."""
+    from .hf import find_causal_lm, own_class
+
+    try:
+        return _unshifted(own_class(find_causal_lm(model, "causal_lm_loss")))
+    except TypeError:  # no transformers causal LM in it: nothing to read
+        return None
+
+
+@functools.cache
+def _unshifted(cls: type) -> str | None:
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    calls = [n.func for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    called = {f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "") for f in calls}
+    cross_entropy = bool(called & {"CrossEntropyLoss", "cross_entropy"})
+    shifted = "loss_function" in {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} or any(
+        isinstance(n, ast.Slice)
+        and (
+            (isinstance(n.upper, ast.UnaryOp) and isinstance(n.upper.op, ast.USub))  # [..., :-1]
+            or (isinstance(n.lower, ast.Constant) and n.lower.value == 1)  # [..., 1:]
+        )
+        for n in ast.walk(tree)
+    )
+    return cls.__name__ if cross_entropy and not shifted else None
 
 
 def _router_statistics(aux, out, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:

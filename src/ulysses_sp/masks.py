@@ -16,8 +16,10 @@ the model itself, never from config keys alone:
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +28,7 @@ from transformers import masking_utils
 __all__ = [
     "DecoderMasks",
     "SlidingWindowMask",
+    "ids_positions_problem",
     "left_padding_problem",
     "mask_window",
     "read_decoder_masks",
@@ -119,6 +122,10 @@ class DecoderMasks:
     positions_from_mask: bool = False
     decoder: str = "the model"  # its class name, for messages
     empty_rows_average: bool = False
+    # ``[b, N]`` input_ids -> the positions a module of the model gives tokens from their ids when it is given no
+    # position_ids (RoBERTa's embeddings: ``padding_idx + 1 + `` the count of non-pad tokens so far), and its name
+    positions_from_ids: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ids_numbering: str = ""
 
 
 def left_padding_problem(
@@ -162,6 +169,51 @@ def left_padding_problem(
         "the tokens from the first one, padding included); pad on the right, or pass shard_batch "
         "position_ids=attention_mask.cumsum(-1) * attention_mask - 1, the model's own"
     )
+
+
+def ids_positions_problem(
+    positions: torch.Tensor, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, masks: DecoderMasks
+) -> str | None:
+    """What is wrong with the positions of the full rows (positions, input_ids, attention_mask ``[b, N]``) of a
+    model that numbers tokens from their ids (``masks.positions_from_ids``), or None. One process gives them those
+    numbers; a row must hold them up to its last real token (trailing padding carries no target)."""
+    if masks.positions_from_ids is None or input_ids is None:
+        return None
+    derived = masks.positions_from_ids(input_ids).to(positions.device)  # [b, N]: the model's own positions
+    index = torch.arange(positions.shape[1], device=positions.device)
+    if attention_mask is None:
+        region = torch.ones_like(derived, dtype=torch.bool)
+    else:
+        mask = attention_mask.to(device=positions.device, dtype=torch.long)
+        region = index[None] <= (mask * index).amax(dim=1, keepdim=True)  # [b, N]: up to each row's last token
+    differs = (positions.to(torch.long) != derived) & region  # [b, N]
+    if not bool(differs.any()):
+        return None
+    row, token = (int(i) for i in torch.nonzero(differs)[0])
+    return (
+        f"{masks.ids_numbering} numbers the tokens from their ids when it is given no position_ids "
+        f"(create_position_ids_from_input_ids: padding_idx + 1 + the count of non-pad tokens so far), so one process "
+        f"gives row {row} token {token} position {int(derived[row, token])}, but the position_ids given hold "
+        f"{int(positions[row, token])} there (shard_batch numbers the tokens 0, 1, ... unless told otherwise); pass "
+        "shard_batch position_ids=<the model's embeddings>.create_position_ids_from_input_ids(input_ids, "
+        "padding_idx), the model's own"
+    )
+
+
+def _ids_numbering(decoder: torch.nn.Module) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None:
+    """The module of ``decoder`` that numbers tokens from their ids when given no position_ids (RoBERTa's
+    embeddings call ``create_position_ids_from_input_ids(input_ids, padding_idx)``), and that numbering."""
+    for module in decoder.modules():
+        number, pad = getattr(module, "create_position_ids_from_input_ids", None), getattr(module, "padding_idx", None)
+        if not callable(number) or not isinstance(pad, int):
+            continue
+        try:
+            calls = "create_position_ids_from_input_ids" in inspect.getsource(type(module).forward)
+        except (OSError, TypeError):
+            calls = True  # unreadable: assume it does
+        if calls:
+            return type(module).__name__, functools.partial(number, padding_idx=pad)
+    return None
 
 
 _BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
@@ -260,10 +312,12 @@ def read_decoder_masks(decoder: torch.nn.Module, attn_implementation: str | None
     """Read :class:`DecoderMasks` from the source of ``type(decoder).forward`` (unknown when it has none);
     ``attn_implementation``: the model's own (before Ulysses)."""
     eager = attn_implementation == "eager"
+    numbering = _ids_numbering(decoder)
+    by_ids = {} if numbering is None else {"ids_numbering": numbering[0], "positions_from_ids": numbering[1]}
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(decoder).forward)))
     except (OSError, TypeError, SyntaxError):
-        return DecoderMasks(documents=None, decoder=type(decoder).__name__, empty_rows_average=eager)
+        return DecoderMasks(documents=None, decoder=type(decoder).__name__, empty_rows_average=eager, **by_ids)
     pairs = _assignments(tree)
     keys = _dict_keys(tree, pairs)
     given = []
@@ -292,4 +346,5 @@ def read_decoder_masks(decoder: torch.nn.Module, attn_implementation: str | None
         positions_from_mask="position_ids" in tainted,
         decoder=type(decoder).__name__,
         empty_rows_average=eager,
+        **by_ids,
     )

@@ -38,7 +38,7 @@ from .comm import CommStats
 from .cores import CORES, Core, get_core
 from .head_chunks import head_chunk_targets, install_head_chunks, remove_head_chunks
 from .head_split import DEFAULT_HEAD_CHUNK_BUDGET_BYTES
-from .hf import attention_modules, decoder_module, find_pretrained, head_counts
+from .hf import attention_head_counts, attention_modules, decoder_module, find_pretrained
 from .layout import ParallelLayout
 from .masks import read_decoder_masks, ulysses_mask
 from .moe import router_aux_loss
@@ -322,7 +322,7 @@ def parallelize(
     if getattr(pretrained, _STATE_ATTR, None) is not None:
         raise ValueError("this model is already parallelized; call ulysses_sp.unparallelize(model) first")
     text_config = pretrained.config.get_text_config()
-    num_heads, num_kv_heads = head_counts(text_config)
+    num_heads, num_kv_heads = attention_head_counts(text_config, attention_modules(pretrained))
     if num_heads is None:
         raise ValueError(f"{type(pretrained).__name__} config has no num_attention_heads; is it a decoder LM?")
     layout.check_heads(num_heads, num_kv_heads)

@@ -14,9 +14,9 @@ writes them: ``pre_feedforward_layernorm`` / ``pre_mlp_layernorm`` (sandwich blo
 ``post_attention_layernorm`` unless the layer also has a ``post_feedforward_layernorm`` / ``post_mlp_layernorm``
 (post-norm blocks such as OLMo 2/3 and EXAONE 4, where ``post_attention_layernorm`` normalises the attention
 output; GLM-4 is counted with them and its MLP's norm is tiled on its own). The tiled MLP checks on every call that it
-received exactly the tensor that norm handed through, and raises a ValueError otherwise; a layer whose
-fused norm's output fed anything but its MLP would not be caught by that check (no transformers decoder is
-built so: the pre-norm, sandwich and parallel blocks all feed the MLP's norm to the MLP alone).
+received exactly the tensor that norm handed through, and raises a ValueError otherwise; that check cannot see a
+fused norm's output fed to something else too (GraniteMoeShared's shared MLP, which would get the unnormalised
+input), so the layer's code is read: a norm whose output feeds anything but its MLP is tiled on its own.
 
 Norms are the children of a decoder layer that are ``nn.LayerNorm`` / ``nn.RMSNorm`` or whose class name
 ends in ``RMSNorm`` / ``LayerNorm`` (token-wise by construction; the tiled forward refuses one that maps
@@ -26,7 +26,10 @@ gradients equal the untiled layer's; the cost is one more forward of each norm p
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
+import textwrap
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .hf import decoder_layers, find_pretrained
+from .hf import MLP_NAMES, decoder_layers, find_pretrained
 from .norm_projections import install_norm_projections, record_output, remove_norm_projections
 from .tiling import NORMS_OFF, TiledForward, TiledMLP, check_chunk_tokens
 
@@ -51,16 +54,53 @@ def is_norm(module: nn.Module) -> bool:
 
 
 def mlp_norm_name(layer: nn.Module) -> str | None:
-    """The child name of the norm whose output feeds ``layer``'s MLP, or None when the names do not say."""
+    """The child name of the norm whose output feeds ``layer``'s MLP and nothing else, or None when the names do
+    not say or the layer's code feeds that output to something else too (GraniteMoeShared: its shared MLP)."""
     children = layer._modules
+    found = None
     for name in _PRE_MLP_NAMES:
-        if is_norm(children.get(name) or nn.Identity()):
-            return name
-    if any(name in children for name in _POST_MLP_NAMES):  # post-norm: post_attention_layernorm follows attention
+        if found is None and is_norm(children.get(name) or nn.Identity()):
+            found = name
+    if found is None and any(name in children for name in _POST_MLP_NAMES):  # post-norm: follows attention
         return None
-    if is_norm(children.get("post_attention_layernorm") or nn.Identity()):
-        return "post_attention_layernorm"
-    return None
+    if found is None and is_norm(children.get("post_attention_layernorm") or nn.Identity()):
+        found = "post_attention_layernorm"
+    mlp = next((name for name in MLP_NAMES if isinstance(children.get(name), nn.Module)), None)
+    return found if found is not None and mlp is not None and _feeds_only(type(layer), found, mlp) else None
+
+
+def _feeds_only(layer_class: type, norm: str, mlp: str) -> bool:
+    """Whether ``layer_class.forward`` hands the output of ``self.<norm>(...)`` to ``self.<mlp>(...)`` alone: every
+    read of the name it is assigned to, until a statement of the same block assigns that name again, is an argument
+    of that call (False when the code cannot be read: the norm is then tiled on its own, which is always exact)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(layer_class.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+
+    def is_call(node: ast.AST, attr: str) -> bool:
+        func = node.func if isinstance(node, ast.Call) else None
+        return isinstance(func, ast.Attribute) and func.attr == attr and isinstance(func.value, ast.Name)
+
+    def assigned(statement: ast.stmt) -> set[str]:
+        targets = statement.targets if isinstance(statement, ast.Assign) else []
+        return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+    for block in (n.body for n in ast.walk(tree) if isinstance(getattr(n, "body", None), list)):
+        for i, statement in enumerate(block):
+            if not (isinstance(statement, ast.Assign) and is_call(statement.value, norm)):
+                continue
+            names = assigned(statement)
+            for later in block[i + 1 :]:
+                fed = {
+                    id(a) for c in ast.walk(later) if is_call(c, mlp) for a in [*c.args, *(k.value for k in c.keywords)]
+                }
+                reads = [n for n in ast.walk(later) if isinstance(n, ast.Name) and n.id in names]
+                if any(id(n) not in fed and isinstance(n.ctx, ast.Load) for n in reads):
+                    return False
+                if assigned(later) & names:
+                    break
+    return True
 
 
 class TiledNorm(TiledForward):

@@ -45,6 +45,7 @@ PARITY_ARCHS = {
     "llama_unused_window": 2,  # a sliding_window key that Llama's own mask never applies
     "biogpt": None,  # masks built without position_ids: packed documents attend to each other, as in one process
     "afmoe": 2,
+    "granitemoeshared": 2,  # the MLP's norm also feeds a shared MLP: tiled on its own, not fused into the MLP
 }
 # PhiMoE's router samples (Gumbel) in train mode: two runs never route alike, so it is compared in eval only.
 EVAL_ONLY = {"phimoe_window"}
@@ -154,6 +155,33 @@ def left_padding(layout, arch: str) -> None:
     raises_everywhere(lambda: U.causal_lm_loss(model, shard, layout), "OPTDecoder derives position ids", "row 1")
     mask = batch["attention_mask"]
     check_parity(layout, arch, batch=batch, sp_batch={**batch, "position_ids": mask.cumsum(-1) * mask - 1})
+
+
+def ids_numbered_positions(layout) -> None:
+    """RoBERTa numbers tokens from their ids when given no position_ids (padding_idx + 1 + the count of non-pad
+    tokens): shard_batch's 0, 1, ... (silently different before) are refused on every rank, and the model's own
+    numbering is exact. Token ids avoid the pad id (one inside a row would repeat a position: a second document)."""
+    batch = make_batch(2, 23, pad="right", pad_lengths=(0, 7))
+    batch["input_ids"] = batch["input_ids"] % (VOCAB - 1) + 1
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    model = U.parallelize(build("roberta"), layout)
+    shard = U.shard_batch(batch, layout)
+    raises_everywhere(lambda: U.causal_lm_loss(model, shard, layout), "RobertaEmbeddings numbers the tokens", "row 0")
+    own = model.roberta.embeddings.create_position_ids_from_input_ids(batch["input_ids"], model.config.pad_token_id)
+    check_parity(layout, "roberta", batch=batch, sp_batch={**batch, "position_ids": own})
+
+
+def unshifted_own_loss(layout) -> None:
+    """Whisper's decoder scores token t's logits against labels[t] (its labels come shifted already), and its
+    config's num_attention_heads are its encoder's (2; its decoder has 4): shard_batch's shifted labels are refused
+    on every rank (silently different before), the targets as the model reads them (shift_labels=labels) are
+    exact, at sp=4 too (the config's 2 heads were refused there)."""
+    batch = make_batch(2, 24, pad="right", pad_lengths=(0, 5))
+    model = U.parallelize(build("whisper"), layout)
+    shard = U.shard_batch(batch, layout)
+    raises_everywhere(lambda: U.causal_lm_loss(model, shard, layout), "WhisperForCausalLM's own loss", "shift_labels")
+    targets = {**{k: v for k, v in batch.items() if k != "labels"}, "shift_labels": batch["labels"]}
+    check_parity(layout, "whisper", batch=batch, sp_batch=targets)
 
 
 def dropout_streams(layout) -> None:
@@ -297,6 +325,8 @@ def world2_cases(sp2) -> dict:
         "dropout_streams_per_sp_rank": P(dropout_streams, sp2),
         "opt_left_padding": P(left_padding, sp2, "opt"),
         "biogpt_left_padding": P(left_padding, sp2, "biogpt"),
+        "sp2_roberta_ids_numbered_positions": P(ids_numbered_positions, sp2),
+        "sp2_whisper_unshifted_own_loss": P(unshifted_own_loss, sp2),
     }
 
 
@@ -304,6 +334,8 @@ def world4_cases(sp4, dp2sp2) -> dict:
     P = functools.partial
     return {
         **parity_cases(sp4, "sp4", 26, ("train",)),  # train mode: forward and backward as in training
+        "sp4_roberta_ids_numbered_positions": P(ids_numbered_positions, sp4),
+        "sp4_whisper_unshifted_own_loss": P(unshifted_own_loss, sp4),
         **router_aux_cases(sp4, "sp4", make_batch(2, 26, packed=(9, 17)), (True,)),
         **router_aux_cases(dp2sp2, "dp2_sp2", make_batch(4, 22, pad="left"), (False,)),
         "dp2_sp2_qwen3_moe_router_aux_ddp": P(

@@ -283,6 +283,31 @@ MORE_ARCHS.update(
             "biogpt", c, a, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
         ),
         "gpt2": lambda c, w, a: _from_config("gpt2", c, a, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        # the post-attention norm's output feeds the MoE and a shared MLP (not fused into the tiled MLP)
+        "granitemoeshared": lambda c, w, a: _from_config(
+            "granitemoeshared", c, a, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=16
+        ),
+        # its own loss does not shift the labels; its config's num_attention_heads are its encoder's (2), its
+        # decoder's attention has decoder_attention_heads (4)
+        "whisper": lambda c, w, a: _from_config(
+            "whisper",
+            {k: v for k, v in c.items() if k not in ("num_attention_heads", "num_key_value_heads")},
+            a,
+            encoder_attention_heads=2,
+            decoder_attention_heads=4,
+            d_model=c["hidden_size"],
+            decoder_layers=2,
+            encoder_layers=1,
+            decoder_ffn_dim=64,
+            encoder_ffn_dim=64,
+            max_target_positions=64,
+            dropout=0.0,
+            decoder_start_token_id=0,
+        ),
+        # numbers tokens from their ids (padding_idx + 1 + ...) when given no position_ids; a causal decoder
+        "roberta": lambda c, w, a: _from_config(
+            "roberta", c, a, is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+        ),
         "afmoe": lambda c, w, a: _from_config(
             "afmoe",
             c,
