@@ -32,7 +32,7 @@ from .comm import CommStats, all_gather_tensor, heads_to_seq, qkv_seq_to_heads
 from .cores import AttentionCall, Core, Segments
 from .layout import ParallelLayout
 from .masks import DecoderMasks, ids_positions_problem, left_padding_problem, mask_window
-from .ring import ring_attention, zigzag_order
+from .ring import from_zigzag, ring_attention
 from .sliced_core import sliced_core
 from .validation import IGNORE_INDEX, PeerRejected, check_id_ranges, id_range, input_problem, replicas_agree
 
@@ -246,8 +246,7 @@ class UlyssesAttention:
         rows = [positions.to(torch.long), *(t.to(device=device, dtype=torch.long) for t in given)]
         gathered = all_gather_tensor(torch.stack(rows), layout.sp_group, self.stats)  # [P, 1..3, b, n]
         full = gathered.permute(1, 2, 0, 3).reshape(len(rows), batch, layout.sp * n)  # [1..3, b, N]
-        if layout.ring > 1:  # shard_batch dealt the tokens in zigzag order: back to sequence order
-            full = full.index_select(2, torch.argsort(zigzag_order(layout.sp * n, layout.ring, device)))
+        full = from_zigzag(full, layout.ring, dim=2)  # shard_batch dealt a ring's tokens in zigzag order
         mask = full[1] if attention_mask is not None else None
         return full[0], mask, (full[-1] if input_ids is not None else None)
 

@@ -53,6 +53,7 @@ from .ring_kernels import default_ring_kernel, get_ring_kernel
 __all__ = [
     "GroupTransport",
     "RingTransport",
+    "from_zigzag",
     "merge_partial",
     "ring_attention",
     "ring_bytes_per_layer",
@@ -74,6 +75,14 @@ def zigzag_order(seq_len: int, ring: int, device: torch.device | str | None = No
     chunks = torch.arange(seq_len, device=device).view(2 * ring, seq_len // (2 * ring))
     pick = [c for i in range(ring) for c in (i, 2 * ring - 1 - i)]
     return chunks[pick].reshape(seq_len)
+
+
+def from_zigzag(x: torch.Tensor, ring: int, dim: int) -> torch.Tensor:
+    """``x`` whose ``dim`` holds a whole sequence in zigzag order (the SP group's shards side by side), back in
+    sequence order; ``x`` itself when ``ring == 1``."""
+    if ring == 1:
+        return x
+    return x.index_select(dim, torch.argsort(zigzag_order(x.shape[dim], ring, x.device)))
 
 
 def ring_bytes_per_layer(

@@ -25,10 +25,18 @@ import torch.nn.functional as F
 
 from .comm import all_gather_tensor
 from .layout import ParallelLayout
-from .ring import zigzag_order
+from .ring import from_zigzag, zigzag_order
 from .validation import IGNORE_INDEX, PeerRejected, bad_id_message, first_bad_id, replicas_agree
 
-__all__ = ["IGNORE_INDEX", "SHARDED_KEYS", "gather_sequence", "pad_to_multiple", "shard_batch", "shift_labels"]
+__all__ = [
+    "IGNORE_INDEX",
+    "SHARDED_KEYS",
+    "gather_sequence",
+    "pad_to_multiple",
+    "shard_batch",
+    "shift_labels",
+    "tensor_digest",
+]
 
 # The per-token keys shard_batch slices over the sequence; any other key passes through untouched.
 SHARDED_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")
@@ -193,9 +201,8 @@ def gather_sequence(x: torch.Tensor, layout: ParallelLayout, dim: int = 1) -> to
     send = send.view(torch.uint8) if send.dtype == torch.bool else send  # gloo has no bool
     parts = [torch.empty_like(send) for _ in range(layout.sp)]
     dist.all_gather(parts, send, group=layout.sp_group)
-    full = torch.cat(parts, dim=dim)  # [..., sp * n, ...] in sp_rank order
-    if layout.ring > 1:  # shard_batch dealt the tokens in zigzag order: back to sequence order
-        full = full.index_select(dim, torch.argsort(zigzag_order(full.shape[dim], layout.ring, full.device)))
+    # [..., sp * n, ...] in sp_rank order; shard_batch dealt a ring's tokens in zigzag order: back to sequence order
+    full = from_zigzag(torch.cat(parts, dim=dim), layout.ring, dim)
     return full.view(torch.bool) if x.dtype == torch.bool else full
 
 
@@ -305,13 +312,18 @@ def _padding_target_problem(full: dict[str, torch.Tensor], ignore_index: int) ->
     )
 
 
+def tensor_digest(x: torch.Tensor) -> bytes:
+    """A 128-bit BLAKE2b digest of ``x``'s values as stored (its dtype's bytes, in order)."""
+    values = x.detach().contiguous().cpu().reshape(-1)
+    return hashlib.blake2b(values.view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
+
+
 def _fingerprint(x: torch.Tensor | None) -> list[torch.Tensor]:
     """(present, a 128-bit BLAKE2b digest of the values as two int64s) of one full ``[b, N]`` tensor: no edit of
     the values can cancel out (paired +1/-1 edits did in a weighted sum)."""
     if x is None:
         return [torch.tensor(0)] * 3
-    values = x.detach().reshape(-1).to(device="cpu", dtype=torch.long).contiguous()
-    digest = hashlib.blake2b(values.numpy().tobytes(), digest_size=16).digest()
+    digest = tensor_digest(x.to(torch.long))
     halves = (int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8))
     return [torch.tensor(1), *(torch.tensor(h) for h in halves)]
 

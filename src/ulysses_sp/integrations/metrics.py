@@ -10,7 +10,6 @@ data parallelism over ``dp`` processes would.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..layout import ParallelLayout
-from ..sharding import gather_sequence
+from ..sharding import gather_sequence, tensor_digest
 from ..validation import replicas_agree
 
 __all__ = ["drop_repeats", "gather_for_metrics", "gather_over_dp"]
@@ -88,16 +87,11 @@ def drop_repeats(accelerator: Any, data: Any) -> Any:
     return recursively_apply(lambda t: t if t.dim() == 0 else t[: state.remainder], data)
 
 
-def _digest(t: torch.Tensor) -> bytes:
-    values = t.detach().contiguous().cpu().reshape(-1)
-    return hashlib.blake2b(values.view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
-
-
 def _same_in_group(t: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
     """``t`` when every rank of the SP group holds the same values; ValueError on every rank of it otherwise."""
     if layout.sp == 1:
         return t
-    mine = (tuple(t.shape), str(t.dtype), _digest(t).hex()[:8])
+    mine = (tuple(t.shape), str(t.dtype), tensor_digest(t).hex()[:8])
     seen: list = [None] * layout.sp
     dist.all_gather_object(seen, mine, group=layout.sp_group)
     if any(other != seen[0] for other in seen):
