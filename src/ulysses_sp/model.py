@@ -43,6 +43,7 @@ from .layout import ParallelLayout
 from .masks import read_decoder_masks, ulysses_mask
 from .moe import router_aux_loss
 from .offload import offload_store
+from .padding import lift_padding_ids
 
 __all__ = ["parallelize", "plain_attention", "ulysses_context", "unparallelize"]
 
@@ -119,6 +120,12 @@ class _BeginForward:
             input_ids=input_ids,
             targets=targets,
         )
+        segments = self.ctx.segments_for(bound.get("position_ids"))
+        lifted = lift_padding_ids(self.pretrained, input_ids, bound.get("attention_mask"), segments, self.ctx.layout)
+        if lifted is not None:  # right pads off the embedding's zero row (see ulysses_sp.padding)
+            call = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+            call.arguments["input_ids"] = lifted
+            args, kwargs = call.args, call.kwargs
         return args, {**kwargs, "use_cache": False}
 
 

@@ -14,7 +14,7 @@ import functools
 import torch
 
 import ulysses_sp as U
-from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, check_parity, reference
+from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, check_parity, reference, sequence_parallel
 from tests.dist.cases_memory_features import full_grad, wrap
 from tests.helpers.harness import run_cases
 from tests.helpers.models import VOCAB, build, build_generic, dp_share, make_batch, router_aux_on
@@ -155,6 +155,21 @@ def left_padding(layout, arch: str) -> None:
     raises_everywhere(lambda: U.causal_lm_loss(model, shard, layout), "OPTDecoder derives position ids", "row 1")
     mask = batch["attention_mask"]
     check_parity(layout, arch, batch=batch, sp_batch={**batch, "position_ids": mask.cumsum(-1) * mask - 1})
+
+
+def zero_pad_embedding(layout, seq_len: int) -> None:
+    """Gemma3n: right pads (the user's and shard_batch's) that hold the embedding's padding_idx (a zero row) get a
+    zero attention output under Ulysses, so their hidden column stays zero and AltUp's ``mean(x**2) ** 0.5`` made
+    every gradient NaN; exact (and finite) now, as in one process. Row 1's pads hold the pad id, as a tokenizer's."""
+    model = build_generic("gemma3n_text", num_kv_shared_layers=0).train()
+    batch = make_batch(2, seq_len, pad="right", pad_lengths=(0, 5))
+    batch["input_ids"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, model.config.pad_token_id)
+    assert model.get_input_embeddings().weight[model.config.pad_token_id].abs().max() == 0
+    ref_loss, ref_grads = reference(model, batch)
+    loss, grads, _ = sequence_parallel(model, batch, layout)
+    torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def ids_numbered_positions(layout) -> None:
@@ -327,6 +342,7 @@ def world2_cases(sp2) -> dict:
         "biogpt_left_padding": P(left_padding, sp2, "biogpt"),
         "sp2_roberta_ids_numbered_positions": P(ids_numbered_positions, sp2),
         "sp2_whisper_unshifted_own_loss": P(unshifted_own_loss, sp2),
+        "sp2_gemma3n_zero_pad_embedding": P(zero_pad_embedding, sp2, 23),  # the user's right pads and the tail
     }
 
 
@@ -336,6 +352,8 @@ def world4_cases(sp4, dp2sp2) -> dict:
         **parity_cases(sp4, "sp4", 26, ("train",)),  # train mode: forward and backward as in training
         "sp4_roberta_ids_numbered_positions": P(ids_numbered_positions, sp4),
         "sp4_whisper_unshifted_own_loss": P(unshifted_own_loss, sp4),
+        "sp4_gemma3n_zero_pad_embedding": P(zero_pad_embedding, sp4, 26),
+        "dp2_sp2_gemma3n_zero_pad_embedding": P(zero_pad_embedding, dp2sp2, 23),
         **router_aux_cases(sp4, "sp4", make_batch(2, 26, packed=(9, 17)), (True,)),
         **router_aux_cases(dp2sp2, "dp2_sp2", make_batch(4, 22, pad="left"), (False,)),
         "dp2_sp2_qwen3_moe_router_aux_ddp": P(

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses_sp as U
+from tests.dist.cases_architectures import zero_pad_embedding
 from tests.dist.cases_core import check_parity
 from tests.helpers.harness import run_cases
 from tests.helpers.models import build, make_batch
@@ -172,6 +173,7 @@ def world2() -> dict[str, str]:
         "ring2_padded_right": P(check_parity, ring2, "llama", batch=make_batch(2, 24, pad="right")),
         "ring2_padded_left": P(check_parity, ring2, "llama", kv_heads=2, batch=make_batch(2, 24, pad="left")),
         "ring2_seq_not_divisible": P(check_parity, ring2, "llama", batch=make_batch(2, 23)),
+        "ring2_gemma3n_zero_pad_embedding": P(zero_pad_embedding, ring2, 23),  # right pads dealt in zigzag order
         "ring2_sliding_window_packed": P(check_parity, ring2, "mistral", batch=make_batch(2, 30, packed=(13, 17))),
         "ring2_qwen2_mixed_window": P(check_parity, ring2, "qwen2", kv_heads=2),
         "ring2_gemma2_softcap": P(check_parity, ring2, "gemma2", kv_heads=2, ref_attn="eager", core="eager"),
