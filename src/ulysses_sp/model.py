@@ -122,10 +122,11 @@ class _BeginForward:
         )
         segments = self.ctx.segments_for(bound.get("position_ids"))
         lifted = lift_padding_ids(self.pretrained, input_ids, bound.get("attention_mask"), segments, self.ctx.layout)
-        if lifted is not None:  # right pads off the embedding's zero row (see ulysses_sp.padding)
-            call = inspect.signature(module.forward).bind_partial(*args, **kwargs)
-            call.arguments["input_ids"] = lifted
-            args, kwargs = call.args, call.kwargs
+        if lifted is not None and "input_ids" in kwargs:  # right pads off the embedding's zero row (ulysses_sp.padding)
+            kwargs = {**kwargs, "input_ids": lifted}
+        elif lifted is not None:  # given positionally
+            where = list(inspect.signature(module.forward).parameters).index("input_ids")
+            args = (*args[:where], lifted, *args[where + 1 :])
         return args, {**kwargs, "use_cache": False}
 
 
