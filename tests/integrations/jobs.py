@@ -81,6 +81,33 @@ def trainer_metrics(job: str, sp: int, include_for_metrics: list[str] | None = N
         )
 
 
+MOE_IGNORED = ["aux_loss", "router_logits"]
+
+
+def trainer_metrics_moe(job: str, sp: int) -> None:
+    """An MoE model whose outputs hold aux_loss and router_logits beside the logits (one process would hand them to
+    compute_metrics as a tuple): refused on every rank; with them in ignore_keys, rank 0 writes the metrics."""
+    from ulysses_sp.integrations import UlyssesTrainer
+
+    trainer = UlyssesTrainer(
+        model=moe_model(),
+        args=trainer_args(_out(job)),
+        eval_dataset=token_dataset(EVAL_LENGTHS, seed=2),
+        data_collator=pad_collate,
+        compute_metrics=token_metrics,
+        sp_size=sp,
+    )
+    try:
+        trainer.evaluate()
+    except ValueError as error:
+        assert "pass ignore_keys=['aux_loss', 'router_logits']" in str(error), error
+    else:
+        raise AssertionError("predictions without their aux_loss and router_logits were not refused")
+    metrics = trainer.evaluate(ignore_keys=MOE_IGNORED)
+    if dist.get_rank() == 0:
+        write_json(os.path.join(_out(job), "result.json"), {"metrics": metrics})
+
+
 def lora_model():
     from peft import LoraConfig, get_peft_model
 
@@ -392,6 +419,7 @@ def world2_sp() -> dict[str, str]:
             "trainer_metrics_sp2": lambda: trainer_metrics(  # tiled loss: 2 forwards
                 "trainer_metrics_sp2", 2, include_for_metrics=["inputs", "loss"]
             ),
+            "trainer_metrics_moe_sp2": lambda: trainer_metrics_moe("trainer_metrics_moe_sp2", 2),
             "accelerate_ddp_sp2": lambda: accelerate_loop("accelerate_ddp_sp2", 2),
             "accelerate_fsdp2_sp2": lambda: accelerate_loop("accelerate_fsdp2_sp2", 2, fsdp2=True),
             "accelerate_metrics_sp2": lambda: accelerate_metrics("accelerate_metrics_sp2", 2),

@@ -29,6 +29,7 @@ from tests.integrations.common import (
     train_losses,
     trainer_args,
 )
+from tests.integrations.jobs import MOE_IGNORED, moe_model
 
 # The Trainer trains a model sharded at load time (from_pretrained(distributed_config=...)) only in transformers
 # whose models report it (is_distributed_loading_by_transformers, read by the Trainer to leave the model unwrapped);
@@ -57,7 +58,7 @@ def world2_plain(out_dir):
 
 @pytest.fixture(scope="module")
 def world2_sp(out_dir):
-    return run_world(2, "tests.integrations.jobs:world2_sp", timeout=300)
+    return run_world(2, "tests.integrations.jobs:world2_sp", timeout=480)
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +210,26 @@ def test_compute_metrics_and_predict_under_sp_equal_one_process(world2_sp, world
         else:
             torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
     assert differ <= 1  # the same next-token guesses (a near tie apart)
+
+
+def test_moe_predictions_beside_logits_refused_then_equal_one_process_when_ignored(world2_sp, out_dir):
+    """Mixtral with output_router_logits: one process hands compute_metrics (aux_loss, logits, router_logits), so SP,
+    which gathers only the logits, refuses; with those keys in ignore_keys both give the logits alone, and the same
+    metrics and loss (the load-balancing term over the whole sequence)."""
+    from transformers import Trainer
+
+    job = "trainer_metrics_moe_sp2"
+    assert_case(world2_sp, job, 2)
+    reference = Trainer(
+        model=moe_model(),
+        args=trainer_args("unused"),
+        eval_dataset=token_dataset(EVAL_LENGTHS, seed=2),
+        data_collator=pad_collate,
+        compute_metrics=token_metrics,
+    )
+    want, got = reference.evaluate(ignore_keys=MOE_IGNORED), result(out_dir, job)["metrics"]
+    for key in ("eval_loss", "eval_accuracy", "eval_valid", "eval_positions", "eval_target_logit_sum"):
+        assert abs(got[key] - want[key]) < 1e-4, (key, got, want)
 
 
 @pytest.mark.parametrize("job", ["trainer_sp2_gas2", FSDP2_JOB])

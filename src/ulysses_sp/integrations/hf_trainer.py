@@ -309,7 +309,10 @@ class UlyssesTrainerMixin:
             loss, outputs = self.compute_loss(model, inputs, num_items_in_batch=count.clamp(min=1), return_outputs=True)
             logits = getattr(outputs, "logits", None) if predict else None
             if predict and logits is None:  # the tiled loss (or the MoE path) returned no logits: the shard's
-                logits = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}).logits
+                outputs = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")})
+                logits = outputs.logits
+        if predict:
+            self._only_logits(outputs, ignore_keys)
         # A loss normalised by num_items_in_batch comes back multiplied by the number of processes (the
         # Trainer's convention for DDP's gradient average); undo it, then add the shards' parts.
         loss = loss.detach().float() / self.accelerator.num_processes
@@ -329,6 +332,23 @@ class UlyssesTrainerMixin:
             batch[name] = whole(batch[name])
         labels = inputs.get("labels")
         return loss, whole(logits), None if labels is None else whole(labels)
+
+    def _only_logits(self, outputs: Any, ignore_keys: list[str] | None) -> None:
+        """Refuse outputs that one process would hand compute_metrics as a tuple with the logits (an MoE model's
+        ``aux_loss`` and ``router_logits``, ``hidden_states``): only the logits are gathered as whole sequences,
+        and a ``predictions[1]`` written for that tuple would silently read a sample's logits instead."""
+        if ignore_keys is None:
+            ignore_keys = getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", None)
+        skipped = {*(ignore_keys if ignore_keys is not None else ["past_key_values"]), "loss", "logits"}
+        extra = [k for k in (outputs.keys() if hasattr(outputs, "keys") else ()) if k not in skipped]
+        if extra:
+            raise ValueError(
+                f"the model's outputs hold {extra} beside the logits, which transformers' Trainer would pass to "
+                "compute_metrics / predict() as a tuple with the logits; under sequence parallelism only the logits "
+                f"are gathered, as whole sequences: pass ignore_keys={extra} to evaluate() / predict() (or set "
+                "model.config.keys_to_ignore_at_inference) so that the predictions are the logits alone, as in one "
+                "process with those keys ignored"
+            )
 
     def _gather_over_dp_groups(self, data: Any) -> Any:
         """The Trainer's ``gather_function`` under SP: the eval losses, logits, labels and inputs (tensors or tuples
