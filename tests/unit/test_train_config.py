@@ -157,12 +157,26 @@ def test_save_config_round_trip(tmp_path):
         lr=2e-4,
         epochs=3,
         max_steps=None,
-        resume="some/dir",
         tokenizer=None,
     )
     path = save_config(config, tmp_path / "out" / "config.yaml")
     assert load_config(["--config", str(path)]) == config
     assert config_from_dict(yaml.safe_load(path.read_text())) == config
+
+
+@pytest.mark.parametrize(
+    "invocation", [{"resume": "runs/old/checkpoint-0000007"}, {"resume": True}, {"overwrite": True}]
+)
+def test_a_saved_config_reproduces_the_run_without_resuming_or_overwriting(invocation, tmp_path):
+    """A checkpoint's config.yaml given to --config: the same run, but no --resume of the old run's path (or of
+    its newest checkpoint) and no --overwrite of its folder; --resume added to it continues the run in place."""
+    config = TrainConfig(output_dir="runs/old", seq_len=256, **invocation)
+    path = save_config(config, tmp_path / "config.yaml")
+    reused = load_config(["--config", str(path)])
+    assert reused == dataclasses.replace(config, resume=False, overwrite=False)
+    assert reused.output_dir == "runs/old"
+    continued = load_config(["--config", str(path), "--resume"])  # refused beside a saved overwrite: true
+    assert continued.resume is True and continued.output_dir == "runs/old"
 
 
 def test_schedule_parsing():

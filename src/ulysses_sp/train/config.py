@@ -7,6 +7,7 @@ The defaults are the embedded CPU demo: a small Llama trained from scratch on th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, fields
@@ -368,5 +369,11 @@ def config_to_dict(config: TrainConfig) -> dict[str, Any]:
 
 
 def save_config(config: TrainConfig, path: str | os.PathLike[str]) -> Path:
-    """Write the config as YAML to ``path`` (parents created); it loads back with ``--config``."""
-    return save_yaml(config, path, "ulysses-sp train config (load with --config)")
+    """Write the config as YAML to ``path`` (parents created); it loads back with ``--config``.
+
+    It describes the run, not the command that started it: ``resume`` and ``overwrite`` (how that command
+    treated ``--output-dir``) are written as false, so ``--config <checkpoint>/config.yaml`` neither resumes a
+    path of the old run nor deletes a folder; ``--resume`` added to it continues the run in its ``output_dir``.
+    """
+    saved = dataclasses.replace(config, resume=False, overwrite=False)
+    return save_yaml(saved, path, "ulysses-sp train config (load with --config; add --resume to continue this run)")
