@@ -274,10 +274,13 @@ def parse_config(
     description: str,
     config_file: bool = True,
     fill: Callable[[dict[str, Any]], None] | None = None,
+    check_flags: Callable[[T, frozenset[str]], None] | None = None,
 ) -> T:
     """Parse ``argv`` into a validated ``cls``: ``--config`` YAML first, then the flags given over it.
 
-    ``fill`` may add derived defaults to the values read (before the config is built). Any bad value exits
+    ``fill`` may add derived defaults to the values read (before the config is built). ``check_flags`` gets
+    the built config and the field names given as flags on the command line (not the YAML file's keys, which
+    a saved config holds all of): for a flag the user typed whose value would go unused. Any bad value exits
     with status 2 and a message naming the flag.
     """
     parser = build_parser(cls, prog=prog, description=description, config_file=config_file)
@@ -289,7 +292,10 @@ def parse_config(
         values.update({name: _coerce(name, raw, kinds[name]) for name, raw in namespace.items()})
         if fill is not None:
             fill(values)
-        return _build(cls, values)
+        config = _build(cls, values)
+        if check_flags is not None:
+            check_flags(config, frozenset(namespace))
+        return config
     except ValueError as error:
         parser.error(str(error))
 

@@ -191,6 +191,23 @@ def test_schedule_parsing():
     assert TrainConfig(seq_len_schedule="64:2,128").schedule().seq_len_at(2) == 128
 
 
+def test_a_seq_len_flag_the_schedule_leaves_unused_is_refused(capsys, tmp_path):
+    """--seq-len is followed only after a last schedule entry with an end step: typed beside a last entry
+    without one, it would be silently ignored."""
+    message = _exit_message(capsys, ["--seq-len", "4096", "--seq-len-schedule", "1024:10,2048"])
+    assert "--seq-len 4096 is not used" in message and "--seq-len-schedule '1024:10,2048'" in message, message
+    assert "'1024:10,2048:N'" in message and "drop --seq-len" in message, message
+    scheduled = _write_yaml(tmp_path, {"seq_len_schedule": "1024:10,2048"})  # the schedule from the YAML file
+    assert "--seq-len 4096 is not used" in _exit_message(capsys, ["--config", scheduled, "--seq-len", "4096"])
+    # used, the same length, or not typed (a default, or a key of a YAML file: a saved config holds every key)
+    assert load_config(["--seq-len", "4096", "--seq-len-schedule", "1024:10"]).schedule().stages[-1] == (4096, None)
+    assert load_config(["--seq-len", "2048", "--seq-len-schedule", "1024:10,2048"]).seq_len == 2048
+    assert load_config(["--seq-len-schedule", "1024:10,2048"]).schedule().stages[-1] == (2048, None)
+    saved = save_config(TrainConfig(seq_len=4096, seq_len_schedule="1024:10,2048"), tmp_path / "saved.yaml")
+    assert load_config(["--config", str(saved)]).seq_len == 4096
+    assert load_config(["--config", str(saved), "--seq-len-schedule", "1024:10"]).schedule().stages[-1] == (4096, None)
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

@@ -42,7 +42,8 @@ class TrainConfig(Features):
         "",
         help="Sequence-length curriculum 'LEN:UNTIL_STEP,...,LEN', e.g. '8192:100,32768:200,131072' "
         "= 8192 until step 100, 32768 until step 200, then 131072. If the last entry has a "
-        "step, --seq-len follows it. Empty = fixed --seq-len.",
+        "step, --seq-len follows it (a --seq-len given with a last entry without one is refused: it would go "
+        "unused). Empty = fixed --seq-len.",
         metavar="SCHEDULE",
     )
     sp: int = option(
@@ -349,13 +350,29 @@ def _fill_default_sp(values: dict[str, Any]) -> None:
         values["sp"] = default_sp(expected_world_size(values.get("nproc"), torch.cuda.device_count(), os.environ))
 
 
+def _check_flags(config: TrainConfig, given: frozenset[str]) -> None:
+    """Refuse a flag given on the command line whose value the run would not use."""
+    if "seq_len" in given and not SeqLenSchedule.follows_default(config.seq_len_schedule):
+        last = config.schedule().stages[-1][0]
+        if last != config.seq_len:
+            raise ValueError(
+                f"--seq-len {config.seq_len} is not used: the last entry of --seq-len-schedule "
+                f"{config.seq_len_schedule!r} has no end step, so {last} holds to the end of the run (--seq-len "
+                f"is followed only after a last entry with a step); drop --seq-len, or end the schedule with a "
+                f"step, e.g. '{config.seq_len_schedule.strip()}:N', for the run to go on at --seq-len after step N"
+            )
+
+
 def load_config(argv: list[str] | None = None) -> TrainConfig:
     """Parse ``argv`` (``sys.argv[1:]`` when None) into a validated :class:`TrainConfig`.
 
     ``--config file.yaml`` is read first and the flags given on the command line override its keys.
-    Unknown YAML keys and invalid values exit with status 2 and a message that names the flag.
+    Unknown YAML keys and invalid values exit with status 2 and a message that names the flag; so does a
+    ``--seq-len`` given on the command line that the ``--seq-len-schedule`` leaves unused.
     """
-    return parse_config(TrainConfig, argv, prog=_PROG, description=_DESCRIPTION, fill=_fill_default_sp)
+    return parse_config(
+        TrainConfig, argv, prog=_PROG, description=_DESCRIPTION, fill=_fill_default_sp, check_flags=_check_flags
+    )
 
 
 def default_sp(world_size: int) -> int:
