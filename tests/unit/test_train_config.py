@@ -88,6 +88,17 @@ def test_bool_flags_and_resume_forms(tmp_path):
     assert load_config(["--config", path, "--no-resume"]).resume is False
 
 
+@pytest.mark.parametrize("spelling", ["none", "None", " NULL ", "false", "no", "off", "0"])
+def test_resume_none_is_no_resume_as_for_the_other_optional_flags(spelling, tmp_path, capsys):
+    assert load_config(["--ring", "none"]).ring is None  # how the optional flags read it
+    assert load_config(["--resume", spelling]).resume is False, "not a checkpoint path named 'none'"
+    assert load_config(["--resume", spelling, "--overwrite"]).overwrite is True  # no resume: no conflict
+    assert load_config(["--config", _write_yaml(tmp_path, {"resume": spelling})]).resume is False
+    assert load_config(["--config", _write_yaml(tmp_path, {"resume": None}, "null.yaml")]).resume is False
+    assert "--resume PATH must not be empty" in _exit_message(capsys, ["--resume", ""])  # "$UNSET" is no choice
+    assert load_config(["--resume", "./none"]).resume == "./none"  # a folder named none
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [

@@ -165,7 +165,7 @@ class TrainConfig(Features):
     resume: bool | str = option(
         False,
         help="--resume = continue from the newest complete checkpoint in --output-dir (start fresh "
-        "if there is none); --resume PATH = from that checkpoint; --no-resume = start fresh.",
+        "if there is none); --resume PATH = from that checkpoint; --no-resume or --resume none = start fresh.",
         metavar="PATH",
     )
     overwrite: bool = option(
