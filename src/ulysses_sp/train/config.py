@@ -84,7 +84,7 @@ class TrainConfig(Features):
     )
     text_field: str = option(
         "text",
-        help="Column that holds the document text in jsonl/parquet/hub datasets.",
+        help="Column that holds the document text in json/jsonl/parquet/hub datasets.",
     )
     tokenizer: str | None = option(
         None,
