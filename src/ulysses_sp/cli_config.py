@@ -4,8 +4,9 @@ A config is a ``@dataclass(kw_only=True)`` whose fields are declared with :func:
 help text, optionally ``choices``/``metavar``). Each field becomes a flag (``seq_len`` -> ``--seq-len``; a
 bool ``pack`` -> ``--pack/--no-pack``; ``bool | str`` -> ``--resume [PATH]`` / ``--no-resume``; a tuple of
 ints -> ``--lens 512,1024``) and a YAML key with the field's own name; a field without a default is required.
-Optional fields read ``none`` as None. Precedence: field defaults < ``--config file.yaml`` < flags given.
-Bad values exit with status 2 and a message naming the flag (``argparse``'s convention).
+Optional fields read ``none`` as None, and a bool-or-path field reads it as false. Precedence: field defaults
+< ``--config file.yaml`` < flags given. Bad values exit with status 2 and a message naming the flag
+(``argparse``'s convention).
 
 Why not tyro or simple-parsing: ``--resume [PATH]`` (a flag that is a bool or a path), ``none`` for optional
 values and the YAML-then-flags precedence with flag-named errors are what ``ulysses-sp train`` promises; the
@@ -129,9 +130,24 @@ def _scalar(label: str, value: Any, kind: type) -> Any:
     raise TypeError(f"unsupported config field type {kind!r} for {label}")
 
 
+def _bool_or_path(label: str, value: Any) -> bool | str:
+    """``--resume [PATH]``: true, false (also ``none``/``null`` and a YAML null, as optional fields read them) or a
+    path. An empty string stays a path, for the config to refuse: ``--resume "$UNSET"`` is no choice of false."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in _TRUE:
+            return True
+        return False if lowered in _FALSE or (lowered and lowered in _NONE) else value
+    raise ValueError(f"{label} expects true, false, none or a path, got {value!r}")
+
+
 def _coerce(name: str, value: Any, kind: _Kind, where: str = "") -> Any:
     """A CLI string or a YAML value -> the field's type; ValueError naming the flag."""
     label = flag_name(name) + where
+    if bool in kind.types and str in kind.types and not kind.sequence:  # bool-or-path, e.g. --resume [PATH]
+        return _bool_or_path(label, value)
     if value is None or (kind.optional and isinstance(value, str) and value.strip().lower() in _NONE):
         if kind.optional:
             return None
@@ -141,13 +157,6 @@ def _coerce(name: str, value: Any, kind: _Kind, where: str = "") -> Any:
         if not isinstance(items, (list, tuple)) or not items:
             raise ValueError(f"{label} expects a comma-separated list, got {value!r}")
         return tuple(_scalar(label, item, kind.types[0]) for item in items)
-    if bool in kind.types and str in kind.types:  # bool-or-path, e.g. --resume [PATH]
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            lowered = value.strip().lower()
-            return True if lowered in _TRUE else False if lowered in _FALSE else value
-        raise ValueError(f"{label} expects true, false or a path, got {value!r}")
     return _scalar(label, value, kind.types[0])
 
 
@@ -274,10 +283,13 @@ def parse_config(
     description: str,
     config_file: bool = True,
     fill: Callable[[dict[str, Any]], None] | None = None,
+    check_flags: Callable[[T, frozenset[str]], None] | None = None,
 ) -> T:
     """Parse ``argv`` into a validated ``cls``: ``--config`` YAML first, then the flags given over it.
 
-    ``fill`` may add derived defaults to the values read (before the config is built). Any bad value exits
+    ``fill`` may add derived defaults to the values read (before the config is built). ``check_flags`` gets
+    the built config and the field names given as flags on the command line (not the YAML file's keys, which
+    a saved config holds all of): for a flag the user typed whose value would go unused. Any bad value exits
     with status 2 and a message naming the flag.
     """
     parser = build_parser(cls, prog=prog, description=description, config_file=config_file)
@@ -289,7 +301,10 @@ def parse_config(
         values.update({name: _coerce(name, raw, kinds[name]) for name, raw in namespace.items()})
         if fill is not None:
             fill(values)
-        return _build(cls, values)
+        config = _build(cls, values)
+        if check_flags is not None:
+            check_flags(config, frozenset(namespace))
+        return config
     except ValueError as error:
         parser.error(str(error))
 

@@ -59,8 +59,12 @@ def records(output_dir: Path, event: str = "train") -> list[dict]:
     path = output_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [json.loads(line, parse_constant=_not_strict) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in lines if r["event"] == event]
+
+
+def _not_strict(name: str) -> None:
+    raise AssertionError(f"metrics.jsonl holds {name}, which is not strict JSON (non-finite values are null)")
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -307,3 +307,15 @@ def test_tiled_loss_measurement_and_its_script(tmp_path):
     argv = ["--tokens", "64", "--hidden", "16", "--vocab", "128", "--rounds", "2", "--chunk-tokens", "0", "16"]
     result = script.main([*argv, "--name", str(tmp_path / "loss")])
     assert len(result["rows"]) == 2 and "| cpu | 16 | 4 |" in (tmp_path / "loss.md").read_text()
+
+
+def test_markdown_none_writes_no_report():
+    """--markdown is a bool-or-path flag like train's --resume: 'none' is no report, not a file named none."""
+    from ulysses_sp.bench.config import BenchConfig
+    from ulysses_sp.cli_config import parse_config
+
+    def markdown_path(*argv: str) -> str | None:
+        return parse_config(BenchConfig, argv, prog="ulysses-sp bench", description="").markdown_path
+
+    assert markdown_path("--markdown", "none") is None and markdown_path("--no-markdown") is None
+    assert markdown_path() == "BENCHMARKS.md" and markdown_path("--markdown", "R.md") == "R.md"

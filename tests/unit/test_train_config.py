@@ -88,6 +88,17 @@ def test_bool_flags_and_resume_forms(tmp_path):
     assert load_config(["--config", path, "--no-resume"]).resume is False
 
 
+@pytest.mark.parametrize("spelling", ["none", "None", " NULL ", "false", "no", "off", "0"])
+def test_resume_none_is_no_resume_as_for_the_other_optional_flags(spelling, tmp_path, capsys):
+    assert load_config(["--ring", "none"]).ring is None  # how the optional flags read it
+    assert load_config(["--resume", spelling]).resume is False, "not a checkpoint path named 'none'"
+    assert load_config(["--resume", spelling, "--overwrite"]).overwrite is True  # no resume: no conflict
+    assert load_config(["--config", _write_yaml(tmp_path, {"resume": spelling})]).resume is False
+    assert load_config(["--config", _write_yaml(tmp_path, {"resume": None}, "null.yaml")]).resume is False
+    assert "--resume PATH must not be empty" in _exit_message(capsys, ["--resume", ""])  # "$UNSET" is no choice
+    assert load_config(["--resume", "./none"]).resume == "./none"  # a folder named none
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
@@ -157,12 +168,26 @@ def test_save_config_round_trip(tmp_path):
         lr=2e-4,
         epochs=3,
         max_steps=None,
-        resume="some/dir",
         tokenizer=None,
     )
     path = save_config(config, tmp_path / "out" / "config.yaml")
     assert load_config(["--config", str(path)]) == config
     assert config_from_dict(yaml.safe_load(path.read_text())) == config
+
+
+@pytest.mark.parametrize(
+    "invocation", [{"resume": "runs/old/checkpoint-0000007"}, {"resume": True}, {"overwrite": True}]
+)
+def test_a_saved_config_reproduces_the_run_without_resuming_or_overwriting(invocation, tmp_path):
+    """A checkpoint's config.yaml given to --config: the same run, but no --resume of the old run's path (or of
+    its newest checkpoint) and no --overwrite of its folder; --resume added to it continues the run in place."""
+    config = TrainConfig(output_dir="runs/old", seq_len=256, **invocation)
+    path = save_config(config, tmp_path / "config.yaml")
+    reused = load_config(["--config", str(path)])
+    assert reused == dataclasses.replace(config, resume=False, overwrite=False)
+    assert reused.output_dir == "runs/old"
+    continued = load_config(["--config", str(path), "--resume"])  # refused beside a saved overwrite: true
+    assert continued.resume is True and continued.output_dir == "runs/old"
 
 
 def test_schedule_parsing():
@@ -175,6 +200,23 @@ def test_schedule_parsing():
     fixed = SeqLenSchedule.parse("", default_seq_len=4096)
     assert fixed.is_fixed and fixed.seq_len_at(123) == 4096
     assert TrainConfig(seq_len_schedule="64:2,128").schedule().seq_len_at(2) == 128
+
+
+def test_a_seq_len_flag_the_schedule_leaves_unused_is_refused(capsys, tmp_path):
+    """--seq-len is followed only after a last schedule entry with an end step: typed beside a last entry
+    without one, it would be silently ignored."""
+    message = _exit_message(capsys, ["--seq-len", "4096", "--seq-len-schedule", "1024:10,2048"])
+    assert "--seq-len 4096 is not used" in message and "--seq-len-schedule '1024:10,2048'" in message, message
+    assert "'1024:10,2048:N'" in message and "drop --seq-len" in message, message
+    scheduled = _write_yaml(tmp_path, {"seq_len_schedule": "1024:10,2048"})  # the schedule from the YAML file
+    assert "--seq-len 4096 is not used" in _exit_message(capsys, ["--config", scheduled, "--seq-len", "4096"])
+    # used, the same length, or not typed (a default, or a key of a YAML file: a saved config holds every key)
+    assert load_config(["--seq-len", "4096", "--seq-len-schedule", "1024:10"]).schedule().stages[-1] == (4096, None)
+    assert load_config(["--seq-len", "2048", "--seq-len-schedule", "1024:10,2048"]).seq_len == 2048
+    assert load_config(["--seq-len-schedule", "1024:10,2048"]).schedule().stages[-1] == (2048, None)
+    saved = save_config(TrainConfig(seq_len=4096, seq_len_schedule="1024:10,2048"), tmp_path / "saved.yaml")
+    assert load_config(["--config", str(saved)]).seq_len == 4096
+    assert load_config(["--config", str(saved), "--seq-len-schedule", "1024:10"]).schedule().stages[-1] == (4096, None)
 
 
 @pytest.mark.parametrize(

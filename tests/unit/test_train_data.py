@@ -294,6 +294,44 @@ def test_one_text_file_with_a_held_out_fraction_is_refused_before_the_ranks(tmp_
         split_documents(one, 0.05, seed=0)
 
 
+_ROWS = [{"body": f"document {i} " * 3, "n": i} for i in range(4)]
+_LONG_ROWS = [{"body": "a long document " * 6000, "n": i} for i in range(2)]  # each row over the 64 KiB read
+_OBJECT = "top-level object"  # one JSON object over several lines: its keys are the columns
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "where"),
+    [
+        ("lines.jsonl", "".join(json.dumps(r) + "\n" for r in _ROWS), "line 1"),
+        ("lines.json", "".join(json.dumps(r) + "\n" for r in _ROWS), "line 1"),  # JSON lines in a .json file
+        ("array.json", json.dumps(_ROWS), "row 1"),
+        ("pretty.json", json.dumps(_ROWS, indent=2), "row 1"),
+        ("object.json", json.dumps({"body": {str(i): r["body"] for i, r in enumerate(_ROWS)}}, indent=2), _OBJECT),
+        ("long.jsonl", "".join(json.dumps(r) + "\n" for r in _LONG_ROWS), "line 1"),
+        ("long.json", json.dumps(_LONG_ROWS), "row 1"),
+    ],
+)
+def test_a_wrong_text_field_is_refused_before_the_ranks_naming_the_fields(name, text, where, tmp_path):
+    """--text-field names no field of a .json / .jsonl file: check_dataset (the launcher, before any rank starts)
+    refuses it with the fields the file has, as the ranks would (they still check the loaded columns)."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"{name} {where}.* has no --text-field 'text' \(it holds \['body'"):
+        check_dataset(str(path))
+    with pytest.raises(ValueError, match="--text-field 'text' is not a column"):  # the ranks' own check stays
+        load_documents(str(path))
+    check_dataset(str(path), text_field="body")
+
+
+def test_an_array_of_strings_is_the_column_text(tmp_path):
+    strings = tmp_path / "strings.json"
+    strings.write_text(json.dumps([f"document {i}" for i in range(3)]))
+    check_dataset(str(strings))
+    assert load_documents(str(strings)) == [f"document {i}" for i in range(3)]  # datasets names the column text
+    with pytest.raises(ValueError, match=r"row 1 has no --text-field 'body' \(it holds \['text'\]\)"):
+        check_dataset(str(strings), text_field="body")
+
+
 def test_load_local_files(tmp_path):
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text(

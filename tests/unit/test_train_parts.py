@@ -14,7 +14,7 @@ from ulysses_sp.train.config import TrainConfig
 from ulysses_sp.train.documents import load_tokenizer
 from ulysses_sp.train.faults import Fault
 from ulysses_sp.train.launch import apply_slurm_env
-from ulysses_sp.train.metrics import MetricsLog, format_summary
+from ulysses_sp.train.metrics import MetricsLog, Progress, format_summary, read_metrics
 from ulysses_sp.train.model_factory import (
     hf_model_config,
     resolve_ring,
@@ -22,6 +22,7 @@ from ulysses_sp.train.model_factory import (
     training_flops_per_token,
 )
 from ulysses_sp.train.optim import lr_factor, planned_steps
+from ulysses_sp.train.tracking import write_loss_curve
 
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():
@@ -78,6 +79,57 @@ def test_metrics_log_drops_the_lost_steps_of_an_interrupted_run(tmp_path):
     assert path.read_text() == ""
     MetricsLog(tmp_path / "other.jsonl", enabled=False).write({"event": "train", "step": 1})
     assert not (tmp_path / "other.jsonl").exists()
+
+
+def _strict_json(line: str) -> dict:
+    """json.loads that refuses NaN / Infinity, as most JSON readers outside Python do."""
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"not strict JSON: {name}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_metrics_log_is_strict_json_and_names_the_non_finite_values(tmp_path, capsys):
+    path, seen = tmp_path / "m.jsonl", []
+
+    class Spy:
+        def log(self, record):
+            seen.append(record)
+
+        def close(self):
+            pass
+
+    log = MetricsLog(path, enabled=True, reporter=Spy())
+    train = {"event": "train", "step": 1, "loss": math.nan, "grad_norm": math.inf, "lr": 1e-3, "skipped": True}
+    train |= {"tokens_per_sec": 512.0, "seq_len": 256, "step_time_s": 0.5}
+    log.write(train)
+    log.write({"event": "summary", "step": 1, "first_loss": -math.inf, "last_loss": 2.0, "extra": {"x": [math.nan]}})
+    lines = [_strict_json(line) for line in path.read_text().splitlines()]
+    assert lines[0]["loss"] is None and lines[0]["grad_norm"] is None and lines[0]["lr"] == 1e-3
+    assert lines[0]["non_finite"] == {"loss": "nan", "grad_norm": "inf"}
+    assert lines[1]["first_loss"] is None and lines[1]["extra"] == {"x": [None]}
+    assert lines[1]["non_finite"] == {"first_loss": "-inf", "extra.x[0]": "nan"}
+    assert math.isnan(seen[0]["loss"]) and math.isinf(seen[0]["grad_norm"])  # TensorBoard / W&B get the value
+    Progress(enabled=True, total=2, initial=0, log_every=1).update(train)  # the progress line still says nan
+    out = capsys.readouterr().out
+    assert "step 1/2  loss nan" in out and "SKIPPED (not finite)" in out, out
+
+    # a log of an earlier version (NaN in it) is read, and written again strictly when the run resumes
+    with open(path, "a") as handle:
+        handle.write('{"event": "train", "step": 2, "loss": NaN}\n{"event": "train", "step": 3, "loss": 1.0}\n')
+    assert [r["step"] for r in read_metrics(path)] == [1, 1, 2, 3]
+    MetricsLog(path, enabled=True, resume_step=2)
+    lines = [_strict_json(line) for line in path.read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in lines] == [("train", 1), ("summary", 1), ("train", 2), ("resume", 2)]
+    assert lines[2]["loss"] is None and lines[2]["non_finite"] == {"loss": "nan"}
+
+    # the loss curve reads null as a gap
+    curve = MetricsLog(tmp_path / "curve.jsonl", enabled=True)
+    for step, loss in enumerate([3.0, math.nan, 2.0], start=1):
+        curve.write({"event": "train", "step": step, "loss": loss})
+    assert write_loss_curve(curve.path, tmp_path / "curve.png") is None
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_summary_tells_where_the_checkpoint_is():

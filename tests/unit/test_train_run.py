@@ -77,6 +77,10 @@ def test_the_run_spec_is_resolved_once_and_travels_as_json(tmp_path):
     assert spec.model_config().num_attention_heads == 4
     with pytest.raises(ValueError, match="--tokenizer: .*no such directory"):
         resolve_run(TrainConfig(output_dir=str(tmp_path), tokenizer=str(tmp_path / "none")), world_size=2)
+    data = tmp_path / "docs.json"  # a --text-field the dataset lacks: refused here, before any rank starts
+    data.write_text(json.dumps([{"body": "In the beginning", "id": 1}]))
+    with pytest.raises(ValueError, match=r"docs.json row 1 has no --text-field 'text' \(it holds \['body', 'id'\]\)"):
+        resolve_run(TrainConfig(output_dir=str(tmp_path), dataset=str(data)), world_size=2)
 
 
 @pytest.mark.parametrize(

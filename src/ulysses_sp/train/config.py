@@ -7,6 +7,7 @@ The defaults are the embedded CPU demo: a small Llama trained from scratch on th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, fields
@@ -41,7 +42,8 @@ class TrainConfig(Features):
         "",
         help="Sequence-length curriculum 'LEN:UNTIL_STEP,...,LEN', e.g. '8192:100,32768:200,131072' "
         "= 8192 until step 100, 32768 until step 200, then 131072. If the last entry has a "
-        "step, --seq-len follows it. Empty = fixed --seq-len.",
+        "step, --seq-len follows it (a --seq-len given with a last entry without one is refused: it would go "
+        "unused). Empty = fixed --seq-len.",
         metavar="SCHEDULE",
     )
     sp: int = option(
@@ -82,7 +84,7 @@ class TrainConfig(Features):
     )
     text_field: str = option(
         "text",
-        help="Column that holds the document text in jsonl/parquet/hub datasets.",
+        help="Column that holds the document text in json/jsonl/parquet/hub datasets.",
     )
     tokenizer: str | None = option(
         None,
@@ -163,7 +165,7 @@ class TrainConfig(Features):
     resume: bool | str = option(
         False,
         help="--resume = continue from the newest complete checkpoint in --output-dir (start fresh "
-        "if there is none); --resume PATH = from that checkpoint; --no-resume = start fresh.",
+        "if there is none); --resume PATH = from that checkpoint; --no-resume or --resume none = start fresh.",
         metavar="PATH",
     )
     overwrite: bool = option(
@@ -348,13 +350,29 @@ def _fill_default_sp(values: dict[str, Any]) -> None:
         values["sp"] = default_sp(expected_world_size(values.get("nproc"), torch.cuda.device_count(), os.environ))
 
 
+def _check_flags(config: TrainConfig, given: frozenset[str]) -> None:
+    """Refuse a flag given on the command line whose value the run would not use."""
+    if "seq_len" in given and not SeqLenSchedule.follows_default(config.seq_len_schedule):
+        last = config.schedule().stages[-1][0]
+        if last != config.seq_len:
+            raise ValueError(
+                f"--seq-len {config.seq_len} is not used: the last entry of --seq-len-schedule "
+                f"{config.seq_len_schedule!r} has no end step, so {last} holds to the end of the run (--seq-len "
+                f"is followed only after a last entry with a step); drop --seq-len, or end the schedule with a "
+                f"step, e.g. '{config.seq_len_schedule.strip()}:N', for the run to go on at --seq-len after step N"
+            )
+
+
 def load_config(argv: list[str] | None = None) -> TrainConfig:
     """Parse ``argv`` (``sys.argv[1:]`` when None) into a validated :class:`TrainConfig`.
 
     ``--config file.yaml`` is read first and the flags given on the command line override its keys.
-    Unknown YAML keys and invalid values exit with status 2 and a message that names the flag.
+    Unknown YAML keys and invalid values exit with status 2 and a message that names the flag; so does a
+    ``--seq-len`` given on the command line that the ``--seq-len-schedule`` leaves unused.
     """
-    return parse_config(TrainConfig, argv, prog=_PROG, description=_DESCRIPTION, fill=_fill_default_sp)
+    return parse_config(
+        TrainConfig, argv, prog=_PROG, description=_DESCRIPTION, fill=_fill_default_sp, check_flags=_check_flags
+    )
 
 
 def default_sp(world_size: int) -> int:
@@ -368,5 +386,11 @@ def config_to_dict(config: TrainConfig) -> dict[str, Any]:
 
 
 def save_config(config: TrainConfig, path: str | os.PathLike[str]) -> Path:
-    """Write the config as YAML to ``path`` (parents created); it loads back with ``--config``."""
-    return save_yaml(config, path, "ulysses-sp train config (load with --config)")
+    """Write the config as YAML to ``path`` (parents created); it loads back with ``--config``.
+
+    It describes the run, not the command that started it: ``resume`` and ``overwrite`` (how that command
+    treated ``--output-dir``) are written as false, so ``--config <checkpoint>/config.yaml`` neither resumes a
+    path of the old run nor deletes a folder; ``--resume`` added to it continues the run in its ``output_dir``.
+    """
+    saved = dataclasses.replace(config, resume=False, overwrite=False)
+    return save_yaml(saved, path, "ulysses-sp train config (load with --config; add --resume to continue this run)")

@@ -3,12 +3,14 @@
 Every record of the log is one JSON object on its own line with an ``"event"`` key: ``"train"`` (one per
 logged step), ``"eval"``, ``"checkpoint"``, ``"resume"`` and ``"summary"``. When a run resumes from step
 ``k``, records of later steps left by the interrupted run are dropped first, so the file always tells one
-consistent history.
+consistent history. Lines are strict JSON: a value that is not finite (a NaN loss) is written as ``null`` and
+its spelling kept under ``"non_finite"`` (``{"loss": null, "non_finite": {"loss": "nan"}}``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MetricsLog", "Progress", "format_summary", "peak_memory_gib", "peak_tflops"]
+__all__ = ["MetricsLog", "Progress", "format_summary", "peak_memory_gib", "peak_tflops", "read_metrics"]
 
 # Dense bf16 tensor-core peaks (TFLOPs, no sparsity), matched against torch.cuda.get_device_name().
 _PEAK_BF16_TFLOPS = (
@@ -55,6 +57,41 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
 
 
+def _strict_json(record: dict[str, Any]) -> str:
+    """``record`` as one line of strict JSON: non-finite floats become null, their spelling kept under
+    ``"non_finite"`` (keyed by the record's key, ``a.b`` / ``a[0]`` inside mappings and lists)."""
+    non_finite: dict[str, str] = {}
+
+    def clean(value: Any, key: str) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            non_finite[key] = "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+            return None
+        if isinstance(value, dict):
+            return {name: clean(item, f"{key}.{name}") for name, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(item, f"{key}[{index}]") for index, item in enumerate(value)]
+        return value
+
+    cleaned = {key: clean(value, key) for key, value in record.items()}
+    if non_finite:
+        cleaned["non_finite"] = non_finite
+    return json.dumps(cleaned, allow_nan=False)
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a metrics log, in order (a line cut short by a kill is skipped). Non-finite values read
+    as null (see the module docstring); the NaN / Infinity that logs of earlier versions hold are read too."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
 class MetricsLog:
     """Append JSON records to ``path`` (only where ``enabled``, i.e. on rank 0).
 
@@ -74,13 +111,8 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept: list[str] = []
         if resume_step is not None and self.path.is_file():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    step = json.loads(line).get("step", 0)
-                except (json.JSONDecodeError, AttributeError):
-                    continue  # a line cut short by a kill
-                if step <= resume_step:
-                    kept.append(line)
+            # written again as strict JSON (an earlier version's log may hold NaN)
+            kept = [_strict_json(r) for r in read_metrics(self.path) if (r.get("step") or 0) <= resume_step]
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         os.replace(tmp, self.path)
@@ -88,11 +120,11 @@ class MetricsLog:
             self.write({"event": "resume", "step": resume_step})
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one record and flush it to the file."""
+        """Append one record (as strict JSON) and flush it to the file; the reporter gets it as it is."""
         if not self.enabled:
             return
         with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record, allow_nan=True) + "\n")
+            handle.write(_strict_json(record) + "\n")
             handle.flush()
         if self.reporter is not None:
             self.reporter.log(record)

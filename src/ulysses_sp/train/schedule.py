@@ -60,6 +60,13 @@ class SeqLenSchedule:
             stages.append((default_seq_len, None))
         return cls(tuple(stages))
 
+    @staticmethod
+    def follows_default(text: str) -> bool:
+        """Whether the schedule ``text`` ever uses ``default_seq_len`` (the ``--seq-len`` value): when it is
+        empty or its last entry has an end step (``"8192:100"``), not when the last entry holds to the end."""
+        text = text.strip()
+        return not text or ":" in text.split(",")[-1]
+
     def seq_len_at(self, step: int) -> int:
         """The sequence length used at optimizer step ``step`` (0-based)."""
         for seq_len, until in self.stages:

@@ -8,11 +8,12 @@ At the end of a run rank 0 draws ``loss_curve.png`` beside the metrics file (mat
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any, Protocol
+
+from ulysses_sp.train.metrics import read_metrics
 
 __all__ = ["Reporter", "make_reporter", "write_loss_curve"]
 
@@ -96,6 +97,14 @@ def make_reporter(
     return None
 
 
+def _plotted(record: dict[str, Any], key: str) -> float | None:
+    """The value to plot of ``record[key]``: null (not finite, see metrics.py) is NaN, a gap in the curve."""
+    value = record.get(key)
+    if value is None:
+        return math.nan if key in record else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def write_loss_curve(metrics_path: str | os.PathLike[str], png_path: str | os.PathLike[str]) -> str | None:
     """Draw the training (and held-out) loss of ``metrics_path`` into ``png_path``; returns a note to print
     when it cannot (matplotlib missing, no finite loss yet), else None."""
@@ -105,15 +114,12 @@ def write_loss_curve(metrics_path: str | os.PathLike[str], png_path: str | os.Pa
     except ImportError:
         return f"matplotlib is not installed: no {Path(png_path).name} (pip install 'ulysses-sp[plot]')"
     train, held_out = [], []
-    for line in Path(metrics_path).read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("event") == "train" and isinstance(record.get("loss"), (int, float)):
-            train.append((record["step"], record["loss"]))
-        elif record.get("event") == "eval" and isinstance(record.get("eval_loss"), (int, float)):
-            held_out.append((record["step"], record["eval_loss"]))
+    for record in read_metrics(metrics_path):
+        event, step = record.get("event"), record.get("step")
+        if event == "train" and (value := _plotted(record, "loss")) is not None:
+            train.append((step, value))
+        elif event == "eval" and (value := _plotted(record, "eval_loss")) is not None:
+            held_out.append((step, value))
     if not any(math.isfinite(loss) for _, loss in train):
         return None
     figure = Figure(figsize=(7, 4), dpi=100, layout="tight")  # no pyplot: no global figure state
