@@ -15,6 +15,7 @@ WORLD2 = [
     "ring2_padded_right",
     "ring2_padded_left",
     "ring2_seq_not_divisible",
+    "ring2_gemma3n_zero_pad_embedding",
     "ring2_sliding_window_packed",
     "ring2_qwen2_mixed_window",
     "ring2_gemma2_softcap",
