@@ -419,6 +419,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "sft_sp2_gas2",
             "lora_sp2",
             "trainer_metrics_sp2",
+            "trainer_metrics_moe_sp2",
             "accelerate_ddp_sp2",
             "accelerate_fsdp2_sp2",
             "accelerate_metrics_sp2",
