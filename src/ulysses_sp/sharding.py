@@ -92,8 +92,9 @@ def shard_batch(
             — the usual sign of a data sampler split over the whole world instead of over ``layout.dp`` — or
             if any rank's batch is malformed (so a bad batch on one rank never leaves the others waiting).
             With ``dp > 1`` the verdict is then shared with the other data-parallel replicas (one flag
-            all-reduce over the world), so a batch refused on one replica raises on every rank. Skipped for a
-            :meth:`~ulysses_sp.ParallelLayout.rank_view` (no group) and under ``sp == 1``.
+            all-reduce over the world, ``sp == 1`` included), so a batch refused on one replica raises on every
+            rank. The comparison is skipped under ``sp == 1`` (no other rank holds the batch), and everything for
+            a :meth:`~ulysses_sp.ParallelLayout.rank_view` (no group); one process runs no collective.
         vocab_size: when given, input_ids and labels outside ``[0, vocab_size)`` (labels may also be
             ``ignore_index``) raise a ValueError naming the id, on every rank of the group; without it
             only negative ids are caught. Pass ``model.config.vocab_size``.

@@ -409,6 +409,12 @@ def test_bad_input_raises_clear_errors_on_every_rank(world2_sp):
     assert_case(world2_sp, "bad_input", 2)
 
 
+def test_a_batch_refused_on_one_rank_raises_on_every_rank(world2_sp):
+    """Two replicas with no sequence split (sp=1): a batch refused on one replica raises a ValueError on both ranks
+    (Trainer, Accelerate); a dispatcher at sp=1 collates on process 0 alone and trains."""
+    assert_case(world2_sp, "refusal_on_one_rank", 2)
+
+
 def test_every_job_is_checked(world2_plain, world2_sp, world4):
     checked = (
         {"trainer_dp2", "sft_dp2"},
@@ -423,6 +429,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "accelerate_fsdp2_sp2",
             "accelerate_metrics_sp2",
             "bad_input",
+            "refusal_on_one_rank",
         },
         {
             "trainer_dp2_sp2",

@@ -157,6 +157,30 @@ class SequenceParallelCollator:
         return f"SequenceParallelCollator({self.collator!r}, sp={self.layout.sp}, sp_rank={self.layout.sp_rank})"
 
 
+def _find_collator(loader: Any) -> tuple[Any, str, Any]:
+    """(holder, attribute, collator): where ``loader``'s SequenceParallelCollator sits, inside the wrappers that
+    keep it as ``data_collator`` (the Trainer's RemoveColumnsCollator); else its collate_fn."""
+    holder, name, collate = loader, "collate_fn", getattr(loader, "collate_fn", None)
+    while not isinstance(collate, SequenceParallelCollator) and hasattr(collate, "data_collator"):
+        holder, name, collate = collate, "data_collator", collate.data_collator
+    return holder, name, collate
+
+
+def _collated_on_one_process(dataloader: Any) -> None:
+    """Accelerate's dispatcher collates on process 0 alone (and sends the others their slices): its collator must
+    run no collective, which the other ranks would never join."""
+    holder, name, collate = _find_collator(getattr(dataloader, "base_dataloader", dataloader))
+    if isinstance(collate, SequenceParallelCollator) and collate.check_same_batch:
+        alone = SequenceParallelCollator(
+            collate.collator,
+            collate.layout,
+            pad_token_id=collate.pad_token_id,
+            check_same_batch=False,
+            token_counts=collate.token_counts,
+        )
+        setattr(holder, name, alone)
+
+
 def deal_batches_over_dp(dataloader: Any, layout: ParallelLayout, *, split_batches: bool = False) -> Any:
     """Make an Accelerate-prepared dataloader deal its batches over the ``dp`` SP groups (in place).
 
@@ -164,16 +188,20 @@ def deal_batches_over_dp(dataloader: Any, layout: ParallelLayout, *, split_batch
     ``sp`` ranks of a group must see the same batch. This re-points accelerate's shard (a
     ``BatchSamplerShard`` or an ``IterableDatasetShard``) at ``num_processes=dp``, ``process_index=dp_rank``,
     which keeps the sample order (synchronised across ranks by accelerate), the epoch length and the
-    remainder accounting of ``gather_for_metrics`` consistent. With ``dp == 1`` the batches are exactly
-    those of one process (the last one may be partial). ``split_batches``: the dataloader was prepared with whole
-    batches per process (see ``SequenceParallelConfig.prepare``) and each batch is now split over the dp groups, as
-    ``Accelerator(split_batches=True)`` splits it over processes (its batch size must be a multiple of ``dp``).
+    remainder accounting of ``gather_for_metrics`` consistent (with ``sp == 1`` that split is already the right
+    one; a dispatcher, which collates on process 0 alone, then gets a collator that runs no collective). With
+    ``dp == 1`` the batches are exactly those of one process (the last one may be partial). ``split_batches``: the
+    dataloader was prepared with whole batches per process (see ``SequenceParallelConfig.prepare``) and each batch
+    is now split over the dp groups, as ``Accelerator(split_batches=True)`` splits it over processes (its batch
+    size must be a multiple of ``dp``).
     Returns the same dataloader.
     """
     from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
 
-    if layout.sp == 1:
-        return dataloader  # world = dp: accelerate's split is already the right one
+    if layout.sp == 1:  # world = dp: accelerate's split is already the right one
+        if isinstance(dataloader, DataLoaderDispatcher):
+            _collated_on_one_process(dataloader)
+        return dataloader
     if isinstance(dataloader, DataLoaderDispatcher):
         raise ValueError(
             "the dataloader dispatches slices of one batch from rank 0 (accelerate's dispatch_batches=True, the "
