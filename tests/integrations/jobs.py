@@ -32,7 +32,7 @@ from tests.integrations.common import (
     trainer_args,
     write_json,
 )
-from tests.integrations.refusals import refusal_on_one_rank
+from tests.integrations.refusals import refusal_in_worker_dp2_sp2, refusal_on_one_rank
 
 
 def _out(job: str) -> str:
@@ -460,5 +460,6 @@ def world4() -> dict[str, str]:
                 gradient_accumulation_steps=2,
                 num_train_epochs=1,
             ),
+            "refusal_in_worker_dp2_sp2": refusal_in_worker_dp2_sp2,
         }
     )
