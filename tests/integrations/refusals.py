@@ -91,8 +91,8 @@ def refusal_on_one_rank() -> None:
     each rank shares their verdict): a batch refused on rank 1 raises on both ranks in the Trainer's training (real
     workers) and evaluation, and in an Accelerate loop (real workers); batches that differ inside the SP group (the
     same-batch check, skipped in workers before) too. With two replicas and no sequence split (sp=1, dp=2),
-    collated in the main process: the same. A dispatching dataloader (an iterable dataset) at sp=1 collates on
-    process 0 alone: no agreement runs there, and it trains."""
+    collated in the main process, and in gather_for_metrics: the same. A dispatching dataloader (an iterable
+    dataset) at sp=1 collates on process 0 alone: no agreement runs there, and it trains."""
     refused = "labels has shape" if dist.get_rank() == 1 else "sp_rank 1: malformed batch"
     _expect(ValueError, refused, _trainer(refused_on_rank1, 2, workers=1).train)
     trainer = _trainer(refused_on_rank1, 2)
@@ -109,7 +109,19 @@ def refusal_on_one_rank() -> None:
     replica = "data-parallel replica(s) [1] rejected their batch"
     _expect(ValueError, replica, _trainer(refused_on_rank1, 1).train)
     _expect(ValueError, replica, lambda: _accelerate_first_batch(refused_on_rank1, 1, workers=0))
+    _expect(ValueError, replica, _gather_for_metrics_refused_on_rank1)
     _trainer(pad_collate, 1, data=_FixedLengthStream(), max_steps=2).train()
+
+
+def _gather_for_metrics_refused_on_rank1() -> None:
+    """sp=1, dp=2: rank 1 passes a scalar as a per-token tensor (refused there); rank 0 would wait in the dp gather."""
+    from accelerate import Accelerator
+
+    from ulysses_sp import ParallelLayout
+    from ulysses_sp.integrations.metrics import gather_for_metrics
+
+    shard = torch.zeros(2, 4) if dist.get_rank() == 0 else torch.zeros(())
+    gather_for_metrics(Accelerator(cpu=True), shard, ParallelLayout.from_env(sp=1), sequence_dim=1)
 
 
 def refused_on_replica1(features: list[dict]) -> dict[str, torch.Tensor]:
