@@ -155,8 +155,9 @@ class UlyssesAttention:
         position_ids ``[b or 1, n]`` hold global positions; attention_mask ``[b, n]`` (or None); input_ids
         and targets (labels given to the model, -100 ignored) are checked against ``vocab_size``. Under
         sp > 1 every check is agreed across the SP group before any other collective, so bad input on one
-        rank raises a ValueError on every rank instead of leaving the others waiting; with dp > 1 the verdict
-        is then shared with the other replicas too (:func:`~ulysses_sp.validation.replicas_agree`).
+        rank raises a ValueError on every rank instead of leaving the others waiting; with dp > 1 (sp = 1
+        included) the verdict is then shared with the other replicas too
+        (:func:`~ulysses_sp.validation.replicas_agree`).
         """
         with replicas_agree(self.layout):
             position_ids, segments = self._checked_segments(

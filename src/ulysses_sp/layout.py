@@ -203,10 +203,11 @@ class ParallelLayout:
             return
         if self.sp > 1 and self.sp_group is None:
             raise ValueError(f"sp={self.sp} needs an sp_group; build the layout with ParallelLayout.from_env")
-        if self.sp_group is not None and dist.get_world_size(self.sp_group) != self.sp:
-            raise ValueError(f"sp_group has {dist.get_world_size(self.sp_group)} ranks but sp={self.sp}")
-        if self.dp_group is not None and dist.get_world_size(self.dp_group) != self.dp:
-            raise ValueError(f"dp_group has {dist.get_world_size(self.dp_group)} ranks but dp={self.dp}")
+        if self.dp > 1 and (self.dp_group is None or self.loss_group is None):  # replicas_agree, sp=1 too
+            raise ValueError(f"dp={self.dp} needs a dp_group and a loss_group; build the layout with from_env")
+        for axis, size, group in (("sp", self.sp, self.sp_group), ("dp", self.dp, self.dp_group)):
+            if group is not None and dist.get_world_size(group) != size:
+                raise ValueError(f"{axis}_group has {dist.get_world_size(group)} ranks but {axis}={size}")
         if self.ring == 1 and self.ulysses_group is None:
             object.__setattr__(self, "ulysses_group", self.sp_group)
         for name, size in (("ring_group", self.ring), ("ulysses_group", self.ulysses)):

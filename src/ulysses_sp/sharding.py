@@ -31,6 +31,8 @@ from .validation import IGNORE_INDEX, PeerRejected, bad_id_message, first_bad_id
 __all__ = [
     "IGNORE_INDEX",
     "SHARDED_KEYS",
+    "BatchCheck",
+    "check_batch",
     "gather_sequence",
     "pad_to_multiple",
     "shard_batch",
@@ -92,8 +94,9 @@ def shard_batch(
             — the usual sign of a data sampler split over the whole world instead of over ``layout.dp`` — or
             if any rank's batch is malformed (so a bad batch on one rank never leaves the others waiting).
             With ``dp > 1`` the verdict is then shared with the other data-parallel replicas (one flag
-            all-reduce over the world), so a batch refused on one replica raises on every rank. Skipped for a
-            :meth:`~ulysses_sp.ParallelLayout.rank_view` (no group) and under ``sp == 1``.
+            all-reduce over the world, ``sp == 1`` included), so a batch refused on one replica raises on every
+            rank. The comparison is skipped under ``sp == 1`` (no other rank holds the batch), and everything for
+            a :meth:`~ulysses_sp.ParallelLayout.rank_view` (no group); one process runs no collective.
         vocab_size: when given, input_ids and labels outside ``[0, vocab_size)`` (labels may also be
             ``ignore_index``) raise a ValueError naming the id, on every rank of the group; without it
             only negative ids are caught. Pass ``model.config.vocab_size``.
@@ -117,9 +120,8 @@ def shard_batch(
     with replicas_agree(layout) if check_same_batch else contextlib.nullcontext():
         full, problem = _validated(batch, vocab_size, ignore_index)
         if check_same_batch and layout.sp > 1 and not layout.is_view:
-            _check_same_batch(
-                full, problem, layout, vocab_size, ignore_index
-            )  # raises on every rank if any rank has a problem
+            # raises on every rank if any rank has a problem
+            _check_same_batch(_batch_check(full, problem, vocab_size, ignore_index), layout)
         elif problem is not None:
             raise ValueError(problem.message)
     input_ids, labels, mask, positions = (
@@ -328,32 +330,68 @@ def _fingerprint(x: torch.Tensor | None) -> list[torch.Tensor]:
     return [torch.tensor(1), *(torch.tensor(h) for h in halves)]
 
 
-def _check_same_batch(
-    full: dict[str, torch.Tensor],
-    problem: _Problem | None,
-    layout: ParallelLayout,
-    vocab_size: int | None,
-    ignore_index: int,
-) -> None:
-    """One all-gather over the SP group of (problem, bad id, shape, a fingerprint of every per-token tensor).
+@dataclass(frozen=True)
+class BatchCheck:
+    """What :func:`shard_batch`'s checks found in one full batch, made without a process group (in a dataloader
+    worker) for the ranks to agree on later with :meth:`agree`: the refusal (None when the batch is fine) and the
+    report the SP group compares (problem flag, bad id, batch x seq, a fingerprint of every per-token tensor).
+    Made by :func:`check_batch`, or :meth:`refused` for a refusal that came before the batch was read."""
+
+    refusal: str | None
+    report: tuple[int, ...]
+    vocab_size: int | None = None
+    ignore_index: int = IGNORE_INDEX
+
+    @classmethod
+    def refused(cls, message: str) -> BatchCheck:
+        """The check of a batch refused with ``message`` before its tensors were read (e.g. no labels)."""
+        return _batch_check({}, _Problem(message), None, IGNORE_INDEX)
+
+    def agree(self, layout: ParallelLayout) -> None:
+        """A collective over the SP group (and, with ``dp > 1``, one flag all-reduce over the world): raises the
+        same kind of ValueError on every rank if any rank's check refused its batch or the SP ranks' batches
+        differ, as ``shard_batch(..., check_same_batch=True)`` does on the main process."""
+        with replicas_agree(layout):
+            if layout.sp > 1 and not layout.is_view:
+                _check_same_batch(self, layout)
+            elif self.refusal is not None:
+                raise ValueError(self.refusal)
+
+
+def check_batch(
+    batch: Mapping[str, object], *, vocab_size: int | None = None, ignore_index: int = IGNORE_INDEX
+) -> BatchCheck:
+    """:func:`shard_batch`'s checks of a full batch without a process group, as data (see :class:`BatchCheck`)."""
+    if not isinstance(batch, Mapping):
+        return BatchCheck.refused(f"batch must be a dict of [batch, seq_len] tensors, got {type(batch).__name__}")
+    full, problem = _validated(batch, vocab_size, ignore_index)
+    return _batch_check(full, problem, vocab_size, ignore_index)
+
+
+def _batch_check(
+    full: dict[str, torch.Tensor], problem: _Problem | None, vocab_size: int | None, ignore_index: int
+) -> BatchCheck:
+    shape = full["input_ids"].shape if "input_ids" in full else (0, 0)
+    found = problem if problem is not None else _Problem("")
+    report = [int(problem is not None), found.key, found.value, *shape]
+    for name in SHARDED_KEYS:
+        report += [int(value) for value in _fingerprint(full.get(name))]
+    return BatchCheck(None if problem is None else problem.message, tuple(report), vocab_size, ignore_index)
+
+
+def _check_same_batch(check: BatchCheck, layout: ParallelLayout) -> None:
+    """One all-gather over the SP group of every rank's report (problem, bad id, shape, a fingerprint of every
+    per-token tensor).
 
     Raises the same kind of ValueError on every rank if any rank's batch is malformed, holds an id outside
     the vocabulary, or differs from the others' (input_ids, labels, attention_mask, position_ids or
     shift_labels), so no rank goes on into a collective that the others never reach.
     """
-    shape = full["input_ids"].shape if "input_ids" in full else (0, 0)
-    report = [
-        torch.tensor(int(problem is not None)),
-        torch.tensor(problem.key if problem is not None else -1),
-        torch.tensor(problem.value if problem is not None else 0),
-        torch.tensor(shape[0]),
-        torch.tensor(shape[1]),
-    ]
-    for name in SHARDED_KEYS:
-        report += _fingerprint(full.get(name))
-    reports = all_gather_tensor(torch.stack(report).to(layout.device), layout.sp_group).tolist()
-    if problem is not None:
-        raise ValueError(problem.message)
+    report = torch.tensor(check.report, dtype=torch.long, device=layout.device)
+    reports = all_gather_tensor(report, layout.sp_group).tolist()
+    if check.refusal is not None:
+        raise ValueError(check.refusal)
+    vocab_size, ignore_index = check.vocab_size, check.ignore_index
     bad = {r: rep for r, rep in enumerate(reports) if rep[0]}
     if bad:
         described = "; ".join(

@@ -4,8 +4,8 @@ and the shape of the per-token inputs under sequence parallelism.
 Used by :func:`ulysses_sp.shard_batch` (on the full batch) and by the model's once-per-forward agreement
 (:meth:`ulysses_sp.attention.UlyssesAttention.begin_forward`, on the shard): both report the offending id
 with the same message, and both agree across the SP group before any rank raises, so no peer is left waiting.
-With several data-parallel replicas, :func:`replicas_agree` then shares the verdict with the whole world,
-so a batch refused on one replica stops every replica (they step together).
+With several data-parallel replicas (any ``sp``, 1 included), :func:`replicas_agree` then shares the verdict
+with the whole world, so a batch refused on one replica stops every replica (they step together).
 """
 
 from __future__ import annotations
@@ -116,14 +116,14 @@ class PeerRejected(ValueError):
 def replicas_agree(layout: ParallelLayout) -> Iterator[None]:
     """Share the verdict of the checks run inside with every rank of ``layout.loss_group``.
 
-    Under sequence parallelism with several data-parallel replicas (``sp > 1`` and ``dp > 1``), whose steps
-    (and evaluation batches, whose losses are reduced over the world) go together: one flag all-reduce over
-    the world; if any rank's checks raised, one all-gather of the reasons, and every rank raises (the same
+    With several data-parallel replicas (``dp > 1``, with or without a sequence split), whose steps (and
+    evaluation batches, whose losses are reduced over the world) go together: one flag all-reduce over the
+    world; if any rank's checks raised, one all-gather of the reasons, and every rank raises (the same
     ValueError naming the replica and the reason, for a ValueError) instead of the replicas whose batches
     were fine waiting in a collective for those that stopped. A rank whose own check raised something other
-    than a ValueError raises that again.
+    than a ValueError raises that again. With one replica (``dp == 1``) or a rank view: no collective.
     """
-    if layout.sp == 1 or layout.dp == 1 or layout.loss_group is None or layout.is_view:
+    if layout.dp == 1 or layout.is_view:
         yield
         return
     try:

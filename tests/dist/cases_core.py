@@ -252,8 +252,28 @@ def label_forms(layout):
     check_parity(layout, "llama", kv_heads=2, batch=batch, sp_batch={**batch, "labels": batch["labels"].int()})
 
 
+def refusal_on_one_replica_sp1(layout):
+    """dp=2 x sp=1 (no sequence split): a batch refused on replica 1 only, at sharding and at the forward, raises the
+    same ValueError on both ranks instead of replica 0 going on to its gradient reduction; one process (sp=1, dp=1)
+    refuses with no collective at all; afterwards the replicas still step together (a step equals one process)."""
+    vocab = build("llama").config.vocab_size
+    batch = make_batch(1, 16, seed=3)
+    if layout.dp_rank == 1:
+        batch["input_ids"][0, 5] = vocab
+    refused = expect_raise(ValueError, ["data-parallel replica(s) [1] rejected", f"holds id {vocab}"])
+    refused(lambda: U.shard_batch(batch, layout, vocab_size=vocab))
+    model = U.parallelize(build("llama", kv_heads=2), layout)
+    refused(lambda: model(input_ids=batch["input_ids"]))
+    single, bad = U.ParallelLayout.single(), {**batch, "input_ids": batch["input_ids"].clamp(max=0) + vocab}
+    collective = mock.Mock(side_effect=AssertionError("a collective in one process"))
+    with mock.patch.multiple(dist, all_reduce=collective, all_gather=collective, all_gather_object=collective):
+        expect_raise(ValueError, [f"input_ids holds id {vocab}"])(lambda: U.shard_batch(bad, single, vocab_size=vocab))
+    check_parity(layout, "llama", kv_heads=2, batch=make_batch(2, 18))
+
+
 def world2() -> dict[str, str]:
     sp2 = U.ParallelLayout.from_env(sp=2)
+    dp2 = U.ParallelLayout.from_env(sp=1)  # two replicas, no sequence split
     P = functools.partial
     cases = {
         "llama_mha_sdpa": P(check_parity, sp2, "llama"),
@@ -295,6 +315,7 @@ def world2() -> dict[str, str]:
         "heads_not_divisible": P(heads_not_divisible, sp2),
         "missing_position_ids": P(missing_positions, sp2),
         "plain_attention_roundtrip": P(plain_attention_roundtrip, sp2),
+        "dp2_sp1_refusal_on_one_replica": P(refusal_on_one_replica_sp1, dp2),
     }
     return run_cases(cases)
 

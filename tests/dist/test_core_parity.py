@@ -41,6 +41,7 @@ WORLD2 = [
     "heads_not_divisible",
     "missing_position_ids",
     "plain_attention_roundtrip",
+    "dp2_sp1_refusal_on_one_replica",
 ]
 WORLD4 = [
     "sp4_llama_mha",

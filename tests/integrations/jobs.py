@@ -32,6 +32,7 @@ from tests.integrations.common import (
     trainer_args,
     write_json,
 )
+from tests.integrations.refusals import refusal_in_worker_dp2_sp2, refusal_on_one_rank
 
 
 def _out(job: str) -> str:
@@ -424,6 +425,7 @@ def world2_sp() -> dict[str, str]:
             "accelerate_fsdp2_sp2": lambda: accelerate_loop("accelerate_fsdp2_sp2", 2, fsdp2=True),
             "accelerate_metrics_sp2": lambda: accelerate_metrics("accelerate_metrics_sp2", 2),
             "bad_input": bad_input,
+            "refusal_on_one_rank": refusal_on_one_rank,
         }
     )
 
@@ -458,5 +460,6 @@ def world4() -> dict[str, str]:
                 gradient_accumulation_steps=2,
                 num_train_epochs=1,
             ),
+            "refusal_in_worker_dp2_sp2": refusal_in_worker_dp2_sp2,
         }
     )

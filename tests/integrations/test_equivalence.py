@@ -409,6 +409,16 @@ def test_bad_input_raises_clear_errors_on_every_rank(world2_sp):
     assert_case(world2_sp, "bad_input", 2)
 
 
+def test_a_batch_refused_on_one_rank_raises_on_every_rank(world2_sp):
+    """Collated in dataloader workers under SP (Trainer train and eval, Accelerate), batches that differ inside the SP
+    group, and two replicas with no sequence split (sp=1): a ValueError on both ranks; a dispatcher at sp=1 trains."""
+    assert_case(world2_sp, "refusal_on_one_rank", 2)
+
+
+def test_a_batch_refused_in_a_worker_of_one_replica_raises_on_every_rank(world4):
+    assert_case(world4, "refusal_in_worker_dp2_sp2", 4)
+
+
 def test_every_job_is_checked(world2_plain, world2_sp, world4):
     checked = (
         {"trainer_dp2", "sft_dp2"},
@@ -424,6 +434,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "accelerate_fsdp2_sp2",
             "accelerate_metrics_sp2",
             "bad_input",
+            "refusal_on_one_rank",
         },
         {
             "trainer_dp2_sp2",
@@ -433,6 +444,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "accelerate_metrics_ulysses2_ring2",
             "trainer_moe_aux_dp2_sp2_gas2",
             "sft_moe_aux_dp2_sp2_gas2",
+            "refusal_in_worker_dp2_sp2",
         },
     )
     for results, jobs in zip((world2_plain, world2_sp, world4), checked, strict=True):

@@ -152,6 +152,8 @@ def test_layout_validation():
         U.ParallelLayout.from_env(sp=0)
     with pytest.raises(ValueError, match="needs an sp_group"):
         U.ParallelLayout(dp=1, sp=2)
+    with pytest.raises(ValueError, match="dp=2 needs a dp_group and a loss_group"):
+        U.ParallelLayout(dp=2, sp=1)  # the replicas share a refusal over loss_group, sp=1 too
     layout = U.ParallelLayout.single()
     assert sp_degrees_for(12, 4) == [1, 2, 4, 12]
     layout.check_heads(12, 4)  # sp=1 always works

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 
 import pytest
@@ -55,3 +57,22 @@ def test_local_cached_and_offline_ids_are_left_to_transformers(closed_hub, tmp_p
     assert hub_unreachable("some-org/not-here") is not None
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert hub_unreachable("some-org/not-here") is None  # transformers fails at once offline
+
+
+def test_a_name_lookup_that_blocks_gives_up_after_the_timeout(closed_hub, monkeypatch):
+    """A broken resolver blocks socket.getaddrinfo, which takes no timeout: the probe stops waiting after its own."""
+    release = threading.Event()
+
+    def blocked(*args, **kwargs):
+        release.wait(15)  # a resolver that answers late (a real broken one: minutes); released at the end
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")
+    monkeypatch.setattr(socket, "getaddrinfo", blocked)
+    start = time.monotonic()
+    try:
+        reason = hub_unreachable("some-org/not-here", timeout_s=0.5)
+    finally:
+        release.set()
+    assert time.monotonic() - start < 3
+    assert reason is not None and "the name lookup of hub.invalid took more than 0.5 s" in reason, reason

@@ -38,6 +38,8 @@ from ..loss import causal_lm_loss, count_valid_tokens, sequence_parallel_cross_e
 from ..model import parallelize
 from .data import (
     SequenceParallelCollator,
+    agree_on_batch,
+    agree_on_worker_batches,
     check_sp_options,
     check_world_size,
     deal_batches_over_dp,
@@ -73,8 +75,8 @@ class SequenceParallelLoss:
         shift_labels_or_batch: torch.Tensor | Mapping[str, torch.Tensor],
         num_items_in_batch: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if isinstance(logits_or_model, torch.nn.Module):
-            batch = dict(shift_labels_or_batch)
+        if isinstance(logits_or_model, torch.nn.Module):  # (a batch from accelerator.skip_first_batches: agreed here)
+            batch = dict(agree_on_batch(shift_labels_or_batch, self.layout))
             return causal_lm_loss(logits_or_model, batch, self.layout, num_items_in_batch=num_items_in_batch)
         return sequence_parallel_cross_entropy(
             logits_or_model, shift_labels_or_batch, self.layout, num_items_in_batch=num_items_in_batch
@@ -174,6 +176,7 @@ class SequenceParallelConfig:
         for original, obj in zip(objects, prepared, strict=True):
             if isinstance(original, DataLoader):
                 deal_batches_over_dp(obj, layout, split_batches=split)
+                agree_on_worker_batches(obj, layout)  # a refusal in a dataloader worker raises on every rank
             step_scheduler_per_dp_group(obj, layout.dp, split_batches=split)
         return (model, *prepared, SequenceParallelLoss(layout))
 
@@ -182,7 +185,9 @@ class SequenceParallelConfig:
         if isinstance(collate, SequenceParallelCollator):
             raise ValueError("this dataloader already yields sequence shards; pass the original dataloader")
         sharded = copy.copy(loader)
-        sharded.collate_fn = SequenceParallelCollator(collate, layout, pad_token_id=self.pad_token_id)
+        sharded.collate_fn = SequenceParallelCollator(
+            collate, layout, pad_token_id=self.pad_token_id, defer_checks=True
+        )
         return sharded
 
 

@@ -9,6 +9,10 @@ Two rules make the Hugging Face data pipeline right under sequence parallelism:
 2. Each rank keeps only its slice of the sequence: :class:`SequenceParallelCollator` wraps the user's
    collator, collates the full batch and hands on :func:`ulysses_sp.shard_batch`'s output (padded to a
    multiple of ``sp``, ``shift_labels`` shifted before slicing, global ``position_ids``, ``labels`` kept).
+
+A batch refused on one rank raises on every rank: the collator's checks agree over the ranks (in a dataloader
+worker, which has no process group, the verdict rides with the batch and :func:`agree_on_batch` shares it in the
+main process).
 """
 
 from __future__ import annotations
@@ -22,12 +26,15 @@ import torch
 
 from ..features import Features
 from ..layout import ParallelLayout
-from ..sharding import SHARDED_KEYS, shard_batch
+from ..sharding import SHARDED_KEYS, BatchCheck, check_batch, shard_batch
 
 __all__ = [
+    "BATCH_CHECK_KEY",
     "FULL_SEQUENCE_KEYS",
     "TOKEN_COUNT_KEY",
     "SequenceParallelCollator",
+    "agree_on_batch",
+    "agree_on_worker_batches",
     "check_world_size",
     "deal_batches_over_dp",
     "layout_for_model",
@@ -44,6 +51,10 @@ FULL_SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_len
 # Where SequenceParallelCollator(token_counts=True) puts the full batch's token counts for the Trainer, which
 # removes the key before the model sees the batch (UlyssesTrainerMixin._prepare_inputs).
 TOKEN_COUNT_KEY = "ulysses_sp_token_counts"
+
+# Where SequenceParallelCollator(defer_checks=True), collating in a dataloader worker, puts its checks' verdict (a
+# BatchCheck) for the main process of each rank to agree on and remove (agree_on_batch).
+BATCH_CHECK_KEY = "ulysses_sp_batch_check"
 
 
 def full_batch_token_counts(batch: Mapping[str, Any], layout: ParallelLayout) -> torch.Tensor:
@@ -112,10 +123,17 @@ class SequenceParallelCollator:
         layout: the parallel layout of this rank.
         pad_token_id: id used for the few tokens added to make the length divisible by ``sp``.
         check_same_batch: when collating in the main process (``num_workers=0``), compare a fingerprint of
-            the full batch across the SP group and raise ValueError if the ranks hold different batches.
-            Dataloader worker processes have no process group, so there the check is skipped.
+            the full batch across the SP group and raise ValueError on every rank if the ranks hold different
+            batches or any rank's batch is refused (shared with the other dp replicas, see ``shard_batch``).
+            Dataloader worker processes have no process group: there the check is skipped, unless
+            ``defer_checks``.
         token_counts: add :data:`TOKEN_COUNT_KEY` (:func:`full_batch_token_counts`) for a consumer that
             removes it before the model (the Trainer integration, for ``include_num_input_tokens_seen``).
+        defer_checks: in a dataloader worker, put the checks' verdict (a :class:`~ulysses_sp.sharding.BatchCheck`)
+            into the batch under :data:`BATCH_CHECK_KEY` instead of raising a refusal there (a refused batch is
+            then the verdict alone), for the main process of each rank to share with :func:`agree_on_batch`, so
+            every rank raises the same ValueError. For a consumer that does so: the Trainer and Accelerate
+            integrations turn it on.
     """
 
     def __init__(
@@ -126,6 +144,7 @@ class SequenceParallelCollator:
         pad_token_id: int = 0,
         check_same_batch: bool = True,
         token_counts: bool = False,
+        defer_checks: bool = False,
     ) -> None:
         if isinstance(collator, SequenceParallelCollator):
             raise ValueError("this collator is already a SequenceParallelCollator; wrap the original collator once")
@@ -134,9 +153,12 @@ class SequenceParallelCollator:
         self.pad_token_id = pad_token_id
         self.check_same_batch = check_same_batch
         self.token_counts = token_counts
+        self.defer_checks = defer_checks
 
-    def __call__(self, features: list[Any]) -> dict[str, torch.Tensor]:
+    def __call__(self, features: list[Any]) -> dict[str, Any]:
         in_main_process = torch.utils.data.get_worker_info() is None
+        if not in_main_process and self.defer_checks and self.check_same_batch:
+            return self._with_verdict(features)
         batch = self.collator(features)
         check = self.check_same_batch and in_main_process
         shard = shard_full_batch(batch, self.layout, pad_token_id=self.pad_token_id, check_same_batch=check)
@@ -144,9 +166,22 @@ class SequenceParallelCollator:
             shard[TOKEN_COUNT_KEY] = full_batch_token_counts(batch, self.layout)
         return shard
 
+    def _with_verdict(self, features: list[Any]) -> dict[str, Any]:
+        """In a dataloader worker: the shard with its checks' verdict, or the verdict alone for a refused batch."""
+        try:
+            batch = self.collator(features)
+            shard = shard_full_batch(batch, self.layout, pad_token_id=self.pad_token_id, check_same_batch=False)
+        except ValueError as error:  # a refusal, shared by the main process of every rank (agree_on_batch)
+            return {BATCH_CHECK_KEY: BatchCheck.refused(str(error))}
+        if self.token_counts:
+            shard[TOKEN_COUNT_KEY] = full_batch_token_counts(batch, self.layout)
+        shard[BATCH_CHECK_KEY] = check_batch(batch)  # for the same-batch comparison over the SP group
+        return shard
+
     def __getstate__(self) -> dict[str, Any]:
         """What a dataloader worker started by spawn or forkserver receives (process groups do not pickle): the
-        layout as a rank view, which cuts the same shard (workers skip the same-batch check: no group there)."""
+        layout as a rank view, which cuts the same shard (no group there: a worker leaves the same-batch check to
+        the main process with ``defer_checks``, else skips it)."""
         layout = self.layout
         view = ParallelLayout.rank_view(
             layout.sp, layout.sp_rank, dp=layout.dp, dp_rank=layout.dp_rank, ring=layout.ring, device=layout.device
@@ -157,6 +192,67 @@ class SequenceParallelCollator:
         return f"SequenceParallelCollator({self.collator!r}, sp={self.layout.sp}, sp_rank={self.layout.sp_rank})"
 
 
+def agree_on_batch(batch: Any, layout: ParallelLayout) -> Any:
+    """``batch`` without :data:`BATCH_CHECK_KEY`, once every rank has agreed on the verdict a dataloader worker put
+    there (:meth:`~ulysses_sp.sharding.BatchCheck.agree`: a collective; a batch refused on any rank, or batches
+    that differ inside an SP group, raise the same kind of ValueError on every rank). A batch without the key is
+    returned as it is (collated in the main process, where the collator agreed already). Every rank must call it
+    on each batch of the same dataloader."""
+    if not isinstance(batch, Mapping) or BATCH_CHECK_KEY not in batch:
+        return batch
+    batch[BATCH_CHECK_KEY].agree(layout)
+    return {key: value for key, value in batch.items() if key != BATCH_CHECK_KEY}
+
+
+def agree_on_worker_batches(dataloader: Any, layout: ParallelLayout) -> Any:
+    """Make a prepared dataloader whose :class:`SequenceParallelCollator` (``defer_checks``) runs in worker
+    processes agree on each batch as it comes out of them (:func:`agree_on_batch`; in place), so that a loop over
+    it gets batches without :data:`BATCH_CHECK_KEY` and a refusal raises on every rank. Anything else is left alone.
+    Returns the same dataloader."""
+    base = getattr(dataloader, "base_dataloader", dataloader)  # accelerate's DataLoaderShard wraps a DataLoader
+    collate = _find_collator(base)[2]
+    if isinstance(collate, SequenceParallelCollator) and collate.defer_checks and getattr(base, "num_workers", 0):
+        base.__class__ = _agreeing_class(type(base))
+        base.sp_layout = layout
+    return dataloader
+
+
+def _find_collator(loader: Any) -> tuple[Any, str, Any]:
+    """(holder, attribute, collator): where ``loader``'s SequenceParallelCollator sits, inside the wrappers that
+    keep it as ``data_collator`` (the Trainer's RemoveColumnsCollator); else its collate_fn."""
+    holder, name, collate = loader, "collate_fn", getattr(loader, "collate_fn", None)
+    while not isinstance(collate, SequenceParallelCollator) and hasattr(collate, "data_collator"):
+        holder, name, collate = collate, "data_collator", collate.data_collator
+    return holder, name, collate
+
+
+@functools.cache
+def _agreeing_class(loader_class: type) -> type:
+    class AgreeingLoader(loader_class):
+        """A dataloader that agrees on the verdict of every batch its workers collate (see agree_on_worker_batches)."""
+
+        def __iter__(self) -> Any:
+            for batch in super().__iter__():
+                yield agree_on_batch(batch, self.sp_layout)
+
+    return AgreeingLoader
+
+
+def _collated_on_one_process(dataloader: Any) -> None:
+    """Accelerate's dispatcher collates on process 0 alone (and sends the others their slices): its collator must
+    run no collective, which the other ranks would never join."""
+    holder, name, collate = _find_collator(getattr(dataloader, "base_dataloader", dataloader))
+    if isinstance(collate, SequenceParallelCollator) and collate.check_same_batch:
+        alone = SequenceParallelCollator(
+            collate.collator,
+            collate.layout,
+            pad_token_id=collate.pad_token_id,
+            check_same_batch=False,
+            token_counts=collate.token_counts,
+        )
+        setattr(holder, name, alone)
+
+
 def deal_batches_over_dp(dataloader: Any, layout: ParallelLayout, *, split_batches: bool = False) -> Any:
     """Make an Accelerate-prepared dataloader deal its batches over the ``dp`` SP groups (in place).
 
@@ -164,16 +260,20 @@ def deal_batches_over_dp(dataloader: Any, layout: ParallelLayout, *, split_batch
     ``sp`` ranks of a group must see the same batch. This re-points accelerate's shard (a
     ``BatchSamplerShard`` or an ``IterableDatasetShard``) at ``num_processes=dp``, ``process_index=dp_rank``,
     which keeps the sample order (synchronised across ranks by accelerate), the epoch length and the
-    remainder accounting of ``gather_for_metrics`` consistent. With ``dp == 1`` the batches are exactly
-    those of one process (the last one may be partial). ``split_batches``: the dataloader was prepared with whole
-    batches per process (see ``SequenceParallelConfig.prepare``) and each batch is now split over the dp groups, as
-    ``Accelerator(split_batches=True)`` splits it over processes (its batch size must be a multiple of ``dp``).
+    remainder accounting of ``gather_for_metrics`` consistent (with ``sp == 1`` that split is already the right
+    one; a dispatcher, which collates on process 0 alone, then gets a collator that runs no collective). With
+    ``dp == 1`` the batches are exactly those of one process (the last one may be partial). ``split_batches``: the
+    dataloader was prepared with whole batches per process (see ``SequenceParallelConfig.prepare``) and each batch
+    is now split over the dp groups, as ``Accelerator(split_batches=True)`` splits it over processes (its batch
+    size must be a multiple of ``dp``).
     Returns the same dataloader.
     """
     from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
 
-    if layout.sp == 1:
-        return dataloader  # world = dp: accelerate's split is already the right one
+    if layout.sp == 1:  # world = dp: accelerate's split is already the right one
+        if isinstance(dataloader, DataLoaderDispatcher):
+            _collated_on_one_process(dataloader)
+        return dataloader
     if isinstance(dataloader, DataLoaderDispatcher):
         raise ValueError(
             "the dataloader dispatches slices of one batch from rank 0 (accelerate's dispatch_batches=True, the "

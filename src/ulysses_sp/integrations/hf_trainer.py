@@ -52,6 +52,7 @@ from ..validation import IGNORE_INDEX
 from .data import (
     TOKEN_COUNT_KEY,
     SequenceParallelCollator,
+    agree_on_batch,
     check_sp_options,
     check_world_size,
     deal_batches_over_dp,
@@ -133,8 +134,8 @@ class UlyssesTrainerMixin:
             switch=switch,
         )
         apply_features(self.model, features, self.sp_layout.device.type, switch=switch)
-        self.data_collator = SequenceParallelCollator(
-            self.data_collator, self.sp_layout, pad_token_id=self._pad_token_id(), token_counts=True
+        self.data_collator = SequenceParallelCollator(  # a refusal in a dataloader worker: see get_batch_samples
+            self.data_collator, self.sp_layout, pad_token_id=self._pad_token_id(), token_counts=True, defer_checks=True
         )
         if self.sp_layout.sp > 1:
             self.accelerator.gather_for_metrics = _keep_shard_partials(self.accelerator)
@@ -247,9 +248,17 @@ class UlyssesTrainerMixin:
         """Samples per optimizer step: per-device batch x gradient accumulation x dp (SP ranks share samples)."""
         return self._train_batch_size * args.gradient_accumulation_steps * self.sp_layout.dp
 
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's, with every rank agreeing on each batch that a dataloader worker collated before it is
+        counted (:func:`~ulysses_sp.integrations.data.agree_on_batch`): a batch refused on one rank raises the same
+        ValueError on every rank, not only where the worker refused it."""
+        checked = (agree_on_batch(batch, self.sp_layout) for batch in epoch_iterator)
+        return super().get_batch_samples(checked, num_batches, *args, **kwargs)
+
     def _prepare_inputs(self, inputs: Any) -> Any:
-        """The Trainer's device placement of a batch, without the full batch's token counts (not a model input)."""
-        prepared = super()._prepare_inputs(inputs)
+        """The Trainer's device placement of a batch (agreed on first, as in :meth:`get_batch_samples`, for an eval
+        batch from a dataloader worker), without the full batch's token counts (not a model input)."""
+        prepared = super()._prepare_inputs(agree_on_batch(inputs, self.sp_layout))
         return {key: value for key, value in prepared.items() if key != TOKEN_COUNT_KEY}
 
     def _track_num_input_tokens(self, inputs: Any) -> None:

@@ -3,12 +3,15 @@
 On a machine without network, ``from_pretrained("org/model")`` spends about 50 s in huggingface_hub's retries
 before it fails. :func:`hub_unreachable` answers in a few seconds: an id that is neither a local directory nor
 in the local cache needs the Hub, and one TCP connection to its endpoint says whether it can be reached (not
-asked where a proxy carries the requests: then the hub client decides).
+asked where a proxy carries the requests: then the hub client decides). The name lookup is bounded too: a broken
+resolver can block ``socket.getaddrinfo``, which takes no timeout, for minutes.
 """
 
 from __future__ import annotations
 
+import errno
 import socket
+import threading
 import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -49,10 +52,46 @@ def hub_unreachable(name: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None
     if host is None or _through_proxy(endpoint.scheme, host):  # a proxy's route is the hub client's to try
         return None
     try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
+        _connect(host, port, timeout_s)
     except OSError as error:
         return (
             f"{name!r} is not a local directory nor in the Hugging Face cache, and the Hub ({constants.ENDPOINT}) "
             f"cannot be reached ({error.strerror or type(error).__name__})"
         )
     return None
+
+
+def _lookup(host: str, port: int, timeout_s: float) -> list[tuple]:
+    """``socket.getaddrinfo(host, port)`` for TCP, or TimeoutError after ``timeout_s``: it runs in a daemon thread,
+    left to finish on its own (getaddrinfo cannot be interrupted)."""
+    found: list = []
+
+    def lookup() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError as error:
+            found.append(error)
+
+    thread = threading.Thread(target=lookup, name=f"hub lookup {host}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not found:
+        raise TimeoutError(errno.ETIMEDOUT, f"the name lookup of {host} took more than {timeout_s:g} s")
+    if isinstance(found[0], OSError):
+        raise found[0]
+    return found[0]
+
+
+def _connect(host: str, port: int, timeout_s: float) -> None:
+    """One TCP connection to ``host:port`` (as ``socket.create_connection``: each address in turn), the name lookup
+    and each connection attempt bounded by ``timeout_s``; OSError when none connects."""
+    error: OSError = OSError(errno.EHOSTUNREACH, f"no address for {host}")
+    for family, kind, proto, _, address in _lookup(host, port, timeout_s):
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.settimeout(timeout_s)
+                sock.connect(address)
+                return
+        except OSError as failed:
+            error = failed
+    raise error
