@@ -165,3 +165,13 @@ def record_case(out: str, train: Callable[[], tuple[dict, dict]]) -> str:
         write_json(os.path.join(out, "result.json"), result)
         torch.save(weights, os.path.join(out, "weights.pt"))
     return "ok"
+
+
+def expect_error(error: type[Exception], fragment: str, fn: Callable[[], object]) -> None:
+    """Call ``fn``: it must raise ``error`` with ``fragment`` in its message."""
+    try:
+        fn()
+    except error as exc:
+        assert fragment in str(exc), f"expected {fragment!r} in the message, got: {exc}"
+        return
+    raise AssertionError(f"expected {error.__name__} mentioning {fragment!r}")

@@ -22,6 +22,7 @@ from tests.integrations.common import (
     argmax_and_top,
     checkpointing_arg,
     drop_labels_collate,
+    expect_error,
     first,
     pad_collate,
     sft_args,
@@ -241,15 +242,6 @@ def sft(job: str, sp: int | None, model=None, eval_first: bool = False, **args) 
 
 
 # ----------------------------------------------------------------------------------------------- bad input
-def _expect(error: type[Exception], fragment: str, fn) -> None:
-    try:
-        fn()
-    except error as exc:
-        assert fragment in str(exc), f"expected {fragment!r} in the message, got: {exc}"
-        return
-    raise AssertionError(f"expected {error.__name__} mentioning {fragment!r}")
-
-
 def bad_input() -> None:
     """Each bad input raises a ValueError on every rank, before training (or at the first batch), no hang."""
     from torch.distributed.fsdp import fully_shard
@@ -271,28 +263,28 @@ def bad_input() -> None:
         )
 
     assert make(build("llama", heads=3)).sp_layout.ring == 2  # 3 heads over 2 ranks: ulysses 1 x ring 2
-    _expect(
+    expect_error(
         ValueError, "layouts of sp=2 that work: ulysses 1 x ring 2", lambda: make(build("llama", heads=3), sp_ring=1)
     )
     AttentionInterface.register("my_kernel", sdpa_attention_forward)
-    _expect(
+    expect_error(
         ValueError,
         "attn_implementation='my_kernel' has no Ulysses core",
         lambda: make(build("llama", attn="my_kernel")),
     )
-    _expect(ValueError, "unsupported attention core 'paged'", lambda: make(sp_core="paged"))
-    _expect(
+    expect_error(ValueError, "unsupported attention core 'paged'", lambda: make(sp_core="paged"))
+    expect_error(
         ValueError,
         "include_for_metrics=['nonsense']",
         lambda: make(args=trainer_args(_out("bad_input"), include_for_metrics=["nonsense", "loss"])),
     )
-    _expect(ValueError, "sp_size must be a positive int", lambda: make(sp_size=0))
-    _expect(ValueError, "not divisible by sp=4", lambda: make(sp_size=4))
+    expect_error(ValueError, "sp_size must be a positive int", lambda: make(sp_size=0))
+    expect_error(ValueError, "not divisible by sp=4", lambda: make(sp_size=4))
     sharded = build("llama")
     fully_shard(sharded)  # by hand, not at load time: the Trainer would wrap its DTensor parameters in DDP
-    _expect(ValueError, "LlamaForCausalLM has DTensor parameters on a world of 2 ranks", lambda: make(sharded))
+    expect_error(ValueError, "LlamaForCausalLM has DTensor parameters on a world of 2 ranks", lambda: make(sharded))
     trainer = make(collator=drop_labels_collate)
-    _expect(ValueError, "the collated batch has no 'labels'", trainer.train)
+    expect_error(ValueError, "the collated batch has no 'labels'", trainer.train)
 
 
 # ----------------------------------------------------------------------------------------------- accelerate jobs
@@ -378,13 +370,15 @@ def accelerate_metrics(job: str, sp: int, ring: int | None = None) -> None:
     # shards of different ranks
     layout = loss_fn.layout
     mine = torch.tensor([layout.sp_rank * (layout.dp_rank if layout.dp > 1 else 1)])
-    _expect(
+    expect_error(
         ValueError,
         "hold different values for a per-sample tensor",
         lambda: loss_fn.gather_for_metrics(accelerator, mine),
     )
     odd = torch.zeros(2, 4, 3) if layout.sp_rank == 0 else torch.zeros(2, 4)
-    _expect(ValueError, "dim=2 is not a dim of a tensor of shape (2, 4)", lambda: gather_sequence(odd, layout, dim=2))
+    expect_error(
+        ValueError, "dim=2 is not a dim of a tensor of shape (2, 4)", lambda: gather_sequence(odd, layout, dim=2)
+    )
     if dist.get_rank() == 0:
         os.makedirs(_out(job), exist_ok=True)
         torch.save(got, os.path.join(_out(job), "gathered.pt"))

@@ -14,17 +14,8 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.models import build
-from tests.integrations.common import TRAIN_LENGTHS, pad_collate, token_dataset, trainer_args
+from tests.integrations.common import TRAIN_LENGTHS, expect_error, pad_collate, token_dataset, trainer_args
 from ulysses_sp.integrations import SequenceParallelCollator
-
-
-def _expect(error: type[Exception], fragment: str, fn) -> None:
-    try:
-        fn()
-    except error as exc:
-        assert fragment in str(exc), f"expected {fragment!r} in the message, got: {exc}"
-        return
-    raise AssertionError(f"expected {error.__name__} mentioning {fragment!r}")
 
 
 def refused_on_rank1(features: list[dict]) -> dict[str, torch.Tensor]:
@@ -94,22 +85,22 @@ def refusal_on_one_rank() -> None:
     collated in the main process, and in gather_for_metrics: the same. A dispatching dataloader (an iterable
     dataset) at sp=1 collates on process 0 alone: no agreement runs there, and it trains."""
     refused = "labels has shape" if dist.get_rank() == 1 else "sp_rank 1: malformed batch"
-    _expect(ValueError, refused, _trainer(refused_on_rank1, 2, workers=1).train)
+    expect_error(ValueError, refused, _trainer(refused_on_rank1, 2, workers=1).train)
     trainer = _trainer(refused_on_rank1, 2)
     model, device, layout = trainer.model, trainer.args.device, trainer.sp_layout
     batch = _collated_in_a_worker(trainer.data_collator)
-    _expect(ValueError, refused, lambda: trainer.prediction_step(model, batch, prediction_loss_only=True))
+    expect_error(ValueError, refused, lambda: trainer.prediction_step(model, batch, prediction_loss_only=True))
     batch = _collated_in_a_worker(SequenceParallelCollator(different_on_rank1, layout, defer_checks=True))
-    _expect(ValueError, "hold different batches", lambda: trainer.get_batch_samples(iter([batch]), 1, device))
+    expect_error(ValueError, "hold different batches", lambda: trainer.get_batch_samples(iter([batch]), 1, device))
     batch = _collated_in_a_worker(SequenceParallelCollator(pad_collate, layout, defer_checks=True))
     assert "ulysses_sp_batch_check" in batch
     (batch,), _ = trainer.get_batch_samples(iter([batch]), 1, device)
     assert "ulysses_sp_batch_check" not in batch and "shift_labels" in batch, sorted(batch)
-    _expect(ValueError, refused, lambda: _accelerate_first_batch(refused_on_rank1, 2, workers=1))
+    expect_error(ValueError, refused, lambda: _accelerate_first_batch(refused_on_rank1, 2, workers=1))
     replica = "data-parallel replica(s) [1] rejected their batch"
-    _expect(ValueError, replica, _trainer(refused_on_rank1, 1).train)
-    _expect(ValueError, replica, lambda: _accelerate_first_batch(refused_on_rank1, 1, workers=0))
-    _expect(ValueError, replica, _gather_for_metrics_refused_on_rank1)
+    expect_error(ValueError, replica, _trainer(refused_on_rank1, 1).train)
+    expect_error(ValueError, replica, lambda: _accelerate_first_batch(refused_on_rank1, 1, workers=0))
+    expect_error(ValueError, replica, _gather_for_metrics_refused_on_rank1)
     _trainer(pad_collate, 1, data=_FixedLengthStream(), max_steps=2).train()
 
 
@@ -136,4 +127,4 @@ def refusal_in_worker_dp2_sp2() -> None:
     """World 4 (dp=2 x sp=2): a batch refused in a dataloader worker of replica 1's ranks raises on all four ranks
     (replica 0's ranks would wait in the forward's agreement or the gradient all-reduce)."""
     replica = "data-parallel replica(s) [1] rejected their batch"
-    _expect(ValueError, replica, lambda: _accelerate_first_batch(refused_on_replica1, 2, workers=1))
+    expect_error(ValueError, replica, lambda: _accelerate_first_batch(refused_on_replica1, 2, workers=1))
