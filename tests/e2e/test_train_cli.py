@@ -3,7 +3,8 @@
 Each test starts the real command (``python -m ulysses_sp train``, the same code as the console script),
 which launches its own gloo ranks; faults are injected through ``ULYSSES_SP_TEST_FAULT`` (see
 :mod:`ulysses_sp.train.faults`). Every subprocess has a timeout, and a killed run is killed as a whole
-process group.
+process group. A run the command must refuse before any rank starts runs its ``main`` in this process
+(:func:`~tests.e2e.train_cli_helpers.refuse_in_process`), apart from one through the console script.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tests.e2e.train_cli_helpers import (
     cli_env,
     rank_pids,
     records,
+    refuse_in_process,
     run_cli,
     start_cli,
     wait_for_step,
@@ -164,7 +166,7 @@ def test_kills_mid_run_and_mid_checkpoint_then_resume_match_the_uninterrupted_ru
     ],
 )
 def test_an_invalid_config_exits_2_naming_the_flag(args, needle, tmp_path):
-    result = run_cli([*args, "--output-dir", str(tmp_path)], timeout=120)
+    result = refuse_in_process([*args, "--output-dir", str(tmp_path)])
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr and "Traceback" not in result.stderr, result.stderr
 
@@ -182,12 +184,12 @@ def test_a_fresh_run_refuses_a_directory_with_checkpoints_and_bad_yaml(tmp_path)
     metrics_only = tmp_path / "metrics-only"
     metrics_only.mkdir()
     (metrics_only / "metrics.jsonl").write_text('{"event": "train", "step": 1, "loss": 10.8}\n')
-    result = run_cli(["--output-dir", str(metrics_only)], timeout=120)
+    result = refuse_in_process(["--output-dir", str(metrics_only)])
     assert result.returncode == 2 and "metrics.jsonl" in result.stderr and "--overwrite" in result.stderr, result.stderr
     assert (metrics_only / "metrics.jsonl").read_text() == '{"event": "train", "step": 1, "loss": 10.8}\n'
     config = tmp_path / "c.yaml"
     config.write_text("seq_lenn: 128\n")
-    result = run_cli(["--config", str(config)], timeout=120)
+    result = refuse_in_process(["--config", str(config)])
     assert result.returncode == 2 and "seq_lenn" in result.stderr and "seq_len" in result.stderr
 
 
@@ -278,14 +280,14 @@ def test_rewind_new_settings_and_overwrite_never_lose_checkpoints(tmp_path, corp
     assert [r["step"] for r in records(out)] == [1, 2, 3]
     assert records(out)[-1]["lr"] == pytest.approx(expected, rel=1e-9)
 
-    refused = run_cli([*base, "--max-steps", "5", "--grad-accum", "2", "--resume"])
+    refused = refuse_in_process([*base, "--max-steps", "5", "--grad-accum", "2", "--resume"])
     assert refused.returncode != 0 and "--grad-accum 1 -> 2" in refused.stdout + refused.stderr
     # another --model: the checkpoint's llama-tiny used to train on under the new name (and its default --lr)
-    refused = run_cli([*base, "--max-steps", "5", "--resume", "--model", "llama-small"])
+    refused = refuse_in_process([*base, "--max-steps", "5", "--resume", "--model", "llama-small"])
     assert refused.returncode == 2 and "--model 'llama-small' differs" in refused.stderr, refused.stderr
     assert "--model llama-tiny" in refused.stderr and "layout:" not in refused.stdout  # before any rank started
 
-    bad = run_cli([*base, "--max-steps", "1", "--overwrite", "--dataset", str(tmp_path / "missing.jsonl")])
+    bad = refuse_in_process([*base, "--max-steps", "1", "--overwrite", "--dataset", str(tmp_path / "missing.jsonl")])
     assert bad.returncode != 0 and [p.name for p in list_checkpoints(out)] == ["checkpoint-0000003"]
     _ok(run_cli([*base, "--max-steps", "1", "--overwrite"]))
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-0000001"]

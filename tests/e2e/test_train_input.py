@@ -1,5 +1,7 @@
 """End-to-end: bad input to ``ulysses-sp train`` is refused with one line naming the flag or the file and the
-fix (exit 2), before any rank starts where it can be checked there."""
+fix (exit 2), before any rank starts where it can be checked there. Such a refusal runs the command in this
+process (its ``main``; starting a rank would fail the test); one that only the ranks can make (a file whose rows
+hold no text) runs the real command, ranks and all."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.train_cli_helpers import TINY, error_lines, run_cli
+from tests.e2e.train_cli_helpers import TINY, error_lines, refuse_in_process, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +52,8 @@ def test_bad_data_tokenizer_or_output_dir_is_one_line(case, tmp_path):
     args, needles = case(tmp_path)
     if "--output-dir" not in args:
         args += ["--output-dir", str(tmp_path / "out")]
-    result = run_cli([*TINY, "--max-steps", "1", *args], timeout=120)
+    args = [*TINY, "--max-steps", "1", *args]
+    result = run_cli(args, timeout=120) if case is _empty else refuse_in_process(args)
     assert result.returncode == 2, result.stdout + result.stderr
     for needle in needles:
         assert needle in result.stderr, (needle, result.stderr)
@@ -67,7 +70,7 @@ def test_bad_data_tokenizer_or_output_dir_is_one_line(case, tmp_path):
     ],
 )
 def test_non_finite_numbers_and_nproc_0_name_their_flag(args, needle, not_blamed, tmp_path):
-    result = run_cli([*args, "--output-dir", str(tmp_path)], timeout=120)
+    result = refuse_in_process([*args, "--output-dir", str(tmp_path)])
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr and "Traceback" not in result.stderr, result.stderr
     if not_blamed is not None:

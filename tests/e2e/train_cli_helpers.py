@@ -3,13 +3,17 @@ metrics, find and wait for the processes it started (only those: never by name).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -53,6 +57,47 @@ def run_cli(
         stdout, stderr = process.communicate()
         pytest.fail(f"ulysses-sp train {' '.join(args)} did not finish in {timeout} s\n{stdout}\n{stderr}")
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+class _RanksStarted(AssertionError):
+    """Raised in place of starting ranks by :func:`refuse_in_process`."""
+
+
+def _no_ranks(*args, **kwargs):
+    raise _RanksStarted("the command went on to start its ranks instead of refusing the run")
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def refuse_in_process(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """``ulysses-sp train ARGS`` in this process, for a run the command must refuse before any rank starts: the
+    console script's own ``main`` with :func:`cli_env`, its exit status and output as :func:`run_cli` gives them,
+    without the seconds a new interpreter spends importing torch and transformers. Starting a rank fails the test
+    (it is never done here); an exception other than the command's exit propagates, traceback and all."""
+    from ulysses_sp.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_environment(cli_env(**env)))
+        stack.enter_context(mock.patch("ulysses_sp.train.launch.launch_local", _no_ranks))
+        stack.enter_context(mock.patch("ulysses_sp.train.run.run_rank", _no_ranks))
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        try:
+            status = main(["train", *args])
+        except SystemExit as exit_:  # argparse's exit on a bad flag
+            status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    return subprocess.CompletedProcess(train_command(args), status, out.getvalue(), err.getvalue())
 
 
 def records(output_dir: Path, event: str = "train") -> list[dict]:

@@ -7,7 +7,9 @@ processes, each calls the target ``fn()`` which returns ``{case: "ok" | tracebac
 
 from __future__ import annotations
 
+import functools
 import importlib
+import multiprocessing as mp
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +17,21 @@ from typing import Any
 from ulysses_sp.bench.world import free_port, spawn_ranks
 
 __all__ = ["assert_case", "campaign_args", "dist_suite", "free_port", "print_campaign", "run_cases", "run_world"]
+
+
+# what every rank of the suites imports: a forkserver that holds them starts a rank in well under a second
+# instead of the seconds a fresh interpreter spends importing torch and transformers (module state that those
+# libraries read from the environment at import is the suite's own, as it is for the tests in this process)
+_PRELOAD = ["torch", "torch.distributed", "transformers", "ulysses_sp.model", "tests.helpers.models"]
+
+
+@functools.cache
+def rank_context() -> Any:
+    """The multiprocessing context that starts the ranks of :func:`run_world`: a forkserver preloading
+    ``_PRELOAD``, started once per test session (it runs nothing else, so forking it is safe)."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
 
 
 def _call(params: dict[str, Any]) -> dict[str, str]:
@@ -29,7 +46,7 @@ def run_world(world: int, target: str, timeout: float = 900.0) -> dict[str, dict
     A rank whose setup raised is reported under ``"<setup>"``, one that died or timed out under ``"<process>"``.
     """
     params = {"target": target, "threads_per_rank": 1, "collective_timeout_s": 90}
-    reports = spawn_ranks(world, "tests.helpers.harness:_call", params, timeout_s=timeout)
+    reports = spawn_ranks(world, "tests.helpers.harness:_call", params, timeout_s=timeout, context=rank_context())
     merged: dict[str, dict[int, str]] = {}
     for rank, report in enumerate(reports):
         if "died" in report:

@@ -14,6 +14,7 @@ import json
 import multiprocessing as mp
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -29,7 +30,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, target: str, params: dict[str, Any], outdir: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, target: str, params: dict[str, Any], outdir: str, origin: dict[str, Any]
+) -> None:
+    # the caller's environment, directory and import path as they are now (a forkserver's children would
+    # otherwise see them as they were when the server started)
+    os.environ.clear()
+    os.environ.update(origin["environ"])
+    os.chdir(origin["cwd"])
+    sys.path[:] = origin["path"]
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -56,17 +65,25 @@ def _worker(rank: int, world: int, port: int, target: str, params: dict[str, Any
         dist.destroy_process_group()
 
 
-def spawn_ranks(world: int, target: str, params: dict[str, Any], *, timeout_s: float) -> list[dict[str, Any]]:
+def spawn_ranks(
+    world: int, target: str, params: dict[str, Any], *, timeout_s: float, context: Any = None
+) -> list[dict[str, Any]]:
     """Run ``target(params)`` on ``world`` spawned gloo ranks; one report per rank, never hanging.
 
     Each report is ``{"ok": result}``, ``{"error": traceback}`` (the target or the group setup raised) or
     ``{"died": why}`` (the process exited without reporting, or outlived ``timeout_s`` and was killed).
-    ``params`` may set ``threads_per_rank`` (default 1) and ``collective_timeout_s`` (default 300).
+    ``params`` may set ``threads_per_rank`` (default 1) and ``collective_timeout_s`` (default 300). ``context``:
+    the multiprocessing context that starts the ranks (default: spawn; a forkserver that preloads torch starts
+    them without importing it again). Either way a rank sees this process's environment, directory and
+    ``sys.path`` as they are at the call.
     """
-    ctx = mp.get_context("spawn")
+    ctx = context if context is not None else mp.get_context("spawn")
+    origin = {"environ": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path)}
     with tempfile.TemporaryDirectory() as outdir:
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, target, params, outdir)) for r in range(world)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, port, target, params, outdir, origin)) for r in range(world)
+        ]
         for proc in procs:
             proc.start()
         deadline = time.monotonic() + timeout_s
