@@ -1,6 +1,6 @@
 """``python -m ulysses_sp train ...``: the same as the ``ulysses-sp`` command."""
 
-from ulysses_sp.cli import main
+from ulysses_sp.cli import console
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    console()

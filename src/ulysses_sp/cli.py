@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-__all__ = ["main"]
+__all__ = ["console", "main"]
 
 USAGE = """usage: ulysses-sp <command> [flags]
 
@@ -46,6 +47,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return plan_command(rest)
     print(f"ulysses-sp: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
     return 2
+
+
+def console() -> NoReturn:
+    """The ``ulysses-sp`` console script and ``python -m ulysses_sp``: :func:`main`, then the exit without the
+    interpreter's teardown of the modules it loaded (:func:`~ulysses_sp.train.lifeline.exit_now`: 2-3 s once
+    torch and transformers are in)."""
+    from ulysses_sp.train.lifeline import exit_now
+
+    exit_now(main())
 
 
 ALLOCATOR_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")

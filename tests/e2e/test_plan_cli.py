@@ -1,4 +1,5 @@
-"""``ulysses-sp plan`` as a subprocess: the table, --json, and exit 2 naming the flag."""
+"""``ulysses-sp plan``: the table, --json, and exit 2 naming the flag. The first run is the command as a
+subprocess; the others run its ``main`` in this process (the same code, without a new interpreter's imports)."""
 
 import json
 import os
@@ -7,8 +8,14 @@ import sys
 
 import pytest
 
+from tests.e2e.train_cli_helpers import main_in_process
+
 
 def run(*args: str) -> subprocess.CompletedProcess:
+    return main_in_process(["plan", *args])
+
+
+def run_command(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
         [sys.executable, "-m", "ulysses_sp", "plan", *args], capture_output=True, text=True, env=env, timeout=300
@@ -16,7 +23,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_table_and_json():
-    table = run(
+    table = run_command(
         "--model", "qwen3-4b", "--seq-len", "262144", "--gpus-per-node", "8", "--sp", "8", "--host-memory", "1TiB"
     )
     assert table.returncode == 0, table.stderr

@@ -1,8 +1,9 @@
 """End-to-end: ``ulysses-sp train`` under faults: a killed launcher, two runs in one folder, a damaged
 checkpoint, SIGTERM (preemption), Ctrl-C, non-finite training, a full or read-only disk.
 
-Each run is the real command as a subprocess on 2 CPU ranks; every process a test started is accounted for
-(found through ``/proc`` as the launcher's children, never by name) and must be gone when the test ends.
+Each run is the real command as a subprocess on 2 CPU ranks (a run refused before any rank starts runs the
+command's ``main`` in this process); every process a test started is accounted for (found through ``/proc`` as
+the launcher's children, never by name) and must be gone when the test ends.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def test_killed_launcher_lock_damaged_checkpoint_sigterm_and_ctrl_c(tmp_path, co
         cli.wait_for_step(out, 3, first)
         ranks = cli.rank_pids(first.pid)
         lines_before = (out / "metrics.jsonl").read_text()
-        second = cli.run_cli([*base, "--resume"], timeout=120)
+        second = cli.refuse_in_process([*base, "--resume"])
         assert second.returncode == 2, second.stderr
         assert f"pid {first.pid}" in second.stderr and "--output-dir" in second.stderr, second.stderr
         assert (out / "metrics.jsonl").read_text() == lines_before  # the refused run wrote nothing
@@ -64,7 +65,7 @@ def test_killed_launcher_lock_damaged_checkpoint_sigterm_and_ctrl_c(tmp_path, co
     middle = len(original) // 2
     flipped = bytes(b ^ 0xFF for b in original[middle : middle + 4096])
     weights.write_bytes(original[:middle] + flipped + original[middle + 4096 :])
-    damaged = cli.run_cli([*base, "--resume"], timeout=120)
+    damaged = cli.refuse_in_process([*base, "--resume"])
     assert damaged.returncode == 2, damaged.stderr
     assert "model.safetensors" in damaged.stderr and checkpoint_name(2) in damaged.stderr, damaged.stderr
     assert f"--resume {out / checkpoint_name(1)}" in damaged.stderr and "Traceback" not in damaged.stderr

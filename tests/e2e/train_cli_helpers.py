@@ -79,25 +79,34 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def refuse_in_process(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    """``ulysses-sp train ARGS`` in this process, for a run the command must refuse before any rank starts: the
-    console script's own ``main`` with :func:`cli_env`, its exit status and output as :func:`run_cli` gives them,
-    without the seconds a new interpreter spends importing torch and transformers. Starting a rank fails the test
-    (it is never done here); an exception other than the command's exit propagates, traceback and all."""
+def main_in_process(argv: list[str], **env: str) -> subprocess.CompletedProcess:
+    """``ulysses-sp ARGV`` run by the console script's own ``main`` in this process with :func:`cli_env` (its exit
+    status and output as a subprocess gives them), without the seconds a new interpreter spends importing torch
+    and transformers. An exception other than the command's exit propagates, traceback and all."""
     from ulysses_sp.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_environment(cli_env(**env)))
-        stack.enter_context(mock.patch("ulysses_sp.train.launch.launch_local", _no_ranks))
-        stack.enter_context(mock.patch("ulysses_sp.train.run.run_rank", _no_ranks))
         stack.enter_context(contextlib.redirect_stdout(out))
         stack.enter_context(contextlib.redirect_stderr(err))
         try:
-            status = main(["train", *args])
+            status = main(argv)
         except SystemExit as exit_:  # argparse's exit on a bad flag
             status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    return subprocess.CompletedProcess(train_command(args), status, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess(
+        [sys.executable, "-m", "ulysses_sp", *argv], status, out.getvalue(), err.getvalue()
+    )
+
+
+def refuse_in_process(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """``ulysses-sp train ARGS`` by :func:`main_in_process`, for a run the command must refuse before any rank
+    starts: starting a rank fails the test (it is never done here)."""
+    with (
+        mock.patch("ulysses_sp.train.launch.launch_local", _no_ranks),
+        mock.patch("ulysses_sp.train.run.run_rank", _no_ranks),
+    ):
+        return main_in_process(["train", *args], **env)
 
 
 def records(output_dir: Path, event: str = "train") -> list[dict]:

@@ -164,3 +164,32 @@ def test_loss_curve_and_no_reporter_for_none(tmp_path):
     assert (tmp_path / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
     kwargs = {"output_dir": tmp_path, "tensorboard_dir": tmp_path / "tb", "config": {}, "resume_step": None}
     assert make_reporter("none", **kwargs) is None
+
+
+_EXIT_NOW = """
+import atexit, sys, threading, time
+from ulysses_sp.train.lifeline import exit_now
+
+atexit.register(lambda: open(sys.argv[1], "a").write("exit handler ran\\n"))
+if sys.argv[2] == "thread":  # a non-daemon thread still working: a normal exit waits for it
+    threading.Thread(target=lambda: (time.sleep(0.5), open(sys.argv[1], "a").write("thread finished\\n"))).start()
+print("unflushed output", end="")
+exit_now(3)
+print("never printed")
+"""
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_exit_now_runs_the_exit_handlers_flushes_and_waits_for_a_working_thread(tmp_path, thread):
+    """The command and its ranks end by exit_now: the status, the exit handlers (where trackers close their files),
+    the output not yet flushed, all kept; a non-daemon thread still running is waited for (a normal exit)."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "log"
+    mode = "thread" if thread else "none"
+    done = subprocess.run([sys.executable, "-c", _EXIT_NOW, str(log), mode], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "unflushed output"
+    expected = ["thread finished", "exit handler ran"] if thread else ["exit handler ran"]
+    assert log.read_text().splitlines() == expected

@@ -9,10 +9,14 @@
 - :class:`RankSignals`: SIGTERM (a preemption notice) only sets a flag, which the training loop agrees on
   across ranks at the next step boundary to save and stop together; under a launcher, SIGINT ends the rank
   at once and silently (the launcher prints the one line about it).
+- :func:`exit_now`: a process that has done its work (a rank of our own launcher, the command itself) exits
+  without the interpreter's teardown of the ~2,500 modules that torch and transformers load: 2-3 s at the
+  end of every process of a run, measured on CPU.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
@@ -21,8 +25,9 @@ import threading
 import time
 from collections.abc import Mapping
 from types import FrameType
+from typing import NoReturn
 
-__all__ = ["LAUNCHER_PID_ENV", "PREEMPTED_STATUS", "RankSignals", "die_with_launcher"]
+__all__ = ["LAUNCHER_PID_ENV", "PREEMPTED_STATUS", "RankSignals", "die_with_launcher", "exit_now"]
 
 LAUNCHER_PID_ENV = "ULYSSES_SP_LAUNCHER_PID"
 PREEMPTED_STATUS = 128 + signal.SIGTERM  # 143: stopped by SIGTERM after saving a checkpoint
@@ -46,6 +51,23 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(_WATCH_INTERVAL_S)
         if os.getppid() != parent_pid:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exit_now(status: int) -> NoReturn:
+    """End this process with ``status``, its exit handlers run (they flush logging, close trackers' files) and
+    its standard streams flushed, without the teardown of its modules. A normal exit instead while another
+    non-daemon thread runs (it would be waited for), off the main thread, or where the exit handlers cannot be
+    run from here. Only for a process that runs nothing after it: a caller that imported the code keeps
+    calling the functions that return a status."""
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)  # CPython's: what a normal exit runs first
+    main = threading.main_thread()
+    waited_for = [t for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
+    if run_exit_handlers is None or waited_for or threading.current_thread() is not main:
+        raise SystemExit(status)
+    run_exit_handlers()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)
 
 
 def die_with_launcher(environ: Mapping[str, str]) -> bool:

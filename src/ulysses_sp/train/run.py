@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ulysses_sp.train.errors import RunError, disk_error, first_line, report_error
-from ulysses_sp.train.lifeline import PREEMPTED_STATUS, RankSignals, die_with_launcher
+from ulysses_sp.train.lifeline import PREEMPTED_STATUS, RankSignals, die_with_launcher, exit_now
 from ulysses_sp.train.outdir import OutputDirLock, prepare_output_dir
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def train_command(argv: Sequence[str]) -> int:
     if SPEC_ENV in os.environ:  # a rank of our own launcher: the run is resolved already
         from ulysses_sp.train.runspec import RunSpec
 
-        return run_rank(RunSpec.load(os.environ[SPEC_ENV]))
+        exit_now(run_rank(RunSpec.load(os.environ[SPEC_ENV])))  # a process of its own: no module teardown
     from ulysses_sp.train.config import load_config
 
     config = load_config(list(argv))  # exits with status 2 and the flag's name on a bad value
