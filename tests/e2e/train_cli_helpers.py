@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -67,18 +66,6 @@ def _no_ranks(*args, **kwargs):
     raise _RanksStarted("the command went on to start its ranks instead of refusing the run")
 
 
-@contextlib.contextmanager
-def _environment(env: dict[str, str]) -> Iterator[None]:
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 def main_in_process(argv: list[str], **env: str) -> subprocess.CompletedProcess:
     """``ulysses-sp ARGV`` run by the console script's own ``main`` in this process with :func:`cli_env` (its exit
     status and output as a subprocess gives them), without the seconds a new interpreter spends importing torch
@@ -87,7 +74,7 @@ def main_in_process(argv: list[str], **env: str) -> subprocess.CompletedProcess:
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_environment(cli_env(**env)))
+        stack.enter_context(mock.patch.dict(os.environ, cli_env(**env), clear=True))
         stack.enter_context(contextlib.redirect_stdout(out))
         stack.enter_context(contextlib.redirect_stderr(err))
         try:
