@@ -26,7 +26,8 @@ def token_dataset(lengths: tuple[int, ...], seed: int, prompt: int = 3) -> Datas
 
 
 def pad_collate(features: list[dict]) -> dict[str, torch.Tensor]:
-    """A user's collator: right-pad input_ids (0), attention_mask and labels (-100); no position_ids."""
+    """A user's collator: right-pad input_ids (0), attention_mask and labels (-100, when the features have them); no
+    position_ids."""
     width = max(len(f["input_ids"]) for f in features)
     ids = torch.zeros(len(features), width, dtype=torch.long)
     mask = torch.zeros(len(features), width, dtype=torch.long)
@@ -35,8 +36,9 @@ def pad_collate(features: list[dict]) -> dict[str, torch.Tensor]:
         n = len(f["input_ids"])
         ids[row, :n] = torch.tensor(f["input_ids"])
         mask[row, :n] = 1
-        labels[row, :n] = torch.tensor(f["labels"])
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        labels[row, :n] = torch.tensor(f.get("labels", f["input_ids"]))
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return batch if "labels" in features[0] else {k: v for k, v in batch.items() if k != "labels"}
 
 
 def drop_labels_collate(features: list[dict]) -> dict[str, torch.Tensor]:

@@ -72,12 +72,18 @@ def trainer_metrics(job: str, sp: int, include_for_metrics: list[str] | None = N
     )
     metrics = trainer.evaluate()
     predicted = trainer.predict(token_dataset(EVAL_LENGTHS, seed=2))
+    unlabelled = token_dataset(EVAL_LENGTHS, seed=2).remove_columns("labels")
+    bare = trainer.predict(unlabelled)  # logits alone, as one process gives them
+    bare_metrics = trainer.evaluate(unlabelled)
     if dist.get_rank() == 0:
-        write_json(os.path.join(_out(job), "result.json"), {"metrics": metrics, "predict": predicted.metrics})
+        results = {"metrics": metrics, "predict": predicted.metrics, "bare": bare.metrics, "bare_eval": bare_metrics}
+        write_json(os.path.join(_out(job), "result.json"), results)
         torch.save(
             {
                 "predictions": torch.as_tensor(first(predicted.predictions)),
                 "labels": torch.as_tensor(predicted.label_ids),
+                "bare": torch.as_tensor(first(bare.predictions)),
+                "bare_labels": bare.label_ids,
             },
             os.path.join(_out(job), "predicted.pt"),
         )

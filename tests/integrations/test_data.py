@@ -90,6 +90,23 @@ def test_collator_without_labels_or_with_shift_labels_or_unknown_token_tensor_ra
         SequenceParallelCollator(collator, fake_layout(2, 0))
 
 
+def test_collator_for_logits_alone_shards_a_batch_without_labels():
+    """require_labels=False (the Trainer's eval and test batches): a batch without labels is sharded as one with
+    them, less labels and shift_labels; ``replaced`` keeps the other settings and the layout itself."""
+    features = [token_dataset((9, 6), seed=3)[i] for i in range(2)]
+    bare = [{"input_ids": f["input_ids"]} for f in features]
+    for sp_rank in range(2):
+        strict = SequenceParallelCollator(pad_collate, fake_layout(2, sp_rank), pad_token_id=5, check_same_batch=False)
+        loose = strict.replaced(require_labels=False)
+        assert loose.layout is strict.layout and (loose.pad_token_id, loose.require_labels) == (5, False)
+        labelled, unlabelled = strict(features), loose(bare)
+        assert set(unlabelled) == {"input_ids", "position_ids", "attention_mask"}
+        for key in unlabelled:
+            torch.testing.assert_close(unlabelled[key], labelled[key])
+        with pytest.raises(ValueError, match="the collated batch has no 'labels'"):
+            strict(bare)
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_transformers_padding_collators_pass_and_unmasked_padding_labels_are_refused(side):
     """transformers' collators set -100 on padding, so their batches are sharded as they are; a collator that

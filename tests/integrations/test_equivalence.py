@@ -178,7 +178,8 @@ def test_compute_metrics_and_predict_under_sp_equal_one_process(world2_sp, world
     """compute_metrics gets whole-sequence logits (or preprocess_logits_for_metrics' pair of tensors) and labels,
     every eval sample once: the metrics one process computes (the tiled loss at sp=2 gets its logits from a second
     forward, and include_for_metrics its inputs and losses; dp=2 x sp=2 evens out the last batch); predict() returns
-    one process's logits at every real token."""
+    one process's logits at every real token, and on a dataset without labels its logits alone (no loss, no labels),
+    as evaluate() there reports what one process reports."""
     from transformers import Trainer
 
     assert_case(world2_sp if world == 2 else world4, job, world)
@@ -199,17 +200,24 @@ def test_compute_metrics_and_predict_under_sp_equal_one_process(world2_sp, world
         assert abs(got["metrics"][key] - want[key]) < 1e-4, (key, got["metrics"], want)
     predicted = torch.load(os.path.join(out_dir, job, "predicted.pt"))
     expected = reference.predict(token_dataset(EVAL_LENGTHS, seed=2))
-    assert len(predicted["predictions"]) == len(EVAL_LENGTHS)
+    unlabelled = token_dataset(EVAL_LENGTHS, seed=2).remove_columns("labels")
+    bare = reference.predict(unlabelled)
+    assert bare.label_ids is None and predicted["bare_labels"] is None
+    assert "test_loss" not in got["bare"] and "eval_loss" not in got["bare_eval"]
+    assert sorted(got["bare_eval"]) == sorted(reference.evaluate(unlabelled))
+    assert len(predicted["predictions"]) == len(predicted["bare"]) == len(EVAL_LENGTHS)
     differ = 0
     for row, n in enumerate(EVAL_LENGTHS):
         torch.testing.assert_close(predicted["labels"][row][:n], torch.as_tensor(expected.label_ids[row][:n]))
         assert (predicted["labels"][row][n:] == -100).all()
         ours, theirs = predicted["predictions"][row][:n], torch.as_tensor(first(expected.predictions)[row][:n])
+        ours_bare, theirs_bare = predicted["bare"][row][:n], torch.as_tensor(first(bare.predictions)[row][:n])
         if argmax:
-            differ += int((ours != theirs).sum())
+            differ += int((ours != theirs).sum()) + int((ours_bare != theirs_bare).sum())
         else:
             torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
-    assert differ <= 1  # the same next-token guesses (a near tie apart)
+            torch.testing.assert_close(ours_bare, theirs_bare, atol=1e-5, rtol=1e-5)
+    assert differ <= 2  # the same next-token guesses (a near tie apart)
 
 
 def test_moe_predictions_beside_logits_refused_then_equal_one_process_when_ignored(world2_sp, out_dir):

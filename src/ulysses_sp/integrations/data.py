@@ -38,6 +38,7 @@ __all__ = [
     "check_world_size",
     "deal_batches_over_dp",
     "layout_for_model",
+    "replace_collator",
     "resolve_core",
     "shard_full_batch",
 ]
@@ -70,15 +71,21 @@ def full_batch_token_counts(batch: Mapping[str, Any], layout: ParallelLayout) ->
 
 
 def shard_full_batch(
-    batch: Mapping[str, Any], layout: ParallelLayout, *, pad_token_id: int = 0, check_same_batch: bool = True
+    batch: Mapping[str, Any],
+    layout: ParallelLayout,
+    *,
+    pad_token_id: int = 0,
+    check_same_batch: bool = True,
+    require_labels: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Check a collated full batch and return this rank's shard (see :func:`ulysses_sp.shard_batch`).
 
-    Raises ValueError when the batch has no ``labels`` (the loss could not be computed) or carries another
-    ``[batch, seq_len]`` tensor that would have to be sliced too; drops :data:`FULL_SEQUENCE_KEYS`. With
-    ``check_same_batch``, the SP group compares fingerprints of its full batches (one tiny all-gather).
+    Raises ValueError when the batch has no ``labels`` (the loss could not be computed; with ``require_labels=False``
+    such a batch is sharded without ``shift_labels``, for logits alone) or carries another ``[batch, seq_len]`` tensor
+    that would have to be sliced too; drops :data:`FULL_SEQUENCE_KEYS`. With ``check_same_batch``, the SP group
+    compares fingerprints of its full batches (one tiny all-gather).
     """
-    if "labels" not in batch or batch["labels"] is None:
+    if require_labels and batch.get("labels") is None:
         raise ValueError(
             f"the collated batch has no 'labels' (keys: {sorted(batch)}); under sequence parallelism the labels "
             "are shifted before the sequence is split, so the collator must emit them: use e.g. "
@@ -96,7 +103,7 @@ def shard_full_batch(
     seq_len = input_ids.shape[-1]
     kept = {}
     for key, value in batch.items():
-        if key in FULL_SEQUENCE_KEYS:
+        if key in FULL_SEQUENCE_KEYS or (key == "labels" and value is None):
             continue
         per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len
         if per_token and key not in SHARDED_KEYS:
@@ -129,6 +136,8 @@ class SequenceParallelCollator:
             ``defer_checks``.
         token_counts: add :data:`TOKEN_COUNT_KEY` (:func:`full_batch_token_counts`) for a consumer that
             removes it before the model (the Trainer integration, for ``include_num_input_tokens_seen``).
+        require_labels: refuse a batch without ``labels`` (True, for training); False passes it on without
+            ``shift_labels``, for a model that then returns logits alone (the Trainer's eval and test batches).
         defer_checks: in a dataloader worker, put the checks' verdict (a :class:`~ulysses_sp.sharding.BatchCheck`)
             into the batch under :data:`BATCH_CHECK_KEY` instead of raising a refusal there (a refused batch is
             then the verdict alone), for the main process of each rank to share with :func:`agree_on_batch`, so
@@ -145,6 +154,7 @@ class SequenceParallelCollator:
         check_same_batch: bool = True,
         token_counts: bool = False,
         defer_checks: bool = False,
+        require_labels: bool = True,
     ) -> None:
         if isinstance(collator, SequenceParallelCollator):
             raise ValueError("this collator is already a SequenceParallelCollator; wrap the original collator once")
@@ -154,6 +164,19 @@ class SequenceParallelCollator:
         self.check_same_batch = check_same_batch
         self.token_counts = token_counts
         self.defer_checks = defer_checks
+        self.require_labels = require_labels
+
+    def replaced(self, **changes: Any) -> SequenceParallelCollator:
+        """A new collator over the same collator and layout with ``changes`` to the other arguments (``copy.copy``
+        would go through :meth:`__getstate__`, which swaps the layout for a rank view)."""
+        names = ("pad_token_id", "check_same_batch", "token_counts", "defer_checks", "require_labels")
+        return SequenceParallelCollator(
+            self.collator, self.layout, **{**{n: getattr(self, n) for n in names}, **changes}
+        )
+
+    def _shard(self, batch: Mapping[str, Any], check: bool) -> dict[str, Any]:
+        options = {"pad_token_id": self.pad_token_id, "require_labels": self.require_labels}
+        return shard_full_batch(batch, self.layout, check_same_batch=check, **options)
 
     def __call__(self, features: list[Any]) -> dict[str, Any]:
         in_main_process = torch.utils.data.get_worker_info() is None
@@ -161,7 +184,7 @@ class SequenceParallelCollator:
             return self._with_verdict(features)
         batch = self.collator(features)
         check = self.check_same_batch and in_main_process
-        shard = shard_full_batch(batch, self.layout, pad_token_id=self.pad_token_id, check_same_batch=check)
+        shard = self._shard(batch, check)
         if self.token_counts:
             shard[TOKEN_COUNT_KEY] = full_batch_token_counts(batch, self.layout)
         return shard
@@ -170,7 +193,7 @@ class SequenceParallelCollator:
         """In a dataloader worker: the shard with its checks' verdict, or the verdict alone for a refused batch."""
         try:
             batch = self.collator(features)
-            shard = shard_full_batch(batch, self.layout, pad_token_id=self.pad_token_id, check_same_batch=False)
+            shard = self._shard(batch, False)
         except ValueError as error:  # a refusal, shared by the main process of every rank (agree_on_batch)
             return {BATCH_CHECK_KEY: BatchCheck.refused(str(error))}
         if self.token_counts:
@@ -238,19 +261,14 @@ def _agreeing_class(loader_class: type) -> type:
     return AgreeingLoader
 
 
-def _collated_on_one_process(dataloader: Any) -> None:
-    """Accelerate's dispatcher collates on process 0 alone (and sends the others their slices): its collator must
-    run no collective, which the other ranks would never join."""
+def replace_collator(dataloader: Any, **changes: Any) -> Any:
+    """Give a (prepared) dataloader whose collator is a :class:`SequenceParallelCollator` a new one with ``changes``
+    (:meth:`SequenceParallelCollator.replaced`; in place, before its workers start); anything else is left alone.
+    Returns the same dataloader."""
     holder, name, collate = _find_collator(getattr(dataloader, "base_dataloader", dataloader))
-    if isinstance(collate, SequenceParallelCollator) and collate.check_same_batch:
-        alone = SequenceParallelCollator(
-            collate.collator,
-            collate.layout,
-            pad_token_id=collate.pad_token_id,
-            check_same_batch=False,
-            token_counts=collate.token_counts,
-        )
-        setattr(holder, name, alone)
+    if isinstance(collate, SequenceParallelCollator):
+        setattr(holder, name, collate.replaced(**changes))
+    return dataloader
 
 
 def deal_batches_over_dp(dataloader: Any, layout: ParallelLayout, *, split_batches: bool = False) -> Any:
@@ -272,7 +290,8 @@ def deal_batches_over_dp(dataloader: Any, layout: ParallelLayout, *, split_batch
 
     if layout.sp == 1:  # world = dp: accelerate's split is already the right one
         if isinstance(dataloader, DataLoaderDispatcher):
-            _collated_on_one_process(dataloader)
+            # it collates on process 0 alone (and sends the others their slices): no collective there
+            replace_collator(dataloader, check_same_batch=False, defer_checks=False)
         return dataloader
     if isinstance(dataloader, DataLoaderDispatcher):
         raise ValueError(

@@ -58,6 +58,7 @@ from .data import (
     deal_batches_over_dp,
     integration_features,
     layout_for_model,
+    replace_collator,
     resolve_core,
 )
 from .metrics import drop_repeats, gather_over_dp
@@ -237,12 +238,15 @@ class UlyssesTrainerMixin:
         return deal_batches_over_dp(super().get_train_dataloader(), self.sp_layout)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
-        """The Trainer's eval dataloader, dealing batches over the dp SP groups."""
-        return deal_batches_over_dp(super().get_eval_dataloader(eval_dataset), self.sp_layout)
+        """The Trainer's eval dataloader, dealing batches over the dp SP groups; batches without labels pass (as
+        in one process: logits, no loss)."""
+        loader = replace_collator(super().get_eval_dataloader(eval_dataset), require_labels=False)
+        return deal_batches_over_dp(loader, self.sp_layout)
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
-        """The Trainer's test dataloader, dealing batches over the dp SP groups."""
-        return deal_batches_over_dp(super().get_test_dataloader(test_dataset), self.sp_layout)
+        """The Trainer's test dataloader, dealing batches over the dp SP groups; batches without labels pass."""
+        loader = replace_collator(super().get_test_dataloader(test_dataset), require_labels=False)
+        return deal_batches_over_dp(loader, self.sp_layout)
 
     def get_total_train_batch_size(self, args: Any) -> int:
         """Samples per optimizer step: per-device batch x gradient accumulation x dp (SP ranks share samples)."""
@@ -301,7 +305,7 @@ class UlyssesTrainerMixin:
         """The loss of one eval batch, computed on this rank's shard and reduced over its SP group.
 
         Returns ``(loss, logits, labels)``: the loss is the token-weighted mean over the whole batch (all shards),
-        the value one process computes on the full batch. Only for ``compute_metrics`` or ``predict()`` (and not
+        the value one process computes on the full batch (None for a batch without labels, as there). Only for ``compute_metrics`` or ``predict()`` (and not
         ``prediction_loss_only``), the logits ``[b, N, vocab]`` and labels ``[b, N]`` of the whole sequences,
         gathered from the SP group's shards and cut back to the collated batch's length ``N``; else
         None, and the full sequence is never gathered. Under the tiled loss (which makes no logits) the logits
@@ -310,23 +314,31 @@ class UlyssesTrainerMixin:
         """
         batch, inputs = inputs, self._prepare_inputs(inputs)
         layout = self.sp_layout
-        count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
-        if layout.sp > 1:
-            dist.all_reduce(count, group=layout.sp_group)
+        labelled = "shift_labels" in inputs  # else (a dataset without labels) logits alone, as in one process
         predict = not prediction_loss_only and (self.compute_metrics is not None or self._sp_predicting)
+        if not labelled and not predict:
+            return None, None, None
+        loss = outputs = logits = None
         with torch.no_grad(), self.compute_loss_context_manager():
-            loss, outputs = self.compute_loss(model, inputs, num_items_in_batch=count.clamp(min=1), return_outputs=True)
-            logits = getattr(outputs, "logits", None) if predict else None
+            if labelled:
+                count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
+                if layout.sp > 1:
+                    dist.all_reduce(count, group=layout.sp_group)
+                loss, outputs = self.compute_loss(
+                    model, inputs, num_items_in_batch=count.clamp(min=1), return_outputs=True
+                )
+                logits = getattr(outputs, "logits", None)
             if predict and logits is None:  # the tiled loss (or the MoE path) returned no logits: the shard's
                 outputs = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")})
                 logits = outputs.logits
         if predict:
             self._only_logits(outputs, ignore_keys)
-        # A loss normalised by num_items_in_batch comes back multiplied by the number of processes (the
-        # Trainer's convention for DDP's gradient average); undo it, then add the shards' parts.
-        loss = loss.detach().float() / self.accelerator.num_processes
-        if layout.sp > 1:
-            dist.all_reduce(loss, group=layout.sp_group)
+        if labelled:
+            # A loss normalised by num_items_in_batch comes back multiplied by the number of processes (the
+            # Trainer's convention for DDP's gradient average); undo it, then add the shards' parts.
+            loss = loss.detach().float() / self.accelerator.num_processes
+            if layout.sp > 1:
+                dist.all_reduce(loss, group=layout.sp_group)
         if not predict:
             return loss, None, None
         counts = batch.get(TOKEN_COUNT_KEY)
