@@ -27,6 +27,15 @@ def _malformed(tmp_path: Path) -> tuple[list[str], list[str]]:
     return ["--dataset", str(path)], ["--dataset", "broken.jsonl"]
 
 
+def _parquet_field(tmp_path: Path) -> tuple[list[str], list[str]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"body": ["In the beginning", "God created"]}), path)
+    return ["--dataset", str(path)], ["rows.parquet", "--text-field column 'text'", "['body']"]
+
+
 def _empty(tmp_path: Path) -> tuple[list[str], list[str]]:
     path = tmp_path / "empty.jsonl"
     path.write_text("".join(json.dumps({"text": text}) + "\n" for text in ("", "  ", "\n")))
@@ -47,7 +56,7 @@ def _output_is_a_file(tmp_path: Path) -> tuple[list[str], list[str]]:
     return ["--output-dir", str(path)], ["--output-dir", "a-file", "not a directory"]
 
 
-@pytest.mark.parametrize("case", [_binary, _malformed, _empty, _hub, _tokenizer, _output_is_a_file])
+@pytest.mark.parametrize("case", [_binary, _malformed, _parquet_field, _empty, _hub, _tokenizer, _output_is_a_file])
 def test_bad_data_tokenizer_or_output_dir_is_one_line(case, tmp_path):
     args, needles = case(tmp_path)
     if "--output-dir" not in args:

@@ -10,9 +10,9 @@ import torch
 
 from ulysses_sp.train.config import TrainConfig
 from ulysses_sp.train.data import SequenceLoader, build_data
+from ulysses_sp.train.dataset_checks import check_dataset
 from ulysses_sp.train.documents import (
     TokenizedCorpus,
-    check_dataset,
     load_bible,
     load_documents,
     load_tokenizer,
@@ -320,6 +320,42 @@ def test_a_wrong_text_field_is_refused_before_the_ranks_naming_the_fields(name, 
         check_dataset(str(path))
     with pytest.raises(ValueError, match="--text-field 'text' is not a column"):  # the ranks' own check stays
         load_documents(str(path))
+    check_dataset(str(path), text_field="body")
+
+
+def test_a_parquet_file_without_the_text_field_or_unreadable_is_refused_before_the_ranks(tmp_path):
+    """A parquet file's columns come from its footer alone: a --text-field it lacks is refused by check_dataset,
+    naming the columns, as is a file that starts as parquet but has no readable footer."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"body": [r["body"] for r in _ROWS], "n": [r["n"] for r in _ROWS]}), path)
+    with pytest.raises(ValueError, match=r"rows.parquet has no --text-field column 'text' \(it holds \['body', 'n'\]"):
+        check_dataset(str(path))
+    with pytest.raises(ValueError, match="--text-field 'text' is not a column"):  # the ranks' own check stays
+        load_documents(str(path))
+    check_dataset(str(path), text_field="body")
+    assert load_documents(str(path), text_field="body") == [r["body"] for r in _ROWS]
+    path.write_bytes(path.read_bytes()[:40])  # cut: the magic number, no footer
+    with pytest.raises(ValueError, match="rows.parquet is not a readable parquet file"):
+        check_dataset(str(path), text_field="body")
+
+
+@pytest.mark.parametrize(
+    "text", ['[{"body": "a"}, {"body": }]', '[{"body": "a"}, {"body": "b"]', '[{"body": "a"}, oops']
+)
+def test_a_malformed_json_array_read_whole_is_refused_before_the_ranks(text, tmp_path):
+    """A .json array that the first read holds whole but does not parse: refused naming the row, not left to the
+    ranks (an array longer than the read is checked as far as it goes)."""
+    path = tmp_path / "rows.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"rows.json row 2 is not JSON"):
+        check_dataset(str(path), text_field="body")
+    path.write_text('[{"body": "a"}, {"body": "b"}]\n')
+    check_dataset(str(path), text_field="body")
+    long = [{"body": "x" * 1000}] * 100  # over the 64 KiB read: the rows read so far are checked
+    path.write_text(json.dumps(long)[:-1] + ', {"body": }]')
     check_dataset(str(path), text_field="body")
 
 

@@ -24,7 +24,8 @@ from ulysses_sp.cli_config import flag_name, to_mapping
 from ulysses_sp.shapes import SHAPES
 from ulysses_sp.train.checkpoint import find_latest_checkpoint, list_checkpoints, resolve_checkpoint
 from ulysses_sp.train.config import TrainConfig, config_from_dict
-from ulysses_sp.train.documents import EMBEDDED_TOKENIZER, check_dataset, load_tokenizer
+from ulysses_sp.train.dataset_checks import check_dataset
+from ulysses_sp.train.documents import EMBEDDED_TOKENIZER, load_tokenizer
 from ulysses_sp.train.integrity import MANIFEST, newest_intact_checkpoint, verify_checkpoint
 from ulysses_sp.train.model_factory import choose_run_layout, hf_model_config, tokenizer_source
 from ulysses_sp.train.outdir import previous_run_files

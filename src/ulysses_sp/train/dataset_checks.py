@@ -1,0 +1,151 @@
+"""Cheap checks of ``--dataset`` before any rank starts (:func:`check_dataset`): the launcher refuses a missing,
+mixed, empty, binary or malformed file, and a ``--text-field`` the file does not hold, naming the file and the fix,
+from the first bytes of each file (a parquet file's footer); what lies further in is checked when the ranks load
+the documents (:func:`ulysses_sp.train.documents.load_documents`).
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from ulysses_sp.train.documents import (
+    EMBEDDED_CORPUS,
+    _builder,
+    _hub_error,
+    _local_files,
+    _suffix,
+    _too_few_documents,
+)
+from ulysses_sp.train.errors import first_line
+
+__all__ = ["check_dataset"]
+
+_SNIFF_BYTES = 1 << 16  # how much of each local file check_dataset reads
+_SNIFF_FILES = 64  # and of how many files
+_BETWEEN_ROWS = re.compile(r"[\s,]*")  # what separates the elements of a JSON array
+_ROW_BYTES = 1 << 24  # how far it reads into the first JSON file for one whole row, when none fits in the above
+
+
+def _read_head(file: str, size: int) -> tuple[bytes, bool]:
+    """The first ``size`` bytes of ``file``, and whether that is the whole file."""
+    with open(file, "rb") as handle:
+        head = handle.read(size)
+        return head, not handle.read(1)
+
+
+def _sniff(source: str, file: str, builder: str, text_field: str) -> int:
+    """Look at the start of one local file: text files and JSON must be UTF-8 text, parquet files must start
+    with its magic number, the whole rows of JSON files must hold ``text_field``; returns the rows checked."""
+    head, complete = _read_head(file, _SNIFF_BYTES)
+    name = f"--dataset {source!r}: {file}"
+    if builder == "parquet":
+        if head[:4] != b"PAR1":
+            raise ValueError(f"{name} is not a parquet file (it does not start with PAR1); check the file")
+        _check_columns(name, file, text_field)
+        return 0
+    try:
+        if b"\0" in head:
+            raise UnicodeDecodeError("utf-8", head, head.index(b"\0"), head.index(b"\0") + 1, "a NUL byte")
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=complete)
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{name} is not UTF-8 text (byte {head[error.start]:#04x} at offset {error.start}: {error.reason}); "
+            "give text files, or convert the file to UTF-8"
+        ) from None
+    return _check_rows(name, file, head, complete, text_field) if builder == "json" else 0
+
+
+def _check_columns(name: str, file: str, text_field: str) -> None:
+    """Refuse a parquet file whose footer cannot be read or names no column ``text_field``."""
+    import pyarrow.parquet
+
+    try:
+        columns = pyarrow.parquet.read_schema(file).names
+    except Exception as error:  # pyarrow's own kinds (ArrowInvalid, OSError): name the cause
+        raise ValueError(f"{name} is not a readable parquet file ({first_line(error)}); check the file") from None
+    if text_field not in columns:
+        raise ValueError(
+            f"{name} has no --text-field column {text_field!r} (it holds {columns}); pass the column that holds the "
+            "text with --text-field"
+        )
+
+
+def _json_rows(name: str, file: str, head: bytes, complete: bool) -> list[tuple[str, Any]]:
+    """The whole rows in ``head`` of a .json/.jsonl file as ``(where, row)``, read as ``datasets`` reads them:
+    JSON lines, the elements of a top-level array (a string is a row of the column 'text') or one multi-line
+    object (its keys are the columns). ValueError naming the line of a JSON line that does not parse."""
+    text = head.decode("utf-8", errors="ignore").removeprefix("\ufeff")  # errors: a character cut at the end
+    decoder, rows = json.JSONDecoder(), []
+    if text.lstrip().startswith("["):
+        position = text.index("[") + 1
+        while True:
+            position = _BETWEEN_ROWS.match(text, position).end()
+            try:
+                row, position = decoder.raw_decode(text, position)
+            except json.JSONDecodeError as error:
+                if complete and text[position:].strip() != "]":  # the whole file was read: not a JSON array
+                    raise ValueError(f"{name} row {len(rows) + 1} is not JSON ({error}); check the file") from None
+                return rows  # the end of the array or of what was read; the ranks read the rest
+            rows.append((f"row {len(rows) + 1}", {"text": row} if isinstance(row, str) else row))
+    lines = text.split("\n")
+    for number, line in enumerate(lines if complete else lines[:-1], start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((f"line {number}", json.loads(line)))
+        except json.JSONDecodeError as error:
+            if not rows and _suffix(file) == ".json":  # one object over several lines, or not JSON at all
+                with contextlib.suppress(json.JSONDecodeError):
+                    return [("top-level object", decoder.raw_decode(text.lstrip())[0])]
+                return []  # cut by the read, or not JSON: the ranks name it
+            raise ValueError(f"{name} line {number} is not JSON ({error}); each line must be one JSON object") from None
+    return rows
+
+
+def _check_rows(name: str, file: str, head: bytes, complete: bool, text_field: str) -> int:
+    """Refuse the first row of ``head`` without ``text_field``, naming the fields it has; returns the rows read."""
+    rows = _json_rows(name, file, head, complete)
+    for where, row in rows:
+        if not isinstance(row, dict) or text_field not in row:
+            keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise ValueError(
+                f"{name} {where} has no --text-field {text_field!r} (it holds {keys}); pass the key that "
+                "holds the text with --text-field"
+            )
+    return len(rows)
+
+
+def check_dataset(source: str, *, text_field: str = "text", eval_fraction: float = 0.0) -> None:
+    """Cheap checks of ``--dataset`` before any rank starts; ValueError naming the file and the fix.
+
+    Local files: they exist, are of one kind, not all empty, and their first 64 KiB are text (UTF-8, no NUL
+    byte) or parquet, the whole rows there of ``.json``/``.jsonl`` files JSON objects with ``text_field`` (when
+    no row fits in 64 KiB, the first row of the first file, read up to 16 MiB); text files (one document each)
+    are at least 2 when ``eval_fraction`` holds some out. A hub name: its metadata can be read (or is cached).
+    What lies further into the files is checked when the ranks load them.
+    """
+    if source == EMBEDDED_CORPUS:
+        return
+    files = _local_files(source)
+    if files is None:
+        import datasets
+
+        try:
+            datasets.load_dataset_builder(source)
+        except Exception as error:  # datasets raises many kinds (connection, not found, bad config)
+            raise ValueError(_hub_error(source, error)) from None
+        return
+    builder = _builder(source, files)
+    if all(Path(f).stat().st_size == 0 for f in files):
+        raise ValueError(f"--dataset {source!r} holds no text: every file is empty")
+    rows = sum(_sniff(source, file, builder, text_field) for file in files[:_SNIFF_FILES])
+    if builder == "json" and not rows:  # rows longer than 64 KiB: the first one, further in
+        first = next(f for f in files if Path(f).stat().st_size > 0)
+        _check_rows(f"--dataset {source!r}: {first}", first, *_read_head(first, _ROW_BYTES), text_field)
+    if builder == "text" and eval_fraction > 0 and sum(Path(f).stat().st_size > 0 for f in files) < 2:
+        raise ValueError(_too_few_documents(eval_fraction, 1) + " (each text file is one document)")
