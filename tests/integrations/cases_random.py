@@ -106,6 +106,9 @@ def random_case(seed: int, index: int, world: int) -> dict:
         checkpoint_every=r.choice([1, 2]),
         # compute_metrics (next-token accuracy, valid targets, the targets' logits) from whole-sequence logits
         metrics=r.random() < 0.4,
+        # under SP: accelerator_config={"split_batches": True}, each dataloader batch (batch x dp samples) split over
+        # the dp groups (accelerate alone would split it over every rank): the same samples per micro-batch
+        split=r.random() < 0.3,
     )
     if case["fsdp2"]:
         # transformers' Trainer refuses checkpoints with optimizer state for a model sharded at load time
@@ -185,14 +188,16 @@ def _load_sharded(net: torch.nn.Module, path: str) -> torch.nn.Module:
     return loaded
 
 
-def training_args(case: dict, out: str, accum: int) -> Any:
-    """TrainingArguments (or SFTConfig) of the case; ``accum``: micro-batches per optimizer step here."""
+def training_args(case: dict, out: str, accum: int, split: bool = False) -> Any:
+    """TrainingArguments (or SFTConfig) of the case; ``accum``: micro-batches per optimizer step here; ``split``:
+    batches of ``dp`` times the case's, split over the dp groups (``split_batches``)."""
     scheduler, warmup = case["schedule"]
+    times = case["dp"] if split else 1
     args = dict(
         RUN_SETTINGS,  # lr 1e-3 as test_equivalence: AdamW turns round-off in near-zero gradients into lr-sized steps
         output_dir=out,
-        per_device_train_batch_size=case["batch"],
-        per_device_eval_batch_size=case["eval_batch"],
+        per_device_train_batch_size=case["batch"] * times,
+        per_device_eval_batch_size=case["eval_batch"] * times,
         gradient_accumulation_steps=accum,
         num_train_epochs=case["epochs"],
         lr_scheduler_type=scheduler,
@@ -209,6 +214,8 @@ def training_args(case: dict, out: str, accum: int) -> Any:
         eval_steps=case["eval_every"],
         **{checkpointing_arg(): case["checkpointing"]},
     )
+    if split:
+        args["accelerator_config"] = {"split_batches": True}
     if case["checkpointing"] and case["checkpoint_every"] > 1:
         args[checkpointing_arg() + "_kwargs"] = {"every_n_layers": case["checkpoint_every"]}
     if case["kind"] == "sft":
@@ -228,7 +235,7 @@ def trainer(case: dict, out: str, sp: int | None) -> Any:
     sharded = sp is not None and case["fsdp2"]
     kwargs: dict[str, Any] = dict(
         model=model(case, os.path.join(out, "sharded_model") if sharded else None),
-        args=training_args(case, out, accum),
+        args=training_args(case, out, accum, split=sp is not None and case["split"]),
         train_dataset=dataset(case),
         eval_dataset=dataset(case, eval_set=True),
     )

@@ -80,17 +80,15 @@ def test_split_batches_under_sp_needs_batches_that_split_over_dp_only():
     a batch of 3 does not split over 2 groups and is refused before anything is prepared."""
     from accelerate.utils import DataLoaderConfiguration
 
-    from ulysses_sp.integrations.accelerate import _split_over_dp_groups
+    from ulysses_sp.integrations.accelerate import split_over_dp_groups
 
     config = DataLoaderConfiguration(split_batches=True)
     accelerator = SimpleNamespace(dataloader_config=config)
-    loader = torch.utils.data.DataLoader(range(8), batch_size=2)
-    with _split_over_dp_groups(accelerator, ("optimizer", loader), dp=2, split=True):
+    with split_over_dp_groups(accelerator, [("batch_size", 2)], dp=2, split=True):
         assert accelerator.dataloader_config.split_batches is False
     assert accelerator.dataloader_config is config
-    odd = torch.utils.data.DataLoader(range(8), batch_size=3)
-    refusal = pytest.raises(ValueError, match="batch_size must be a multiple of 2, got 3")
-    with refusal, _split_over_dp_groups(accelerator, (loader, odd), dp=2, split=True):
+    refusal = pytest.raises(ValueError, match="so per_device_eval_batch_size must be a multiple of 2, got 3")
+    with refusal, split_over_dp_groups(accelerator, [("batch_size", 2), ("per_device_eval_batch_size", 3)], 2, True):
         pass
     assert accelerator.dataloader_config is config
 

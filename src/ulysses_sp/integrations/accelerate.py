@@ -164,8 +164,12 @@ class SequenceParallelConfig:
         objects = tuple(self._shard_loader(obj, layout) if isinstance(obj, DataLoader) else obj for obj in objects)
         from accelerate.utils import model_has_dtensor
 
-        split = bool(getattr(accelerator, "split_batches", False)) and layout.sp > 1
-        with _split_over_dp_groups(accelerator, objects, layout.dp, split):
+        split = splits_over_dp_groups(accelerator, layout)
+        loaders = [obj for obj in objects if isinstance(obj, DataLoader)]
+        sizes = [(obj.batch_size or getattr(obj.batch_sampler, "batch_size", None)) for obj in loaders]
+        with split_over_dp_groups(
+            accelerator, [("a dataloader's batch_size", size) for size in sizes], layout.dp, split
+        ):
             if model_has_dtensor(model):
                 # Sharded with fully_shard already: Accelerate would wrap it in DDP (and refuses DTensors there).
                 model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
@@ -191,23 +195,29 @@ class SequenceParallelConfig:
         return sharded
 
 
+def splits_over_dp_groups(accelerator: Any, layout: ParallelLayout) -> bool:
+    """Whether ``accelerator`` splits each batch (``split_batches``) and SP makes the dp groups, not the processes,
+    split it (:func:`split_over_dp_groups`)."""
+    return bool(getattr(accelerator, "split_batches", False)) and layout.sp > 1
+
+
 @contextlib.contextmanager
-def _split_over_dp_groups(accelerator: Any, objects: tuple[Any, ...], dp: int, split: bool) -> Iterator[None]:
+def split_over_dp_groups(accelerator: Any, batch_sizes: list[tuple[str, Any]], dp: int, split: bool) -> Iterator[None]:
     """Under ``split_batches`` (``split``) and SP, let ``accelerator.prepare`` shard dataloaders by whole batches.
 
     Accelerate would split each batch over all ``dp x sp`` processes, refusing a batch size that is not a multiple
     of the world size; under SP only the ``dp`` groups split it (:func:`deal_batches_over_dp` re-points the shards),
-    so a batch size must be a multiple of ``dp`` (ValueError otherwise, before anything is prepared).
+    so each of ``batch_sizes`` (how the user sets it, the size) must be a multiple of ``dp`` (ValueError otherwise,
+    before anything is prepared).
     """
     if not split:
         yield
         return
-    for obj in (obj for obj in objects if isinstance(obj, DataLoader)):
-        size = obj.batch_size if obj.batch_size is not None else getattr(obj.batch_sampler, "batch_size", None)
+    for name, size in batch_sizes:
         if not isinstance(size, int) or size % dp:
             raise ValueError(
-                f"with Accelerator(split_batches=True) each batch is split over the {dp} data-parallel SP group(s), "
-                f"so a dataloader's batch_size must be a multiple of {dp}, got {size!r}"
+                f"with split_batches=True each batch is split over the {dp} data-parallel SP group(s) (not over "
+                f"every rank), so {name} must be a multiple of {dp}, got {size!r}"
             )
     config = accelerator.dataloader_config
     accelerator.dataloader_config = dataclasses.replace(config, split_batches=False)

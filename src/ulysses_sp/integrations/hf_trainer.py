@@ -35,6 +35,7 @@ What the mixin changes, and why (the Trainer's own DDP / FSDP2 wrapping over the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any
 
@@ -49,6 +50,7 @@ from ..model import parallelize
 from ..moe import router_aux_loss
 from ..sharding import gather_sequence
 from ..validation import IGNORE_INDEX
+from .accelerate import split_over_dp_groups, splits_over_dp_groups
 from .data import (
     TOKEN_COUNT_KEY,
     SequenceParallelCollator,
@@ -235,22 +237,31 @@ class UlyssesTrainerMixin:
     # ------------------------------------------------------------------------------------- data
     def get_train_dataloader(self) -> Any:
         """The Trainer's dataloader, dealing batches over the dp SP groups (same batch on an SP group)."""
-        return deal_batches_over_dp(super().get_train_dataloader(), self.sp_layout)
+        size = ("per_device_train_batch_size", self._train_batch_size)
+        return self._dealt_over_dp(super().get_train_dataloader, size)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         """The Trainer's eval dataloader, dealing batches over the dp SP groups; batches without labels pass (as
         in one process: logits, no loss)."""
-        loader = replace_collator(super().get_eval_dataloader(eval_dataset), require_labels=False)
-        return deal_batches_over_dp(loader, self.sp_layout)
+        size = ("per_device_eval_batch_size", self.args.eval_batch_size)
+        return self._dealt_over_dp(functools.partial(super().get_eval_dataloader, eval_dataset), size, labels=False)
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
         """The Trainer's test dataloader, dealing batches over the dp SP groups; batches without labels pass."""
-        loader = replace_collator(super().get_test_dataloader(test_dataset), require_labels=False)
-        return deal_batches_over_dp(loader, self.sp_layout)
+        size = ("per_device_eval_batch_size", self.args.eval_batch_size)
+        return self._dealt_over_dp(functools.partial(super().get_test_dataloader, test_dataset), size, labels=False)
+
+    def _dealt_over_dp(self, make: Any, batch_size: tuple[str, int], labels: bool = True) -> Any:
+        """``make()``'s dataloader dealing batches over the dp SP groups (under ``split_batches`` splitting each)."""
+        split = splits_over_dp_groups(self.accelerator, self.sp_layout)
+        with split_over_dp_groups(self.accelerator, [batch_size], self.sp_layout.dp, split):
+            loader = replace_collator(make(), require_labels=labels)
+        return deal_batches_over_dp(loader, self.sp_layout, split_batches=split)
 
     def get_total_train_batch_size(self, args: Any) -> int:
-        """Samples per optimizer step: per-device batch x gradient accumulation x dp (SP ranks share samples)."""
-        return self._train_batch_size * args.gradient_accumulation_steps * self.sp_layout.dp
+        """Samples per optimizer step: batch x accumulation x dp (SP ranks share samples; split_batches: not x dp)."""
+        groups = 1 if self.accelerator.split_batches else self.sp_layout.dp
+        return self._train_batch_size * args.gradient_accumulation_steps * groups
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's, with every rank agreeing on each batch that a dataloader worker collated before it is
@@ -305,12 +316,12 @@ class UlyssesTrainerMixin:
         """The loss of one eval batch, computed on this rank's shard and reduced over its SP group.
 
         Returns ``(loss, logits, labels)``: the loss is the token-weighted mean over the whole batch (all shards),
-        the value one process computes on the full batch (None for a batch without labels, as there). Only for ``compute_metrics`` or ``predict()`` (and not
-        ``prediction_loss_only``), the logits ``[b, N, vocab]`` and labels ``[b, N]`` of the whole sequences,
-        gathered from the SP group's shards and cut back to the collated batch's length ``N``; else
-        None, and the full sequence is never gathered. Under the tiled loss (which makes no logits) the logits
-        cost a second forward of the shard without labels. With ``include_for_metrics=["inputs"]`` the batch's
-        input ids are replaced by the whole sequences' after the forward, where the Trainer reads them.
+        the value one process computes on the full batch (None without labels, as there). Only for
+        ``compute_metrics`` or ``predict()`` (and not ``prediction_loss_only``), the logits ``[b, N, vocab]`` and
+        labels ``[b, N]`` of the whole sequences, gathered from the SP group's shards and cut back to the collated
+        batch's length ``N``; else None, and the full sequence is never gathered. Under the tiled loss (which makes
+        no logits) the logits cost a second forward of the shard without labels. With ``include_for_metrics=
+        ["inputs"]`` the batch's input ids are replaced by the whole sequences' after the forward.
         """
         batch, inputs = inputs, self._prepare_inputs(inputs)
         layout = self.sp_layout
