@@ -9,6 +9,7 @@ those files with each other and with one-process references.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 
 import torch
@@ -391,6 +392,18 @@ def accelerate_metrics(job: str, sp: int, ring: int | None = None) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- entry points
+def split_batches_refused_dp2_sp2() -> None:
+    """Under split_batches each batch is split over the dp=2 SP groups: a train or eval batch size that does not
+    split over them is refused on every rank when the trainer is made, before any training."""
+    from ulysses_sp.integrations import UlyssesTrainer
+
+    for name, size in (("per_device_train_batch_size", 3), ("per_device_eval_batch_size", 1)):
+        sizes = {"per_device_train_batch_size": 2, "per_device_eval_batch_size": 2, name: size}
+        args = trainer_args(_out("split_batches_refused_dp2_sp2"), accelerator_config={"split_batches": True}, **sizes)
+        make = functools.partial(UlyssesTrainer, model=build("llama"), args=args, data_collator=pad_collate, sp_size=2)
+        expect_error(ValueError, f"{name} must be a multiple of 2, got {size}", make)
+
+
 def world2_plain() -> dict[str, str]:
     """References on 2 ranks: DP=2 / SP=1 / GAS=1 with the plain Trainer and the plain SFTTrainer."""
     return run_cases(
@@ -461,5 +474,6 @@ def world4() -> dict[str, str]:
                 num_train_epochs=1,
             ),
             "refusal_in_worker_dp2_sp2": refusal_in_worker_dp2_sp2,
+            "split_batches_refused_dp2_sp2": split_batches_refused_dp2_sp2,
         }
     )

@@ -427,6 +427,10 @@ def test_a_batch_refused_in_a_worker_of_one_replica_raises_on_every_rank(world4)
     assert_case(world4, "refusal_in_worker_dp2_sp2", 4)
 
 
+def test_split_batches_that_do_not_split_over_the_dp_groups_are_refused_before_training(world4):
+    assert_case(world4, "split_batches_refused_dp2_sp2", 4)
+
+
 def test_every_job_is_checked(world2_plain, world2_sp, world4):
     checked = (
         {"trainer_dp2", "sft_dp2"},
@@ -453,6 +457,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "trainer_moe_aux_dp2_sp2_gas2",
             "sft_moe_aux_dp2_sp2_gas2",
             "refusal_in_worker_dp2_sp2",
+            "split_batches_refused_dp2_sp2",
         },
     )
     for results, jobs in zip((world2_plain, world2_sp, world4), checked, strict=True):

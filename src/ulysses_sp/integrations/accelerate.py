@@ -164,12 +164,10 @@ class SequenceParallelConfig:
         objects = tuple(self._shard_loader(obj, layout) if isinstance(obj, DataLoader) else obj for obj in objects)
         from accelerate.utils import model_has_dtensor
 
-        split = splits_over_dp_groups(accelerator, layout)
         loaders = [obj for obj in objects if isinstance(obj, DataLoader)]
         sizes = [(obj.batch_size or getattr(obj.batch_sampler, "batch_size", None)) for obj in loaders]
-        with split_over_dp_groups(
-            accelerator, [("a dataloader's batch_size", size) for size in sizes], layout.dp, split
-        ):
+        split = splits_over_dp_groups(accelerator, layout, [("a dataloader's batch_size", size) for size in sizes])
+        with split_over_dp_groups(accelerator, split):
             if model_has_dtensor(model):
                 # Sharded with fully_shard already: Accelerate would wrap it in DDP (and refuses DTensors there).
                 model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
@@ -195,30 +193,29 @@ class SequenceParallelConfig:
         return sharded
 
 
-def splits_over_dp_groups(accelerator: Any, layout: ParallelLayout) -> bool:
+def splits_over_dp_groups(accelerator: Any, layout: ParallelLayout, batch_sizes: list[tuple[str, Any]] = ()) -> bool:
     """Whether ``accelerator`` splits each batch (``split_batches``) and SP makes the dp groups, not the processes,
-    split it (:func:`split_over_dp_groups`)."""
-    return bool(getattr(accelerator, "split_batches", False)) and layout.sp > 1
+    split it (:func:`split_over_dp_groups`); then each of ``batch_sizes`` (how the user sets it, the size) must be a
+    multiple of dp: ValueError otherwise."""
+    split = bool(getattr(accelerator, "split_batches", False)) and layout.sp > 1
+    for name, size in batch_sizes if split else ():
+        if not isinstance(size, int) or size % layout.dp:
+            raise ValueError(
+                f"with split_batches=True each batch is split over the {layout.dp} data-parallel SP group(s) (not "
+                f"over every rank), so {name} must be a multiple of {layout.dp}, got {size!r}"
+            )
+    return split
 
 
 @contextlib.contextmanager
-def split_over_dp_groups(accelerator: Any, batch_sizes: list[tuple[str, Any]], dp: int, split: bool) -> Iterator[None]:
-    """Under ``split_batches`` (``split``) and SP, let ``accelerator.prepare`` shard dataloaders by whole batches.
-
-    Accelerate would split each batch over all ``dp x sp`` processes, refusing a batch size that is not a multiple
-    of the world size; under SP only the ``dp`` groups split it (:func:`deal_batches_over_dp` re-points the shards),
-    so each of ``batch_sizes`` (how the user sets it, the size) must be a multiple of ``dp`` (ValueError otherwise,
-    before anything is prepared).
-    """
+def split_over_dp_groups(accelerator: Any, split: bool) -> Iterator[None]:
+    """Under ``split_batches`` (``split``: :func:`splits_over_dp_groups`) and SP, let ``accelerator.prepare`` shard
+    dataloaders by whole batches: accelerate would split each batch over all ``dp x sp`` processes, refusing a batch
+    size that is not a multiple of the world size; under SP only the ``dp`` groups split it
+    (:func:`deal_batches_over_dp` re-points the shards)."""
     if not split:
         yield
         return
-    for name, size in batch_sizes:
-        if not isinstance(size, int) or size % dp:
-            raise ValueError(
-                f"with split_batches=True each batch is split over the {dp} data-parallel SP group(s) (not over "
-                f"every rank), so {name} must be a multiple of {dp}, got {size!r}"
-            )
     config = accelerator.dataloader_config
     accelerator.dataloader_config = dataclasses.replace(config, split_batches=False)
     try:

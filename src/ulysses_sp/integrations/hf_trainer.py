@@ -125,6 +125,9 @@ class UlyssesTrainerMixin:
         check_world_size(
             self.args.world_size, self.sp_layout, "on a CPU-only machine pass TrainingArguments(use_cpu=True)"
         )
+        sizes = {"per_device_train_batch_size": self._train_batch_size}
+        sizes["per_device_eval_batch_size"] = self.args.eval_batch_size
+        splits_over_dp_groups(self.accelerator, self.sp_layout, list(sizes.items()))  # refused before training
         parallelize(self.model, self.sp_layout, core=core, head_chunks=sp_head_chunks)
         tiled = self.sp_tiled_loss_default if sp_tiled_loss is None else sp_tiled_loss
         switch = lambda name: f"sp_{name}=False"  # noqa: E731 (how a feature is turned off, named in errors)
@@ -237,24 +240,21 @@ class UlyssesTrainerMixin:
     # ------------------------------------------------------------------------------------- data
     def get_train_dataloader(self) -> Any:
         """The Trainer's dataloader, dealing batches over the dp SP groups (same batch on an SP group)."""
-        size = ("per_device_train_batch_size", self._train_batch_size)
-        return self._dealt_over_dp(super().get_train_dataloader, size)
+        return self._dealt_over_dp(super().get_train_dataloader)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         """The Trainer's eval dataloader, dealing batches over the dp SP groups; batches without labels pass (as
         in one process: logits, no loss)."""
-        size = ("per_device_eval_batch_size", self.args.eval_batch_size)
-        return self._dealt_over_dp(functools.partial(super().get_eval_dataloader, eval_dataset), size, labels=False)
+        return self._dealt_over_dp(functools.partial(super().get_eval_dataloader, eval_dataset), labels=False)
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
         """The Trainer's test dataloader, dealing batches over the dp SP groups; batches without labels pass."""
-        size = ("per_device_eval_batch_size", self.args.eval_batch_size)
-        return self._dealt_over_dp(functools.partial(super().get_test_dataloader, test_dataset), size, labels=False)
+        return self._dealt_over_dp(functools.partial(super().get_test_dataloader, test_dataset), labels=False)
 
-    def _dealt_over_dp(self, make: Any, batch_size: tuple[str, int], labels: bool = True) -> Any:
+    def _dealt_over_dp(self, make: Any, labels: bool = True) -> Any:
         """``make()``'s dataloader dealing batches over the dp SP groups (under ``split_batches`` splitting each)."""
         split = splits_over_dp_groups(self.accelerator, self.sp_layout)
-        with split_over_dp_groups(self.accelerator, [batch_size], self.sp_layout.dp, split):
+        with split_over_dp_groups(self.accelerator, split):
             loader = replace_collator(make(), require_labels=labels)
         return deal_batches_over_dp(loader, self.sp_layout, split_batches=split)
 
