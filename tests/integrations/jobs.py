@@ -404,6 +404,39 @@ def split_batches_refused_dp2_sp2() -> None:
         expect_error(ValueError, f"{name} must be a multiple of 2, got {size}", make)
 
 
+def neftune_sp2() -> None:
+    """NEFTune under SP: the noise on a shard's input embeddings has the magnitude one process gives the whole batch,
+    alpha / sqrt(N x hidden) (transformers' formula), not sqrt(sp) times it; none in evaluation."""
+    from ulysses_sp.integrations import UlyssesTrainer
+
+    alpha, model = 5.0, build("llama")
+    widths, clean, seen = [], [], []
+
+    def collate(features):  # the whole batch's length N, batch by batch (all collated here, in order)
+        batch = pad_collate(features)
+        widths.append(batch["input_ids"].shape[1])
+        return batch
+
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: clean.append(out.detach()))
+
+    def noisy(module, args, kwargs):  # what reaches the first decoder layer: the embeddings and the noise
+        hidden = args[0] if args else kwargs["hidden_states"]
+        seen.append((hidden.detach() - clean[-1], module.training))
+
+    model.model.layers[0].register_forward_pre_hook(noisy, with_kwargs=True)
+    args = trainer_args(_out("neftune_sp2"), neftune_noise_alpha=alpha, max_steps=3)
+    data = token_dataset(TRAIN_LENGTHS, seed=1)
+    trainer = UlyssesTrainer(model=model, args=args, train_dataset=data, data_collator=collate, sp_size=2)
+    trainer.train()
+    trainer.evaluate(token_dataset(EVAL_LENGTHS[:2], seed=2))
+    assert [training for _, training in seen] == [True] * 3 + [False], seen
+    for (noise, _), width in zip(seen[:3], widths, strict=False):
+        magnitude = alpha / (width * noise.shape[-1]) ** 0.5
+        # the largest of a shard's hundreds of uniform draws lies within 3% of the magnitude (chance ~1e-8)
+        assert 0.97 * magnitude <= noise.abs().max() <= magnitude * (1 + 1e-5), (noise.abs().max(), magnitude)
+    assert seen[3][0].abs().max() == 0
+
+
 def world2_plain() -> dict[str, str]:
     """References on 2 ranks: DP=2 / SP=1 / GAS=1 with the plain Trainer and the plain SFTTrainer."""
     return run_cases(
@@ -430,6 +463,7 @@ def world2_sp() -> dict[str, str]:
             ),
             "sft_sp2_gas2": lambda: sft("sft_sp2_gas2", 2, gradient_accumulation_steps=2),
             "lora_sp2": lambda: ulysses_lora("lora_sp2"),
+            "neftune_sp2": neftune_sp2,
             "trainer_metrics_sp2": lambda: trainer_metrics(  # tiled loss: 2 forwards
                 "trainer_metrics_sp2", 2, include_for_metrics=["inputs", "loss"]
             ),

@@ -423,6 +423,10 @@ def test_a_batch_refused_on_one_rank_raises_on_every_rank(world2_sp):
     assert_case(world2_sp, "refusal_on_one_rank", 2)
 
 
+def test_neftune_noise_has_one_process_magnitude_under_sp(world2_sp):
+    assert_case(world2_sp, "neftune_sp2", 2)
+
+
 def test_a_batch_refused_in_a_worker_of_one_replica_raises_on_every_rank(world4):
     assert_case(world4, "refusal_in_worker_dp2_sp2", 4)
 
@@ -440,6 +444,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "trainer_fsdp2_sp2_gas2",
             "sft_sp2_gas2",
             "lora_sp2",
+            "neftune_sp2",
             "trainer_metrics_sp2",
             "trainer_metrics_moe_sp2",
             "accelerate_ddp_sp2",

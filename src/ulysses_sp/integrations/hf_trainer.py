@@ -26,6 +26,8 @@ What the mixin changes, and why (the Trainer's own DDP / FSDP2 wrapping over the
 * token counts and metrics are those of one process: ``include_num_input_tokens_seen`` from the full batches'
   counts (:meth:`_track_num_input_tokens`), and scalars gathered for metrics (TRL's token count, entropy and
   accuracy) keep every shard's part at the end of an epoch too;
+* NEFTune's noise (``neftune_noise_alpha``), which transformers scales by the length of the batch the embedding
+  layer sees, is scaled by the whole batch's, as one process scales it, not by the shard's (:meth:`train`);
 * evaluation runs sharded too (:meth:`prediction_step`): per batch, the loss sums of the SP group's shards
   over its valid-token count - equal to the one-process batch loss - and no rank ever holds the full
   sequence's activations. Logits are gathered only for ``compute_metrics`` and ``predict()``: whole sequences
@@ -64,6 +66,8 @@ from .data import (
     resolve_core,
 )
 from .metrics import drop_repeats, gather_over_dp
+from .neftune import sequence_noise
+from .trainer_checks import refuse_deepspeed, refuse_sharded_before
 
 __all__ = ["UlyssesTrainer", "UlyssesTrainerMixin", "resolve_core"]
 
@@ -100,6 +104,7 @@ class UlyssesTrainerMixin:
 
     sp_tiled_loss_default = True
     _sp_predicting = False
+    _sp_batch_length: int | None = None  # the length of the batch being trained on (all shards)
 
     def __init__(
         self,
@@ -116,9 +121,11 @@ class UlyssesTrainerMixin:
     ) -> None:
         check_sp_options("sp_", sp_size, sp_mlp_chunk_tokens, sp_tiled_mlp, sp_tiled_norms)
         given_args = kwargs.get("args", args[1] if len(args) > 1 else None)  # Trainer(model, args, ...) or by keyword
-        _refuse_deepspeed(given_args)
-        _refuse_sharded_before(kwargs.get("model", args[0] if args else None), given_args)
+        refuse_deepspeed(given_args)
+        refuse_sharded_before(kwargs.get("model", args[0] if args else None), given_args)
         super().__init__(*args, **kwargs)
+        # NEFTune's noise scales with the batch's length: added in train() with the whole batch's (neftune.py)
+        self._sp_neftune, self.neftune_noise_alpha = self.neftune_noise_alpha, None
         self._check_supported(sp_size)
         core = resolve_core(self.model, sp_core)
         self.sp_layout = layout_for_model(self.model, sp_size, self.args.device, ring=sp_ring)
@@ -274,7 +281,16 @@ class UlyssesTrainerMixin:
         """The Trainer's device placement of a batch (agreed on first, as in :meth:`get_batch_samples`, for an eval
         batch from a dataloader worker), without the full batch's token counts (not a model input)."""
         prepared = super()._prepare_inputs(agree_on_batch(inputs, self.sp_layout))
+        counts = prepared.get(TOKEN_COUNT_KEY)
+        self._sp_batch_length = None if counts is None else int(counts[2])  # the whole batch's, for NEFTune
         return {key: value for key, value in prepared.items() if key != TOKEN_COUNT_KEY}
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; NEFTune's noise (``neftune_noise_alpha``) as one process adds it to the whole
+        batch, not scaled up by the shard's shorter length (:mod:`ulysses_sp.integrations.neftune`)."""
+        whole = lambda output: self._sp_batch_length or output.size(1) * self.sp_layout.sp  # noqa: E731
+        with sequence_noise(find_pretrained(self.model).get_input_embeddings(), self._sp_neftune, whole):
+            return super().train(*args, **kwargs)
 
     def _track_num_input_tokens(self, inputs: Any) -> None:
         """``include_num_input_tokens_seen`` as one process counts it: from the full batch's counts (a shard also
@@ -409,42 +425,3 @@ class UlyssesTrainer(UlyssesTrainerMixin, Trainer):
 
     See :class:`UlyssesTrainerMixin` for the extra arguments and the module docstring for what changes.
     """
-
-
-def _refuse_deepspeed(args: Any) -> None:
-    """ulysses-sp runs on DDP and FSDP2; under DeepSpeed (ZeRO-3 gathers weights only inside module calls, which
-    the tiled MLP's backward and the parallel paths do not all go through) nothing of it is tested."""
-    if getattr(args, "deepspeed", None):
-        raise ValueError(
-            "TrainingArguments(deepspeed=...) is not supported by ulysses-sp's trainers, which run on DDP or FSDP2; "
-            "to shard parameters, gradients and optimizer states use FSDP2 (from_pretrained(..., distributed_config="
-            "DistributedConfig(fsdp_size=...)), or TrainingArguments(fsdp=...) on GPUs)"
-        )
-
-
-def _refuse_sharded_before(model: Any, args: Any) -> None:
-    """Refuse a model whose parameters are already sharded (DTensors, e.g. ``fully_shard`` applied by hand) when
-    this transformers' Trainer would wrap it in DDP, which cannot run on DTensor parameters (it fails in its
-    first broadcast, or in ``model.to``): only a model sharded at load time (``from_pretrained(distributed_config=
-    ...)``) in a transformers whose models report it (``is_distributed_loading_by_transformers``) is left as it is."""
-    if not isinstance(model, torch.nn.Module) or args is None or getattr(args, "world_size", 1) <= 1:
-        return
-    from torch.distributed.tensor import DTensor
-
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
-        return
-    if getattr(model, "is_distributed_loading_by_transformers", False):
-        return
-    if hasattr(type(model), "is_distributed_loading_by_transformers"):
-        how = (
-            "its parameters were sharded before the Trainer (fully_shard by hand?), so the Trainer would wrap the "
-            "DTensor parameters in DDP, which fails; load it with from_pretrained(..., distributed_config="
-            "DistributedConfig(fsdp_size=...)) or pass the unsharded model with TrainingArguments(fsdp=...) on GPUs"
-        )
-    else:
-        how = (
-            "this transformers' Trainer wraps a model sharded at load time (DTensor parameters) in DDP, which fails; "
-            "upgrade transformers to one whose models have is_distributed_loading_by_transformers (5.23 has it), or "
-            "pass the unsharded model with TrainingArguments(fsdp=...) on GPUs"
-        )
-    raise ValueError(f"{type(model).__name__} has DTensor parameters on a world of {args.world_size} ranks: {how}")
