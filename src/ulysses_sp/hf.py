@@ -28,6 +28,7 @@ __all__ = [
     "head_counts",
     "mlp_modules",
     "own_class",
+    "refuse_prompt_learning",
     "text_config",
 ]
 
@@ -46,6 +47,24 @@ def find_pretrained(model: nn.Module, caller: str = "parallelize") -> PreTrained
         f"{caller} expects a transformers PreTrainedModel (or a wrapper around one, e.g. a PEFT model); "
         f"got {type(model).__name__}"
     )
+
+
+def refuse_prompt_learning(model: nn.Module) -> None:
+    """ValueError for a PEFT model with a prompt-learning adapter (prompt tuning, p-tuning, prefix tuning): it adds
+    virtual tokens to each sequence the model sees (before the embeddings, or as a KV cache), which under sequence
+    parallelism would be each shard, not the sequence. LoRA-like adapters and LLaMA-Adapter's adaption prompt (which
+    works on each token's attention) are fine."""
+    for module in model.modules():
+        configs = getattr(module, "peft_config", None)
+        for name, config in configs.items() if isinstance(configs, dict) else ():
+            if getattr(config, "is_prompt_learning", False):
+                kind = getattr(config, "peft_type", type(config).__name__)
+                raise ValueError(
+                    f"the PEFT adapter {name!r} is {getattr(kind, 'value', kind)}, prompt learning that adds virtual "
+                    "tokens to each sequence (before its embeddings or as a KV cache): under sequence parallelism "
+                    "each rank holds a shard, which would get them instead; use LoRA (or another adapter on the "
+                    "weights) or LLaMA-Adapter's adaption prompt"
+                )
 
 
 def find_causal_lm(model: nn.Module, caller: str = "enable_tiled_loss") -> PreTrainedModel:

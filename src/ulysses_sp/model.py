@@ -38,7 +38,7 @@ from .comm import CommStats
 from .cores import CORES, Core, get_core
 from .head_chunks import head_chunk_targets, install_head_chunks, remove_head_chunks
 from .head_split import DEFAULT_HEAD_CHUNK_BUDGET_BYTES
-from .hf import attention_head_counts, attention_modules, decoder_module, find_pretrained
+from .hf import attention_head_counts, attention_modules, decoder_module, find_pretrained, refuse_prompt_learning
 from .layout import ParallelLayout
 from .masks import read_decoder_masks, ulysses_mask
 from .moe import router_aux_loss
@@ -334,6 +334,8 @@ def parallelize(
     if num_heads is None:
         raise ValueError(f"{type(pretrained).__name__} config has no num_attention_heads; is it a decoder LM?")
     layout.check_heads(num_heads, num_kv_heads)
+    if layout.sp > 1:
+        refuse_prompt_learning(model)
     _check_model_features(text_config, core if isinstance(core, str) else None)
     if getattr(text_config, "output_router_logits", False):
         router_aux_loss(model)  # ValueError unless its load-balancing loss is the one causal_lm_loss computes

@@ -123,6 +123,45 @@ def lora_model():
     return get_peft_model(build("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
 
 
+def peft_model(kind: str):
+    """The tiny Llama with a PEFT adapter of another kind than LoRA: ``dora``, ``ia3`` or ``adaption`` (LLaMA-Adapter's
+    adaption prompt, on the last layer)."""
+    import peft
+
+    configs = {
+        "dora": lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True),
+        "ia3": lambda: peft.IA3Config(
+            target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]
+        ),
+        "adaption": lambda: peft.AdaptionPromptConfig(adapter_len=4, adapter_layers=1, task_type="CAUSAL_LM"),
+    }
+    torch.manual_seed(0)  # the adapters' own initial weights
+    return peft.get_peft_model(build("llama"), configs[kind]())
+
+
+PEFT_KINDS = ("dora", "ia3", "adaption")
+
+
+def peft_kinds_sp2() -> None:
+    """DoRA, IA3 and the adaption prompt under SP=2: three steps and an eval each; rank 0 writes the losses."""
+    from ulysses_sp.integrations import UlyssesTrainer
+
+    found = {}
+    for kind in PEFT_KINDS:
+        trainer = UlyssesTrainer(
+            model=peft_model(kind),
+            args=trainer_args(_out("peft_kinds_sp2"), max_steps=3, learning_rate=1e-2),
+            train_dataset=token_dataset(TRAIN_LENGTHS, seed=1),
+            eval_dataset=token_dataset(EVAL_LENGTHS, seed=2),
+            data_collator=pad_collate,
+            sp_size=2,
+        )
+        trainer.train()
+        found[kind] = {"losses": train_losses(trainer.state.log_history), "eval_loss": trainer.evaluate()["eval_loss"]}
+    if dist.get_rank() == 0:
+        write_json(os.path.join(_out("peft_kinds_sp2"), "result.json"), found)
+
+
 def moe_model():
     """A tiny Mixtral whose loss adds its load-balancing term (weighted 0.5, so that one computed from a shard alone
     would show in the losses)."""
@@ -464,6 +503,7 @@ def world2_sp() -> dict[str, str]:
             "sft_sp2_gas2": lambda: sft("sft_sp2_gas2", 2, gradient_accumulation_steps=2),
             "lora_sp2": lambda: ulysses_lora("lora_sp2"),
             "neftune_sp2": neftune_sp2,
+            "peft_kinds_sp2": peft_kinds_sp2,
             "trainer_metrics_sp2": lambda: trainer_metrics(  # tiled loss: 2 forwards
                 "trainer_metrics_sp2", 2, include_for_metrics=["inputs", "loss"]
             ),

@@ -423,6 +423,29 @@ def test_a_batch_refused_on_one_rank_raises_on_every_rank(world2_sp):
     assert_case(world2_sp, "refusal_on_one_rank", 2)
 
 
+def test_other_peft_adapters_under_sp_equal_one_process(world2_sp, out_dir):
+    """DoRA, IA3 and LLaMA-Adapter's adaption prompt at SP=2: the per-step losses and the eval loss of one process
+    (prompt, prefix and p-tuning are refused: tests/unit/test_core_single.py)."""
+    from transformers import Trainer
+
+    from tests.integrations.jobs import PEFT_KINDS, peft_model
+
+    assert_case(world2_sp, "peft_kinds_sp2", 2)
+    got = result(out_dir, "peft_kinds_sp2")
+    for kind in PEFT_KINDS:
+        reference = Trainer(
+            model=peft_model(kind),
+            args=trainer_args(os.path.join(out_dir, f"peft_{kind}_ref"), max_steps=3, learning_rate=1e-2),
+            train_dataset=token_dataset(TRAIN_LENGTHS, seed=1),
+            eval_dataset=token_dataset(EVAL_LENGTHS, seed=2),
+            data_collator=pad_collate,
+        )
+        reference.train()
+        want = torch.tensor(train_losses(reference.state.log_history))
+        torch.testing.assert_close(torch.tensor(got[kind]["losses"]), want, atol=LOSS_ATOL, rtol=0, msg=kind)
+        assert abs(got[kind]["eval_loss"] - reference.evaluate()["eval_loss"]) < LOSS_ATOL, kind
+
+
 def test_neftune_noise_has_one_process_magnitude_under_sp(world2_sp):
     assert_case(world2_sp, "neftune_sp2", 2)
 
@@ -445,6 +468,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "sft_sp2_gas2",
             "lora_sp2",
             "neftune_sp2",
+            "peft_kinds_sp2",
             "trainer_metrics_sp2",
             "trainer_metrics_moe_sp2",
             "accelerate_ddp_sp2",

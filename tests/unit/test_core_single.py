@@ -417,3 +417,30 @@ def test_apply_features_undoes_its_work_on_any_error(monkeypatch):
         U.enable_tiled_loss(model)
         U.apply_features(model, U.Features(), "cpu", switch=switch)
     assert tiled_loss_enabled(model)  # the caller's own, left on
+
+
+@pytest.mark.parametrize("kind", ["PromptTuningConfig", "PrefixTuningConfig", "PromptEncoderConfig"])
+def test_peft_prompt_learning_is_refused_under_sp_not_alone(kind):
+    """Prompt, prefix and p-tuning add virtual tokens to each sequence the model sees: under SP each shard would get
+    them (the first step failed on missing positions or a KV cache, naming neither). Refused when parallelized with
+    sp > 1, naming the adapter; one rank (sp=1) takes it, as do LoRA and the adaption prompt under SP."""
+    peft = pytest.importorskip("peft")
+    from ulysses_sp.standin import StandIn
+
+    def adapted(config):
+        return peft.get_peft_model(build("llama"), config)
+
+    prompt = getattr(peft, kind)(
+        task_type="CAUSAL_LM",
+        num_virtual_tokens=4,
+        **({"encoder_hidden_size": 16} if kind == "PromptEncoderConfig" else {}),
+    )
+    with StandIn(sp=2) as rank:
+        with pytest.raises(ValueError, match=r"the PEFT adapter 'default' is \w+_TUNING, prompt learning"):
+            U.parallelize(adapted(prompt), rank.layout)
+        for other in (
+            peft.LoraConfig(r=4, target_modules=["q_proj"]),
+            peft.AdaptionPromptConfig(adapter_len=2, adapter_layers=1, task_type="CAUSAL_LM"),
+        ):
+            U.unparallelize(U.parallelize(adapted(other), rank.layout))
+    U.unparallelize(U.parallelize(adapted(prompt), U.ParallelLayout.single()))
