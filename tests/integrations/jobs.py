@@ -9,7 +9,6 @@ those files with each other and with one-process references.
 from __future__ import annotations
 
 import copy
-import functools
 import os
 
 import torch
@@ -432,15 +431,28 @@ def accelerate_metrics(job: str, sp: int, ring: int | None = None) -> None:
 
 # ----------------------------------------------------------------------------------------------- entry points
 def split_batches_refused_dp2_sp2() -> None:
-    """Under split_batches each batch is split over the dp=2 SP groups: a train or eval batch size that does not
-    split over them is refused on every rank when the trainer is made, before any training."""
+    """Under split_batches each batch is split over the dp=2 SP groups: a train batch size, or the eval batch size of
+    a trainer given an eval set, that does not split over them is refused on every rank when the trainer is made;
+    without an eval set, when evaluate() builds its dataloader."""
     from ulysses_sp.integrations import UlyssesTrainer
 
-    for name, size in (("per_device_train_batch_size", 3), ("per_device_eval_batch_size", 1)):
-        sizes = {"per_device_train_batch_size": 2, "per_device_eval_batch_size": 2, name: size}
+    def make(eval_data=None, **sizes):
+        sizes = {"per_device_train_batch_size": 2, "per_device_eval_batch_size": 2, **sizes}
         args = trainer_args(_out("split_batches_refused_dp2_sp2"), accelerator_config={"split_batches": True}, **sizes)
-        make = functools.partial(UlyssesTrainer, model=build("llama"), args=args, data_collator=pad_collate, sp_size=2)
-        expect_error(ValueError, f"{name} must be a multiple of 2, got {size}", make)
+        return UlyssesTrainer(
+            model=build("llama"), args=args, data_collator=pad_collate, eval_dataset=eval_data, sp_size=2
+        )
+
+    data = token_dataset(EVAL_LENGTHS[:4], seed=2)
+    expect_error(
+        ValueError,
+        "per_device_train_batch_size must be a multiple of 2, got 3",
+        lambda: make(per_device_train_batch_size=3),
+    )
+    refusal = "per_device_eval_batch_size must be a multiple of 2, got 1"
+    expect_error(ValueError, refusal, lambda: make(data, per_device_eval_batch_size=1))
+    trainer = make(per_device_eval_batch_size=1)  # nothing to evaluate yet
+    expect_error(ValueError, refusal, lambda: trainer.evaluate(data))
 
 
 def neftune_sp2() -> None:

@@ -354,6 +354,9 @@ def test_a_malformed_json_array_read_whole_is_refused_before_the_ranks(text, tmp
         check_dataset(str(path), text_field="body")
     path.write_text('[{"body": "a"}, {"body": "b"}]\n')
     check_dataset(str(path), text_field="body")
+    path.write_text('[{"body": "a\tb\nc"}, {"body": "d"}]')  # raw control characters: datasets reads them
+    check_dataset(str(path), text_field="body")
+    assert load_documents(str(path), text_field="body") == ["a\tb\nc", "d"]
     long = [{"body": "x" * 1000}] * 100  # over the 64 KiB read: the rows read so far are checked
     path.write_text(json.dumps(long)[:-1] + ', {"body": }]')
     check_dataset(str(path), text_field="body")

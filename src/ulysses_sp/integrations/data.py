@@ -290,8 +290,9 @@ def deal_batches_over_dp(dataloader: Any, layout: ParallelLayout, *, split_batch
 
     if layout.sp == 1:  # world = dp: accelerate's split is already the right one
         if isinstance(dataloader, DataLoaderDispatcher):
-            # it collates on process 0 alone (and sends the others their slices): no collective there
-            replace_collator(dataloader, check_same_batch=False, defer_checks=False)
+            # it collates on process 0 alone (and sends the others slices of every tensor): no collective there,
+            # and no full-batch counts (not per row: a slice of them would be read as counts)
+            replace_collator(dataloader, check_same_batch=False, defer_checks=False, token_counts=False)
         return dataloader
     if isinstance(dataloader, DataLoaderDispatcher):
         raise ValueError(

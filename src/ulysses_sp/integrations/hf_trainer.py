@@ -132,9 +132,8 @@ class UlyssesTrainerMixin:
         check_world_size(
             self.args.world_size, self.sp_layout, "on a CPU-only machine pass TrainingArguments(use_cpu=True)"
         )
-        sizes = {"per_device_train_batch_size": self._train_batch_size}
-        sizes["per_device_eval_batch_size"] = self.args.eval_batch_size
-        splits_over_dp_groups(self.accelerator, self.sp_layout, list(sizes.items()))  # refused before training
+        sizes = [self._batch_size("train")] + ([self._batch_size("eval")] if self.eval_dataset is not None else [])
+        splits_over_dp_groups(self.accelerator, self.sp_layout, sizes)  # refused before training
         parallelize(self.model, self.sp_layout, core=core, head_chunks=sp_head_chunks)
         tiled = self.sp_tiled_loss_default if sp_tiled_loss is None else sp_tiled_loss
         switch = lambda name: f"sp_{name}=False"  # noqa: E731 (how a feature is turned off, named in errors)
@@ -247,22 +246,28 @@ class UlyssesTrainerMixin:
     # ------------------------------------------------------------------------------------- data
     def get_train_dataloader(self) -> Any:
         """The Trainer's dataloader, dealing batches over the dp SP groups (same batch on an SP group)."""
-        return self._dealt_over_dp(super().get_train_dataloader)
+        return self._dealt_over_dp(super().get_train_dataloader, "train")
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         """The Trainer's eval dataloader, dealing batches over the dp SP groups; batches without labels pass (as
         in one process: logits, no loss)."""
-        return self._dealt_over_dp(functools.partial(super().get_eval_dataloader, eval_dataset), labels=False)
+        return self._dealt_over_dp(functools.partial(super().get_eval_dataloader, eval_dataset), "eval")
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
         """The Trainer's test dataloader, dealing batches over the dp SP groups; batches without labels pass."""
-        return self._dealt_over_dp(functools.partial(super().get_test_dataloader, test_dataset), labels=False)
+        return self._dealt_over_dp(functools.partial(super().get_test_dataloader, test_dataset), "eval")
 
-    def _dealt_over_dp(self, make: Any, labels: bool = True) -> Any:
+    def _batch_size(self, kind: str) -> tuple[str, int]:
+        """The argument that sets the ``kind`` ("train" / "eval") batch size, and the size now (a resume or
+        ``auto_find_batch_size`` may change the train one)."""
+        size = self._train_batch_size if kind == "train" else self.args.eval_batch_size
+        return f"per_device_{kind}_batch_size", size
+
+    def _dealt_over_dp(self, make: Any, kind: str) -> Any:
         """``make()``'s dataloader dealing batches over the dp SP groups (under ``split_batches`` splitting each)."""
-        split = splits_over_dp_groups(self.accelerator, self.sp_layout)
+        split = splits_over_dp_groups(self.accelerator, self.sp_layout, [self._batch_size(kind)])
         with split_over_dp_groups(self.accelerator, split):
-            loader = replace_collator(make(), require_labels=labels)
+            loader = replace_collator(make(), require_labels=kind == "train")
         return deal_batches_over_dp(loader, self.sp_layout, split_batches=split)
 
     def get_total_train_batch_size(self, args: Any) -> int:
@@ -282,12 +287,15 @@ class UlyssesTrainerMixin:
         batch from a dataloader worker), without the full batch's token counts (not a model input)."""
         prepared = super()._prepare_inputs(agree_on_batch(inputs, self.sp_layout))
         counts = prepared.get(TOKEN_COUNT_KEY)
-        self._sp_batch_length = None if counts is None else int(counts[2])  # the whole batch's, for NEFTune
+        if self._sp_neftune is not None and counts is not None:
+            self._sp_batch_length = int(counts[2])  # the whole batch's, for NEFTune
         return {key: value for key, value in prepared.items() if key != TOKEN_COUNT_KEY}
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's ``train``; NEFTune's noise (``neftune_noise_alpha``) as one process adds it to the whole
         batch, not scaled up by the shard's shorter length (:mod:`ulysses_sp.integrations.neftune`)."""
+        if self._sp_neftune is None:
+            return super().train(*args, **kwargs)
         whole = lambda output: self._sp_batch_length or output.size(1) * self.sp_layout.sp  # noqa: E731
         with sequence_noise(find_pretrained(self.model).get_input_embeddings(), self._sp_neftune, whole):
             return super().train(*args, **kwargs)

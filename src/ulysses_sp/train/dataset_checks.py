@@ -80,7 +80,7 @@ def _json_rows(name: str, file: str, head: bytes, complete: bool) -> list[tuple[
     JSON lines, the elements of a top-level array (a string is a row of the column 'text') or one multi-line
     object (its keys are the columns). ValueError naming the line of a JSON line that does not parse."""
     text = head.decode("utf-8", errors="ignore").removeprefix("\ufeff")  # errors: a character cut at the end
-    decoder, rows = json.JSONDecoder(), []
+    decoder, rows = json.JSONDecoder(strict=False), []  # datasets' reader takes raw tabs and newlines
     if text.lstrip().startswith("["):
         position = text.index("[") + 1
         while True:
