@@ -83,7 +83,8 @@ def refusal_on_one_rank() -> None:
     workers) and evaluation, and in an Accelerate loop (real workers); batches that differ inside the SP group (the
     same-batch check, skipped in workers before) too. With two replicas and no sequence split (sp=1, dp=2),
     collated in the main process, and in gather_for_metrics: the same. A dispatching dataloader (an iterable
-    dataset) at sp=1 collates on process 0 alone: no agreement runs there, and it trains."""
+    dataset) at sp=1 collates on process 0 alone: no agreement runs there, and it trains, counting the tokens seen as
+    plain DDP does (its slices of a batch are per row: it gets no full-batch counts)."""
     refused = "labels has shape" if dist.get_rank() == 1 else "sp_rank 1: malformed batch"
     expect_error(ValueError, refused, _trainer(refused_on_rank1, 2, workers=1).train)
     trainer = _trainer(refused_on_rank1, 2)
@@ -101,7 +102,11 @@ def refusal_on_one_rank() -> None:
     expect_error(ValueError, replica, _trainer(refused_on_rank1, 1).train)
     expect_error(ValueError, replica, lambda: _accelerate_first_batch(refused_on_rank1, 1, workers=0))
     expect_error(ValueError, replica, _gather_for_metrics_refused_on_rank1)
-    _trainer(pad_collate, 1, data=_FixedLengthStream(), max_steps=2).train()
+    dispatched = _trainer(pad_collate, 1, data=_FixedLengthStream(), max_steps=2, include_num_input_tokens_seen="all")
+    dispatched.train()
+    assert dispatched.state.num_input_tokens_seen == 2 * 4 * 12, (
+        dispatched.state.num_input_tokens_seen
+    )  # 2 steps x 4 rows
 
 
 def _gather_for_metrics_refused_on_rank1() -> None:
