@@ -149,6 +149,7 @@ class _DropoutStream:
         self.ctx, self.begin = ctx, begin
         self.saved: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
+    @torch.compiler.disable  # the generators' state is set eagerly, around whatever compiled code runs between
     def before(self, module, args, kwargs):
         layout = self.ctx.layout
         if not module.training or layout.sp == 1 or not self.begin.active():
@@ -163,6 +164,7 @@ class _DropoutStream:
                 torch.cuda.manual_seed(seed)
         return None
 
+    @torch.compiler.disable
     def after(self, module, args, kwargs, output):
         if self.saved is None:
             return None

@@ -94,6 +94,29 @@ def check_parity(
         torch.testing.assert_close(grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def compiled(layout):
+    """``torch.compile`` (dynamo's tracing; the eager backend keeps it quick) over the parallelized model with the
+    tiled loss, MLP and norms and activation checkpointing, the loss through ``causal_lm_loss``: the loss and every
+    gradient of one process (under inductor the Trainer's ``torch_compile=True`` trains the same losses)."""
+    model = build("llama", kv_heads=2)
+    batch = make_batch(2, 24, packed=(10, 14))
+    ref_loss, ref_grads = reference(model, batch)
+    par = U.parallelize(copy.deepcopy(model), layout)
+    features = U.Features(
+        tiled_loss=True, tiled_mlp=True, tiled_norms=True, mlp_chunk_tokens=5, loss_chunk_tokens=7,
+        activation_checkpointing="checkpoint",
+    )  # fmt: skip
+    U.apply_features(par, features, "cpu")
+    torch._dynamo.reset()
+    par.compile(backend="eager")
+    loss = U.causal_lm_loss(par, U.shard_batch(batch, layout), layout)
+    loss.backward()
+    U.sync_gradients(par, layout)
+    torch.testing.assert_close(loss.detach(), ref_loss, **LOSS_TOL)
+    for name, param in par.named_parameters():
+        torch.testing.assert_close(param.grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def flex_forward(layout):
     """flex_attention has no CPU backward in torch: compare the forward loss here (GPU tests do backward)."""
     batch = make_batch(2, 24, packed=(7, 10, 7))
@@ -290,6 +313,7 @@ def world2() -> dict[str, str]:
         "gpt_neox_partial_rotary": P(check_parity, sp2, "gpt_neox", batch=make_batch(2, 23)),
         "llama_eager_core": P(check_parity, sp2, "llama", kv_heads=2, core="eager"),
         "llama_flex_core_forward": P(flex_forward, sp2),
+        "compiled_with_memory_features": P(compiled, sp2),
         "seq_not_divisible": P(check_parity, sp2, "llama", batch=make_batch(2, 23)),
         "batch_size_3": P(check_parity, sp2, "llama", batch=make_batch(3, 20)),
         "padded_right": P(check_parity, sp2, "llama", batch=make_batch(2, 24, pad="right")),

@@ -20,6 +20,7 @@ WORLD2 = [
     "gpt_neox_partial_rotary",
     "llama_eager_core",
     "llama_flex_core_forward",
+    "compiled_with_memory_features",
     "seq_not_divisible",
     "batch_size_3",
     "padded_right",

@@ -194,6 +194,7 @@ def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tenso
     state.verified = True
 
 
+@torch.compiler.disable  # under torch.compile: run eagerly (dynamo cannot trace the per-call forward swap)
 def _head_loss(output: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, **kwargs) -> torch.Tensor:
     """The tiled loss computed INSIDE a call of the lm_head module, so that whatever wraps that module sees
     a normal call: FSDP2 (when lm_head is its own FSDP unit) gathers the weight before and registers its
