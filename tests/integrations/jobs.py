@@ -380,7 +380,8 @@ def accelerate_loop(job: str, sp: int, fsdp2: bool = False, steps: int = 6) -> N
 def accelerate_metrics(job: str, sp: int, ring: int | None = None) -> None:
     """An eval loop gathering per-sample ids (sequence_dim None) and the shards' tokens, targets and logits (whole
     sequences) with ``loss_fn.gather_for_metrics``, a bool mask and a scalar too; rank 0 writes what each rank got,
-    in order. A per-sample tensor that differs inside an SP group is refused on every rank, as are unlike shards."""
+    in order. A per-sample tensor that differs inside an SP group is refused on every rank, as are unlike shards;
+    ``accelerator.gather_for_metrics`` (made SP-aware by prepare) gives per-sample tensors once and refuses shards."""
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
@@ -408,6 +409,9 @@ def accelerate_metrics(job: str, sp: int, ring: int | None = None) -> None:
             valid = loss_fn.gather_for_metrics(accelerator, batch["shift_labels"] != -100, sequence_dim=1)
             assert torch.equal(valid, whole["shift_labels"] != -100)
             assert loss_fn.gather_for_metrics(accelerator, batch["idx"].sum()).numel() in (1, 2)
+            # Accelerate's own, as prepare left it: per-sample tensors once per sample, a scalar from every rank
+            assert torch.equal(accelerator.gather_for_metrics((batch["idx"],))[0], idx)
+            assert accelerator.gather_for_metrics(torch.tensor(1.0)).tolist() == [1.0] * dist.get_world_size()
             got["idx"] += idx.tolist()
             for key in ("input_ids", "shift_labels", "logits"):
                 got[key] += list(whole[key])
@@ -420,6 +424,8 @@ def accelerate_metrics(job: str, sp: int, ring: int | None = None) -> None:
         "hold different values for a per-sample tensor",
         lambda: loss_fn.gather_for_metrics(accelerator, mine),
     )
+    shards = "use loss_fn.gather_for_metrics(accelerator, data, sequence_dim=1)"  # a shard is no sample
+    expect_error(ValueError, shards, lambda: accelerator.gather_for_metrics(torch.full((2, 4), layout.sp_rank)))
     odd = torch.zeros(2, 4, 3) if layout.sp_rank == 0 else torch.zeros(2, 4)
     expect_error(
         ValueError, "dim=2 is not a dim of a tensor of shape (2, 4)", lambda: gather_sequence(odd, layout, dim=2)

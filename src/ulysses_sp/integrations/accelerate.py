@@ -47,7 +47,7 @@ from .data import (
     layout_for_model,
     resolve_core,
 )
-from .metrics import gather_for_metrics
+from .metrics import gather_for_metrics, sequence_parallel_gather
 
 __all__ = ["SequenceParallelConfig", "SequenceParallelLoss"]
 
@@ -139,7 +139,8 @@ class SequenceParallelConfig:
         :class:`SequenceParallelLoss`. Dataloaders must be plain ``torch.utils.data.DataLoader`` objects (over a
         map-style dataset, or an iterable one with ``dispatch_batches=False``); they are copied, not changed.
         Raises ValueError before any training for heads that do not split over ``sp_size``, an unknown core,
-        or a world size that is not a multiple of ``sp_size``.
+        or a world size that is not a multiple of ``sp_size``. With ``sp_size > 1`` the accelerator's
+        ``gather_for_metrics`` is replaced by :func:`~ulysses_sp.integrations.metrics.sequence_parallel_gather`.
         """
         if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None:
             raise ValueError(
@@ -180,6 +181,8 @@ class SequenceParallelConfig:
                 deal_batches_over_dp(obj, layout, split_batches=split)
                 agree_on_worker_batches(obj, layout)  # a refusal in a dataloader worker raises on every rank
             step_scheduler_per_dp_group(obj, layout.dp, split_batches=split)
+        if layout.sp > 1:  # Accelerate's own would take each SP group's batch for sp batches
+            accelerator.gather_for_metrics = sequence_parallel_gather(accelerator, layout)
         return (model, *prepared, SequenceParallelLoss(layout))
 
     def _shard_loader(self, loader: DataLoader, layout: ParallelLayout) -> DataLoader:

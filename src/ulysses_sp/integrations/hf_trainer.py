@@ -65,7 +65,7 @@ from .data import (
     replace_collator,
     resolve_core,
 )
-from .metrics import drop_repeats, gather_over_dp
+from .metrics import drop_repeats, gather_over_dp, sequence_parallel_gather
 from .neftune import sequence_noise
 from .trainer_checks import refuse_deepspeed, refuse_sharded_before
 
@@ -149,8 +149,8 @@ class UlyssesTrainerMixin:
         self.data_collator = SequenceParallelCollator(  # a refusal in a dataloader worker: see get_batch_samples
             self.data_collator, self.sp_layout, pad_token_id=self._pad_token_id(), token_counts=True, defer_checks=True
         )
-        if self.sp_layout.sp > 1:
-            self.accelerator.gather_for_metrics = _keep_shard_partials(self.accelerator)
+        if self.sp_layout.sp > 1:  # TRL's metrics (a shard's part of a sum) from every rank, no sample twice
+            self.accelerator.gather_for_metrics = sequence_parallel_gather(self.accelerator, self.sp_layout)
         if self.args.fsdp and not self.is_fsdp_enabled:
             logger.warning(
                 "TrainingArguments.fsdp is set but Accelerate did not enable FSDP (it does so on accelerator "
@@ -411,21 +411,6 @@ class UlyssesTrainerMixin:
         of them, alike on the ranks of an SP group) gathered over the dp groups only, then the samples accelerate
         repeated to even out the last batch dropped (gather_for_metrics' rule, over dp)."""
         return drop_repeats(self.accelerator, gather_over_dp(data, self.sp_layout))
-
-
-def _keep_shard_partials(accelerator: Any) -> Any:
-    """``accelerator.gather_for_metrics`` that keeps every rank's part of a scalar (TRL's token counts, entropy
-    and accuracy sums are each a shard's part under SP): at the end of an epoch accelerate would keep as many
-    gathered entries as the last batch has samples, dropping the other shards' parts."""
-
-    gather_for_metrics = accelerator.gather_for_metrics
-
-    def gather(input_data: Any, use_gather_object: bool = False) -> Any:
-        if isinstance(input_data, torch.Tensor) and input_data.dim() == 0 and not use_gather_object:
-            return accelerator.gather(input_data)
-        return gather_for_metrics(input_data, use_gather_object=use_gather_object)
-
-    return gather
 
 
 class UlyssesTrainer(UlyssesTrainerMixin, Trainer):

@@ -20,7 +20,7 @@ from ..layout import ParallelLayout
 from ..sharding import gather_sequence, tensor_digest
 from ..validation import replicas_agree
 
-__all__ = ["drop_repeats", "gather_for_metrics", "gather_over_dp"]
+__all__ = ["drop_repeats", "gather_for_metrics", "gather_over_dp", "sequence_parallel_gather"]
 
 
 def gather_for_metrics(
@@ -65,6 +65,36 @@ def gather_for_metrics(
         else:
             data = recursively_apply(lambda t: _same_in_group(t.detach(), layout), input_data)
     return drop_repeats(accelerator, gather_over_dp(data, layout, pad_index))
+
+
+def sequence_parallel_gather(accelerator: Any, layout: ParallelLayout) -> Any:
+    """A stand-in for ``accelerator.gather_for_metrics`` under SP (installed by the integrations), for code that calls
+    Accelerate's own (TRL's metrics, a user's eval loop): Accelerate's would take each SP group's batch for ``sp``
+    batches and each shard for a sample.
+
+    A scalar (a shard's part of a sum: TRL's token counts) comes from every rank, as ``accelerator.gather`` gives it;
+    per-sample tensors alike on an SP group are gathered over the dp groups, every sample once
+    (:func:`gather_for_metrics`); per-token tensors of the shards, which differ inside a group, are refused with a
+    ValueError on every rank naming ``loss_fn.gather_for_metrics(..., sequence_dim=1)``, as are Python objects."""
+
+    def gather(input_data: Any, use_gather_object: bool = False) -> Any:
+        if use_gather_object:
+            raise ValueError(
+                "accelerator.gather_for_metrics(use_gather_object=True) under sequence parallelism would return each "
+                "SP group's objects sp times; gather tensors, or objects over layout.dp_group"
+            )
+        if isinstance(input_data, torch.Tensor) and input_data.dim() == 0:
+            return accelerator.gather(input_data)
+        try:
+            return gather_for_metrics(accelerator, input_data, layout)
+        except ValueError as error:
+            raise ValueError(
+                f"accelerator.gather_for_metrics under sequence parallelism ({error}): it takes per-sample tensors "
+                "(alike on an SP group); for the shards' per-token tensors use loss_fn.gather_for_metrics(accelerator, "
+                "data, sequence_dim=1), which returns whole sequences"
+            ) from None
+
+    return gather
 
 
 def gather_over_dp(data: Any, layout: ParallelLayout, pad_index: int | float = -100) -> Any:
