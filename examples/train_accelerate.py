@@ -53,7 +53,7 @@ for step, batch in enumerate(loader):
     accelerator.print(f"step {step}  loss {loss.item():.4f}  ({batch['input_ids'].shape[1]} tokens on each rank)")
 
 # Held-out next-token accuracy: the shards' guesses and targets gathered as whole sequences, each sample once
-# (accelerator.gather_for_metrics would return each SP group's batch sp times).
+# (accelerator.gather_for_metrics, made SP-aware by prepare, takes per-sample tensors and refuses shards).
 model.eval()
 correct = total = 0
 with torch.no_grad():
