@@ -337,6 +337,13 @@ def test_a_parquet_file_without_the_text_field_or_unreadable_is_refused_before_t
         load_documents(str(path))
     check_dataset(str(path), text_field="body")
     assert load_documents(str(path), text_field="body") == [r["body"] for r in _ROWS]
+    for values, kind in (([1, 2], "int64"), ([["a"], ["b"]], r"list<\w+: string>"), ([b"a", b"b"], "binary")):
+        other = tmp_path / "typed.parquet"
+        pq.write_table(pa.table({"text": values}), other)
+        with pytest.raises(ValueError, match=rf"typed.parquet: its --text-field column 'text' holds {kind}, not text"):
+            check_dataset(str(other))
+    pq.write_table(pa.table({"text": pa.array(["a", "b"]).dictionary_encode()}), tmp_path / "typed.parquet")
+    check_dataset(str(tmp_path / "typed.parquet"))  # dictionary-encoded strings are text
     path.write_bytes(path.read_bytes()[:40])  # cut: the magic number, no footer
     with pytest.raises(ValueError, match="rows.parquet is not a readable parquet file"):
         check_dataset(str(path), text_field="body")

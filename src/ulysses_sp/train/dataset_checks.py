@@ -61,17 +61,26 @@ def _sniff(source: str, file: str, builder: str, text_field: str) -> int:
 
 
 def _check_columns(name: str, file: str, text_field: str) -> None:
-    """Refuse a parquet file whose footer cannot be read or names no column ``text_field``."""
+    """Refuse a parquet file whose footer cannot be read, names no column ``text_field``, or types it as no text
+    (numbers, lists, bytes: the ranks would find no document in it)."""
+    import pyarrow
     import pyarrow.parquet
 
     try:
-        columns = pyarrow.parquet.read_schema(file).names
+        schema = pyarrow.parquet.read_schema(file)
     except Exception as error:  # pyarrow's own kinds (ArrowInvalid, OSError): name the cause
         raise ValueError(f"{name} is not a readable parquet file ({first_line(error)}); check the file") from None
-    if text_field not in columns:
+    if text_field not in schema.names:
         raise ValueError(
-            f"{name} has no --text-field column {text_field!r} (it holds {columns}); pass the column that holds the "
-            "text with --text-field"
+            f"{name} has no --text-field column {text_field!r} (it holds {schema.names}); pass the column that holds "
+            "the text with --text-field"
+        )
+    kind = schema.field(text_field).type
+    kind = kind.value_type if pyarrow.types.is_dictionary(kind) else kind
+    if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind) or str(kind) == "string_view"):
+        raise ValueError(
+            f"{name}: its --text-field column {text_field!r} holds {kind}, not text; pass the column that holds the "
+            f"text with --text-field (columns: {schema.names})"
         )
 
 
