@@ -77,7 +77,9 @@ def _check_columns(name: str, file: str, text_field: str) -> None:
         )
     kind = schema.field(text_field).type
     kind = kind.value_type if pyarrow.types.is_dictionary(kind) else kind
-    if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind) or str(kind) == "string_view"):
+    kind = kind.storage_type if isinstance(kind, pyarrow.BaseExtensionType) else kind  # datasets' Json(): strings
+    text = pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind) or str(kind) == "string_view"
+    if not (text or pyarrow.types.is_null(kind)):  # null: an empty shard; the ranks check the whole data
         raise ValueError(
             f"{name}: its --text-field column {text_field!r} holds {kind}, not text; pass the column that holds the "
             f"text with --text-field (columns: {schema.names})"
