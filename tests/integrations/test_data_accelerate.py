@@ -80,15 +80,15 @@ def test_split_batches_under_sp_needs_batches_that_split_over_dp_only():
     a batch of 3 does not split over 2 groups and is refused before anything is prepared."""
     from accelerate.utils import DataLoaderConfiguration
 
-    from ulysses_sp.integrations.accelerate import split_over_dp_groups, splits_over_dp_groups
+    from ulysses_sp.integrations.accelerate import check_split_batches, split_over_dp_groups
 
     config = DataLoaderConfiguration(split_batches=True)
     accelerator = SimpleNamespace(dataloader_config=config, split_batches=True)
     layout = ParallelLayout.rank_view(2, 0, dp=2, dp_rank=0)
-    assert splits_over_dp_groups(accelerator, layout, [("batch_size", 2)])
-    assert not splits_over_dp_groups(accelerator, ParallelLayout.rank_view(1, 0, dp=4, dp_rank=0), [("b", 3)])
+    assert check_split_batches(accelerator, layout, [("batch_size", 2)])
+    assert not check_split_batches(accelerator, ParallelLayout.rank_view(1, 0, dp=4, dp_rank=0), [("b", 3)])
     with pytest.raises(ValueError, match="so per_device_eval_batch_size must be a multiple of 2, got 3"):
-        splits_over_dp_groups(accelerator, layout, [("batch_size", 2), ("per_device_eval_batch_size", 3)])
+        check_split_batches(accelerator, layout, [("batch_size", 2), ("per_device_eval_batch_size", 3)])
     with split_over_dp_groups(accelerator, True):
         assert accelerator.dataloader_config.split_batches is False
     assert accelerator.dataloader_config is config

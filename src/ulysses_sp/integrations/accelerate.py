@@ -167,7 +167,7 @@ class SequenceParallelConfig:
 
         loaders = [obj for obj in objects if isinstance(obj, DataLoader)]
         sizes = [(obj.batch_size or getattr(obj.batch_sampler, "batch_size", None)) for obj in loaders]
-        split = splits_over_dp_groups(accelerator, layout, [("a dataloader's batch_size", size) for size in sizes])
+        split = check_split_batches(accelerator, layout, [("a dataloader's batch_size", size) for size in sizes])
         with split_over_dp_groups(accelerator, split):
             if model_has_dtensor(model):
                 # Sharded with fully_shard already: Accelerate would wrap it in DDP (and refuses DTensors there).
@@ -196,7 +196,7 @@ class SequenceParallelConfig:
         return sharded
 
 
-def splits_over_dp_groups(accelerator: Any, layout: ParallelLayout, batch_sizes: list[tuple[str, Any]] = ()) -> bool:
+def check_split_batches(accelerator: Any, layout: ParallelLayout, batch_sizes: list[tuple[str, Any]] = ()) -> bool:
     """Whether ``accelerator`` splits each batch (``split_batches``) and SP makes the dp groups, not the processes,
     split it (:func:`split_over_dp_groups`); then each of ``batch_sizes`` (how the user sets it, the size) must be a
     multiple of dp: ValueError otherwise."""
@@ -212,7 +212,7 @@ def splits_over_dp_groups(accelerator: Any, layout: ParallelLayout, batch_sizes:
 
 @contextlib.contextmanager
 def split_over_dp_groups(accelerator: Any, split: bool) -> Iterator[None]:
-    """Under ``split_batches`` (``split``: :func:`splits_over_dp_groups`) and SP, let ``accelerator.prepare`` shard
+    """Under ``split_batches`` (``split``: :func:`check_split_batches`) and SP, let ``accelerator.prepare`` shard
     dataloaders by whole batches: accelerate would split each batch over all ``dp x sp`` processes, refusing a batch
     size that is not a multiple of the world size; under SP only the ``dp`` groups split it
     (:func:`deal_batches_over_dp` re-points the shards)."""

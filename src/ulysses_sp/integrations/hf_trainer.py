@@ -27,7 +27,7 @@ What the mixin changes, and why (the Trainer's own DDP / FSDP2 wrapping over the
   counts (:meth:`_track_num_input_tokens`), and scalars gathered for metrics (TRL's token count, entropy and
   accuracy) keep every shard's part at the end of an epoch too;
 * NEFTune's noise (``neftune_noise_alpha``), which transformers scales by the length of the batch the embedding
-  layer sees, is scaled by the whole batch's, as one process scales it, not by the shard's (:meth:`train`);
+  layer sees, is scaled by the whole batch's, as one process scales it, not by the shard's (:meth:`_prepare_inputs`);
 * evaluation runs sharded too (:meth:`prediction_step`): per batch, the loss sums of the SP group's shards
   over its valid-token count - equal to the one-process batch loss - and no rank ever holds the full
   sequence's activations. Logits are gathered only for ``compute_metrics`` and ``predict()``: whole sequences
@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ from ..model import parallelize
 from ..moe import router_aux_loss
 from ..sharding import gather_sequence
 from ..validation import IGNORE_INDEX
-from .accelerate import split_over_dp_groups, splits_over_dp_groups
+from .accelerate import check_split_batches, split_over_dp_groups
 from .data import (
     TOKEN_COUNT_KEY,
     SequenceParallelCollator,
@@ -66,7 +67,6 @@ from .data import (
     resolve_core,
 )
 from .metrics import drop_repeats, gather_over_dp, sequence_parallel_gather
-from .neftune import sequence_noise
 from .trainer_checks import refuse_deepspeed, refuse_sharded_before
 
 __all__ = ["UlyssesTrainer", "UlyssesTrainerMixin", "resolve_core"]
@@ -104,7 +104,6 @@ class UlyssesTrainerMixin:
 
     sp_tiled_loss_default = True
     _sp_predicting = False
-    _sp_batch_length: int | None = None  # the length of the batch being trained on (all shards)
 
     def __init__(
         self,
@@ -124,8 +123,6 @@ class UlyssesTrainerMixin:
         refuse_deepspeed(given_args)
         refuse_sharded_before(kwargs.get("model", args[0] if args else None), given_args)
         super().__init__(*args, **kwargs)
-        # NEFTune's noise scales with the batch's length: added in train() with the whole batch's (neftune.py)
-        self._sp_neftune, self.neftune_noise_alpha = self.neftune_noise_alpha, None
         self._check_supported(sp_size)
         core = resolve_core(self.model, sp_core)
         self.sp_layout = layout_for_model(self.model, sp_size, self.args.device, ring=sp_ring)
@@ -133,7 +130,7 @@ class UlyssesTrainerMixin:
             self.args.world_size, self.sp_layout, "on a CPU-only machine pass TrainingArguments(use_cpu=True)"
         )
         sizes = [self._batch_size("train")] + ([self._batch_size("eval")] if self.eval_dataset is not None else [])
-        splits_over_dp_groups(self.accelerator, self.sp_layout, sizes)  # refused before training
+        check_split_batches(self.accelerator, self.sp_layout, sizes)  # refused before training
         parallelize(self.model, self.sp_layout, core=core, head_chunks=sp_head_chunks)
         tiled = self.sp_tiled_loss_default if sp_tiled_loss is None else sp_tiled_loss
         switch = lambda name: f"sp_{name}=False"  # noqa: E731 (how a feature is turned off, named in errors)
@@ -265,7 +262,7 @@ class UlyssesTrainerMixin:
 
     def _dealt_over_dp(self, make: Any, kind: str) -> Any:
         """``make()``'s dataloader dealing batches over the dp SP groups (under ``split_batches`` splitting each)."""
-        split = splits_over_dp_groups(self.accelerator, self.sp_layout, [self._batch_size(kind)])
+        split = check_split_batches(self.accelerator, self.sp_layout, [self._batch_size(kind)])
         with split_over_dp_groups(self.accelerator, split):
             loader = replace_collator(make(), require_labels=kind == "train")
         return deal_batches_over_dp(loader, self.sp_layout, split_batches=split)
@@ -287,18 +284,17 @@ class UlyssesTrainerMixin:
         batch from a dataloader worker), without the full batch's token counts (not a model input)."""
         prepared = super()._prepare_inputs(agree_on_batch(inputs, self.sp_layout))
         counts = prepared.get(TOKEN_COUNT_KEY)
-        if self._sp_neftune is not None and counts is not None:
-            self._sp_batch_length = int(counts[2])  # the whole batch's, for NEFTune
+        if self.neftune_noise_alpha is not None and counts is not None:
+            self._scale_neftune(prepared["input_ids"].shape[-1], int(counts[2]))
         return {key: value for key, value in prepared.items() if key != TOKEN_COUNT_KEY}
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's ``train``; NEFTune's noise (``neftune_noise_alpha``) as one process adds it to the whole
-        batch, not scaled up by the shard's shorter length (:mod:`ulysses_sp.integrations.neftune`)."""
-        if self._sp_neftune is None:
-            return super().train(*args, **kwargs)
-        whole = lambda output: self._sp_batch_length or output.size(1) * self.sp_layout.sp  # noqa: E731
-        with sequence_noise(find_pretrained(self.model).get_input_embeddings(), self._sp_neftune, whole):
-            return super().train(*args, **kwargs)
+    def _scale_neftune(self, shard_length: int, batch_length: int) -> None:
+        """transformers' NEFTune hook adds noise of ``alpha / sqrt(length x hidden)`` with the length its embedding
+        layer sees, here a shard's: while the hook is on (in ``train()``), give it the alpha that makes that the whole
+        batch's, as one process adds it (not ``sqrt(sp)`` times as much)."""
+        embeddings = find_pretrained(self.model).get_input_embeddings()
+        if hasattr(embeddings, "neftune_noise_alpha"):
+            embeddings.neftune_noise_alpha = self.neftune_noise_alpha * math.sqrt(shard_length / batch_length)
 
     def _track_num_input_tokens(self, inputs: Any) -> None:
         """``include_num_input_tokens_seen`` as one process counts it: from the full batch's counts (a shard also
