@@ -97,7 +97,7 @@ def check_parity(
 def compiled(layout):
     """``torch.compile`` (dynamo's tracing; the eager backend keeps it quick) over the parallelized model with the
     tiled loss, MLP and norms and activation checkpointing, the loss through ``causal_lm_loss``: the loss and every
-    gradient of one process (under inductor the Trainer's ``torch_compile=True`` trains the same losses)."""
+    gradient of one process."""
     model = build("llama", kv_heads=2)
     batch = make_batch(2, 24, packed=(10, 14))
     ref_loss, ref_grads = reference(model, batch)
