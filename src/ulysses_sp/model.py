@@ -14,7 +14,7 @@ the position_ids it receives and drops that extra column from its cos/sin: every
 one process would pick for the whole sequence.
 
 In training under sp > 1 a pair of hooks on the decoder gives each SP rank its own dropout stream
-(:class:`_DropoutStream`), so masks do not repeat along the sequence.
+(:class:`~ulysses_sp.dropout_stream.DropoutStream`), so masks do not repeat along the sequence.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from .attention import (
 )
 from .comm import CommStats
 from .cores import CORES, Core, get_core
+from .dropout_stream import DropoutStream
 from .head_chunks import head_chunk_targets, install_head_chunks, remove_head_chunks
 from .head_split import DEFAULT_HEAD_CHUNK_BUDGET_BYTES
 from .hf import attention_head_counts, attention_modules, decoder_module, find_pretrained, refuse_prompt_learning
@@ -128,52 +129,6 @@ class _BeginForward:
             where = list(inspect.signature(module.forward).parameters).index("input_ids")
             args = (*args[:where], lifted, *args[where + 1 :])
         return args, {**kwargs, "use_cache": False}
-
-
-_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: base + sp_rank * stride differs for every sp_rank (mod 2**63)
-
-
-class _DropoutStream:
-    """Hooks on the decoder: in training under sp > 1, each SP rank draws its dropout masks from its own stream.
-
-    Without them every rank of an SP group would draw the same masks for its own tokens (same generator state,
-    same shapes): masks repeating along the sequence, unlike one process. Before the decoder runs, one number is
-    drawn from the global CPU generator (the same draw on every rank, so the global generators stay identical
-    across the group and advance once per forward); the CPU and device generators are seeded with it and the
-    sp_rank, and get their state back after the decoder (also when it raised). Activation checkpointing and the
-    tiled MLP replay the state each layer started from, so a recomputed layer draws the masks it drew.
-    Reproducible: the same run on the same layout draws the same masks; they are not one process's masks.
-    """
-
-    def __init__(self, ctx: UlyssesAttention, begin: _BeginForward) -> None:
-        self.ctx, self.begin = ctx, begin
-        self.saved: tuple[torch.Tensor, torch.Tensor | None] | None = None
-
-    @torch.compiler.disable  # the generators' state is set eagerly, around whatever compiled code runs between
-    def before(self, module, args, kwargs):
-        layout = self.ctx.layout
-        if not module.training or layout.sp == 1 or not self.begin.active():
-            return None
-        base = int(torch.empty((), dtype=torch.int64).random_())  # the global CPU generator, alike on every rank
-        device = layout.device if layout.device.type == "cuda" else None
-        self.saved = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device is not None else None)
-        seed = (base + layout.sp_rank * _SEED_STRIDE) % 2**63
-        torch.default_generator.manual_seed(seed)
-        if device is not None:
-            with torch.cuda.device(device):
-                torch.cuda.manual_seed(seed)
-        return None
-
-    @torch.compiler.disable
-    def after(self, module, args, kwargs, output):
-        if self.saved is None:
-            return None
-        cpu, cuda = self.saved
-        self.saved = None
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, self.ctx.layout.device)
-        return None
 
 
 def _length_dependent(rope_type: object) -> bool:
@@ -389,7 +344,7 @@ def parallelize(
     )
 
     begin = _BeginForward(pretrained, ctx, name)
-    dropout = _DropoutStream(ctx, begin)
+    dropout = DropoutStream(ctx, begin.active)
     hooks = [
         pretrained.register_forward_pre_hook(begin.take_targets, with_kwargs=True),
         decoder.register_forward_pre_hook(begin, with_kwargs=True),

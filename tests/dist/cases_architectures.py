@@ -233,6 +233,21 @@ def dropout_streams(layout) -> None:
         torch.testing.assert_close(recomputed[2][name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def generator_untouched_without_dropout(layout) -> None:
+    """A training step of a model without dropout (every memory feature on, head chunks, LoRA without dropout)
+    leaves torch's global generator where one process leaves it: untouched. It used to draw a seed for the dropout
+    streams every forward, so what draws from it later (transformers' group_by_length sampler) drew otherwise."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build("llama", kv_heads=2), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model = U.parallelize(model, layout, head_chunks=2)
+    U.apply_features(model, U.Features(mlp_chunk_tokens=4), "cpu")
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    U.causal_lm_loss(model.train(), U.shard_batch(make_batch(2, 23, pad="right"), layout), layout).backward()
+    assert torch.equal(torch.get_rng_state(), before), "a step without dropout moved the global generator"
+
+
 def with_router_aux(arch: str, coef: float = 0.5):
     """``arch`` (2 kv heads) collecting router logits for its load-balancing loss, weighted ``coef``."""
     return router_aux_on(build(arch, kv_heads=2), coef)
@@ -338,6 +353,7 @@ def world2_cases(sp2) -> dict:
         ),
         "router_aux_own_loss_refused": P(router_aux_own_loss_refused, sp2),
         "dropout_streams_per_sp_rank": P(dropout_streams, sp2),
+        "generator_untouched_without_dropout": P(generator_untouched_without_dropout, sp2),
         "opt_left_padding": P(left_padding, sp2, "opt"),
         "biogpt_left_padding": P(left_padding, sp2, "biogpt"),
         "sp2_roberta_ids_numbered_positions": P(ids_numbered_positions, sp2),

@@ -120,10 +120,6 @@ def random_case(seed: int, index: int, world: int) -> dict:
         # over dp ranks a step's micro-batches hold other samples than the one process's: losses differ from the
         # first step under plain DDP too (sp=1: the same losses as dp2 x sp2), so not a sequence-parallel matter
         case["sampling"] = "random"
-    if case["sampling"] == "group_by_length":
-        # one epoch: its second epoch's order came out differently under 2 and 4 ranks than in one process (the
-        # first epoch's is the same), while "random" and "sequential" match over every epoch
-        case["epochs"] = 1
     return case
 
 
