@@ -123,11 +123,15 @@ def lora_model():
 
 
 def peft_model(kind: str):
-    """The tiny Llama with a PEFT adapter of another kind than LoRA: ``dora``, ``ia3`` or ``adaption`` (LLaMA-Adapter's
-    adaption prompt, on the last layer)."""
+    """The tiny Llama with a PEFT adapter of another kind than plain LoRA: ``dora``, ``ia3``, ``adaption``
+    (LLaMA-Adapter's adaption prompt, on the last layer), ``modules_to_save`` (LoRA training copies of lm_head and
+    the embedding too: the tiled loss runs in the copy) or ``trainable_tokens`` (a few embedding rows trained)."""
     import peft
 
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     configs = {
+        "modules_to_save": lambda: peft.LoraConfig(**lora, modules_to_save=["lm_head", "embed_tokens"]),
+        "trainable_tokens": lambda: peft.LoraConfig(**lora, trainable_token_indices={"embed_tokens": [5, 6, 7]}),
         "dora": lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True),
         "ia3": lambda: peft.IA3Config(
             target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]
@@ -138,11 +142,11 @@ def peft_model(kind: str):
     return peft.get_peft_model(build("llama"), configs[kind]())
 
 
-PEFT_KINDS = ("dora", "ia3", "adaption")
+PEFT_KINDS = ("dora", "ia3", "adaption", "modules_to_save", "trainable_tokens")
 
 
 def peft_kinds_sp2() -> None:
-    """DoRA, IA3 and the adaption prompt under SP=2: three steps and an eval each; rank 0 writes the losses."""
+    """Each of PEFT_KINDS under SP=2: three steps and an eval each; rank 0 writes the losses."""
     from ulysses_sp.integrations import UlyssesTrainer
 
     found = {}

@@ -218,6 +218,28 @@ def test_lora_on_lm_head_refused_lora_elsewhere_exact():
         torch.testing.assert_close(got[name], ref[name], **TOL, msg=name)
 
 
+def test_modules_to_save_lm_head_trains_the_active_copy():
+    """PEFT's modules_to_save copy of lm_head: the tiled loss runs in the linear the wrapper calls (the adapter's
+    trainable copy; the frozen original with the adapter off), with the loss and gradients of the model's own."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"], init_lora_weights=False)
+    model = peft.get_peft_model(build("llama"), config)
+    with torch.no_grad():  # the copy differs from the original, so using the wrong one shows
+        model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)
+    batch = make_batch(2, 20, pad="right")
+    plain, tiled = copy.deepcopy(model), U.enable_tiled_loss(copy.deepcopy(model), chunk_tokens=3)
+    losses = [net(**batch).loss for net in (plain, tiled)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], **TOL)
+    ref, got = _grads(plain), _grads(tiled)
+    assert ref.keys() == got.keys() and any("modules_to_save" in name for name in ref)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], **TOL, msg=name)
+    with torch.no_grad(), plain.disable_adapter(), tiled.disable_adapter():  # nothing trainable: the loss alone
+        torch.testing.assert_close(tiled(**batch).loss, plain(**batch).loss, **TOL)
+
+
 class _ScaledLogits(tf.LlamaForCausalLM):
     """A model whose forward post-processes logits in a way the tiled head does not know."""
 
