@@ -1,10 +1,10 @@
 """Random Trainer / SFTTrainer cases: architecture x heads x layout x batch x accumulation x padding or packing x
-activation checkpointing x LoRA x tiled loss, MLP and norms x head chunks x clipping x schedule x token counting x
-dataloader workers x sampling x evaluation during training x an MoE's load-balancing term x compute_metrics x a
-resume from a halfway checkpoint x FSDP2 (the model sharded as it loads), each a short training run plus an eval
-under Ulysses SP, compared afterwards with the plain trainer in one process (unsharded; stopped and resumed at the
-same step where the case resumes, so that what transformers or TRL do on a resume in one process is the reference
-too).
+activation checkpointing x LoRA (lm_head trained too, as PEFT's modules_to_save) x tiled loss, MLP and norms x
+head chunks x clipping x schedule x token counting x dataloader workers x sampling x evaluation during training x
+an MoE's load-balancing term x compute_metrics x a resume from a halfway checkpoint x FSDP2 (the model sharded as
+it loads), each a short training run plus an eval under Ulysses SP, compared afterwards with the plain trainer in
+one process (unsharded; stopped and resumed at the same step where the case resumes, so that what transformers or
+TRL do on a resume in one process is the reference too).
 
 A case is drawn from ``(seed, index, world)`` alone, so every rank and the test draw the same one and a failure
 is reproduced by its numbers. On the ranks :func:`run_case` trains and writes what it measured under
@@ -109,11 +109,17 @@ def random_case(seed: int, index: int, world: int) -> dict:
         # under SP: accelerator_config={"split_batches": True}, each dataloader batch (batch x dp samples) split over
         # the dp groups (accelerate alone would split it over every rank): the same samples per micro-batch
         split=r.random() < 0.3,
+        # with LoRA: lm_head trained too, as PEFT's modules_to_save copy (the tiled loss runs in the copy)
+        lora_head=r.random() < 0.4,
     )
     if case["fsdp2"]:
         # transformers' Trainer refuses checkpoints with optimizer state for a model sharded at load time
         # ("Resuming is not supported ..."; save_only_model=True is its way)
         case["resume"] = False
+    if case["fsdp2"]:
+        # PEFT's modules_to_save deep-copies lm_head, which FSDP2 refuses for a module it sharded at load time
+        # (in get_peft_model, before any trainer)
+        case["lora_head"] = False
     if case["tiled_mlp"] is False and case["tiled_norms"] is False:
         case["mlp_chunk"] = None  # a chunk size with no tiling is refused (the trainers' own check)
     if case["sampling"] == "group_by_length" and dp > 1:
@@ -165,7 +171,8 @@ def model(case: dict, sharded_in: str | None = None) -> torch.nn.Module:
     names = {name.rsplit(".", 1)[-1] for name, _ in net.named_modules()}
     attention = ("q_proj", "k_proj", "v_proj", "o_proj") if case["lora_all"] else ("q_proj", "v_proj")
     targets = [n for n in (*attention, "q_b_proj", "kv_b_proj") if n in names] or "all-linear"
-    return get_peft_model(net, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    saved = ["lm_head"] if case.get("lora_head") else None
+    return get_peft_model(net, LoraConfig(r=4, lora_alpha=8, target_modules=targets, modules_to_save=saved))
 
 
 def _load_sharded(net: torch.nn.Module, path: str) -> torch.nn.Module:
