@@ -385,7 +385,8 @@ def accelerate_metrics(job: str, sp: int, ring: int | None = None) -> None:
     """An eval loop gathering per-sample ids (sequence_dim None) and the shards' tokens, targets and logits (whole
     sequences) with ``loss_fn.gather_for_metrics``, a bool mask and a scalar too; rank 0 writes what each rank got,
     in order. A per-sample tensor that differs inside an SP group is refused on every rank, as are unlike shards;
-    ``accelerator.gather_for_metrics`` (made SP-aware by prepare) gives per-sample tensors once and refuses shards."""
+    ``accelerator.gather_for_metrics`` (made SP-aware by prepare) gives per-sample tensors and objects once and
+    refuses shards and objects that differ inside an SP group."""
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
@@ -399,7 +400,7 @@ def accelerate_metrics(job: str, sp: int, ring: int | None = None) -> None:
         accelerator, build("llama"), DataLoader(data, batch_size=2, collate_fn=collate)
     )
     model.eval()
-    got = {"idx": [], "input_ids": [], "shift_labels": [], "logits": []}
+    got = {"idx": [], "names": [], "input_ids": [], "shift_labels": [], "logits": []}
     with torch.no_grad():
         for batch in loader:
             inputs = {key: batch[key] for key in ("input_ids", "position_ids", "attention_mask")}
@@ -416,6 +417,10 @@ def accelerate_metrics(job: str, sp: int, ring: int | None = None) -> None:
             # Accelerate's own, as prepare left it: per-sample tensors once per sample, a scalar from every rank
             assert torch.equal(accelerator.gather_for_metrics((batch["idx"],))[0], idx)
             assert accelerator.gather_for_metrics(torch.tensor(1.0)).tolist() == [1.0] * dist.get_world_size()
+            # Python objects, once per sample as Accelerate gathers them (it turns to objects for non-tensors)
+            names = [f"s{i}" for i in batch["idx"].tolist()]
+            got["names"] += accelerator.gather_for_metrics(names)
+            assert accelerator.gather_for_metrics(names, use_gather_object=True) == got["names"][-len(idx) :]
             got["idx"] += idx.tolist()
             for key in ("input_ids", "shift_labels", "logits"):
                 got[key] += list(whole[key])
@@ -428,6 +433,7 @@ def accelerate_metrics(job: str, sp: int, ring: int | None = None) -> None:
         "hold different values for a per-sample tensor",
         lambda: loss_fn.gather_for_metrics(accelerator, mine),
     )
+    expect_error(ValueError, "hold different objects", lambda: accelerator.gather_for_metrics([int(mine)]))
     shards = "use loss_fn.gather_for_metrics(accelerator, data, sequence_dim=1)"  # a shard is no sample
     expect_error(ValueError, shards, lambda: accelerator.gather_for_metrics(torch.full((2, 4), layout.sp_rank)))
     odd = torch.zeros(2, 4, 3) if layout.sp_rank == 0 else torch.zeros(2, 4)

@@ -398,6 +398,7 @@ def test_accelerate_gather_for_metrics_gives_every_sample_once_whole(world2_sp, 
     got = torch.load(os.path.join(out_dir, job, "gathered.pt"))
     data = token_dataset(EVAL_LENGTHS, seed=2)
     assert got["idx"] == list(range(len(EVAL_LENGTHS)))
+    assert got["names"] == [f"s{i}" for i in range(len(EVAL_LENGTHS))]  # accelerator.gather_for_metrics of objects
     assert len(got["input_ids"]) == len(got["shift_labels"]) == len(got["logits"]) == len(EVAL_LENGTHS)
     model = build("llama").eval()
     for i, n in enumerate(EVAL_LENGTHS):

@@ -10,6 +10,8 @@ data parallelism over ``dp`` processes would.
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ from ..layout import ParallelLayout
 from ..sharding import gather_sequence, tensor_digest
 from ..validation import replicas_agree
 
-__all__ = ["drop_repeats", "gather_for_metrics", "gather_over_dp", "sequence_parallel_gather"]
+__all__ = ["drop_repeats", "gather_for_metrics", "gather_objects", "gather_over_dp", "sequence_parallel_gather"]
 
 
 def gather_for_metrics(
@@ -75,14 +77,18 @@ def sequence_parallel_gather(accelerator: Any, layout: ParallelLayout) -> Any:
     A scalar (a shard's part of a sum: TRL's token counts) comes from every rank, as ``accelerator.gather`` gives it;
     per-sample tensors alike on an SP group are gathered over the dp groups, every sample once
     (:func:`gather_for_metrics`); per-token tensors of the shards, which differ inside a group, are refused with a
-    ValueError on every rank naming ``loss_fn.gather_for_metrics(..., sequence_dim=1)``, as are Python objects."""
+    ValueError on every rank naming ``loss_fn.gather_for_metrics(..., sequence_dim=1)``. Python objects (a list of
+    each sample's strings; ``use_gather_object=True``, or data that is not all tensors, as Accelerate decides) are
+    gathered as Accelerate gathers them, once per dp group (:func:`gather_objects`)."""
+    from accelerate.utils import recursively_apply
 
     def gather(input_data: Any, use_gather_object: bool = False) -> Any:
+        try:
+            recursively_apply(lambda t: t, input_data, error_on_other_type=True)
+        except TypeError:
+            use_gather_object = True  # as Accelerate's: objects are gathered as objects
         if use_gather_object:
-            raise ValueError(
-                "accelerator.gather_for_metrics(use_gather_object=True) under sequence parallelism would return each "
-                "SP group's objects sp times; gather tensors, or objects over layout.dp_group"
-            )
+            return gather_objects(accelerator, input_data, layout)
         if isinstance(input_data, torch.Tensor) and input_data.dim() == 0:
             return accelerator.gather(input_data)
         try:
@@ -95,6 +101,28 @@ def sequence_parallel_gather(accelerator: Any, layout: ParallelLayout) -> Any:
             ) from None
 
     return gather
+
+
+def gather_objects(accelerator: Any, input_data: Any, layout: ParallelLayout) -> list[Any]:
+    """Accelerate's ``gather_for_metrics(..., use_gather_object=True)`` under SP: ``input_data`` (a list of this
+    batch's per-sample objects, alike on the ranks of an SP group: ValueError on every rank if not) from each dp
+    group once, concatenated in dp order, cut to the last batch's real samples at the end of a dataloader."""
+    with replicas_agree(layout):
+        if layout.sp > 1:
+            mine = hashlib.sha256(pickle.dumps(input_data)).hexdigest()[:16]
+            seen: list[Any] = [None] * layout.sp
+            dist.all_gather_object(seen, mine, group=layout.sp_group)
+            if len(set(seen)) > 1:
+                raise ValueError(
+                    "gather_for_metrics: the ranks of an SP group hold different objects (pickled digests "
+                    f"{seen}); gather per-sample objects, alike on the group (a shard's values are no sample's)"
+                )
+    parts: list[Any] = [input_data] if layout.dp == 1 else [None] * layout.dp
+    if layout.dp > 1:
+        dist.all_gather_object(parts, input_data, group=layout.dp_group)
+    data = [item for part in parts for item in part]  # as accelerate.utils.gather_object joins them
+    state = accelerator.gradient_state
+    return data[: state.remainder] if state.end_of_dataloader and state.remainder > 0 else data
 
 
 def gather_over_dp(data: Any, layout: ParallelLayout, pad_index: int | float = -100) -> Any:
