@@ -77,6 +77,8 @@ def random_case(seed: int, index: int, world: int) -> dict:
         lora_dropout=r.choice([0.0, 0.25]),
         # an MoE adds its load-balancing loss (output_router_logits, weighted 0.5 so that a shard's alone shows)
         router_aux=r.random() < 0.5,
+        # with LoRA: lm_head trained too, as PEFT's modules_to_save copy (the tiled loss runs in the copy)
+        lora_head=r.random() < 0.4,
     )
     if case["lora"] is None or case["head_chunks"] not in (2, 4) or layout == "ring":
         case["lora_dropout"] = 0.0
@@ -95,7 +97,8 @@ def run_case(case: dict, layouts: dict[str, U.ParallelLayout]) -> str:
         names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
         wanted = ("q_proj", "v_proj") if case["lora"] == "qv" else ("q_proj", "k_proj", "v_proj", "o_proj")
         targets = tuple(n for n in (*wanted, "q_b_proj", "kv_b_proj") if n in names)
-        ref_model = model = with_lora(model, targets, lora_dropout=case["lora_dropout"])
+        saved = ["lm_head"] if case["lora_head"] else None
+        ref_model = model = with_lora(model, targets, lora_dropout=case["lora_dropout"], modules_to_save=saved)
         if case["lora_dropout"]:  # the reference draws each rank's masks as the head chunks do (seed 1000 + layer)
             p, copied = case["lora_dropout"], copy.deepcopy(model)
             ref_model = with_chunk_dropout(copied, targets, p=p, seed=DROPOUT_SEED, layout=layout)

@@ -1,10 +1,10 @@
 """Random Trainer / SFTTrainer cases: architecture x heads x layout x batch x accumulation x padding or packing x
-activation checkpointing x LoRA (lm_head trained too, as PEFT's modules_to_save) x tiled loss, MLP and norms x
-head chunks x clipping x schedule x token counting x dataloader workers x sampling x evaluation during training x
-an MoE's load-balancing term x compute_metrics x a resume from a halfway checkpoint x FSDP2 (the model sharded as
-it loads), each a short training run plus an eval under Ulysses SP, compared afterwards with the plain trainer in
-one process (unsharded; stopped and resumed at the same step where the case resumes, so that what transformers or
-TRL do on a resume in one process is the reference too).
+activation checkpointing x LoRA (lm_head trained too, as PEFT's modules_to_save) x tiled loss, MLP and norms x head
+chunks x a ring x clipping x schedule x token counting x dataloader workers x sampling x evaluation during training x
+an MoE's load-balancing term x compute_metrics x a resume from a halfway checkpoint x FSDP2 (the model sharded as it
+loads), each a short training run plus an eval under Ulysses SP, compared afterwards with the plain trainer in one
+process (unsharded; stopped and resumed at the same step where the case resumes, so that what transformers or TRL do
+on a resume in one process is the reference too).
 
 A case is drawn from ``(seed, index, world)`` alone, so every rank and the test draw the same one and a failure
 is reproduced by its numbers. On the ranks :func:`run_case` trains and writes what it measured under
@@ -111,6 +111,8 @@ def random_case(seed: int, index: int, world: int) -> dict:
         split=r.random() < 0.3,
         # with LoRA: lm_head trained too, as PEFT's modules_to_save copy (the tiled loss runs in the copy)
         lora_head=r.random() < 0.4,
+        # under SP: a ring of 2 inside the SP group (hybrid Ulysses x Ring, zigzag token order; sp_ring=)
+        ring=r.choice([None, None, 2]),
     )
     if case["fsdp2"]:
         # transformers' Trainer refuses checkpoints with optimizer state for a model sharded at load time
@@ -250,6 +252,7 @@ def trainer(case: dict, out: str, sp: int | None) -> Any:
         kwargs["data_collator"] = left_pad_collate if case["pad"] == "left" else pad_collate
     if sp is not None:
         options = dict(sp_size=sp, sp_tiled_loss=case["tiled_loss"], sp_head_chunks=case["head_chunks"])
+        options.update(sp_ring=case["ring"])
         tiling = dict(sp_tiled_mlp=case["tiled_mlp"], sp_tiled_norms=case["tiled_norms"])
         kwargs.update(options, sp_mlp_chunk_tokens=case["mlp_chunk"])
         kwargs.update({k: v for k, v in tiling.items() if v is not None})  # None: the trainer's default

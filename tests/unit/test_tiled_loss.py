@@ -218,14 +218,22 @@ def test_lora_on_lm_head_refused_lora_elsewhere_exact():
         torch.testing.assert_close(got[name], ref[name], **TOL, msg=name)
 
 
-def test_modules_to_save_lm_head_trains_the_active_copy():
-    """PEFT's modules_to_save copy of lm_head: the tiled loss runs in the linear the wrapper calls (the adapter's
-    trainable copy; the frozen original with the adapter off), with the loss and gradients of the model's own."""
+@pytest.mark.parametrize("kind", ["modules_to_save", "trainable_tokens_tied"])
+def test_peft_trained_lm_head_runs_in_the_weight_the_model_uses(kind):
+    """PEFT's modules_to_save copy of lm_head, and trainable tokens on a tied lm_head: the tiled loss runs with the
+    weight the wrapper's call would use (the adapter's copy, or the rows it trains copied in; the original with the
+    adapter off), with the loss and gradients of the model's own."""
     peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"], init_lora_weights=False)
-    model = peft.get_peft_model(build("llama"), config)
-    with torch.no_grad():  # the copy differs from the original, so using the wrong one shows
-        model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)
+    lora = dict(r=2, target_modules=["q_proj"], init_lora_weights=False)
+    if kind == "modules_to_save":
+        model = peft.get_peft_model(build("llama"), peft.LoraConfig(**lora, modules_to_save=["lm_head"]))
+        trained = model.base_model.model.lm_head.modules_to_save["default"].weight
+    else:
+        config = peft.LoraConfig(**lora, trainable_token_indices=[5, 6, 7])
+        model = peft.get_peft_model(_model("llama_tied"), config)
+        trained = model.base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta["default"]
+    with torch.no_grad():  # the trained weight differs from the original, so using the wrong one shows
+        trained.mul_(1.5)
     batch = make_batch(2, 20, pad="right")
     plain, tiled = copy.deepcopy(model), U.enable_tiled_loss(copy.deepcopy(model), chunk_tokens=3)
     losses = [net(**batch).loss for net in (plain, tiled)]
@@ -233,7 +241,7 @@ def test_modules_to_save_lm_head_trains_the_active_copy():
         loss.backward()
     torch.testing.assert_close(losses[1], losses[0], **TOL)
     ref, got = _grads(plain), _grads(tiled)
-    assert ref.keys() == got.keys() and any("modules_to_save" in name for name in ref)
+    assert ref.keys() == got.keys() and any(("modules_to_save" in n or "trainable_tokens" in n) for n in ref)
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], **TOL, msg=name)
     with torch.no_grad(), plain.disable_adapter(), tiled.disable_adapter():  # nothing trainable: the loss alone

@@ -14,9 +14,10 @@ tiled head reproduces its logits, and raises ValueError naming the model if not.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -74,11 +75,11 @@ def enable_tiled_loss(
     if getattr(causal_lm, _STATE_ATTR, None) is not None:
         raise ValueError("the tiled loss is already enabled on this model; call disable_tiled_loss(model) first")
     output = causal_lm.get_output_embeddings()
-    if _head_linears(output) is None:
+    if _head_calls(output) is None:
         raise ValueError(
-            f"the tiled loss needs the output embedding to be a plain torch.nn.Linear (or PEFT's modules_to_save "
-            f"copy of one), but {type(causal_lm).__name__}'s is {type(output).__name__} (e.g. LoRA on lm_head); "
-            "leave lm_head out of the adapters or disable the tiled loss"
+            f"the tiled loss needs the output embedding to be a plain torch.nn.Linear (or PEFT's modules_to_save or "
+            f"trainable tokens on one), but {type(causal_lm).__name__}'s is {type(output).__name__} (e.g. LoRA on "
+            "lm_head); leave lm_head out of the adapters or disable the tiled loss"
         )
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
         raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
@@ -194,50 +195,69 @@ def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tenso
     state.verified = True
 
 
+Weights = Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def _linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return module.weight, module.bias
+
+
+def _token_weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """PEFT's TrainableTokensLayer on a tied lm_head: the weight its forward multiplies by (the trained rows copied
+    in while its adapters are on and unmerged, as ``F.linear`` without a bias; else its base layer's)."""
+    if layer.disable_adapters or not layer.active_adapters or layer.merged:
+        return _linear_weights(layer.base_layer)
+    return layer.get_merged_weights(layer.active_adapters), None
+
+
 def _plain_linear(module: object) -> bool:
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
-def _head_linears(output: nn.Module) -> list[nn.Linear] | None:
-    """The plain ``nn.Linear`` modules a call of the output embedding ends in: itself, or for PEFT's
-    ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``) the original and each adapter's trainable copy,
-    one of which the wrapper calls (the active adapter's, or the original with adapters off); None for anything
-    else (LoRA on lm_head)."""
+def _head_calls(output: nn.Module) -> list[tuple[nn.Module, Weights]] | None:
+    """The modules a call of the output embedding ends in, each with the weight and bias it multiplies by: itself,
+    a plain ``nn.Linear``; for PEFT's ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``) the original and
+    each adapter's trainable copy, one of which the wrapper calls (the active adapter's, or the original with
+    adapters off); for its ``TrainableTokensWrapper`` (``trainable_token_indices`` with tied embeddings) the token
+    layer; None for anything else (LoRA on lm_head)."""
     if _plain_linear(output):
-        return [output]  # type: ignore[list-item]
+        return [(output, _linear_weights)]
     try:
-        from peft.utils.other import ModulesToSaveWrapper
+        from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
     except ImportError:
         return None
-    if not isinstance(output, ModulesToSaveWrapper):
-        return None
-    linears = [output.original_module, *output.modules_to_save.values()]
-    return linears if all(_plain_linear(m) for m in linears) else None
+    if isinstance(output, ModulesToSaveWrapper):
+        linears = [output.original_module, *output.modules_to_save.values()]
+        return [(m, _linear_weights) for m in linears] if all(_plain_linear(m) for m in linears) else None
+    if isinstance(output, TrainableTokensWrapper) and _plain_linear(output.token_adapter.base_layer):
+        return [(output.token_adapter, _token_weights)]
+    return None
 
 
 @torch.compiler.disable  # under torch.compile: run eagerly (dynamo cannot trace the per-call forward swap)
 def _head_loss(output: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, **kwargs) -> torch.Tensor:
     """The tiled loss computed INSIDE a call of the lm_head module, so that whatever wraps that module sees
     a normal call: FSDP2 (when lm_head is its own FSDP unit) gathers the weight before and registers its
-    gradient hooks after, exactly as for ``lm_head(hidden)``; PEFT's modules_to_save wrapper picks which of its
-    linears (with whose weight) the call runs."""
-
-    def forward(module: nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
-        return tiled_cross_entropy_sum(hidden_states, module.weight, targets, bias=module.bias, **kwargs)
-
-    linears = _head_linears(output)
-    if linears is None:
+    gradient hooks after, exactly as for ``lm_head(hidden)``; PEFT's wrappers pick which of their modules (with
+    whose weight) the call runs in."""
+    calls = _head_calls(output)
+    if calls is None:
         raise ValueError(
             f"the output embedding became a {type(output).__name__} after the tiled loss was enabled; "
             "call disable_tiled_loss(model) before adding adapters to lm_head"
         )
-    for linear in linears:
-        linear.forward = types.MethodType(forward, linear)
+
+    def forward(module: nn.Module, hidden_states: torch.Tensor, weights: Weights) -> torch.Tensor:
+        weight, bias = weights(module)
+        return tiled_cross_entropy_sum(hidden_states, weight, targets, bias=bias, **kwargs)
+
+    for module, weights in calls:
+        module.forward = types.MethodType(functools.partial(forward, weights=weights), module)
     try:
         return output(hidden)
     finally:
-        for linear in linears:
-            del linear.forward
+        for module, _ in calls:
+            del module.forward
 
 
 def _shifted_targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
