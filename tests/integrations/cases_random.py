@@ -1,10 +1,10 @@
 """Random Trainer / SFTTrainer cases: architecture x heads x layout x batch x accumulation x padding or packing x
 activation checkpointing x LoRA (lm_head trained too, as PEFT's modules_to_save) x tiled loss, MLP and norms x head
-chunks x a ring x clipping x schedule x token counting x dataloader workers x sampling x evaluation during training x
-an MoE's load-balancing term x compute_metrics x a resume from a halfway checkpoint x FSDP2 (the model sharded as it
-loads), each a short training run plus an eval under Ulysses SP, compared afterwards with the plain trainer in one
-process (unsharded; stopped and resumed at the same step where the case resumes, so that what transformers or TRL do
-on a resume in one process is the reference too).
+chunks x a ring x label smoothing x clipping x schedule x token counting x dataloader workers x sampling x evaluation
+during training x an MoE's load-balancing term x compute_metrics x a resume from a halfway checkpoint x FSDP2 (the
+model sharded as it loads), each a short training run plus an eval under Ulysses SP, compared afterwards with the
+plain trainer in one process (unsharded; stopped and resumed at the same step where the case resumes, so that what
+transformers or TRL do on a resume in one process is the reference too).
 
 A case is drawn from ``(seed, index, world)`` alone, so every rank and the test draw the same one and a failure
 is reproduced by its numbers. On the ranks :func:`run_case` trains and writes what it measured under
@@ -113,6 +113,8 @@ def random_case(seed: int, index: int, world: int) -> dict:
         lora_head=r.random() < 0.4,
         # under SP: a ring of 2 inside the SP group (hybrid Ulysses x Ring, zigzag token order; sp_ring=)
         ring=r.choice([None, None, 2]),
+        # the Trainer's label_smoothing_factor (refused under TRL's SFTTrainer, whose own loss shifts the shard)
+        smoothing=r.choice([0.0, 0.0, 0.1]) if kind == "trainer" else 0.0,
     )
     if case["fsdp2"]:
         # transformers' Trainer refuses checkpoints with optimizer state for a model sharded at load time
@@ -217,6 +219,7 @@ def training_args(case: dict, out: str, accum: int, split: bool = False) -> Any:
         train_sampling_strategy=case["sampling"],
         eval_strategy="steps" if case["eval_every"] and case["eval_lengths"] else "no",
         eval_steps=case["eval_every"],
+        label_smoothing_factor=case["smoothing"],
         **{checkpointing_arg(): case["checkpointing"]},
     )
     if split:

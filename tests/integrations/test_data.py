@@ -304,6 +304,26 @@ def test_liger_kernels_are_refused(tmp_path):
         UlyssesTrainer(model=build("llama"), args=args, sp_size=1)
 
 
+def test_label_smoothing_is_refused_under_trl_only(tmp_path):
+    """UlyssesTrainer smooths over the whole sequence's targets (tests/integrations/cases_random.py draws it);
+    TRL's SFTTrainer computes its loss itself from the labels the model saw, a shard's, so it is refused there."""
+    from trl import SFTConfig
+
+    from tests.integrations.common import TRAIN_LENGTHS, token_dataset, tokenizer
+    from ulysses_sp.integrations import UlyssesSFTTrainer, UlyssesTrainer
+
+    args = dict(output_dir=str(tmp_path), use_cpu=True, label_smoothing_factor=0.1, report_to=[])
+    assert UlyssesTrainer(model=build("llama"), args=SFTConfig(**args), sp_size=1).label_smoother is not None
+    with pytest.raises(ValueError, match=r"does not support: label_smoothing_factor=0.1"):
+        UlyssesSFTTrainer(
+            model=build("llama"),
+            args=SFTConfig(**args),
+            train_dataset=token_dataset(TRAIN_LENGTHS, seed=1).remove_columns("labels"),
+            processing_class=tokenizer(),
+            sp_size=1,
+        )
+
+
 def test_deepspeed_is_refused_before_the_trainer_is_built(tmp_path):
     """(TrainingArguments refuses deepspeed= itself where DeepSpeed is not installed: set on the built args.)"""
     from transformers import TrainingArguments

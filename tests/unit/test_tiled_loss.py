@@ -37,6 +37,34 @@ def test_kernel_matches_plain_cross_entropy(head, bias, chunk):
         torch.testing.assert_close(g, r, **TOL)
 
 
+@pytest.mark.parametrize("head", [LogitsHead(), LogitsHead(scale=2.0, softcap=5.0)])
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_kernel_label_smoothing_matches_transformers_label_smoother(head, chunk, recompute):
+    """label_smoothing=e: the loss and gradients of transformers' LabelSmoother(epsilon=e) over the same logits,
+    as a sum (its mean times the count of valid targets)."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    torch.manual_seed(0)
+    h = torch.randn(2, 37, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 37))
+    targets[0, :5] = -100
+    count = int((targets != -100).sum())
+    logits = head.apply(F.linear(h, w))
+    want = LabelSmoother(epsilon=0.1)({"logits": logits}, targets, num_items_in_batch=count) * count
+    want_grads = torch.autograd.grad(want, [h, w])
+    got = U.tiled_cross_entropy_sum(
+        h, w, targets, head=head, chunk_tokens=chunk, recompute=recompute, label_smoothing=0.1
+    )
+    got_grads = torch.autograd.grad(got, [h, w])
+    torch.testing.assert_close(got, want, **TOL)
+    for g, r in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, r, **TOL)
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        U.tiled_cross_entropy_sum(h, w, targets, label_smoothing=1.0)
+
+
 def test_kernel_no_valid_target_gives_zero_and_zero_grads():
     h = torch.randn(1, 5, 8, requires_grad=True)
     w = torch.randn(11, 8, requires_grad=True)

@@ -66,6 +66,7 @@ from .data import (
     replace_collator,
     resolve_core,
 )
+from .label_smoothing import smoothed_loss
 from .metrics import drop_repeats, gather_over_dp, sequence_parallel_gather
 from .trainer_checks import refuse_deepspeed, refuse_sharded_before
 
@@ -103,6 +104,7 @@ class UlyssesTrainerMixin:
     """
 
     sp_tiled_loss_default = True
+    sp_label_smoothing = True  # label_smoothing_factor (its compute_loss; TRL's SFTTrainer has its own)
     _sp_predicting = False
 
     def __init__(
@@ -165,7 +167,7 @@ class UlyssesTrainerMixin:
                 "average_tokens_across_devices=False (the loss must divide by the token count of all ranks; "
                 "set it to True)"
             )
-        if args.label_smoothing_factor != 0:
+        if args.label_smoothing_factor != 0 and not self.sp_label_smoothing:
             problems.append(f"label_smoothing_factor={args.label_smoothing_factor} (set it to 0)")
         if self.compute_loss_func is not None:
             problems.append("compute_loss_func (the model's own token-weighted loss is used)")
@@ -218,6 +220,11 @@ class UlyssesTrainerMixin:
         whole sequence of this dp replica's batch (the router sums of every shard of its SP group,
         :mod:`ulysses_sp.moe`), as one process adds it to the loss of that micro-batch, not from this shard alone
         (then ``return_outputs`` gives ``(loss, None)``: the model's outputs are not kept)."""
+        if self.label_smoother is not None:  # the targets of the whole sequence, not the shard's labels shifted
+            loss, outputs = smoothed_loss(model, inputs, self.label_smoother.epsilon, num_items_in_batch)
+            if num_items_in_batch is not None:  # the Trainer's scale (average_tokens_across_devices is on)
+                loss = loss * self.accelerator.num_processes
+            return (loss, outputs) if return_outputs else loss
         if router_aux_loss(self.model) is None:
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch

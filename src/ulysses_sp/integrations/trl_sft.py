@@ -38,6 +38,7 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
     """
 
     sp_tiled_loss_default = False
+    sp_label_smoothing = False  # TRL's compute_loss calls the Trainer's LabelSmoother on the shard's labels
 
     def compute_loss(
         self,

@@ -8,11 +8,12 @@ from .kernel import (
     loss_chunk_tokens,
     tiled_cross_entropy_sum,
 )
-from .patch import ROUTER_LOGITS_TO_CALLER, disable_tiled_loss, enable_tiled_loss, tiled_loss_enabled
+from .patch import LABEL_SMOOTHING, ROUTER_LOGITS_TO_CALLER, disable_tiled_loss, enable_tiled_loss, tiled_loss_enabled
 
 __all__ = [
     "BYTES_PER_LOGIT",
     "DEFAULT_LOSS_BUDGET_BYTES",
+    "LABEL_SMOOTHING",
     "LogitsHead",
     "chunk_bytes_per_logit",
     "ROUTER_LOGITS_TO_CALLER",

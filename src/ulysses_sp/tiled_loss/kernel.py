@@ -188,13 +188,20 @@ class _HeadGrads:
         return self.hidden, weight, bias
 
 
-def _chunk_loss_(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _chunk_loss_(
+    logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, smoothing: float
+) -> tuple[torch.Tensor, ...]:
     """Overwrite fp32 ``logits`` [c, V] by ``exp(logits - max)``; return their row sums [c, 1] and the summed
-    loss of the valid rows (``max + log(sum) - logit[target]``: torch.logsumexp's arithmetic)."""
+    loss of the valid rows (``max + log(sum) - logit[target]``: torch.logsumexp's arithmetic). With label
+    ``smoothing`` e: ``(1 - e) x`` that ``+ e x`` the mean over the vocabulary of ``-log softmax`` (transformers'
+    LabelSmoother), ``lse - (1 - e) logit[target] - e mean(logits)``."""
     picked = logits.gather(1, target.clamp(min=0).unsqueeze(1))  # [c, 1]
+    mean = logits.mean(1, keepdim=True) if smoothing else None  # [c, 1], before the logits are overwritten
     top = logits.amax(1, keepdim=True)  # [c, 1]
     sums = logits.sub_(top).exp_().sum(1, keepdim=True)  # [c, 1]
-    return sums, torch.where(valid, sums.log() + top - picked, 0.0).sum()
+    if mean is None:
+        return sums, torch.where(valid, sums.log() + top - picked, 0.0).sum()
+    return sums, torch.where(valid, sums.log() + top - (1 - smoothing) * picked - smoothing * mean, 0.0).sum()
 
 
 def _logits_grad_(
@@ -204,12 +211,16 @@ def _logits_grad_(
     valid: torch.Tensor,
     scale: float | torch.Tensor,
     slope: torch.Tensor | None,
+    smoothing: float,
 ) -> torch.Tensor:
     """d loss / d raw logits [c, V] fp32 over ``exps`` (from :func:`_chunk_loss_`): ``(softmax - onehot(target))
-    * valid * scale``, times ``slope`` (d softcap / d x) with a softcap. ``scale``: head.scale x grad_output."""
+    * valid * scale``, times ``slope`` (d softcap / d x) with a softcap. ``scale``: head.scale x grad_output.
+    With label ``smoothing`` e: ``softmax - (1 - e) onehot(target) - e / V``."""
     factor = valid * scale  # [c, 1]
     grad = exps.mul_(factor / sums)
-    grad.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -factor)
+    grad.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -factor * (1 - smoothing) if smoothing else -factor)
+    if smoothing:
+        grad.sub_(factor * (smoothing / grad.shape[1]))
     return grad.mul_(slope) if slope is not None else grad
 
 
@@ -218,12 +229,12 @@ def _run_chunks(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     targets: torch.Tensor,
-    args: tuple[int, LogitsHead, int, torch.dtype],
+    args: tuple[int, LogitsHead, int, torch.dtype, float],
     grads: _HeadGrads | None,
     scale: float | torch.Tensor,
 ) -> torch.Tensor:
     """The summed loss over all chunks; with ``grads``, each chunk's gradients (times ``scale``) added into them."""
-    chunk, head, ignore_index, dtype = args
+    chunk, head, ignore_index, dtype, smoothing = args
     w = weight.to(dtype)
     b = bias.to(dtype) if bias is not None else None
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -233,12 +244,12 @@ def _run_chunks(
         target = targets[start:end]
         valid = (target != ignore_index).unsqueeze(1)  # [c, 1]
         slope = head.softcap_grad_(logits.clone()) if grads is not None and head.softcap is not None else None
-        sums, loss = _chunk_loss_(logits, target, valid)  # the logits are overwritten
+        sums, loss = _chunk_loss_(logits, target, valid, smoothing)  # the logits are overwritten
         total += loss
         if grads is None:
             del logits  # before the next chunk's logits exist
             continue
-        grad = _logits_grad_(logits, sums, target, valid, scale * head.scale, slope)
+        grad = _logits_grad_(logits, sums, target, valid, scale * head.scale, slope, smoothing)
         del logits, slope  # (grad is the logits, overwritten)
         grad = grad.to(dtype)  # d loss / d raw [c, V] in the compute dtype (the fp32 one is freed)
         grads.add(start, end, grad, h, w)
@@ -251,7 +262,8 @@ class _TiledHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, args, wanted, recompute):  # type: ignore[override]
-        # hidden [T, h]; weight [V, h]; bias [V] or None; targets [T]; args: (chunk, head, ignore_index, dtype)
+        # hidden [T, h]; weight [V, h]; bias [V] or None; targets [T]; args: (chunk, head, ignore_index, dtype,
+        # label smoothing)
         make = any(wanted) and not recompute
         with torch.autocast(hidden.device.type, enabled=False):
             grads = _HeadGrads.empty(hidden, weight, bias, wanted) if make else None
@@ -299,6 +311,7 @@ def tiled_cross_entropy_sum(
     chunk_tokens: int | None = None,
     ignore_index: int = IGNORE_INDEX,
     recompute: bool = False,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Sum over valid targets of ``cross_entropy(head(hidden @ weight^T + bias), target)``, in chunks.
 
@@ -312,6 +325,8 @@ def tiled_cross_entropy_sum(
             matmul; holds only the inputs between forward and backward, and allows ``retain_graph=True``).
             Default: made in the forward, when autograd will need them (grad mode on and an input that
             requires grad), and only scaled by ``grad_output`` in backward.
+        label_smoothing: e in [0, 1): each target's loss is ``(1 - e) x`` its cross-entropy ``+ e x`` the mean
+            over the vocabulary of ``-log softmax`` (transformers' ``LabelSmoother``, summed, not averaged).
 
     Returns an fp32 scalar. Under autocast the matmuls run in the autocast dtype (as ``lm_head`` would).
     """
@@ -322,6 +337,8 @@ def tiled_cross_entropy_sum(
         )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [vocab, {hidden.shape[-1]}], got {tuple(weight.shape)}")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
     chunk = chunk_tokens if chunk_tokens is not None else loss_chunk_tokens(weight.shape[0])
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
@@ -329,5 +346,5 @@ def tiled_cross_entropy_sum(
     flat_targets = targets.reshape(-1).to(device=hidden.device, dtype=torch.long)  # [T]
     grad_on = torch.is_grad_enabled()  # (always off inside Function.forward: read it here)
     wanted = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias))
-    args = (chunk, head or LogitsHead(), ignore_index, _compute_dtype(hidden, weight))
+    args = (chunk, head or LogitsHead(), ignore_index, _compute_dtype(hidden, weight), float(label_smoothing))
     return _TiledHeadLoss.apply(flat_hidden, weight, bias, flat_targets, args, wanted, recompute)

@@ -28,12 +28,21 @@ from ..hf import attention_modules, decoder_module, find_causal_lm
 from ..validation import IGNORE_INDEX, as_ignored
 from .kernel import DEFAULT_LOSS_BUDGET_BYTES, LogitsHead, loss_chunk_tokens, tiled_cross_entropy_sum
 
-__all__ = ["ROUTER_LOGITS_TO_CALLER", "disable_tiled_loss", "enable_tiled_loss", "tiled_loss_enabled"]
+__all__ = [
+    "LABEL_SMOOTHING",
+    "ROUTER_LOGITS_TO_CALLER",
+    "disable_tiled_loss",
+    "enable_tiled_loss",
+    "tiled_loss_enabled",
+]
 
 _STATE_ATTR = "_ulysses_tiled_loss"
 # A keyword ulysses_sp.causal_lm_loss passes to the tiled forward: return the router logits with the cross-entropy
 # (it adds the load-balancing loss of the whole sequence itself) instead of refusing them.
 ROUTER_LOGITS_TO_CALLER = "ulysses_sp_router_logits_to_caller"
+# A keyword the Trainer integration passes for label_smoothing_factor: the tiled loss smooths the targets as
+# transformers' LabelSmoother does (tiled_cross_entropy_sum's label_smoothing).
+LABEL_SMOOTHING = "ulysses_sp_label_smoothing"
 _PROBE_TOKENS = 4
 
 
@@ -288,7 +297,10 @@ def _tiled_forward(
     # TRL's fused LM head (`fused_lm_head=True`, a forward it installs before this one) scores the targets in
     # tiles itself and returns per-token log-probabilities: it gets the forward it asked for.
     fused_by_caller = bool(kwargs.get("fused_lm_head", False))
+    smoothing = kwargs.pop(LABEL_SMOOTHING, 0.0)
     if fused_by_caller or not wants_loss or not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        if smoothing:
+            raise ValueError("label smoothing needs the tiled loss: labels or shift_labels, and no fused_lm_head")
         if shift_labels is not None:
             kwargs["shift_labels"] = shift_labels
         return state.original_forward(
@@ -328,7 +340,8 @@ def _tiled_forward(
     targets = as_ignored(_shifted_targets(labels, shift_labels, IGNORE_INDEX), ignore_index).to(hidden.device)
     output = self.get_output_embeddings()
     chunk = state.chunk_tokens or loss_chunk_tokens(output.weight.shape[0], state.budget_bytes)
-    total = _head_loss(output, hidden, targets, head=state.head, chunk_tokens=chunk, ignore_index=IGNORE_INDEX)
+    options = dict(head=state.head, chunk_tokens=chunk, ignore_index=IGNORE_INDEX, label_smoothing=smoothing)
+    total = _head_loss(output, hidden, targets, **options)
     if num_items is not None:
         loss = total / torch.as_tensor(num_items, device=total.device)
     else:
