@@ -219,6 +219,12 @@ def _token_weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
     return layer.get_merged_weights(layer.active_adapters), None
 
 
+def _vocab_rows(module: nn.Module, weights: Weights) -> int:
+    """The vocabulary size of a module :func:`_head_calls` gives (read from a base weight: a trainable-tokens
+    wrapper's ``.weight`` would copy the whole matrix to give it)."""
+    return (module.base_layer if weights is _token_weights else module).weight.shape[0]
+
+
 def _plain_linear(module: object) -> bool:
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
@@ -339,7 +345,9 @@ def _tiled_forward(
         _verify_head(self, state, hidden)
     targets = as_ignored(_shifted_targets(labels, shift_labels, IGNORE_INDEX), ignore_index).to(hidden.device)
     output = self.get_output_embeddings()
-    chunk = state.chunk_tokens or loss_chunk_tokens(output.weight.shape[0], state.budget_bytes)
+    calls = _head_calls(output)
+    rows = _vocab_rows(*calls[0]) if calls else output.weight.shape[0]
+    chunk = state.chunk_tokens or loss_chunk_tokens(rows, state.budget_bytes)
     options = dict(head=state.head, chunk_tokens=chunk, ignore_index=IGNORE_INDEX, label_smoothing=smoothing)
     total = _head_loss(output, hidden, targets, **options)
     if num_items is not None:
