@@ -47,7 +47,9 @@ class _StorageTracker(TorchDispatchMode):
         self._baseline: dict[int, int] = {}  # storage id -> bytes it had when the mode was entered
         # older storages seen inside, re-read after each operator; held weakly so that they can still be freed
         self._resizable: dict[int, weakref.ref[torch.UntypedStorage]] = {}
-        self._lock = threading.Lock()  # a storage may be freed on another thread (gloo's, the autograd engine's)
+        # a storage may be freed on another thread (gloo's, the autograd engine's); re-entrant, since a garbage
+        # collection that runs while this thread holds it (an allocation inside _count) calls _free on this thread
+        self._lock = threading.RLock()
 
     @property
     def live(self) -> dict[int, int]:

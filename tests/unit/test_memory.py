@@ -67,6 +67,27 @@ def test_a_storage_freed_on_another_thread_is_subtracted():
     assert peak.peak_bytes == 4 * n * 4, peak.peak_bytes / (4 * n)
 
 
+def test_a_free_run_by_the_collector_inside_the_trackers_own_count_does_not_hang():
+    """A garbage collection can start at any allocation, also while the tracker holds its lock to count a storage,
+    and run a storage's finalizer (the tracker's _free) on the same thread: it used to wait for that lock forever
+    (seen in tests/unit/test_checkpoint_placement.py). Here the count's storage frees another one midway."""
+    tracker = _StorageTracker("cpu")
+    tracker._count(1, torch.ones(4).untyped_storage())
+
+    class FreesAnotherMidway:
+        def nbytes(self) -> int:
+            tracker._free(1)  # what a finalizer run by the collector at this point does
+            return 8
+
+        def data_ptr(self) -> int:
+            return 0
+
+    done = threading.Event()
+    threading.Thread(target=lambda: (tracker._count(2, FreesAnotherMidway()), done.set()), daemon=True).start()
+    assert done.wait(10), "the tracker waited for its own lock"
+    assert tracker.current == 8 and tracker.peak == 16, (tracker.current, tracker.peak)
+
+
 def test_fsdp2_parameters_gathered_and_freed_by_resizing_are_followed():
     """FSDP2 allocates each layer's unsharded weight by resizing its storage and frees it the same way."""
     from torch.distributed.fsdp import fully_shard
