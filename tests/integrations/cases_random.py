@@ -168,6 +168,9 @@ def model(case: dict, sharded_in: str | None = None) -> torch.nn.Module:
         net = _load_sharded(net, sharded_in)
     if case["kind"] == "trainer" and not case["router_aux_off"] and hasattr(net, "router_aux_loss_coef"):
         router_aux_on(net)
+        # its outputs then hold the aux loss and router logits beside the logits: compute_metrics gets the logits
+        # alone, in one process and under SP (which refuses the others, naming this setting)
+        net.config.keys_to_ignore_at_inference = ["past_key_values", "aux_loss", "router_logits"]
     if not case["lora"]:
         return net
     from peft import LoraConfig, get_peft_model
