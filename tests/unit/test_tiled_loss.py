@@ -276,6 +276,34 @@ def test_peft_trained_lm_head_runs_in_the_weight_the_model_uses(kind):
         torch.testing.assert_close(tiled(**batch).loss, plain(**batch).loss, **TOL)
 
 
+@pytest.mark.parametrize("kind", ["modules_to_save", "trainable_tokens"])
+def test_peft_lm_head_merged_then_disabled_and_mixed_adapter_batches(kind):
+    """Trainable tokens on an untied lm_head merged, then with the adapter off: the original rows, as PEFT's forward
+    unmerges them (the tiled loss read the merged weight); a batch of mixed adapters (adapter_names) is refused by
+    name, not scored as logits or with a shape error."""
+    peft = pytest.importorskip("peft")
+    head = (
+        {"modules_to_save": ["lm_head"]}
+        if kind == "modules_to_save"
+        else {"trainable_token_indices": {"lm_head": [1, 2, 3]}}
+    )
+    model = peft.get_peft_model(build("llama"), peft.LoraConfig(r=2, target_modules=["q_proj"], **head))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "modules_to_save" in name or "trainable_tokens" in name:
+                param.mul_(3.0)
+    batch = make_batch(2, 12)
+    plain, tiled = copy.deepcopy(model).eval(), U.enable_tiled_loss(copy.deepcopy(model)).eval()
+    with torch.no_grad():
+        for net in (plain, tiled):
+            net.merge_adapter()
+        with plain.disable_adapter(), tiled.disable_adapter():
+            torch.testing.assert_close(tiled(**batch).loss, plain(**batch).loss, **TOL)
+        torch.testing.assert_close(tiled(**batch).loss, plain(**batch).loss, **TOL)
+        with pytest.raises(ValueError, match="adapter_names"):
+            tiled(**batch, adapter_names=["default", "__base__"])
+
+
 class _ScaledLogits(tf.LlamaForCausalLM):
     """A model whose forward post-processes logits in a way the tiled head does not know."""
 

@@ -219,7 +219,9 @@ class UlyssesTrainerMixin:
         """The Trainer's loss; for an MoE model with ``output_router_logits``, its load-balancing term over the
         whole sequence of this dp replica's batch (the router sums of every shard of its SP group,
         :mod:`ulysses_sp.moe`), as one process adds it to the loss of that micro-batch, not from this shard alone
-        (then ``return_outputs`` gives ``(loss, None)``: the model's outputs are not kept)."""
+        (then ``return_outputs`` gives ``(loss, None)``: the model's outputs are not kept). With
+        ``label_smoothing_factor``: transformers' label-smoothed loss over the whole sequence's targets
+        (:mod:`~ulysses_sp.integrations.label_smoothing`), without an MoE's term, as one process computes it."""
         if self.label_smoother is not None:  # the targets of the whole sequence, not the shard's labels shifted
             loss, outputs = smoothed_loss(model, inputs, self.label_smoother.epsilon, num_items_in_batch)
             if num_items_in_batch is not None:  # the Trainer's scale (average_tokens_across_devices is on)

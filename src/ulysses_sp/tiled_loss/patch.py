@@ -212,9 +212,14 @@ def _linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | Non
 
 
 def _token_weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """PEFT's TrainableTokensLayer on a tied lm_head: the weight its forward multiplies by (the trained rows copied
-    in while its adapters are on and unmerged, as ``F.linear`` without a bias; else its base layer's)."""
-    if layer.disable_adapters or not layer.active_adapters or layer.merged:
+    """PEFT's TrainableTokensLayer on lm_head: the weight its forward multiplies by (the trained rows copied in
+    while its adapters are on and unmerged, as ``F.linear`` without a bias; else its base layer's, unmerged first
+    with the adapters off, as that forward does)."""
+    if layer.disable_adapters or not layer.active_adapters:
+        if layer.merged:
+            layer.unmerge()
+        return _linear_weights(layer.base_layer)
+    if layer.merged:
         return _linear_weights(layer.base_layer)
     return layer.get_merged_weights(layer.active_adapters), None
 
@@ -233,8 +238,8 @@ def _head_calls(output: nn.Module) -> list[tuple[nn.Module, Weights]] | None:
     """The modules a call of the output embedding ends in, each with the weight and bias it multiplies by: itself,
     a plain ``nn.Linear``; for PEFT's ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``) the original and
     each adapter's trainable copy, one of which the wrapper calls (the active adapter's, or the original with
-    adapters off); for its ``TrainableTokensWrapper`` (``trainable_token_indices`` with tied embeddings) the token
-    layer; None for anything else (LoRA on lm_head)."""
+    adapters off); for its ``TrainableTokensWrapper`` (``trainable_token_indices`` on lm_head, or on a tied
+    embedding) the token layer; None for anything else (LoRA on lm_head)."""
     if _plain_linear(output):
         return [(output, _linear_weights)]
     try:
@@ -266,11 +271,20 @@ def _head_loss(output: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *
         weight, bias = weights(module)
         return tiled_cross_entropy_sum(hidden_states, weight, targets, bias=bias, **kwargs)
 
+    def one_adapter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if kwargs.get("adapter_names") is not None:  # set by PEFT's hooks for a batch of mixed adapters
+            raise ValueError(
+                "adapter_names (PEFT's batch of mixed adapters) with labels: the tiled loss runs one adapter per "
+                "call; compute the loss without adapter_names, or call disable_tiled_loss(model) first"
+            )
+
     for module, weights in calls:
         module.forward = types.MethodType(functools.partial(forward, weights=weights), module)
+    handle = output.register_forward_pre_hook(one_adapter, with_kwargs=True)  # after PEFT's: sees what they set
     try:
         return output(hidden)
     finally:
+        handle.remove()
         for module, _ in calls:
             del module.forward
 
