@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.models import build
+from tests.helpers.models import build, make_batch
 from tests.integrations.common import drop_labels_collate, pad_collate, token_dataset
 from ulysses_sp import ParallelLayout
 from ulysses_sp.integrations import SequenceParallelCollator, deal_batches_over_dp
@@ -322,6 +322,17 @@ def test_label_smoothing_is_refused_under_trl_only(tmp_path):
             processing_class=tokenizer(),
             sp_size=1,
         )
+
+
+def test_smoothed_loss_of_a_shard_without_targets_is_zero_tiled_or_not():
+    """A shard whose targets are all ignored (a prompt split off): 0, not NaN, with or without the tiled loss."""
+    import ulysses_sp as U
+    from ulysses_sp.integrations.label_smoothing import smoothed_loss
+
+    ids = make_batch(1, 8)["input_ids"]
+    inputs = {"input_ids": ids, "shift_labels": torch.full_like(ids, -100)}
+    for model in (build("llama"), U.enable_tiled_loss(build("llama"))):
+        assert smoothed_loss(model, dict(inputs), 0.1, None)[0].item() == 0.0
 
 
 def test_deepspeed_is_refused_before_the_trainer_is_built(tmp_path):

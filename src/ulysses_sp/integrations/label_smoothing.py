@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..tiled_loss import LABEL_SMOOTHING, ROUTER_LOGITS_TO_CALLER, tiled_loss_enabled
+from ..validation import IGNORE_INDEX
 
 __all__ = ["smoothed_loss"]
 
@@ -33,5 +34,7 @@ def smoothed_loss(
         outputs = model(**inputs, num_items_in_batch=num_items_in_batch, **options)
         return outputs.loss, outputs
     targets = inputs.pop("shift_labels")
+    if num_items_in_batch is None:  # the shard's valid targets, at least 1: 0, not NaN, when it has none (as tiled)
+        num_items_in_batch = (targets != IGNORE_INDEX).sum().clamp(min=1)
     outputs = model(**inputs)
     return LabelSmoother(epsilon=epsilon)(outputs, targets, num_items_in_batch=num_items_in_batch), outputs
