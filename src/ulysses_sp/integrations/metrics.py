@@ -108,21 +108,19 @@ def gather_objects(accelerator: Any, input_data: Any, layout: ParallelLayout) ->
     batch's per-sample objects, alike on the ranks of an SP group: ValueError on every rank if not) from each dp
     group once, concatenated in dp order, cut to the last batch's real samples at the end of a dataloader."""
     with replicas_agree(layout):
-        if layout.sp > 1:
-            mine = hashlib.sha256(pickle.dumps(input_data)).hexdigest()[:16]
-            seen: list[Any] = [None] * layout.sp
-            dist.all_gather_object(seen, mine, group=layout.sp_group)
-            if len(set(seen)) > 1:
-                raise ValueError(
-                    "gather_for_metrics: the ranks of an SP group hold different objects (pickled digests "
-                    f"{seen}); gather per-sample objects, alike on the group (a shard's values are no sample's)"
-                )
-    parts: list[Any] = [input_data] if layout.dp == 1 else [None] * layout.dp
+        seen = _unlike_in_group(hashlib.sha256(pickle.dumps(input_data)).hexdigest()[:16], layout)
+        if seen is not None:
+            raise ValueError(
+                "gather_for_metrics: the ranks of an SP group hold different objects (pickled digests "
+                f"{seen}); gather per-sample objects, alike on the group (a shard's values are no sample's)"
+            )
+    parts: list[Any] = [input_data]
     if layout.dp > 1:
+        parts = [None] * layout.dp
         dist.all_gather_object(parts, input_data, group=layout.dp_group)
     data = [item for part in parts for item in part]  # as accelerate.utils.gather_object joins them
-    state = accelerator.gradient_state
-    return data[: state.remainder] if state.end_of_dataloader and state.remainder > 0 else data
+    real = _real_rows(accelerator)
+    return data if real is None else data[:real]
 
 
 def gather_over_dp(data: Any, layout: ParallelLayout, pad_index: int | float = -100) -> Any:
@@ -139,20 +137,31 @@ def drop_repeats(accelerator: Any, data: Any) -> Any:
     last batch's real samples, the rest repeat samples to even it out (a scalar is left whole)."""
     from accelerate.utils import recursively_apply
 
+    real = _real_rows(accelerator)
+    return data if real is None else recursively_apply(lambda t: t if t.dim() == 0 else t[:real], data)
+
+
+def _real_rows(accelerator: Any) -> int | None:
+    """At the end of a dataloader whose last batch accelerate evened out, how many of its gathered rows are real
+    samples (``remainder``); else None: keep them all."""
     state = accelerator.gradient_state
-    if not (state.end_of_dataloader and state.remainder > 0):
-        return data
-    return recursively_apply(lambda t: t if t.dim() == 0 else t[: state.remainder], data)
+    return state.remainder if state.end_of_dataloader and state.remainder > 0 else None
+
+
+def _unlike_in_group(mine: Any, layout: ParallelLayout) -> list[Any] | None:
+    """Every SP rank's ``mine`` (a summary of what it holds) when they are not all equal; None when they are (or
+    sp == 1). A collective over the SP group."""
+    if layout.sp == 1:
+        return None
+    seen: list[Any] = [None] * layout.sp
+    dist.all_gather_object(seen, mine, group=layout.sp_group)
+    return seen if any(other != seen[0] for other in seen) else None
 
 
 def _same_in_group(t: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
     """``t`` when every rank of the SP group holds the same values; ValueError on every rank of it otherwise."""
-    if layout.sp == 1:
-        return t
-    mine = (tuple(t.shape), str(t.dtype), tensor_digest(t).hex()[:8])
-    seen: list = [None] * layout.sp
-    dist.all_gather_object(seen, mine, group=layout.sp_group)
-    if any(other != seen[0] for other in seen):
+    seen = _unlike_in_group((tuple(t.shape), str(t.dtype), tensor_digest(t).hex()[:8]), layout)
+    if seen is not None:
         held = ", ".join(f"sp_rank {r}: {shape} {dtype} digest {d}" for r, (shape, dtype, d) in enumerate(seen))
         raise ValueError(
             "gather_for_metrics: the ranks of an SP group hold different values for a per-sample tensor "

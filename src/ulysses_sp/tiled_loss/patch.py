@@ -255,17 +255,13 @@ def _head_calls(output: nn.Module) -> list[tuple[nn.Module, Weights]] | None:
 
 
 @torch.compiler.disable  # under torch.compile: run eagerly (dynamo cannot trace the per-call forward swap)
-def _head_loss(output: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, **kwargs) -> torch.Tensor:
+def _head_loss(
+    output: nn.Module, calls: list[tuple[nn.Module, Weights]], hidden: torch.Tensor, targets: torch.Tensor, **kwargs
+) -> torch.Tensor:
     """The tiled loss computed INSIDE a call of the lm_head module, so that whatever wraps that module sees
     a normal call: FSDP2 (when lm_head is its own FSDP unit) gathers the weight before and registers its
-    gradient hooks after, exactly as for ``lm_head(hidden)``; PEFT's wrappers pick which of their modules (with
-    whose weight) the call runs in."""
-    calls = _head_calls(output)
-    if calls is None:
-        raise ValueError(
-            f"the output embedding became a {type(output).__name__} after the tiled loss was enabled; "
-            "call disable_tiled_loss(model) before adding adapters to lm_head"
-        )
+    gradient hooks after, exactly as for ``lm_head(hidden)``; PEFT's wrappers pick which of ``calls`` (from
+    :func:`_head_calls`, with whose weight) the call runs in."""
 
     def forward(module: nn.Module, hidden_states: torch.Tensor, weights: Weights) -> torch.Tensor:
         weight, bias = weights(module)
@@ -360,10 +356,14 @@ def _tiled_forward(
     targets = as_ignored(_shifted_targets(labels, shift_labels, IGNORE_INDEX), ignore_index).to(hidden.device)
     output = self.get_output_embeddings()
     calls = _head_calls(output)
-    rows = _vocab_rows(*calls[0]) if calls else output.weight.shape[0]
-    chunk = state.chunk_tokens or loss_chunk_tokens(rows, state.budget_bytes)
+    if calls is None:
+        raise ValueError(
+            f"the output embedding became a {type(output).__name__} after the tiled loss was enabled; "
+            "call disable_tiled_loss(model) before adding adapters to lm_head"
+        )
+    chunk = state.chunk_tokens or loss_chunk_tokens(_vocab_rows(*calls[0]), state.budget_bytes)
     options = dict(head=state.head, chunk_tokens=chunk, ignore_index=IGNORE_INDEX, label_smoothing=smoothing)
-    total = _head_loss(output, hidden, targets, **options)
+    total = _head_loss(output, calls, hidden, targets, **options)
     if num_items is not None:
         loss = total / torch.as_tensor(num_items, device=total.device)
     else:
