@@ -115,6 +115,8 @@ def random_case(seed: int, index: int, world: int) -> dict:
         ring=r.choice([None, None, 2]),
         # the Trainer's label_smoothing_factor (refused under TRL's SFTTrainer, whose own loss shifts the shard)
         smoothing=r.choice([0.0, 0.0, 0.1]) if kind == "trainer" else 0.0,
+        # TRL's loss_type: "dft" weighs each target's loss by its probability (detached), per token
+        loss_type=r.choice(["nll", "dft"]) if kind == "sft" else "nll",
     )
     if case["fsdp2"]:
         # transformers' Trainer refuses checkpoints with optimizer state for a model sharded at load time
@@ -233,7 +235,8 @@ def training_args(case: dict, out: str, accum: int, split: bool = False) -> Any:
         from trl import SFTConfig
 
         aux = {"router_aux_loss_coef": 0.0} if case["router_aux_off"] else {}
-        return SFTConfig(**args, packing=case["packing"], max_length=case["max_length"], **aux)
+        sft = dict(packing=case["packing"], max_length=case["max_length"], loss_type=case["loss_type"], **aux)
+        return SFTConfig(**args, **sft)
     from transformers import TrainingArguments
 
     return TrainingArguments(**args)

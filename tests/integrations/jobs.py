@@ -258,9 +258,9 @@ def sft_trainer(model, args, sp: int = 2):
     return UlyssesSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer(), sp_size=sp)
 
 
-def sft(job: str, sp: int | None, model=None, eval_first: bool = False, **args) -> None:
-    """TRL SFTTrainer with padding-free packing: plain (sp=None) or UlyssesSFTTrainer(sp_size=sp) with an eval
-    (``eval_first``: before training too); ``model``: the tiny Llama by default."""
+def sft(job: str, sp: int | None, model=None, eval_first: bool = False, options: dict | None = None, **args) -> None:
+    """TRL SFTTrainer with padding-free packing: plain (sp=None) or UlyssesSFTTrainer(sp_size=sp, **options) with
+    an eval (``eval_first``: before training too); ``model``: the tiny Llama by default."""
     from trl import SFTTrainer
 
     from ulysses_sp.integrations import UlyssesSFTTrainer
@@ -277,17 +277,20 @@ def sft(job: str, sp: int | None, model=None, eval_first: bool = False, **args) 
         _record(job, trainer)
         return
     eval_dataset = token_dataset(EVAL_LENGTHS, seed=2).remove_columns("labels")
+    options = options or {}
     first = {}
     if eval_first:  # on a trainer of its own: under several processes an evaluate() before train() changes the
         # steps after the first, plain DDP with TRL's SFTTrainer too (one process: not)
         fresh = UlyssesSFTTrainer(
-            **{**kwargs, "model": copy.deepcopy(kwargs["model"])}, eval_dataset=eval_dataset, sp_size=sp
+            **{**kwargs, "model": copy.deepcopy(kwargs["model"])}, eval_dataset=eval_dataset, sp_size=sp, **options
         )
         first = {"eval_first": fresh.evaluate()}
-    trainer = UlyssesSFTTrainer(**kwargs, eval_dataset=eval_dataset, sp_size=sp)
+    trainer = UlyssesSFTTrainer(**kwargs, eval_dataset=eval_dataset, sp_size=sp, **options)
     trainer.train()
     metrics = trainer.evaluate()
-    _record(job, trainer, eval_loss=metrics["eval_loss"], eval_aux_loss=metrics.get("eval_aux_loss"), **first)
+    _record(
+        job, trainer, eval_loss=metrics["eval_loss"], eval_aux_loss=metrics.get("eval_aux_loss"), eval=metrics, **first
+    )
 
 
 # ----------------------------------------------------------------------------------------------- bad input
@@ -566,6 +569,9 @@ def world4() -> dict[str, str]:
                 router_aux_loss_coef=0.5,
                 gradient_accumulation_steps=2,
                 eval_first=True,
+                # TRL's fused LM head in training; in evaluation the logits for compute_metrics come from a forward
+                # without the targets (with them the tiled loss would make a loss), and TRL hands them on alone
+                options={"sp_tiled_loss": True, "compute_metrics": token_metrics},
             ),
             "trainer_moe_aux_dp2_sp2_gas2": lambda: ulysses_trainer(
                 "trainer_moe_aux_dp2_sp2_gas2",

@@ -288,11 +288,13 @@ def test_sft_eval_under_sp_equals_one_process_eval(world2_sp, out_dir):
 
 def test_sft_moe_load_balancing_term_dp2_sp2_equals_one_process(world4, out_dir):
     """TRL's MoE load-balancing term (router_aux_loss_coef, weighted 0.5 here) over each dp replica's micro-batch,
-    as TRL adds it in one process (dp2 x sp2 x GAS 2 against GAS 4): losses, weights, and the eval loss and TRL's
-    eval_aux_loss metric before and after training."""
+    as TRL adds it in one process (dp2 x sp2 x GAS 2 against GAS 4): losses, weights, and the eval loss, TRL's
+    eval_aux_loss metric and compute_metrics' before and after training (with the tiled loss on, which TRL's eval
+    forward for the logits must not reach with the targets; its outputs hold the router's beside the logits, which
+    TRL hands on alone)."""
     from trl import SFTTrainer
 
-    from tests.integrations.common import sft_args, tokenizer
+    from tests.integrations.common import sft_args, token_metrics, tokenizer
 
     job = "sft_moe_aux_dp2_sp2_gas2"
     assert_case(world4, job, 4)
@@ -302,11 +304,14 @@ def test_sft_moe_load_balancing_term_dp2_sp2_equals_one_process(world4, out_dir)
         train_dataset=token_dataset(TRAIN_LENGTHS, seed=1).remove_columns("labels"),
         eval_dataset=token_dataset(EVAL_LENGTHS, seed=2).remove_columns("labels"),
         processing_class=tokenizer(),
+        compute_metrics=token_metrics,
     )
     ours = result(out_dir, job)
 
     def same_eval(got: dict, want: dict) -> None:
         assert abs(got["eval_loss"] - want["eval_loss"]) < LOSS_ATOL, (got["eval_loss"], want["eval_loss"])
+        for key in ("eval_valid", "eval_positions", "eval_accuracy", "eval_target_logit_sum"):
+            torch.testing.assert_close(got.get("eval", got)[key], want[key], rtol=1e-5, atol=1e-4, msg=key)
         # TRL's metric: the mean of each eval step's mean over the ranks (under dp, of dp batches at a time, as
         # under plain DDP): close to one process's mean over its batches, not equal; a per-shard or scaled term
         # would be far off

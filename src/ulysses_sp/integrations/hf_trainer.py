@@ -364,9 +364,9 @@ class UlyssesTrainerMixin:
                 count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
                 if layout.sp > 1:
                     dist.all_reduce(count, group=layout.sp_group)
-                loss, outputs = self.compute_loss(
-                    model, inputs, num_items_in_batch=count.clamp(min=1), return_outputs=True
-                )
+                # the outputs only for the logits: TRL's SFTTrainer makes them in a forward of its own
+                loss = self.compute_loss(model, inputs, num_items_in_batch=count.clamp(min=1), return_outputs=predict)
+                loss, outputs = loss if predict else (loss, None)
                 logits = getattr(outputs, "logits", None)
             if predict and logits is None:  # the tiled loss (or the MoE path) returned no logits: the shard's
                 outputs = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")})

@@ -47,13 +47,27 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
-        """TRL's loss, its MoE load-balancing term (when on) over the SP group's whole sequence."""
+        """TRL's loss, its MoE load-balancing term (when on) over the SP group's whole sequence. With
+        ``return_outputs``, the outputs of a forward of the shard without its targets (TRL's: the logits, with
+        which it is asked for the outputs), not with them: under the tiled loss they would make a loss instead."""
+        loss = self._trl_loss(model, inputs, num_items_in_batch)
+        if not return_outputs:
+            return loss
+        with torch.no_grad():
+            outputs = model(**{key: value for key, value in inputs.items() if key not in ("labels", "shift_labels")})
+        return loss, outputs
+
+    def _only_logits(self, outputs: Any, ignore_keys: list[str] | None) -> None:
+        """Nothing to refuse: TRL's evaluation hands ``compute_metrics`` the logits alone, whatever else the model
+        returns (an MoE's ``aux_loss`` and ``router_logits``)."""
+
+    def _trl_loss(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
         loss = SFTTrainer.compute_loss  # TRL's, not the mixin's (which serves the plain Trainer's convention)
         if not getattr(self, "aux_loss_enabled", False) or self.sp_layout.sp == 1:
-            return loss(self, model, inputs, return_outputs, num_items_in_batch)
+            return loss(self, model, inputs, False, num_items_in_batch)
         if self.model.training or num_items_in_batch is None:
             with whole_sequence_aux(model, self.sp_layout):
-                return loss(self, model, inputs, return_outputs, num_items_in_batch)
+                return loss(self, model, inputs, False, num_items_in_batch)
         # evaluation (prediction_step: this loss / the world size, summed over the SP group; one process's eval adds
         # the term whole): TRL divides it by current_gradient_accumulation_steps (unset before any training step),
         # pinned to 1 here, and it is added dp - 1 times more
@@ -61,14 +75,13 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
         self.current_gradient_accumulation_steps = 1
         try:
             with whole_sequence_aux(model, self.sp_layout) as given:
-                out = loss(self, model, inputs, return_outputs, num_items_in_batch)
+                out = loss(self, model, inputs, False, num_items_in_batch)
         finally:
             if before is None:
                 del self.current_gradient_accumulation_steps
             else:
                 self.current_gradient_accumulation_steps = before
-        more = self.router_aux_loss_coef * given[0] * (self.sp_layout.dp - 1)
-        return (out[0] + more, *out[1:]) if return_outputs else out + more
+        return out + self.router_aux_loss_coef * given[0] * (self.sp_layout.dp - 1)
 
 
 @contextlib.contextmanager
