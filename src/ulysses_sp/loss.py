@@ -58,6 +58,7 @@ def sequence_parallel_cross_entropy(
     *,
     num_items_in_batch: int | torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
+    label_smoothing: float = 0.0,
     stats: CommStats | None = None,
 ) -> torch.Tensor:
     """Token-weighted mean cross-entropy over every valid token of every shard of every replica.
@@ -68,6 +69,8 @@ def sequence_parallel_cross_entropy(
         layout: the parallel layout; the reduction runs over ``layout.loss_group``.
         num_items_in_batch: divide by this instead of the batch's own global valid-token count (for
             gradient accumulation: the count of the whole optimizer step).
+        label_smoothing: e in [0, 1), as in ``torch.nn.functional.cross_entropy``: each target's loss is
+            ``(1 - e) x`` its cross-entropy ``+ e x`` the mean of ``-log softmax`` over the vocabulary.
 
     Returns a scalar equal on every rank (see the module docstring for the gradient convention).
     """
@@ -78,9 +81,19 @@ def sequence_parallel_cross_entropy(
             f"logits {tuple(logits.shape)} and shift_labels {tuple(shift_labels.shape)} disagree; expected "
             "logits [b, n, vocab] for shift_labels [b, n]"
         )
+    options = dict(num_items_in_batch=num_items_in_batch, ignore_index=ignore_index, stats=stats)
     return _cross_entropy_mean(
-        logits, shift_labels, layout, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index, stats=stats
+        logits, shift_labels, layout, label_smoothing=check_label_smoothing(label_smoothing), **options
     )[0]
+
+
+def check_label_smoothing(label_smoothing: float) -> float:
+    """``label_smoothing`` checked: a number in [0, 1)."""
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise ValueError(f"label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1) (0: none), got {label_smoothing!r}")
+    return float(label_smoothing)
 
 
 def _cross_entropy_mean(
@@ -89,6 +102,7 @@ def _cross_entropy_mean(
     layout: ParallelLayout,
     *,
     extra: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`sequence_parallel_cross_entropy`, plus ``extra`` sums reduced in the same all-reduce.
@@ -102,7 +116,11 @@ def _cross_entropy_mean(
     bad = (shift_labels >= vocab_size) | ((shift_labels < 0) & (shift_labels != IGNORE_INDEX))  # [b, n]
     targets = shift_labels.masked_fill(bad, IGNORE_INDEX).long()  # int32 ids too: cross-entropy takes int64
     token_loss_sum = F.cross_entropy(
-        logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.flatten(0, -2).float(),
+        targets.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+        label_smoothing=label_smoothing,
     )
     return _token_mean(token_loss_sum, targets, layout, bad=(bad, shift_labels, vocab_size), extra=extra, **kwargs)
 
@@ -173,6 +191,7 @@ def causal_lm_loss(
     layout: ParallelLayout,
     *,
     num_items_in_batch: int | torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
     stats: CommStats | None = None,
 ) -> torch.Tensor:
     """Run ``model`` on this rank's shard and return the token-weighted loss over dp x sp.
@@ -182,16 +201,18 @@ def causal_lm_loss(
             are never materialised.
         shard: :func:`ulysses_sp.shard_batch`'s output (``input_ids``, ``position_ids``, ``shift_labels``,
             optionally ``attention_mask``).
-        num_items_in_batch: as in :func:`sequence_parallel_cross_entropy`.
+        num_items_in_batch, label_smoothing: as in :func:`sequence_parallel_cross_entropy` (the smoothing inside
+            the tiled loss too).
 
     Returns the same scalar on every rank, equal to the one-process loss (gradient convention as above). A MoE
     model with ``config.output_router_logits`` gets its load-balancing loss added as transformers adds it
     (``router_aux_loss_coef * aux``), computed over the whole batch of every shard and replica
-    (:mod:`ulysses_sp.moe`), in the same all-reduce.
+    (:mod:`ulysses_sp.moe`), in the same all-reduce; with ``label_smoothing`` too (added to the smoothed loss).
     """
     from .moe import router_aux_loss
-    from .tiled_loss import ROUTER_LOGITS_TO_CALLER, tiled_loss_enabled
+    from .tiled_loss import LABEL_SMOOTHING, ROUTER_LOGITS_TO_CALLER, tiled_loss_enabled
 
+    smoothing = check_label_smoothing(label_smoothing)
     device = layout.device
     unshifted = unshifted_own_loss(model) if shard.get("labels") is not None else None
     if unshifted is not None:  # the same model and batch keys on every rank: every rank raises here
@@ -213,13 +234,18 @@ def causal_lm_loss(
     if tiled_loss_enabled(model):
         # num_items_in_batch=1: transformers' convention for "return the sum of the token losses"
         extra = {ROUTER_LOGITS_TO_CALLER: True} if aux is not None else {}
+        if smoothing:
+            extra[LABEL_SMOOTHING] = smoothing
         out = model(**inputs, shift_labels=targets, num_items_in_batch=1, **extra)
         statistics = _router_statistics(aux, out, inputs)
         mean, sums = _token_mean(out.loss, targets, layout, extra=statistics, **common)
     else:
         out = model(**inputs)
         statistics = _router_statistics(aux, out, inputs)
-        mean, sums = _cross_entropy_mean(out.logits, targets, layout, extra=statistics, **common)  # logits [b, n, V]
+        # logits [b, n, V]
+        mean, sums = _cross_entropy_mean(
+            out.logits, targets, layout, extra=statistics, label_smoothing=smoothing, **common
+        )
     if aux is None:
         return mean
     return (mean.double() + aux.coef * aux.loss(sums)).to(torch.float32)

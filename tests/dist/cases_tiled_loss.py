@@ -13,11 +13,12 @@ import functools
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import ulysses_sp as U
 from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, reference
 from tests.helpers.harness import run_cases
-from tests.helpers.models import build, dp_share, make_batch
+from tests.helpers.models import build, dp_share, make_batch, router_aux_on
 
 
 def wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
@@ -108,6 +109,45 @@ def eval_loss(layout):
     torch.testing.assert_close(got, want, **LOSS_TOL)
 
 
+def smoothed(layout, arch="llama", *, via="model", tiled=True, how="none", batch=None, epsilon=0.1):
+    """``label_smoothing=epsilon`` against torch's ``cross_entropy(label_smoothing=)`` over the full batch's shifted
+    labels in one process (plus the model's load-balancing term for an MoE): the loss and every gradient, through
+    ``causal_lm_loss`` (``via="model"``, tiled or not) or ``SequenceParallelLoss`` on the shard's logits."""
+    from ulysses_sp.integrations import SequenceParallelLoss
+
+    batch = batch if batch is not None else make_batch(2, 24, pad="right")
+    model = build(arch, kv_heads=2)
+    if arch == "mixtral":
+        router_aux_on(model)
+    ref = copy.deepcopy(model)
+    out = ref(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False)  # logits [b, N, V]
+    targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)  # [b, N]
+    options = dict(ignore_index=-100, reduction="sum", label_smoothing=epsilon)
+    ref_loss = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), **options) / (targets != -100).sum()
+    if arch == "mixtral":
+        ref_loss = ref_loss + model.config.router_aux_loss_coef * out.aux_loss
+    ref_loss.backward()
+    par = U.parallelize(copy.deepcopy(model), layout)
+    if tiled:
+        U.enable_tiled_loss(par, chunk_tokens=5)
+    par = wrap(par, how)
+    shard = U.shard_batch(dp_share(batch, layout), layout)
+    loss_fn = SequenceParallelLoss(layout, label_smoothing=epsilon)
+    if via == "model":
+        loss = loss_fn(par, shard)
+    else:
+        inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
+        loss = loss_fn(par(**inputs).logits, shard["shift_labels"])
+    loss.backward()
+    if how == "none":
+        U.sync_gradients(par, layout)
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), **LOSS_TOL)
+    grads = full_grads(par)
+    for name, param in ref.named_parameters():
+        if param.grad is not None:
+            torch.testing.assert_close(grads[name], param.grad, **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def world2() -> dict[str, str]:
     sp2 = U.ParallelLayout.from_env(sp=2)
     P = functools.partial
@@ -126,6 +166,9 @@ def world2() -> dict[str, str]:
         "sp2_fsdp2_grad_accumulation": P(accumulate, sp2, "fsdp2"),
         # the causal LM reads cross_attentions from its decoder's output (the first-forward probe used to fail)
         "sp2_gpt2": P(check, sp2, "gpt2"),
+        "sp2_label_smoothing_tiled": P(smoothed, sp2, batch=make_batch(2, 24, packed=(7, 17))),
+        "sp2_label_smoothing_logits": P(smoothed, sp2, via="logits", tiled=False, epsilon=0.3),
+        "sp2_label_smoothing_moe_aux_tiled_ddp": P(smoothed, sp2, "mixtral", how="ddp"),
     }
     return run_cases(cases)
 
@@ -140,5 +183,6 @@ def world4() -> dict[str, str]:
         "hybrid_2x2_fsdp2_packed": P(check, hybrid, batch=make_batch(2, 26, packed=(9, 17)), how="fsdp2"),
         "dp2_sp2_fsdp2_tied": P(check, dp2sp2, batch=make_batch(4, 22), how="fsdp2", tied=True),
         "dp2_sp2_ddp": P(check, dp2sp2, batch=make_batch(4, 22, pad="left"), how="ddp"),
+        "dp2_sp2_label_smoothing_untiled": P(smoothed, dp2sp2, batch=make_batch(4, 22), tiled=False),
     }
     return run_cases(cases)

@@ -17,8 +17,17 @@ WORLD2 = [
     "sp2_ddp_grad_accumulation",
     "sp2_fsdp2_grad_accumulation",
     "sp2_gpt2",
+    "sp2_label_smoothing_tiled",
+    "sp2_label_smoothing_logits",
+    "sp2_label_smoothing_moe_aux_tiled_ddp",
 ]
-WORLD4 = ["dp2_sp2_fsdp2_tied", "dp2_sp2_ddp", "hybrid_2x2_fsdp2_packed", "sp4_afmoe_kv_heads_lt_sp"]
+WORLD4 = [
+    "dp2_sp2_fsdp2_tied",
+    "dp2_sp2_ddp",
+    "hybrid_2x2_fsdp2_packed",
+    "sp4_afmoe_kv_heads_lt_sp",
+    "dp2_sp2_label_smoothing_untiled",
+]
 
 results, test_case, test_every_worker_case_is_checked = dist_suite(
     "tests.dist.cases_tiled_loss", {2: WORLD2, 4: WORLD4}

@@ -307,3 +307,10 @@ def test_ring_layout_trains_the_same_losses_as_pure_ulysses(tmp_path, corpus_fil
     assert len(runs["1"][0]) == 3 and len(runs["1"][1]) == 1
     for got, want in zip(runs["2"], runs["1"], strict=True):
         assert got == pytest.approx(want, rel=1e-5), (got, want)
+    # --label-smoothing reaches the training loss: at the first step (near-uniform predictions, the same weights and
+    # data) the smoothed loss is about the plain one, and its gradient (1 - e) times the plain one's
+    out = tmp_path / "smoothed"
+    _ok(run_cli([*common, "--ring", "2", "--label-smoothing", "0.5", "--max-steps", "1", "--output-dir", str(out)]))
+    (smoothed,), (plain, *_) = records(out), records(tmp_path / "ring1")
+    assert smoothed["loss"] == pytest.approx(plain["loss"], rel=1e-2), (smoothed, plain)
+    assert smoothed["grad_norm"] / plain["grad_norm"] == pytest.approx(0.5, rel=0.02), (smoothed, plain)

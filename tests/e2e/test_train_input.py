@@ -77,6 +77,7 @@ def test_bad_data_tokenizer_or_output_dir_is_one_line(case, tmp_path):
     [
         (["--lr", "inf"], "--lr", None),
         (["--max-grad-norm", "nan"], "--max-grad-norm", None),
+        (["--label-smoothing", "1"], "--label-smoothing must be in [0, 1)", None),
         (["--nproc", "0"], "--nproc", "--sp"),
     ],
 )

@@ -294,6 +294,17 @@ def test_a_bad_chunk_size_is_refused_by_its_argument_name_before_the_model_is_to
     assert UlyssesTrainer(model=model, args=args, sp_size=1).sp_layout.sp == 1  # the model was left as it was
 
 
+def test_a_bad_label_smoothing_is_refused_when_the_config_is_made():
+    from ulysses_sp import causal_lm_loss
+    from ulysses_sp.integrations import SequenceParallelConfig
+
+    for bad in (1.0, -0.1, "0.1"):  # torch's cross_entropy would raise only at the first step, or take 1.0
+        with pytest.raises(ValueError, match=rf"label_smoothing must be .*\[0, 1\).*got {bad!r}"):
+            SequenceParallelConfig(sp_size=2, label_smoothing=bad)
+        with pytest.raises(ValueError, match=rf"label_smoothing must be .*\[0, 1\).*got {bad!r}"):
+            causal_lm_loss(build("llama"), {}, ParallelLayout.single(), label_smoothing=bad)
+
+
 def test_liger_kernels_are_refused(tmp_path):
     from transformers import TrainingArguments
 

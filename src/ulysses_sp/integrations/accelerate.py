@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 
 from ..features import apply_features
 from ..layout import ParallelLayout
-from ..loss import causal_lm_loss, count_valid_tokens, sequence_parallel_cross_entropy
+from ..loss import causal_lm_loss, check_label_smoothing, count_valid_tokens, sequence_parallel_cross_entropy
 from ..model import parallelize
 from .data import (
     SequenceParallelCollator,
@@ -63,11 +63,13 @@ class SequenceParallelLoss:
     (fetched first) and accumulate with ``accelerator.no_sync(model)`` on all but the step's last micro-batch, on an
     Accelerator with ``gradient_accumulation_steps=1``: ``accelerator.accumulate`` sees the end of the dataloader
     once its last batch is fetched and would step the optimizer on every micro-batch of the last step
-    (docs/integrations.md).
+    (docs/integrations.md). ``label_smoothing``: as ``torch.nn.CrossEntropyLoss``'s, over the whole sequence's
+    targets (in the tiled loss too).
     """
 
-    def __init__(self, layout: ParallelLayout) -> None:
+    def __init__(self, layout: ParallelLayout, *, label_smoothing: float = 0.0) -> None:
         self.layout = layout
+        self.label_smoothing = check_label_smoothing(label_smoothing)  # checked here, not at the first step
 
     def __call__(
         self,
@@ -75,11 +77,12 @@ class SequenceParallelLoss:
         shift_labels_or_batch: torch.Tensor | Mapping[str, torch.Tensor],
         num_items_in_batch: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
+        options = {"label_smoothing": self.label_smoothing}
         if isinstance(logits_or_model, torch.nn.Module):  # (a batch from accelerator.skip_first_batches: agreed here)
             batch = dict(agree_on_batch(shift_labels_or_batch, self.layout))
-            return causal_lm_loss(logits_or_model, batch, self.layout, num_items_in_batch=num_items_in_batch)
+            return causal_lm_loss(logits_or_model, batch, self.layout, num_items_in_batch=num_items_in_batch, **options)
         return sequence_parallel_cross_entropy(
-            logits_or_model, shift_labels_or_batch, self.layout, num_items_in_batch=num_items_in_batch
+            logits_or_model, shift_labels_or_batch, self.layout, num_items_in_batch=num_items_in_batch, **options
         )
 
     def count(self, shift_labels: torch.Tensor) -> int:
@@ -116,6 +119,7 @@ class SequenceParallelConfig:
         tiled_norms: run the decoder layers' norms over chunks of tokens (exact); default None: on where the
             decoder layers have norms.
         mlp_chunk_tokens: tokens per chunk of the tiled MLP and norms; default None: max(1024, hidden size).
+        label_smoothing: the loss function's, as ``torch.nn.CrossEntropyLoss(label_smoothing=)`` (default 0).
     """
 
     sp_size: int
@@ -128,9 +132,11 @@ class SequenceParallelConfig:
     tiled_mlp: bool | None = None
     tiled_norms: bool | None = None
     mlp_chunk_tokens: int | None = None
+    label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
         check_sp_options("", self.sp_size, self.mlp_chunk_tokens, self.tiled_mlp, self.tiled_norms)
+        check_label_smoothing(self.label_smoothing)
 
     def prepare(self, accelerator: Any, model: torch.nn.Module, *objects: Any) -> tuple[Any, ...]:
         """Parallelize ``model`` and prepare it with ``objects`` (optimizer, dataloaders, scheduler).
@@ -183,7 +189,7 @@ class SequenceParallelConfig:
             step_scheduler_per_dp_group(obj, layout.dp, split_batches=split)
         if layout.sp > 1:  # Accelerate's own would take each SP group's batch for sp batches
             accelerator.gather_for_metrics = sequence_parallel_gather(accelerator, layout)
-        return (model, *prepared, SequenceParallelLoss(layout))
+        return (model, *prepared, SequenceParallelLoss(layout, label_smoothing=self.label_smoothing))
 
     def _shard_loader(self, loader: DataLoader, layout: ParallelLayout) -> DataLoader:
         collate = loader.collate_fn

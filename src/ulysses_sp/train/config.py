@@ -127,6 +127,11 @@ class TrainConfig(Features):
         1.0,
         help="Clip the global gradient norm to this value; 0 = no clipping.",
     )
+    label_smoothing: float = option(
+        0.0,
+        help="Label smoothing of the training loss, as torch's cross_entropy(label_smoothing=), in [0, 1); "
+        "the held-out loss stays the plain cross-entropy.",
+    )
     seed: int = option(
         1234,
         help="Random seed for weights, data order and the held-out split.",
@@ -256,6 +261,10 @@ class TrainConfig(Features):
         _at_least("warmup_steps", self.warmup_steps, 0)
         _require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
         _require(self.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (0 = no clipping), got {self.max_grad_norm}")
+        _require(
+            0 <= self.label_smoothing < 1,
+            f"--label-smoothing must be in [0, 1) (0 = none), got {self.label_smoothing}",
+        )
         _at_least("seed", self.seed, 0)
         _at_least("eval_every", self.eval_every, 0)
         _at_least("eval_batches", self.eval_batches, 1)

@@ -127,11 +127,14 @@ class Trainer:
     def _shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return shard_batch(batch, self.layout, pad_token_id=self.pad_id)
 
-    def _loss(self, shard: dict[str, torch.Tensor], num_items: int | None = None) -> torch.Tensor:
+    def _loss(
+        self, shard: dict[str, torch.Tensor], num_items: int | None = None, smoothing: float = 0.0
+    ) -> torch.Tensor:
         """The model on this rank's shard of a micro-batch -> the token-weighted loss over the world (tiled
-        lm_head + loss unless --no-tiled-loss)."""
+        lm_head + loss unless --no-tiled-loss), label-smoothed by ``smoothing``."""
         with self._autocast():
-            return causal_lm_loss(self.model, shard, self.layout, num_items_in_batch=num_items)
+            options = dict(num_items_in_batch=num_items, label_smoothing=smoothing)
+            return causal_lm_loss(self.model, shard, self.layout, **options)
 
     def _train_step(self) -> dict[str, Any] | None:
         """One optimizer step; returns its metrics record, or None when the data has run out."""
@@ -148,7 +151,7 @@ class Trainer:
         loss_total = 0.0
         for index, shard in enumerate(shards):
             with self._no_sync(index < len(shards) - 1):
-                loss = self._loss(shard, num_items)
+                loss = self._loss(shard, num_items, self.config.label_smoothing)
                 loss.backward()
             loss_total += loss.item()
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
@@ -219,7 +222,7 @@ class Trainer:
         loss_sum, count_sum = 0.0, 0
         for batch in itertools.islice(loader, self.config.eval_batches):
             shard = self._shard(batch)
-            loss = self._loss(shard)
+            loss = self._loss(shard)  # the plain cross-entropy (its exp the perplexity), smoothed or not in training
             count = count_valid_tokens(shard["shift_labels"], self.layout)
             loss_sum += loss.item() * count
             count_sum += count
