@@ -91,6 +91,8 @@ def random_case(seed: int, index: int, world: int) -> dict:
         # stop after this many micro-batches (inside an accumulation group where accum > 1)
         max_micro=None if r.random() < 0.5 else r.randint(1, 6),
     )
+    # the loss function's label smoothing (SequenceParallelConfig(label_smoothing=)), in training and evaluation
+    case["smoothing"] = r.choice([0.0, 0.0, 0.1])
     if case["iterable"]:
         case["shuffle"] = False  # a DataLoader does not shuffle an IterableDataset
     if case["tiled_mlp"] is False and case["tiled_norms"] is False:
@@ -225,6 +227,7 @@ def _config(case: dict) -> Any:
         tiled_loss=case["tiled_loss"],
         head_chunks=case["head_chunks"],
         mlp_chunk_tokens=case["mlp_chunk"],
+        label_smoothing=case["smoothing"],
         **tiling,
     )
 

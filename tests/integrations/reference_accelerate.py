@@ -1,10 +1,10 @@
 """The one-process reference of a random Accelerate case (tests/integrations/cases_random_accelerate.py).
 
 The same model (same seed), optimizer and scheduler, the same samples per optimizer step, the plain model's
-logits and a plain cross-entropy. What a micro-batch is: accelerate deals the dataloader's batches round-robin
-over the ``dp`` SP groups (batch ``j`` to dp rank ``j % dp``), so micro-batch ``t`` of an epoch is batches
-``t*dp .. t*dp + dp - 1`` together (with dp > 1 the last completed with samples from the start, as accelerate
-evens it out). Its loss is the library's (docs/integrations.md, src/ulysses_sp/loss.py): the
+logits and a plain cross-entropy (label-smoothed where the case draws it). What a micro-batch is: accelerate deals
+the dataloader's batches round-robin over the ``dp`` SP groups (batch ``j`` to dp rank ``j % dp``), so micro-batch
+``t`` of an epoch is batches ``t*dp .. t*dp + dp - 1`` together (with dp > 1 the last completed with samples from
+the start, as accelerate evens it out). Its loss is the library's (docs/integrations.md, src/ulysses_sp/loss.py): the
 sum of the token losses of the whole global micro-batch (every dp rank's rows) over its valid-token count, or over
 the optimizer step's count when the case passes ``num_items_in_batch``; plus, in the ``loss_fn(model, batch)``
 form, an MoE's ``router_aux_loss_coef x aux`` over that global micro-batch. Accelerate divides each loss by the
@@ -55,7 +55,8 @@ def _loss(case: dict, net: torch.nn.Module, features: list[dict], denominator: i
     batch = pad_collate(features)
     out = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     logits, labels = out.logits[:, :-1].float(), batch["labels"][:, 1:]
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    options = dict(ignore_index=-100, reduction="sum", label_smoothing=case["smoothing"])
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), **options)
     loss = loss / max(denominator, 1)
     if coef is not None and case["form"] == "model":
         loss = loss + coef * out.aux_loss
