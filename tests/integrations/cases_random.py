@@ -117,6 +117,9 @@ def random_case(seed: int, index: int, world: int) -> dict:
         smoothing=r.choice([0.0, 0.0, 0.1]) if kind == "trainer" else 0.0,
         # TRL's loss_type: "dft" weighs each target's loss by its probability (detached), per token
         loss_type=r.choice(["nll", "dft"]) if kind == "sft" else "nll",
+        # SFT: a completion_mask column (the loss on a row's tokens after its first few only, TRL's
+        # completion_only_loss). (TRL's activation_offloading needs an accelerator: not drawn.)
+        prompt=r.choice([0, 0, 1, 4]) if kind == "sft" else 0,
     )
     if case["fsdp2"]:
         # transformers' Trainer refuses checkpoints with optimizer state for a model sharded at load time
@@ -147,6 +150,9 @@ def dataset(case: dict, eval_set: bool = False) -> Dataset | None:
     if not lengths:
         return None
     rows = _rows(lengths, case["data_seed"] + eval_set)
+    if case["kind"] == "sft" and case.get("prompt"):  # TRL folds the mask into the labels
+        masks = [[0] * case["prompt"] + [1] * (len(row) - case["prompt"]) for row in rows]
+        return Dataset.from_dict({"input_ids": rows, "completion_mask": masks})
     if case["kind"] == "sft":
         return Dataset.from_dict({"input_ids": rows})
     return Dataset.from_dict({"input_ids": rows, "labels": [[-100] * 2 + row[2:] for row in rows]})
