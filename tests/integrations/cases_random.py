@@ -120,7 +120,11 @@ def random_case(seed: int, index: int, world: int) -> dict:
         # SFT: a completion_mask column (the loss on a row's tokens after its first few only, TRL's
         # completion_only_loss). (TRL's activation_offloading needs an accelerator: not drawn.)
         prompt=r.choice([0, 0, 1, 4]) if kind == "sft" else 0,
+        # SFT without packing: TRL's padding_free collation (each batch flattened into one row, positions restarting)
+        padding_free=kind == "sft" and not packing and r.random() < 0.5,
     )
+    if case["padding_free"]:
+        case["max_length"] = None  # TRL does not truncate padding-free batches without packing (and refuses it)
     if case["fsdp2"]:
         # transformers' Trainer refuses checkpoints with optimizer state for a model sharded at load time
         # ("Resuming is not supported ..."; save_only_model=True is its way)
@@ -242,6 +246,8 @@ def training_args(case: dict, out: str, accum: int, split: bool = False) -> Any:
 
         aux = {"router_aux_loss_coef": 0.0} if case["router_aux_off"] else {}
         sft = dict(packing=case["packing"], max_length=case["max_length"], loss_type=case["loss_type"], **aux)
+        if case["padding_free"]:  # else TRL's default (on with packing)
+            sft["padding_free"] = True
         return SFTConfig(**args, **sft)
     from transformers import TrainingArguments
 
