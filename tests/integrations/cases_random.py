@@ -122,6 +122,8 @@ def random_case(seed: int, index: int, world: int) -> dict:
         prompt=r.choice([0, 0, 1, 4]) if kind == "sft" else 0,
         # SFT without packing: TRL's padding_free collation (each batch flattened into one row, positions restarting)
         padding_free=kind == "sft" and not packing and r.random() < 0.5,
+        # with checkpointing: torch's reentrant checkpoint (use_reentrant=True; else transformers' default)
+        reentrant=r.random() < 0.3,
     )
     if case["padding_free"]:
         case["max_length"] = None  # TRL does not truncate padding-free batches without packing (and refuses it)
@@ -239,8 +241,11 @@ def training_args(case: dict, out: str, accum: int, split: bool = False) -> Any:
     )
     if split:
         args["accelerator_config"] = {"split_batches": True}
-    if case["checkpointing"] and case["checkpoint_every"] > 1:
-        args[checkpointing_arg() + "_kwargs"] = {"every_n_layers": case["checkpoint_every"]}
+    options = {"every_n_layers": case["checkpoint_every"]} if case["checkpoint_every"] > 1 else {}
+    if case.get("reentrant"):
+        options["use_reentrant"] = True
+    if case["checkpointing"] and options:
+        args[checkpointing_arg() + "_kwargs"] = options
     if case["kind"] == "sft":
         from trl import SFTConfig
 

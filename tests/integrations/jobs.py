@@ -228,7 +228,8 @@ def ulysses_trainer(
 
 
 def ulysses_lora(job: str) -> None:
-    """A PEFT LoRA model under SP=2 with GAS=2 and activation checkpointing, then an eval under SP."""
+    """A PEFT LoRA model under SP=2 with GAS=2 and torch's reentrant activation checkpointing (under which DDP's
+    search for unused parameters, transformers' default for a PEFT model, would fail), then an eval under SP."""
     from ulysses_sp.integrations import UlyssesTrainer
 
     trainer = UlyssesTrainer(
@@ -238,7 +239,7 @@ def ulysses_lora(job: str) -> None:
             gradient_accumulation_steps=2,
             num_train_epochs=1,
             learning_rate=1e-2,
-            **{checkpointing_arg(): True},
+            **{checkpointing_arg(): True, checkpointing_arg() + "_kwargs": {"use_reentrant": True}},
         ),
         train_dataset=token_dataset(TRAIN_LENGTHS, seed=1),
         eval_dataset=token_dataset(EVAL_LENGTHS, seed=2),

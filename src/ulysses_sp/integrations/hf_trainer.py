@@ -68,7 +68,7 @@ from .data import (
 )
 from .label_smoothing import smoothed_loss
 from .metrics import drop_repeats, gather_over_dp, sequence_parallel_gather
-from .trainer_checks import refuse_deepspeed, refuse_sharded_before
+from .trainer_checks import ddp_for_reentrant_checkpointing, refuse_deepspeed, refuse_sharded_before
 
 __all__ = ["UlyssesTrainer", "UlyssesTrainerMixin", "resolve_core"]
 
@@ -155,6 +155,11 @@ class UlyssesTrainerMixin:
                 "TrainingArguments.fsdp is set but Accelerate did not enable FSDP (it does so on accelerator "
                 "devices only, not on CPU): training runs with DDP over dp x sp instead"
             )
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        """The Trainer's, with DDP's search for unused parameters off under torch's reentrant checkpoint (unless the
+        arguments set it): :func:`~ulysses_sp.integrations.trainer_checks.ddp_for_reentrant_checkpointing`."""
+        return ddp_for_reentrant_checkpointing(super()._build_accelerator_args(**kwargs), self.args)
 
     # ------------------------------------------------------------------------------------- set-up checks
     def _check_supported(self, sp_size: int) -> None:

@@ -1,13 +1,39 @@
-"""Set-up refusals of the Trainer integration that come before the Trainer is made: what ulysses-sp's trainers do
-not run on (DeepSpeed), and a model sharded in a way the Trainer would then wrap wrongly."""
+"""Set-up of the Trainer integration that comes before the Trainer is made: what ulysses-sp's trainers do not run
+on (DeepSpeed), a model sharded in a way the Trainer would then wrap wrongly, and DDP's search for unused
+parameters under torch's reentrant checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
-__all__ = ["refuse_deepspeed", "refuse_sharded_before"]
+__all__ = ["ddp_for_reentrant_checkpointing", "refuse_deepspeed", "refuse_sharded_before"]
+
+
+def ddp_for_reentrant_checkpointing(accelerator_args: dict[str, Any], args: Any) -> dict[str, Any]:
+    """The Trainer's Accelerator arguments with DDP's ``find_unused_parameters`` off when ``args`` turn on torch's
+    reentrant activation checkpointing (``use_reentrant=True``) and leave ``ddp_find_unused_parameters`` unset.
+
+    transformers turns the search off under checkpointing for a ``PreTrainedModel`` only; for a wrapped one (a PEFT
+    model) it stays on, and under the reentrant checkpoint DDP then marks a parameter ready twice and fails in the
+    first backward. Under SP the Trainer runs in DDP even on one SP group (the shards' gradients are averaged), so
+    this fails where one process trains.
+    """
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(
+        args, "gradient_checkpointing_kwargs", None
+    )
+    checkpointing = getattr(args, "activation_checkpointing", getattr(args, "gradient_checkpointing", False))
+    if not (checkpointing and (kwargs or {}).get("use_reentrant")) or args.ddp_find_unused_parameters is not None:
+        return accelerator_args
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    handlers = [
+        dataclasses.replace(h, find_unused_parameters=False) if isinstance(h, DistributedDataParallelKwargs) else h
+        for h in accelerator_args.get("kwargs_handlers", [])
+    ]
+    return {**accelerator_args, "kwargs_handlers": handlers}
 
 
 def refuse_deepspeed(args: Any) -> None:
