@@ -124,6 +124,8 @@ def random_case(seed: int, index: int, world: int) -> dict:
         padding_free=kind == "sft" and not packing and r.random() < 0.5,
         # with checkpointing: torch's reentrant checkpoint (use_reentrant=True; else transformers' default)
         reentrant=r.random() < 0.3,
+        # with compute_metrics: TrainingArguments(batch_eval_metrics=True), the metrics summed batch by batch
+        batch_metrics=r.random() < 0.4,
     )
     if case["padding_free"]:
         case["max_length"] = None  # TRL does not truncate padding-free batches without packing (and refuses it)
@@ -162,6 +164,26 @@ def dataset(case: dict, eval_set: bool = False) -> Dataset | None:
     if case["kind"] == "sft":
         return Dataset.from_dict({"input_ids": rows})
     return Dataset.from_dict({"input_ids": rows, "labels": [[-100] * 2 + row[2:] for row in rows]})
+
+
+class BatchTokenMetrics:
+    """``compute_metrics`` under ``batch_eval_metrics=True``: :func:`token_metrics` added up over the eval batches,
+    reported with the last (``compute_result``)."""
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(("valid", "correct", "target_logit_sum"), 0.0)
+
+    def __call__(self, prediction: Any, compute_result: bool) -> dict[str, float]:
+        one = token_metrics(prediction)
+        if one["valid"]:  # (a batch without targets has no accuracy)
+            self.sums["valid"] += one["valid"]
+            self.sums["correct"] += one["accuracy"] * one["valid"]
+            self.sums["target_logit_sum"] += one["target_logit_sum"]
+        if not compute_result:
+            return {}
+        sums, self.sums = self.sums, dict.fromkeys(self.sums, 0.0)
+        accuracy = sums["correct"] / sums["valid"] if sums["valid"] else float("nan")
+        return {"valid": sums["valid"], "accuracy": accuracy, "target_logit_sum": sums["target_logit_sum"]}
 
 
 def left_pad_collate(features: list[dict]) -> dict[str, torch.Tensor]:
@@ -228,6 +250,7 @@ def training_args(case: dict, out: str, accum: int, split: bool = False) -> Any:
         warmup_steps=warmup,
         max_grad_norm=case["max_grad_norm"],
         include_num_input_tokens_seen=case["tokens_seen"],
+        batch_eval_metrics=case["metrics"] and case["batch_metrics"],
         # AdamW's eps at 1e-8 turns the round-off in a gradient that is zero in exact arithmetic (a key bias
         # outside RoPE's dimensions) into steps near the learning rate, which would swamp the weight comparison
         adam_epsilon=1e-6,
@@ -271,7 +294,7 @@ def trainer(case: dict, out: str, sp: int | None) -> Any:
         eval_dataset=dataset(case, eval_set=True),
     )
     if case["metrics"]:
-        kwargs["compute_metrics"] = token_metrics
+        kwargs["compute_metrics"] = BatchTokenMetrics() if case.get("batch_metrics") else token_metrics
     if case["kind"] == "sft":
         kwargs["processing_class"] = tokenizer()
     else:
