@@ -125,13 +125,15 @@ def lora_model():
 def peft_model(kind: str):
     """The tiny Llama with a PEFT adapter of another kind than plain LoRA: ``dora``, ``ia3``, ``adaption``
     (LLaMA-Adapter's adaption prompt, on the last layer), ``modules_to_save`` (LoRA training copies of lm_head and
-    the embedding too: the tiled loss runs in the copy) or ``trainable_tokens`` (a few embedding rows trained)."""
+    the embedding too: the tiled loss runs in the copy), ``trainable_tokens`` (a few embedding rows trained) or
+    ``lora_lm_head`` (LoRA on lm_head too: the tiled loss runs with W + scaling x B @ A)."""
     import peft
 
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     configs = {
         "modules_to_save": lambda: peft.LoraConfig(**lora, modules_to_save=["lm_head", "embed_tokens"]),
         "trainable_tokens": lambda: peft.LoraConfig(**lora, trainable_token_indices={"embed_tokens": [5, 6, 7]}),
+        "lora_lm_head": lambda: peft.LoraConfig(**{**lora, "target_modules": ["q_proj", "v_proj", "lm_head"]}),
         "dora": lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True),
         "ia3": lambda: peft.IA3Config(
             target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]
@@ -142,7 +144,7 @@ def peft_model(kind: str):
     return peft.get_peft_model(build("llama"), configs[kind]())
 
 
-PEFT_KINDS = ("dora", "ia3", "adaption", "modules_to_save", "trainable_tokens")
+PEFT_KINDS = ("dora", "ia3", "adaption", "modules_to_save", "trainable_tokens", "lora_lm_head")
 
 
 def peft_kinds_sp2() -> None:

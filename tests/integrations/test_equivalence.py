@@ -431,7 +431,8 @@ def test_a_batch_refused_on_one_rank_raises_on_every_rank(world2_sp):
 
 def test_other_peft_adapters_under_sp_equal_one_process(world2_sp, out_dir):
     """DoRA, IA3, LLaMA-Adapter's adaption prompt, LoRA with modules_to_save (lm_head and embedding: the tiled loss
-    in the trained copy) and with trainable_token_indices at SP=2: the per-step losses and the eval loss of one
+    in the trained copy), with trainable_token_indices and on lm_head too (W + scaling x B @ A in the tiled loss) at
+    SP=2: the per-step losses and the eval loss of one
     process (prompt, prefix and p-tuning are refused: tests/unit/test_core_single.py)."""
     from transformers import Trainer
 

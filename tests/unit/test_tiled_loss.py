@@ -228,10 +228,13 @@ def test_disable_restores_a_forward_wrapper_set_on_the_instance_before():
     assert calls == [1, 1]
 
 
-def test_lora_on_lm_head_refused_lora_elsewhere_exact():
+@pytest.mark.parametrize("variant", [{"lora_dropout": 0.1}, {"use_dora": True}])
+def test_lora_with_dropout_or_dora_on_lm_head_refused_lora_elsewhere_exact(variant):
+    """LoRA on lm_head with dropout (a mask on the input, not one weight) or DoRA is refused by name; LoRA on the
+    attention projections runs under the tiled loss with the model's own loss and gradients."""
     peft = pytest.importorskip("peft")
-    refused = peft.get_peft_model(build("llama"), peft.LoraConfig(r=2, target_modules=["lm_head"]))
-    with pytest.raises(ValueError, match="plain torch.nn.Linear"):
+    refused = peft.get_peft_model(build("llama"), peft.LoraConfig(r=2, target_modules=["lm_head"], **variant))
+    with pytest.raises(ValueError, match="plain torch.nn.Linear .*lora_dropout"):
         U.enable_tiled_loss(refused)
     lora = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     model = peft.get_peft_model(build("llama"), lora)
@@ -246,14 +249,19 @@ def test_lora_on_lm_head_refused_lora_elsewhere_exact():
         torch.testing.assert_close(got[name], ref[name], **TOL, msg=name)
 
 
-@pytest.mark.parametrize("kind", ["modules_to_save", "trainable_tokens_tied"])
+@pytest.mark.parametrize("kind", ["modules_to_save", "trainable_tokens_tied", "lora"])
 def test_peft_trained_lm_head_runs_in_the_weight_the_model_uses(kind):
-    """PEFT's modules_to_save copy of lm_head, and trainable tokens on a tied lm_head: the tiled loss runs with the
-    weight the wrapper's call would use (the adapter's copy, or the rows it trains copied in; the original with the
-    adapter off), with the loss and gradients of the model's own."""
+    """PEFT's modules_to_save copy of lm_head, trainable tokens on a tied lm_head, and LoRA on lm_head (with a bias on
+    lora_B): the tiled loss runs with the weight the wrapper's call would use (the adapter's copy, the rows it trains
+    copied in, or W + scaling x B @ A; the original with the adapter off), with the loss and gradients of the model's
+    own."""
     peft = pytest.importorskip("peft")
     lora = dict(r=2, target_modules=["q_proj"], init_lora_weights=False)
-    if kind == "modules_to_save":
+    if kind == "lora":
+        config = peft.LoraConfig(**{**lora, "target_modules": ["q_proj", "lm_head"]}, lora_bias=True)
+        model = peft.get_peft_model(build("llama"), config)
+        trained = model.base_model.model.lm_head.lora_B["default"].bias
+    elif kind == "modules_to_save":
         model = peft.get_peft_model(build("llama"), peft.LoraConfig(**lora, modules_to_save=["lm_head"]))
         trained = model.base_model.model.lm_head.modules_to_save["default"].weight
     else:
@@ -269,25 +277,25 @@ def test_peft_trained_lm_head_runs_in_the_weight_the_model_uses(kind):
         loss.backward()
     torch.testing.assert_close(losses[1], losses[0], **TOL)
     ref, got = _grads(plain), _grads(tiled)
-    assert ref.keys() == got.keys() and any(("modules_to_save" in n or "trainable_tokens" in n) for n in ref)
+    assert ref.keys() == got.keys() and any(k in n for n in ref for k in ("modules_to_save", "trainable", "lm_head"))
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], **TOL, msg=name)
     with torch.no_grad(), plain.disable_adapter(), tiled.disable_adapter():  # nothing trainable: the loss alone
         torch.testing.assert_close(tiled(**batch).loss, plain(**batch).loss, **TOL)
 
 
-@pytest.mark.parametrize("kind", ["modules_to_save", "trainable_tokens"])
+@pytest.mark.parametrize("kind", ["modules_to_save", "trainable_tokens", "lora"])
 def test_peft_lm_head_merged_then_disabled_and_mixed_adapter_batches(kind):
     """Trainable tokens on an untied lm_head merged, then with the adapter off: the original rows, as PEFT's forward
     unmerges them (the tiled loss read the merged weight); a batch of mixed adapters (adapter_names) is refused by
     name, not scored as logits or with a shape error."""
     peft = pytest.importorskip("peft")
-    head = (
-        {"modules_to_save": ["lm_head"]}
-        if kind == "modules_to_save"
-        else {"trainable_token_indices": {"lm_head": [1, 2, 3]}}
-    )
-    model = peft.get_peft_model(build("llama"), peft.LoraConfig(r=2, target_modules=["q_proj"], **head))
+    head = {
+        "modules_to_save": {"modules_to_save": ["lm_head"]},
+        "trainable_tokens": {"trainable_token_indices": {"lm_head": [1, 2, 3]}},
+        "lora": {"target_modules": ["q_proj", "lm_head"], "init_lora_weights": False},
+    }[kind]
+    model = peft.get_peft_model(build("llama"), peft.LoraConfig(r=2, **{"target_modules": ["q_proj"], **head}))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "modules_to_save" in name or "trainable_tokens" in name:

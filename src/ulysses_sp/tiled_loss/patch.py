@@ -77,7 +77,7 @@ def enable_tiled_loss(
     With ``labels`` or ``shift_labels``, ``model(...)`` returns ``loss`` and ``logits=None``: the loss is
     transformers' (shifted targets; ``num_items_in_batch`` -> sum / num_items_in_batch, else the mean over
     valid targets, 0 when there is none). Without them the original forward runs. Raises ValueError if the
-    output embedding is not a plain ``nn.Linear`` (e.g. LoRA on lm_head) or the model is already tiled; the
+    output embedding is not a plain ``nn.Linear`` (e.g. LoRA with dropout on lm_head) or the model is already tiled; the
     first forward raises ValueError if the model post-processes logits in a way the tiled head cannot copy.
     """
     causal_lm = find_causal_lm(model)
@@ -86,9 +86,10 @@ def enable_tiled_loss(
     output = causal_lm.get_output_embeddings()
     if _head_calls(output) is None:
         raise ValueError(
-            f"the tiled loss needs the output embedding to be a plain torch.nn.Linear (or PEFT's modules_to_save or "
-            f"trainable tokens on one), but {type(causal_lm).__name__}'s is {type(output).__name__} (e.g. LoRA on "
-            "lm_head); leave lm_head out of the adapters or disable the tiled loss"
+            f"the tiled loss needs the output embedding to be a plain torch.nn.Linear (or PEFT's modules_to_save, "
+            f"trainable tokens or LoRA without dropout or DoRA on one), but {type(causal_lm).__name__}'s is "
+            f"{type(output).__name__} (e.g. LoRA with lora_dropout > 0 on lm_head); set lora_dropout=0 or leave "
+            "lm_head out of the adapters, or disable the tiled loss"
         )
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
         raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
@@ -224,10 +225,42 @@ def _token_weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
     return layer.get_merged_weights(layer.active_adapters), None
 
 
+def _lora_weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """PEFT's LoRA ``Linear`` on lm_head (plain LoRA without dropout, :func:`_plain_lora`): the weight and bias its
+    forward multiplies by, ``W + scaling x B @ A`` (and ``scaling x`` lora_B's bias) for each active adapter; its
+    base layer's with the adapters off (unmerged first, as that forward does) or merged into it."""
+    if layer.disable_adapters and layer.merged:
+        layer.unmerge()
+    weight, bias = _linear_weights(layer.base_layer)
+    if layer.disable_adapters or layer.merged:
+        return weight, bias
+    for name in layer.active_adapters:
+        if name not in layer.lora_A:  # (a ModuleDict)
+            continue
+        a, b, scaling = layer.lora_A[name], layer.lora_B[name], layer.scaling[name]
+        weight = weight + (b.weight @ a.weight).to(weight.dtype) * scaling  # [V, r] @ [r, h]
+        if b.bias is not None:
+            bias = b.bias * scaling if bias is None else bias + b.bias * scaling
+    return weight, bias
+
+
+def _plain_lora(module: object) -> bool:
+    """PEFT's LoRA ``Linear`` over a plain ``nn.Linear``, each adapter plain LoRA (no DoRA or other variant) without
+    dropout: its output is then the input times one weight (:func:`_lora_weights`)."""
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except ImportError:
+        return False
+    if type(module) is not LoraLinear or module.fan_in_fan_out or module.lora_variant:
+        return False
+    no_dropout = all(isinstance(d, nn.Identity) or d.p == 0 for d in module.lora_dropout.values())
+    return no_dropout and _plain_linear(module.base_layer)
+
+
 def _vocab_rows(module: nn.Module, weights: Weights) -> int:
     """The vocabulary size of a module :func:`_head_calls` gives (read from a base weight: a trainable-tokens
     wrapper's ``.weight`` would copy the whole matrix to give it)."""
-    return (module.base_layer if weights is _token_weights else module).weight.shape[0]
+    return (module.base_layer if weights in (_token_weights, _lora_weights) else module).weight.shape[0]
 
 
 def _plain_linear(module: object) -> bool:
@@ -239,9 +272,12 @@ def _head_calls(output: nn.Module) -> list[tuple[nn.Module, Weights]] | None:
     a plain ``nn.Linear``; for PEFT's ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``) the original and
     each adapter's trainable copy, one of which the wrapper calls (the active adapter's, or the original with
     adapters off); for its ``TrainableTokensWrapper`` (``trainable_token_indices`` on lm_head, or on a tied
-    embedding) the token layer; None for anything else (LoRA on lm_head)."""
+    embedding) the token layer; for LoRA on lm_head (without dropout or a variant such as DoRA) the LoRA layer;
+    None for anything else."""
     if _plain_linear(output):
         return [(output, _linear_weights)]
+    if _plain_lora(output):
+        return [(output, _lora_weights)]
     try:
         from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
     except ImportError:
