@@ -276,6 +276,8 @@ def training_args(case: dict, out: str, accum: int, split: bool = False) -> Any:
         sft = dict(packing=case["packing"], max_length=case["max_length"], loss_type=case["loss_type"], **aux)
         if case["padding_free"]:  # else TRL's default (on with packing)
             sft["padding_free"] = True
+        if case.get("prompt"):  # TRL reads completion_mask only then (its default: for prompt/completion columns)
+            sft["completion_only_loss"] = True
         return SFTConfig(**args, **sft)
     from transformers import TrainingArguments
 

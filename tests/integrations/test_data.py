@@ -305,6 +305,36 @@ def test_a_bad_label_smoothing_is_refused_when_the_config_is_made():
             causal_lm_loss(build("llama"), {}, ParallelLayout.single(), label_smoothing=bad)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "find_unused", "searched"),
+    [
+        ({"use_reentrant": True}, None, False),
+        ({"preserve_rng_state": True}, None, False),  # torch's checkpoint then runs reentrant
+        ({"use_reentrant": True, "every_n_layers": 2}, None, False),
+        (None, None, True),  # transformers' default: use_reentrant=False
+        ({"every_n_layers": 2, "offload": True}, None, True),  # nothing left for torch: transformers' default
+        ({"use_reentrant": False}, None, True),
+        ({"use_reentrant": True}, True, True),  # the arguments' own setting wins
+    ],
+)
+def test_ddp_searches_for_unused_parameters_unless_the_checkpoint_is_reentrant(kwargs, find_unused, searched):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from ulysses_sp.integrations.trainer_checks import ddp_for_reentrant_checkpointing
+
+    handler = DistributedDataParallelKwargs(find_unused_parameters=True)
+    args = SimpleNamespace(
+        activation_checkpointing=True, activation_checkpointing_kwargs=kwargs, ddp_find_unused_parameters=find_unused
+    )
+    (got,) = ddp_for_reentrant_checkpointing({"kwargs_handlers": [handler]}, args)["kwargs_handlers"]
+    assert got.find_unused_parameters is searched
+    args.activation_checkpointing = False
+    (got,) = ddp_for_reentrant_checkpointing({"kwargs_handlers": [handler]}, args)["kwargs_handlers"]
+    assert got.find_unused_parameters is True
+
+
 def test_liger_kernels_are_refused(tmp_path):
     from transformers import TrainingArguments
 

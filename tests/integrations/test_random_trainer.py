@@ -63,8 +63,11 @@ def compare(case: dict, out: str) -> str | None:
             problems.append(f"{key}: {got[key]} under SP, {want[key]} in one process ({error})")
     if got["eval_metrics"].keys() != want["eval_metrics"].keys():
         problems.append(f"eval metrics: {got['eval_metrics']} under SP, {want['eval_metrics']} in one process")
+    if case["metrics"] and case["eval_lengths"] and not want["eval_metrics"]:
+        problems.append("compute_metrics gave no metrics in one process")
     for key in got["eval_metrics"].keys() & want["eval_metrics"].keys():
-        if abs(got["eval_metrics"][key] - want["eval_metrics"][key]) > 1e-4:
+        pair = torch.tensor([got["eval_metrics"][key], want["eval_metrics"][key]], dtype=torch.float64)
+        if not torch.allclose(pair[0], pair[1], rtol=0, atol=1e-4, equal_nan=True):  # NaN on one side differs
             problems.append(f"{key}: {got['eval_metrics'][key]} under SP, {want['eval_metrics'][key]} in one process")
     if got_weights.keys() != want_weights.keys():
         problems.append(f"trained parameters differ: {sorted(got_weights.keys() ^ want_weights.keys())}")

@@ -286,9 +286,9 @@ def test_peft_trained_lm_head_runs_in_the_weight_the_model_uses(kind):
 
 @pytest.mark.parametrize("kind", ["modules_to_save", "trainable_tokens", "lora"])
 def test_peft_lm_head_merged_then_disabled_and_mixed_adapter_batches(kind):
-    """Trainable tokens on an untied lm_head merged, then with the adapter off: the original rows, as PEFT's forward
-    unmerges them (the tiled loss read the merged weight); a batch of mixed adapters (adapter_names) is refused by
-    name, not scored as logits or with a shape error."""
+    """A PEFT adapter on an untied lm_head merged (scored with the merged weight), then with the adapter off: the
+    original rows, as PEFT's forward unmerges them (the tiled loss read the merged weight); a batch of mixed adapters
+    (adapter_names) is refused by name, not scored as logits or with a shape error."""
     peft = pytest.importorskip("peft")
     head = {
         "modules_to_save": {"modules_to_save": ["lm_head"]},
@@ -305,6 +305,7 @@ def test_peft_lm_head_merged_then_disabled_and_mixed_adapter_batches(kind):
     with torch.no_grad():
         for net in (plain, tiled):
             net.merge_adapter()
+        torch.testing.assert_close(tiled(**batch).loss, plain(**batch).loss, **TOL)  # merged and on
         with plain.disable_adapter(), tiled.disable_adapter():
             torch.testing.assert_close(tiled(**batch).loss, plain(**batch).loss, **TOL)
         torch.testing.assert_close(tiled(**batch).loss, plain(**batch).loss, **TOL)

@@ -14,18 +14,23 @@ __all__ = ["ddp_for_reentrant_checkpointing", "refuse_deepspeed", "refuse_sharde
 
 def ddp_for_reentrant_checkpointing(accelerator_args: dict[str, Any], args: Any) -> dict[str, Any]:
     """The Trainer's Accelerator arguments with DDP's ``find_unused_parameters`` off when ``args`` turn on torch's
-    reentrant activation checkpointing (``use_reentrant=True``) and leave ``ddp_find_unused_parameters`` unset.
+    reentrant activation checkpointing (``use_reentrant=True``, or checkpoint kwargs without ``use_reentrant``) and
+    leave ``ddp_find_unused_parameters`` unset (checkpointing turned on on the model itself is not seen here).
 
     transformers turns the search off under checkpointing for a ``PreTrainedModel`` only; for a wrapped one (a PEFT
     model) it stays on, and under the reentrant checkpoint DDP then marks a parameter ready twice and fails in the
     first backward. Under SP the Trainer runs in DDP even on one SP group (the shards' gradients are averaged), so
     this fails where one process trains.
     """
-    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(
+    given = getattr(args, "activation_checkpointing_kwargs", None) or getattr(
         args, "gradient_checkpointing_kwargs", None
     )
     checkpointing = getattr(args, "activation_checkpointing", getattr(args, "gradient_checkpointing", False))
-    if not (checkpointing and (kwargs or {}).get("use_reentrant")) or args.ddp_find_unused_parameters is not None:
+    # as the Trainer hands them on, without every_n_layers and offload: none left -> use_reentrant=False
+    # (transformers' default), else torch's checkpoint with them (reentrant unless use_reentrant=False)
+    kwargs = {k: v for k, v in (given or {}).items() if k not in ("every_n_layers", "offload")}
+    reentrant = bool(kwargs) and kwargs.get("use_reentrant", True)
+    if not (checkpointing and reentrant) or args.ddp_find_unused_parameters is not None:
         return accelerator_args
     from accelerate.utils import DistributedDataParallelKwargs
 

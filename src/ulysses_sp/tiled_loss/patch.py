@@ -87,9 +87,9 @@ def enable_tiled_loss(
     if _head_calls(output) is None:
         raise ValueError(
             f"the tiled loss needs the output embedding to be a plain torch.nn.Linear (or PEFT's modules_to_save, "
-            f"trainable tokens or LoRA without dropout or DoRA on one), but {type(causal_lm).__name__}'s is "
-            f"{type(output).__name__} (e.g. LoRA with lora_dropout > 0 on lm_head); set lora_dropout=0 or leave "
-            "lm_head out of the adapters, or disable the tiled loss"
+            f"trainable tokens or plain LoRA on one), but {type(causal_lm).__name__}'s is {type(output).__name__} "
+            "(e.g. LoRA on lm_head with lora_dropout > 0, DoRA, fan_in_fan_out or a quantized base layer); use plain "
+            "LoRA with lora_dropout=0 there or leave lm_head out of the adapters, or disable the tiled loss"
         )
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
         raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
@@ -238,7 +238,7 @@ def _lora_weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         if name not in layer.lora_A:  # (a ModuleDict)
             continue
         a, b, scaling = layer.lora_A[name], layer.lora_B[name], layer.scaling[name]
-        weight = weight + (b.weight @ a.weight).to(weight.dtype) * scaling  # [V, r] @ [r, h]
+        weight = weight + (b.weight @ a.weight * scaling).to(weight.dtype)  # [V, r] @ [r, h], as PEFT's delta
         if b.bias is not None:
             bias = b.bias * scaling if bias is None else bias + b.bias * scaling
     return weight, bias
