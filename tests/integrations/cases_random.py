@@ -126,6 +126,8 @@ def random_case(seed: int, index: int, world: int) -> dict:
         reentrant=r.random() < 0.3,
         # with compute_metrics: TrainingArguments(batch_eval_metrics=True), the metrics summed batch by batch
         batch_metrics=r.random() < 0.4,
+        # TrainingArguments(dataloader_drop_last=True): a partial last batch (train and eval) dropped
+        drop_last=r.random() < 0.25,
     )
     if case["padding_free"]:
         case["max_length"] = None  # TRL does not truncate padding-free batches without packing (and refuses it)
@@ -251,6 +253,7 @@ def training_args(case: dict, out: str, accum: int, split: bool = False) -> Any:
         max_grad_norm=case["max_grad_norm"],
         include_num_input_tokens_seen=case["tokens_seen"],
         batch_eval_metrics=case["metrics"] and case["batch_metrics"],
+        dataloader_drop_last=case["drop_last"],
         # AdamW's eps at 1e-8 turns the round-off in a gradient that is zero in exact arithmetic (a key bias
         # outside RoPE's dimensions) into steps near the learning rate, which would swamp the weight comparison
         adam_epsilon=1e-6,
