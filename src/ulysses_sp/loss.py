@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from .comm import CommStats, all_reduce_sum
 from .layout import ParallelLayout
-from .validation import IGNORE_INDEX, as_ignored, first_bad_id
+from .validation import IGNORE_INDEX, as_ignored, check_label_smoothing, first_bad_id
 
 __all__ = [
     "causal_lm_loss",
@@ -85,15 +85,6 @@ def sequence_parallel_cross_entropy(
     return _cross_entropy_mean(
         logits, shift_labels, layout, label_smoothing=check_label_smoothing(label_smoothing), **options
     )[0]
-
-
-def check_label_smoothing(label_smoothing: float) -> float:
-    """``label_smoothing`` checked: a number in [0, 1)."""
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
-        raise ValueError(f"label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1) (0: none), got {label_smoothing!r}")
-    return float(label_smoothing)
 
 
 def _cross_entropy_mean(

@@ -1,5 +1,5 @@
 """Checks of a batch or a shard that must give the same verdict on every rank: token ids against the vocabulary,
-and the shape of the per-token inputs under sequence parallelism.
+and the shape of the per-token inputs under sequence parallelism (and the range of a loss's label smoothing).
 
 Used by :func:`ulysses_sp.shard_batch` (on the full batch) and by the model's once-per-forward agreement
 (:meth:`ulysses_sp.attention.UlyssesAttention.begin_forward`, on the shard): both report the offending id
@@ -25,6 +25,7 @@ __all__ = [
     "PeerRejected",
     "bad_id_message",
     "check_id_ranges",
+    "check_label_smoothing",
     "first_bad_id",
     "id_range",
     "input_problem",
@@ -32,6 +33,15 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100  # a target with this id carries no loss (transformers' and PyTorch's convention)
+
+
+def check_label_smoothing(label_smoothing: float) -> float:
+    """``label_smoothing`` checked (a number in [0, 1)), as a float."""
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise ValueError(f"label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1) (0: none), got {label_smoothing!r}")
+    return float(label_smoothing)
 
 
 def bad_id_message(name: str, value: int, vocab_size: int | None, ignore_index: int | None) -> str:

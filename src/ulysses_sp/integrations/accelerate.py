@@ -34,8 +34,9 @@ from torch.utils.data import DataLoader
 
 from ..features import apply_features
 from ..layout import ParallelLayout
-from ..loss import causal_lm_loss, check_label_smoothing, count_valid_tokens, sequence_parallel_cross_entropy
+from ..loss import causal_lm_loss, count_valid_tokens, sequence_parallel_cross_entropy
 from ..model import parallelize
+from ..validation import check_label_smoothing
 from .data import (
     SequenceParallelCollator,
     agree_on_batch,

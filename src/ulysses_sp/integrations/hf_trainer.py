@@ -70,7 +70,14 @@ from .label_smoothing import smoothed_loss
 from .metrics import drop_repeats, gather_over_dp, sequence_parallel_gather
 from .trainer_checks import ddp_for_reentrant_checkpointing, refuse_deepspeed, refuse_sharded_before
 
-__all__ = ["UlyssesTrainer", "UlyssesTrainerMixin", "resolve_core"]
+__all__ = ["UlyssesTrainer", "UlyssesTrainerMixin", "logits_forward", "resolve_core"]
+
+
+def logits_forward(model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
+    """The model's outputs on the shard without its targets (``labels``, ``shift_labels``): logits, not a loss (the
+    tiled loss would make one from them)."""
+    return model(**{key: value for key, value in inputs.items() if key not in ("labels", "shift_labels")})
+
 
 logger = logging.getLogger(__name__)
 
@@ -370,11 +377,11 @@ class UlyssesTrainerMixin:
                 if layout.sp > 1:
                     dist.all_reduce(count, group=layout.sp_group)
                 # the outputs only for the logits: TRL's SFTTrainer makes them in a forward of its own
-                loss = self.compute_loss(model, inputs, num_items_in_batch=count.clamp(min=1), return_outputs=predict)
-                loss, outputs = loss if predict else (loss, None)
+                got = self.compute_loss(model, inputs, num_items_in_batch=count.clamp(min=1), return_outputs=predict)
+                loss, outputs = got if predict else (got, None)
                 logits = getattr(outputs, "logits", None)
             if predict and logits is None:  # the tiled loss (or the MoE path) returned no logits: the shard's
-                outputs = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")})
+                outputs = logits_forward(model, inputs)
                 logits = outputs.logits
         if predict:
             self._only_logits(outputs, ignore_keys)

@@ -24,7 +24,7 @@ from ..hf import find_pretrained
 from ..layout import ParallelLayout
 from ..model import ulysses_context
 from ..moe import router_aux_loss
-from .hf_trainer import UlyssesTrainerMixin
+from .hf_trainer import UlyssesTrainerMixin, logits_forward
 
 __all__ = ["UlyssesSFTTrainer"]
 
@@ -54,8 +54,7 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
         if not return_outputs:
             return loss
         with torch.no_grad():
-            outputs = model(**{key: value for key, value in inputs.items() if key not in ("labels", "shift_labels")})
-        return loss, outputs
+            return loss, logits_forward(model, inputs)
 
     def _only_logits(self, outputs: Any, ignore_keys: list[str] | None) -> None:
         """Nothing to refuse: TRL's evaluation hands ``compute_metrics`` the logits alone, whatever else the model

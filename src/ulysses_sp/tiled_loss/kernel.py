@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ..validation import IGNORE_INDEX
+from ..validation import IGNORE_INDEX, check_label_smoothing
 
 __all__ = [
     "BYTES_PER_LOGIT",
@@ -337,8 +337,7 @@ def tiled_cross_entropy_sum(
         )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [vocab, {hidden.shape[-1]}], got {tuple(weight.shape)}")
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
+    label_smoothing = check_label_smoothing(label_smoothing)
     chunk = chunk_tokens if chunk_tokens is not None else loss_chunk_tokens(weight.shape[0])
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
@@ -346,5 +345,5 @@ def tiled_cross_entropy_sum(
     flat_targets = targets.reshape(-1).to(device=hidden.device, dtype=torch.long)  # [T]
     grad_on = torch.is_grad_enabled()  # (always off inside Function.forward: read it here)
     wanted = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias))
-    args = (chunk, head or LogitsHead(), ignore_index, _compute_dtype(hidden, weight), float(label_smoothing))
+    args = (chunk, head or LogitsHead(), ignore_index, _compute_dtype(hidden, weight), label_smoothing)
     return _TiledHeadLoss.apply(flat_hidden, weight, bias, flat_targets, args, wanted, recompute)

@@ -217,22 +217,27 @@ def _token_weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
     while its adapters are on and unmerged, as ``F.linear`` without a bias; else its base layer's, unmerged first
     with the adapters off, as that forward does)."""
     if layer.disable_adapters or not layer.active_adapters:
-        if layer.merged:
-            layer.unmerge()
-        return _linear_weights(layer.base_layer)
+        return _unmerged_base(layer)
     if layer.merged:
         return _linear_weights(layer.base_layer)
     return layer.get_merged_weights(layer.active_adapters), None
+
+
+def _unmerged_base(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A PEFT layer's base weight and bias with its adapters off: unmerged first, as its forward does then."""
+    if layer.merged:
+        layer.unmerge()
+    return _linear_weights(layer.base_layer)
 
 
 def _lora_weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """PEFT's LoRA ``Linear`` on lm_head (plain LoRA without dropout, :func:`_plain_lora`): the weight and bias its
     forward multiplies by, ``W + scaling x B @ A`` (and ``scaling x`` lora_B's bias) for each active adapter; its
     base layer's with the adapters off (unmerged first, as that forward does) or merged into it."""
-    if layer.disable_adapters and layer.merged:
-        layer.unmerge()
+    if layer.disable_adapters:
+        return _unmerged_base(layer)
     weight, bias = _linear_weights(layer.base_layer)
-    if layer.disable_adapters or layer.merged:
+    if layer.merged:
         return weight, bias
     for name in layer.active_adapters:
         if name not in layer.lora_A:  # (a ModuleDict)
