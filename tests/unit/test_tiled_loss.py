@@ -313,6 +313,29 @@ def test_peft_lm_head_merged_then_disabled_and_mixed_adapter_batches(kind):
             tiled(**batch, adapter_names=["default", "__base__"])
 
 
+def test_peft_lora_on_lm_head_trains_without_a_vocab_by_hidden_tensor():
+    """LoRA on a frozen lm_head (vocabulary 32,000, hidden 32): a training step through the tiled loss holds no
+    [V, h] tensor (the adapter's term is added per chunk; only A and B get gradients), and equals PEFT's own."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(**{**_quiet(), "vocab_size": 32_000, "tie_word_embeddings": False})
+    lora = peft.LoraConfig(r=4, target_modules=["lm_head"], init_lora_weights=False)
+    model = peft.get_peft_model(tf.LlamaForCausalLM(config), lora)
+    batch = make_batch(1, 16)
+    plain, tiled = copy.deepcopy(model), U.enable_tiled_loss(copy.deepcopy(model), chunk_tokens=2)
+    tiled(**batch)  # the first call checks the head against the model's logits
+    head = model.base_model.model.lm_head.base_layer.weight  # [V, h], frozen
+    with PeakMemory("cpu") as step:
+        tiled(**batch).loss.backward()
+    assert step.peak_bytes < head.numel() * head.element_size()
+    plain(**batch).loss.backward()
+    trained = {n: p.grad for n, p in plain.named_parameters() if p.requires_grad}
+    assert any("lm_head.lora_A" in n for n in trained)
+    for name, param in tiled.named_parameters():  # (sums over 32,000 logits: 1e-5 of the largest gradient)
+        if param.requires_grad:
+            torch.testing.assert_close(param.grad, trained[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
 class _ScaledLogits(tf.LlamaForCausalLM):
     """A model whose forward post-processes logits in a way the tiled head does not know."""
 

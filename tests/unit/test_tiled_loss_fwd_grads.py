@@ -166,3 +166,92 @@ def test_bf16_gradients_close_to_plain():
 def test_fp32_product_mode_is_probed_without_error():
     # the CPU build of torch 2.13 has no out_dtype matmul: the product is rounded to bf16 before it is added
     assert kernel._fp32_product_mode("cpu", torch.bfloat16) in (None, "mm", "addmm")
+
+
+def _adapters(vocab: int, hidden: int, dtype=torch.float32, ranks=(3, 2), scalings=(2.0, 0.5)):
+    """Two LoRA-like low-rank terms: (A [r, h], B [V, r], B's bias [V] or None (the second), scaling)."""
+    torch.manual_seed(1)
+    made = []
+    for i, (rank, scaling) in enumerate(zip(ranks, scalings, strict=True)):
+        a = (torch.randn(rank, hidden, dtype=dtype) / 4).requires_grad_()
+        b = (torch.randn(vocab, rank, dtype=dtype) / 4).requires_grad_()
+        bias = torch.randn(vocab, dtype=dtype).requires_grad_() if i == 0 else None
+        made.append((a, b, bias, scaling))
+    return made
+
+
+def _plain_with_adapters(h, w, b, adapters, head):
+    """PEFT's arithmetic: ``base(h) + scaling x lora_B(lora_A(h))`` per adapter, then the head."""
+    raw = F.linear(h, w, b)
+    for a, up, bias, scaling in adapters:
+        raw = raw + F.linear(F.linear(h, a), up, bias) * scaling
+    return head.apply(raw.float())
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("head", [LogitsHead(), LogitsHead(scale=0.5, softcap=3.0)], ids=["linear", "softcap"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained_base", "frozen_base"])
+def test_low_rank_adapters_equal_peft_arithmetic(recompute, head, frozen):
+    """Loss and every gradient (hidden, base weight and bias unless frozen, each adapter's A, B and B's bias) equal
+    the plain computation, label smoothing on, in chunks of 7 over 37 tokens."""
+    h, w, b, targets = _inputs(bias=True)
+    if frozen:
+        w, b = w.detach(), b.detach()
+    adapters = _adapters(w.shape[0], w.shape[1])
+    leaves = [h, *(x for x in (w, b) if x.requires_grad), *(x for a in adapters for x in a[:3] if x is not None)]
+    plain = F.cross_entropy(
+        _plain_with_adapters(h, w, b, adapters, head), targets, reduction="sum", label_smoothing=0.1
+    )
+    want = torch.autograd.grad(plain * 0.3, leaves)
+    got = U.tiled_cross_entropy_sum(
+        h, w, targets, bias=b, head=head, chunk_tokens=7, recompute=recompute, label_smoothing=0.1, adapters=adapters
+    )
+    torch.testing.assert_close(got, plain, **TOL)
+    for index, (g, r) in enumerate(zip(torch.autograd.grad(got * 0.3, leaves), want, strict=True)):
+        torch.testing.assert_close(g, r, **TOL, msg=lambda m, i=index: f"leaf {i}: {m}")
+
+
+def test_low_rank_adapters_keep_no_vocab_by_hidden_tensor():
+    """With the base weight frozen (LoRA), the forward holds the hidden-state gradient, the adapters' (rank-r)
+    gradients and one chunk, never a [V, h] tensor; backward does no matmul."""
+    vocab, tokens, hidden, chunk = 32_000, 128, 256, 8
+    h, w, _, targets = _inputs(tokens=tokens, vocab=vocab, hidden=hidden)
+    w = w.detach()
+    adapters = _adapters(vocab, hidden, ranks=(4,), scalings=(2.0,))
+    adapter_grads = 4 * sum(x.numel() for a in adapters for x in a[:3] if x is not None)
+    buffers = 4 * h.numel() + adapter_grads
+    working = BYTES_PER_LOGIT * chunk * vocab  # the logits and one more [c, V] (the adapter's term as it is added)
+    gc.collect()
+    with PeakMemory("cpu") as forward:
+        loss = U.tiled_cross_entropy_sum(h, w, targets, chunk_tokens=chunk, adapters=adapters)
+    assert buffers + 4 * chunk * vocab <= forward.peak_bytes <= 1.02 * (buffers + working) < w.numel()
+    with _CountMatmuls() as counter:
+        loss.backward()
+    assert (
+        counter.calls == 0 and w.grad is None and all(a[0].grad is not None and a[1].grad is not None for a in adapters)
+    )
+
+
+def test_a_misshapen_adapter_is_refused():
+    h, w, _, targets = _inputs()
+    (a, b, bias, scaling), _ = _adapters(w.shape[0], w.shape[1])
+    for bad in [(a.t(), b, bias, scaling), (a, b[:-1], bias, scaling), (a, b, bias[:-1], scaling)]:
+        with pytest.raises(ValueError, match=r"an adapter must be A \[r, 16\], B \[50, r\]"):
+            U.tiled_cross_entropy_sum(h, w, targets, adapters=[bad])
+
+
+def test_bf16_base_with_fp32_adapters_close_to_fp32():
+    """PEFT keeps adapters in fp32 over a bf16 base: the adapter's term runs in the compute dtype (bf16), within
+    bf16 rounding of the fp32 result (1%, as PEFT's own mixed arithmetic is)."""
+    h, w, _, targets = _inputs(dtype=torch.bfloat16, tokens=64, vocab=300, hidden=32)
+    adapters = _adapters(300, 32)
+    leaves = [h, *(x for a in adapters for x in a[:3] if x is not None)]
+    exact = [(a.float(), b.float(), bias, s) for a, b, bias, s in adapters]
+    plain = F.cross_entropy(
+        _plain_with_adapters(h.float(), w.float(), None, exact, LogitsHead()), targets, reduction="sum"
+    )
+    want = torch.autograd.grad(plain, leaves)
+    got = U.tiled_cross_entropy_sum(h, w.detach(), targets, chunk_tokens=9, adapters=adapters)
+    assert abs(got.item() - plain.item()) <= 1e-3 * plain.item()
+    for g, r in zip(torch.autograd.grad(got, leaves), want, strict=True):
+        assert g.dtype == r.dtype and (g.float() - r.float()).norm() <= 2e-2 * r.float().norm()

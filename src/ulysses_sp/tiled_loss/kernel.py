@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -148,44 +148,62 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad: torch.Tensor, h: torch.Tens
 
 @dataclass
 class _HeadGrads:
-    """The gradients the chunks fill: ``hidden`` [T, h] (in hidden's dtype), ``weight`` [V, h] and ``bias``
-    [V] in fp32 (None where not wanted)."""
+    """The gradients the chunks fill: ``hidden`` [T, h] (in hidden's dtype); ``weight`` [V, h], ``bias`` [V] and,
+    per low-rank adapter, ``(A [r, h], B [V, r], B's bias [V])`` in fp32 (None where not wanted)."""
 
     hidden: torch.Tensor | None
     weight: torch.Tensor | None
     bias: torch.Tensor | None
+    adapters: list[list[torch.Tensor | None]]
 
     @classmethod
     def empty(
-        cls, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wanted: tuple[bool, ...]
+        cls, hidden: torch.Tensor, params: tuple[torch.Tensor | None, ...], wanted: tuple[bool, ...]
     ) -> _HeadGrads:
-        fp32 = dict(dtype=torch.float32, device=weight.device)
-        return cls(
-            torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if wanted[0] else None,
-            torch.zeros(weight.shape, **fp32) if wanted[1] else None,
-            torch.zeros(weight.shape[0], **fp32) if bias is not None and wanted[2] else None,
-        )
+        """``params``: (weight, bias, then A, B, B's bias per adapter); ``wanted``: hidden's flag, then theirs."""
+        fp32 = dict(dtype=torch.float32, device=params[0].device)
+        made = [
+            torch.zeros(p.shape, **fp32) if p is not None and want else None
+            for p, want in zip(params, wanted[1:], strict=True)
+        ]
+        hidden_grad = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if wanted[0] else None
+        return cls(hidden_grad, made[0], made[1], [made[i : i + 3] for i in range(2, len(made), 3)])
 
-    def add(self, start: int, end: int, grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> None:
-        """Tokens [start, end): ``grad`` = d loss / d raw logits [c, V], ``h`` [c, h], ``w`` [V, h]."""
+    def add(self, span: slice, grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, lows: list) -> None:
+        """Tokens ``span``: ``grad`` = d loss / d raw logits [c, V], ``h`` [c, h], ``w`` [V, h]; ``lows``: per
+        adapter ``(A [r, h], B [V, r], scaling, A h [c, r])`` as the chunk's forward used them."""
         if self.hidden is not None and self.hidden.dtype == grad.dtype:
-            torch.mm(grad, w, out=self.hidden[start:end])  # rows of a contiguous buffer: written in place
+            torch.mm(grad, w, out=self.hidden[span])  # rows of a contiguous buffer: written in place
         elif self.hidden is not None:
-            self.hidden[start:end] = grad @ w
+            self.hidden[span] = grad @ w
         if self.weight is not None:
             _accumulate_weight_grad(self.weight, grad, h)
         if self.bias is not None:
             self.bias += grad.sum(0, dtype=torch.float32)
+        for (a, b, scaling, down), (grad_a, grad_b, grad_bias) in zip(lows, self.adapters, strict=True):
+            if self.hidden is not None or grad_a is not None:
+                grad_down = (grad @ b).mul_(scaling)  # [c, r]: d loss / d (A h)
+                if self.hidden is not None:
+                    self.hidden[span] += grad_down @ a
+                if grad_a is not None:
+                    _accumulate_weight_grad(grad_a, grad_down, h)
+            if grad_b is not None:
+                _accumulate_weight_grad(grad_b, grad, down * scaling)
+            if grad_bias is not None:
+                grad_bias += grad.sum(0, dtype=torch.float32) * scaling
+
+    def all(self) -> list[torch.Tensor | None]:
+        return [self.hidden, self.weight, self.bias, *(g for grads in self.adapters for g in grads)]
 
     def scale_(self, factor: torch.Tensor) -> None:
-        for grad in (self.hidden, self.weight, self.bias):
+        for grad in self.all():
             if grad is not None:
                 grad.mul_(factor)
 
-    def result(self, weight_dtype: torch.dtype, bias_dtype: torch.dtype | None) -> tuple[torch.Tensor | None, ...]:
-        weight = self.weight.to(weight_dtype) if self.weight is not None else None
-        bias = self.bias.to(bias_dtype) if self.bias is not None else None
-        return self.hidden, weight, bias
+    def result(self, dtypes: list[torch.dtype | None]) -> list[torch.Tensor | None]:
+        """hidden's gradient, then each parameter's in its dtype (``dtypes``, as ``params`` in :meth:`empty`)."""
+        grads = self.all()
+        return [grads[0], *(g.to(dt) if g is not None else None for g, dt in zip(grads[1:], dtypes, strict=True))]
 
 
 def _chunk_loss_(
@@ -226,21 +244,28 @@ def _logits_grad_(
 
 def _run_chunks(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    params: tuple[torch.Tensor | None, ...],
     targets: torch.Tensor,
-    args: tuple[int, LogitsHead, int, torch.dtype, float],
+    args: tuple[int, LogitsHead, int, torch.dtype, float, tuple[float, ...]],
     grads: _HeadGrads | None,
     scale: float | torch.Tensor,
 ) -> torch.Tensor:
-    """The summed loss over all chunks; with ``grads``, each chunk's gradients (times ``scale``) added into them."""
-    chunk, head, ignore_index, dtype, smoothing = args
-    w = weight.to(dtype)
-    b = bias.to(dtype) if bias is not None else None
+    """The summed loss over all chunks; with ``grads``, each chunk's gradients (times ``scale``) added into them.
+    ``params``: (weight, bias, then A, B, B's bias per adapter, as :func:`tiled_cross_entropy_sum` takes them)."""
+    chunk, head, ignore_index, dtype, smoothing, scalings = args
+    w, b, *adapters = (p.to(dtype) if p is not None else None for p in params)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start, end in _chunks(hidden.shape[0], chunk):
         h = hidden[start:end].to(dtype)  # [c, h]
-        logits = head.apply_(F.linear(h, w, b).float())  # [c, V] fp32
+        raw = F.linear(h, w, b)  # [c, V]
+        lows = []
+        for i, scaling in enumerate(scalings):  # + scaling x (B (A h) + B's bias), PEFT's LoRA arithmetic
+            a, b_up, b_bias = adapters[3 * i : 3 * i + 3]
+            down = F.linear(h, a)  # [c, r]
+            raw.add_(F.linear(down, b_up, b_bias).mul_(scaling))  # (one more [c, V] while it is added)
+            lows.append((a, b_up, scaling, down))
+        logits = head.apply_(raw.float())  # [c, V] fp32 (raw itself in fp32)
+        del raw
         target = targets[start:end]
         valid = (target != ignore_index).unsqueeze(1)  # [c, 1]
         slope = head.softcap_grad_(logits.clone()) if grads is not None and head.softcap is not None else None
@@ -252,7 +277,7 @@ def _run_chunks(
         grad = _logits_grad_(logits, sums, target, valid, scale * head.scale, slope, smoothing)
         del logits, slope  # (grad is the logits, overwritten)
         grad = grad.to(dtype)  # d loss / d raw [c, V] in the compute dtype (the fp32 one is freed)
-        grads.add(start, end, grad, h, w)
+        grads.add(slice(start, end), grad, h, w, lows)
         del grad  # before the next chunk's logits exist
     return total
 
@@ -261,17 +286,17 @@ class _TiledHeadLoss(torch.autograd.Function):
     """sum over valid tokens of CE(head(hidden @ W^T + b), target); see :func:`tiled_cross_entropy_sum`."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, args, wanted, recompute):  # type: ignore[override]
-        # hidden [T, h]; weight [V, h]; bias [V] or None; targets [T]; args: (chunk, head, ignore_index, dtype,
-        # label smoothing)
+    def forward(ctx, hidden, targets, args, wanted, recompute, *params):  # type: ignore[override]
+        # hidden [T, h]; targets [T]; args: (chunk, head, ignore_index, dtype, label smoothing, adapters'
+        # scalings); params: weight [V, h], bias [V] or None, then per adapter A [r, h], B [V, r], B's bias
         make = any(wanted) and not recompute
         with torch.autocast(hidden.device.type, enabled=False):
-            grads = _HeadGrads.empty(hidden, weight, bias, wanted) if make else None
-            total = _run_chunks(hidden, weight, bias, targets, args, grads, 1.0)
+            grads = _HeadGrads.empty(hidden, params, wanted) if make else None
+            total = _run_chunks(hidden, params, targets, args, grads, 1.0)
         if recompute:
-            ctx.save_for_backward(hidden, weight, bias, targets)
+            ctx.save_for_backward(hidden, targets, *params)
         ctx.grads, ctx.args, ctx.recompute = grads, args, recompute
-        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        ctx.dtypes = [p.dtype if p is not None else None for p in params]
         return total
 
     @staticmethod
@@ -279,10 +304,11 @@ class _TiledHeadLoss(torch.autograd.Function):
     def backward(ctx, grad_total):  # type: ignore[override]
         scale = grad_total.float()
         if ctx.recompute:  # the chunks again, their logits recomputed: one more lm_head-sized matmul each
-            hidden, weight, bias, targets = ctx.saved_tensors
+            hidden, targets, *params = ctx.saved_tensors
+            wanted = (ctx.needs_input_grad[0], *ctx.needs_input_grad[5:])
             with torch.autocast(hidden.device.type, enabled=False):
-                grads = _HeadGrads.empty(hidden, weight, bias, ctx.needs_input_grad[:3])
-                _run_chunks(hidden, weight, bias, targets, ctx.args, grads, scale)
+                grads = _HeadGrads.empty(hidden, params, wanted)
+                _run_chunks(hidden, params, targets, ctx.args, grads, scale)
         else:  # made by the forward for a grad_output of 1: scaled after the chunk sums, in place
             grads, ctx.grads = ctx.grads, None
             if grads is None:
@@ -291,7 +317,8 @@ class _TiledHeadLoss(torch.autograd.Function):
                     "back-propagate through it twice (retain_graph=True), pass recompute=True"
                 )
             grads.scale_(scale)
-        return (*grads.result(*ctx.dtypes), None, None, None, None)
+        hidden_grad, *param_grads = grads.result(ctx.dtypes)
+        return (hidden_grad, None, None, None, None, *param_grads)
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -312,6 +339,7 @@ def tiled_cross_entropy_sum(
     ignore_index: int = IGNORE_INDEX,
     recompute: bool = False,
     label_smoothing: float = 0.0,
+    adapters: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]] = (),
 ) -> torch.Tensor:
     """Sum over valid targets of ``cross_entropy(head(hidden @ weight^T + bias), target)``, in chunks.
 
@@ -327,6 +355,9 @@ def tiled_cross_entropy_sum(
             requires grad), and only scaled by ``grad_output`` in backward.
         label_smoothing: e in [0, 1): each target's loss is ``(1 - e) x`` its cross-entropy ``+ e x`` the mean
             over the vocabulary of ``-log softmax`` (transformers' ``LabelSmoother``, summed, not averaged).
+        adapters: low-rank terms added to the raw logits, each ``(A [r, h], B [V, r], B's bias [V] or None,
+            scaling)``: ``+ scaling x (B (A h) + bias)``, PEFT's LoRA on lm_head. Computed per chunk and
+            back-propagated through the rank-r factors only: no ``[V, h]`` weight or gradient is made for them.
 
     Returns an fp32 scalar. Under autocast the matmuls run in the autocast dtype (as ``lm_head`` would).
     """
@@ -341,9 +372,20 @@ def tiled_cross_entropy_sum(
     chunk = chunk_tokens if chunk_tokens is not None else loss_chunk_tokens(weight.shape[0])
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+    params = [weight, bias]
+    for a, b, b_bias, _ in adapters:
+        fits = a.dim() == 2 and a.shape[1] == weight.shape[1] and b.shape == (weight.shape[0], a.shape[0])
+        if not fits or (b_bias is not None and b_bias.shape != weight.shape[:1]):
+            raise ValueError(
+                f"an adapter must be A [r, {weight.shape[1]}], B [{weight.shape[0]}, r] and a bias "
+                f"[{weight.shape[0]}] or None, got {tuple(a.shape)}, {tuple(b.shape)}, "
+                f"{None if b_bias is None else tuple(b_bias.shape)}"
+            )
+        params += [a, b, b_bias]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [T, h]
     flat_targets = targets.reshape(-1).to(device=hidden.device, dtype=torch.long)  # [T]
     grad_on = torch.is_grad_enabled()  # (always off inside Function.forward: read it here)
-    wanted = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias))
-    args = (chunk, head or LogitsHead(), ignore_index, _compute_dtype(hidden, weight), label_smoothing)
-    return _TiledHeadLoss.apply(flat_hidden, weight, bias, flat_targets, args, wanted, recompute)
+    wanted = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, *params))
+    scalings = tuple(float(scaling) for *_, scaling in adapters)
+    args = (chunk, head or LogitsHead(), ignore_index, _compute_dtype(hidden, weight), label_smoothing, scalings)
+    return _TiledHeadLoss.apply(flat_hidden, flat_targets, args, wanted, recompute, *params)

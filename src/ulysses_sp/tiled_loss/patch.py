@@ -205,14 +205,16 @@ def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tenso
     state.verified = True
 
 
-Weights = Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor | None]]
+# What a head module multiplies by: (weight, bias, low-rank adapters as tiled_cross_entropy_sum takes them)
+HeadWeights = tuple[torch.Tensor, torch.Tensor | None, tuple]
+Weights = Callable[[nn.Module], HeadWeights]
 
 
-def _linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return module.weight, module.bias
+def _linear_weights(module: nn.Module) -> HeadWeights:
+    return module.weight, module.bias, ()
 
 
-def _token_weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _token_weights(layer: nn.Module) -> HeadWeights:
     """PEFT's TrainableTokensLayer on lm_head: the weight its forward multiplies by (the trained rows copied in
     while its adapters are on and unmerged, as ``F.linear`` without a bias; else its base layer's, unmerged first
     with the adapters off, as that forward does)."""
@@ -220,33 +222,29 @@ def _token_weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
         return _unmerged_base(layer)
     if layer.merged:
         return _linear_weights(layer.base_layer)
-    return layer.get_merged_weights(layer.active_adapters), None
+    return layer.get_merged_weights(layer.active_adapters), None, ()
 
 
-def _unmerged_base(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _unmerged_base(layer: nn.Module) -> HeadWeights:
     """A PEFT layer's base weight and bias with its adapters off: unmerged first, as its forward does then."""
     if layer.merged:
         layer.unmerge()
     return _linear_weights(layer.base_layer)
 
 
-def _lora_weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """PEFT's LoRA ``Linear`` on lm_head (plain LoRA without dropout, :func:`_plain_lora`): the weight and bias its
-    forward multiplies by, ``W + scaling x B @ A`` (and ``scaling x`` lora_B's bias) for each active adapter; its
-    base layer's with the adapters off (unmerged first, as that forward does) or merged into it."""
+def _lora_weights(layer: nn.Module) -> HeadWeights:
+    """PEFT's LoRA ``Linear`` on lm_head (plain LoRA without dropout, :func:`_plain_lora`): its base layer's weight
+    and bias, and each active adapter's ``(A, B, B's bias, scaling)``, added to the logits as its forward adds
+    ``scaling x lora_B(lora_A(x))`` (never as a ``[V, h]`` matrix); the base layer's alone with the adapters off
+    (unmerged first, as that forward does) or merged into it."""
     if layer.disable_adapters:
         return _unmerged_base(layer)
-    weight, bias = _linear_weights(layer.base_layer)
+    weight, bias, _ = _linear_weights(layer.base_layer)
     if layer.merged:
-        return weight, bias
-    for name in layer.active_adapters:
-        if name not in layer.lora_A:  # (a ModuleDict)
-            continue
-        a, b, scaling = layer.lora_A[name], layer.lora_B[name], layer.scaling[name]
-        weight = weight + (b.weight @ a.weight * scaling).to(weight.dtype)  # [V, r] @ [r, h], as PEFT's delta
-        if b.bias is not None:
-            bias = b.bias * scaling if bias is None else bias + b.bias * scaling
-    return weight, bias
+        return weight, bias, ()
+    names = [name for name in layer.active_adapters if name in layer.lora_A]  # (a ModuleDict)
+    adapters = [(layer.lora_A[n].weight, layer.lora_B[n].weight, layer.lora_B[n].bias, layer.scaling[n]) for n in names]
+    return weight, bias, tuple(adapters)
 
 
 def _plain_lora(module: object) -> bool:
@@ -305,8 +303,8 @@ def _head_loss(
     :func:`_head_calls`, with whose weight) the call runs in."""
 
     def forward(module: nn.Module, hidden_states: torch.Tensor, weights: Weights) -> torch.Tensor:
-        weight, bias = weights(module)
-        return tiled_cross_entropy_sum(hidden_states, weight, targets, bias=bias, **kwargs)
+        weight, bias, adapters = weights(module)
+        return tiled_cross_entropy_sum(hidden_states, weight, targets, bias=bias, adapters=adapters, **kwargs)
 
     def one_adapter(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if kwargs.get("adapter_names") is not None:  # set by PEFT's hooks for a batch of mixed adapters
