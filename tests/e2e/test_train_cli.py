@@ -293,24 +293,29 @@ def test_rewind_new_settings_and_overwrite_never_lose_checkpoints(tmp_path, corp
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-0000001"]
 
 
-def test_ring_layout_trains_the_same_losses_as_pure_ulysses(tmp_path, corpus_file):
-    """--ring 2 (ulysses 1 x ring 2, zigzag shards) and pure Ulysses sp=2 see the same data and compute the
-    same loss: the per-step losses and the held-out loss agree to fp32 precision."""
+def test_ring_and_pure_ulysses_train_the_losses_of_one_process(tmp_path, corpus_file):
+    """--ring 2 (ulysses 1 x ring 2, zigzag shards) and pure Ulysses sp=2 on 2 ranks see the data one process
+    (--nproc 1) sees and compute its losses: the per-step losses and the held-out loss agree to fp32 precision
+    (the gradient norms only to 5e-3: Adam's first steps move near-zero gradients by +-lr whichever way their
+    rounding falls)."""
     common = [*TINY, "--dataset", str(corpus_file), "--max-steps", "3", "--eval-every", "3", "--no-final-save"]
+    one = [*common, "--nproc", "1", "--sp", "1"]  # (later flags win)
     runs = {}
-    for ring in ("1", "2"):
-        out = tmp_path / f"ring{ring}"
-        result = _ok(run_cli([*common, "--ring", ring, "--output-dir", str(out)]))
-        if ring == "2":
+    for name, args in {"one": one, "ring1": [*common, "--ring", "1"], "ring2": [*common, "--ring", "2"]}.items():
+        out = tmp_path / name
+        result = _ok(run_cli([*args, "--output-dir", str(out)]))
+        if name == "ring2":
             assert "ulysses 1 x ring 2" in result.stdout
-        runs[ring] = ([r["loss"] for r in records(out)], [r["eval_loss"] for r in records(out, "eval")])
-    assert len(runs["1"][0]) == 3 and len(runs["1"][1]) == 1
-    for got, want in zip(runs["2"], runs["1"], strict=True):
-        assert got == pytest.approx(want, rel=1e-5), (got, want)
+        runs[name] = [[r[key] for r in records(out)] for key in ("loss", "grad_norm")]
+        runs[name].append([r["eval_loss"] for r in records(out, "eval")])
+    assert len(runs["one"][0]) == 3 and len(runs["one"][2]) == 1
+    for name in ("ring1", "ring2"):
+        for got, want, rel in zip(runs[name], runs["one"], (1e-5, 5e-3, 1e-5), strict=True):
+            assert got == pytest.approx(want, rel=rel), (name, got, want)
     # --label-smoothing reaches the training loss: at the first step (near-uniform predictions, the same weights and
     # data) the smoothed loss is about the plain one, and its gradient (1 - e) times the plain one's
     out = tmp_path / "smoothed"
-    _ok(run_cli([*common, "--ring", "2", "--label-smoothing", "0.5", "--max-steps", "1", "--output-dir", str(out)]))
-    (smoothed,), (plain, *_) = records(out), records(tmp_path / "ring1")
+    _ok(run_cli([*one, "--label-smoothing", "0.5", "--max-steps", "1", "--output-dir", str(out)]))
+    (smoothed,), (plain, *_) = records(out), records(tmp_path / "one")
     assert smoothed["loss"] == pytest.approx(plain["loss"], rel=1e-2), (smoothed, plain)
     assert smoothed["grad_norm"] / plain["grad_norm"] == pytest.approx(0.5, rel=0.02), (smoothed, plain)
