@@ -228,13 +228,12 @@ def test_disable_restores_a_forward_wrapper_set_on_the_instance_before():
     assert calls == [1, 1]
 
 
-@pytest.mark.parametrize("variant", [{"lora_dropout": 0.1}, {"use_dora": True}])
-def test_lora_with_dropout_or_dora_on_lm_head_refused_lora_elsewhere_exact(variant):
-    """LoRA on lm_head with dropout (a mask on the input, not one weight) or DoRA is refused by name; LoRA on the
-    attention projections runs under the tiled loss with the model's own loss and gradients."""
+def test_dora_on_lm_head_refused_lora_elsewhere_exact():
+    """DoRA on lm_head (a weight norm over the whole [V, h] matrix) is refused by name; LoRA on the attention
+    projections runs under the tiled loss with the model's own loss and gradients."""
     peft = pytest.importorskip("peft")
-    refused = peft.get_peft_model(build("llama"), peft.LoraConfig(r=2, target_modules=["lm_head"], **variant))
-    with pytest.raises(ValueError, match="plain torch.nn.Linear .*lora_dropout"):
+    refused = peft.get_peft_model(build("llama"), peft.LoraConfig(r=2, target_modules=["lm_head"], use_dora=True))
+    with pytest.raises(ValueError, match="plain torch.nn.Linear .*DoRA"):
         U.enable_tiled_loss(refused)
     lora = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     model = peft.get_peft_model(build("llama"), lora)
@@ -249,12 +248,40 @@ def test_lora_with_dropout_or_dora_on_lm_head_refused_lora_elsewhere_exact(varia
         torch.testing.assert_close(got[name], ref[name], **TOL, msg=name)
 
 
+def test_lora_dropout_on_lm_head_draws_the_masks_peft_draws():
+    """LoRA on lm_head with lora_dropout 0.3, training: the tiled loss draws the masks PEFT's forward draws (one per
+    adapter over the whole hidden states, from the same generator state; the first call's check of the head draws
+    none), so two steps' losses and gradients equal the plain model's; another seed, other masks; in eval, none."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "lm_head"], lora_dropout=0.3, init_lora_weights=False)
+    model = peft.get_peft_model(build("llama"), config).train()
+    batch = make_batch(2, 12)
+    plain, tiled = copy.deepcopy(model), U.enable_tiled_loss(copy.deepcopy(model), chunk_tokens=5)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        want = plain(**batch).loss
+        torch.manual_seed(seed)
+        got = tiled(**batch).loss
+        torch.testing.assert_close(got, want, **TOL)
+        want.backward()
+        got.backward()
+    ref, grads = _grads(plain), _grads(tiled)
+    assert ref.keys() == grads.keys() and any("lm_head.lora_A" in name for name in ref)
+    for name in ref:
+        torch.testing.assert_close(grads[name], ref[name], **TOL, msg=name)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        assert not torch.allclose(tiled(**batch).loss, got)
+        plain.eval(), tiled.eval()
+        torch.testing.assert_close(tiled(**batch).loss, plain(**batch).loss, **TOL)
+
+
 @pytest.mark.parametrize("kind", ["modules_to_save", "trainable_tokens_tied", "lora"])
 def test_peft_trained_lm_head_runs_in_the_weight_the_model_uses(kind):
     """PEFT's modules_to_save copy of lm_head, trainable tokens on a tied lm_head, and LoRA on lm_head (with a bias on
     lora_B): the tiled loss runs with the weight the wrapper's call would use (the adapter's copy, the rows it trains
-    copied in, or W + scaling x B @ A; the original with the adapter off), with the loss and gradients of the model's
-    own."""
+    copied in, or the base weight plus scaling x lora_B(lora_A(h)); the original with the adapter off), with the loss
+    and gradients of the model's own."""
     peft = pytest.importorskip("peft")
     lora = dict(r=2, target_modules=["q_proj"], init_lora_weights=False)
     if kind == "lora":

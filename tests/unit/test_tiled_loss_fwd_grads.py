@@ -181,10 +181,12 @@ def _adapters(vocab: int, hidden: int, dtype=torch.float32, ranks=(3, 2), scalin
 
 
 def _plain_with_adapters(h, w, b, adapters, head):
-    """PEFT's arithmetic: ``base(h) + scaling x lora_B(lora_A(h))`` per adapter, then the head."""
+    """PEFT's arithmetic: ``base(h) + scaling x lora_B(lora_A(x))`` per adapter (x: its inputs, else h), then the
+    head."""
     raw = F.linear(h, w, b)
-    for a, up, bias, scaling in adapters:
-        raw = raw + F.linear(F.linear(h, a), up, bias) * scaling
+    for a, up, bias, scaling, *inputs in adapters:
+        x = inputs[0] if inputs and inputs[0] is not None else h
+        raw = raw + F.linear(F.linear(x, a), up, bias) * scaling
     return head.apply(raw.float())
 
 
@@ -193,16 +195,19 @@ def _plain_with_adapters(h, w, b, adapters, head):
 @pytest.mark.parametrize("frozen", [False, True], ids=["trained_base", "frozen_base"])
 def test_low_rank_adapters_equal_peft_arithmetic(recompute, head, frozen):
     """Loss and every gradient (hidden, base weight and bias unless frozen, each adapter's A, B and B's bias) equal
-    the plain computation, label smoothing on, in chunks of 7 over 37 tokens."""
+    the plain computation, label smoothing on, in chunks of 7 over 37 tokens; the second adapter reads inputs of its
+    own (the hidden states after a dropout mask), through which hidden's gradient flows too."""
     h, w, b, targets = _inputs(bias=True)
     if frozen:
         w, b = w.detach(), b.detach()
     adapters = _adapters(w.shape[0], w.shape[1])
+    mask = torch.rand(h.shape, generator=torch.Generator().manual_seed(2)) > 0.3
+    adapters[1] = (*adapters[1], h * mask / 0.7)  # the second reads its own inputs (h after a dropout), as PEFT's
     leaves = [h, *(x for x in (w, b) if x.requires_grad), *(x for a in adapters for x in a[:3] if x is not None)]
     plain = F.cross_entropy(
         _plain_with_adapters(h, w, b, adapters, head), targets, reduction="sum", label_smoothing=0.1
     )
-    want = torch.autograd.grad(plain * 0.3, leaves)
+    want = torch.autograd.grad(plain * 0.3, leaves, retain_graph=True)  # (the mask's product is shared)
     got = U.tiled_cross_entropy_sum(
         h, w, targets, bias=b, head=head, chunk_tokens=7, recompute=recompute, label_smoothing=0.1, adapters=adapters
     )

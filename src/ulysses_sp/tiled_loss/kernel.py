@@ -19,6 +19,7 @@ import contextlib
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from ..validation import IGNORE_INDEX, check_label_smoothing
 
 __all__ = [
     "BYTES_PER_LOGIT",
+    "Adapter",
     "DEFAULT_LOSS_BUDGET_BYTES",
     "LogitsHead",
     "chunk_bytes_per_logit",
@@ -146,10 +148,25 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad: torch.Tensor, h: torch.Tens
         acc[v0 : v0 + rows] += torch.mm(block, h, out_dtype=torch.float32) if mode == "mm" else block @ h
 
 
+class Adapter(NamedTuple):
+    """A low-rank term added to the raw logits, ``+ scaling x (B (A x) + bias)``: PEFT's LoRA on lm_head, with
+    ``x`` the hidden states, or ``inputs`` where given (the hidden states after the adapter's dropout)."""
+
+    a: torch.Tensor  # [r, h]
+    b: torch.Tensor  # [V, r]
+    bias: torch.Tensor | None  # [V]
+    scaling: float
+    inputs: torch.Tensor | None = None  # [..., h], shaped as the hidden states
+
+
+_PER_ADAPTER = 4  # tensors per adapter among a kernel's params: A, B, bias, inputs
+
+
 @dataclass
 class _HeadGrads:
-    """The gradients the chunks fill: ``hidden`` [T, h] (in hidden's dtype); ``weight`` [V, h], ``bias`` [V] and,
-    per low-rank adapter, ``(A [r, h], B [V, r], B's bias [V])`` in fp32 (None where not wanted)."""
+    """The gradients the chunks fill: ``hidden`` [T, h] and an adapter's ``inputs`` [T, h] (in their dtypes);
+    ``weight`` [V, h], ``bias`` [V] and per adapter ``A [r, h], B [V, r], bias [V]`` in fp32 (None where not
+    wanted)."""
 
     hidden: torch.Tensor | None
     weight: torch.Tensor | None
@@ -160,18 +177,23 @@ class _HeadGrads:
     def empty(
         cls, hidden: torch.Tensor, params: tuple[torch.Tensor | None, ...], wanted: tuple[bool, ...]
     ) -> _HeadGrads:
-        """``params``: (weight, bias, then A, B, B's bias per adapter); ``wanted``: hidden's flag, then theirs."""
-        fp32 = dict(dtype=torch.float32, device=params[0].device)
-        made = [
-            torch.zeros(p.shape, **fp32) if p is not None and want else None
-            for p, want in zip(params, wanted[1:], strict=True)
-        ]
+        """``params``: (weight, bias, then A, B, bias, inputs per adapter); ``wanted``: hidden's flag, then theirs."""
+
+        def buffer(index: int, param: torch.Tensor | None, want: bool) -> torch.Tensor | None:
+            if param is None or not want:
+                return None
+            if index > 1 and (index - 2) % _PER_ADAPTER == 3:  # an adapter's inputs: every row is set, in its dtype
+                return torch.empty_like(param)
+            return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+
+        made = [buffer(i, p, want) for i, (p, want) in enumerate(zip(params, wanted[1:], strict=True))]
         hidden_grad = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if wanted[0] else None
-        return cls(hidden_grad, made[0], made[1], [made[i : i + 3] for i in range(2, len(made), 3)])
+        adapters = [made[i : i + _PER_ADAPTER] for i in range(2, len(made), _PER_ADAPTER)]
+        return cls(hidden_grad, made[0], made[1], adapters)
 
     def add(self, span: slice, grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, lows: list) -> None:
         """Tokens ``span``: ``grad`` = d loss / d raw logits [c, V], ``h`` [c, h], ``w`` [V, h]; ``lows``: per
-        adapter ``(A [r, h], B [V, r], scaling, A h [c, r])`` as the chunk's forward used them."""
+        adapter ``(A [r, h], B [V, r], scaling, x [c, h], A x [c, r])`` as the chunk's forward used them."""
         if self.hidden is not None and self.hidden.dtype == grad.dtype:
             torch.mm(grad, w, out=self.hidden[span])  # rows of a contiguous buffer: written in place
         elif self.hidden is not None:
@@ -180,13 +202,17 @@ class _HeadGrads:
             _accumulate_weight_grad(self.weight, grad, h)
         if self.bias is not None:
             self.bias += grad.sum(0, dtype=torch.float32)
-        for (a, b, scaling, down), (grad_a, grad_b, grad_bias) in zip(lows, self.adapters, strict=True):
-            if self.hidden is not None or grad_a is not None:
-                grad_down = (grad @ b).mul_(scaling)  # [c, r]: d loss / d (A h)
-                if self.hidden is not None:
-                    self.hidden[span] += grad_down @ a
+        for (a, b, scaling, x, down), (grad_a, grad_b, grad_bias, grad_x) in zip(lows, self.adapters, strict=True):
+            into_hidden = x is h  # the adapter reads the hidden states themselves (no inputs of its own)
+            grad_x = self.hidden if into_hidden else grad_x
+            if grad_x is not None or grad_a is not None:
+                grad_down = (grad @ b).mul_(scaling)  # [c, r]: d loss / d (A x)
+                if grad_x is not None and into_hidden:
+                    grad_x[span] += grad_down @ a
+                elif grad_x is not None:
+                    grad_x[span] = grad_down @ a
                 if grad_a is not None:
-                    _accumulate_weight_grad(grad_a, grad_down, h)
+                    _accumulate_weight_grad(grad_a, grad_down, x)
             if grad_b is not None:
                 _accumulate_weight_grad(grad_b, grad, down * scaling)
             if grad_bias is not None:
@@ -251,19 +277,25 @@ def _run_chunks(
     scale: float | torch.Tensor,
 ) -> torch.Tensor:
     """The summed loss over all chunks; with ``grads``, each chunk's gradients (times ``scale``) added into them.
-    ``params``: (weight, bias, then A, B, B's bias per adapter, as :func:`tiled_cross_entropy_sum` takes them)."""
+    ``params``: (weight, bias, then A, B, bias, inputs [T, h] or None per adapter)."""
     chunk, head, ignore_index, dtype, smoothing, scalings = args
-    w, b, *adapters = (p.to(dtype) if p is not None else None for p in params)
+    w, b = (p.to(dtype) if p is not None else None for p in params[:2])
+    adapters = []  # (A, B, bias) in the compute dtype, the inputs as given (cast a chunk at a time), scaling
+    for i, scaling in enumerate(scalings):
+        a, b_up, b_bias, inputs = params[2 + _PER_ADAPTER * i : 2 + _PER_ADAPTER * (i + 1)]
+        adapters.append(
+            (a.to(dtype), b_up.to(dtype), b_bias.to(dtype) if b_bias is not None else None, inputs, scaling)
+        )
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start, end in _chunks(hidden.shape[0], chunk):
         h = hidden[start:end].to(dtype)  # [c, h]
         raw = F.linear(h, w, b)  # [c, V]
         lows = []
-        for i, scaling in enumerate(scalings):  # + scaling x (B (A h) + B's bias), PEFT's LoRA arithmetic
-            a, b_up, b_bias = adapters[3 * i : 3 * i + 3]
-            down = F.linear(h, a)  # [c, r]
+        for a, b_up, b_bias, inputs, scaling in adapters:  # + scaling x (B (A x) + bias), PEFT's LoRA arithmetic
+            x = h if inputs is None else inputs[start:end].to(dtype)  # [c, h]
+            down = F.linear(x, a)  # [c, r]
             raw.add_(F.linear(down, b_up, b_bias).mul_(scaling))  # (one more [c, V] while it is added)
-            lows.append((a, b_up, scaling, down))
+            lows.append((a, b_up, scaling, x, down))
         logits = head.apply_(raw.float())  # [c, V] fp32 (raw itself in fp32)
         del raw
         target = targets[start:end]
@@ -288,7 +320,8 @@ class _TiledHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, args, wanted, recompute, *params):  # type: ignore[override]
         # hidden [T, h]; targets [T]; args: (chunk, head, ignore_index, dtype, label smoothing, adapters'
-        # scalings); params: weight [V, h], bias [V] or None, then per adapter A [r, h], B [V, r], B's bias
+        # scalings); params: weight [V, h], bias [V] or None, then per adapter A [r, h], B [V, r], its bias [V] or
+        # None, its inputs [T, h] or None
         make = any(wanted) and not recompute
         with torch.autocast(hidden.device.type, enabled=False):
             grads = _HeadGrads.empty(hidden, params, wanted) if make else None
@@ -339,7 +372,7 @@ def tiled_cross_entropy_sum(
     ignore_index: int = IGNORE_INDEX,
     recompute: bool = False,
     label_smoothing: float = 0.0,
-    adapters: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]] = (),
+    adapters: Sequence[Adapter | tuple] = (),
 ) -> torch.Tensor:
     """Sum over valid targets of ``cross_entropy(head(hidden @ weight^T + bias), target)``, in chunks.
 
@@ -355,9 +388,10 @@ def tiled_cross_entropy_sum(
             requires grad), and only scaled by ``grad_output`` in backward.
         label_smoothing: e in [0, 1): each target's loss is ``(1 - e) x`` its cross-entropy ``+ e x`` the mean
             over the vocabulary of ``-log softmax`` (transformers' ``LabelSmoother``, summed, not averaged).
-        adapters: low-rank terms added to the raw logits, each ``(A [r, h], B [V, r], B's bias [V] or None,
-            scaling)``: ``+ scaling x (B (A h) + bias)``, PEFT's LoRA on lm_head. Computed per chunk and
-            back-propagated through the rank-r factors only: no ``[V, h]`` weight or gradient is made for them.
+        adapters: low-rank terms added to the raw logits (:class:`Adapter`, or its fields as a tuple: ``A [r, h]``,
+            ``B [V, r]``, bias ``[V]`` or None, scaling, inputs ``[..., h]`` or None for the hidden states):
+            ``+ scaling x (B (A x) + bias)``, PEFT's LoRA on lm_head. Computed per chunk and back-propagated
+            through the rank-r factors only: no ``[V, h]`` weight or gradient is made for them.
 
     Returns an fp32 scalar. Under autocast the matmuls run in the autocast dtype (as ``lm_head`` would).
     """
@@ -373,19 +407,21 @@ def tiled_cross_entropy_sum(
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
     params = [weight, bias]
-    for a, b, b_bias, _ in adapters:
+    adapters = [Adapter(*adapter) for adapter in adapters]
+    for a, b, b_bias, _, inputs in adapters:
         fits = a.dim() == 2 and a.shape[1] == weight.shape[1] and b.shape == (weight.shape[0], a.shape[0])
-        if not fits or (b_bias is not None and b_bias.shape != weight.shape[:1]):
+        fits = fits and (b_bias is None or b_bias.shape == weight.shape[:1])
+        if not fits or (inputs is not None and inputs.shape != hidden.shape):
             raise ValueError(
-                f"an adapter must be A [r, {weight.shape[1]}], B [{weight.shape[0]}, r] and a bias "
-                f"[{weight.shape[0]}] or None, got {tuple(a.shape)}, {tuple(b.shape)}, "
-                f"{None if b_bias is None else tuple(b_bias.shape)}"
+                f"an adapter must be A [r, {weight.shape[1]}], B [{weight.shape[0]}, r], a bias [{weight.shape[0]}] "
+                f"or None and inputs {tuple(hidden.shape)} or None, got {tuple(a.shape)}, {tuple(b.shape)}, "
+                f"{None if b_bias is None else tuple(b_bias.shape)}, {None if inputs is None else tuple(inputs.shape)}"
             )
-        params += [a, b, b_bias]
+        params += [a, b, b_bias, None if inputs is None else inputs.reshape(-1, inputs.shape[-1])]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [T, h]
     flat_targets = targets.reshape(-1).to(device=hidden.device, dtype=torch.long)  # [T]
     grad_on = torch.is_grad_enabled()  # (always off inside Function.forward: read it here)
     wanted = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, *params))
-    scalings = tuple(float(scaling) for *_, scaling in adapters)
+    scalings = tuple(float(adapter.scaling) for adapter in adapters)
     args = (chunk, head or LogitsHead(), ignore_index, _compute_dtype(hidden, weight), label_smoothing, scalings)
     return _TiledHeadLoss.apply(flat_hidden, flat_targets, args, wanted, recompute, *params)

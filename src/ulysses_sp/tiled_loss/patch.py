@@ -26,7 +26,7 @@ from torch import nn
 
 from ..hf import attention_modules, decoder_module, find_causal_lm
 from ..validation import IGNORE_INDEX, as_ignored
-from .kernel import DEFAULT_LOSS_BUDGET_BYTES, LogitsHead, loss_chunk_tokens, tiled_cross_entropy_sum
+from .kernel import DEFAULT_LOSS_BUDGET_BYTES, Adapter, LogitsHead, loss_chunk_tokens, tiled_cross_entropy_sum
 
 __all__ = [
     "LABEL_SMOOTHING",
@@ -77,7 +77,7 @@ def enable_tiled_loss(
     With ``labels`` or ``shift_labels``, ``model(...)`` returns ``loss`` and ``logits=None``: the loss is
     transformers' (shifted targets; ``num_items_in_batch`` -> sum / num_items_in_batch, else the mean over
     valid targets, 0 when there is none). Without them the original forward runs. Raises ValueError if the
-    output embedding is not a plain ``nn.Linear`` (e.g. LoRA with dropout on lm_head) or the model is already tiled; the
+    output embedding is not a plain ``nn.Linear`` (e.g. DoRA on lm_head) or the model is already tiled; the
     first forward raises ValueError if the model post-processes logits in a way the tiled head cannot copy.
     """
     causal_lm = find_causal_lm(model)
@@ -88,8 +88,8 @@ def enable_tiled_loss(
         raise ValueError(
             f"the tiled loss needs the output embedding to be a plain torch.nn.Linear (or PEFT's modules_to_save, "
             f"trainable tokens or plain LoRA on one), but {type(causal_lm).__name__}'s is {type(output).__name__} "
-            "(e.g. LoRA on lm_head with lora_dropout > 0, DoRA, fan_in_fan_out or a quantized base layer); use plain "
-            "LoRA with lora_dropout=0 there or leave lm_head out of the adapters, or disable the tiled loss"
+            "(e.g. DoRA or another LoRA variant on lm_head, fan_in_fan_out or a quantized base layer); use plain "
+            "LoRA there or leave lm_head out of the adapters, or disable the tiled loss"
         )
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
         raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
@@ -176,22 +176,34 @@ def _probe_tolerance(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
 
 
+@contextlib.contextmanager
+def _in_eval(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode (the head's own dropout, LoRA's, draws nothing in the probe), its modes restored."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tensor) -> None:
     """Push a few random hidden states through the model's own forward and compare with the tiled head."""
     output = causal_lm.get_output_embeddings()
     generator = torch.Generator(device="cpu").manual_seed(0)
     probe = torch.randn(1, _PROBE_TOKENS, like.shape[-1], generator=generator).to(like.device, like.dtype)
     ids = torch.zeros(1, _PROBE_TOKENS, dtype=torch.long, device=like.device)
-    try:
-        with torch.no_grad(), torch.autocast(like.device.type, enabled=False), _decoder_returning(causal_lm, probe):
-            theirs = state.original_forward(input_ids=ids, use_cache=False).logits
-    except Exception as err:  # the model's forward does something with its decoder's output we cannot fake
-        raise ValueError(
-            f"the tiled loss cannot check how {type(causal_lm).__name__} turns hidden states into logits (its "
-            f"forward failed on a probe: {type(err).__name__}: {err}); disable the tiled loss for this model "
-            "(tiled_loss=False / --no-tiled-loss)"
-        ) from err
-    with torch.no_grad(), torch.autocast(like.device.type, enabled=False):
+    with torch.no_grad(), torch.autocast(like.device.type, enabled=False), _in_eval(output):
+        try:
+            with _decoder_returning(causal_lm, probe):
+                theirs = state.original_forward(input_ids=ids, use_cache=False).logits
+        except Exception as err:  # the model's forward does something with its decoder's output we cannot fake
+            raise ValueError(
+                f"the tiled loss cannot check how {type(causal_lm).__name__} turns hidden states into logits (its "
+                f"forward failed on a probe: {type(err).__name__}: {err}); disable the tiled loss for this model "
+                "(tiled_loss=False / --no-tiled-loss)"
+            ) from err
         ours = state.head.apply(output(probe).float())  # the module call: FSDP2 gathers a sharded lm_head
     tol = _probe_tolerance(like.dtype)
     close = theirs is not None and theirs.shape == ours.shape
@@ -205,16 +217,16 @@ def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tenso
     state.verified = True
 
 
-# What a head module multiplies by: (weight, bias, low-rank adapters as tiled_cross_entropy_sum takes them)
-HeadWeights = tuple[torch.Tensor, torch.Tensor | None, tuple]
-Weights = Callable[[nn.Module], HeadWeights]
+# What a head module called on hidden states multiplies them by: (weight, bias, low-rank adapters)
+HeadWeights = tuple[torch.Tensor, torch.Tensor | None, tuple[Adapter, ...]]
+Weights = Callable[[nn.Module, torch.Tensor], HeadWeights]
 
 
-def _linear_weights(module: nn.Module) -> HeadWeights:
+def _linear_weights(module: nn.Module, hidden: torch.Tensor | None = None) -> HeadWeights:
     return module.weight, module.bias, ()
 
 
-def _token_weights(layer: nn.Module) -> HeadWeights:
+def _token_weights(layer: nn.Module, hidden: torch.Tensor | None = None) -> HeadWeights:
     """PEFT's TrainableTokensLayer on lm_head: the weight its forward multiplies by (the trained rows copied in
     while its adapters are on and unmerged, as ``F.linear`` without a bias; else its base layer's, unmerged first
     with the adapters off, as that forward does)."""
@@ -232,32 +244,41 @@ def _unmerged_base(layer: nn.Module) -> HeadWeights:
     return _linear_weights(layer.base_layer)
 
 
-def _lora_weights(layer: nn.Module) -> HeadWeights:
-    """PEFT's LoRA ``Linear`` on lm_head (plain LoRA without dropout, :func:`_plain_lora`): its base layer's weight
-    and bias, and each active adapter's ``(A, B, B's bias, scaling)``, added to the logits as its forward adds
-    ``scaling x lora_B(lora_A(x))`` (never as a ``[V, h]`` matrix); the base layer's alone with the adapters off
-    (unmerged first, as that forward does) or merged into it."""
+def _lora_weights(layer: nn.Module, hidden: torch.Tensor) -> HeadWeights:
+    """PEFT's LoRA ``Linear`` on lm_head (plain LoRA, :func:`_plain_lora`): its base layer's weight and bias, and each
+    active adapter's A, B, lora_B's bias and scaling, added to the logits as its forward adds
+    ``scaling x lora_B(lora_A(dropout(x)))`` (never as a ``[V, h]`` matrix; the dropout drawn here, as that forward
+    draws it: the same masks from the same generator state); the base layer's alone with the adapters off (unmerged
+    first, as that forward does) or merged into it."""
     if layer.disable_adapters:
         return _unmerged_base(layer)
     weight, bias, _ = _linear_weights(layer.base_layer)
     if layer.merged:
         return weight, bias, ()
-    names = [name for name in layer.active_adapters if name in layer.lora_A]  # (a ModuleDict)
-    adapters = [(layer.lora_A[n].weight, layer.lora_B[n].weight, layer.lora_B[n].bias, layer.scaling[n]) for n in names]
+    adapters = []
+    for name in (n for n in layer.active_adapters if n in layer.lora_A):  # (a ModuleDict)
+        a, b, dropout = layer.lora_A[name].weight, layer.lora_B[name], layer.lora_dropout[name]
+        inputs = dropout(layer._cast_input_dtype(hidden, a.dtype)) if _drops(dropout) else hidden
+        adapters.append(Adapter(a, b.weight, b.bias, layer.scaling[name], None if inputs is hidden else inputs))
     return weight, bias, tuple(adapters)
 
 
+def _drops(dropout: nn.Module) -> bool:
+    return isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0
+
+
 def _plain_lora(module: object) -> bool:
-    """PEFT's LoRA ``Linear`` over a plain ``nn.Linear``, each adapter plain LoRA (no DoRA or other variant) without
-    dropout: its output is then the input times one weight (:func:`_lora_weights`)."""
+    """PEFT's LoRA ``Linear`` over a plain ``nn.Linear``, each adapter plain LoRA (no DoRA or other variant; its
+    dropout an ``nn.Dropout`` or none): its output is then the base layer's plus a low-rank term per adapter
+    (:func:`_lora_weights`)."""
     try:
         from peft.tuners.lora.layer import Linear as LoraLinear
     except ImportError:
         return False
     if type(module) is not LoraLinear or module.fan_in_fan_out or module.lora_variant:
         return False
-    no_dropout = all(isinstance(d, nn.Identity) or d.p == 0 for d in module.lora_dropout.values())
-    return no_dropout and _plain_linear(module.base_layer)
+    plain_dropout = all(type(d) in (nn.Identity, nn.Dropout) for d in module.lora_dropout.values())
+    return plain_dropout and _plain_linear(module.base_layer)
 
 
 def _vocab_rows(module: nn.Module, weights: Weights) -> int:
@@ -303,7 +324,7 @@ def _head_loss(
     :func:`_head_calls`, with whose weight) the call runs in."""
 
     def forward(module: nn.Module, hidden_states: torch.Tensor, weights: Weights) -> torch.Tensor:
-        weight, bias, adapters = weights(module)
+        weight, bias, adapters = weights(module, hidden_states)
         return tiled_cross_entropy_sum(hidden_states, weight, targets, bias=bias, adapters=adapters, **kwargs)
 
     def one_adapter(module: nn.Module, args: tuple, kwargs: dict) -> None:
