@@ -3,7 +3,9 @@
 Under sp > 1 every rank of an SP group runs the decoder on tensors of the same shapes from the same generator
 state: left alone, their dropout masks would repeat along the sequence. A pair of hooks on the decoder
 (:class:`DropoutStream`) seeds the CPU and device generators for the decoder's forward with a number that
-differs per sp_rank, and gives them their state back after it (also when it raised).
+differs per sp_rank, and gives them their state back after it (also when it raised). Another pair does the same
+around the whole model's forward, for what draws after the decoder (LoRA's dropout on lm_head); the decoder's
+stream then starts from that one's state.
 
 That number is what one draw of the global CPU generator would give, read from a copy of its state, so that the
 global generator advances only when the decoder drew from its stream: once per forward, alike on every rank of
@@ -39,8 +41,8 @@ def _next_number(state: torch.Tensor) -> int:
 
 
 class DropoutStream:
-    """Forward pre-hook (:meth:`before`) and hook (:meth:`after`) on the decoder, in training under sp > 1 while
-    ``active()`` (the model's attention is the Ulysses one)."""
+    """Forward pre-hook (:meth:`before`) and hook (:meth:`after`) on the decoder (or the whole model), in training
+    under sp > 1 while ``active()`` (the model's attention is the Ulysses one)."""
 
     def __init__(self, ctx: UlyssesAttention, active: Callable[[], bool]) -> None:
         self.ctx, self.active = ctx, active

@@ -13,8 +13,9 @@ hooks on such a rotary module appends the largest position of the FULL rows (gat
 the position_ids it receives and drops that extra column from its cos/sin: every rank picks the frequencies
 one process would pick for the whole sequence.
 
-In training under sp > 1 a pair of hooks on the decoder gives each SP rank its own dropout stream
-(:class:`~ulysses_sp.dropout_stream.DropoutStream`), so masks do not repeat along the sequence.
+In training under sp > 1 a pair of hooks on the model, and another on its decoder, give each SP rank its own
+dropout stream (:class:`~ulysses_sp.dropout_stream.DropoutStream`), so masks do not repeat along the sequence: in
+the decoder, and after it (LoRA's dropout on lm_head).
 """
 
 from __future__ import annotations
@@ -344,9 +345,13 @@ def parallelize(
     )
 
     begin = _BeginForward(pretrained, ctx, name)
-    dropout = DropoutStream(ctx, begin.active)
+    # a stream around the whole model (the head: LoRA's dropout on lm_head) and one inside it around the decoder
+    # (also when the decoder is called alone)
+    outer, dropout = DropoutStream(ctx, begin.active), DropoutStream(ctx, begin.active)
     hooks = [
         pretrained.register_forward_pre_hook(begin.take_targets, with_kwargs=True),
+        pretrained.register_forward_pre_hook(outer.before, with_kwargs=True),
+        pretrained.register_forward_hook(outer.after, with_kwargs=True, always_call=True),
         decoder.register_forward_pre_hook(begin, with_kwargs=True),
         decoder.register_forward_pre_hook(dropout.before, with_kwargs=True),  # after the shard's checks
         decoder.register_forward_hook(dropout.after, with_kwargs=True, always_call=True),

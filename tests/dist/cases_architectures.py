@@ -233,6 +233,44 @@ def dropout_streams(layout) -> None:
         torch.testing.assert_close(recomputed[2][name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def head_dropout_streams(layout) -> None:
+    """LoRA with dropout on lm_head (outside the decoder): each SP rank draws its own masks there too (they repeated:
+    the head ran on the generator state every rank shares), the plain and the tiled loss draw the same ones (same
+    loss and gradients), and the global generator stays alike on every rank."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=2, target_modules=["lm_head"], lora_dropout=0.5, init_lora_weights=False)
+    base = get_peft_model(build("llama", kv_heads=2), config)
+
+    def step(tiled: bool):
+        model = U.parallelize(copy.deepcopy(base), layout)
+        if tiled:
+            U.enable_tiled_loss(model, chunk_tokens=5)
+        masks = []
+        hook = lambda m, args, out: masks.append(out == 0)  # noqa: E731
+        model.base_model.model.lm_head.lora_dropout["default"].register_forward_hook(hook)
+        torch.manual_seed(7)
+        loss = U.causal_lm_loss(model.train(), U.shard_batch(make_batch(1, 32), layout), layout)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), masks[-1], grads, torch.get_rng_state()
+
+    loss, mask, grads, state = step(False)
+    masks = [torch.empty_like(mask) for _ in range(layout.sp)]
+    dist.all_gather(masks, mask, group=layout.sp_group)
+    assert not torch.equal(masks[0], masks[1]), "both sp ranks drew the same dropout masks on lm_head"
+    states = [torch.empty_like(state) for _ in range(layout.sp)]
+    dist.all_gather(states, state, group=layout.sp_group)
+    assert torch.equal(states[0], states[1]), "the global generator differs across the SP group"
+    tiled = step(True)
+    assert torch.equal(tiled[1], mask) and torch.equal(tiled[3], state)
+    torch.testing.assert_close(tiled[0], loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == tiled[2].keys() and any("lm_head.lora_A" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(tiled[2][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def generator_untouched_without_dropout(layout) -> None:
     """A training step of a model without dropout (every memory feature on, head chunks, LoRA without dropout)
     leaves torch's global generator where one process leaves it: untouched. It used to draw a seed for the dropout
@@ -354,6 +392,7 @@ def world2_cases(sp2) -> dict:
         "router_aux_own_loss_refused": P(router_aux_own_loss_refused, sp2),
         "dropout_streams_per_sp_rank": P(dropout_streams, sp2),
         "generator_untouched_without_dropout": P(generator_untouched_without_dropout, sp2),
+        "head_dropout_streams_per_sp_rank": P(head_dropout_streams, sp2),
         "opt_left_padding": P(left_padding, sp2, "opt"),
         "biogpt_left_padding": P(left_padding, sp2, "biogpt"),
         "sp2_roberta_ids_numbered_positions": P(ids_numbered_positions, sp2),

@@ -391,7 +391,9 @@ def tiled_cross_entropy_sum(
         adapters: low-rank terms added to the raw logits (:class:`Adapter`, or its fields as a tuple: ``A [r, h]``,
             ``B [V, r]``, bias ``[V]`` or None, scaling, inputs ``[..., h]`` or None for the hidden states):
             ``+ scaling x (B (A x) + bias)``, PEFT's LoRA on lm_head. Computed per chunk and back-propagated
-            through the rank-r factors only: no ``[V, h]`` weight or gradient is made for them.
+            through the rank-r factors only: no ``[V, h]`` weight or gradient is made for them. In the compute
+            dtype, as under autocast PEFT computes them; without autocast PEFT runs fp32 adapters over a 16-bit
+            base in fp32, so there their gradients are a 16-bit rounding further from it.
 
     Returns an fp32 scalar. Under autocast the matmuls run in the autocast dtype (as ``lm_head`` would).
     """

@@ -88,7 +88,8 @@ def enable_tiled_loss(
         raise ValueError(
             f"the tiled loss needs the output embedding to be a plain torch.nn.Linear (or PEFT's modules_to_save, "
             f"trainable tokens or plain LoRA on one), but {type(causal_lm).__name__}'s is {type(output).__name__} "
-            "(e.g. DoRA or another LoRA variant on lm_head, fan_in_fan_out or a quantized base layer); use plain "
+            "(e.g. DoRA or another LoRA variant on lm_head, a dropout other than nn.Dropout, fan_in_fan_out or a "
+            "quantized base layer); use plain "
             "LoRA there or leave lm_head out of the adapters, or disable the tiled loss"
         )
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
@@ -296,7 +297,7 @@ def _head_calls(output: nn.Module) -> list[tuple[nn.Module, Weights]] | None:
     a plain ``nn.Linear``; for PEFT's ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``) the original and
     each adapter's trainable copy, one of which the wrapper calls (the active adapter's, or the original with
     adapters off); for its ``TrainableTokensWrapper`` (``trainable_token_indices`` on lm_head, or on a tied
-    embedding) the token layer; for LoRA on lm_head (without dropout or a variant such as DoRA) the LoRA layer;
+    embedding) the token layer; for LoRA on lm_head (without a variant such as DoRA) the LoRA layer;
     None for anything else."""
     if _plain_linear(output):
         return [(output, _linear_weights)]
