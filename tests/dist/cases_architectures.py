@@ -199,11 +199,22 @@ def unshifted_own_loss(layout) -> None:
     check_parity(layout, "whisper", batch=batch, sp_batch=targets)
 
 
+def _own_masks_one_generator(layout, mask: torch.Tensor, state: torch.Tensor, where: str) -> None:
+    """The SP ranks drew different dropout masks ``mask``, and left torch's global generator in one ``state``."""
+    import torch.distributed as dist
+
+    masks = [torch.empty_like(mask) for _ in range(layout.sp)]
+    dist.all_gather(masks, mask, group=layout.sp_group)
+    assert not torch.equal(masks[0], masks[1]), f"both sp ranks drew the same dropout masks {where}"
+    states = [torch.empty_like(state) for _ in range(layout.sp)]
+    dist.all_gather(states, state, group=layout.sp_group)
+    assert torch.equal(states[0], states[1]), "the global generator differs across the SP group"
+
+
 def dropout_streams(layout) -> None:
     """Each SP rank draws its own dropout masks (they used to repeat: same generator state, same shapes); the run
     is deterministic, the global generator stays alike on every rank, and activation checkpointing recomputes
     the masks it drew (same loss and gradients as without it)."""
-    import torch.distributed as dist
 
     def step(checkpointing: bool):
         model = U.parallelize(build_generic("gpt2", embd_pdrop=0.5, resid_pdrop=0.3, attn_pdrop=0.3), layout)
@@ -221,12 +232,7 @@ def dropout_streams(layout) -> None:
     again = step(False)
     torch.testing.assert_close(again[0], loss, rtol=0, atol=0)
     assert torch.equal(again[1], mask)
-    masks = [torch.empty_like(mask) for _ in range(layout.sp)]
-    dist.all_gather(masks, mask, group=layout.sp_group)
-    assert not torch.equal(masks[0], masks[1]), "both sp ranks drew the same dropout masks"
-    states = [torch.empty_like(state) for _ in range(layout.sp)]
-    dist.all_gather(states, state, group=layout.sp_group)
-    assert torch.equal(states[0], states[1]), "the global generator differs across the SP group"
+    _own_masks_one_generator(layout, mask, state, "in the decoder")
     recomputed = step(True)
     torch.testing.assert_close(recomputed[0], loss, rtol=0, atol=0)
     for name, grad in grads.items():
@@ -237,7 +243,6 @@ def head_dropout_streams(layout) -> None:
     """LoRA with dropout on lm_head (outside the decoder): each SP rank draws its own masks there too (they repeated:
     the head ran on the generator state every rank shares), the plain and the tiled loss draw the same ones (same
     loss and gradients), and the global generator stays alike on every rank."""
-    import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=2, target_modules=["lm_head"], lora_dropout=0.5, init_lora_weights=False)
@@ -257,12 +262,7 @@ def head_dropout_streams(layout) -> None:
         return loss.detach(), masks[-1], grads, torch.get_rng_state()
 
     loss, mask, grads, state = step(False)
-    masks = [torch.empty_like(mask) for _ in range(layout.sp)]
-    dist.all_gather(masks, mask, group=layout.sp_group)
-    assert not torch.equal(masks[0], masks[1]), "both sp ranks drew the same dropout masks on lm_head"
-    states = [torch.empty_like(state) for _ in range(layout.sp)]
-    dist.all_gather(states, state, group=layout.sp_group)
-    assert torch.equal(states[0], states[1]), "the global generator differs across the SP group"
+    _own_masks_one_generator(layout, mask, state, "on lm_head")
     tiled = step(True)
     assert torch.equal(tiled[1], mask) and torch.equal(tiled[3], state)
     torch.testing.assert_close(tiled[0], loss, rtol=1e-5, atol=1e-6)
