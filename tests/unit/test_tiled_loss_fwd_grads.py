@@ -245,18 +245,21 @@ def test_a_misshapen_adapter_is_refused():
             U.tiled_cross_entropy_sum(h, w, targets, adapters=[bad])
 
 
-def test_bf16_base_with_fp32_adapters_close_to_fp32():
-    """PEFT keeps adapters in fp32 over a bf16 base: the adapter's term runs in the compute dtype (bf16), within
-    bf16 rounding of the fp32 result (1%, as PEFT's own mixed arithmetic is)."""
+def test_bf16_base_with_fp32_adapters_runs_them_as_peft_does():
+    """PEFT keeps adapters in fp32 over a bf16 base: without autocast it casts the input to fp32, adds the adapter's
+    term in fp32 and returns the sum in bf16; so does the kernel: the same loss, the adapters' fp32 gradients within
+    1e-5 of PEFT's and the bf16 hidden one within its rounding (computing the adapters in bf16 was 1% off in all)."""
     h, w, _, targets = _inputs(dtype=torch.bfloat16, tokens=64, vocab=300, hidden=32)
+    w = w.detach()
     adapters = _adapters(300, 32)
     leaves = [h, *(x for a in adapters for x in a[:3] if x is not None)]
-    exact = [(a.float(), b.float(), bias, s) for a, b, bias, s in adapters]
-    plain = F.cross_entropy(
-        _plain_with_adapters(h.float(), w.float(), None, exact, LogitsHead()), targets, reduction="sum"
-    )
-    want = torch.autograd.grad(plain, leaves)
-    got = U.tiled_cross_entropy_sum(h, w.detach(), targets, chunk_tokens=9, adapters=adapters)
-    assert abs(got.item() - plain.item()) <= 1e-3 * plain.item()
+    raw = F.linear(h, w)
+    for a, up, bias, scaling in adapters:  # PEFT's LoRA Linear forward, cast by cast
+        raw = raw + F.linear(F.linear(h.to(a.dtype), a), up, bias) * scaling
+    peft = F.cross_entropy(raw.to(torch.bfloat16).float(), targets, reduction="sum")
+    want = torch.autograd.grad(peft, leaves)
+    got = U.tiled_cross_entropy_sum(h, w, targets, chunk_tokens=9, adapters=adapters)
+    torch.testing.assert_close(got, peft, rtol=1e-5, atol=0)
     for g, r in zip(torch.autograd.grad(got, leaves), want, strict=True):
-        assert g.dtype == r.dtype and (g.float() - r.float()).norm() <= 2e-2 * r.float().norm()
+        rel = 5e-3 if g.dtype == torch.bfloat16 else 1e-5  # (bf16 sums of the base's and the adapters' parts)
+        assert g.dtype == r.dtype and (g.float() - r.float()).norm() <= rel * r.float().norm()

@@ -193,7 +193,8 @@ class _HeadGrads:
 
     def add(self, span: slice, grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, lows: list) -> None:
         """Tokens ``span``: ``grad`` = d loss / d raw logits [c, V], ``h`` [c, h], ``w`` [V, h]; ``lows``: per
-        adapter ``(A [r, h], B [V, r], scaling, x [c, h], A x [c, r])`` as the chunk's forward used them."""
+        adapter ``(A [r, h], B [V, r], scaling, x [c, h], A x [c, r], whether x is h)`` as the chunk's forward used
+        them (in the adapter's dtype)."""
         if self.hidden is not None and self.hidden.dtype == grad.dtype:
             torch.mm(grad, w, out=self.hidden[span])  # rows of a contiguous buffer: written in place
         elif self.hidden is not None:
@@ -202,11 +203,12 @@ class _HeadGrads:
             _accumulate_weight_grad(self.weight, grad, h)
         if self.bias is not None:
             self.bias += grad.sum(0, dtype=torch.float32)
-        for (a, b, scaling, x, down), (grad_a, grad_b, grad_bias, grad_x) in zip(lows, self.adapters, strict=True):
-            into_hidden = x is h  # the adapter reads the hidden states themselves (no inputs of its own)
+        for low, (grad_a, grad_b, grad_bias, grad_x) in zip(lows, self.adapters, strict=True):
+            a, b, scaling, x, down, into_hidden = low
             grad_x = self.hidden if into_hidden else grad_x
+            g = grad.to(a.dtype)  # [c, V]: the raw logits' gradient as the adapter's term receives it
             if grad_x is not None or grad_a is not None:
-                grad_down = (grad @ b).mul_(scaling)  # [c, r]: d loss / d (A x)
+                grad_down = (g @ b).mul_(scaling)  # [c, r]: d loss / d (A x)
                 if grad_x is not None and into_hidden:
                     grad_x[span] += grad_down @ a
                 elif grad_x is not None:
@@ -214,9 +216,10 @@ class _HeadGrads:
                 if grad_a is not None:
                     _accumulate_weight_grad(grad_a, grad_down, x)
             if grad_b is not None:
-                _accumulate_weight_grad(grad_b, grad, down * scaling)
+                _accumulate_weight_grad(grad_b, g, down * scaling)
             if grad_bias is not None:
-                grad_bias += grad.sum(0, dtype=torch.float32) * scaling
+                grad_bias += g.sum(0, dtype=torch.float32) * scaling
+            del g
 
     def all(self) -> list[torch.Tensor | None]:
         return [self.hidden, self.weight, self.bias, *(g for grads in self.adapters for g in grads)]
@@ -272,30 +275,30 @@ def _run_chunks(
     hidden: torch.Tensor,
     params: tuple[torch.Tensor | None, ...],
     targets: torch.Tensor,
-    args: tuple[int, LogitsHead, int, torch.dtype, float, tuple[float, ...]],
+    args: tuple[int, LogitsHead, int, torch.dtype, float, tuple[tuple[float, torch.dtype], ...]],
     grads: _HeadGrads | None,
     scale: float | torch.Tensor,
 ) -> torch.Tensor:
     """The summed loss over all chunks; with ``grads``, each chunk's gradients (times ``scale``) added into them.
     ``params``: (weight, bias, then A, B, bias, inputs [T, h] or None per adapter)."""
-    chunk, head, ignore_index, dtype, smoothing, scalings = args
+    chunk, head, ignore_index, dtype, smoothing, specs = args
     w, b = (p.to(dtype) if p is not None else None for p in params[:2])
-    adapters = []  # (A, B, bias) in the compute dtype, the inputs as given (cast a chunk at a time), scaling
-    for i, scaling in enumerate(scalings):
+    adapters = []  # (A, B, bias) in the adapter's dtype, the inputs as given (cast a chunk at a time), scaling
+    for i, (scaling, kind) in enumerate(specs):
         a, b_up, b_bias, inputs = params[2 + _PER_ADAPTER * i : 2 + _PER_ADAPTER * (i + 1)]
-        adapters.append(
-            (a.to(dtype), b_up.to(dtype), b_bias.to(dtype) if b_bias is not None else None, inputs, scaling)
-        )
+        adapters.append((a.to(kind), b_up.to(kind), b_bias.to(kind) if b_bias is not None else None, inputs, scaling))
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start, end in _chunks(hidden.shape[0], chunk):
         h = hidden[start:end].to(dtype)  # [c, h]
         raw = F.linear(h, w, b)  # [c, V]
         lows = []
         for a, b_up, b_bias, inputs, scaling in adapters:  # + scaling x (B (A x) + bias), PEFT's LoRA arithmetic
-            x = h if inputs is None else inputs[start:end].to(dtype)  # [c, h]
+            x = (h if inputs is None else inputs[start:end]).to(a.dtype)  # [c, h]
             down = F.linear(x, a)  # [c, r]
+            raw = raw.to(torch.promote_types(raw.dtype, a.dtype))  # a wider adapter's term is added in its dtype
             raw.add_(F.linear(down, b_up, b_bias).mul_(scaling))  # (one more [c, V] while it is added)
-            lows.append((a, b_up, scaling, x, down))
+            lows.append((a, b_up, scaling, x, down, inputs is None))
+        raw = raw.to(dtype)  # the sum in the base's dtype, as PEFT returns it (the wider one freed first)
         logits = head.apply_(raw.float())  # [c, V] fp32 (raw itself in fp32)
         del raw
         target = targets[start:end]
@@ -319,9 +322,9 @@ class _TiledHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, targets, args, wanted, recompute, *params):  # type: ignore[override]
-        # hidden [T, h]; targets [T]; args: (chunk, head, ignore_index, dtype, label smoothing, adapters'
-        # scalings); params: weight [V, h], bias [V] or None, then per adapter A [r, h], B [V, r], its bias [V] or
-        # None, its inputs [T, h] or None
+        # hidden [T, h]; targets [T]; args: (chunk, head, ignore_index, dtype, label smoothing, each adapter's
+        # (scaling, dtype)); params: weight [V, h], bias [V] or None, then per adapter A [r, h], B [V, r], its bias
+        # [V] or None, its inputs [T, h] or None
         make = any(wanted) and not recompute
         with torch.autocast(hidden.device.type, enabled=False):
             grads = _HeadGrads.empty(hidden, params, wanted) if make else None
@@ -391,9 +394,9 @@ def tiled_cross_entropy_sum(
         adapters: low-rank terms added to the raw logits (:class:`Adapter`, or its fields as a tuple: ``A [r, h]``,
             ``B [V, r]``, bias ``[V]`` or None, scaling, inputs ``[..., h]`` or None for the hidden states):
             ``+ scaling x (B (A x) + bias)``, PEFT's LoRA on lm_head. Computed per chunk and back-propagated
-            through the rank-r factors only: no ``[V, h]`` weight or gradient is made for them. In the compute
-            dtype, as under autocast PEFT computes them; without autocast PEFT runs fp32 adapters over a 16-bit
-            base in fp32, so there their gradients are a 16-bit rounding further from it.
+            through the rank-r factors only: no ``[V, h]`` weight or gradient is made for them. Under autocast in
+            its dtype; else, as PEFT, each in its A's dtype where that is wider (fp32 adapters over a bf16 base),
+            the logits rounded back to the base's dtype after the last adapter's term.
 
     Returns an fp32 scalar. Under autocast the matmuls run in the autocast dtype (as ``lm_head`` would).
     """
@@ -424,6 +427,9 @@ def tiled_cross_entropy_sum(
     flat_targets = targets.reshape(-1).to(device=hidden.device, dtype=torch.long)  # [T]
     grad_on = torch.is_grad_enabled()  # (always off inside Function.forward: read it here)
     wanted = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, *params))
-    scalings = tuple(float(adapter.scaling) for adapter in adapters)
-    args = (chunk, head or LogitsHead(), ignore_index, _compute_dtype(hidden, weight), label_smoothing, scalings)
+    dtype = _compute_dtype(hidden, weight)
+    autocast = torch.is_autocast_enabled(hidden.device.type)
+    # each adapter's dtype: autocast's, else PEFT's (its input cast to A's dtype, its term added at the wider one)
+    specs = tuple((float(ad.scaling), dtype if autocast else torch.promote_types(dtype, ad.a.dtype)) for ad in adapters)
+    args = (chunk, head or LogitsHead(), ignore_index, dtype, label_smoothing, specs)
     return _TiledHeadLoss.apply(flat_hidden, flat_targets, args, wanted, recompute, *params)
