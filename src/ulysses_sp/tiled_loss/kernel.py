@@ -298,7 +298,7 @@ def _run_chunks(
             raw = raw.to(torch.promote_types(raw.dtype, a.dtype))  # a wider adapter's term is added in its dtype
             raw.add_(F.linear(down, b_up, b_bias).mul_(scaling))  # (one more [c, V] while it is added)
             lows.append((a, b_up, scaling, x, down, inputs is None))
-        raw = raw.to(dtype)  # the sum in the base's dtype, as PEFT returns it (the wider one freed first)
+        raw = raw.to(dtype)  # the sum in the base's dtype, as PEFT returns it (the wider one freed here)
         logits = head.apply_(raw.float())  # [c, V] fp32 (raw itself in fp32)
         del raw
         target = targets[start:end]

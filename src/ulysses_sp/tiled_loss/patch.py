@@ -89,8 +89,8 @@ def enable_tiled_loss(
             f"the tiled loss needs the output embedding to be a plain torch.nn.Linear (or PEFT's modules_to_save, "
             f"trainable tokens or plain LoRA on one), but {type(causal_lm).__name__}'s is {type(output).__name__} "
             "(e.g. DoRA or another LoRA variant on lm_head, a dropout other than nn.Dropout, fan_in_fan_out or a "
-            "quantized base layer); use plain "
-            "LoRA there or leave lm_head out of the adapters, or disable the tiled loss"
+            "quantized base layer); use plain LoRA there or leave lm_head out of the adapters, or disable the "
+            "tiled loss"
         )
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
         raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
