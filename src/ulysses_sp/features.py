@@ -13,12 +13,13 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from .cli_config import check_choices, option
-from .tiled_loss import DEFAULT_LOSS_BUDGET_BYTES
+from .tiled_loss.sizing import DEFAULT_LOSS_BUDGET_BYTES
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["CHECKPOINT_MODES", "DTYPES", "PARALLEL_MODES", "Features", "apply_features", "cli_switch"]
 

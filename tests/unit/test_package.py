@@ -1,5 +1,5 @@
 """The package's public names resolve (imported on first use), and what needs no model (a command's help, a bad flag)
-does not import transformers (about 6 s of a 2-core VM's 10 s for ``ulysses-sp train --seq-len 0`` to name its flag)."""
+imports neither transformers nor torch (once about 6 s each on a 2-core VM)."""
 
 import importlib
 import subprocess
@@ -56,6 +56,32 @@ def test_help_and_a_bad_flag_do_not_import_transformers():
     assert "transformers" not in _modules_after(listed)
     # a model's name resolves on first use, and brings transformers with it
     assert "transformers" in _modules_after("import ulysses_sp\nulysses_sp.parallelize")
+
+
+def test_help_and_a_bad_flag_answer_without_importing_torch():
+    # torch (and through the kernels torch._dynamo) took 5-7 s of every `--help` before the flags' modules stopped
+    # importing it at the top; the answer is now a fraction of a second
+    for argv in (
+        ["train", "--help"],
+        ["train", "--sp", "2", "--seq-len", "0"],  # without --sp the default follows the GPU count (torch)
+        ["train", "--no-such-flag"],
+        ["plan", "--help"],
+        ["plan", "--model", "llama-tiny", "--seq-len", "0"],
+        ["bench", "--help"],
+        ["bench", "--worlds", "x"],
+    ):
+        assert "torch" not in _modules_after(_cli(argv)), argv
+
+
+@pytest.mark.parametrize("package", ["ulysses_sp.plan", "ulysses_sp.tiled_loss"])
+def test_a_subpackage_resolves_its_public_names_on_first_use(package):
+    module = importlib.import_module(package)
+    assert sorted(module.__all__) == sorted(module._HOME)
+    assert set(module.__all__) <= set(dir(module))
+    for name in module.__all__:
+        assert getattr(module, name) is not None, name
+    with pytest.raises(AttributeError, match="no_such_name"):
+        module.no_such_name  # noqa: B018
 
 
 def test_a_plan_reads_transformers_configs_not_its_model_code():

@@ -3,14 +3,33 @@
 Modules: :mod:`.shape` (model sizes), :mod:`.memory` (the memory model), :mod:`.search` (longest sequence),
 :mod:`.recommend`, :mod:`.units` (byte sizes), :mod:`.cli` (``ulysses-sp plan``). ``--simulate`` runs one
 real step as one rank of the layout: :mod:`ulysses_sp.simulate`.
+
+Names are imported from their module on first use (PEP 562), as in the top package: ``ulysses-sp plan --help``
+and the byte-size flags of ``bench`` import no torch.
 """
 
-from ..features import Features
-from .memory import MemoryPlan, plan_memory, usable_gpu_bytes
-from .recommend import Recommendation, recommend
-from .search import max_seq_len, search_longest
-from .shape import ModelShape, load_model_config, model_shape
-from .units import GiB, format_bytes, parse_bytes
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..features import Features
+    from .memory import MemoryPlan, plan_memory, usable_gpu_bytes
+    from .recommend import Recommendation, recommend
+    from .search import max_seq_len, search_longest
+    from .shape import ModelShape, load_model_config, model_shape
+    from .units import GiB, format_bytes, parse_bytes
+
+_EXPORTS = {
+    "..features": ("Features",),
+    ".memory": ("MemoryPlan", "plan_memory", "usable_gpu_bytes"),
+    ".recommend": ("Recommendation", "recommend"),
+    ".search": ("max_seq_len", "search_longest"),
+    ".shape": ("ModelShape", "load_model_config", "model_shape"),
+    ".units": ("GiB", "format_bytes", "parse_bytes"),
+}
+_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "Features",
@@ -28,3 +47,16 @@ __all__ = [
     "search_longest",
     "usable_gpu_bytes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use (then kept in this namespace)."""
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOME[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

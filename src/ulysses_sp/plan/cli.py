@@ -14,18 +14,16 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..cli_config import option, parse_config
 from ..features import Features
 from ..head_split import check_head_chunks
-from ..hf import head_counts
-from ..layout import resolve_ring_degree
-from .memory import MemoryPlan, plan_memory
-from .recommend import recommend
-from .search import max_seq_len
 from .shape import load_model_config
 from .units import format_bytes, parse_flag_bytes
+
+if TYPE_CHECKING:  # the memory model imports torch: only once the flags parsed (a fast --help and bad flag)
+    from .memory import MemoryPlan
 
 __all__ = ["PlanConfig", "plan_command"]
 
@@ -97,6 +95,8 @@ class PlanConfig(Features):
             raise ValueError(f"--seq-len {self.seq_len} must be >= --sp {self.sp} (every rank holds a token)")
         if self.device is not None:
             _check_device(self.device, self.simulate)
+        from ..hf import head_counts
+
         ring = _check_heads(self.model_config[0], self.sp, self.ring, self.gpus_per_node)
         try:
             check_head_chunks(self.head_chunks, *head_counts(self.model_config[0]), self.sp // ring)
@@ -167,6 +167,9 @@ def _check_device(device: str, simulate: bool) -> None:
 
 def _check_heads(config: Any, sp: int, ring: int | None, gpus_per_node: int) -> int:
     """The ring degree for ``sp`` (``ring`` or as train chooses it); ValueError naming the flags."""
+    from ..hf import head_counts
+    from ..layout import resolve_ring_degree
+
     try:
         return resolve_ring_degree(sp, ring, *head_counts(config), gpus_per_node)
     except ValueError as error:
@@ -195,6 +198,10 @@ def plan_command(argv: Sequence[str]) -> int:
         prog="ulysses-sp plan",
         description="Predict per-GPU memory and the longest trainable sequence; recommend settings.",
     )
+    from .memory import plan_memory
+    from .recommend import recommend
+    from .search import max_seq_len
+
     config, name = args.model_config
     features, dp = args.features(), args.data_parallel
     common: dict[str, Any] = dict(

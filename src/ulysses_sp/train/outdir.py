@@ -20,7 +20,6 @@ import socket
 import time
 from pathlib import Path
 
-from ulysses_sp.train.checkpoint import list_checkpoints, remove_checkpoint
 from ulysses_sp.train.config import TrainConfig
 
 __all__ = [
@@ -121,6 +120,8 @@ def run_artifacts(output_dir: str | os.PathLike[str], config: TrainConfig) -> di
 
 def previous_run_files(output_dir: str | os.PathLike[str], config: TrainConfig) -> list[Path]:
     """What an earlier run left in ``output_dir``: its complete checkpoints and its logs."""
+    from ulysses_sp.train.checkpoint import list_checkpoints  # torch: not for ``--help`` and a bad flag
+
     logs = [path for path in run_artifacts(output_dir, config).values() if path.exists()]
     return [*list_checkpoints(output_dir), *logs]
 
@@ -128,6 +129,8 @@ def previous_run_files(output_dir: str | os.PathLike[str], config: TrainConfig) 
 def remove_previous_run(output_dir: str | os.PathLike[str], config: TrainConfig) -> list[Path]:
     """``--overwrite``: delete an earlier run's checkpoints and logs (checkpoints renamed first); returns them."""
     import shutil
+
+    from ulysses_sp.train.checkpoint import remove_checkpoint
 
     removed = previous_run_files(output_dir, config)
     for path in removed:

@@ -40,7 +40,6 @@ def _print_error(message: str) -> int:
 
 def train_command(argv: Sequence[str]) -> int:
     """``ulysses-sp train ARGV``; returns the exit status (see the module docstring)."""
-    from ulysses_sp.process_group import under_launcher
     from ulysses_sp.train.launch import SPEC_ENV, apply_slurm_env, launch_local
 
     if SPEC_ENV in os.environ:  # a rank of our own launcher: the run is resolved already
@@ -49,7 +48,9 @@ def train_command(argv: Sequence[str]) -> int:
         exit_now(run_rank(RunSpec.load(os.environ[SPEC_ENV])))  # a process of its own: no module teardown
     from ulysses_sp.train.config import load_config
 
-    config = load_config(list(argv))  # exits with status 2 and the flag's name on a bad value
+    config = load_config(list(argv))  # exits with status 2 and the flag's name on a bad value (no torch yet)
+    from ulysses_sp.process_group import under_launcher
+
     try:
         apply_slurm_env(os.environ)
         if under_launcher(os.environ):
