@@ -3,7 +3,7 @@
 Each test starts the real command (``python -m ulysses_sp train``, the same code as the console script),
 which launches its own gloo ranks; faults are injected through ``ULYSSES_SP_TEST_FAULT`` (see
 :mod:`ulysses_sp.train.faults`). Every subprocess has a timeout, and a killed run is killed as a whole
-process group. A run the command must refuse before any rank starts runs its ``main`` in this process
+process group. A run the command must refuse before any rank trains runs its ``main`` in this process
 (:func:`~tests.e2e.train_cli_helpers.refuse_in_process`), apart from one through the console script.
 """
 
@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -191,6 +192,38 @@ def test_a_fresh_run_refuses_a_directory_with_checkpoints_and_bad_yaml(tmp_path)
     config.write_text("seq_lenn: 128\n")
     result = refuse_in_process(["--config", str(config)])
     assert result.returncode == 2 and "seq_lenn" in result.stderr and "seq_len" in result.stderr
+
+
+def test_the_ranks_start_while_the_launcher_resolves_and_a_refusal_stops_them(tmp_path, corpus_file):
+    """The ranks import torch and transformers (about 11 s each on this VM) while the launcher resolves the run;
+    a run refused there (here a stand-in resolution that refuses) kills them, and the refusal is its one line."""
+    from tests.e2e.train_cli_helpers import main_in_process
+    from ulysses_sp.train.launch import LocalRanks
+
+    started: list[LocalRanks] = []
+    enter = LocalRanks.__enter__
+
+    def recorded_enter(self):
+        started.append(enter(self))
+        return started[-1]
+
+    def refusing_resolution(config, world_size):
+        assert len(started) == 1 and len(started[0].run.processes) == world_size == 2
+        assert all(process.poll() is None for process in started[0].run.processes), "a rank ended before its spec"
+        raise ValueError("--dataset: refused by the test's resolution")
+
+    args = [*TINY, "--dataset", str(corpus_file), "--output-dir", str(tmp_path / "run")]
+    with (
+        mock.patch.object(LocalRanks, "__enter__", recorded_enter),
+        mock.patch("ulysses_sp.train.runspec.resolve_run", refusing_resolution),
+    ):
+        result = main_in_process(["train", *args])
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "ulysses-sp train: error: --dataset: refused by the test's resolution"
+    ], result.stderr
+    # killed and reaped when the launcher refused, long before they could have imported anything
+    assert [process.returncode for process in started[0].run.processes] == [-signal.SIGKILL] * 2
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_when_a_rank_dies_the_run_ends_promptly_naming_it(tmp_path, corpus_file):

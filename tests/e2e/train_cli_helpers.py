@@ -63,7 +63,23 @@ class _RanksStarted(AssertionError):
 
 
 def _no_ranks(*args, **kwargs):
-    raise _RanksStarted("the command went on to start its ranks instead of refusing the run")
+    raise _RanksStarted("the command went on to train instead of refusing the run")
+
+
+class _RanksNotStarted:
+    """Stands in for :class:`~ulysses_sp.train.launch.LocalRanks`, which starts its ranks before the run is
+    resolved: none is started here, and handing them a spec (the run was not refused) fails the test."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __enter__(self) -> _RanksNotStarted:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        return None
+
+    train = staticmethod(_no_ranks)
 
 
 def main_in_process(argv: list[str], **env: str) -> subprocess.CompletedProcess:
@@ -88,9 +104,9 @@ def main_in_process(argv: list[str], **env: str) -> subprocess.CompletedProcess:
 
 def refuse_in_process(args: list[str], **env: str) -> subprocess.CompletedProcess:
     """``ulysses-sp train ARGS`` by :func:`main_in_process`, for a run the command must refuse before any rank
-    starts: starting a rank fails the test (it is never done here)."""
+    trains: no rank process is started here, and going on to train fails the test."""
     with (
-        mock.patch("ulysses_sp.train.launch.launch_local", _no_ranks),
+        mock.patch("ulysses_sp.train.launch.LocalRanks", _RanksNotStarted),
         mock.patch("ulysses_sp.train.run.run_rank", _no_ranks),
     ):
         return main_in_process(["train", *args], **env)

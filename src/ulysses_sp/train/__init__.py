@@ -1,7 +1,7 @@
 """Training recipe behind ``ulysses-sp train``.
 
 run.py            the command's flow: resolve once, then one process, local ranks, or another launcher's rank
-runspec.py        RunSpec: the run resolved and checked before any rank starts (config, model, resume point)
+runspec.py        RunSpec: the run resolved and checked before any rank trains (config, model, resume point)
 config.py         TrainConfig: every field is a CLI flag and a YAML key
 launch.py         our local launcher (ranks, signals, one error line); torchrun / accelerate / Slurm environments
 lifeline.py       a rank dies with its launcher; SIGTERM as a flag, Ctrl-C without a traceback

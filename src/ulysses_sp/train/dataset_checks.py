@@ -1,4 +1,4 @@
-"""Cheap checks of ``--dataset`` before any rank starts (:func:`check_dataset`): the launcher refuses a missing,
+"""Cheap checks of ``--dataset`` before any rank trains (:func:`check_dataset`): the launcher refuses a missing,
 mixed, empty, binary or malformed file, and a ``--text-field`` the file does not hold, naming the file and the fix,
 from the first bytes of each file (a parquet file's footer); what lies further in is checked when the ranks load
 the documents (:func:`ulysses_sp.train.documents.load_documents`).
@@ -132,7 +132,7 @@ def _check_rows(name: str, file: str, head: bytes, complete: bool, text_field: s
 
 
 def check_dataset(source: str, *, text_field: str = "text", eval_fraction: float = 0.0) -> None:
-    """Cheap checks of ``--dataset`` before any rank starts; ValueError naming the file and the fix.
+    """Cheap checks of ``--dataset`` before any rank trains; ValueError naming the file and the fix.
 
     Local files: they exist, are of one kind, not all empty, and their first 64 KiB are text (UTF-8, no NUL
     byte) or parquet, the whole rows there of ``.json``/``.jsonl`` files JSON objects with ``text_field`` (when

@@ -2,7 +2,7 @@
 
 Pipeline::
 
-    check_dataset(...)             cheap checks of --dataset before any rank starts (dataset_checks.py)
+    check_dataset(...)             cheap checks of --dataset before any rank trains (dataset_checks.py)
     load_documents(...)            list[str], one entry per document
     load_tokenizer(...)            a fast HF tokenizer (the embedded GPT-2 BPE by default)
     tokenize_documents(...)        TokenizedCorpus: one flat int32 array + document offsets

@@ -10,9 +10,10 @@ Three ways a run starts:
   and ``SLURM_LOCALID`` become ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; ``MASTER_ADDR`` defaults to the
   node that ran ``srun`` (``SLURM_LAUNCH_NODE_IPADDR``) and ``MASTER_PORT`` to a port derived from the job id.
   The batch script itself (no job step) is not a rank: there the command launches local ranks.
-- Plainly on one machine: the command starts ``--nproc`` local ranks itself (:func:`launch_local`) and
-  holds the TCP store they meet at (as torchrun does). It stops every rank as soon as one fails and prints
-  that rank's one error line (or names how it ended); its ranks die with it (see
+- Plainly on one machine: the command starts ``--nproc`` local ranks itself (:class:`LocalRanks`) and
+  holds the TCP store they meet at (as torchrun does). They start while it resolves the run, so their imports
+  overlap its own, and a refused run kills them before they read anything. It stops every rank as soon as one
+  fails and prints that rank's one error line (or names how it ended); its ranks die with it (see
   :mod:`ulysses_sp.train.lifeline`) and hold the output directory's lock with it. SIGTERM is passed on to
   the ranks, which save at the next step boundary and stop (exit 143); Ctrl-C stops them at once (exit 130,
   one line). ``--nproc 1`` runs in this process.
@@ -35,9 +36,10 @@ from ulysses_sp.train.lifeline import LAUNCHER_PID_ENV, PREEMPTED_STATUS
 
 __all__ = [
     "SPEC_ENV",
+    "LocalRanks",
     "apply_slurm_env",
     "expected_world_size",
-    "launch_local",
+    "wait_for_spec",
 ]
 
 SPEC_ENV = "ULYSSES_SP_RUN_SPEC"  # the run spec file our launcher hands its ranks (see runspec.py)
@@ -109,35 +111,66 @@ def _rank_env(nproc: int, port: int, spec_file: Path, error_dir: Path) -> dict[s
     return env
 
 
-def launch_local(argv: Sequence[str], nproc: int, spec_file: Path, *, lock_fd: int, save_on_sigterm: bool) -> int:
-    """Run ``nproc`` local ranks of ``python -m ulysses_sp train ARGV`` on the run spec ``spec_file``; returns
-    the exit status (see the module docstring). ``lock_fd`` (the output directory's lock) is passed to them.
+class LocalRanks:
+    """``nproc`` local ranks of ``python -m ulysses_sp train ARGV``, started on entry, before the run is resolved:
+    they import torch, transformers and our modules (seconds) while this process resolves the run, and wait for
+    :meth:`train` to write the spec to ``spec_file``. On exit every rank still alive is killed (a refused run:
+    they never saw a spec). ``lock_fd`` (the output directory's lock) is passed to them.
 
     On a CPU-only machine each rank gets ``cpu_count // nproc`` threads unless ``OMP_NUM_THREADS`` is set.
     """
-    import torch
-    from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", 0, world_size=nproc, is_master=True, wait_for_workers=False)
-    error_dir = spec_file.parent / "errors"
-    error_dir.mkdir(exist_ok=True)
-    env = _rank_env(nproc, store.port, spec_file, error_dir)
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    command = [sys.executable, "-m", "ulysses_sp", "train", *argv]  # the flags only show in `ps`: ranks read the spec
-    run = _Run([])
-    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {signum: signal.signal(signum, run.on_signal) for signum in handled}
-    try:
-        for rank in range(nproc):
-            rank_env = env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}
-            run.processes.append(subprocess.Popen(command, env=rank_env, start_new_session=True, pass_fds=(lock_fd,)))
-        return _monitor(run, error_dir, save_on_sigterm)
-    finally:
-        run.kill()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        del store
+    def __init__(self, argv: Sequence[str], nproc: int, spec_file: Path, *, lock_fd: int) -> None:
+        self.argv, self.nproc, self.spec_file, self.lock_fd = list(argv), nproc, spec_file, lock_fd
+        self.error_dir = spec_file.parent / "errors"
+        self.run = _Run([])
+
+    def __enter__(self) -> LocalRanks:
+        import torch
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore("127.0.0.1", 0, world_size=self.nproc, is_master=True, wait_for_workers=False)
+        self.error_dir.mkdir(exist_ok=True)
+        env = _rank_env(self.nproc, self.store.port, self.spec_file, self.error_dir)
+        if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.nproc))
+        command = [sys.executable, "-m", "ulysses_sp", "train", *self.argv]  # the flags only show in `ps`
+        try:
+            for rank in range(self.nproc):
+                rank_env = env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}
+                process = subprocess.Popen(command, env=rank_env, start_new_session=True, pass_fds=(self.lock_fd,))
+                self.run.processes.append(process)
+        except BaseException:
+            self.run.kill()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.run.kill()
+        del self.store
+
+    def train(self, spec_json: str, *, save_on_sigterm: bool) -> int:
+        """Hand the ranks the resolved run (``RunSpec.to_json()``, written whole or not at all) and wait for them;
+        returns the exit status (see the module docstring)."""
+        partial = self.spec_file.with_name(self.spec_file.name + ".partial")
+        partial.write_text(spec_json, encoding="utf-8")
+        os.replace(partial, self.spec_file)
+        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {signum: signal.signal(signum, self.run.on_signal) for signum in handled}
+        try:
+            return _monitor(self.run, self.error_dir, save_on_sigterm)
+        finally:
+            self.run.kill()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+def wait_for_spec(spec_file: Path, poll_s: float = 0.02) -> Path:
+    """In a rank of :class:`LocalRanks`: ``spec_file`` once the launcher has written it. Should the launcher die
+    first, so does this rank (:func:`~ulysses_sp.train.lifeline.die_with_launcher`); a refused run kills it."""
+    while not spec_file.exists():
+        time.sleep(poll_s)
+    return spec_file
 
 
 def _monitor(run: _Run, error_dir: Path, save_on_sigterm: bool) -> int:

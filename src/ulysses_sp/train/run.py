@@ -2,8 +2,9 @@
 process launches, or as one rank of torchrun / accelerate / Slurm.
 
 - Plain command: the config is validated, ``--output-dir`` is created and locked, and :func:`resolve_run`
-  checks everything that needs no rank (exit 2 with one line on bad input). Then one rank runs here
-  (``--nproc 1``) or :func:`launch_local` starts the ranks, which read the resolved :class:`RunSpec`.
+  checks everything that needs no rank (exit 2 with one line on bad input). One rank runs here (``--nproc 1``);
+  otherwise :class:`~ulysses_sp.train.launch.LocalRanks` starts the ranks first, which import what training
+  needs while the run is resolved and then read the resolved :class:`RunSpec` (a refused run kills them).
 - Under another launcher: every rank parses the flags; rank 0 takes the lock and resolves the spec, and
   broadcasts it (or its error) to the others.
 
@@ -40,12 +41,10 @@ def _print_error(message: str) -> int:
 
 def train_command(argv: Sequence[str]) -> int:
     """``ulysses-sp train ARGV``; returns the exit status (see the module docstring)."""
-    from ulysses_sp.train.launch import SPEC_ENV, apply_slurm_env, launch_local
+    from ulysses_sp.train.launch import SPEC_ENV, apply_slurm_env
 
-    if SPEC_ENV in os.environ:  # a rank of our own launcher: the run is resolved already
-        from ulysses_sp.train.runspec import RunSpec
-
-        exit_now(run_rank(RunSpec.load(os.environ[SPEC_ENV])))  # a process of its own: no module teardown
+    if SPEC_ENV in os.environ:  # a rank of our own launcher, started while it resolves the run
+        exit_now(_launched_rank(Path(os.environ[SPEC_ENV])))  # a process of its own: no module teardown
     from ulysses_sp.train.config import load_config
 
     config = load_config(list(argv))  # exits with status 2 and the flag's name on a bad value (no torch yet)
@@ -57,8 +56,6 @@ def train_command(argv: Sequence[str]) -> int:
             return run_rank(None, config)
         import torch
 
-        from ulysses_sp.train.runspec import resolve_run
-
         nproc = config.resolved_nproc(torch.cuda.device_count())
         lock = OutputDirLock(prepare_output_dir(config.output_dir))
     except ValueError as error:
@@ -67,21 +64,45 @@ def train_command(argv: Sequence[str]) -> int:
         return _interrupted()
     with lock:
         try:
+            return _resolve_and_run(argv, config, nproc, lock)
+        except KeyboardInterrupt:  # before the launcher's own handlers are in place
+            return _interrupted()
+
+
+def _resolve_and_run(argv: Sequence[str], config: TrainConfig, nproc: int, lock: OutputDirLock) -> int:
+    """Resolve the run and train it: here (one process), or in local ranks started first, whose imports overlap
+    the resolution (a refused run kills them). Returns the exit status."""
+    from ulysses_sp.train.launch import LocalRanks
+    from ulysses_sp.train.runspec import resolve_run
+
+    if nproc == 1:
+        try:
             spec = resolve_run(config, nproc)
         except ValueError as error:
             return _print_error(str(error))
-        except KeyboardInterrupt:
-            return _interrupted()
-        if nproc == 1:
-            return run_rank(spec)
+        return run_rank(spec)
+    with (
+        tempfile.TemporaryDirectory(prefix="ulysses-sp-run-") as tmp,
+        LocalRanks(argv, nproc, Path(tmp) / "run.json", lock_fd=lock.fileno()) as ranks,
+    ):
         try:
-            with tempfile.TemporaryDirectory(prefix="ulysses-sp-run-") as tmp:
-                spec_file = spec.save(Path(tmp) / "run.json")
-                return launch_local(
-                    argv, nproc, spec_file, lock_fd=lock.fileno(), save_on_sigterm=spec.config.save_on_sigterm
-                )
-        except KeyboardInterrupt:  # before the launcher's own handlers are in place
-            return _interrupted()
+            spec = resolve_run(config, nproc)
+        except ValueError as error:
+            return _print_error(str(error))
+        return ranks.train(spec.to_json(), save_on_sigterm=spec.config.save_on_sigterm)
+
+
+def _launched_rank(spec_file: Path) -> int:
+    """A rank of :class:`~ulysses_sp.train.launch.LocalRanks`: end with the launcher, import what training needs
+    while the launcher resolves the run, then train on the spec it writes."""
+    from ulysses_sp.train.launch import wait_for_spec
+
+    die_with_launcher(os.environ)
+    _quiet_libraries()  # imports transformers and datasets
+    import ulysses_sp.train.loop  # noqa: F401 (the rest of what run_rank imports: the model code, FSDP2, ...)
+    from ulysses_sp.train.runspec import RunSpec
+
+    return run_rank(RunSpec.load(wait_for_spec(spec_file)))
 
 
 def _interrupted() -> int:
@@ -141,7 +162,6 @@ def run_rank(spec: RunSpec | None, config: TrainConfig | None = None) -> int:
     from ulysses_sp.train.model_factory import place_checkpoints, smallest_gpu_memory
 
     _quiet_libraries()
-    die_with_launcher(os.environ)
     launched = under_launcher(os.environ)
     settings = spec.config if spec is not None else config
     signals = RankSignals(save_on_sigterm=settings.save_on_sigterm, under_launcher=launched)

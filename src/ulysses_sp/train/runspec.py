@@ -1,4 +1,4 @@
-"""One frozen description of a run, resolved and checked once before any rank starts: :class:`RunSpec`.
+"""One frozen description of a run, resolved and checked once before any rank trains: :class:`RunSpec`.
 
 :func:`resolve_run` does everything that can be known and checked without the ranks: the resolved config
 (world size, tokenizer, learning rate), the checkpoint to resume from (verified against its checksums), the

@@ -2,7 +2,7 @@
 
 ``metrics.jsonl`` is always written (:mod:`ulysses_sp.train.metrics`); a reporter receives the same records
 on rank 0. Both trackers are optional dependencies (``pip install 'ulysses-sp[tensorboard]'`` / ``[wandb]``);
-the run checks for them before any rank starts and goes on without one that is missing, saying so.
+the run checks for them before any rank trains and goes on without one that is missing, saying so.
 At the end of a run rank 0 draws ``loss_curve.png`` beside the metrics file (matplotlib, ``[plot]``).
 """
 
