@@ -194,9 +194,24 @@ def test_a_fresh_run_refuses_a_directory_with_checkpoints_and_bad_yaml(tmp_path)
     assert result.returncode == 2 and "seq_lenn" in result.stderr and "seq_len" in result.stderr
 
 
-def test_the_ranks_start_while_the_launcher_resolves_and_a_refusal_stops_them(tmp_path, corpus_file):
+@pytest.mark.parametrize(
+    ("how", "status", "line"),
+    [
+        ("refusal", 2, "ulysses-sp train: error: --dataset: refused by the test's resolution"),
+        (
+            "SIGTERM",
+            128 + signal.SIGTERM,
+            "ulysses-sp train: stopped by SIGTERM while resolving the run (nothing trained or saved); its ranks "
+            "were stopped",
+        ),
+    ],
+)
+def test_the_ranks_start_while_the_launcher_resolves_and_a_refusal_or_sigterm_stops_them(
+    how, status, line, tmp_path, corpus_file
+):
     """The ranks import torch and transformers (about 11 s each on this VM) while the launcher resolves the run;
-    a run refused there (here a stand-in resolution that refuses) kills them, and the refusal is its one line."""
+    a run refused there (here a stand-in resolution), or a SIGTERM then, kills them, leaves no temporary file
+    behind and puts the signal handlers back; the refusal is the command's one line of output."""
     from tests.e2e.train_cli_helpers import main_in_process
     from ulysses_sp.train.launch import LocalRanks
 
@@ -207,22 +222,34 @@ def test_the_ranks_start_while_the_launcher_resolves_and_a_refusal_stops_them(tm
         started.append(enter(self))
         return started[-1]
 
-    def refusing_resolution(config, world_size):
+    def stand_in_resolution(config, world_size):
         assert len(started) == 1 and len(started[0].run.processes) == world_size == 2
         assert all(process.poll() is None for process in started[0].run.processes), "a rank ended before its spec"
+        if how == "SIGTERM":
+            os.kill(os.getpid(), signal.SIGTERM)  # the launcher's handler raises at the next bytecode
+            time.sleep(5)
+            raise AssertionError("SIGTERM did not stop the resolution")
         raise ValueError("--dataset: refused by the test's resolution")
 
+    def not_the_launcher_s(signum, frame):  # without a handler of the launcher's, SIGTERM would end pytest
+        raise AssertionError("SIGTERM reached the test's own handler: the launcher had none while it resolved")
+
     args = [*TINY, "--dataset", str(corpus_file), "--output-dir", str(tmp_path / "run")]
-    with (
-        mock.patch.object(LocalRanks, "__enter__", recorded_enter),
-        mock.patch("ulysses_sp.train.runspec.resolve_run", refusing_resolution),
-    ):
-        result = main_in_process(["train", *args])
-    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "ulysses-sp train: error: --dataset: refused by the test's resolution"
-    ], result.stderr
-    # killed and reaped when the launcher refused, long before they could have imported anything
+    previous = signal.signal(signal.SIGTERM, not_the_launcher_s)
+    try:
+        with (
+            mock.patch.object(LocalRanks, "__enter__", recorded_enter),
+            mock.patch("ulysses_sp.train.runspec.resolve_run", stand_in_resolution),
+        ):
+            result = main_in_process(["train", *args])
+        handler = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert result.returncode == status and result.stderr.strip().splitlines() == [line], result.stderr
+    # killed and reaped when the launcher stopped, long before they could have imported anything
     assert [process.returncode for process in started[0].run.processes] == [-signal.SIGKILL] * 2
+    assert not started[0].spec_file.parent.exists(), "the run's temporary directory was left behind"
+    assert handler is not_the_launcher_s
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

@@ -2,8 +2,10 @@
 imports neither transformers nor torch (once about 6 s each on a 2-core VM)."""
 
 import importlib
+import pkgutil
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -73,13 +75,25 @@ def test_help_and_a_bad_flag_answer_without_importing_torch():
         assert "torch" not in _modules_after(_cli(argv)), argv
 
 
+@pytest.mark.parametrize("package", ["ulysses_sp", "ulysses_sp.plan", "ulysses_sp.tiled_loss"])
+def test_no_public_name_of_a_lazy_package_is_also_a_submodule_s_name(package):
+    # importing the submodule binds its name on the package, and __getattr__ is never asked again: the name would
+    # be the module (ulysses_sp.plan.recommend once `ulysses-sp plan` had run, until plan/recommend.py was renamed)
+    module = importlib.import_module(package)
+    assert not set(module._HOME) & {info.name for info in pkgutil.iter_modules(module.__path__)}
+
+
 @pytest.mark.parametrize("package", ["ulysses_sp.plan", "ulysses_sp.tiled_loss"])
 def test_a_subpackage_resolves_its_public_names_on_first_use(package):
     module = importlib.import_module(package)
     assert sorted(module.__all__) == sorted(module._HOME)
     assert set(module.__all__) <= set(dir(module))
+    for info in pkgutil.iter_modules(module.__path__):  # every submodule imported first, as a program may have
+        importlib.import_module(f"{package}.{info.name}")
     for name in module.__all__:
-        assert getattr(module, name) is not None, name
+        value = getattr(module, name)
+        assert not isinstance(value, types.ModuleType), name
+        assert value is getattr(importlib.import_module(module._HOME[name], package), name), name
     with pytest.raises(AttributeError, match="no_such_name"):
         module.no_such_name  # noqa: B018
 

@@ -1,7 +1,7 @@
 """The memory planner: per-GPU memory of a training step, the longest sequence that fits, recommended settings.
 
 Modules: :mod:`.shape` (model sizes), :mod:`.memory` (the memory model), :mod:`.search` (longest sequence),
-:mod:`.recommend`, :mod:`.units` (byte sizes), :mod:`.cli` (``ulysses-sp plan``). ``--simulate`` runs one
+:mod:`.recommendation`, :mod:`.units` (byte sizes), :mod:`.cli` (``ulysses-sp plan``). ``--simulate`` runs one
 real step as one rank of the layout: :mod:`ulysses_sp.simulate`.
 
 Names are imported from their module on first use (PEP 562), as in the top package: ``ulysses-sp plan --help``
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..features import Features
     from .memory import MemoryPlan, plan_memory, usable_gpu_bytes
-    from .recommend import Recommendation, recommend
+    from .recommendation import Recommendation, recommend
     from .search import max_seq_len, search_longest
     from .shape import ModelShape, load_model_config, model_shape
     from .units import GiB, format_bytes, parse_bytes
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "..features": ("Features",),
     ".memory": ("MemoryPlan", "plan_memory", "usable_gpu_bytes"),
-    ".recommend": ("Recommendation", "recommend"),
+    ".recommendation": ("Recommendation", "recommend"),
     ".search": ("max_seq_len", "search_longest"),
     ".shape": ("ModelShape", "load_model_config", "model_shape"),
     ".units": ("GiB", "format_bytes", "parse_bytes"),

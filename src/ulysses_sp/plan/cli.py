@@ -199,7 +199,7 @@ def plan_command(argv: Sequence[str]) -> int:
         description="Predict per-GPU memory and the longest trainable sequence; recommend settings.",
     )
     from .memory import plan_memory
-    from .recommend import recommend
+    from .recommendation import recommend
     from .search import max_seq_len
 
     config, name = args.model_config

@@ -22,15 +22,15 @@ if TYPE_CHECKING:
     from .sizing import BYTES_PER_LOGIT, DEFAULT_LOSS_BUDGET_BYTES, chunk_bytes_per_logit, loss_chunk_tokens
 
 _EXPORTS = {
-    "kernel": ("LogitsHead", "tiled_cross_entropy_sum"),
-    "patch": (
+    ".kernel": ("LogitsHead", "tiled_cross_entropy_sum"),
+    ".patch": (
         "LABEL_SMOOTHING",
         "ROUTER_LOGITS_TO_CALLER",
         "disable_tiled_loss",
         "enable_tiled_loss",
         "tiled_loss_enabled",
     ),
-    "sizing": ("BYTES_PER_LOGIT", "DEFAULT_LOSS_BUDGET_BYTES", "chunk_bytes_per_logit", "loss_chunk_tokens"),
+    ".sizing": ("BYTES_PER_LOGIT", "DEFAULT_LOSS_BUDGET_BYTES", "chunk_bytes_per_logit", "loss_chunk_tokens"),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -53,7 +53,7 @@ def __getattr__(name: str) -> Any:
     """A public name, imported from its module on first use (then kept in this namespace)."""
     if name not in _HOME:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    value = getattr(importlib.import_module(_HOME[name], __name__), name)
     globals()[name] = value
     return value
 

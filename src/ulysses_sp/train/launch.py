@@ -16,7 +16,8 @@ Three ways a run starts:
   fails and prints that rank's one error line (or names how it ended); its ranks die with it (see
   :mod:`ulysses_sp.train.lifeline`) and hold the output directory's lock with it. SIGTERM is passed on to
   the ranks, which save at the next step boundary and stop (exit 143); Ctrl-C stops them at once (exit 130,
-  one line). ``--nproc 1`` runs in this process.
+  one line), as do SIGTERM and SIGHUP while the run is still being resolved (143 / 129, one line, nothing to
+  save). ``--nproc 1`` runs in this process.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from ulysses_sp.train.errors import ERROR_DIR_ENV, read_rank_errors
 from ulysses_sp.train.lifeline import LAUNCHER_PID_ENV, PREEMPTED_STATUS
@@ -37,6 +40,7 @@ from ulysses_sp.train.lifeline import LAUNCHER_PID_ENV, PREEMPTED_STATUS
 __all__ = [
     "SPEC_ENV",
     "LocalRanks",
+    "Stopped",
     "apply_slurm_env",
     "expected_world_size",
     "wait_for_spec",
@@ -46,6 +50,7 @@ SPEC_ENV = "ULYSSES_SP_RUN_SPEC"  # the run spec file our launcher hands its ran
 _POLL_S = 0.1
 _STOP_GRACE_S = 120.0  # how long the other ranks may take to finish once one stopped after a SIGTERM save
 _CLOSE_GRACE_S = 8.0  # how long rank 0 may take to close its logs once a rank handed over an error
+_STOPS = (signal.SIGTERM, signal.SIGHUP)  # signals that end the launcher (Ctrl-C: KeyboardInterrupt)
 
 
 def apply_slurm_env(environ: MutableMapping[str, str]) -> bool:
@@ -111,11 +116,24 @@ def _rank_env(nproc: int, port: int, spec_file: Path, error_dir: Path) -> dict[s
     return env
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGHUP reached the launcher while it resolved the run: nothing trained, nothing to save."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    raise Stopped(signum)
+
+
 class LocalRanks:
     """``nproc`` local ranks of ``python -m ulysses_sp train ARGV``, started on entry, before the run is resolved:
     they import torch, transformers and our modules (seconds) while this process resolves the run, and wait for
     :meth:`train` to write the spec to ``spec_file``. On exit every rank still alive is killed (a refused run:
-    they never saw a spec). ``lock_fd`` (the output directory's lock) is passed to them.
+    they never saw a spec). ``lock_fd`` (the output directory's lock) is passed to them. Until :meth:`train`,
+    SIGTERM and SIGHUP raise :class:`Stopped`, so the ranks and the caller's temporary files go too.
 
     On a CPU-only machine each rank gets ``cpu_count // nproc`` threads unless ``OMP_NUM_THREADS`` is set.
     """
@@ -124,6 +142,7 @@ class LocalRanks:
         self.argv, self.nproc, self.spec_file, self.lock_fd = list(argv), nproc, spec_file, lock_fd
         self.error_dir = spec_file.parent / "errors"
         self.run = _Run([])
+        self._previous: dict[int, Any] = {}  # signal handlers replaced on entry
 
     def __enter__(self) -> LocalRanks:
         import torch
@@ -135,18 +154,22 @@ class LocalRanks:
         if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.nproc))
         command = [sys.executable, "-m", "ulysses_sp", "train", *self.argv]  # the flags only show in `ps`
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {signum: signal.signal(signum, _raise_stopped) for signum in _STOPS}
         try:
             for rank in range(self.nproc):
                 rank_env = env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}
                 process = subprocess.Popen(command, env=rank_env, start_new_session=True, pass_fds=(self.lock_fd,))
                 self.run.processes.append(process)
         except BaseException:
-            self.run.kill()
+            self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.run.kill()
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
         del self.store
 
     def train(self, spec_json: str, *, save_on_sigterm: bool) -> int:
@@ -155,14 +178,14 @@ class LocalRanks:
         partial = self.spec_file.with_name(self.spec_file.name + ".partial")
         partial.write_text(spec_json, encoding="utf-8")
         os.replace(partial, self.spec_file)
-        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-        previous = {signum: signal.signal(signum, self.run.on_signal) for signum in handled}
+        previous = {signum: signal.signal(signum, self.run.on_signal) for signum in (signal.SIGINT, *_STOPS)}
         try:
             return _monitor(self.run, self.error_dir, save_on_sigterm)
         finally:
             self.run.kill()
-            for signum, handler in previous.items():
+            for signum, handler in (previous | self._previous).items():  # the handlers from before the ranks
                 signal.signal(signum, handler)
+            self._previous = {}
 
 
 def wait_for_spec(spec_file: Path, poll_s: float = 0.02) -> Path:

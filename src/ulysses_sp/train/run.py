@@ -62,11 +62,17 @@ def train_command(argv: Sequence[str]) -> int:
         return _print_error(str(error))
     except KeyboardInterrupt:
         return _interrupted()
+    from ulysses_sp.train.launch import Stopped
+
     with lock:
         try:
             return _resolve_and_run(argv, config, nproc, lock)
         except KeyboardInterrupt:  # before the launcher's own handlers are in place
             return _interrupted()
+        except Stopped as stopped:
+            message = f"stopped by {stopped} while resolving the run (nothing trained or saved); its ranks were stopped"
+            print(f"ulysses-sp train: {message}", file=sys.stderr, flush=True)
+            return 128 + stopped.signum
 
 
 def _resolve_and_run(argv: Sequence[str], config: TrainConfig, nproc: int, lock: OutputDirLock) -> int:
