@@ -16,9 +16,9 @@ transformers, and ``ulysses-sp plan`` only its configuration classes, not its mo
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .comm import CommStats
@@ -44,27 +44,25 @@ __version__ = "0.1.0"
 
 # the public names, by the module that defines each
 _EXPORTS = {
-    "comm": ("CommStats",),
-    "cores": ("CORES", "Segments"),
-    "features": ("Features", "apply_features"),
-    "layout": ("ParallelLayout", "choose_layout", "choose_ring_degree"),
-    "loss": (
+    ".comm": ("CommStats",),
+    ".cores": ("CORES", "Segments"),
+    ".features": ("Features", "apply_features"),
+    ".layout": ("ParallelLayout", "choose_layout", "choose_ring_degree"),
+    ".loss": (
         "causal_lm_loss",
         "count_valid_tokens",
         "reduce_token_loss",
         "sequence_parallel_cross_entropy",
         "sync_gradients",
     ),
-    "model": ("parallelize", "plain_attention", "ulysses_context", "unparallelize"),
-    "offload": ("disable_activation_checkpointing", "enable_activation_checkpointing"),
-    "process_group": ("init_default_group",),
-    "sharding": ("gather_sequence", "shard_batch", "shift_labels"),
-    "tiled_loss": ("disable_tiled_loss", "enable_tiled_loss", "tiled_cross_entropy_sum"),
-    "tiled_norms": ("disable_tiled_norms", "enable_tiled_norms"),
-    "tiling": ("disable_tiled_mlp", "enable_tiled_mlp"),
+    ".model": ("parallelize", "plain_attention", "ulysses_context", "unparallelize"),
+    ".offload": ("disable_activation_checkpointing", "enable_activation_checkpointing"),
+    ".process_group": ("init_default_group",),
+    ".sharding": ("gather_sequence", "shard_batch", "shift_labels"),
+    ".tiled_loss": ("disable_tiled_loss", "enable_tiled_loss", "tiled_cross_entropy_sum"),
+    ".tiled_norms": ("disable_tiled_norms", "enable_tiled_norms"),
+    ".tiling": ("disable_tiled_mlp", "enable_tiled_mlp"),
 }
-_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
-
 __all__ = [
     "CORES",
     "CommStats",
@@ -99,18 +97,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """A public name, imported from its module on first use (then kept in this module's namespace); a submodule
-    (``ulysses_sp.hf``) likewise, as once every module the public names need was imported with the package."""
-    if name in _HOME:
-        value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
-    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        value = importlib.import_module(f".{name}", __name__)
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+_HOME, __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS, submodules=True)

@@ -15,7 +15,7 @@ import ulysses_sp
 def test_every_public_name_is_its_module_s_object():
     assert sorted(ulysses_sp.__all__) == sorted(ulysses_sp._HOME)
     for name in ulysses_sp.__all__:
-        home = importlib.import_module(f"ulysses_sp.{ulysses_sp._HOME[name]}")
+        home = importlib.import_module(ulysses_sp._HOME[name], "ulysses_sp")
         assert getattr(ulysses_sp, name) is getattr(home, name), name
 
 

@@ -10,8 +10,9 @@ and the byte-size flags of ``bench`` import no torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from ..features import Features
@@ -29,8 +30,6 @@ _EXPORTS = {
     ".shape": ("ModelShape", "load_model_config", "model_shape"),
     ".units": ("GiB", "format_bytes", "parse_bytes"),
 }
-_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
-
 __all__ = [
     "Features",
     "GiB",
@@ -49,14 +48,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """A public name, imported from its module on first use (then kept in this namespace)."""
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOME[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+_HOME, __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -7,8 +7,9 @@ planner need only :mod:`.sizing`, so ``--help`` imports no torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .kernel import LogitsHead, tiled_cross_entropy_sum
@@ -32,8 +33,6 @@ _EXPORTS = {
     ),
     ".sizing": ("BYTES_PER_LOGIT", "DEFAULT_LOSS_BUDGET_BYTES", "chunk_bytes_per_logit", "loss_chunk_tokens"),
 }
-_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
-
 __all__ = [
     "BYTES_PER_LOGIT",
     "DEFAULT_LOSS_BUDGET_BYTES",
@@ -49,14 +48,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """A public name, imported from its module on first use (then kept in this namespace)."""
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOME[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+_HOME, __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

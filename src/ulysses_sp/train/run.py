@@ -14,6 +14,7 @@ user can act on, such as a full disk or non-finite training), 130 Ctrl-C, 143 st
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -81,20 +82,17 @@ def _resolve_and_run(argv: Sequence[str], config: TrainConfig, nproc: int, lock:
     from ulysses_sp.train.launch import LocalRanks
     from ulysses_sp.train.runspec import resolve_run
 
-    if nproc == 1:
+    with contextlib.ExitStack() as stack:
+        ranks = None
+        if nproc > 1:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="ulysses-sp-run-"))
+            ranks = stack.enter_context(LocalRanks(argv, nproc, Path(tmp) / "run.json", lock_fd=lock.fileno()))
         try:
             spec = resolve_run(config, nproc)
         except ValueError as error:
             return _print_error(str(error))
-        return run_rank(spec)
-    with (
-        tempfile.TemporaryDirectory(prefix="ulysses-sp-run-") as tmp,
-        LocalRanks(argv, nproc, Path(tmp) / "run.json", lock_fd=lock.fileno()) as ranks,
-    ):
-        try:
-            spec = resolve_run(config, nproc)
-        except ValueError as error:
-            return _print_error(str(error))
+        if ranks is None:
+            return run_rank(spec)
         return ranks.train(spec.to_json(), save_on_sigterm=spec.config.save_on_sigterm)
 
 
