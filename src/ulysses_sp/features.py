@@ -40,8 +40,8 @@ class Features:
 
     tiled_loss: bool = option(
         True,
-        help="Compute lm_head + cross-entropy in chunks of tokens, recomputed in backward, so the [tokens, vocab] "
-        "logits are never held (--no-tiled-loss: the model's plain logits path).",
+        help="Compute lm_head + cross-entropy in chunks of tokens, each chunk's gradients made in the forward (nothing "
+        "recomputed), so the [tokens, vocab] logits are never held (--no-tiled-loss: the model's plain logits path).",
     )
     loss_chunk_mib: int = option(
         DEFAULT_LOSS_BUDGET_BYTES >> 20,

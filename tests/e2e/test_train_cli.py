@@ -85,7 +85,9 @@ def test_loss_falls_and_the_checkpoint_is_a_plain_hf_model(tmp_path, corpus_file
     # the held-out rows as the trainer built them (same data code, seed and split), one process, no SP
     config = TrainConfig(dataset=str(corpus_file), seq_len=256, batch_size=2)
     documents = [json.loads(line)["text"] for line in corpus_file.read_text().splitlines()]
-    _, held_out = split_documents(tokenize_documents(documents, load_tokenizer()), config.eval_fraction, config.seed)
+    _, held_out = split_documents(
+        tokenize_documents(documents, load_tokenizer()), config.held_out_fraction(), config.seed
+    )
     batch = next(iter(SequenceLoader(held_out, schedule=256, batch_size=2, shuffle=False, epochs=1)))
     with torch.no_grad():  # no attention_mask: transformers then keeps attention inside each document
         loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]).loss

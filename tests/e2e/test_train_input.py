@@ -50,13 +50,22 @@ def _tokenizer(tmp_path: Path) -> tuple[list[str], list[str]]:
     return ["--tokenizer", str(tmp_path / "no-tokenizer")], ["--tokenizer", "no-tokenizer"]
 
 
+def _no_tokenizer_files(tmp_path: Path) -> tuple[list[str], list[str]]:
+    folder = tmp_path / "weights-only"  # a model folder without its tokenizer: the cause quoted used to be empty
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return ["--tokenizer", str(folder)], ["--tokenizer", "weights-only", "holds no tokenizer files", "gpt2-bpe"]
+
+
 def _output_is_a_file(tmp_path: Path) -> tuple[list[str], list[str]]:
     path = tmp_path / "a-file"
     path.write_text("not a directory")
     return ["--output-dir", str(path)], ["--output-dir", "a-file", "not a directory"]
 
 
-@pytest.mark.parametrize("case", [_binary, _malformed, _parquet_field, _empty, _hub, _tokenizer, _output_is_a_file])
+@pytest.mark.parametrize(
+    "case", [_binary, _malformed, _parquet_field, _empty, _hub, _tokenizer, _no_tokenizer_files, _output_is_a_file]
+)
 def test_bad_data_tokenizer_or_output_dir_is_one_line(case, tmp_path):
     args, needles = case(tmp_path)
     if "--output-dir" not in args:

@@ -111,6 +111,7 @@ def test_resume_none_is_no_resume_as_for_the_other_optional_flags(spelling, tmp_
         (["--seq-len-schedule", "1:2,64", "--sp", "1"], "--seq-len-schedule lengths must be >= 2"),
         (["--nproc", "3"], "--nproc must be a multiple of --sp"),
         (["--lr", "0"], "--lr must be > 0"),
+        (["--lr", "1e38"], "--lr must be <= 1e30 (AdamW's step overflows float32 past that), got 1e+38"),
         (["--eval-fraction", "1.5"], "--eval-fraction must be in [0, 1)"),
         (["--max-steps", "none"], "--max-steps and --epochs are both 'none'"),
         (["--seq-len-schedule", "8192,4096"], "--seq-len-schedule"),
@@ -118,6 +119,10 @@ def test_resume_none_is_no_resume_as_for_the_other_optional_flags(spelling, tmp_
         (["--parallel", "ddp", "--cpu-offload-optimizer"], "--cpu-offload-optimizer needs --parallel fsdp2"),
         (["--resume", "--overwrite"], "--overwrite deletes the checkpoints that --resume"),
         (["--dist-timeout", "0"], "--dist-timeout must be >= 1"),
+        # a path would put the logs (and --overwrite's deletions of an earlier run's) outside --output-dir
+        (["--metrics-file", "/tmp/shared/metrics.jsonl"], "--metrics-file must be a file name, written inside"),
+        (["--metrics-file", "../metrics.jsonl"], "got '../metrics.jsonl': give a name such as metrics.jsonl"),
+        (["--metrics-file", ".."], "--metrics-file must be a file name"),
         # a flag the others switch off would be silently ignored
         (
             ["--no-tiled-loss", "--loss-chunk-tokens", "256"],

@@ -323,6 +323,22 @@ def test_a_wrong_text_field_is_refused_before_the_ranks_naming_the_fields(name, 
     check_dataset(str(path), text_field="body")
 
 
+@pytest.mark.parametrize(("value", "kind"), [(5, "int 5"), (["a", "b"], "list"), ({"x": 1}, "dict"), (1.5, "float")])
+def test_a_row_whose_text_field_is_not_a_string_is_refused_naming_it(value, kind, tmp_path):
+    """A number, a list or an object where the text should be is refused, naming the row: by the launcher when it
+    is in the file's head, by the ranks' load anywhere (it used to be dropped in silence, as an empty row is)."""
+    rows = [{"text": "a first document"}, {"text": None}, {"text": ""}, {"text": value}, {"text": "the last"}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=rf"rows.jsonl line 4: its --text-field 'text' holds {kind}.*, not text"):
+        check_dataset(str(path))
+    with pytest.raises(ValueError, match=rf"--dataset '.*rows.jsonl' row 4: its --text-field 'text' holds {kind}"):
+        load_documents(str(path))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:3] + rows[4:]))  # null and empty: skipped
+    check_dataset(str(path))
+    assert load_documents(str(path)) == ["a first document", "the last"]
+
+
 def test_a_parquet_file_without_the_text_field_or_unreadable_is_refused_before_the_ranks(tmp_path):
     """A parquet file's columns come from its footer alone: a --text-field it lacks is refused by check_dataset,
     naming the columns, as is a file that starts as parquet but has no readable footer."""

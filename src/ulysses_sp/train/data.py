@@ -341,7 +341,7 @@ def build_data(config: TrainConfig, tokenizer: Any, *, dp_rank: int, dp_size: in
     """
     documents = load_documents(config.dataset, text_field=config.text_field, split=config.dataset_split)
     corpus = tokenize_documents(documents, tokenizer)
-    train_corpus, eval_corpus = split_documents(corpus, config.eval_fraction, config.seed)
+    train_corpus, eval_corpus = split_documents(corpus, config.held_out_fraction(), config.seed)
     train = SequenceLoader(
         train_corpus,
         schedule=config.schedule(),

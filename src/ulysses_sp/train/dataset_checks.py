@@ -18,12 +18,15 @@ from ulysses_sp.train.documents import (
     _builder,
     _hub_error,
     _local_files,
+    _not_text,
     _suffix,
     _too_few_documents,
 )
 from ulysses_sp.train.errors import first_line
 
 __all__ = ["check_dataset"]
+
+_OBJECT = "top-level object"  # a .json file of one object: its keys are the columns
 
 _SNIFF_BYTES = 1 << 16  # how much of each local file check_dataset reads
 _SNIFF_FILES = 64  # and of how many files
@@ -112,7 +115,7 @@ def _json_rows(name: str, file: str, head: bytes, complete: bool) -> list[tuple[
         except json.JSONDecodeError as error:
             if not rows and _suffix(file) == ".json":  # one object over several lines, or not JSON at all
                 with contextlib.suppress(json.JSONDecodeError):
-                    return [("top-level object", decoder.raw_decode(text.lstrip())[0])]
+                    return [(_OBJECT, decoder.raw_decode(text.lstrip())[0])]
                 return []  # cut by the read, or not JSON: the ranks name it
             raise ValueError(f"{name} line {number} is not JSON ({error}); each line must be one JSON object") from None
     return rows
@@ -128,6 +131,8 @@ def _check_rows(name: str, file: str, head: bytes, complete: bool, text_field: s
                 f"{name} {where} has no --text-field {text_field!r} (it holds {keys}); pass the key that "
                 "holds the text with --text-field"
             )
+        if where != _OBJECT and not isinstance(row[text_field], str | None):  # (an object's values are columns)
+            raise ValueError(f"{name} {where}: {_not_text(text_field, row[text_field])}")
     return len(rows)
 
 

