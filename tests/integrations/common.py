@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 
-from tests.helpers.models import VOCAB
+from tests.helpers.models import VOCAB, build
 
 # Odd and even lengths, some longer than a shard: sequences of every kind reach the model.
 TRAIN_LENGTHS = (9, 17, 23, 12, 31, 16, 37, 20, 11, 28, 15, 33, 19, 26, 13, 21)
@@ -23,6 +23,25 @@ def token_dataset(lengths: tuple[int, ...], seed: int, prompt: int = 3) -> Datas
     rows = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
     labels = [[-100] * prompt + r[prompt:] for r in rows]
     return Dataset.from_dict({"input_ids": rows, "labels": labels})
+
+
+def no_target_dataset(seed: int) -> Dataset:
+    """4 rows, the second with every label -100: in batches of 1 row, in order, a step (or an eval batch) of no
+    targets."""
+    rows = token_dataset((40, 30, 20, 50), seed=seed, prompt=0).to_dict()
+    rows["labels"][1] = [-100] * len(rows["labels"][1])
+    return Dataset.from_dict(rows)
+
+
+def no_target_trainer(trainer_class, out: str, **kwargs):
+    """A Trainer (``UlyssesTrainer`` with ``sp_size=`` in kwargs) over :func:`no_target_dataset`, batches of 1 row
+    in order, clipping on (the gradient norm is logged)."""
+    args = trainer_args(out, per_device_train_batch_size=1, per_device_eval_batch_size=1, num_train_epochs=1)
+    args.train_sampling_strategy, args.max_grad_norm = "sequential", 1.0
+    data = no_target_dataset(seed=5)
+    return trainer_class(
+        model=build("llama"), args=args, train_dataset=data, eval_dataset=data, data_collator=pad_collate, **kwargs
+    )
 
 
 def pad_collate(features: list[dict]) -> dict[str, torch.Tensor]:

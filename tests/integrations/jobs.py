@@ -24,6 +24,7 @@ from tests.integrations.common import (
     drop_labels_collate,
     expect_error,
     first,
+    no_target_trainer,
     pad_collate,
     sft_args,
     token_dataset,
@@ -227,6 +228,20 @@ def ulysses_trainer(
         eval_samples=eval_samples,
         train_batches=len(trainer.get_train_dataloader()),
     )
+
+
+def no_targets(job: str) -> None:
+    """UlyssesTrainer (the tiled loss) training and evaluating on data where one batch has no targets."""
+    from ulysses_sp.integrations import UlyssesTrainer
+
+    trainer = no_target_trainer(UlyssesTrainer, _out(job), sp_size=2)
+    trainer.train()
+    metrics = trainer.evaluate()
+    if dist.get_rank() == 0:
+        steps = [[e["loss"], e["grad_norm"]] for e in trainer.state.log_history if "grad_norm" in e]
+        weights = {n: p.detach().tolist() for n, p in trainer.model.named_parameters()}
+        write_json(os.path.join(_out(job), "result.json"), {"steps": steps, "eval_loss": metrics["eval_loss"]})
+        torch.save(weights, os.path.join(_out(job), "weights.pt"))
 
 
 def ulysses_lora(job: str) -> None:
@@ -536,6 +551,7 @@ def world2_sp() -> dict[str, str]:
             ),
             "sft_sp2_gas2": lambda: sft("sft_sp2_gas2", 2, gradient_accumulation_steps=2),
             "lora_sp2": lambda: ulysses_lora("lora_sp2"),
+            "no_targets_sp2": lambda: no_targets("no_targets_sp2"),
             "neftune_sp2": neftune_sp2,
             "peft_kinds_sp2": peft_kinds_sp2,
             "trainer_metrics_sp2": lambda: trainer_metrics(  # tiled loss: 2 forwards

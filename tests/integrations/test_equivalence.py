@@ -120,6 +120,29 @@ def test_trainer_dp1_sp2_gas2_equals_dp2_sp1_gas1(world2_plain, world2_sp, out_d
     assert ours["train_batches"] == 8  # every rank of the SP group iterates the whole epoch, not half of it
 
 
+def test_a_step_and_an_eval_batch_of_no_targets_match_one_process(world2_sp, out_dir, tmp_path):
+    """A step whose every label is -100 (the Trainer passes num_items_in_batch = 0) turned every weight into NaN
+    under the tiled loss; an eval batch of none counted as 0 in eval_loss (one process's NaN is left out)."""
+    from transformers import Trainer
+
+    from tests.integrations.common import no_target_trainer
+
+    assert_case(world2_sp, "no_targets_sp2", 2)
+    reference = no_target_trainer(Trainer, str(tmp_path))
+    reference.train()
+    want = [[e["loss"], e["grad_norm"]] for e in reference.state.log_history if "grad_norm" in e]
+    got = result(out_dir, "no_targets_sp2")
+    assert len(got["steps"]) == len(want) == 4 and want[1][1] == 0.0
+    for (loss, norm), (want_loss, want_norm) in zip(got["steps"], want, strict=True):
+        assert abs(norm - want_norm) < 1e-4 * max(1.0, want_norm), (got["steps"], want)
+        if want_loss == want_loss:  # (the plain Trainer logs a NaN step's loss as the running mean: not compared)
+            assert abs(loss - want_loss) < LOSS_ATOL, (got["steps"], want)
+    assert abs(got["eval_loss"] - reference.evaluate()["eval_loss"]) < LOSS_ATOL
+    weights = torch.load(os.path.join(out_dir, "no_targets_sp2", "weights.pt"))
+    for name, param in reference.model.named_parameters():
+        torch.testing.assert_close(torch.tensor(weights[name]), param.detach(), atol=WEIGHT_ATOL, rtol=0, msg=name)
+
+
 def test_trainer_resumed_from_checkpoint_equals_uninterrupted(world2_sp, out_dir):
     """Resuming at checkpoint-4 (optimizer, scheduler, data position restored) ends where the full run ends."""
     assert_case(world2_sp, "trainer_sp2_resume", 2)
@@ -475,6 +498,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "trainer_fsdp2_sp2_gas2",
             "sft_sp2_gas2",
             "lora_sp2",
+            "no_targets_sp2",
             "neftune_sp2",
             "peft_kinds_sp2",
             "trainer_metrics_sp2",

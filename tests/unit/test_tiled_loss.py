@@ -176,6 +176,18 @@ def test_shift_labels_num_items_and_no_labels():
     assert not tiled_loss_enabled(model) and "forward" not in model.__dict__
 
 
+def test_a_step_without_targets_counted_as_zero_items_is_zero_with_zero_gradients():
+    """The Trainer passes num_items_in_batch = 0 for a step whose every label is -100: the loss divided by 0 made
+    the kernel's gradients 0 x inf = NaN, and the next optimizer step turned every weight into NaN."""
+    model = build("llama")
+    U.enable_tiled_loss(model)
+    batch = make_batch(1, 16)
+    loss = model(input_ids=batch["input_ids"], labels=torch.full_like(batch["labels"], -100), num_items_in_batch=0).loss
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
 def test_bf16_autocast_close_to_plain():
     model = build("llama")
     batch = make_batch(2, 32)

@@ -391,6 +391,9 @@ class UlyssesTrainerMixin:
             loss = loss.detach().float() / self.accelerator.num_processes
             if layout.sp > 1:
                 dist.all_reduce(loss, group=layout.sp_group)
+            # a batch of no targets: NaN, as one process's mean over none, which the evaluation loop leaves out
+            # of eval_loss (it was 0 here and pulled the mean down)
+            loss = torch.where(count > 0, loss, torch.full_like(loss, float("nan")))
         if not predict:
             return loss, None, None
         counts = batch.get(TOKEN_COUNT_KEY)

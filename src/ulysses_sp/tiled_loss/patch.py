@@ -425,8 +425,8 @@ def _tiled_forward(
     chunk = state.chunk_tokens or loss_chunk_tokens(_vocab_rows(*calls[0]), state.budget_bytes)
     options = dict(head=state.head, chunk_tokens=chunk, ignore_index=IGNORE_INDEX, label_smoothing=smoothing)
     total = _head_loss(output, calls, hidden, targets, **options)
-    if num_items is not None:
-        loss = total / torch.as_tensor(num_items, device=total.device)
+    if num_items is not None:  # at least 1: a step of no targets (0 of them) is 0 with zero gradients, not NaN
+        loss = total / torch.as_tensor(num_items, device=total.device).clamp(min=1)
     else:
         loss = total / (targets != IGNORE_INDEX).sum().clamp(min=1)
     return MoeCausalLMOutputWithPast(
