@@ -234,11 +234,12 @@ def test_without_evaluation_every_document_trains_and_a_resume_keeps_its_checkpo
 
     checkpoint = tmp_path / "run" / "checkpoint-0000002"
     checkpoint.mkdir(parents=True)
-    assert _with_held_out_fraction(TrainConfig(eval_every=0), checkpoint).eval_fraction == 0.0  # no config.yaml
+    assert _with_held_out_fraction(TrainConfig(eval_every=0), checkpoint, {}).eval_fraction == 0.0  # no config.yaml
     for saved, eval_every in ((EVAL_FRACTION, 0), (0.2, 3), (0.0, 0)):
-        (checkpoint / "config.yaml").write_text(f"eval_fraction: {saved}\neval_every: 7\n")
-        assert _with_held_out_fraction(TrainConfig(eval_every=eval_every), checkpoint).eval_fraction == saved
+        got = _with_held_out_fraction(TrainConfig(eval_every=eval_every), checkpoint, {"eval_fraction": saved})
+        assert got.eval_fraction == saved
     with pytest.raises(ValueError, match=r"--eval-every 7: .*checkpoint-0000002 trained on every document .* resume "
                                          r"with --eval-every 0"):  # fmt: skip
-        _with_held_out_fraction(TrainConfig(eval_every=7), checkpoint)
-    assert _with_held_out_fraction(TrainConfig(eval_every=7, eval_fraction=0.3), checkpoint).eval_fraction == 0.3
+        _with_held_out_fraction(TrainConfig(eval_every=7), checkpoint, {"eval_fraction": 0.0})
+    given = _with_held_out_fraction(TrainConfig(eval_every=7, eval_fraction=0.3), checkpoint, {"eval_fraction": 0.0})
+    assert given.eval_fraction == 0.3

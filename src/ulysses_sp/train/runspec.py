@@ -215,12 +215,13 @@ def _saved_config(checkpoint: Path) -> dict[str, Any]:
     return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
 
 
-def _with_held_out_fraction(config: TrainConfig, resume: Path | None) -> TrainConfig:
-    """``config`` with ``eval_fraction`` set: as given, else the resumed checkpoint's (its training documents), else
-    the default for ``--eval-every`` (:meth:`TrainConfig.held_out_fraction`)."""
+def _with_held_out_fraction(config: TrainConfig, resume: Path | None, saved_config: dict[str, Any]) -> TrainConfig:
+    """``config`` with ``eval_fraction`` set: as given, else the resumed checkpoint's (``saved_config``: its
+    config.yaml; its training documents), else the default for ``--eval-every``
+    (:meth:`TrainConfig.held_out_fraction`)."""
     if config.eval_fraction is not None:
         return config
-    saved = _saved_config(resume).get("eval_fraction") if resume is not None else None
+    saved = saved_config.get("eval_fraction")
     if saved is None:
         return dataclasses.replace(config, eval_fraction=config.held_out_fraction())
     if saved == 0 and config.eval_every:
@@ -237,9 +238,10 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
     naming the flag or file and the fix. ``--output-dir`` must exist and be held by this run already."""
     notes = []
     resume = resume_point(config)
-    config = _with_held_out_fraction(config, resume)
+    saved = _saved_config(resume) if resume is not None else {}  # the checkpoint's config.yaml, read once
+    config = _with_held_out_fraction(config, resume, saved)
     if resume is not None:  # before the tokenizer and the model are looked up under names that may differ
-        check_same_model_and_data(_saved_config(resume), config, resume)
+        check_same_model_and_data(saved, config, resume)
     report_to = config.report_to
     if report_to in _PACKAGES and importlib.util.find_spec(_PACKAGES[report_to]) is None:
         notes.append(
@@ -267,7 +269,6 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
     if resume is not None:
         if not (resume / MANIFEST).is_file():
             notes.append(f"{resume.name} has no {MANIFEST} (saved before checksums existed): not verified")
-        saved = _saved_config(resume)
         check_same_batch_plan(saved, resolved)
         notes += [f"changed since the checkpoint: {line}" for line in changed_settings(saved, resolved)]
     hf_config = json.loads(json.dumps(model_config.to_dict()))  # as it travels (JSON keys are strings)
