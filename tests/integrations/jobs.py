@@ -34,6 +34,7 @@ from tests.integrations.common import (
     trainer_args,
     write_json,
 )
+from tests.integrations.loss_override import loss_override_sp2
 from tests.integrations.refusals import refusal_in_worker_dp2_sp2, refusal_on_one_rank
 
 
@@ -552,6 +553,7 @@ def world2_sp() -> dict[str, str]:
             "sft_sp2_gas2": lambda: sft("sft_sp2_gas2", 2, gradient_accumulation_steps=2),
             "lora_sp2": lambda: ulysses_lora("lora_sp2"),
             "no_targets_sp2": lambda: no_targets("no_targets_sp2"),
+            "loss_override_sp2": loss_override_sp2,
             "neftune_sp2": neftune_sp2,
             "peft_kinds_sp2": peft_kinds_sp2,
             "trainer_metrics_sp2": lambda: trainer_metrics(  # tiled loss: 2 forwards

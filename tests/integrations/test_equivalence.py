@@ -143,6 +143,18 @@ def test_a_step_and_an_eval_batch_of_no_targets_match_one_process(world2_sp, out
         torch.testing.assert_close(torch.tensor(weights[name]), param.detach(), atol=WEIGHT_ATOL, rtol=0, msg=name)
 
 
+def test_an_overridden_compute_loss_is_refused_or_warned_about(world2_sp, out_dir):
+    """A subclass's compute_loss from outputs.logits and inputs["labels"]: a ValueError saying why under the tiled
+    loss (training and evaluation; it was a bare TypeError), one warning on rank 0 without it (the loss is silently
+    not the one-process loss otherwise); none for one that calls super().compute_loss or, under the tiled loss,
+    causal_lm_loss (which trains as the trainer's own loss does)."""
+    assert_case(world2_sp, "loss_override_sp2", 2)
+    assert result(out_dir, "loss_override_sp2")["warnings"] == [
+        {"LogitsLossTrainer": 1, "SuperLossTrainer": 0, "CausalLMLossTrainer": 0},
+        {"LogitsLossTrainer": 0, "SuperLossTrainer": 0, "CausalLMLossTrainer": 0},
+    ]
+
+
 def test_trainer_resumed_from_checkpoint_equals_uninterrupted(world2_sp, out_dir):
     """Resuming at checkpoint-4 (optimizer, scheduler, data position restored) ends where the full run ends."""
     assert_case(world2_sp, "trainer_sp2_resume", 2)
@@ -499,6 +511,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "sft_sp2_gas2",
             "lora_sp2",
             "no_targets_sp2",
+            "loss_override_sp2",
             "neftune_sp2",
             "peft_kinds_sp2",
             "trainer_metrics_sp2",

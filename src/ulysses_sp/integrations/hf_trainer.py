@@ -67,6 +67,7 @@ from .data import (
     resolve_core,
 )
 from .label_smoothing import smoothed_loss
+from .loss_override import LossOverrideCheck
 from .metrics import drop_repeats, gather_over_dp, sequence_parallel_gather
 from .trainer_checks import ddp_for_reentrant_checkpointing, refuse_deepspeed, refuse_sharded_before
 
@@ -152,6 +153,7 @@ class UlyssesTrainerMixin:
             switch=switch,
         )
         apply_features(self.model, features, self.sp_layout.device.type, switch=switch)
+        self._sp_loss_check = LossOverrideCheck(self)
         self.data_collator = SequenceParallelCollator(  # a refusal in a dataloader worker: see get_batch_samples
             self.data_collator, self.sp_layout, pad_token_id=self._pad_token_id(), token_counts=True, defer_checks=True
         )
@@ -221,6 +223,11 @@ class UlyssesTrainerMixin:
             raise ValueError(f"{type(self).__name__}(sp_size={sp_size}) does not support: " + "; ".join(problems))
 
     # ------------------------------------------------------------------------------------- loss
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The Trainer's; a subclass's own ``compute_loss`` is checked on its first call (:mod:`.loss_override`)."""
+        with self._sp_loss_check.watch():
+            return super().training_step(*args, **kwargs)
+
     def compute_loss(
         self,
         model: torch.nn.Module,
@@ -234,6 +241,7 @@ class UlyssesTrainerMixin:
         (then ``return_outputs`` gives ``(loss, None)``: the model's outputs are not kept). With
         ``label_smoothing_factor``: transformers' label-smoothed loss over the whole sequence's targets
         (:mod:`~ulysses_sp.integrations.label_smoothing`), without an MoE's term, as one process computes it."""
+        self._sp_loss_check.reached()
         if self.label_smoother is not None:  # the targets of the whole sequence, not the shard's labels shifted
             loss, outputs = smoothed_loss(model, inputs, self.label_smoother.epsilon, num_items_in_batch)
             if num_items_in_batch is not None:  # the Trainer's scale (average_tokens_across_devices is on)
@@ -377,7 +385,8 @@ class UlyssesTrainerMixin:
                 if layout.sp > 1:
                     dist.all_reduce(count, group=layout.sp_group)
                 # the outputs only for the logits: TRL's SFTTrainer makes them in a forward of its own
-                got = self.compute_loss(model, inputs, num_items_in_batch=count.clamp(min=1), return_outputs=predict)
+                with self._sp_loss_check.watch():
+                    got = self.compute_loss(model, inputs, predict, count.clamp(min=1))  # return_outputs, num_items
                 loss, outputs = got if predict else (got, None)
                 logits = getattr(outputs, "logits", None)
             if predict and logits is None:  # the tiled loss (or the MoE path) returned no logits: the shard's

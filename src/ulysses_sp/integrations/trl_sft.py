@@ -50,6 +50,7 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
         """TRL's loss, its MoE load-balancing term (when on) over the SP group's whole sequence. With
         ``return_outputs``, the outputs of a forward of the shard without its targets (TRL's: the logits, with
         which it is asked for the outputs), not with them: under the tiled loss they would make a loss instead."""
+        self._sp_loss_check.reached()
         loss = self._trl_loss(model, inputs, num_items_in_batch)
         if not return_outputs:
             return loss
