@@ -307,7 +307,7 @@ class TiledForward:
         """The module over ``x [..., n, h]`` one chunk at a time, into one ``[..., n, h_out]`` buffer."""
         name = type(self.module).__name__
         out: torch.Tensor | None = None
-        version = x._version
+        version = None if x.is_inference() else x._version  # an inference tensor has none (nothing to recompute)
         for start, length in _spans(x.shape[-2], self.chunk_size(x)):
             chunk = x.narrow(-2, start, length).contiguous()  # [b, c, h]; a copy when b > 1
             result = self.call_module(chunk)
@@ -321,7 +321,7 @@ class TiledForward:
                     f"{name} maps {tuple(chunk.shape)} to {tuple(result.shape)}: not token by token, so it cannot "
                     f"be tiled along the sequence; {self.hint}"
                 )
-            if x._version != version:
+            if version is not None and x._version != version:
                 raise ValueError(
                     f"{name}.forward modifies its input in place (e.g. router_jitter_noise > 0 in training), "
                     f"which tiling cannot recompute; turn that off or {self.hint}"

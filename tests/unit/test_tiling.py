@@ -59,6 +59,18 @@ def test_loss_and_every_gradient_equal_untiled(chunk):
     assert calls == spans + spans  # forward chunks, then the same chunks recomputed in backward
 
 
+def test_evaluation_under_inference_mode_equals_untiled():
+    """An inference tensor has no version counter: the in-place check read it and every forward under
+    torch.inference_mode() failed with a RuntimeError (the tiled MLP and the tiled norms)."""
+    model, batch = build("qwen3", kv_heads=2).eval(), make_batch(2, 24, packed=(10, 14))
+    with torch.no_grad():
+        want = model(**batch, use_cache=False).loss
+    tiled = U.enable_tiled_norms(U.enable_tiled_mlp(model, chunk_tokens=5), chunk_tokens=5)
+    with torch.inference_mode():
+        got = tiled(**batch, use_cache=False).loss
+    torch.testing.assert_close(got, want, **TOL)
+
+
 @pytest.mark.parametrize("chunk", [3, 8, 50, 64])
 def test_mlp_output_and_gradients_equal_untiled(chunk):
     torch.manual_seed(0)
