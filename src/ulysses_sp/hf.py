@@ -67,6 +67,28 @@ def refuse_prompt_learning(model: nn.Module) -> None:
                 )
 
 
+# heads that read across the whole sequence: under SP each rank would read its own shard's (a wrong, rank-dependent
+# result, not an error); token-wise heads (a causal LM's lm_head, token classification) read token by token
+_WHOLE_SEQUENCE_HEADS = {
+    "ForSequenceClassification": "pools one token of each row (the last non-padding one) for its score",
+    "ForQuestionAnswering": "scores answer spans with a softmax over the positions of the whole sequence",
+    "ForMultipleChoice": "pools one token of each row for its choice score",
+}
+
+
+def refuse_whole_sequence_head(pretrained: nn.Module) -> None:
+    """ValueError for a model whose head reads across the whole sequence (sequence classification, question
+    answering, multiple choice): under sequence parallelism each rank would compute it from its own shard."""
+    name = type(pretrained).__name__
+    for suffix, what in _WHOLE_SEQUENCE_HEADS.items():
+        if name.endswith(suffix):
+            raise ValueError(
+                f"{name} {what}, which under sequence parallelism each rank would compute from its own shard of the "
+                "sequence (the ranks would disagree); parallelize a causal LM (...ForCausalLM), "
+                "or run this model without sequence parallelism (sp=1)"
+            )
+
+
 def find_causal_lm(model: nn.Module, caller: str = "enable_tiled_loss") -> PreTrainedModel:
     """The transformers model with an output embedding (``lm_head``) in ``model``; TypeError otherwise."""
     from transformers import PreTrainedModel

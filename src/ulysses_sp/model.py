@@ -40,7 +40,14 @@ from .cores import CORES, Core, get_core
 from .dropout_stream import DropoutStream
 from .head_chunks import head_chunk_targets, install_head_chunks, remove_head_chunks
 from .head_split import DEFAULT_HEAD_CHUNK_BUDGET_BYTES
-from .hf import attention_head_counts, attention_modules, decoder_module, find_pretrained, refuse_prompt_learning
+from .hf import (
+    attention_head_counts,
+    attention_modules,
+    decoder_module,
+    find_pretrained,
+    refuse_prompt_learning,
+    refuse_whole_sequence_head,
+)
 from .layout import ParallelLayout
 from .masks import read_decoder_masks, ulysses_mask
 from .moe import router_aux_loss
@@ -59,6 +66,7 @@ class _State:
     original_impl: str
     hooks: list[torch.utils.hooks.RemovableHandle]
     modules: list[torch.nn.Module]
+    begin: _BeginForward  # its plain count: plain_attention's switch is the one allowed
 
 
 class _BeginForward:
@@ -72,13 +80,28 @@ class _BeginForward:
     def __init__(self, pretrained: PreTrainedModel, ctx: UlyssesAttention, name: str) -> None:
         self.pretrained, self.ctx, self.name = pretrained, ctx, name
         self.targets: torch.Tensor | None = None
+        self.plain = 0  # inside how many plain_attention blocks
 
     def active(self) -> bool:
         return self.pretrained.config._attn_implementation == self.name  # False under plain_attention
 
+    def check_active(self) -> bool:
+        """:meth:`active`; a ValueError when the implementation was switched other than by plain_attention under
+        sp > 1 (each attention would then see this rank's shard alone: silently wrong)."""
+        impl = self.pretrained.config._attn_implementation
+        if impl == self.name or self.plain or self.ctx.layout.sp == 1:
+            return impl == self.name
+        raise ValueError(
+            f"{type(self.pretrained).__name__}'s attention implementation is {impl!r}, not {self.name!r} as "
+            "parallelize set it: it was changed afterwards (set_attn_implementation or config._attn_implementation), "
+            "so each attention would see this rank's shard of the sequence alone; for a forward on a whole input "
+            "use `with ulysses_sp.plain_attention(model):`, to change the core ulysses_sp.unparallelize(model) and "
+            f"parallelize(model, layout, core=...) again, or switch back: model.set_attn_implementation({self.name!r})"
+        )
+
     def take_targets(self, module, args, kwargs):
         self.targets = None
-        if self.active():
+        if self.check_active():
             labels = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get("labels")
             router = kwargs.get("output_router_logits")
             if router is None:
@@ -97,8 +120,14 @@ class _BeginForward:
 
     def __call__(self, module, args, kwargs):
         targets, self.targets = self.targets, None
-        if not self.active():
+        if not self.check_active():
             return None  # switched back to plain attention (plain_attention): nothing to do
+        if kwargs.get("output_attentions", getattr(module.config, "output_attentions", False)):
+            raise ValueError(
+                "output_attentions=True: Ulysses attention returns no attention weights (no rank holds a layer's "
+                "whole attention matrix), so they would be missing; for attention maps run the model on the whole "
+                "input inside `with ulysses_sp.plain_attention(model):` (its own implementation; eager returns them)"
+            )
         bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
         if bound.get("past_key_values") is not None:
             raise ValueError(
@@ -114,6 +143,8 @@ class _BeginForward:
                 f"input_ids of shape {tuple(tokens.shape)}: a parallelized model takes [batch, tokens] (e.g. the "
                 "output of ulysses_sp.shard_batch)"
             )
+        vocab = getattr(self.pretrained.get_input_embeddings(), "num_embeddings", None)
+        self.ctx.vocab_size = vocab or self.ctx.vocab_size  # now: resize_token_embeddings may have changed it
         self.ctx.begin_forward(
             bound.get("position_ids"),
             bound.get("attention_mask"),
@@ -294,6 +325,7 @@ def parallelize(
     layout.check_heads(num_heads, num_kv_heads)
     if layout.sp > 1:
         refuse_prompt_learning(model)
+        refuse_whole_sequence_head(pretrained)
     _check_model_features(text_config, core if isinstance(core, str) else None)
     if getattr(text_config, "output_router_logits", False):
         router_aux_loss(model)  # ValueError unless its load-balancing loss is the one causal_lm_loss computes
@@ -362,7 +394,7 @@ def parallelize(
     store = offload_store(pretrained)
     if store is not None:  # offload enabled first: its prefetch waits for each attention's backward from now on
         store.wait_for(ctx)
-    setattr(pretrained, _STATE_ATTR, _State(ctx, name, original, hooks, modules))
+    setattr(pretrained, _STATE_ATTR, _State(ctx, name, original, hooks, modules, begin))
     return model
 
 
@@ -403,7 +435,9 @@ def plain_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         yield model
         return
     pretrained.set_attn_implementation(state.original_impl)
+    state.begin.plain += 1
     try:
         yield model
     finally:
+        state.begin.plain -= 1
         pretrained.set_attn_implementation(state.name)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import ulysses_sp as U
 from tests.helpers.harness import run_cases
-from tests.helpers.models import build, dp_share, make_batch
+from tests.helpers.models import VOCAB, build, dp_share, make_batch
 
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -253,6 +253,64 @@ def plain_attention_roundtrip(layout):
     assert model.config._attn_implementation == "sdpa"
 
 
+def changed_after_parallelize(layout):
+    """What a user may change on a parallelized model. Its attention implementation switched other than by
+    plain_attention (e.g. to eager for attention maps): each attention would see the rank's shard alone, which it
+    silently did; now refused on every rank, and exact again once switched back. output_attentions: refused (the
+    weights came back as an empty tuple). Sequence-pooling heads: refused at parallelize (each rank pooled its own
+    shard's last token)."""
+    from transformers import LlamaForSequenceClassification
+
+    model = U.parallelize(build("llama"), layout)
+    shard = U.shard_batch(make_batch(2, 24), layout)
+    inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
+    with U.plain_attention(model):  # the switch that is allowed
+        model(input_ids=shard["input_ids"])
+    model.set_attn_implementation("eager")
+    expect_raise(ValueError, ["implementation is 'eager', not 'ulysses_sdpa'", "plain_attention"])(
+        lambda: model(**inputs)
+    )
+    model.config._attn_implementation = "sdpa"
+    expect_raise(ValueError, ["implementation is 'sdpa', not 'ulysses_sdpa'"])(lambda: model.model(**inputs))
+    model.set_attn_implementation("ulysses_sdpa")
+    expect_raise(ValueError, ["output_attentions=True"])(lambda: model(**inputs, output_attentions=True))
+    check_parity(layout, "llama", prepare=lambda par: par.set_attn_implementation("eager") or (
+        par.set_attn_implementation("ulysses_sdpa")))  # fmt: skip
+    classifier = LlamaForSequenceClassification(build("llama").config)
+    expect_raise(ValueError, ["LlamaForSequenceClassification pools one token"])(
+        lambda: U.parallelize(classifier, layout)
+    )
+
+
+def resized_vocabulary(layout):
+    """The vocabulary resized after parallelize (a tokenizer's new special tokens): ids are checked against the
+    embedding's size at each forward. A grown one's new ids were refused (the size read at parallelize); an id
+    outside a shrunk one reached the embedding on one rank (IndexError there, the other rank left waiting)."""
+    model = build("llama")
+    grown = copy.deepcopy(model)
+    grown.resize_token_embeddings(VOCAB + 32, mean_resizing=False)
+    batch = make_batch(2, 24)
+    batch["input_ids"][0, 5] = batch["labels"][0, 5] = VOCAB + 7
+    ref_loss, ref_grads = reference(grown, batch)
+
+    def resize(par):
+        par.resize_token_embeddings(VOCAB + 32, mean_resizing=False)
+        par.load_state_dict(grown.state_dict())
+
+    loss, grads, par = sequence_parallel(model, batch, layout, prepare=resize)
+    torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+    par.resize_token_embeddings(VOCAB - 8)
+    shard = U.shard_batch(make_batch(1, 24), layout)
+    shard["input_ids"] %= VOCAB - 8
+    shard["input_ids"][0, -1] = VOCAB - 1  # on every rank: the message names the first rank holding one
+    inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
+    expect_raise(ValueError, [f"input_ids holds id {VOCAB - 1}, outside the vocabulary of {VOCAB - 8} tokens"])(
+        lambda: par(**inputs)
+    )
+
+
 def label_forms(layout):
     """Labels in the other forms a collator gives them, each against one process: "no loss" marked -1 instead of
     -100 (``ignore_index=-1``), targets already shifted next to the labels (``shift_labels`` win, as in
@@ -340,6 +398,8 @@ def world2() -> dict[str, str]:
         "missing_position_ids": P(missing_positions, sp2),
         "plain_attention_roundtrip": P(plain_attention_roundtrip, sp2),
         "dp2_sp1_refusal_on_one_replica": P(refusal_on_one_replica_sp1, dp2),
+        "changed_after_parallelize": P(changed_after_parallelize, sp2),
+        "resized_vocabulary": P(resized_vocabulary, sp2),
     }
     return run_cases(cases)
 

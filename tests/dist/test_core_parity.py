@@ -43,6 +43,8 @@ WORLD2 = [
     "missing_position_ids",
     "plain_attention_roundtrip",
     "dp2_sp1_refusal_on_one_replica",
+    "changed_after_parallelize",
+    "resized_vocabulary",
 ]
 WORLD4 = [
     "sp4_llama_mha",
