@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .validation import hole_message
+
 __all__ = [
     "CORES",
     "AttentionCall",
@@ -93,11 +95,7 @@ class Segments:
             idx = torch.nonzero(valid[row]).flatten()
             if len(idx) and not bool(valid[row, int(idx[0]) : int(idx[-1]) + 1].all()):
                 hole = int(idx[0]) + int(torch.nonzero(~valid[row, int(idx[0]) :]).flatten()[0])
-                raise ValueError(
-                    f"attention_mask has padding inside row {row} (token {hole} is masked between real tokens); "
-                    "Ulysses supports left and right padding; to pack several documents in a row, give "
-                    "position_ids that restart at 0 for each document instead of masking between them"
-                )
+                raise ValueError(hole_message(row, hole))
             begin = torch.nonzero(starts[row]).flatten().tolist()
             ends = begin[1:] + [seq_len]
             row_valid = valid[row]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .comm import all_gather_tensor
 from .layout import ParallelLayout
 from .ring import from_zigzag, zigzag_order
-from .validation import IGNORE_INDEX, PeerRejected, bad_id_message, first_bad_id, replicas_agree
+from .validation import IGNORE_INDEX, PeerRejected, bad_id_message, first_bad_id, hole_message, replicas_agree
 
 __all__ = [
     "IGNORE_INDEX",
@@ -305,6 +305,8 @@ def _padding_target_problem(full: dict[str, torch.Tensor], ignore_index: int) ->
     if bad.numel() == 0:
         return None
     row, token = (int(i) for i in bad[0])
+    if bool(real[row, token:].any()):  # padding between real tokens: refused whatever its targets
+        return _Problem(hole_message(row, token))
     where = f"labels[{row}, {token + 1}]" if given is None else f"shift_labels[{row}, {token}]"
     return _Problem(
         f"padding token {token} of row {row} (attention_mask 0, after the row's real tokens) has a target "

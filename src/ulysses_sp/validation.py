@@ -27,12 +27,22 @@ __all__ = [
     "check_id_ranges",
     "check_label_smoothing",
     "first_bad_id",
+    "hole_message",
     "id_range",
     "input_problem",
     "replicas_agree",
 ]
 
 IGNORE_INDEX = -100  # a target with this id carries no loss (transformers' and PyTorch's convention)
+
+
+def hole_message(row: int, token: int) -> str:
+    """The refusal of an attention mask with padding between real tokens (token ``token`` of row ``row``)."""
+    return (
+        f"attention_mask has padding inside row {row} (token {token} is masked between real tokens); Ulysses "
+        "supports left and right padding; to pack several documents in a row, give position_ids that restart at 0 "
+        "for each document instead of masking between them"
+    )
 
 
 def check_label_smoothing(label_smoothing: float) -> float:

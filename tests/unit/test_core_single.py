@@ -199,6 +199,22 @@ def test_interior_padding_hole_is_rejected():
         U.Segments.from_positions(positions, mask)
 
 
+def test_a_masked_hole_is_refused_as_one_at_sharding():
+    """Labels -100 wherever the mask is 0 (as collators make them): a hole's target is its next real token's, and
+    the refusal named that target ("padding after the row's real tokens has a target") instead of the hole,
+    which the forward refuses whatever the targets."""
+    ids = torch.arange(1, 13)[None]
+    mask = torch.ones_like(ids)
+    mask[0, 5] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    with pytest.raises(ValueError, match=r"padding inside row 0 \(token 5 is masked between real tokens"):
+        U.shard_batch(batch, fake_layout(2, 0))
+    right = {k: v[:, :6] for k, v in batch.items()}  # padding at the end: the target message as before
+    right["labels"][0, 5] = 7
+    with pytest.raises(ValueError, match=r"padding token 4 of row 0 \(attention_mask 0, after the row's real"):
+        U.shard_batch({**right, "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0]])}, fake_layout(2, 0))
+
+
 def test_attention_sinks_are_rejected_before_training():
     from transformers import GptOssConfig, GptOssForCausalLM
 
