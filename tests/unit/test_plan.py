@@ -450,3 +450,69 @@ def test_head_chunks_shrink_the_attention_terms_and_c_is_the_runtime_choice():
     tokens = auto.tokens_per_rank * 2
     assert auto.head_chunks == choose_head_chunks(16, 4, 2, tokens=tokens, head_dim=128, element_size=4) > 1
     assert plan_memory(shape, seq_len=4096, sp=2, features=Features(), device="cpu").head_chunks == 1
+
+
+def test_a_mixture_of_experts_is_sized_by_its_parameters_not_one_expert():
+    """Every model was sized as a dense Llama: Mixtral-8x7B's shape counted 7.2B parameters (one expert's MLP),
+    so its optimizer states at sp=8 read 6.7 GiB and the plan fit. Now the parameters are counted on the model
+    built on the meta device (46.7B), and the approximation of its activations is stated."""
+    from transformers import MixtralConfig
+
+    mixtral = MixtralConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    shape = ModelShape.from_config(mixtral)
+    with torch.device("meta"):
+        from transformers import MixtralForCausalLM
+
+        model = MixtralForCausalLM(mixtral)
+    assert shape.params == sum(p.numel() for p in model.parameters()) == 46_702_792_704
+    assert shape.layer_params == sum(p.numel() for p in model.model.layers[0].parameters())
+    assert shape.intermediate_size == 2 * 14336  # two experts per token
+    assert any("mixture of experts (8 experts, 2 per token)" in note for note in shape.notes)
+    plan = plan_memory(shape, seq_len=131072, sp=8, features=Features())
+    assert plan.optimizer >= 8 * shape.params // 8 and not plan.fits  # AdamW's two fp32 states, sharded over 8
+    # a dense model is counted exactly as its formula did
+    llama = ModelShape.from_config(shape_config("llama-3.1-8b"))
+    assert llama.params == 8_030_261_248 and not llama.notes
+
+
+def test_multi_head_latent_attention_heads_are_as_wide_as_its_q_k_heads():
+    """DeepSeek's config.head_dim is the rotary part of a q/k head (32 of 96 here): the attention was planned
+    three times too narrow (simulate 0.740)."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(
+        hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=512, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=48,
+        kv_lora_rank=32, q_lora_rank=48, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+    )  # fmt: skip
+    shape = ModelShape.from_config(config)
+    assert shape.head_dim == 96 and any("multi-head latent attention" in note for note in shape.notes)
+
+
+def test_a_length_below_the_search_unit_that_fits_is_found():
+    """The search steps by 1024 x sp: where one step did not fit, the longest was reported as 0 tokens although
+    the planned length fitted."""
+    settings = dict(gpu_memory_bytes=1400 << 20, features=Features(tiled_mlp=False, activation_checkpointing="none"))
+    config = shape_config("llama-tiny")
+    assert plan_memory(config, seq_len=4096, sp=8, **settings).fits
+    longest = max_seq_len(config, sp=8, **settings)
+    assert 4096 <= longest < 8192 and longest % 8 == 0
+    assert not plan_memory(config, seq_len=longest + 8, sp=8, **settings).fits
+
+
+def test_simulate_of_a_small_mixture_of_experts_is_near_its_plan():
+    """Measured on one rank of sp=2 (CPU, fp32): a tiny Mixtral of 16 experts, planned at 0.099 of its measured
+    peak when its parameters were counted as one expert's."""
+    from transformers import MixtralConfig
+
+    from ulysses_sp.simulate import simulate_step
+
+    config = MixtralConfig(
+        hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512, num_local_experts=16, num_experts_per_tok=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    result = simulate_step(config, seq_len=512, sp=2, dp=1)
+    assert 0.85 <= result["ratio"] <= 1.15, result["ratio"]

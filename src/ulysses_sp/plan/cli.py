@@ -41,7 +41,7 @@ class PlanConfig(Features):
     seq_len: int = option(help="Tokens per sequence (before the split over --sp).")
     gpus_per_node: int = option(8, help="GPUs per node.")
     nodes: int = option(1, help="Nodes; world = --gpus-per-node x --nodes.")
-    gpu_memory: str = option("80GiB", help="Memory of one GPU, e.g. 80GiB, 141GB.")
+    gpu_memory: str = option("80GiB", help="Memory of one GPU, e.g. 80GiB, 140GiB (GB: 10^9 bytes, GiB: 2^30).")
     host_memory: str = option(
         "0",
         help="Host memory per node, e.g. 1TiB; 0 = do not check. Offloaded optimizer states and activations "
@@ -179,13 +179,18 @@ def _check_heads(config: Any, sp: int, ring: int | None, gpus_per_node: int) -> 
 def _simulated_line(simulated: dict[str, Any]) -> str:
     """What ``--simulate`` measured, against the prediction, and whether the step fit the planned GPU."""
     where = f"simulate on {simulated['device']} ({format_bytes(simulated['gpu_memory_bytes'])} planned)"
+    if simulated["device"].startswith("cpu"):  # the CPU step's own plan, not the table's GPU one
+        features = Features(**simulated["plan"]["features"]).describe()
+        where += f", the step as it runs on a CPU ({features}; all of the planned memory usable there)"
     predicted = format_bytes(simulated["predicted_peak_bytes"])
     if simulated["out_of_memory"]:
         return f"{where}: OUT OF MEMORY (does not fit; predicted peak {predicted})"
     verdict = "fits" if simulated["fits"] else "DOES NOT FIT the usable memory"
+    ratio = simulated["ratio"]
+    off = "" if 0.9 <= ratio <= 1.1 else f"; the prediction is off by {abs(1 - ratio):.0%}: trust the measured peak"
     return (
         f"{where}: {verdict}; measured peak {format_bytes(simulated['measured_peak_bytes'])}, predicted {predicted} "
-        f"(predicted / measured = {simulated['ratio']:.3f}); step {simulated['step_s']:.1f} s, "
+        f"(predicted / measured = {ratio:.3f}{off}); step {simulated['step_s']:.1f} s, "
         f"{simulated['tokens_per_s']:,.0f} tokens/s"
     )
 
@@ -201,8 +206,10 @@ def plan_command(argv: Sequence[str]) -> int:
     from .memory import plan_memory
     from .recommendation import recommend
     from .search import max_seq_len
+    from .shape import model_shape
 
     config, name = args.model_config
+    shape = model_shape(config)  # once: it counts the parameters on a model built on the meta device
     features, dp = args.features(), args.data_parallel
     common: dict[str, Any] = dict(
         gpu_memory_bytes=args.gpu_memory_bytes,
@@ -210,9 +217,9 @@ def plan_command(argv: Sequence[str]) -> int:
         gpus_per_node=args.gpus_per_node,
         micro_batch=args.micro_batch,
     )
-    plan = plan_memory(config, seq_len=args.seq_len, sp=args.sp, dp=dp, ring=args.ring, features=features, **common)
-    longest = max_seq_len(config, sp=args.sp, dp=dp, ring=args.ring, features=features, **common)
-    advice = recommend(config, seq_len=args.seq_len, world_size=args.world_size, features=features, **common)
+    plan = plan_memory(shape, seq_len=args.seq_len, sp=args.sp, dp=dp, ring=args.ring, features=features, **common)
+    longest = max_seq_len(shape, sp=args.sp, dp=dp, ring=args.ring, features=features, **common)
+    advice = recommend(shape, seq_len=args.seq_len, world_size=args.world_size, features=features, **common)
     simulated = None
     if args.simulate:
         import torch
@@ -235,16 +242,20 @@ def plan_command(argv: Sequence[str]) -> int:
         )
     if args.json:
         out = {"model": name, "plan": plan.to_dict(), "max_seq_len": longest, "recommendation": advice.to_dict()}
+        out["notes"] = list(shape.notes)
         if simulated is not None:
             out["simulate"] = simulated
         print(json.dumps(out, indent=2))
         return 0
-    padded = args.sp * plan.tokens_per_rank
+    padded = args.sp * plan.tokens_per_rank // args.micro_batch  # one sequence's tokens over the SP group
     split = f"= sp {args.sp} x" if padded == args.seq_len else f"padded to {padded:,} = sp {args.sp} x"
+    rows = f" ({args.micro_batch} sequences)" if args.micro_batch > 1 else ""
     print(
-        f"ulysses-sp plan: {name}, seq_len {args.seq_len:,} {split} {plan.tokens_per_rank:,} tokens "
-        f"per rank, dp {dp}, micro-batch {args.micro_batch}, {args.world_size} GPUs"
+        f"ulysses-sp plan: {name}, seq_len {args.seq_len:,} {split} {padded // args.sp:,} tokens per rank{rows}, "
+        f"dp {dp}, micro-batch {args.micro_batch}, {args.world_size} GPUs"
     )
+    for note in shape.notes:
+        print(f"note: {note}")
     print(f"layout: {plan.layout_reason}")
     print(f"features: {plan.features.describe()}")
     sliced = f", its core in {plan.core_slices} slices of heads" if plan.core_slices > 1 else ""

@@ -50,7 +50,8 @@ def search_longest(
 
 
 def max_seq_len(model_config: Any, *, sp: int = 1, granularity: int = 1024, **settings: Any) -> int:
-    """The longest ``seq_len`` (a multiple of ``granularity x sp``) whose plan fits; 0 if none does.
+    """The longest ``seq_len`` (a multiple of ``granularity x sp``, or of ``sp`` below that) whose plan fits; 0 if none
+    does.
 
     ``settings`` are :func:`~ulysses_sp.plan.plan_memory`'s (``dp``, ``gpu_memory_bytes``, ``features``, ...).
     Memory grows with the sequence, so a doubling search followed by bisection finds the boundary.
@@ -62,4 +63,7 @@ def max_seq_len(model_config: Any, *, sp: int = 1, granularity: int = 1024, **se
         return plan_memory(shape, seq_len=length, sp=sp, **settings).fits
 
     # at most 2^24 units: past that, memory does not bound the length
-    return search_longest(fits, start=unit, limit=unit << 24, granularity=unit)[0]
+    longest = search_longest(fits, start=unit, limit=unit << 24, granularity=unit)[0]
+    if longest == 0:  # not even one unit: the longest multiple of sp below it (it was reported as 0)
+        longest = search_longest(fits, start=sp, limit=unit, granularity=sp)[0]
+    return longest

@@ -24,30 +24,56 @@ class ModelShape:
     attention_bias: bool = False
     logit_softcap: bool = False  # final_logit_softcapping (Gemma 2/3): the tiled loss holds its slope too
     name: str = ""
+    # counted on the model built on the meta device (None: the dense formulas below): every parameter, and the
+    # largest decoder layer's (an MoE layer's experts, MLA's projections)
+    counted_params: int | None = None
+    counted_layer_params: int | None = None
+    counted_root_params: int | None = None  # outside the decoder layers
+    notes: tuple[str, ...] = ()  # where this shape only approximates the model (printed by plan)
 
     @classmethod
     def from_config(cls, config: Any, name: str = "") -> ModelShape:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        notes = []
+        qk_width = (getattr(text, "qk_nope_head_dim", None) or 0) + (getattr(text, "qk_rope_head_dim", None) or 0)
+        if qk_width:  # MLA: q/k heads of nope + rope dims (config.head_dim is the rope part); v padded to them
+            head_dim = max(qk_width, getattr(text, "v_head_dim", None) or 0)
+            notes.append(
+                f"multi-head latent attention: its heads modelled as q/k/v of width {head_dim} (the q/k head; v is "
+                "padded to it in the exchange), its low-rank projections' activations left out (approximate)"
+            )
+        inter, moe_note = _mlp_width(text)
+        notes += [moe_note] if moe_note else []
+        counted = _counted_params(config, text.num_hidden_layers)
+        if counted is None and moe_note:
+            notes.append("parameters from a dense layer's formula: the model could not be built to count them")
         return cls(
             hidden_size=text.hidden_size,
             num_layers=text.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            intermediate_size=text.intermediate_size,
+            intermediate_size=inter,
             vocab_size=text.vocab_size,
             tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
             qk_norm=getattr(text, "model_type", "") in ("qwen3", "gemma3_text", "gemma3"),
             attention_bias=bool(getattr(text, "attention_bias", False)),
             logit_softcap=bool(getattr(text, "final_logit_softcapping", None)),
             name=name or getattr(config, "_name_or_path", "") or getattr(text, "model_type", ""),
+            counted_params=counted[0] if counted else None,
+            counted_layer_params=counted[1] if counted else None,
+            counted_root_params=counted[2] if counted else None,
+            notes=tuple(notes),
         )
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one decoder layer: q/k/v/o, gated MLP, two RMSNorms (+ q/k norms, biases)."""
+        """Parameters of one decoder layer (the largest): counted, or q/k/v/o, gated MLP, two RMSNorms (+ q/k norms,
+        biases)."""
+        if self.counted_layer_params is not None:
+            return self.counted_layer_params
         h, d = self.hidden_size, self.head_dim
         qkv_width = (self.num_heads + 2 * self.num_kv_heads) * d
         attention = h * qkv_width + self.num_heads * d * h + (qkv_width if self.attention_bias else 0)
@@ -56,12 +82,60 @@ class ModelShape:
     @property
     def root_params(self) -> int:
         """Parameters outside the decoder layers: embedding, final norm, lm_head unless tied."""
+        if self.counted_root_params is not None:
+            return self.counted_root_params
         embedding = self.vocab_size * self.hidden_size
         return embedding * (1 if self.tie_word_embeddings else 2) + self.hidden_size
 
     @property
     def params(self) -> int:
+        if self.counted_params is not None:
+            return self.counted_params
         return self.num_layers * self.layer_params + self.root_params
+
+
+def _mlp_width(text: Any) -> tuple[int, str]:
+    """The MLP width per token the activations are modelled with, and a note for a mixture of experts: there each
+    token goes through ``num_experts_per_tok`` experts (and any shared ones), modelled as one gated MLP that wide."""
+    experts = next(
+        (n for key in ("num_local_experts", "num_experts", "n_routed_experts") if (n := getattr(text, key, None))), 0
+    )
+    dense = getattr(text, "intermediate_size", None) or 0
+    if not experts or experts <= 1:
+        return dense, ""
+    per_token = getattr(text, "num_experts_per_tok", None) or 1
+    expert = getattr(text, "moe_intermediate_size", None) or dense
+    shared = (
+        getattr(text, "shared_expert_intermediate_size", None) or (getattr(text, "n_shared_experts", 0) or 0) * expert
+    )
+    width = per_token * expert + shared
+    dense_layers = getattr(text, "first_k_dense_replace", 0) or getattr(text, "mlp_only_layers", None)
+    width = max(width, dense) if dense_layers else width
+    note = (
+        f"mixture of experts ({experts} experts, {per_token} per token): parameters counted on the model; the MLP's "
+        f"activations modelled as one gated MLP {width:,} wide, its routing buffers left out (approximate: "
+        "--simulate measures)"
+    )
+    return width, note
+
+
+def _counted_params(config: Any, layers: int) -> tuple[int, int, int] | None:
+    """(every parameter, the largest decoder layer's, those outside the decoder layers) of the causal LM of
+    ``config`` built on the meta device (no memory), or None where it cannot be built."""
+    import torch
+
+    from ..shapes import random_model
+
+    try:
+        model = random_model(config, device="meta")
+    except Exception:  # noqa: BLE001 (any config transformers cannot build: the formulas stand in)
+        return None
+    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
+    if not stacks:
+        return None
+    per_layer = [sum(p.numel() for p in block.parameters()) for block in stacks[0]]
+    total = sum(p.numel() for p in model.parameters())
+    return total, max(per_layer), total - sum(per_layer)
 
 
 def load_model_config(model: Any) -> tuple[Any, str]:
