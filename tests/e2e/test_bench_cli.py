@@ -157,6 +157,16 @@ def test_bad_flag_exits_2_naming_it(tmp_path, capsys):
     assert "--seq-len 513" in capsys.readouterr().err and not out.exists()
 
 
+def test_an_sp_degree_the_heads_do_not_split_exits_2_before_any_rank(tmp_path):
+    """--memory-sp 3 of a 4-head model: argparse's exit 2 and one error line naming the flag and the values that
+    work, before anything is measured or written (it was a rank's traceback with library advice, exit 1)."""
+    result = _bench(["--size", "tiny", "--no-markdown", "--memory-sp", "3", "--output-dir", "out"], tmp_path)
+    assert result.returncode == 2, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ulysses-sp bench: error: --memory-sp 3 ") and last.endswith("values that work: 1, 2, 4")
+    assert "Traceback" not in result.stderr and not result.stdout and not (tmp_path / "out").exists()
+
+
 def test_report_from_redraws_without_measuring(run, tmp_path):
     from ulysses_sp.bench.runner import main
 

@@ -319,3 +319,96 @@ def test_markdown_none_writes_no_report():
 
     assert markdown_path("--markdown", "none") is None and markdown_path("--no-markdown") is None
     assert markdown_path() == "BENCHMARKS.md" and markdown_path("--markdown", "R.md") == "R.md"
+
+
+def test_sp_degrees_are_checked_against_the_heads_of_the_model_they_run(capsys):
+    """--memory-sp and --worlds are refused before any rank starts when a degree does not split the heads of a model
+    its section runs (the benchmark model; for --worlds also the head-chunk model in 4 chunks), naming the flag, the
+    value and the values that work; the CLI exits 2 with argparse's one error line."""
+    from ulysses_sp.bench.config import BenchConfig
+    from ulysses_sp.cli_config import parse_config
+
+    BenchConfig(size="tiny", memory_sp=(1, 2, 4), worlds=(2, 4)).validate()
+    for bad, message in [
+        (dict(memory_sp=(1, 3)), r"--memory-sp 3 does not split the heads of llama-bench-tiny \(the --size tiny"),
+        (dict(memory_sp=(8,)), r"--memory-sp 8 .*; --memory-sp values that work: 1, 2, 4$"),
+        (dict(worlds=(3,)), r"--worlds 3 does not split the heads of llama-bench-tiny.*values that work: 1, 2, 4$"),
+        (dict(model="llama-bench-small", worlds=(8,)), r"--worlds 8 .* llama-bench-heads .* in 4 chunks .*: 1, 2, 4$"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            BenchConfig(size="tiny", **bad).validate()
+    BenchConfig(size="tiny", model="llama-bench-small", memory_sp=(8,)).validate()  # 8 heads, 4 kv heads
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(BenchConfig, ["--size", "tiny", "--memory-sp", "3"], prog="ulysses-sp bench", description="")
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("ulysses-sp bench: error: --memory-sp 3") and "ParallelLayout" not in err, err
+
+
+class _Measured(Exception):
+    """Raised by a stand-in first section: run_bench got as far as measuring."""
+
+
+def _stop_at_measuring(monkeypatch) -> None:
+    from ulysses_sp.bench import runner
+
+    def measure(*_args) -> None:
+        raise _Measured
+
+    monkeypatch.setattr(runner, "_memory_section", measure)
+
+
+def test_a_markdown_file_bench_did_not_write_is_refused_before_measuring(tmp_path, monkeypatch, capsys):
+    """The markdown target may be absent or a report bench wrote (the repository's BENCHMARKS.md included); anything
+    else is refused, naming the path and the ways on, before any measuring, by main, --report-from and run_bench."""
+    from ulysses_sp.bench.config import BenchConfig
+    from ulysses_sp.bench.runner import main, run_bench
+
+    _stop_at_measuring(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    notes = tmp_path / "BENCHMARKS.md"  # the default path, here
+    notes.write_text("# Benchmarks\n\nmy precious notes\n")
+    out = tmp_path / "out"
+    source = ROOT / "benchmarks" / "results" / "results.json"
+    assert main(["--report-from", str(source), "--output-dir", str(out)]) == 2
+    assert main(["--size", "tiny", "--output-dir", str(out)]) == 2
+    for err in capsys.readouterr().err.strip().split("\n"):
+        assert err.startswith("ulysses-sp bench: error: the markdown report's path BENCHMARKS.md exists"), err
+        assert "--markdown PATH" in err and "--no-markdown" in err, err
+    with pytest.raises(ValueError, match="BENCHMARKS.md exists"):
+        run_bench(BenchConfig(size="tiny", output_dir=str(out)), log=lambda _: None)
+    assert notes.read_text() == "# Benchmarks\n\nmy precious notes\n" and not out.exists()
+
+    from ulysses_sp.bench.report import GENERATED_BY, check_markdown_target
+
+    check_markdown_target(tmp_path / "NEW.md")
+    check_markdown_target(ROOT / "BENCHMARKS.md")
+    ours = tmp_path / "OURS.md"
+    ours.write_text(f"# Benchmarks\n\n{GENERATED_BY} (src/ulysses_sp/bench); ...\n")
+    check_markdown_target(ours)
+    with pytest.raises(ValueError, match="was not written by ulysses-sp bench"):
+        check_markdown_target(tmp_path)  # a folder
+    with pytest.raises(_Measured):  # a file bench wrote is rewritten as before
+        run_bench(BenchConfig(size="tiny", output_dir=str(out), markdown=str(ours)), log=lambda _: None)
+
+
+def test_a_skipped_deepspeed_comparison_is_said_on_the_console(monkeypatch, tmp_path):
+    """Without deepspeed (or with --no-deepspeed) the console says the DeepSpeed comparison is skipped, why and how
+    to install it, before the measuring starts."""
+    from ulysses_sp.bench import deepspeed_ref
+    from ulysses_sp.bench.config import BenchConfig
+    from ulysses_sp.bench.runner import run_bench
+
+    _stop_at_measuring(monkeypatch)
+    monkeypatch.setattr(deepspeed_ref, "deepspeed_available", lambda: False)
+    for deepspeed, reason in (
+        (True, "deepspeed is not installed (pip install 'ulysses-sp[deepspeed]'"),
+        (False, "--no-deepspeed"),
+    ):
+        lines: list[str] = []
+        with pytest.raises(_Measured):
+            run_bench(
+                BenchConfig(size="tiny", deepspeed=deepspeed, markdown=False, output_dir=str(tmp_path)),
+                log=lines.append,
+            )
+        assert [line for line in lines if "DeepSpeed comparison skipped" in line and reason in line], lines

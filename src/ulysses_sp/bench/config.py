@@ -9,7 +9,7 @@ from typing import Any
 from ulysses_sp.cli_config import check_choices, option
 from ulysses_sp.plan.units import parse_flag_bytes
 
-__all__ = ["BENCH_MODELS", "PRESETS", "BenchConfig"]
+__all__ = ["BENCH_MODELS", "PRESETS", "BenchConfig", "check_head_splits"]
 
 BENCH_MODELS = ("llama-bench-tiny", "llama-bench-small")  # shapes of ulysses_sp.shapes sized for a CPU
 PRESETS: dict[str, dict[str, Any]] = {
@@ -104,6 +104,7 @@ class BenchConfig:
             if value is not None and min(_values(value)) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         resolved = self.resolve()
+        check_head_splits(resolved, "--model" if self.model else f"the --size {self.size} preset's model")
         for name in ("seq_len", "head_chunk_seq_lens"):
             for value in _values(getattr(resolved, name)):
                 if any(value % world for world in resolved.worlds):
@@ -135,6 +136,52 @@ class BenchConfig:
     def markdown_path(self) -> str | None:
         """Where the markdown report goes (None: not written)."""
         return "BENCHMARKS.md" if self.markdown is True else (self.markdown or None)
+
+
+def check_head_splits(config: BenchConfig, where: str) -> None:
+    """ValueError naming ``--memory-sp`` or ``--worlds`` when one of its degrees does not split the heads of a model
+    its section runs, before any rank starts (``config`` resolved; ``where``: how its model was chosen, for the
+    message). The memory section and the step-time worlds run ``config.model`` at sp = the degree; the head-chunk
+    section runs its own model in its chunks at sp = each world. The rules are the library's
+    (:func:`ulysses_sp.layout.check_heads_split`, :func:`ulysses_sp.head_split.check_head_chunks`)."""
+    from ulysses_sp.head_split import check_head_chunks
+    from ulysses_sp.layout import check_heads_split, sp_degrees_for
+    from ulysses_sp.shapes import SHAPES
+
+    from .headchunks import HEAD_CHUNK_MODEL, HEAD_CHUNKS
+
+    def heads(model: str) -> tuple[int, int]:
+        return SHAPES[model]["num_attention_heads"], SHAPES[model]["num_key_value_heads"]
+
+    def splits(sp: int, model: str, chunks: int = 1) -> bool:
+        try:
+            check_heads_split(*heads(model), sp)
+            check_head_chunks(chunks, *heads(model), sp)
+        except ValueError:
+            return False
+        return True
+
+    def refuse(flag: str, sp: int, what: str, good: list[int]) -> ValueError:
+        return ValueError(
+            f"{flag} {sp} does not split the heads of {what} over sp={sp} ranks; {flag} values that work: "
+            f"{', '.join(str(p) for p in good)}"
+        )
+
+    num_heads, num_kv_heads = heads(config.model)
+    model = f"{config.model} ({where}: {num_heads} heads, {num_kv_heads} kv heads)"
+    memory_good = sp_degrees_for(num_heads, num_kv_heads)
+    for sp in config.memory_sp:
+        if not splits(sp, config.model):
+            raise refuse("--memory-sp", sp, model, memory_good)
+    chunks = HEAD_CHUNKS[-1]
+    world_good = [p for p in memory_good if splits(p, HEAD_CHUNK_MODEL, chunks)]
+    chunk_heads = "{} heads, {} kv heads".format(*heads(HEAD_CHUNK_MODEL))
+    for world in config.worlds:
+        if not splits(world, config.model):
+            raise refuse("--worlds", world, f"{model}, the step-time worlds' model,", world_good)
+        if not splits(world, HEAD_CHUNK_MODEL, chunks):
+            what = f"{HEAD_CHUNK_MODEL} (the head-chunk section's model: {chunk_heads}) in {chunks} chunks"
+            raise refuse("--worlds", world, what, world_good)
 
 
 def _values(value: int | tuple[int, ...]) -> tuple[int, ...]:

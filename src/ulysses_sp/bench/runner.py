@@ -34,7 +34,11 @@ from .config import BenchConfig
 from .models import bench_model
 from .tables import ratio_summary
 
-__all__ = ["environment", "main", "rerender", "run_bench"]
+__all__ = ["DEEPSPEED_MISSING", "environment", "main", "rerender", "run_bench"]
+
+DEEPSPEED_MISSING = (
+    "deepspeed is not installed (pip install 'ulysses-sp[deepspeed]', or pip install deepspeed, to run it)"
+)
 
 
 def _run(command: list[str]) -> str | None:
@@ -262,28 +266,35 @@ def run_bench(config: BenchConfig, log=print, command: str = "ulysses-sp bench")
     from .deepspeed_ref import deepspeed_available
     from .gpu import run_gpu
     from .plots import write_plots
-    from .report import write_markdown
+    from .report import check_markdown_target, write_markdown
 
     config.validate()
     config = config.resolve()
+    markdown = config.markdown_path
+    if markdown:
+        check_markdown_target(Path(markdown))  # before the measuring, not after it
     out_dir = Path(config.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     results: dict[str, Any] = {"config": {**asdict(config), "command": command}, "environment": environment()}
-    if config.deepspeed and not deepspeed_available():
-        results["deepspeed_skipped"] = "deepspeed is not installed (pip install 'ulysses-sp[deepspeed]')"
+    if not config.deepspeed:
+        log("bench: DeepSpeed comparison skipped: --no-deepspeed")
+    elif not deepspeed_available():
+        results["deepspeed_skipped"] = DEEPSPEED_MISSING
+        log(f"bench: DeepSpeed comparison skipped: {DEEPSPEED_MISSING}")
     results["memory"] = _memory_section(config, log)
     results["worlds"] = _world_section(config, log)
     results["comm"] = _comm_table(config, results["worlds"])
     results["head_chunks"] = _head_chunk_section(config, log)
     results["tiled_loss"] = _tiled_loss_section(config, log)
     results["gpu"] = run_gpu(log=log, **config.gpu_settings()) if config.gpu == "auto" else {"skipped": "--gpu off"}
+    if config.gpu == "auto" and "skipped" in results["gpu"]:
+        log(f"bench: GPU mode skipped: {results['gpu']['skipped']}")
     results["wall_s"] = time.monotonic() - started
     results["environment"]["load_average_end"] = _load_average()
     results["plots"] = write_plots(results, out_dir)
     with open(out_dir / "results.json", "w") as handle:
         json.dump(results, handle, indent=1)
-    markdown = config.markdown_path
     if markdown:
         write_markdown(results, Path(markdown), out_dir)
     log(f"bench: wrote {out_dir / 'results.json'}" + (f" and {markdown}" if markdown else ""))
@@ -293,8 +304,10 @@ def run_bench(config: BenchConfig, log=print, command: str = "ulysses-sp bench")
 def rerender(results_path: Path, markdown: Path | None, out_dir: Path | None = None) -> None:
     """Redraw the PNGs and rewrite the markdown of an earlier run from its ``results.json`` (no measuring)."""
     from .plots import write_plots
-    from .report import write_markdown
+    from .report import check_markdown_target, write_markdown
 
+    if markdown is not None:
+        check_markdown_target(markdown)
     results = json.loads(results_path.read_text())
     results["rendered_by"] = f"ulysses-sp bench --report-from {results_path}"
     out_dir = out_dir or results_path.parent
@@ -308,6 +321,8 @@ def main(argv: Sequence[str]) -> int:
     """``ulysses-sp bench [flags]``; returns the exit status (2, naming the flag, on bad input)."""
     from ulysses_sp.cli_config import parse_config
 
+    from .report import check_markdown_target
+
     try:
         config = parse_config(
             BenchConfig,
@@ -318,6 +333,12 @@ def main(argv: Sequence[str]) -> int:
         )
     except SystemExit as exit_:  # argparse's exit: --help (0) or a bad flag (2, message printed)
         return int(exit_.code or 0)
+    try:
+        if config.markdown_path:
+            check_markdown_target(Path(config.markdown_path))
+    except ValueError as error:
+        print(f"ulysses-sp bench: error: {error}", file=sys.stderr)
+        return 2
     if config.report_from is not None:
         source = Path(config.report_from)
         if not source.is_file():
