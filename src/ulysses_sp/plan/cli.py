@@ -138,9 +138,10 @@ def _table(plan: MemoryPlan) -> str:
         f"({format_bytes(plan.gpu_memory_bytes)} GPU): {verdict}"
     )
     if plan.host_bytes_per_node:
-        host = format_bytes(plan.host_memory_bytes) if plan.host_memory_bytes else "unchecked"
+        given = plan.host_memory_bytes
+        host = f"of {format_bytes(given)}" if given else "(not checked: no --host-memory)"
         lines.append(
-            f"host memory per node: {format_bytes(plan.host_bytes_per_node)} of {host}"
+            f"host memory per node: {format_bytes(plan.host_bytes_per_node)} {host}"
             + ("" if plan.fits_host else ": DOES NOT FIT")
         )
     sent = ", ".join(
