@@ -516,3 +516,19 @@ def test_simulate_of_a_small_mixture_of_experts_is_near_its_plan():
     )  # fmt: skip
     result = simulate_step(config, seq_len=512, sp=2, dp=1)
     assert 0.85 <= result["ratio"] <= 1.15, result["ratio"]
+
+
+def test_a_target_only_a_larger_ring_reaches_is_recommended_with_it():
+    """The recommendation tried the ring `train` chooses for each sp only (Ulysses as wide as the heads allow inside
+    a node): Llama-3.1-8B on 4 nodes of 8 'could not reach' 40M tokens (longest 22.9M at sp 32 = ulysses 8 x ring
+    4) while sp 32 with a ring of 16 or 32 reaches it. Rings past train's choice are tried once train's layouts
+    cannot reach the target; a target they reach is recommended as before."""
+    common = dict(world_size=32, gpus_per_node=8, features=Features())
+    far = recommend("llama-3.1-8b", seq_len=40_000_000, **common)
+    assert far.reaches_target and far.sp == 32 and far.plan.ring > 4 and far.max_seq_len >= 40_000_000, far
+    assert plan_memory("llama-3.1-8b", seq_len=40_000_000, sp=32, ring=far.plan.ring, gpus_per_node=8).fits
+    near = recommend("llama-3.1-8b", seq_len=4_000_000, **common)
+    from ulysses_sp.layout import choose_layout
+
+    assert near.reaches_target and near.plan.ring == choose_layout(near.sp, 32, 8, 8)[1]  # train's layout
+    assert near.to_dict()["ring"] == near.plan.ring

@@ -266,8 +266,10 @@ def plan_command(argv: Sequence[str]) -> int:
     print(_table(plan))
     print(f"longest trainable sequence with these settings: {longest:,} tokens ({longest // args.sp:,} per rank)")
     reach = "reaches" if advice.reaches_target else "cannot reach"
+    ring = advice.plan.ring
+    layout = f"sp {advice.sp}" + (f" (ulysses {advice.sp // ring} x ring {ring}, --ring {ring})" if ring > 1 else "")
     print(
-        f"recommendation ({reach} {args.seq_len:,}): sp {advice.sp}, dp {advice.dp}, {advice.plan.features.describe()}"
+        f"recommendation ({reach} {args.seq_len:,}): {layout}, dp {advice.dp}, {advice.plan.features.describe()}"
         f"; longest with it: {advice.max_seq_len:,} tokens, peak {format_bytes(advice.plan.peak_bytes)}"
     )
     if simulated is not None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..features import Features
 from ..head_split import check_head_chunks
-from ..layout import choose_layout, divisors
+from ..layout import check_heads_split, choose_layout, divisors
 from .memory import MemoryPlan, plan_memory
 from .search import max_seq_len
 from .shape import ModelShape, model_shape
@@ -32,6 +32,7 @@ class Recommendation:
     def to_dict(self) -> dict[str, Any]:
         return {
             "sp": self.sp,
+            "ring": self.plan.ring,
             "dp": self.dp,
             "features": asdict(self.features),
             "max_seq_len": self.max_seq_len,
@@ -90,7 +91,7 @@ def recommend(
         gpus_per_node=gpus_per_node,
         micro_batch=micro_batch,
     )
-    best: tuple[int, int, Features] | None = None
+    best: tuple[int, int, Features, int | None] | None = None
     for candidate in _candidate_features(base, stride):
         for sp in sps:
             if seq_len < sp:
@@ -99,19 +100,48 @@ def recommend(
             if plan.fits:
                 longest = max_seq_len(shape, sp=sp, dp=world_size // sp, features=candidate, **common)
                 return Recommendation(sp, world_size // sp, plan.features, plan, longest, True, seq_len)
+    # none with train's layouts: larger rings (smaller Ulysses groups hold fewer heads' full-sequence buffers)
     for candidate in _candidate_features(base, stride):
         for sp in sps:
-            longest = max_seq_len(shape, sp=sp, dp=world_size // sp, features=candidate, **common)
-            if best is None or longest > best[0]:
-                best = (longest, sp, candidate)
+            for ring in _larger_rings(shape, sp, base.head_chunks, gpus_per_node) if seq_len >= sp else ():
+                settings = dict(sp=sp, dp=world_size // sp, ring=ring, features=candidate, **common)
+                plan = plan_memory(shape, seq_len=seq_len, **settings)
+                if plan.fits:
+                    longest = max_seq_len(shape, **settings)
+                    return Recommendation(sp, world_size // sp, plan.features, plan, longest, True, seq_len)
+    for candidate in _candidate_features(base, stride):
+        for sp in sps:
+            for ring in (None, *_larger_rings(shape, sp, base.head_chunks, gpus_per_node)):
+                longest = max_seq_len(shape, sp=sp, dp=world_size // sp, ring=ring, features=candidate, **common)
+                if best is None or longest > best[0]:
+                    best = (longest, sp, candidate, ring)
     if best is None:
         raise ValueError(
             f"head_chunks={base.head_chunks} splits the heads of no sp that divides the {world_size} GPUs; use 0 / "
             "None to choose automatically"
         )
-    longest, sp, candidate = best
-    plan = plan_memory(shape, seq_len=max(longest, sp), sp=sp, dp=world_size // sp, features=candidate, **common)
+    longest, sp, candidate, ring = best
+    settings = dict(sp=sp, dp=world_size // sp, ring=ring, features=candidate, **common)
+    plan = plan_memory(shape, seq_len=max(longest, sp), **settings)
     return Recommendation(sp, world_size // sp, plan.features, plan, longest, False, seq_len)
+
+
+def _larger_rings(shape: ModelShape, sp: int, head_chunks: int | None, gpus_per_node: int | None) -> list[int]:
+    """Ring degrees inside ``sp`` above the one ``ulysses-sp train`` chooses, smallest first, whose Ulysses degree
+    splits the heads (and ``head_chunks``, when requested)."""
+    _, chosen, _ = choose_layout(sp, shape.num_heads, shape.num_kv_heads, gpus_per_node)
+    rings = []
+    for ring in divisors(sp):
+        if ring <= chosen:
+            continue
+        try:
+            check_heads_split(shape.num_heads, shape.num_kv_heads, sp // ring)
+            if head_chunks:
+                check_head_chunks(head_chunks, shape.num_heads, shape.num_kv_heads, sp // ring)
+        except ValueError:
+            continue
+        rings.append(ring)
+    return rings
 
 
 def _chunks_split(shape: ModelShape, sp: int, head_chunks: int | None, gpus_per_node: int) -> bool:
