@@ -82,6 +82,10 @@ class _BeginForward:
         self.targets: torch.Tensor | None = None
         self.plain = 0  # inside how many plain_attention blocks
 
+    def __getstate__(self) -> dict:
+        # a copy (copy.deepcopy) made inside plain_attention is not inside it: its switch is checked again
+        return {**self.__dict__, "plain": 0}
+
     def active(self) -> bool:
         return self.pretrained.config._attn_implementation == self.name  # False under plain_attention
 
@@ -122,7 +126,7 @@ class _BeginForward:
         targets, self.targets = self.targets, None
         if not self.check_active():
             return None  # switched back to plain attention (plain_attention): nothing to do
-        if kwargs.get("output_attentions", getattr(module.config, "output_attentions", False)):
+        if kwargs.get("output_attentions"):  # (asked for in the call: a config's default is left as it was)
             raise ValueError(
                 "output_attentions=True: Ulysses attention returns no attention weights (no rank holds a layer's "
                 "whole attention matrix), so they would be missing; for attention maps run the model on the whole "
@@ -440,4 +444,5 @@ def plain_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         yield model
     finally:
         state.begin.plain -= 1
-        pretrained.set_attn_implementation(state.name)
+        if not state.begin.plain:  # the outermost block: back to Ulysses
+            pretrained.set_attn_implementation(state.name)

@@ -264,8 +264,12 @@ def changed_after_parallelize(layout):
     model = U.parallelize(build("llama"), layout)
     shard = U.shard_batch(make_batch(2, 24), layout)
     inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
-    with U.plain_attention(model):  # the switch that is allowed
-        model(input_ids=shard["input_ids"])
+    with U.plain_attention(model):  # the switch that is allowed, nested too
+        with U.plain_attention(model):
+            model(input_ids=shard["input_ids"])
+        model(input_ids=shard["input_ids"])  # still plain: the inner block's exit switched back to Ulysses
+        inside = copy.deepcopy(model)
+    expect_raise(ValueError, ["implementation is 'sdpa', not 'ulysses_sdpa'"])(lambda: inside(**inputs))
     model.set_attn_implementation("eager")
     expect_raise(ValueError, ["implementation is 'eager', not 'ulysses_sdpa'", "plain_attention"])(
         lambda: model(**inputs)

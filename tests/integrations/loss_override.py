@@ -45,7 +45,13 @@ def _classes():
 
             return causal_lm_loss(model, inputs, self.sp_layout, num_items_in_batch=num_items_in_batch)
 
-    return LogitsLossTrainer, SuperLossTrainer, CausalLMLossTrainer
+    class KeywordsLossTrainer(UlyssesTrainer):
+        """transformers' documented form since 4.46: the count comes in **kwargs (evaluation passed it by position)."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+
+    return LogitsLossTrainer, SuperLossTrainer, CausalLMLossTrainer, KeywordsLossTrainer
 
 
 class _Warnings(logging.Handler):
@@ -60,7 +66,7 @@ class _Warnings(logging.Handler):
 def loss_override_sp2() -> None:
     """rank 0 writes what each trainer did: ``warnings`` (how many of the override's warning it logged, per class)."""
     out = os.path.join(os.environ["ULYSSES_IT_OUT"], "loss_override_sp2")
-    logits_loss, super_loss, library_loss = _classes()
+    logits_loss, super_loss, library_loss, keywords_loss = _classes()
     data = token_dataset(TRAIN_LENGTHS[:4], seed=1)
 
     def make(cls, **kwargs):
@@ -71,6 +77,7 @@ def loss_override_sp2() -> None:
     said = "LogitsLossTrainer.compute_loss failed ('NoneType' object is not subscriptable) without calling the"
     expect_error(ValueError, said, make(logits_loss).train)
     expect_error(ValueError, said, make(logits_loss).evaluate)
+    assert make(keywords_loss).evaluate()["eval_loss"] > 0
     handler = _Warnings()
     logger = logging.getLogger("ulysses_sp.integrations.loss_override")
     logger.addHandler(handler)

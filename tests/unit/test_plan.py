@@ -532,3 +532,15 @@ def test_a_target_only_a_larger_ring_reaches_is_recommended_with_it():
 
     assert near.reaches_target and near.plan.ring == choose_layout(near.sp, 32, 8, 8)[1]  # train's layout
     assert near.to_dict()["ring"] == near.plan.ring
+
+
+def test_planning_leaves_the_callers_config_and_random_state_alone():
+    """Counting the parameters builds the model on the meta device: that wrote the attention implementation and
+    the dtype into the caller's config (a parallelized model then ran the plain attention) and reseeded torch."""
+    config = tiny()
+    config._attn_implementation = "eager"
+    torch.manual_seed(1234)
+    want = torch.rand(3)
+    torch.manual_seed(1234)
+    plan_memory(config, seq_len=1024, sp=2, features=Features())
+    assert config._attn_implementation == "eager" and torch.equal(torch.rand(3), want)

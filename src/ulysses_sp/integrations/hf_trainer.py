@@ -386,7 +386,8 @@ class UlyssesTrainerMixin:
                     dist.all_reduce(count, group=layout.sp_group)
                 # the outputs only for the logits: TRL's SFTTrainer makes them in a forward of its own
                 with self._sp_loss_check.watch():
-                    got = self.compute_loss(model, inputs, predict, count.clamp(min=1))  # return_outputs, num_items
+                    kwargs = dict(return_outputs=predict, num_items_in_batch=count.clamp(min=1))  # by keyword
+                    got = self.compute_loss(model, inputs, **kwargs)  # (an override may take **kwargs)
                 loss, outputs = got if predict else (got, None)
                 logits = getattr(outputs, "logits", None)
             if predict and logits is None:  # the tiled loss (or the MoE path) returned no logits: the shard's

@@ -128,11 +128,11 @@ def recommend(
 
 def _larger_rings(shape: ModelShape, sp: int, head_chunks: int | None, gpus_per_node: int | None) -> list[int]:
     """Ring degrees inside ``sp`` above the one ``ulysses-sp train`` chooses, smallest first, whose Ulysses degree
-    splits the heads (and ``head_chunks``, when requested)."""
+    splits the heads (and ``head_chunks``, when requested) and the GPUs of a node."""
     _, chosen, _ = choose_layout(sp, shape.num_heads, shape.num_kv_heads, gpus_per_node)
     rings = []
     for ring in divisors(sp):
-        if ring <= chosen:
+        if ring <= chosen or (gpus_per_node and gpus_per_node % (sp // ring)):  # a Ulysses group inside a node
             continue
         try:
             check_heads_split(shape.num_heads, shape.num_kv_heads, sp // ring)

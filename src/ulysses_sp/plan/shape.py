@@ -48,7 +48,7 @@ class ModelShape:
         notes += [moe_note] if moe_note else []
         counted = _counted_params(config, text.num_hidden_layers)
         if counted is None and moe_note:
-            notes.append("parameters from a dense layer's formula: the model could not be built to count them")
+            notes.append("parameters from a dense layer's formula (one expert's MLP): the model could not be built")
         return cls(
             hidden_size=text.hidden_size,
             num_layers=text.num_hidden_layers,
@@ -100,34 +100,42 @@ def _mlp_width(text: Any) -> tuple[int, str]:
     experts = next(
         (n for key in ("num_local_experts", "num_experts", "n_routed_experts") if (n := getattr(text, key, None))), 0
     )
-    dense = getattr(text, "intermediate_size", None) or 0
+    # GPT-2's n_inner (None: 4 x hidden), OPT's ffn_dim
+    dense = next((getattr(text, key, None) for key in _MLP_WIDTH_KEYS if getattr(text, key, None)), None)
+    dense = dense or 4 * text.hidden_size
     if not experts or experts <= 1:
         return dense, ""
     per_token = getattr(text, "num_experts_per_tok", None) or 1
     expert = getattr(text, "moe_intermediate_size", None) or dense
-    shared = (
-        getattr(text, "shared_expert_intermediate_size", None) or (getattr(text, "n_shared_experts", 0) or 0) * expert
-    )
+    shared_count = next((n for key in _SHARED_EXPERT_KEYS if (n := getattr(text, key, None))), 0)
+    shared = next((w for key in _SHARED_WIDTH_KEYS if (w := getattr(text, key, None))), None) or shared_count * expert
     width = per_token * expert + shared
     dense_layers = getattr(text, "first_k_dense_replace", 0) or getattr(text, "mlp_only_layers", None)
     width = max(width, dense) if dense_layers else width
     note = (
-        f"mixture of experts ({experts} experts, {per_token} per token): parameters counted on the model; the MLP's "
-        f"activations modelled as one gated MLP {width:,} wide, its routing buffers left out (approximate: "
-        "--simulate measures)"
+        f"mixture of experts ({experts} experts, {per_token} per token): the MLP's activations modelled as one gated "
+        f"MLP {width:,} wide, its routing buffers left out (approximate: --simulate measures)"
     )
     return width, note
+
+
+_MLP_WIDTH_KEYS = ("intermediate_size", "n_inner", "ffn_dim")
+_SHARED_WIDTH_KEYS = ("shared_expert_intermediate_size", "shared_intermediate_size")  # Qwen2-MoE, GraniteMoeShared
+_SHARED_EXPERT_KEYS = ("n_shared_experts", "moe_num_shared_experts")  # DeepSeek, Ernie 4.5: experts of its width
 
 
 def _counted_params(config: Any, layers: int) -> tuple[int, int, int] | None:
     """(every parameter, the largest decoder layer's, those outside the decoder layers) of the causal LM of
     ``config`` built on the meta device (no memory), or None where it cannot be built."""
+    import copy
+
     import torch
 
     from ..shapes import random_model
 
     try:
-        model = random_model(config, device="meta")
+        with torch.random.fork_rng(devices=[]):  # random_model seeds torch: the caller's RNG is left as it was
+            model = random_model(copy.deepcopy(config), device="meta")  # (from_config writes into its config)
     except Exception:  # noqa: BLE001 (any config transformers cannot build: the formulas stand in)
         return None
     stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
