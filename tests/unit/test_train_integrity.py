@@ -77,6 +77,22 @@ def test_missing_files_and_a_broken_manifest_are_named(tmp_path):
         resume_point(TrainConfig(output_dir=str(tmp_path), resume=True))
 
 
+def test_a_manifest_cut_short_names_the_unlisted_file_and_none_warns(tmp_path, capsys):
+    """A manifest cut at a line boundary verified the files it still listed, and the others (here the weights,
+    bits flipped) were loaded unverified; a checkpoint without one resumed without a word."""
+    path = _save(tmp_path, 5)
+    lines = (path / MANIFEST).read_text().splitlines()
+    kept = [line for line in lines if not line.endswith("model.safetensors")]
+    (path / MANIFEST).write_text("".join(f"{line}\n" for line in kept))
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + bytes(8))
+    assert verify_checkpoint(path) == ("model.safetensors", f"is not listed in {MANIFEST} (the manifest is cut "
+                                       "short): it cannot be verified")  # fmt: skip
+    (path / MANIFEST).unlink()
+    assert resume_point(TrainConfig(output_dir=str(tmp_path), resume=True)) == path
+    assert f"checkpoint {path} has no {MANIFEST}" in capsys.readouterr().err
+
+
 def test_without_a_manifest_a_damaged_state_is_one_line_naming_the_file(tmp_path):
     path = _save(tmp_path, 4)
     (path / MANIFEST).unlink()  # a checkpoint written before checksums existed: nothing to verify against

@@ -70,8 +70,9 @@ def write_manifest(directory: str | os.PathLike[str], pending: Mapping[str, byte
 
 
 def verify_checkpoint(checkpoint: str | os.PathLike[str]) -> Damage | None:
-    """None when every file listed in the checkpoint's manifest is there with its checksum (or when the
-    checkpoint has no manifest: written before checksums existed); else the first damaged file."""
+    """None when every file listed in the checkpoint's manifest is there with its checksum and every file there is
+    listed (or when the checkpoint has no manifest: written before checksums existed, see :func:`resume_point`'s
+    warning); else the first damaged (or unlisted) file."""
     root = Path(checkpoint)
     manifest = root / MANIFEST
     if not manifest.is_file():
@@ -88,6 +89,10 @@ def verify_checkpoint(checkpoint: str | os.PathLike[str]) -> Damage | None:
     missing = [name for name in expected if not (root / name).is_file()]
     if missing:
         return Damage(missing[0], "is missing")
+    # a manifest cut short (or a file put there after the save) leaves files nothing verifies; hidden ones aside
+    unlisted = [name for name in _files(root) if name not in expected and not name.startswith(".")]
+    if unlisted:
+        return Damage(unlisted[0], f"is not listed in {MANIFEST} (the manifest is cut short): it cannot be verified")
     actual = _hash_files(root, sorted(expected))
     for name in sorted(expected):
         if actual[name] != expected[name]:

@@ -14,6 +14,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,12 @@ def resume_point(config: TrainConfig) -> Path | None:
         return None
     if path is not None and (message := _damaged_checkpoint(path, candidates)):
         raise ValueError(message)
+    if path is not None and not (path / MANIFEST).is_file():  # nothing to verify against: say so
+        print(
+            f"ulysses-sp train: warning: checkpoint {path} has no {MANIFEST} (saved before checksums existed, or the "
+            "manifest was deleted): resuming it unverified",
+            file=sys.stderr,
+        )
     return path
 
 
