@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ulysses_sp.process_group import init_default_group
+from ulysses_sp.process_group import agree_on_layout, init_default_group
 
 __all__ = [
     "ParallelLayout",
@@ -262,9 +262,9 @@ class ParallelLayout:
     ) -> ParallelLayout:
         """Build the layout for this process from the launcher's environment (RANK, WORLD_SIZE, ...).
 
-        Initialises the default process group when it is not initialised yet (``nccl`` when CUDA is
-        available, else ``gloo``). With no launcher environment and ``sp == 1`` it returns
-        :meth:`single`. ``dp`` is ``world_size // sp``.
+        Initialises the default process group when it is not initialised yet (``nccl`` when CUDA is available,
+        else ``gloo``). With no launcher environment and ``sp == 1`` it returns :meth:`single`. ``dp`` is
+        ``world_size // sp``; every rank must ask for the same ``sp`` and ``ring`` (else a ValueError on each).
 
         ``ring``: the ring degree (``sp = ulysses x ring``). None (default): chosen by :func:`choose_layout`
         from ``num_heads`` / ``num_kv_heads`` and ``gpus_per_node`` (default: ``LOCAL_WORLD_SIZE``, the
@@ -288,6 +288,7 @@ class ParallelLayout:
             )
         init_default_group(backend)
         world = dist.get_world_size()
+        agree_on_layout(sp, ring, world)
         if world % sp != 0:
             good = ", ".join(str(d) for d in divisors(world))
             raise ValueError(f"world size {world} is not divisible by sp={sp}; sp values that work: {good}")
@@ -394,8 +395,7 @@ class ParallelLayout:
         return self.sp_rank // self.ulysses
 
     @property
-    def is_main(self) -> bool:
-        """True on global rank 0 (the rank that prints and writes files)."""
+    def is_main(self) -> bool:  # global rank 0: the rank that prints and writes files
         return self.rank == 0
 
     def check_heads(self, num_heads: int, num_kv_heads: int | None = None) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_default_group", "under_launcher"]
+__all__ = ["agree_on_layout", "init_default_group", "under_launcher"]
 
 
 def under_launcher(environ: Mapping[str, str]) -> bool:
@@ -41,3 +41,16 @@ def init_default_group(backend: str | None = None, timeout: datetime.timedelta |
         )
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
+
+
+def agree_on_layout(sp: int, ring: int, world: int) -> None:
+    """ValueError on every rank when the ranks asked for different ``(sp, ring)``: each would build other groups
+    and wait in a collective the others never join (one all-gather of the pair over the world, once)."""
+    asked: list[tuple[int, int] | None] = [None] * world
+    dist.all_gather_object(asked, (sp, ring))
+    if len(set(asked)) > 1:
+        ranks = "; ".join(f"rank {r}: sp={s}, ring={g}" for r, (s, g) in enumerate(asked) if (s, g) != asked[0])
+        raise ValueError(
+            f"the ranks asked for different layouts (rank 0: sp={asked[0][0]}, ring={asked[0][1]}; {ranks}): every "
+            "rank must build its ParallelLayout (or pass sp_size) with the same sp and ring"
+        )

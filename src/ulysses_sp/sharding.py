@@ -423,5 +423,6 @@ def _check_same_batch(check: BatchCheck, layout: ParallelLayout) -> None:
             f"the ranks of sequence-parallel group {layout.dp_rank} hold different batches (differing: "
             f"{', '.join(differing) or 'shape'}; batch x seq per sp_rank: {shapes}); every rank of an SP group must "
             f"get the SAME full batch: split your data over the {layout.dp} data-parallel groups (e.g. "
-            "DistributedSampler(num_replicas=layout.dp, rank=layout.dp_rank)), not over all ranks"
+            "DistributedSampler(num_replicas=layout.dp, rank=layout.dp_rank)), not over all ranks; other causes: "
+            "data that differs between nodes, or a rank that ran a step (or an evaluation) the others did not"
         )

@@ -286,6 +286,15 @@ def changed_after_parallelize(layout):
     )
 
 
+def layouts_differ():
+    """Ranks that ask for different sp (a per-rank config) built different groups and waited in each other's
+    collectives until the process-group timeout (30 min by default); now a ValueError on every rank."""
+    sp = 2 if dist.get_rank() == 0 else 1
+    expect_raise(ValueError, ["asked for different layouts (rank 0: sp=2, ring=1; rank 1: sp=1, ring=1)"])(
+        lambda: U.ParallelLayout.from_env(sp=sp)
+    )
+
+
 def resized_vocabulary(layout):
     """The vocabulary resized after parallelize (a tokenizer's new special tokens): ids are checked against the
     embedding's size at each forward. A grown one's new ids were refused (the size read at parallelize); an id
@@ -404,6 +413,7 @@ def world2() -> dict[str, str]:
         "dp2_sp1_refusal_on_one_replica": P(refusal_on_one_replica_sp1, dp2),
         "changed_after_parallelize": P(changed_after_parallelize, sp2),
         "resized_vocabulary": P(resized_vocabulary, sp2),
+        "layouts_differ": layouts_differ,
     }
     return run_cases(cases)
 

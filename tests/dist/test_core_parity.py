@@ -45,6 +45,7 @@ WORLD2 = [
     "dp2_sp1_refusal_on_one_replica",
     "changed_after_parallelize",
     "resized_vocabulary",
+    "layouts_differ",
 ]
 WORLD4 = [
     "sp4_llama_mha",

@@ -211,7 +211,12 @@ def _monitor(run: _Run, error_dir: Path, save_on_sigterm: bool) -> int:
                 continue
             run.kill()
             how = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
-            saved = " without saving (--no-save-on-sigterm)" if signum == signal.SIGTERM else ""
+            if signum != signal.SIGTERM:
+                saved = ""
+            elif forwarded:  # a second SIGTERM while the ranks were saving for the first (a rank stuck?)
+                saved = " before the save the first SIGTERM asked for had finished"
+            else:
+                saved = " without saving (--no-save-on-sigterm)"
             print(f"ulysses-sp train: {how}{saved}; all {nproc} ranks were stopped", file=sys.stderr, flush=True)
             return 128 + signum
         # A rank's own one-line error: stop everyone before a peer fails on the closed connection and prints
