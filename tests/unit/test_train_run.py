@@ -243,3 +243,35 @@ def test_without_evaluation_every_document_trains_and_a_resume_keeps_its_checkpo
         _with_held_out_fraction(TrainConfig(eval_every=7), checkpoint, {"eval_fraction": 0.0})
     given = _with_held_out_fraction(TrainConfig(eval_every=7, eval_fraction=0.3), checkpoint, {"eval_fraction": 0.0})
     assert given.eval_fraction == 0.3
+
+
+def flags_differ_on_rank_1() -> dict[str, str]:
+    """On 2 gloo ranks (run_world): rank 1 started with another --seq-len than rank 0."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from tests.helpers.harness import run_cases
+    from ulysses_sp.train.run import _spec_from_rank_0
+
+    def case() -> None:
+        seq_len = 512 if dist.get_rank() == 0 else 1024
+        config = TrainConfig(sp=2, seq_len=seq_len, output_dir=os.path.join(tempfile.gettempdir(), "flags_differ"))
+        with pytest.raises(ValueError) as refused:
+            _spec_from_rank_0(config)
+        if dist.get_rank() == 0:  # the reason, once; the other ranks stop with an empty ValueError
+            want = "rank 1 was started with other flags than rank 0 (--seq-len 1024 (rank 0: 512));"
+            assert want in str(refused.value), refused.value
+        else:
+            assert str(refused.value) == ""
+
+    return run_cases({"flags_differ": case})
+
+
+def test_under_another_launcher_ranks_given_other_flags_are_refused():
+    """torchrun ... train with another flag on one rank (a per-node command line): rank 0 resolved the run for every
+    rank and the other rank's flags were ignored in silence; now every rank stops, rank 0 naming the flag."""
+    from tests.helpers.harness import assert_case, run_world
+
+    results = run_world(2, "tests.unit.test_train_run:flags_differ_on_rank_1", timeout=120)
+    assert_case(results, "flags_differ", 2)

@@ -132,11 +132,15 @@ def _spec_from_rank_0(config: TrainConfig) -> tuple[RunSpec, OutputDirLock | Non
     (ValueError on every rank when rank 0 found bad input; only rank 0 reports it)."""
     import torch.distributed as dist
 
+    from ulysses_sp.train.config import config_to_dict
     from ulysses_sp.train.runspec import RunSpec, resolve_run
 
     lock, payload = None, [None]
+    flags = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(config_to_dict(config), flags, dst=0)  # each rank's flags: rank 0's would win in silence
     if dist.get_rank() == 0:
         try:
+            _check_same_flags(flags)
             if config.nproc is not None and config.nproc != dist.get_world_size():
                 raise ValueError(f"--nproc {config.nproc} but the launcher started {dist.get_world_size()} ranks")
             if dist.get_world_size() % config.sp:  # (no --nproc was given: do not name it)
@@ -155,6 +159,20 @@ def _spec_from_rank_0(config: TrainConfig) -> tuple[RunSpec, OutputDirLock | Non
             lock.release()
         raise ValueError(text if dist.get_rank() == 0 else "")
     return RunSpec.from_json(text), lock
+
+
+def _check_same_flags(flags: list[dict]) -> None:
+    """ValueError naming the first rank whose flags differ from rank 0's (rank 0 resolves the run for all)."""
+    for rank, given in enumerate(flags):
+        differ = [key for key in flags[0] if given.get(key) != flags[0][key]]
+        if differ:
+            shown = ", ".join(
+                f"--{key.replace('_', '-')} {given.get(key)!r} (rank 0: {flags[0][key]!r})" for key in differ[:3]
+            )
+            raise ValueError(
+                f"rank {rank} was started with other flags than rank 0 ({shown}); every rank must get the same "
+                "command line, since rank 0 resolves the run for all"
+            )
 
 
 def run_rank(spec: RunSpec | None, config: TrainConfig | None = None) -> int:
