@@ -321,8 +321,6 @@ def main(argv: Sequence[str]) -> int:
     """``ulysses-sp bench [flags]``; returns the exit status (2, naming the flag, on bad input)."""
     from ulysses_sp.cli_config import parse_config
 
-    from .report import check_markdown_target
-
     try:
         config = parse_config(
             BenchConfig,
@@ -333,6 +331,8 @@ def main(argv: Sequence[str]) -> int:
         )
     except SystemExit as exit_:  # argparse's exit: --help (0) or a bad flag (2, message printed)
         return int(exit_.code or 0)
+    from .report import check_markdown_target  # (after the flags: --help and a bad flag import no torch)
+
     try:
         if config.markdown_path:
             check_markdown_target(Path(config.markdown_path))

@@ -24,8 +24,8 @@ class ModelShape:
     attention_bias: bool = False
     logit_softcap: bool = False  # final_logit_softcapping (Gemma 2/3): the tiled loss holds its slope too
     name: str = ""
-    # counted on the model built on the meta device (None: the dense formulas below): every parameter, and the
-    # largest decoder layer's (an MoE layer's experts, MLA's projections)
+    # counted on the model built on the meta device for MoE and MLA models (None: the dense formulas below): every
+    # parameter, and the largest decoder layer's (an MoE layer's experts, MLA's projections)
     counted_params: int | None = None
     counted_layer_params: int | None = None
     counted_root_params: int | None = None  # outside the decoder layers
@@ -46,7 +46,8 @@ class ModelShape:
             )
         inter, moe_note = _mlp_width(text)
         notes += [moe_note] if moe_note else []
-        counted = _counted_params(config, text.num_hidden_layers)
+        # the dense formulas fit a dense decoder (plan then imports no model code); MoE and MLA layers are counted
+        counted = _counted_params(config, text.num_hidden_layers) if moe_note or qk_width else None
         if counted is None and moe_note:
             notes.append("parameters from a dense layer's formula (one expert's MLP): the model could not be built")
         return cls(
