@@ -210,7 +210,7 @@ def plan_command(argv: Sequence[str]) -> int:
     from .shape import model_shape
 
     config, name = args.model_config
-    shape = model_shape(config)  # once: it counts the parameters on a model built on the meta device
+    shape = model_shape(config)  # once (an MoE or MLA model's parameters are counted on it built on the meta device)
     features, dp = args.features(), args.data_parallel
     common: dict[str, Any] = dict(
         gpu_memory_bytes=args.gpu_memory_bytes,

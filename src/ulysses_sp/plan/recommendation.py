@@ -92,6 +92,7 @@ def recommend(
         micro_batch=micro_batch,
     )
     best: tuple[int, int, Features, int | None] | None = None
+    larger = {sp: _larger_rings(shape, sp, base.head_chunks, gpus_per_node) for sp in sps}
     for candidate in _candidate_features(base, stride):
         for sp in sps:
             if seq_len < sp:
@@ -103,7 +104,7 @@ def recommend(
     # none with train's layouts: larger rings (smaller Ulysses groups hold fewer heads' full-sequence buffers)
     for candidate in _candidate_features(base, stride):
         for sp in sps:
-            for ring in _larger_rings(shape, sp, base.head_chunks, gpus_per_node) if seq_len >= sp else ():
+            for ring in larger[sp] if seq_len >= sp else ():
                 settings = dict(sp=sp, dp=world_size // sp, ring=ring, features=candidate, **common)
                 plan = plan_memory(shape, seq_len=seq_len, **settings)
                 if plan.fits:
@@ -111,7 +112,7 @@ def recommend(
                     return Recommendation(sp, world_size // sp, plan.features, plan, longest, True, seq_len)
     for candidate in _candidate_features(base, stride):
         for sp in sps:
-            for ring in (None, *_larger_rings(shape, sp, base.head_chunks, gpus_per_node)):
+            for ring in (None, *larger[sp]):
                 longest = max_seq_len(shape, sp=sp, dp=world_size // sp, ring=ring, features=candidate, **common)
                 if best is None or longest > best[0]:
                     best = (longest, sp, candidate, ring)

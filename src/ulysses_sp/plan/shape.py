@@ -102,8 +102,7 @@ def _mlp_width(text: Any) -> tuple[int, str]:
         (n for key in ("num_local_experts", "num_experts", "n_routed_experts") if (n := getattr(text, key, None))), 0
     )
     # GPT-2's n_inner (None: 4 x hidden), OPT's ffn_dim
-    dense = next((getattr(text, key, None) for key in _MLP_WIDTH_KEYS if getattr(text, key, None)), None)
-    dense = dense or 4 * text.hidden_size
+    dense = next((w for key in _MLP_WIDTH_KEYS if (w := getattr(text, key, None))), None) or 4 * text.hidden_size
     if not experts or experts <= 1:
         return dense, ""
     per_token = getattr(text, "num_experts_per_tok", None) or 1
