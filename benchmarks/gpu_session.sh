@@ -5,19 +5,25 @@
 #
 # Steps, in the order given (default: all, in this order, each under its own time limit in seconds):
 #   env         nvidia-smi, torch / CUDA / transformers versions                                     (30)
+#   tests       python -m pytest tests/gpu, with every test's duration                               (330)
 #   validation  benchmarks/gpu_validation.py: the planner's maximum and 10% above it, measured peak
-#               against the prediction, Llama-3.1-8B and Qwen3-4B at sp=1 and one rank of sp=8       (300)
-#   tests       python -m pytest tests/gpu                                                            (180)
+#               against the prediction, Qwen3-4B at sp=1 and Llama-3.1-8B / Qwen3-4B as one rank of sp=8 (200)
 #   packed      benchmarks/packed_attention.py: per-document sdpa against one flex call, recompiles    (60)
 #   loss        benchmarks/tiled_loss_speed.py: tiled against plain loss, 32K tokens, vocab 152K      (60)
 #   kernels     benchmarks/chunk_kernel_calls.py: a rank's heads in one kernel call or one per chunk  (45)
 #   lora        benchmarks/lora_head_chunks.py: a LoRA model in 4 head chunks against 1, dropout 0 / 0.1 (60)
 #
 # A lease gives about 15 minutes of device time in all (a machine's start included), a call at most 10: run the
-# steps over two calls, `env validation tests` (at most 510 s) then `packed loss kernels lora` (at most 225 s). A failing or timed-out step does not stop the others.
+# steps over two calls, `env tests validation` (at most 560 s) then `packed loss kernels lora` (at most 225 s;
+# on 2026-11-30 they took 99 s). A failing or timed-out step does not stop the others.
 # Every step's output goes under $GPU_SESSION_WORK (default /tmp/gpu_session), which is packed into
 # OUT/gpu_session.tgz after each step (so a call cut off keeps what finished); OUT/session.log lists each
 # step's command, exit status and seconds. GPU_SESSION_DRY_RUN=1 prints the commands and runs nothing.
+# Every step runs the CUDA allocator as `ulysses-sp train` does (expandable segments), unless one is configured.
+#
+# Seen on the first lease (an H200, 2026-11-30): the tests step ran 30 of 62 tests in 240 s (the GPU-mode test
+# about 67 s); Llama-3.1-8B at sp=1 (all of its fp32 states in host memory) was killed by the host's 128 GiB, so
+# the validation points are now ones a 128 GiB host holds.
 set -u
 
 if [ $# -lt 1 ]; then
@@ -27,16 +33,19 @@ fi
 out=$1
 shift
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env validation tests packed loss kernels lora)
+[ ${#steps[@]} -eq 0 ] && steps=(env tests validation packed loss kernels lora)
 work=${GPU_SESSION_WORK:-/tmp/gpu_session}
 root=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$root/src:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [ -z "${PYTORCH_CUDA_ALLOC_CONF:-}" ] && [ -z "${PYTORCH_ALLOC_CONF:-}" ]; then
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+fi
 
 command_for() {  # the step's default seconds, then its command
     case $1 in
         env) echo "30 nvidia-smi; python3 -c 'import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)'" ;;
-        validation) echo "300 python3 $root/benchmarks/gpu_validation.py --point llama-3.1-8b:1:14GiB llama-3.1-8b:8:14GiB qwen3-4b:1:14GiB qwen3-4b:8:10GiB --host-memory 120GiB --out $work" ;;
-        tests) echo "180 python3 -m pytest -q -p no:cacheprovider $root/tests/gpu --timeout=150 -rfEs --junitxml=$work/gpu_tests.xml" ;;
+        tests) echo "330 python3 -m pytest -q -p no:cacheprovider $root/tests/gpu --timeout=150 -rfEs --durations=0 --junitxml=$work/gpu_tests.xml" ;;
+        validation) echo "200 python3 $root/benchmarks/gpu_validation.py --point qwen3-4b:1:14GiB qwen3-4b:8:10GiB llama-3.1-8b:8:14GiB --host-memory 120GiB --out $work" ;;
         packed) echo "60 TORCH_LOGS=recompiles python3 $root/benchmarks/packed_attention.py --seq-len 32768 --docs 1 8 32 128 512 --heads 4 --kv-heads 1 --head-dim 128 --out $work" ;;
         loss) echo "60 python3 $root/benchmarks/tiled_loss_speed.py --tokens 32768 --hidden 2560 --vocab 151936 --dtype bf16 --chunk-tokens 0 --rounds 5 --name $work/tiled_loss_gpu" ;;
         kernels) echo "45 python3 $root/benchmarks/chunk_kernel_calls.py --device cuda --dtype bf16 --head-dim 128 --tokens 32768 --name $work/chunk_kernel_calls_gpu" ;;
@@ -48,7 +57,7 @@ command_for() {  # the step's default seconds, then its command
 for spec in "${steps[@]}"; do  # every step is checked before any runs
     name=${spec%%=*}
     if ! command_for "$name" > /dev/null; then
-        echo "gpu_session.sh: unknown step '$name'; steps: env validation tests packed loss kernels lora" >&2
+        echo "gpu_session.sh: unknown step '$name'; steps: env tests validation packed loss kernels lora" >&2
         exit 2
     fi
     if [ "$spec" != "$name" ] && ! [[ ${spec#*=} =~ ^[1-9][0-9]*$ ]]; then

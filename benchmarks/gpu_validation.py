@@ -16,16 +16,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 from pathlib import Path
 
-import torch
-import transformers
+from ulysses_sp.cli import use_expandable_segments
 
-from ulysses_sp.bench.gpu import run_gpu
-from ulysses_sp.bench.report import gpu_table
-from ulysses_sp.features import Features
-from ulysses_sp.plan.units import parse_flag_bytes
+use_expandable_segments(os.environ)  # before torch touches CUDA: the allocator `ulysses-sp train` runs, as planned
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from ulysses_sp.bench.gpu import run_gpu  # noqa: E402
+from ulysses_sp.bench.report import gpu_table  # noqa: E402
+from ulysses_sp.features import Features  # noqa: E402
+from ulysses_sp.plan.units import parse_flag_bytes  # noqa: E402
+from ulysses_sp.simulate import allocator_settings  # noqa: E402
 
 
 def _environment() -> dict[str, str]:
@@ -36,6 +41,7 @@ def _environment() -> dict[str, str]:
         "cuda": str(torch.version.cuda),
         "transformers": transformers.__version__,
         "python": platform.python_version(),
+        "allocator": allocator_settings(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
 

@@ -42,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "bench":
         return bench(rest)
     if command == "plan":
+        use_expandable_segments(os.environ)  # --simulate measures a step as train runs it
         from ulysses_sp.plan.cli import plan_command
 
         return plan_command(rest)
@@ -81,6 +82,7 @@ def train(argv: Sequence[str]) -> int:
 
 def bench(argv: Sequence[str]) -> int:
     """``ulysses-sp bench``: run the benchmarks (see :mod:`ulysses_sp.bench.runner`)."""
+    use_expandable_segments(os.environ)  # the GPU mode measures a training step's memory as train runs it
     from ulysses_sp.bench.runner import main as bench_main
 
     return bench_main(argv)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -27,7 +28,7 @@ from .layout import ParallelLayout
 from .plan import load_model_config, plan_memory
 from .standin import StandIn, measure_step, random_batch
 
-__all__ = ["memory_cap", "planned_gpu_bytes", "sharded_step_peak", "simulate_step"]
+__all__ = ["allocator_settings", "memory_cap", "planned_gpu_bytes", "sharded_step_peak", "simulate_step"]
 
 
 def _materialise(model: nn.Module, device: torch.device, seed: int) -> None:
@@ -133,6 +134,14 @@ def memory_cap(device: torch.device, gpu_memory_bytes: int) -> Iterator[None]:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
 
 
+def allocator_settings() -> str:
+    """The CUDA caching allocator's settings from the environment (``ulysses-sp train`` and ``bench`` ask for
+    expandable segments, as the planner assumes; a bare Python process has none of them)."""
+    from .cli import ALLOCATOR_ENV
+
+    return ";".join(f"{name}={os.environ[name]}" for name in ALLOCATOR_ENV if name in os.environ) or "default"
+
+
 def planned_gpu_bytes(device: torch.device, gpu_memory_bytes: int | None) -> int:
     """The GPU memory a simulated step is planned for: ``gpu_memory_bytes``, else the CUDA device's, else 80 GiB."""
     if gpu_memory_bytes is not None:
@@ -167,8 +176,9 @@ def simulate_step(
     "tokens_per_s", "tflops", "plan", "loss", "device", ...}``: ``plan`` is :func:`ulysses_sp.plan.plan_memory`'s
     prediction for the same settings (as a dict), ``ratio`` = predicted / measured, ``fits`` whether the step ran
     without running out of memory and within the plan's usable memory (measured figures are None where it ran
-    out); ``tokens_per_s`` / ``tflops`` are the whole sequence's over the measured step (model FLOPs ``6 N + 6 L H d
-    T``, recomputation not counted), as if every rank of the SP group took as long.
+    out); ``tokens_per_s`` is the whole sequence's over the measured step, as if every rank of the SP group took as
+    long, and ``tflops`` / ``mfu`` are per GPU: the sequence's model FLOPs (``6 N + 6 L H d T``, recomputation not
+    counted) over the step and the sp GPUs that share it.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -199,6 +209,7 @@ def simulate_step(
     )
     batch = random_batch(config.get_text_config().vocab_size, seq_len, batch=micro_batch, seed=seed)
     measured: dict[str, Any] | None = None
+    out_of_memory = ""
     with StandIn(sp=sp, dp=dp, ring=plan.ring, sp_rank=0, device=device) as rank:
         mesh = init_device_mesh(device.type, (sp * dp,), mesh_dim_names=("world",))
         try:
@@ -206,8 +217,8 @@ def simulate_step(
                 measured = sharded_step_peak(
                     config, rank.layout, rank.shard(batch), features=plan.features, mesh=mesh, core=core, seed=seed
                 )
-        except torch.OutOfMemoryError:
-            measured = None
+        except torch.OutOfMemoryError as error:  # the allocator's account says by how much, and what was reserved
+            measured, out_of_memory = None, " ".join(str(error).split())[:700]
     if device.type == "cuda":  # what the step (or its traceback) held goes back to the device
         gc.collect()
         torch.cuda.empty_cache()
@@ -222,6 +233,8 @@ def simulate_step(
         "gpu_memory_bytes": gpu_memory_bytes,
         "fits": measured is not None and measured["peak_bytes"] <= plan.usable_bytes,
         "out_of_memory": measured is None,
+        "out_of_memory_message": out_of_memory or None,
+        "allocator": allocator_settings() if device.type == "cuda" else None,
         "predicted_peak_bytes": predicted,
         "predicted_fits": plan.fits,
         "plan": plan.to_dict(),
@@ -230,7 +243,7 @@ def simulate_step(
         keys = ("measured_peak_bytes", "resident_bytes", "ratio", "loss", "step_s", "tokens_per_s", "tflops", "mfu")
         return {**result, **dict.fromkeys(keys)}
     flops = training_flops_per_token(random_model(config, device="meta"), seq_len) * seq_len * micro_batch
-    tflops = flops / measured["step_s"] / 1e12
+    tflops = flops / measured["step_s"] / sp / 1e12  # per GPU: each of the sp ranks does 1/sp of the step's work
     peak = peak_tflops(device)
     return {
         **result,

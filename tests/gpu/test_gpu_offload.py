@@ -62,20 +62,27 @@ def test_offload_matches_checkpoint_and_frees_the_layer_inputs_on_the_device():
 
 
 def test_tiled_mlp_matches_untiled_in_bf16_and_lowers_the_peak():
-    base = _model()
+    """Tiled bf16 gradients are as close to the fp32 model's as untiled bf16 ones are (a fixed tolerance on tiled
+    against untiled bf16 failed once in two runs on an H200: two bf16 roundings apart, unseeded), and the peak
+    drops by the MLP's full-sequence tensors."""
+    torch.manual_seed(0)
+    base = deep_llama(LAYERS, HIDDEN, INTER, VOCAB).to("cuda")
     ids = torch.randint(0, VOCAB, (1, TOKENS), device="cuda")
-    peaks, grads = {}, {}
+    reference = _step(U.enable_activation_checkpointing(copy.deepcopy(base), "checkpoint"), ids)[2]  # fp32
+    peaks, errors = {}, {}
     for tiled in (False, True):
-        model = copy.deepcopy(base)
+        model = copy.deepcopy(base).to(torch.bfloat16)
         if tiled:
             U.enable_tiled_mlp(model, chunk_tokens=1024)
         U.enable_activation_checkpointing(model, "checkpoint")
         torch.cuda.synchronize()
         with PeakMemory("cuda") as peak:
-            grads[tiled] = _step(model, ids)[2]
+            grads = _step(model, ids)[2]
         peaks[tiled] = peak.peak_bytes
-    for name, grad in grads[True].items():
-        ref = grads[False][name]
-        assert (grad - ref).norm() <= 2e-2 * ref.norm() + 1e-12, name
+        errors[tiled] = {
+            name: ((grad - reference[name]).norm() / reference[name].norm()).item() for name, grad in grads.items()
+        }
+    for name, error in errors[True].items():
+        assert error <= 1.5 * errors[False][name] + 1e-3, (name, error, errors[False][name])
     # untiled, the recomputed layer's MLP holds >= 4 [b, n, I] bf16 tensors at once; tiled, [b, 1024, I] chunks
     assert peaks[False] - peaks[True] >= 3 * TOKENS * INTER * BF16, peaks

@@ -168,10 +168,36 @@ def test_gpu_mode_measures_at_the_planned_maximum_and_skips_what_would_run_too_l
     assert points["over"]["seq_len"] >= longest * 1.1 and points["over"]["seq_len"] % 512 == 0
     assert points["max"]["fits"] and points["max"]["predicted_fits"] and not points["over"]["predicted_fits"]
     assert 0.9 <= points["max"]["ratio"] <= 1.1 and points["throughput"]["tokens_per_s"] > 0
+    # TFLOPs are per GPU: the sequence's model FLOPs over the step and the 2 ranks (an H200 read MFU 1.65 at sp=8
+    # when they were the whole sequence's over one GPU's peak)
+    from ulysses_sp.shapes import random_model, shape_config
+    from ulysses_sp.train.model_factory import training_flops_per_token
+
+    at = points["throughput"]
+    meta = random_model(shape_config("llama-bench-tiny"), device="meta")
+    flops = training_flops_per_token(meta, 512) * 512
+    assert at["tflops"] == pytest.approx(flops / at["step_s"] / 2 / 1e12, rel=1e-9)
     table = [line for line in _gpu({"gpu": found}, None) if line.startswith("| llama-bench-tiny")]
     assert len(table) == 3 and "planned max + 10%" in table[2]
     hurried = run_gpu(**settings, step_budget_s=1e-3)["models"]["llama-bench-tiny"]["layouts"]["2"]["points"]
     assert hurried["throughput"]["fits"] and hurried["max"]["skipped"].startswith("estimated")
+
+
+def test_an_out_of_memory_point_says_by_how_much_from_torchs_message():
+    """The H200's first GPU-mode run logged only "out of memory" at the planned maximum; the line now carries what
+    torch's message says (the request, what PyTorch held, what the allocator reserved unused)."""
+    from ulysses_sp.bench.gpu import _out_of_memory_summary
+
+    message = (
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.72 GiB of which 120.31 GiB "
+        "is free. Including non-PyTorch memory, this process has 19.40 GiB memory in use. Of the allocated memory "
+        "8.61 GiB is allocated by PyTorch, with 0 bytes allocated in private pools (e.g., CUDA Graphs), and 344.00 "
+        "MiB is reserved by PyTorch but unallocated."
+    )
+    assert _out_of_memory_summary(message) == (
+        " (tried to allocate 2.00 GiB; 8.61 GiB allocated by PyTorch; 344.00 MiB reserved but unallocated)"
+    )
+    assert _out_of_memory_summary("CUDA out of memory.") == ""
 
 
 def test_the_stand_in_rank_sees_the_documents_of_the_full_row():

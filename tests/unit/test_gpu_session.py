@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
-STEPS = ["env", "validation", "tests", "packed", "loss", "kernels", "lora"]
+STEPS = ["env", "tests", "validation", "packed", "loss", "kernels", "lora"]
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 

@@ -20,6 +20,7 @@ A stand-in rank gets this machine's host memory: the plan is for a node of sp su
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -120,10 +121,28 @@ def run_gpu(
                 row["points"][point] = result | {"wall_s": time.monotonic() - start}
                 first = first or (result if not result["out_of_memory"] else None)
                 verdict = "out of memory" if result["out_of_memory"] else ("fits" if result["fits"] else "over")
+                if result["out_of_memory"]:
+                    verdict += _out_of_memory_summary(result["out_of_memory_message"] or "")
                 ratio = f", predicted / measured {result['ratio']:.3f}" if result["ratio"] else ""
                 log(f"gpu: {model} sp={sp} {point} {seq_len:,}: {verdict}{ratio}")
         results["models"][model] = {"layouts": layouts, "features": features.describe()}
     return results
+
+
+def _out_of_memory_summary(message: str) -> str:
+    """`` (tried to allocate 2.00 GiB; 8.61 GiB allocated by PyTorch; 344.00 MiB reserved but unallocated)`` from
+    torch's message, the parts it says."""
+    size = r"([\d.]+ (?:[KMGT]iB|bytes))"
+    found = [
+        (re.search(pattern, message), words)
+        for pattern, words in (
+            (rf"Tried to allocate {size}", "tried to allocate {}"),
+            (rf"Of the allocated memory {size} is allocated by PyTorch", "{} allocated by PyTorch"),
+            (rf"{size} is reserved by PyTorch but unallocated", "{} reserved but unallocated"),
+        )
+    ]
+    parts = [words.format(match.group(1)) for match, words in found if match]
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _estimate_s(meta: torch.nn.Module, measured: dict[str, Any], seq_len: int) -> float | None:

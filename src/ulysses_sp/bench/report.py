@@ -262,8 +262,9 @@ def gpu_table(gpu: dict[str, Any]) -> list[str]:
         f"`ulysses-sp train` runs on a GPU ({next(iter(gpu['models'].values()))['features']}). One training step "
         "(forward, loss, backward, AdamW) per point as rank 0 of the layout (torch's fake process group for sp > 1): "
         "at the planner's longest sequence, and 10% above it, where the step should not fit; `predicted / measured` "
-        "is the planner's error at that point. tokens/s and TFLOPs are the whole sequence's over the measured step "
-        "(model FLOPs 6 N + 6 L H d T, recomputation not counted; an sp > 1 rank as if every rank took as long). "
+        "is the planner's error at that point. tokens/s is the whole sequence's over the measured step (an sp > 1 "
+        "rank as if every rank took as long); TFLOPs and MFU are per GPU (model FLOPs 6 N + 6 L H d T over the step "
+        "and the sp GPUs, recomputation not counted). "
         f"Points estimated to take over {gpu['step_budget_s']:.0f} s a step are skipped.",
         "",
         *md_table(
