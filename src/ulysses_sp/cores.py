@@ -50,8 +50,10 @@ __all__ = [
 Core = Callable[..., torch.Tensor]
 FLEX_MIN_HEAD_DIM_CUDA = 16  # torch's compiled flex_attention kernels reject smaller head dims
 # The sdpa core hands packed rows to flex_attention on CUDA above this many documents per row (on average):
-# below it the per-document sdpa loop is a few calls of the fastest kernel; not yet tuned on a GPU.
-FLEX_MIN_DOCS_PER_ROW = 4
+# below it the per-document sdpa loop is a few calls of the fastest kernel. Measured on an H200 (2026-11-30,
+# benchmarks/packed_attention.py, 32K tokens, one layer's core fwd + bwd, BENCHMARKS.md section 5): at 8 documents
+# a row the loop and flex tie (2.53 / 2.58 ms), at 32 flex takes 0.24x of the loop's time, at 512 0.02x.
+FLEX_MIN_DOCS_PER_ROW = 8
 
 
 @dataclass(eq=False)

@@ -293,11 +293,13 @@ def test_packed_kernel_choice(monkeypatch):
     from ulysses_sp import cores
 
     monkeypatch.setattr(cores, "_has_triton", lambda: True)
-    many = U.Segments.from_positions(torch.arange(8).repeat(2, 8))  # 2 rows x 8 documents of 8
+    many = U.Segments.from_positions(torch.arange(8).repeat(2, 9))  # 2 rows x 9 documents of 8
+    tied = U.Segments.from_positions(torch.arange(8).repeat(2, 8))  # 8 a row: the H200's tie, the loop stays
     few = U.Segments.from_positions(torch.cat([torch.arange(40), torch.arange(24)]).expand(2, 64))
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert cores.packed_kernel(many, cuda, 64) == "flex"
     assert cores.packed_kernel(few, cuda, 64) == "per_document"
+    assert cores.packed_kernel(tied, cuda, 64) == "per_document"
     assert cores.packed_kernel(many, cpu, 64) == "per_document"
     assert cores.packed_kernel(many, cuda, 64, dropout=0.1) == "per_document"
     assert cores.packed_kernel(many, cuda, 8) == "per_document"
