@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
         ),
     ],
 )
-def test_simulate_on_gpu_agrees_with_the_plan(model, seq_len, sp, features):
+def test_simulate_on_gpu_agrees_with_the_plan(model, seq_len, sp, features, gpu_record):
     result = simulate_step(model, seq_len=seq_len, sp=sp, dp=1, device="cuda", features=features)
-    print(result["measured_peak_bytes"], result["predicted_peak_bytes"])
+    gpu_record(result=result)
     assert 0.85 <= result["ratio"] <= 1.15, result
