@@ -31,6 +31,7 @@ from ..tiling import default_chunk_tokens
 from ..traffic import ulysses_bytes_per_layer
 from .attention import attention_backward, attention_terms, planned_head_chunks
 from .earlier_layers import add_earlier_layers
+from .host import host_terms
 from .placement import choose_placement, placement_is_chosen
 from .shape import ModelShape, model_shape
 from .units import GiB
@@ -341,10 +342,10 @@ def _terms(
     if fsdp:  # the same phases in layers back-propagated later (FSDP2's gradients and reduce-scatter)
         add_earlier_layers(phases, layers=layers, layer_params=layer_params, world=world, c=c,
                            offload_states=offload_states, freed=freed, mode=mode, stride=stride)  # fmt: skip
-    # Host memory of this rank: offloaded states (fp32 params, grads, AdamW) and offloaded checkpoints.
-    offloaded = kept * layer_input * t if mode == "offload" and device == "cuda" else 0
-    host = (16 * params // world if offload_states else 0) + offloaded
-    return phases, host, t, chunks, slices
+    offloaded = kept if mode == "offload" and device == "cuda" else 0  # host: states, checkpoints (.host: pinned)
+    host = host_terms(shape, world=world, offload_states=offload_states, checkpoint_bytes=layer_input * t,
+                      checkpoints=offloaded)  # fmt: skip
+    return phases, sum(host.values()), t, chunks, slices
 
 
 def _comm_bytes(

@@ -29,6 +29,7 @@ class ModelShape:
     counted_params: int | None = None
     counted_layer_params: int | None = None
     counted_root_params: int | None = None  # outside the decoder layers
+    counted_tensors: tuple[tuple[int, int, int], ...] | None = None  # (rows, row elements, count): param_tensors
     notes: tuple[str, ...] = ()  # where this shape only approximates the model (printed by plan)
 
     @classmethod
@@ -66,6 +67,7 @@ class ModelShape:
             counted_params=counted[0] if counted else None,
             counted_layer_params=counted[1] if counted else None,
             counted_root_params=counted[2] if counted else None,
+            counted_tensors=counted[3] if counted else None,
             notes=tuple(notes),
         )
 
@@ -93,6 +95,28 @@ class ModelShape:
         if self.counted_params is not None:
             return self.counted_params
         return self.num_layers * self.layer_params + self.root_params
+
+    @property
+    def param_tensors(self) -> tuple[tuple[int, int, int], ...]:
+        """Every parameter tensor as ``(rows, row_elements, count)``: its dim 0 (what FSDP2 shards), the elements
+        of one row, and how many tensors have that shape; counted, or the tensors the formulas above add up."""
+        if self.counted_tensors is not None:
+            return self.counted_tensors
+        h, d, inter = self.hidden_size, self.head_dim, self.intermediate_size
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        layer = [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter), (h, 1), (h, 1)]
+        layer += [(q, 1), (kv, 1), (kv, 1)] if self.attention_bias else []
+        layer += [(d, 1), (d, 1)] if self.qk_norm else []
+        root = [(self.vocab_size, h)] * (1 if self.tie_word_embeddings else 2) + [(h, 1)]
+        return _tally([(rows, row, self.num_layers) for rows, row in layer] + [(rows, row, 1) for rows, row in root])
+
+
+def _tally(tensors: Any) -> tuple[tuple[int, int, int], ...]:
+    """``(rows, row_elements, count)`` triples with equal shapes merged, sorted."""
+    counts: dict[tuple[int, int], int] = {}
+    for rows, row, count in tensors:
+        counts[rows, row] = counts.get((rows, row), 0) + count
+    return tuple(sorted((rows, row, count) for (rows, row), count in counts.items()))
 
 
 def _mlp_width(text: Any) -> tuple[int, str]:
@@ -124,9 +148,10 @@ _SHARED_WIDTH_KEYS = ("shared_expert_intermediate_size", "shared_intermediate_si
 _SHARED_EXPERT_KEYS = ("n_shared_experts", "moe_num_shared_experts")  # DeepSeek, Ernie 4.5: experts of its width
 
 
-def _counted_params(config: Any, layers: int) -> tuple[int, int, int] | None:
-    """(every parameter, the largest decoder layer's, those outside the decoder layers) of the causal LM of
-    ``config`` built on the meta device (no memory), or None where it cannot be built."""
+def _counted_params(config: Any, layers: int) -> tuple[int, int, int, tuple[tuple[int, int, int], ...]] | None:
+    """(every parameter, the largest decoder layer's, those outside the decoder layers, the parameter tensors as
+    :attr:`ModelShape.param_tensors` lists them) of the causal LM of ``config`` built on the meta device (no
+    memory), or None where it cannot be built."""
     import copy
 
     import torch
@@ -143,7 +168,9 @@ def _counted_params(config: Any, layers: int) -> tuple[int, int, int] | None:
         return None
     per_layer = [sum(p.numel() for p in block.parameters()) for block in stacks[0]]
     total = sum(p.numel() for p in model.parameters())
-    return total, max(per_layer), total - sum(per_layer)
+    rows = [(p.shape[0] if p.dim() else 1, p) for p in model.parameters() if p.numel()]
+    tensors = _tally((n, p.numel() // n, 1) for n, p in rows)
+    return total, max(per_layer), total - sum(per_layer), tensors
 
 
 def load_model_config(model: Any) -> tuple[Any, str]:
