@@ -6,6 +6,7 @@ the L layer inputs [b, n, h] that checkpointing keeps there.
 """
 
 import copy
+import os
 
 import pytest
 import torch
@@ -86,3 +87,26 @@ def test_tiled_mlp_matches_untiled_in_bf16_and_lowers_the_peak():
         assert error <= 1.5 * errors[False][name] + 1e-3, (name, error, errors[False][name])
     # untiled, the recomputed layer's MLP holds >= 4 [b, n, I] bf16 tensors at once; tiled, [b, 1024, I] chunks
     assert peaks[False] - peaks[True] >= 3 * TOKENS * INTER * BF16, peaks
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from /proc")
+def test_a_pinned_layer_input_takes_the_planners_host_bytes(gpu_record):
+    """The planner counts each pinned host tensor (an offloaded layer input, FSDP2's offloaded shards) at the next
+    power of two of its bytes, as torch's CachingHostAllocator rounds it (read from its source, never measured):
+    a 320 MiB + 4 KiB tensor (a layer input of an awkward length) should take 512 MiB of host memory."""
+    from ulysses_sp.plan.host import pinned_bytes
+
+    nbytes = (320 << 20) + 4096
+    before = _resident_bytes()
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.fill_(1)  # touched, in case pinning alone left pages out of the resident set
+    grown = _resident_bytes() - before
+    stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    gpu_record(nbytes=nbytes, resident_growth=grown, planned=pinned_bytes(nbytes), host_memory_stats=stats)
+    assert pinned_bytes(nbytes) == 512 << 20
+    assert 0.9 * pinned_bytes(nbytes) <= grown <= pinned_bytes(nbytes) + (64 << 20), (grown, nbytes)
