@@ -110,3 +110,35 @@ def test_a_pinned_layer_input_takes_the_planners_host_bytes(gpu_record):
     gpu_record(nbytes=nbytes, resident_growth=grown, planned=pinned_bytes(nbytes), host_memory_stats=stats)
     assert pinned_bytes(nbytes) == 512 << 20
     assert 0.9 * pinned_bytes(nbytes) <= grown <= pinned_bytes(nbytes) + (64 << 20), (grown, nbytes)
+
+
+_PINNED_PROBE = """
+import os, torch
+def resident():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = resident()
+host = torch.empty((320 << 20) + 4096, dtype=torch.uint8, pin_memory=True)
+host.fill_(1)
+print(resident() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from /proc")
+def test_the_allocator_option_that_stops_pinned_rounding(gpu_record):
+    """Whether this torch reads ``pinned_max_round_threshold_mb`` (torch 2.13's headers declare it; unknown for
+    older ones): with it at 64, a 320 MiB + 4 KiB pinned tensor should take about its own bytes, not 512 MiB. The
+    answer decides whether ``ulysses-sp train`` may set it (offloaded layer inputs of Qwen3-4B's hidden 2560 take
+    1.6x their bytes without it)."""
+    import subprocess
+    import sys
+
+    grown = {}
+    for setting in ("", "pinned_max_round_threshold_mb:64"):
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+        env["PYTORCH_ALLOC_CONF"] = setting
+        done = subprocess.run([sys.executable, "-c", _PINNED_PROBE], env=env, capture_output=True, text=True)
+        grown[setting or "default"] = int(done.stdout.split()[-1]) if done.returncode == 0 else done.stderr[-2000:]
+    gpu_record(torch=torch.__version__, resident_growth=grown)
+    assert isinstance(grown["default"], int) and isinstance(grown["pinned_max_round_threshold_mb:64"], int), grown
+    assert grown["pinned_max_round_threshold_mb:64"] < 0.8 * grown["default"], grown
