@@ -34,7 +34,16 @@ from .layout import ParallelLayout
 from .masks import DecoderMasks, ids_positions_problem, left_padding_problem, mask_window
 from .ring import from_zigzag, ring_attention
 from .sliced_core import sliced_core
-from .validation import IGNORE_INDEX, PeerRejected, check_id_ranges, id_range, input_problem, replicas_agree
+from .validation import (
+    IGNORE_INDEX,
+    PeerRejected,
+    Report,
+    check_id_ranges,
+    gather_reports,
+    id_range,
+    input_problem,
+    replicas_agree,
+)
 
 __all__ = [
     "INTERCEPT_ATTR",
@@ -215,10 +224,10 @@ class UlyssesAttention:
         return position_ids, segments
 
     def _agree(self, batch: int, seq_len: int, has_mask: bool, problem: str | None, ranges: torch.Tensor) -> None:
-        # One tiny all-gather of (batch, seq, mask?, bad input?, id ranges) over the SP group.
+        # One tiny self-checked all-gather of (batch, seq, mask?, bad input?, id ranges) over the SP group.
         head = torch.tensor([batch, seq_len, int(has_mask), int(problem is not None)], dtype=torch.long)
         report = torch.cat([head.to(ranges.device), ranges])
-        reports = all_gather_tensor(report, self.layout.sp_group, self.stats).tolist()
+        reports = gather_reports(report, Report.FORWARD, self.layout.sp_group, self.stats)
         if problem is not None:
             raise ValueError(problem)
         bad = [i for i, r in enumerate(reports) if r[3]]

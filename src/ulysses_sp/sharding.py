@@ -23,10 +23,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import all_gather_tensor
 from .layout import ParallelLayout
 from .ring import from_zigzag, zigzag_order
-from .validation import IGNORE_INDEX, PeerRejected, bad_id_message, first_bad_id, hole_message, replicas_agree
+from .validation import (
+    IGNORE_INDEX,
+    PeerRejected,
+    Report,
+    bad_id_message,
+    first_bad_id,
+    gather_reports,
+    hole_message,
+    replicas_agree,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -382,15 +390,15 @@ def _batch_check(
 
 
 def _check_same_batch(check: BatchCheck, layout: ParallelLayout) -> None:
-    """One all-gather over the SP group of every rank's report (problem, bad id, shape, a fingerprint of every
-    per-token tensor).
+    """One self-checked all-gather over the SP group of every rank's report (problem, bad id, shape, a fingerprint
+    of every per-token tensor): :func:`~ulysses_sp.validation.gather_reports`.
 
     Raises the same kind of ValueError on every rank if any rank's batch is malformed, holds an id outside
     the vocabulary, or differs from the others' (input_ids, labels, attention_mask, position_ids or
     shift_labels), so no rank goes on into a collective that the others never reach.
     """
     report = torch.tensor(check.report, dtype=torch.long, device=layout.device)
-    reports = all_gather_tensor(report, layout.sp_group).tolist()
+    reports = gather_reports(report, Report.BATCH, layout.sp_group)  # ranks out of step: RanksOutOfStep
     if check.refusal is not None:
         raise ValueError(check.refusal)
     vocab_size, ignore_index = check.vocab_size, check.ignore_index
@@ -424,5 +432,6 @@ def _check_same_batch(check: BatchCheck, layout: ParallelLayout) -> None:
             f"{', '.join(differing) or 'shape'}; batch x seq per sp_rank: {shapes}); every rank of an SP group must "
             f"get the SAME full batch: split your data over the {layout.dp} data-parallel groups (e.g. "
             "DistributedSampler(num_replicas=layout.dp, rank=layout.dp_rank)), not over all ranks; other causes: "
-            "data that differs between nodes, or a rank that ran a step (or an evaluation) the others did not"
+            "data that differs between nodes, or a rank that ran a step (or an evaluation) the others did not (a "
+            "callback that set control.should_evaluate on one rank only)"
         )

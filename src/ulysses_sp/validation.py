@@ -6,11 +6,14 @@ Used by :func:`ulysses_sp.shard_batch` (on the full batch) and by the model's on
 with the same message, and both agree across the SP group before any rank raises, so no peer is left waiting.
 With several data-parallel replicas (any ``sp``, 1 included), :func:`replicas_agree` then shares the verdict
 with the whole world, so a batch refused on one replica stops every replica (they step together).
+:func:`gather_reports` is the one all-gather of such reports: it checks that every rank sent the same kind of
+report, so ranks out of step (one saving or evaluating alone) raise :class:`RanksOutOfStep`, not read stray bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -18,15 +21,20 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from .comm import CommStats
     from .layout import ParallelLayout
 
 __all__ = [
     "IGNORE_INDEX",
+    "REPORT_SLOTS",
     "PeerRejected",
+    "RanksOutOfStep",
+    "Report",
     "bad_id_message",
     "check_id_ranges",
     "check_label_smoothing",
     "first_bad_id",
+    "gather_reports",
     "hole_message",
     "id_range",
     "input_problem",
@@ -175,3 +183,78 @@ def _share_verdict(layout: ParallelLayout, error: Exception | None) -> None:
         f"data-parallel replica(s) {replicas} rejected their batch, so every rank stops here (the replicas step "
         f"together); rank {rank} (replica {dp_rank}): {reason}"
     ) from error
+
+
+class RanksOutOfStep(ValueError):
+    """Raised by :func:`gather_reports` when the ranks of a group are not in the same collective."""
+
+
+class Report(enum.IntEnum):
+    """What a rank is doing when it all-gathers a self-checked report (:func:`gather_reports`)."""
+
+    BATCH = 1  # shard_batch's check of a full batch (the collator's, in training and in evaluation)
+    FORWARD = 2  # the model's check of its input, once per forward
+    FLOS = 3  # UlyssesTrainer's gather of the floating-point operation counts (a log, a checkpoint, train()'s end)
+
+    @property
+    def doing(self) -> str:
+        return {
+            Report.BATCH: "checking a batch (shard_batch: the next training step or evaluation batch)",
+            Report.FORWARD: "starting a forward of the model",
+            Report.FLOS: "gathering the Trainer's flos counts (logging, saving a checkpoint or ending train())",
+        }[self]
+
+
+_MAGIC = 0x554C_5953_5345_5352  # the first value of every report ("ULYSSESR"): no other collective's bytes match it
+REPORT_SLOTS = 32  # every report travels as this many int64s, so two different reports met by mistake read cleanly
+
+
+def gather_reports(
+    report: torch.Tensor, kind: Report, group: dist.ProcessGroup | None, stats: CommStats | None = None
+) -> list[list[int]]:
+    """Every rank's ``report`` (1-D integers, at most ``REPORT_SLOTS - 3``) in group rank order, gathered in ONE
+    all-gather that checks itself.
+
+    Each report travels as ``[magic, kind, length, values..., 0...]`` (``REPORT_SLOTS`` int64s) into zeroed
+    buffers, so a rank that met another collective (one rank saving a checkpoint, evaluating, logging or running a
+    forward the others do not) finds no valid header where that rank's report should be and raises
+    :class:`RanksOutOfStep` saying what each rank is doing, instead of reading the other collective's bytes (two
+    of these reports of different kinds are read on both sides; a longer message from elsewhere makes gloo abort).
+    """
+    assert report.dim() == 1 and report.numel() <= REPORT_SLOTS - 3, tuple(report.shape)
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    if size == 1:
+        return [report.tolist()]
+    length = report.numel()
+    head = torch.tensor([_MAGIC, int(kind), length], dtype=torch.long, device=report.device)
+    send = torch.cat([head, report.to(torch.long), head.new_zeros(REPORT_SLOTS - 3 - length)])
+    parts = [torch.zeros_like(send) for _ in range(size)]
+    dist.all_gather(parts, send, group=group)
+    if stats is not None:
+        stats.record("all_gather", send)
+    reports = torch.stack(parts).tolist()  # [size, REPORT_SLOTS]
+    strays = {r: got for r, got in enumerate(reports) if got[:3] != [_MAGIC, int(kind), length]}
+    if strays:
+        raise RanksOutOfStep(_out_of_step(kind, length, dist.get_rank(group), strays, group))
+    return [got[3 : 3 + length] for got in reports]
+
+
+def _out_of_step(kind: Report, length: int, mine: int, strays: dict[int, list[int]], group: object) -> str:
+    def doing(got: list[int]) -> str:
+        if got[0] != _MAGIC or got[1] not in {report.value for report in Report}:
+            return "in another collective (no ulysses-sp report came from it)"
+        if got[1] == kind:  # the same kind of report, another layout: another version of ulysses-sp
+            return f"{kind.doing}, with a report of {got[2]} values, not {length} (another ulysses-sp version?)"
+        return Report(got[1]).doing
+
+    world = group is None or group is dist.group.WORLD
+    where, rank = ("the world", "rank") if world else ("their sequence-parallel group", "sp_rank")
+    peers = "; ".join(f"{rank} {r} is {doing(got)}" for r, got in strays.items())
+    return (
+        f"the ranks of {where} are not in the same collective: {rank} {mine} (this one) is {kind.doing}, but {peers}. "
+        "One rank is doing something the others are not (saving a checkpoint, evaluating, logging, or a forward or "
+        "collective of its own), so their collectives would mix each other's data; check Trainer callbacks that set "
+        "`control` flags (control.should_save / should_evaluate / should_log) on some ranks only, and code that runs "
+        "on one rank only (`if rank == 0:` around a forward, a save or a collective): every rank must run the same "
+        "collectives in the same order"
+    )

@@ -32,6 +32,7 @@ What the mixin changes, and why (the Trainer's own DDP / FSDP2 wrapping over the
   over its valid-token count - equal to the one-process batch loss - and no rank ever holds the full
   sequence's activations. Logits are gathered only for ``compute_metrics`` and ``predict()``: whole sequences
   (:func:`ulysses_sp.gather_sequence`), each sample once, as one process would pass them.
+* a rank that saves, logs or ends training out of step with the others raises a clear ValueError (:mod:`.flos`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from .data import (
     replace_collator,
     resolve_core,
 )
+from .flos import CheckedFlos
 from .label_smoothing import smoothed_loss
 from .loss_override import LossOverrideCheck
 from .metrics import drop_repeats, gather_over_dp, sequence_parallel_gather
@@ -83,7 +85,7 @@ def logits_forward(model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
 logger = logging.getLogger(__name__)
 
 
-class UlyssesTrainerMixin:
+class UlyssesTrainerMixin(CheckedFlos):
     """Mix into a ``transformers.Trainer`` subclass (before it) to train with Ulysses SP of degree ``sp_size``.
 
     ``class MyTrainer(UlyssesTrainerMixin, SomeTrainer)``; :class:`UlyssesTrainer` and
@@ -444,7 +446,5 @@ class UlyssesTrainerMixin:
 
 
 class UlyssesTrainer(UlyssesTrainerMixin, Trainer):
-    """``transformers.Trainer`` with Ulysses sequence parallelism: ``UlyssesTrainer(..., sp_size=4)``.
-
-    See :class:`UlyssesTrainerMixin` for the extra arguments and the module docstring for what changes.
-    """
+    """``transformers.Trainer`` with Ulysses sequence parallelism: ``UlyssesTrainer(..., sp_size=4)``; see
+    :class:`UlyssesTrainerMixin` for the extra arguments and the module docstring for what changes."""

@@ -1,0 +1,100 @@
+"""Multi-rank cases (world 2, sp=2; run by tests/integrations/test_out_of_step.py): ranks that are not in the same
+collective, because one of them does something the other does not.
+
+A Trainer callback that saves a checkpoint on rank 0 only, a forward on one rank only, and a collective of the
+user's own on one rank: each rank must raise a clear ValueError (``RanksOutOfStep``) saying what each rank is doing,
+not a bare IndexError, a gloo abort, or a refusal read from another collective's bytes.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from tests.helpers.harness import run_cases
+from tests.helpers.models import build
+from tests.integrations.common import TRAIN_LENGTHS, pad_collate, token_dataset, trainer_args
+from ulysses_sp import ParallelLayout, parallelize, shard_batch
+from ulysses_sp.validation import RanksOutOfStep
+
+BATCH_CHECK = "is checking a batch (shard_batch"
+FLOS = "is gathering the Trainer's flos counts"
+FORWARD = "is starting a forward of the model"
+ADVICE = "control.should_save / should_evaluate / should_log"
+
+
+def _out_of_step(fn, *fragments: str) -> str:
+    """Call ``fn``: it must raise RanksOutOfStep with every fragment (and the advice) in its message."""
+    try:
+        fn()
+    except RanksOutOfStep as error:
+        for fragment in (*fragments, ADVICE):
+            assert fragment in str(error), f"expected {fragment!r} in: {error}"
+        return str(error)
+    raise AssertionError("ranks out of step were not detected")
+
+
+def save_on_one_rank() -> None:
+    """A callback sets control.should_save on rank 0 only after step 1: rank 0 gathers the flos counts of a checkpoint
+    save while rank 1 checks the batch of step 2. Each raises, naming what both are doing."""
+    from transformers import TrainerCallback
+
+    from ulysses_sp.integrations import UlyssesTrainer
+
+    class SaveOnRankZero(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_save = control.should_save or (dist.get_rank() == 0 and state.global_step == 1)
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = UlyssesTrainer(
+            model=build("llama"),
+            args=trainer_args(out, max_steps=3, logging_steps=10),
+            train_dataset=token_dataset(TRAIN_LENGTHS[:6], seed=1),
+            data_collator=pad_collate,
+            sp_size=2,
+            callbacks=[SaveOnRankZero()],
+        )
+        if dist.get_rank() == 0:
+            _out_of_step(trainer.train, f"rank 0 (this one) {FLOS}", f"rank 1 {BATCH_CHECK}")
+        else:
+            _out_of_step(trainer.train, f"rank 1 (this one) {BATCH_CHECK}", f"rank 0 {FLOS}")
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def forward_on_one_rank() -> None:
+    """sp_rank 0 runs a forward of its own while sp_rank 1 checks the next batch: both raise."""
+    layout = ParallelLayout.from_env(sp=2)
+    model = parallelize(build("llama"), layout)
+    shard = shard_batch(_batch(), layout)
+    if layout.sp_rank == 0:
+        inputs = {key: shard[key] for key in ("input_ids", "position_ids")}
+        _out_of_step(lambda: model(**inputs), f"(this one) {FORWARD}", BATCH_CHECK)
+    else:
+        _out_of_step(lambda: shard_batch(_batch(), layout), f"(this one) {BATCH_CHECK}", FORWARD)
+
+
+def collective_of_its_own() -> None:
+    """sp_rank 0 all-gathers a tensor of its own (the size of a report) while sp_rank 1 checks a batch: sp_rank 1
+    raises, finding no report where sp_rank 0's should be (it read ones there before: a refusal of id 1)."""
+    layout = ParallelLayout.from_env(sp=2)
+    if layout.sp_rank == 0:
+        parts = [torch.zeros(32, dtype=torch.long) for _ in range(2)]
+        dist.all_gather(parts, torch.ones(32, dtype=torch.long), group=layout.sp_group)
+    else:
+        _out_of_step(lambda: shard_batch(_batch(), layout), "rank 0 is in another collective (no ulysses-sp report")
+
+
+def world2() -> dict[str, str]:
+    return run_cases(
+        {
+            "save_on_one_rank": save_on_one_rank,
+            "forward_on_one_rank": forward_on_one_rank,
+            "collective_of_its_own": collective_of_its_own,
+        }
+    )
