@@ -219,9 +219,12 @@ def simulate_step(
                 )
         except torch.OutOfMemoryError as error:  # the allocator's account says by how much, and what was reserved
             measured, out_of_memory = None, " ".join(str(error).split())[:700]
-    if device.type == "cuda":  # what the step (or its traceback) held goes back to the device
+    if device.type == "cuda":  # what the step (or its traceback) held goes back to the device and the host
         gc.collect()
         torch.cuda.empty_cache()
+        empty_host = getattr(torch._C, "_host_emptyCache", None)  # a CUDA build's: the cached pinned blocks
+        if empty_host is not None:  # else a later step of another length would find this one's blocks still held
+            empty_host()
     predicted = plan.peak_bytes
     result: dict[str, Any] = {
         "model": name,

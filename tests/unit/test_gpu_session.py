@@ -47,7 +47,8 @@ def test_every_step_names_a_script_and_flags_that_exist(tmp_path):
                 assert f'"{flag}"' in source, (path, flag)
             scripts += 1
     assert scripts == 5, lines
-    assert f"{ROOT}/tests/gpu" in done.stdout and (ROOT / "tests" / "gpu").is_dir()
+    listed = re.findall(rf"{ROOT}/tests/gpu/(test_\w+\.py)", done.stdout)  # in the order they should run
+    assert sorted(listed) == sorted(p.name for p in (ROOT / "tests" / "gpu").glob("test_*.py")), listed
 
 
 def test_limits_can_be_set_per_step_and_bad_steps_are_refused_before_any_runs(tmp_path):

@@ -32,7 +32,7 @@ What the mixin changes, and why (the Trainer's own DDP / FSDP2 wrapping over the
   over its valid-token count - equal to the one-process batch loss - and no rank ever holds the full
   sequence's activations. Logits are gathered only for ``compute_metrics`` and ``predict()``: whole sequences
   (:func:`ulysses_sp.gather_sequence`), each sample once, as one process would pass them.
-* a rank that saves, logs or ends training out of step with the others raises a clear ValueError (:mod:`.flos`).
+* a rank that saves or ends training out of step with the others raises a clear ValueError (:mod:`.flos`).
 """
 
 from __future__ import annotations
