@@ -8,14 +8,14 @@ Gradients: ``B``'s rows (columns of ``A`` for the output projection) from each c
 over the chunks (:mod:`ulysses_sp.head_chunk_grads`, :mod:`ulysses_sp.head_chunk_output`).
 
 Dropout on an adapter's input (``lora_dropout`` while training) must drop the same elements in every chunk and in
-backward: :class:`InputDropout` draws its mask from the call's seed (drawn from torch's generator, as a dropout would
-advance it) and each element's position (row, token, column) through a 32-bit integer hash, so any tiling of the
-tokens (backward remakes a tiled norm's output tile by tile) sees the same mask, and no mask is stored. The mask is
-not the one PEFT's ``nn.Dropout`` would draw (no two runs of dropout agree anyway), with the same law: each element
-kept with probability ``1 - p`` and scaled by ``1 / (1 - p)``.
+backward: its mask is a function of the call's seed (drawn from torch's generator, as a dropout would advance it) and
+each element's position (:class:`~ulysses_sp.dropout_stream.InputDropout`), so any tiling of the tokens (backward
+remakes a tiled norm's output tile by tile) sees the same mask, and no mask is stored; its keys are made once per call
+(:func:`dropout_keys`). It has ``nn.Dropout``'s law, not its mask (no two runs of dropout agree anyway).
 
 The block's input is projected by every q/k/v chunk: :class:`InputLows` makes its ``dropout(x) A^T`` once per
-forward and once per backward, and A's and the input's gradients once, from the chunks' summed ``s g_c B_c``.
+forward (kept for backward: ``r`` columns each) and A's and the input's gradients once, from the chunks' summed
+``s g_c B_c``.
 
 PEFT is not imported: a projection is taken for a LoRA layer by its attributes (``base_layer``, ``lora_A``,
 ``lora_B``, ``scaling``). What the chunks cannot compute is refused when they are installed (:func:`lora_problem`):
@@ -28,6 +28,7 @@ chunks do not slice. The adapters are fixed per call, and backward sees the othe
 from __future__ import annotations
 
 import contextlib
+import math
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,8 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dropout_stream import Drawn, InputDropout
+
 __all__ = [
     "Adapter",
+    "Drawn",
     "InputDropout",
     "InputLows",
     "active_adapters",
@@ -48,67 +52,12 @@ __all__ = [
     "adapter_grads",
     "base_linear",
     "call_problem",
+    "dropout_keys",
     "is_lora",
     "lora_linear",
     "lora_problem",
     "unsliced_states",
 ]
-
-# A 32-bit integer hash (Wellons' lowbias32) and the golden ratio's 32 bits, as signed int32 (torch's integer
-# arithmetic wraps): int32 temporaries, half of int64's, and 2.6x faster than a 64-bit hash on the CPU
-_MIX1, _MIX2, _GOLDEN = 0x7FEB352D, 0x846CA68B - (1 << 32), 0x9E3779B1 - (1 << 32)
-_TILE_ELEMENTS = 1 << 22  # a mask tile's elements (its int32 temporaries: 16 MiB each)
-
-
-def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int32 ``z``."""
-    return (z >> bits) & ((1 << (32 - bits)) - 1)
-
-
-def _mix(z: torch.Tensor) -> torch.Tensor:
-    z = (z ^ _shr(z, 16)) * _MIX1
-    z = (z ^ _shr(z, 15)) * _MIX2
-    return z ^ _shr(z, 16)
-
-
-def _int32(value: int) -> int:
-    """The low 32 bits of ``value`` as a signed int32."""
-    value &= 0xFFFFFFFF
-    return value - (1 << 32) if value >= 1 << 31 else value
-
-
-@dataclass(frozen=True)
-class InputDropout:
-    """Dropout on an adapter's input ``x [rows, n, w]`` that any chunk, and backward, draws alike: element (row,
-    token, column) is kept with probability ``1 - p`` and scaled by ``1 / (1 - p)``, a function of ``seed`` and
-    its position only (``start``: the token of ``x``'s first; ``columns``: its columns' indices, default all)."""
-
-    p: float
-    seed: int
-
-    def mask(self, rows: int, start: int, length: int, columns: torch.Tensor) -> torch.Tensor:
-        """``[rows, length, len(columns)]`` float32 of 0 and ``1 / (1 - p)``."""
-        device, i32 = columns.device, torch.int32
-        token = torch.arange(start, start + length, device=device, dtype=i32).view(1, -1)
-        row = torch.arange(rows, device=device, dtype=i32).view(-1, 1)
-        # (row, token) mixed once per token with the seed's two halves, then the column per element
-        key = _mix(_mix(token ^ _int32(self.seed)) ^ (row * _GOLDEN + _int32(self.seed >> 32)))  # [rows, length]
-        z = _mix(key.unsqueeze(-1) ^ (columns.to(i32) * _GOLDEN).view(1, 1, -1))
-        keep = _shr(z, 8) >= round(self.p * (1 << 24))  # kept with probability 1 - p, in steps of 2^-24
-        return keep.to(torch.float32) / (1.0 - self.p)
-
-    def spans(self, rows: int, length: int, width: int) -> Iterator[tuple[int, int]]:
-        """Tiles of an ``[rows, length, width]`` input's tokens, ``(start, length)`` (local), small enough for the
-        mask's temporaries."""
-        step = max(1, _TILE_ELEMENTS // max(1, rows * width))
-        for start in range(0, length, step):
-            yield start, min(step, length - start)
-
-    def tile(self, x: torch.Tensor, start: int, length: int, offset: int, columns: torch.Tensor | None) -> torch.Tensor:
-        """``x[:, start : start + length]`` dropped out (its first token is token ``offset + start``)."""
-        part = x.narrow(1, start, length)
-        cols = torch.arange(x.shape[-1], device=x.device) if columns is None else columns
-        return part * self.mask(x.shape[0], offset + start, length, cols).to(part.dtype)
 
 
 def adapter_seed(call_seed: int, projection: str, index: int, rank: int) -> int:
@@ -258,17 +207,12 @@ def dropout_off(module: nn.Module) -> Iterator[None]:
             dropout.train()
 
 
-def _spans(adapter: Adapter, rows: int, length: int, width: int) -> Iterator[tuple[int, int]]:
+def _spans(adapter: Adapter, t: torch.Tensor, width: int) -> Iterator[tuple[int, int]]:
+    """Tiles of the tokens of ``t [rows, n, ...]`` (an adapter's input or its gradient), ``width`` columns wide."""
     if adapter.dropout is None:
-        yield 0, length
+        yield 0, t.shape[1]
     else:
-        yield from adapter.dropout.spans(rows, length, width)
-
-
-def _dropped(adapter: Adapter, x: torch.Tensor, start: int, length: int, offset: int, columns=None) -> torch.Tensor:
-    if adapter.dropout is None:
-        return x.narrow(1, start, length)
-    return adapter.dropout.tile(x, start, length, offset, columns)
+        yield from adapter.dropout.spans(t.shape[0], t.shape[1], width, t.device)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -277,38 +221,67 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, t.shape[-2], t.shape[-1]) if t.dim() != 3 else t
 
 
+def dropout_keys(
+    adapter: Adapter, rows: int, length: int, device: torch.device, columns: torch.Tensor | None = None
+) -> Drawn | None:
+    """The adapter's dropout keys for an input of ``rows`` rows and tokens ``0..length`` (``columns``: A's columns it
+    has, None: all), made once per call (:meth:`InputDropout.keys`); None without dropout."""
+    if adapter.dropout is None:
+        return None
+    whole = adapter.dropout.keys(rows, length, adapter.a.shape[1], device)
+    return whole if columns is None else whole.select(columns)
+
+
 def adapter_low(
-    adapter: Adapter, x: torch.Tensor, offset: int = 0, columns: torch.Tensor | None = None
+    adapter: Adapter,
+    x: torch.Tensor,
+    offset: int = 0,
+    columns: torch.Tensor | None = None,
+    drawn: Drawn | None = None,
 ) -> torch.Tensor:
     """``dropout(x) A^T [..., n, r]`` for ``x [..., n, w]`` (its first token is token ``offset``; ``columns``: the
-    columns of A that ``x`` has, default all), tile by tile under dropout; with ``x``'s graph where grad is on."""
+    columns of A that ``x`` has, default all; ``drawn``: the dropout's keys, made already for tokens that include
+    ``x``'s), tile by tile under dropout; with ``x``'s graph where grad is on."""
     x = adapter.input(x)
     a = adapter.a if columns is None else adapter.a.index_select(1, columns)
     if adapter.dropout is None:
         return F.linear(x, a)
-    x3 = _rows(x.contiguous())
-    tiles = [F.linear(_dropped(adapter, x3, s, n, offset, columns), a) for s, n in _spans(adapter, *x3.shape)]
+    x3 = _rows(x.contiguous())  # [rows, n, w]
+    drawn = dropout_keys(adapter, x3.shape[0], offset + x3.shape[1], x.device, columns) if drawn is None else drawn
+    spans = _spans(adapter, x3, x3.shape[2])
+    tiles = [F.linear(drawn.apply(x3.narrow(1, s, n), offset + s), a) for s, n in spans]
     low = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
     return low.view(*x.shape[:-1], a.shape[0])
 
 
 class InputLows:
     """The LoRA adapters of the projections of the block's input ``x [b, n, h]`` in one forward or backward:
-    ``dropout(x) A^T [b, n, r]`` per (projection, adapter) made once, not once per chunk (:meth:`low`); in backward
-    the sums over the stages of ``s g_c B_c [b, n, r]`` (:meth:`add`), from which A's gradient and the input's are
-    made once, in one pass over ``x``'s tiles that draws each tile's dropout mask once (:meth:`finish`).
-    ``tiles()``: ``x`` as ``(start, length, tile)`` (whole, or remade tile by tile)."""
+    ``dropout(x) A^T [b, n, r]`` per (projection, adapter) made once, not once per chunk (:meth:`low`; in backward
+    ``lows``, the forward's, where it kept them); in backward the sums over the stages of ``s g_c B_c [b, n, r]``
+    (:meth:`add`), from which A's gradient and the input's are made once, in one pass over ``x``'s tiles that draws
+    each tile's dropout mask once (:meth:`finish`). ``tiles()``: ``x`` as ``(start, length, tile)`` (whole, or
+    remade tile by tile). Each adapter's dropout keys are made once for all of ``x``'s tokens."""
 
-    def __init__(self, x: torch.Tensor, tiles: Callable[[], Iterator[tuple[int, int, torch.Tensor]]]) -> None:
+    def __init__(
+        self,
+        x: torch.Tensor,
+        tiles: Callable[[], Iterator[tuple[int, int, torch.Tensor]]],
+        lows: dict[tuple[str, int], torch.Tensor] | None = None,
+    ) -> None:
         self.x, self.tiles = x, tiles
-        self.lows: dict[tuple[str, int], torch.Tensor] = {}
+        self.lows: dict[tuple[str, int], torch.Tensor] = dict(lows or {})
         self.grads: dict[tuple[str, int], tuple[Adapter, torch.Tensor]] = {}
+
+    def drawn(self, adapter: Adapter) -> Drawn | None:
+        """The adapter's dropout keys over all of ``x``'s tokens (None: no dropout)."""
+        return dropout_keys(adapter, math.prod(self.x.shape[:-2]), self.x.shape[-2], self.x.device)
 
     def low(self, name: str, index: int, adapter: Adapter) -> torch.Tensor:
         key = (name, index)
         if key not in self.lows:
+            drawn = self.drawn(adapter)
             with torch.no_grad():
-                parts = [adapter_low(adapter, tile, start) for start, _, tile in self.tiles()]
+                parts = [adapter_low(adapter, tile, start, drawn=drawn) for start, _, tile in self.tiles()]
             self.lows[key] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
         return self.lows[key]
 
@@ -323,14 +296,15 @@ class InputLows:
     def finish(self, a_sum: Callable[[Adapter], torch.Tensor | None], x_sum: Callable[[], torch.Tensor | None]) -> None:
         """A's gradients ``G^T dropout(x)`` into ``a_sum(adapter)`` (None: not wanted) and the input's
         ``dropout'(G A)`` into ``x_sum()`` (None: not wanted), tile by tile; then forget the sums."""
-        grads, self.grads = list(self.grads.values()), {}
+        grads = [(adapter, total, self.drawn(adapter)) for adapter, total in self.grads.values()]
+        self.grads = {}
         if not grads:
             return
         target = x_sum()
         for start, length, tile in self.tiles():  # [b, length, h]
-            for adapter, total in grads:
-                grad = total.narrow(1, start, length)
-                adapter_grads(adapter, grad, tile, start, a_target=a_sum(adapter), x_target=target, x_start=start)
+            for adapter, total, drawn in grads:
+                g, a_target = total.narrow(1, start, length), a_sum(adapter)
+                adapter_grads(adapter, g, tile, start, a_target=a_target, x_target=target, x_start=start, drawn=drawn)
 
 
 def adapter_grads(
@@ -343,30 +317,31 @@ def adapter_grads(
     a_target: torch.Tensor | None = None,
     x_target: torch.Tensor | None = None,
     x_start: int = 0,
+    drawn: Drawn | None = None,
 ) -> None:
     """For the gradient ``low_grad [..., n, r]`` of :func:`adapter_low`'s output (``x [..., n, w]``, its first token
-    token ``offset``; ``columns``: A's columns that ``x`` has, default all): A's gradient ``low_grad^T dropout(x)``
-    into ``a_target [r, w]`` and the input's ``dropout'(low_grad A)`` into ``x_target``'s tokens from ``x_start``
-    (each None: not wanted; ``x`` is read only for A's), tile by tile, each tile's dropout mask drawn once."""
+    token ``offset``; ``columns``: A's columns that ``x`` has, default all; ``drawn``: as for :func:`adapter_low`):
+    A's gradient ``low_grad^T dropout(x)`` into ``a_target [r, w]`` and the input's ``dropout'(low_grad A)`` into
+    ``x_target``'s tokens from ``x_start`` (each None: not wanted; ``x`` is read only for A's), tile by tile, each
+    tile's dropout mask drawn once."""
     dtype = adapter.dtype(low_grad.dtype)
     a = (adapter.a if columns is None else adapter.a.index_select(1, columns)).to(dtype)  # [r, w]
     low_grad = _rows(low_grad.contiguous())  # [rows, n, r]
     x = None if a_target is None else _rows(adapter.input(x).contiguous())  # [rows, n, w]
     target = None if x_target is None else _rows(x_target)
-    cols = torch.arange(a.shape[1], device=a.device) if columns is None else columns
-    for start, length in _spans(adapter, *low_grad.shape[:2], a.shape[1]):
+    if drawn is None:
+        drawn = dropout_keys(adapter, low_grad.shape[0], offset + low_grad.shape[1], low_grad.device, columns)
+    for start, length in _spans(adapter, low_grad, a.shape[1]):
         g = low_grad.narrow(1, start, length).to(dtype)  # [rows, length, r]
-        mask = None
-        if adapter.dropout is not None:
-            mask = adapter.dropout.mask(g.shape[0], offset + start, length, cols).to(dtype)
+        keep = None if drawn is None else drawn.keep(offset + start, length)  # [rows, length, w]
         if x is not None:
             tile = x.narrow(1, start, length).to(dtype)
-            tile = tile if mask is None else tile * mask
+            tile = tile if keep is None else drawn.apply(tile, offset + start, keep)
             grad = g.reshape(-1, g.shape[-1]).t() @ tile.reshape(-1, tile.shape[-1])  # [r, w]
             a_target.add_(grad.to(a_target.dtype))
         if target is not None:
             grad = g @ a  # [rows, length, w]
-            target.narrow(1, x_start + start, length).add_(grad if mask is None else grad * mask)
+            target.narrow(1, x_start + start, length).add_(grad if keep is None else drawn.apply(grad, 0, keep))
 
 
 def lora_linear(

@@ -6,6 +6,8 @@ strided over the ranks (:class:`~ulysses_sp.head_split.ChunkHeads`), so its rows
 run: a read gathers them (a copy of a chunk's weights: small next to the activations) and an addition scatters
 into them (``index_add_``); a stage whose rows are one run reads a view and adds in place. A projection a stage does
 not compute is :class:`Blank` there (the module's own forward still runs it, on zeros, and its result is dropped).
+What a stage sends: q/k/v in the core's dtype (:func:`core_inputs`), their head counts after the exchange
+(:func:`exchanged_heads`).
 """
 
 from __future__ import annotations
@@ -16,21 +18,24 @@ from typing import TYPE_CHECKING
 import torch
 
 from .head_chunk_lora import Adapter, InputDropout, adapter_seed, unsliced_states
+from .tiling import compute_dtype
 
 if TYPE_CHECKING:
     from .head_chunks import HeadChunkedAttention
     from .head_split import ChunkHeads
 
-__all__ = ["KV", "Blank", "ChunkParts", "add_at", "rows_index", "take"]
+__all__ = ["KV", "Blank", "ChunkParts", "add_at", "core_inputs", "exchanged_heads", "rows_index", "take"]
 
 KV = -1  # the stage of the kv heads the chunks share
 
 
 def rows_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
-    """``rows`` as a slice where they are one ascending run, else as an index tensor."""
+    """``rows`` as a slice where they are one ascending run, else as an index tensor (sent to a GPU from pinned
+    memory without waiting: from pageable memory the copy waits for the stream, at each call of each layer)."""
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return slice(rows[0], rows[0] + len(rows))
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    pinned = device.type == "cuda"
+    return torch.tensor(rows, dtype=torch.long, pin_memory=pinned).to(device, non_blocking=pinned)
 
 
 def take(t: torch.Tensor, dim: int, index: slice | torch.Tensor) -> torch.Tensor:
@@ -76,6 +81,12 @@ class ChunkParts:
         self.unsliced = unsliced_states(owner.module, {owner.module._modules[name] for name in names})
         active = any(a.p > 0 for found in self._adapters.values() for a in found)
         self.seed, self.rank = (owner.dropout_seed() if active else 0), rank
+        self._dropouts = {  # one per adapter and call: its dropout keys are made once (InputDropout.keys)
+            (name, i): InputDropout(a.p, adapter_seed(self.seed, name, i, rank))
+            for name, found in self._adapters.items()
+            for i, a in enumerate(found)
+            if a.p > 0
+        }
         self.stages = ([KV] if heads.shared_kv else []) + list(range(heads.chunks))
         self._index: dict[tuple[str, int, torch.device], slice | torch.Tensor] = {}
 
@@ -148,7 +159,7 @@ class ChunkParts:
         them; None: B whole)."""
         found = []
         for index, a in enumerate(self._adapters[name]):
-            dropout = InputDropout(a.p, adapter_seed(self.seed, name, index, self.rank)) if a.p > 0 else None
+            dropout = self._dropouts.get((name, index))
             b = a.b_param if stage is None else self.part(name, stage, a.b_param)
             found.append(replace(a, b=b, dropout=dropout))
         return tuple(found)
@@ -179,3 +190,16 @@ class ChunkParts:
                     pair.append(None if t is None else self.part(name, stage, t))
             found[name] = (pair[0], pair[1], self.adapters(name, stage))
         return found
+
+
+def exchanged_heads(heads: int, kv_heads: int, sp: int) -> list[int]:
+    """The q/k/v head counts on one rank after the exchange: H/P query heads, max(Hkv/P, 1) kv heads each."""
+    hkv = max(kv_heads // sp, 1)
+    return [heads // sp, hkv, hkv]
+
+
+def core_inputs(x: torch.Tensor, *qkv: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """q/k/v in the dtype the core computes in: under autocast its dtype (the model's RoPE may have made q and k
+    fp32; autocast's sdpa casts them, and so does this before the exchange), else as they are (None stays)."""
+    dtype = compute_dtype(x)
+    return tuple(None if t is None else t.to(dtype) for t in qkv)

@@ -71,9 +71,9 @@ from .deferred_input import Absent, NormRemake
 from .head_chunk_grads import Accumulators, ProjectionCut, Roots
 from .head_chunk_lora import InputLows
 from .head_chunk_output import out_finish, out_input_grad, out_proj_backward, out_share, out_start, output_grads
-from .head_chunk_parts import KV, ChunkParts, add_at, rows_index, take
+from .head_chunk_parts import KV, ChunkParts, add_at, core_inputs, exchanged_heads, rows_index, take
 from .interleave import Stages, run_interleaved
-from .tiling import Replay, compute_dtype, sum_dtype
+from .tiling import Replay, sum_dtype
 
 if TYPE_CHECKING:
     from .head_chunk_lora import Adapter
@@ -140,9 +140,11 @@ class ChunkRun:
         self.remake: NormRemake | None = None
         self.source: torch.Tensor | None = None
         # LoRA adapters of the output projection (ulysses_sp.head_chunk_lora): dropout(y) A^T per adapter [b, n, r]
-        # (forward), and in backward each adapter with the gradient of that, s g B [b, n, r]
+        # (forward; where it saves, then the block input's dropout(x) A^T, input_keys), and in backward each adapter
+        # with the gradient of that, s g B [b, n, r]
         self.out_low: list[torch.Tensor] = []
         self.inputs: InputLows | None = None  # the LoRA adapters' work on the block's input, during one pass
+        self.input_keys: list[tuple[str, int]] = []  # (projection, adapter index) of the input's lows forward saved
         self.params: list[torch.Tensor] = []  # the trainable parameters the forward differentiates (set by its caller)
         self.out_low_grads: list[tuple[Adapter, torch.Tensor]] = []
 
@@ -169,7 +171,7 @@ class ChunkRun:
         """The chunk's core inputs from what its exchange brought (``full [b, h, N, d]``; ``heads``: the query and
         kv heads it sent): q, k, v ``[b, h_*, N, d]``; shared kv heads: the rows its query heads read (a view)."""
         if not self.split.shared_kv:
-            return tuple(full.split(_split(*heads, self.sp), dim=1))
+            return tuple(full.split(exchanged_heads(*heads, self.sp), dim=1))
         if self.kv is None:
             raise RuntimeError("a chunk ran before the kv heads the chunks share arrived")
         rows = rows_index(self.split.shared_rows(chunk, self.blocks), full.device)
@@ -219,11 +221,11 @@ class ChunkRun:
         sent = self.sent(chunk, q, k, v)
         heads = (q.shape[1], 0 if sent[1] is None else k.shape[1])
         del q, k, v
-        parts = [qkv_send_buffer(*_core_inputs(x, *sent), self.sp)]
+        parts = [qkv_send_buffer(*core_inputs(x, *sent), self.sp)]
         del sent
         if chunk == 0 and self.split.shared_kv:  # the kv heads the chunks share travel with the first chunk's q
             _, k, v, _ = self.project(x, KV, self.parts.weights(KV))
-            parts.append(qkv_send_buffer(*_core_inputs(x, None, k, v), self.sp))
+            parts.append(qkv_send_buffer(*core_inputs(x, None, k, v), self.sp))
             del k, v
         recv, *kv = yield from self._exchange(parts)
         if kv:
@@ -256,12 +258,15 @@ class ChunkRun:
     def forward(self, x: torch.Tensor, save: bool = False) -> torch.Tensor:
         """The block's output ``[b, n, h]``: every chunk's share, then the output projection's bias (and LoRA)."""
         out = out_start(self, x)
-        self.inputs = InputLows(x, lambda: iter([(0, x.shape[-2], x)]))
+        self.inputs = lows = InputLows(x, lambda: iter([(0, x.shape[-2], x)]))
         try:
             run_interleaved(self.forward_chunk(x, c, out, save) for c in range(self.split.chunks))
         finally:
             self.kv, self.inputs = None, None
-        return out_finish(self, out)
+        out = out_finish(self, out)
+        if save:  # the block input's LoRA lows, saved after the output projection's: backward's, not remade
+            self.input_keys, self.out_low = list(lows.lows), [*self.out_low, *lows.lows.values()]
+        return out
 
     # ------------------------------------------------------------------------------------------- backward
     def _reproject(self, x: torch.Tensor, stage: int) -> tuple:
@@ -275,7 +280,7 @@ class ChunkRun:
         sent = self.sent(stage, q, k, v)
         del q, k, v
         roots = Roots(*sent)
-        send = qkv_send_buffer(*_core_inputs(x, *(None if t is None else t.detach() for t in sent)), self.sp)
+        send = qkv_send_buffer(*core_inputs(x, *(None if t is None else t.detach() for t in sent)), self.sp)
         return (leaves, cut), roots, call, send
 
     def _recompute_qkv(self, x: torch.Tensor, stage: int) -> Generator[None, None, tuple]:
@@ -409,14 +414,16 @@ class ChunkRun:
         """Gradients of ``(x, *params)`` (None where not needed) for ``grad_out [b, n, h]``; ``local`` / ``lse``:
         what the forward saved per chunk (None where chunk c's core did not run through a kernel; ``local``, the
         cores' outputs, is emptied as they are read); ``source``: the input of the tiled norm that made ``x``, where
-        ``x`` is an :class:`Absent` remade from it by tiles; ``out_low``: the forward's :attr:`out_low`."""
+        ``x`` is an :class:`Absent` remade from it by tiles; ``out_low``: the forward's :attr:`out_low` (the output
+        projection's LoRA lows, then those of the block's input, :attr:`input_keys`: not made again)."""
         if source is None:
             x = x.detach().requires_grad_(needs[0])
         elif not isinstance(x, Absent) or self.remake is None:
             raise RuntimeError("a remade input needs an Absent input and the norm that made it")
         acc = Accumulators(self.owner, x, needs, self.split.chunks, self.params)
         grad_out = grad_out.contiguous()
-        self.out_low_grads = acc.out_adapters(self.parts.adapters(self.owner.names.out), grad_out, out_low)
+        adapters = self.parts.adapters(self.owner.names.out)
+        self.out_low_grads = acc.out_adapters(adapters, grad_out, out_low[: len(adapters)])
         prepared = output_grads(self, grad_out, local, lse, acc)
 
         def chunk_stages(c: int) -> Stages:
@@ -425,7 +432,8 @@ class ChunkRun:
             return self.backward_chunk(x, c, grad_out, acc)
 
         self.source = source
-        self.inputs = InputLows(x, lambda: ProjectionCut(x, self.remake, source).tiles())
+        lows = dict(zip(self.input_keys, out_low[len(adapters) :], strict=True))
+        self.inputs = InputLows(x, lambda: ProjectionCut(x, self.remake, source).tiles(), lows)
         try:
             run_interleaved(chunk_stages(c) for c in range(self.split.chunks))
             if self.kv_grad is not None:  # each chunk adds its k/v gradients before it sends, so the last one took them
@@ -435,16 +443,3 @@ class ChunkRun:
             self.source, self.out_low_grads, self.inputs = None, [], None
             self.kv = self.kv_grad = self.kv_graph = None
         return acc.result(grad_out)
-
-
-def _split(heads: int, kv_heads: int, sp: int) -> list[int]:
-    """The q/k/v head counts on one rank after the exchange: H/P query heads, max(Hkv/P, 1) kv heads each."""
-    hkv = max(kv_heads // sp, 1)
-    return [heads // sp, hkv, hkv]
-
-
-def _core_inputs(x: torch.Tensor, *qkv: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """q/k/v in the dtype the core computes in: under autocast its dtype (the model's RoPE may have made q and k
-    fp32; autocast's sdpa casts them, and so does this before the exchange), else as they are (None stays)."""
-    dtype = compute_dtype(x)
-    return tuple(None if t is None else t.to(dtype) for t in qkv)
