@@ -48,3 +48,7 @@ for step in range(STEPS):
     optimizer.zero_grad()
     if layout.is_main:
         print(f"step {step:3d}  loss {loss.item():.4f}  (tokens/step {SEQ_LEN}, {SEQ_LEN // layout.sp} per rank)")
+
+# End with the process group: gloo's worker threads stop while Python is still whole (left to interpreter exit, one
+# rank once aborted there, "terminate called without an active exception", after its last step).
+torch.distributed.destroy_process_group()
