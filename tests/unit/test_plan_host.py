@@ -94,3 +94,19 @@ def test_offloaded_layer_inputs_are_pinned_in_power_of_two_blocks():
     features = Features(activation_checkpointing="offload")
     plan = plan_memory("llama-3.1-8b", seq_len=327680, sp=8, gpus_per_node=1, features=features, device="cuda")
     assert plan.host_bytes_per_node == 32 * 512 * MiB
+
+
+def test_the_plan_reports_a_ranks_host_parts_and_they_add_up():
+    """The host line and the JSON name a rank's parts (parameters, gradients, optimizer, checkpoints), which add up
+    to the per-node figure over the ranks of a node."""
+    from ulysses_sp.plan.cli import _table
+
+    plan = plan_memory(
+        shape_config("llama-3.1-8b", use_cache=False), seq_len=327680, sp=8, gpus_per_node=8,
+        features=Features(cpu_offload_optimizer=True), gpu_memory_bytes=10 << 30, host_memory_bytes=960 << 30,
+        device="cuda",
+    )  # fmt: skip
+    parts = plan.to_dict()["host_breakdown_bytes"]
+    assert set(parts) == {"parameters", "gradients", "optimizer", "checkpoints"}
+    assert sum(parts.values()) * 8 == plan.host_bytes_per_node and parts["checkpoints"] == 32 * (512 << 20)
+    assert "(a rank: parameters 4.13 GiB, gradients 4.13 GiB, optimizer 8.21 GiB, checkpoints 16.00 GiB" in _table(plan)

@@ -140,9 +140,11 @@ def _table(plan: MemoryPlan) -> str:
     if plan.host_bytes_per_node:
         given = plan.host_memory_bytes
         host = f"of {format_bytes(given)}" if given else "(not checked: no --host-memory)"
+        parts = ", ".join(f"{name} {format_bytes(value)}" for name, value in plan.host_bytes_per_rank.items() if value)
         lines.append(
             f"host memory per node: {format_bytes(plan.host_bytes_per_node)} {host}"
             + ("" if plan.fits_host else ": DOES NOT FIT")
+            + (f" (a rank: {parts}; pinned blocks in powers of two)" if parts else "")
         )
     sent = ", ".join(
         f"{name.replace('_', ' ')} {format_bytes(value)}" for name, value in plan.comm_bytes_per_layer.items()

@@ -102,6 +102,7 @@ class MemoryPlan:
     usable_bytes: int = 0
     host_bytes_per_node: int = 0
     host_memory_bytes: int = 0
+    host_bytes_per_rank: dict[str, int] = field(default_factory=dict)  # plan/host.py's components, one rank
     phases: dict[str, dict[str, int]] = field(default_factory=dict)  # every moment's breakdown
     checkpoint_choice: str = ""  # where the planner put the checkpoints and why (placement.py), if it chose
 
@@ -147,6 +148,7 @@ class MemoryPlan:
             "usable_bytes": self.usable_bytes,
             "host_bytes_per_node": self.host_bytes_per_node,
             "host_memory_bytes": self.host_memory_bytes,
+            "host_breakdown_bytes": self.host_bytes_per_rank,
             "fits_gpu": self.fits_gpu,
             "fits_host": self.fits_host,
             "fits": self.fits,
@@ -163,17 +165,12 @@ def usable_gpu_bytes(gpu_memory_bytes: int) -> int:
 def _terms(
     shape: ModelShape, *, seq_len: int, sp: int, ring: int, dp: int, features: Features, micro_batch: int, device: str
 ):
-    """Per-moment component dicts (bytes on this rank), the host bytes of this rank, its tokens, the head chunks
-    and the core's slices of heads."""
+    """Per-moment component dicts (bytes on this rank), this rank's host bytes by component (plan/host.py), its
+    tokens, the head chunks and the core's slices of heads."""
     c = 2 if features.dtype == "bf16" else 4
     u = 4 if c < 4 else 0  # an fp32 upcast is a separate tensor only when computing in bf16
-    h, d, inter, vocab, layers = (
-        shape.hidden_size,
-        shape.head_dim,
-        shape.intermediate_size,
-        shape.vocab_size,
-        shape.num_layers,
-    )
+    h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    vocab, layers = shape.vocab_size, shape.num_layers
     heads, kv_heads = shape.num_heads, shape.num_kv_heads
     world = sp * dp
     ulysses = sp // ring
@@ -345,7 +342,7 @@ def _terms(
     offloaded = kept if mode == "offload" and device == "cuda" else 0  # host: states, checkpoints (.host: pinned)
     host = host_terms(shape, world=world, offload_states=offload_states, checkpoint_bytes=layer_input * t,
                       checkpoints=offloaded)  # fmt: skip
-    return phases, sum(host.values()), t, chunks, slices
+    return phases, host, t, chunks, slices
 
 
 def _comm_bytes(
@@ -442,8 +439,9 @@ def plan_memory(
         phase=phase,
         gpu_memory_bytes=gpu_memory_bytes,
         usable_bytes=usable_gpu_bytes(gpu_memory_bytes) if device == "cuda" else gpu_memory_bytes,
-        host_bytes_per_node=host * min(ranks_on_node, sp * dp),
+        host_bytes_per_node=sum(host.values()) * min(ranks_on_node, sp * dp),
         host_memory_bytes=host_memory_bytes,
+        host_bytes_per_rank=host,
         phases=breakdowns,
         **breakdowns[phase],
     )
