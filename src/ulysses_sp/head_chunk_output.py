@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .chunk_core import output_row_sums
-from .head_chunk_lora import adapter_grads, adapter_low, dropout_keys
+from .head_chunk_lora import adapter_grads, adapter_low
 from .head_split import DEPTH
 from .tiling import compute_dtype, sum_dtype
 
@@ -44,8 +44,7 @@ def out_share(run: ChunkRun, chunk: int, local: torch.Tensor, out: torch.Tensor)
     if adapters:
         local_3d, columns = local.flatten(-2), run.parts.columns(chunk, local.device)  # [b, n, Hc d_v]
         for low, adapter in zip(run.out_low, adapters, strict=True):
-            keys = dropout_keys(adapter, local_3d.shape[0], local_3d.shape[1], local.device, columns)  # (once a call)
-            low.add_(adapter_low(adapter, local_3d, columns=columns, drawn=keys))
+            low.add_(adapter_low(adapter, local_3d, columns=columns))  # its dropout keys: the call's (cached)
 
 
 def out_finish(run: ChunkRun, out: torch.Tensor) -> torch.Tensor:
@@ -94,8 +93,7 @@ def out_input_grad(
             total = acc.sum(adapter.a)  # [r, h_in]
             part = total.new_zeros(total.shape[0], len(columns))
         y = None if part is None else local.flatten(-2)  # [b, n, Hc d_v]
-        keys = dropout_keys(adapter, grad.shape[0], grad.shape[1], grad.device, columns)
-        adapter_grads(adapter, low_grad, y, columns=columns, a_target=part, x_target=grad, drawn=keys)
+        adapter_grads(adapter, low_grad, y, columns=columns, a_target=part, x_target=grad)
         if part is not None:
             run.parts.add(name, chunk, total, part)
     return grad.view(shape)
