@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,25 +18,44 @@ from tests.helpers.harness import free_port
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
+# What a rank prints when it aborts while the interpreter tears down, after its work is done: a C++ thread (gloo's)
+# meeting a finalizing interpreter (pytorch/pytorch#179291 describes the mechanism). Seen twice in ~100 CI and local
+# runs of these examples, never reproduced on demand (77 runs of train_plain_pytorch.py under 3x overload, none).
+_EXIT_ABORT = "terminate called without an active exception"
+
+
 def run_example(name: str, cwd: Path, timeout: float = 240) -> str:
-    """Run an example on 2 gloo ranks in ``cwd``; fail with its output unless it exits 0 in time."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        str(EXAMPLES / name),
-    ]
-    try:
-        proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{name} did not finish in {timeout} s:\n{exc.stdout}\n{exc.stderr}")
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
-    return proc.stdout + proc.stderr
+    """Run an example on 2 gloo ranks in ``cwd`` (a test's own empty folder); fail with its output unless it exits 0
+    in time.
+
+    One run that ends in the exit-time abort above is run again from an empty ``cwd``, and says so (a warning); a
+    second such run, or any other failure, fails the test. Python's fault handler prints every thread's stack if a
+    rank aborts.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0"]
+    for attempt in (1, 2):
+        command[-1] = str(free_port())
+        try:
+            proc = subprocess.run(
+                [*command, str(EXAMPLES / name)], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"{name} did not finish in {timeout} s:\n{exc.stdout}\n{exc.stderr}")
+        output = proc.stdout + proc.stderr
+        if proc.returncode == 0:
+            return output
+        if attempt == 1 and _EXIT_ABORT in proc.stderr:
+            aborted = f"{name}: a rank aborted at exit ({_EXIT_ABORT!r}); running it again:\n{proc.stderr[-3000:]}"
+            warnings.warn(aborted, stacklevel=2)
+            for made in cwd.iterdir():  # what the first run wrote (checkpoints it would resume from)
+                if made.is_dir():
+                    shutil.rmtree(made)
+                else:
+                    made.unlink()
+            continue
+        break
+    pytest.fail(f"{name} failed (attempt {attempt}):\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}")
 
 
 def logged(folder: Path) -> list[dict]:
