@@ -12,10 +12,11 @@
 #   packed      benchmarks/packed_attention.py: per-document sdpa against one flex call, recompiles    (60)
 #   loss        benchmarks/tiled_loss_speed.py: tiled against plain loss, 32K tokens, vocab 152K      (60)
 #   kernels     benchmarks/chunk_kernel_calls.py: a rank's heads in one kernel call or one per chunk  (45)
-#   lora        benchmarks/lora_head_chunks.py: a LoRA model in 4 head chunks against 1, dropout 0 / 0.1 (60)
+#   lora        benchmarks/lora_head_chunks.py: a LoRA model in 4 head chunks against 1, dropout 0 / 0.1,
+#               and the model without LoRA; one profiled step each (device busy time, launches)       (90)
 #
 # A lease gives about 15 minutes of device time in all (a machine's start included), a call at most 10: run the
-# steps over two calls, `env tests validation` (at most 560 s) then `packed loss kernels lora` (at most 225 s;
+# steps over two calls, `env tests validation` (at most 560 s) then `packed loss kernels lora` (at most 255 s;
 # on 2026-11-30 they took 99 s). A failing or timed-out step does not stop the others.
 # Every step's output goes under $GPU_SESSION_WORK (default /tmp/gpu_session), which is packed into
 # OUT/gpu_session.tgz after each step (so a call cut off keeps what finished); OUT/session.log lists each
@@ -50,7 +51,7 @@ command_for() {  # the step's default seconds, then its command
         packed) echo "60 TORCH_LOGS=recompiles python3 $root/benchmarks/packed_attention.py --seq-len 32768 --docs 1 8 32 128 512 --heads 4 --kv-heads 1 --head-dim 128 --out $work" ;;
         loss) echo "60 python3 $root/benchmarks/tiled_loss_speed.py --tokens 32768 --hidden 2560 --vocab 151936 --dtype bf16 --chunk-tokens 0 --rounds 5 --name $work/tiled_loss_gpu" ;;
         kernels) echo "45 python3 $root/benchmarks/chunk_kernel_calls.py --device cuda --dtype bf16 --head-dim 128 --tokens 32768 --name $work/chunk_kernel_calls_gpu" ;;
-        lora) echo "60 python3 $root/benchmarks/lora_head_chunks.py --device cuda --dtype bf16 --hidden 2048 --heads 16 --kv-heads 4 --tokens 32768 --chunks 4 --rounds 5 --name $work/lora_head_chunks_gpu" ;;
+        lora) echo "90 python3 $root/benchmarks/lora_head_chunks.py --device cuda --dtype bf16 --hidden 2048 --heads 16 --kv-heads 4 --tokens 32768 --chunks 4 --rounds 5 --plain --profile --name $work/lora_head_chunks_gpu" ;;
         *) return 1 ;;
     esac
 }

@@ -49,8 +49,11 @@ def _models(args: argparse.Namespace) -> dict[tuple[float, int], torch.nn.Module
     base = LlamaForCausalLM(config).to(args.device, _DTYPES[args.dtype])
     layout = U.ParallelLayout.single(torch.device(args.device))
     found = {}
-    for dropout in args.dropout:
+    for dropout in ([None] if args.plain else []) + args.dropout:
         for chunks in (1, *args.chunks):
+            if dropout is None:  # the same model without adapters: what the chunks cost without LoRA
+                found[dropout, chunks] = U.parallelize(copy.deepcopy(base), layout, head_chunks=chunks).train()
+                continue
             torch.manual_seed(1)
             lora = LoraConfig(
                 r=args.rank,
@@ -80,6 +83,28 @@ def _step(model: torch.nn.Module, shard: dict, layout: U.ParallelLayout, device:
     return seconds, (torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
 
 
+def _profile(model: torch.nn.Module, shard: dict, layout: U.ParallelLayout, device: str) -> dict:
+    """One profiled step: its wall time, the device's busy time (the kernels' own time summed), the kernels
+    launched, and the ops that took the most device time. On CPU the 'device' is the CPU ops' own time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        seconds, _ = _step(model, shard, layout, device)
+    # the ops (CPU events); on CUDA an op's own device time is that of the kernels it launched itself
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    kernels = [e for e in prof.events() if cuda and e.device_type == torch.autograd.DeviceType.CUDA]
+    top = sorted(events, key=own, reverse=True)[:12]
+    return {
+        "wall_s": seconds,
+        "device_busy_s": sum(own(e) for e in events) / 1e6,
+        "kernels": len(kernels) if cuda else sum(e.count for e in events),
+        "top": [{"op": e.key, "calls": e.count, "own_ms": own(e) / 1e3} for e in top],
+    }
+
+
 def measure(args: argparse.Namespace) -> list[dict]:
     models = _models(args)
     layout = U.ParallelLayout.single(torch.device(args.device))
@@ -94,6 +119,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
             if round_:
                 times[key].append(seconds)
                 peaks[key] = peak
+    profiles = {key: _profile(m, shard, layout, args.device) for key, m in models.items()} if args.profile else {}
     rows = []
     for (dropout, chunks), found in times.items():
         ratios = sorted(a / b for a, b in zip(found, times[dropout, 1], strict=True))
@@ -104,6 +130,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 "median_s": statistics.median(found),
                 "ratio": {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]},
                 "peak_gib": peaks[dropout, chunks],
+                "profile": profiles.get((dropout, chunks)),
             }
         )
     return rows
@@ -118,16 +145,24 @@ def _markdown(result: dict) -> str:
         f"{result['peft']}, {result['date']}; medians of {s['rounds']} interleaved rounds (ratio: each round's "
         "C / C = 1 at the same dropout).",
         "",
-        "| lora_dropout | C | step s | ratio to C = 1 (min-max) | peak GiB |",
-        "|---:|---:|---:|---:|---:|",
+        "| lora_dropout | C | step s | ratio to C = 1 (min-max) | peak GiB | profiled: wall s | busy s | launches |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
-        r = row["ratio"]
+        r, p = row["ratio"], row["profile"]
         peak = "-" if row["peak_gib"] is None else f"{row['peak_gib']:.2f}"
+        prof = "- | - | -" if p is None else f"{p['wall_s']:.3f} | {p['device_busy_s']:.3f} | {p['kernels']}"
+        lora = "no LoRA" if row["dropout"] is None else row["dropout"]
         lines.append(
-            f"| {row['dropout']} | {row['chunks']} | {row['median_s']:.3f} | {r['median']:.3f}x "
-            f"({r['min']:.3f}-{r['max']:.3f}) | {peak} |"
+            f"| {lora} | {row['chunks']} | {row['median_s']:.3f} | {r['median']:.3f}x "
+            f"({r['min']:.3f}-{r['max']:.3f}) | {peak} | {prof} |"
         )
+    for row in result["rows"]:
+        if row["profile"]:
+            lora = "no LoRA" if row["dropout"] is None else f"lora_dropout {row['dropout']}"
+            lines += ["", f"Most device time, {lora}, C = {row['chunks']} (one profiled step):", ""]
+            lines += ["| op | calls | own ms |", "|---|---:|---:|"]
+            lines += [f"| {t['op'][:60]} | {t['calls']} | {t['own_ms']:.2f} |" for t in row["profile"]["top"]]
     return "\n".join(lines) + "\n"
 
 
@@ -146,6 +181,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--plain", action="store_true", help="also time the model without adapters at each C")
+    parser.add_argument(
+        "--profile", action="store_true", help="profile one more step of each: busy time, launches, top ops"
+    )
     parser.add_argument("--name", default="lora_head_chunks", help="file name (without suffix) under results/")
     args = parser.parse_args(argv)
     if bad := [c for c in args.chunks if c < 2]:
