@@ -13,6 +13,7 @@ import pytest
 from ulysses_sp.train.config import TrainConfig, config_to_dict, load_config
 from ulysses_sp.train.errors import disk_error, read_rank_errors, report_error
 from ulysses_sp.train.lifeline import RankSignals
+from ulysses_sp.train.metrics import read_metrics
 from ulysses_sp.train.outdir import OutputDirLock, prepare_output_dir, previous_run_files, remove_previous_run
 from ulysses_sp.train.runspec import RunSpec, check_same_model_and_data, resolve_run, resume_point
 from ulysses_sp.train.tracking import make_reporter, write_loss_curve
@@ -275,3 +276,30 @@ def test_under_another_launcher_ranks_given_other_flags_are_refused():
 
     results = run_world(2, "tests.unit.test_train_run:flags_differ_on_rank_1", timeout=120)
     assert_case(results, "flags_differ", 2)
+
+
+def train_in_one_process(output_dir, *flags: str) -> int:
+    """``ulysses-sp train`` in this process (--nproc 1: no rank is started): a tiny model on a few short documents
+    of ``output_dir``'s parent; returns the exit status."""
+    from ulysses_sp.train.run import train_command
+
+    docs = output_dir.parent / "docs"
+    if not docs.is_dir():  # 3 short documents: a few steps of 256 tokens an epoch
+        docs.mkdir()
+        for index in range(3):
+            (docs / f"d{index}.txt").write_text(f"Chapter {index}. In the beginning God created the earth. " * 40)
+    common = ["--model", "llama-tiny", "--nproc", "1", "--sp", "1", "--seq-len", "256", "--eval-every", "0"]
+    return train_command([*common, "--log-every", "1", "--dataset", str(docs), "--output-dir", str(output_dir), *flags])
+
+
+def test_every_step_reports_the_epoch_it_trained_on(tmp_path, monkeypatch):
+    """The last step of each epoch was logged with the next epoch's number (steps 3 and 6 of 2 epochs of 3 steps
+    showed epoch 1 and 2): the record read the loader's epoch after the step had moved it past the epoch's end."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "run"
+    assert train_in_one_process(out, "--epochs", "2", "--max-steps", "none", "--save-every", "0") == 0
+    records = read_metrics(out / "metrics.jsonl")
+    epochs = [r["epoch"] for r in records if r["event"] == "train"]
+    per_epoch = len(epochs) // 2
+    assert per_epoch >= 2 and epochs == [0] * per_epoch + [1] * per_epoch, epochs
+    assert records[-1]["epochs_completed"] == 2

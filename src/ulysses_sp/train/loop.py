@@ -140,7 +140,7 @@ class Trainer:
         """One optimizer step; returns its metrics record, or None when the data has run out."""
         start = time.perf_counter()
         loader = self.data.train
-        seq_len = loader.seq_len
+        seq_len, epoch = loader.seq_len, loader.epoch  # read before the step moves them (past an epoch's end)
         micro_batches = list(itertools.islice(loader, self.config.grad_accum))
         if not micro_batches:
             return None
@@ -188,7 +188,7 @@ class Trainer:
             "tflops": tflops,
             "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
             "step_time_s": step_time,
-            "epoch": loader.epoch,
+            "epoch": epoch,
             "peak_mem_gib": peak_memory_gib(self.device),
         } | ({"skipped": True, "skipped_steps": self.skipped_steps} if skip else {})
 

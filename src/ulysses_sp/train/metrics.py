@@ -1,10 +1,11 @@
 """Training metrics: throughput, TFLOPs and MFU, peak memory, the JSON-lines log and the progress display.
 
 Every record of the log is one JSON object on its own line with an ``"event"`` key: ``"train"`` (one per
-logged step), ``"eval"``, ``"checkpoint"``, ``"resume"`` and ``"summary"``. When a run resumes from step
-``k``, records of later steps left by the interrupted run are dropped first, so the file always tells one
-consistent history. Lines are strict JSON: a value that is not finite (a NaN loss) is written as ``null`` and
-its spelling kept under ``"non_finite"`` (``{"loss": null, "non_finite": {"loss": "nan"}}``).
+logged step; its ``"epoch"`` is the 0-based pass over the data that the step trained on), ``"eval"``,
+``"checkpoint"``, ``"resume"`` and ``"summary"``. When a run resumes from step ``k``, records of later steps
+left by the interrupted run are dropped first, so the file always tells one consistent history. Lines are strict
+JSON: a value that is not finite (a NaN loss) is written as ``null`` and its spelling kept under
+``"non_finite"`` (``{"loss": null, "non_finite": {"loss": "nan"}}``).
 """
 
 from __future__ import annotations
