@@ -303,3 +303,28 @@ def test_every_step_reports_the_epoch_it_trained_on(tmp_path, monkeypatch):
     per_epoch = len(epochs) // 2
     assert per_epoch >= 2 and epochs == [0] * per_epoch + [1] * per_epoch, epochs
     assert records[-1]["epochs_completed"] == 2
+
+
+def test_a_rewind_keeps_the_newer_steps_metrics_and_loss_curve_beside_the_newer_checkpoints(
+    tmp_path, monkeypatch, capsys
+):
+    """Resuming from an older checkpoint moved the newer checkpoints aside but dropped the newer steps' records
+    and the summary from metrics.jsonl and drew over loss_curve.png, without a note. Now both are kept under the
+    same abandoned-...-<time> names as the checkpoints, in the one note that lists them."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "run"
+    assert train_in_one_process(out, "--max-steps", "4", "--save-every", "2") == 0
+    before = (out / "metrics.jsonl").read_text()
+    curve = (out / "loss_curve.png").read_bytes()
+    capsys.readouterr()
+    rewind = ["--max-steps", "3", "--save-every", "2", "--keep-last", "0", "--resume", str(out / "checkpoint-0000002")]
+    assert train_in_one_process(out, *rewind) == 0
+    [checkpoint] = out.glob("abandoned-checkpoint-0000004-*")
+    stamp = checkpoint.name.rsplit("-", 1)[1]
+    assert (out / f"abandoned-metrics-{stamp}.jsonl").read_text() == before
+    assert (out / f"abandoned-loss_curve-{stamp}.png").read_bytes() == curve
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records if r["event"] == "train"] == [1, 2, 3]
+    note = [line for line in capsys.readouterr().out.splitlines() if "moved aside" in line]
+    assert len(note) == 1 and checkpoint.name in note[0] and f"abandoned-metrics-{stamp}.jsonl" in note[0], note
+    assert f"abandoned-loss_curve-{stamp}.png" in note[0] and "keeps the records up to step 2" in note[0]

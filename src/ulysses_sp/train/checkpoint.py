@@ -129,13 +129,13 @@ def prune_checkpoints(output_dir: str | os.PathLike[str], keep_last: int) -> lis
     return doomed
 
 
-def set_aside_newer(output_dir: str | os.PathLike[str], step: int) -> list[Path]:
-    """Resuming from an older step (a rewind): rename the newer checkpoints ``abandoned-checkpoint-N-<time>`` so
-    that pruning keeps the new line of training and a later bare ``--resume`` continues it. Nothing is deleted."""
-    moved = []
+def set_aside_newer(output_dir: str | os.PathLike[str], step: int, *, stamp: int | None = None) -> list[Path]:
+    """Resuming from an older step (a rewind): rename the newer checkpoints ``abandoned-checkpoint-N-<stamp>`` (default
+    the time) so that pruning keeps the new line of training and a later bare ``--resume`` continues it."""
+    moved, stamp = [], int(time.time()) if stamp is None else stamp
     for path in list_checkpoints(output_dir):
         if int(path.name.split("-")[-1]) > step:
-            target = path.with_name(f"abandoned-{path.name}-{int(time.time())}")
+            target = path.with_name(f"abandoned-{path.name}-{stamp}")
             os.replace(path, target)
             moved.append(target)
     return moved

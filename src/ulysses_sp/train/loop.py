@@ -43,7 +43,7 @@ from ulysses_sp.train.lifeline import RankSignals
 from ulysses_sp.train.metrics import MetricsLog, Progress, peak_memory_gib, peak_tflops
 from ulysses_sp.train.model_factory import build_model, training_flops_per_token
 from ulysses_sp.train.optim import build_optimizer, build_scheduler, planned_steps
-from ulysses_sp.train.outdir import remove_previous_run, run_artifacts
+from ulysses_sp.train.outdir import remove_previous_run, run_artifacts, set_aside_logs, set_aside_note
 from ulysses_sp.train.runspec import RunSpec
 from ulysses_sp.train.tracking import make_reporter, write_loss_curve
 
@@ -94,8 +94,10 @@ class Trainer:
         if layout.is_main:  # only now that everything loaded: a bad flag must not cost the old checkpoints
             if config.overwrite and resume_dir is None:
                 remove_previous_run(self.output_dir, config)
-            if resume_dir is not None:
-                self.set_aside = set_aside_newer(self.output_dir, self.step)
+            stamp = int(time.time())  # one <time> for everything this resume moves aside
+            if resume_dir is not None:  # never a dropped record: the whole earlier log is kept beside the new one
+                self.set_aside = set_aside_newer(self.output_dir, self.step, stamp=stamp)
+                self.set_aside += set_aside_logs(self.output_dir, config, self.step, stamp=stamp)
         self._io_barrier()
         artifacts = run_artifacts(self.output_dir, config)
         self.metrics_path, self.loss_curve_path = artifacts["metrics"], artifacts["loss_curve"]
@@ -346,8 +348,8 @@ class Trainer:
         )
         if self.resumed_from is not None:
             progress.message(f"resumed from {self.resumed_from} at step {self.step}")
-            for path in self.set_aside:
-                progress.message(f"  note: {path.name} is newer than the resumed step; moved aside, not deleted")
+        if self.set_aside:
+            progress.message(f"  note: {set_aside_note(self.step, self.set_aside, self.metrics_path.name)}")
         for note in self.spec.notes:
             progress.message(f"  note: {note}")
         start, first_loss, last_loss = time.perf_counter(), None, None

@@ -3,8 +3,9 @@
 Every record of the log is one JSON object on its own line with an ``"event"`` key: ``"train"`` (one per
 logged step; its ``"epoch"`` is the 0-based pass over the data that the step trained on), ``"eval"``,
 ``"checkpoint"``, ``"resume"`` and ``"summary"``. When a run resumes from step ``k``, records of later steps
-left by the interrupted run are dropped first, so the file always tells one consistent history. Lines are strict
-JSON: a value that is not finite (a NaN loss) is written as ``null`` and its spelling kept under
+left by the interrupted run are dropped first, so the file always tells one consistent history (the whole
+earlier file is kept as ``abandoned-metrics-<time>.jsonl`` first: :func:`ulysses_sp.train.outdir.set_aside_logs`).
+Lines are strict JSON: a value that is not finite (a NaN loss) is written as ``null`` and its spelling kept under
 ``"non_finite"`` (``{"loss": null, "non_finite": {"loss": "nan"}}``).
 """
 
@@ -97,7 +98,8 @@ class MetricsLog:
     """Append JSON records to ``path`` (only where ``enabled``, i.e. on rank 0).
 
     ``resume_step=None`` starts a new file; otherwise records with a step after ``resume_step`` are
-    dropped (they belong to the interrupted run's lost steps) and a ``resume`` record is appended.
+    dropped (they belong to the interrupted run's lost steps, or to a line of training a rewind abandoned; the
+    trainer kept the whole file aside first) and a ``resume`` record is appended.
     A fresh run never meets an earlier run's file here: the launcher refused that folder without --overwrite.
     """
 

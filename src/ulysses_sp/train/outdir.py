@@ -8,6 +8,9 @@
   passes the locked descriptor to its ranks, so the folder stays held until every rank is gone.
 - :func:`previous_run_files` lists what an earlier run left (checkpoints, the metrics log, TensorBoard
   events, the loss curve): a fresh run refuses such a folder unless ``--overwrite`` is given.
+- :func:`set_aside_logs` keeps, on a resume that drops records of later steps (a rewind to an older checkpoint,
+  or a kill after the last save), the whole earlier metrics file and the
+  loss curve under ``abandoned-`` names, as the newer checkpoints are kept: a resume never deletes a record.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import datetime
 import errno
 import fcntl
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -29,6 +33,8 @@ __all__ = [
     "previous_run_files",
     "remove_previous_run",
     "run_artifacts",
+    "set_aside_logs",
+    "set_aside_note",
 ]
 
 LOCK_FILE = ".ulysses-sp.lock"
@@ -128,8 +134,6 @@ def previous_run_files(output_dir: str | os.PathLike[str], config: TrainConfig) 
 
 def remove_previous_run(output_dir: str | os.PathLike[str], config: TrainConfig) -> list[Path]:
     """``--overwrite``: delete an earlier run's checkpoints and logs (checkpoints renamed first); returns them."""
-    import shutil
-
     from ulysses_sp.train.checkpoint import remove_checkpoint
 
     removed = previous_run_files(output_dir, config)
@@ -141,3 +145,46 @@ def remove_previous_run(output_dir: str | os.PathLike[str], config: TrainConfig)
         else:
             path.unlink()
     return removed
+
+
+def _abandoned(path: Path, stamp: int) -> Path:
+    """``abandoned-<stem>-<stamp><suffix>`` beside ``path`` (``-2``, ``-3``, ... added while that name is taken)."""
+    target, count = path.with_name(f"abandoned-{path.stem}-{stamp}{path.suffix}"), 1
+    while target.exists():
+        count += 1
+        target = path.with_name(f"abandoned-{path.stem}-{stamp}-{count}{path.suffix}")
+    return target
+
+
+def set_aside_logs(
+    output_dir: str | os.PathLike[str], config: TrainConfig, resume_step: int, *, stamp: int | None = None
+) -> list[Path]:
+    """A resume from ``resume_step`` whose metrics file holds records of later
+    steps, which the resumed log drops: copy the whole file to ``abandoned-metrics-<stamp>.jsonl`` and move the
+    loss curve drawn from it to ``abandoned-loss_curve-<stamp>.png``. Returns the new paths (none when nothing
+    would be dropped)."""
+    from ulysses_sp.train.metrics import read_metrics
+
+    artifacts = run_artifacts(output_dir, config)
+    metrics, curve = artifacts["metrics"], artifacts["loss_curve"]
+    if not metrics.is_file() or all((r.get("step") or 0) <= resume_step for r in read_metrics(metrics)):
+        return []
+    stamp = int(time.time()) if stamp is None else stamp
+    kept = _abandoned(metrics, stamp)
+    tmp = kept.with_name(kept.name + ".tmp")
+    shutil.copy2(metrics, tmp)  # a copy: the resumed log keeps the records up to resume_step
+    os.replace(tmp, kept)
+    moved = [kept]
+    if curve.is_file():
+        moved.append(_abandoned(curve, stamp))
+        os.replace(curve, moved[-1])
+    return moved
+
+
+def set_aside_note(step: int, moved: list[Path], metrics_name: str) -> str:
+    """The line that tells what a resume from ``step`` moved aside (checkpoints and logs; nothing is deleted)."""
+    logs, names = [path for path in moved if not path.is_dir()], ", ".join(path.name for path in moved)
+    text = f"newer than the resumed step {step}, moved aside (not deleted): {names}"
+    if logs:
+        text += f"; {metrics_name} keeps the records up to step {step}, {logs[0].name} holds the whole earlier log"
+    return text
