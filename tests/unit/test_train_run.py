@@ -305,6 +305,29 @@ def test_every_step_reports_the_epoch_it_trained_on(tmp_path, monkeypatch):
     assert records[-1]["epochs_completed"] == 2
 
 
+def test_resume_without_a_checkpoint_keeps_the_earlier_runs_metrics(tmp_path, monkeypatch, capsys):
+    """A run stopped before its first checkpoint (SIGTERM with --no-save-on-sigterm) leaves only metrics.jsonl;
+    --resume then started at step 0 and replaced the file without a word. Now the whole earlier file is kept as
+    abandoned-metrics-<time>.jsonl (and the loss curve beside it), and the run says so."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "run"
+    out.mkdir()
+    earlier = [{"event": "train", "step": step, "loss": 10.0 - step, "epoch": 0} for step in range(1, 7)]
+    earlier.insert(5, {"event": "eval", "step": 5, "eval_loss": 6.0})
+    text = "".join(json.dumps(record) + "\n" for record in earlier)
+    (out / "metrics.jsonl").write_text(text)
+    (out / "loss_curve.png").write_bytes(b"earlier curve")
+    assert train_in_one_process(out, "--max-steps", "2", "--save-every", "0", "--resume") == 0
+    [kept] = out.glob("abandoned-metrics-*.jsonl")
+    assert kept.read_text() == text
+    assert [p.read_bytes() for p in out.glob("abandoned-loss_curve-*.png")] == [b"earlier curve"]
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["event"] == "train"]
+    assert steps == [1, 2]
+    stdout = capsys.readouterr().out
+    assert f"--resume: no checkpoint in {out}, so the run starts at step 0" in stdout
+    assert f"moved aside (not deleted): {kept.name}, abandoned-loss_curve-" in stdout, stdout
+
+
 def test_a_rewind_keeps_the_newer_steps_metrics_and_loss_curve_beside_the_newer_checkpoints(
     tmp_path, monkeypatch, capsys
 ):

@@ -95,8 +95,9 @@ class Trainer:
             if config.overwrite and resume_dir is None:
                 remove_previous_run(self.output_dir, config)
             stamp = int(time.time())  # one <time> for everything this resume moves aside
-            if resume_dir is not None:  # never a dropped record: the whole earlier log is kept beside the new one
+            if resume_dir is not None:
                 self.set_aside = set_aside_newer(self.output_dir, self.step, stamp=stamp)
+            if config.resume:  # never a dropped record: the whole earlier log is kept beside the new one
                 self.set_aside += set_aside_logs(self.output_dir, config, self.step, stamp=stamp)
         self._io_barrier()
         artifacts = run_artifacts(self.output_dir, config)
@@ -348,6 +349,8 @@ class Trainer:
         )
         if self.resumed_from is not None:
             progress.message(f"resumed from {self.resumed_from} at step {self.step}")
+        elif config.resume:
+            progress.message(f"--resume: no checkpoint in {self.output_dir}, so the run starts at step 0")
         if self.set_aside:
             progress.message(f"  note: {set_aside_note(self.step, self.set_aside, self.metrics_path.name)}")
         for note in self.spec.notes:

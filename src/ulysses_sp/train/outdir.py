@@ -9,7 +9,7 @@
 - :func:`previous_run_files` lists what an earlier run left (checkpoints, the metrics log, TensorBoard
   events, the loss curve): a fresh run refuses such a folder unless ``--overwrite`` is given.
 - :func:`set_aside_logs` keeps, on a resume that drops records of later steps (a rewind to an older checkpoint,
-  or a kill after the last save), the whole earlier metrics file and the
+  a kill after the last save, or ``--resume`` with no checkpoint at all), the whole earlier metrics file and the
   loss curve under ``abandoned-`` names, as the newer checkpoints are kept: a resume never deletes a record.
 """
 
@@ -159,7 +159,7 @@ def _abandoned(path: Path, stamp: int) -> Path:
 def set_aside_logs(
     output_dir: str | os.PathLike[str], config: TrainConfig, resume_step: int, *, stamp: int | None = None
 ) -> list[Path]:
-    """A resume from ``resume_step`` whose metrics file holds records of later
+    """A resume from ``resume_step`` (0: ``--resume`` found no checkpoint) whose metrics file holds records of later
     steps, which the resumed log drops: copy the whole file to ``abandoned-metrics-<stamp>.jsonl`` and move the
     loss curve drawn from it to ``abandoned-loss_curve-<stamp>.png``. Returns the new paths (none when nothing
     would be dropped)."""
@@ -184,6 +184,8 @@ def set_aside_logs(
 def set_aside_note(step: int, moved: list[Path], metrics_name: str) -> str:
     """The line that tells what a resume from ``step`` moved aside (checkpoints and logs; nothing is deleted)."""
     logs, names = [path for path in moved if not path.is_dir()], ", ".join(path.name for path in moved)
+    if step == 0:  # --resume found no checkpoint: only the earlier logs
+        return f"the earlier run's logs, moved aside (not deleted): {names}; {metrics_name} starts anew"
     text = f"newer than the resumed step {step}, moved aside (not deleted): {names}"
     if logs:
         text += f"; {metrics_name} keeps the records up to step {step}, {logs[0].name} holds the whole earlier log"
