@@ -6,9 +6,10 @@ Modes of :func:`enable_activation_checkpointing`:
 * ``"checkpoint"``: each decoder layer keeps only its input ``[b, n, h]``; backward recomputes the layer
   (``torch.utils.checkpoint`` without reentrancy, what transformers' gradient checkpointing runs).
 * ``"offload"``: the same, but the kept input lives in host memory. On CUDA the forward copies it
-  asynchronously on a side stream into pinned host memory (the device copy is freed as soon as that copy
-  is done), and in backward the input of layer ``i - 1`` (the next one backward recomputes) is copied back
-  on the side stream while layer ``i`` still computes. Events order every read after its copy;
+  asynchronously on a side stream into pinned host memory of about its size, reused from step to step
+  (:mod:`ulysses_sp.pinned`; the device copy is freed as soon as that copy is done), and in backward the
+  input of layer ``i - 1`` (the next one backward recomputes) is copied back on the side stream while layer
+  ``i`` still computes. Events order every read after its copy;
   ``record_stream`` keeps the allocator from reusing a device buffer that a pending copy or computation
   still reads. Device memory then holds no per-layer activation between forward and backward: only what
   lies outside the decoder layers (embeddings, final norm, logits and loss) and, in backward, the input
@@ -58,6 +59,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .hf import decoder_layers, find_pretrained
+from .pinned import PinnedBuffers
 from .tiling import Replay
 
 __all__ = [
@@ -101,6 +103,7 @@ class HostActivationStore:
         self._last: weakref.ref[_Stored] | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pending: weakref.ref[_Stored] | None = None  # scheduled, waiting for fetch_pending
+        self.pinned = PinnedBuffers()  # the kept inputs' host memory on CUDA
         self.late = False  # see wait_for
 
     def __deepcopy__(self, memo: dict) -> HostActivationStore:
@@ -136,15 +139,19 @@ class HostActivationStore:
         if source.device.type == "cuda":
             stream = self._side_stream(source.device)
             stream.wait_stream(torch.cuda.current_stream(source.device))  # the tensor has been computed
+            nbytes = source.numel() * source.element_size()
+            buffer = self.pinned.take(nbytes)  # page-locked, nbytes or a little more
+            host = buffer[:nbytes].view(source.dtype).view(source.shape)
             with torch.cuda.stream(stream):
-                host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
                 host.copy_(source, non_blocking=True)
             source.record_stream(stream)  # its memory is not reused before the copy has read it
         else:
-            host = torch.empty_like(source, device="cpu")
+            buffer, host = None, torch.empty_like(source, device="cpu")
             host.copy_(source)
         previous = self._last() if self._last is not None else None
         entry = _Stored(host, source.device, previous)
+        if buffer is not None:  # reused once autograd lets the entry go: every copy in or out is on `stream`
+            weakref.finalize(entry, self.pinned.give, buffer).atexit = False
         self._live.add(entry)
         self._last = weakref.ref(entry)
         return entry

@@ -98,22 +98,28 @@ def held():
     return torch.cuda.host_memory_stats().get("allocated_bytes.current", -1)
 torch.empty(1, pin_memory=True)  # CUDA and the pinned allocator started before the first reading
 before, stats_before = resident(), held()
-host = torch.empty(int(sys.argv[1]), dtype=torch.uint8, pin_memory=True)
+if sys.argv[2] == "allocator":
+    host = torch.empty(int(sys.argv[1]), dtype=torch.uint8, pin_memory=True)
+else:  # ulysses_sp.pinned: exact bytes, registered
+    from ulysses_sp.pinned import page_lock
+    host = page_lock(torch.empty(int(sys.argv[1]), dtype=torch.uint8))
 host.fill_(1)  # touched, in case pinning alone left pages out of the resident set
-print(json.dumps({"resident_growth": resident() - before, "allocator_growth": held() - stats_before}))
+print(json.dumps({"resident_growth": resident() - before, "allocator_growth": held() - stats_before,
+                  "is_pinned": host.is_pinned()}))
 """
 
 
-def _pinned_probe(nbytes: int, setting: str) -> dict | str:
+def _pinned_probe(nbytes: int, setting: str, how: str = "allocator") -> dict | str:
     """A fresh process (no pinned block cached by earlier tests) allocates ``nbytes`` pinned under the allocator
-    ``setting``: its resident-set and pinned-allocator growth, or its stderr where it failed."""
+    ``setting``, from torch's pinned allocator (``how="allocator"``) or as ulysses_sp.pinned does
+    (``"registered"``): its resident-set and pinned-allocator growth, or its stderr where it failed."""
     import json
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
     env["PYTORCH_ALLOC_CONF"] = setting
-    command = [sys.executable, "-c", _PINNED_PROBE, str(nbytes)]
+    command = [sys.executable, "-c", _PINNED_PROBE, str(nbytes), how]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     return json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else done.stderr[-2000:]
 
@@ -123,9 +129,9 @@ _AWKWARD = (320 << 20) + 4096  # a layer input of an awkward length: 320 MiB + 4
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from /proc")
 def test_a_pinned_layer_input_takes_the_planners_host_bytes(gpu_record):
-    """The planner counts each pinned host tensor (an offloaded layer input, FSDP2's offloaded shards) at the next
-    power of two of its bytes, as torch's CachingHostAllocator rounds it (read from its source, never measured):
-    320 MiB + 4 KiB should take 512 MiB of host memory."""
+    """The planner counts each pinned host tensor that torch's CachingHostAllocator makes (FSDP2's offloaded
+    parameter and gradient shards) at the next power of two of its bytes, as that allocator rounds it (read from its
+    source, never measured): 320 MiB + 4 KiB should take 512 MiB of host memory."""
     from ulysses_sp.plan.host import pinned_bytes
 
     found = _pinned_probe(_AWKWARD, "")
@@ -151,3 +157,36 @@ def test_the_allocator_option_that_stops_pinned_rounding(gpu_record):
     if not isinstance(bounded, dict):
         pytest.skip(f"torch {torch.__version__} refused pinned_max_round_threshold_mb: {bounded[-300:]}")
     assert bounded["resident_growth"] < 0.8 * default["resident_growth"], found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from /proc")
+def test_a_registered_buffer_is_pinned_at_its_exact_size(gpu_record):
+    """ulysses_sp.pinned (the offloaded layer inputs' host memory): 320 MiB + 4 KiB registered takes about its own
+    bytes, is pinned (so copies to and from it are asynchronous), and torch's pinned allocator does not count it."""
+    found = _pinned_probe(_AWKWARD, "", how="registered")
+    gpu_record(nbytes=_AWKWARD, found=found)
+    assert isinstance(found, dict), found
+    assert found["is_pinned"], found
+    assert 0.9 * _AWKWARD <= found["resident_growth"] <= _AWKWARD + (64 << 20), found
+    assert found["allocator_growth"] in (0, -1), found
+
+
+def test_offloaded_inputs_are_pinned_at_their_size_and_reused_the_next_step(gpu_record):
+    """The host store's buffers: pinned, exactly the layer inputs' bytes, and the second step reuses the first's
+    (no new registration; all given back after its backward); the gradients of both steps agree."""
+    model = U.enable_activation_checkpointing(_model(), "offload")
+    ids = torch.randint(0, VOCAB, (1, TOKENS), device="cuda")
+    store, grads = offload_store(model), []
+    for _ in range(2):
+        logits = model(input_ids=ids, use_cache=False).logits
+        held = store.held_tensors()
+        assert len(held) == LAYERS and all(t.is_pinned() for t in held), [t.is_pinned() for t in held]
+        assert store.held_bytes() == LAYERS * TOKENS * HIDDEN * BF16
+        torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).backward()
+        torch.cuda.synchronize()
+        grads.append({n: p.grad.float().clone() for n, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    gpu_record(buffers_made=store.pinned.made, free_bytes=store.pinned.free_bytes())
+    assert store.pinned.made == LAYERS and store.pinned.free_bytes() == LAYERS * TOKENS * HIDDEN * BF16
+    for name, grad in grads[1].items():  # equal up to the attention backward's atomics
+        assert (grad - grads[0][name]).norm() <= 1e-2 * grads[0][name].norm() + 1e-12, name

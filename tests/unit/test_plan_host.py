@@ -1,9 +1,11 @@
-"""The planner's host memory: pinned tensors rounded up to powers of two, as PyTorch's CachingHostAllocator does."""
+"""The planner's host memory: pinned parameter and gradient shards rounded up to powers of two, as PyTorch's
+CachingHostAllocator does; offloaded layer inputs at about their size (ulysses_sp.pinned)."""
 
 import pytest
 import torch
 from transformers import LlamaConfig, MixtralConfig
 
+from ulysses_sp.pinned import buffer_bytes
 from ulysses_sp.plan import Features, ModelShape, max_seq_len, plan_memory
 from ulysses_sp.plan.host import host_terms, pinned_bytes
 from ulysses_sp.shapes import PUBLISHED_SHAPES, shape_config
@@ -12,8 +14,11 @@ GiB, MiB = 1 << 30, 1 << 20
 OFFLOADED = Features(cpu_offload_optimizer=True, activation_checkpointing="offload")
 
 
-def test_a_pinned_allocation_takes_the_next_power_of_two():
+def test_a_pinned_allocation_takes_the_next_power_of_two_and_a_registered_buffer_a_32nd_more_at_most():
     assert [pinned_bytes(n) for n in (0, 1, 2, 3, 4096, 4097)] == [0, 1, 2, 4, 4096, 8192]
+    assert [buffer_bytes(n) for n in (0, 1, 4096, 4097, 320 * MiB, 320 * MiB + 4096)] == [
+        0, 4096, 4096, 8192, 320 * MiB, 328 * MiB,
+    ]  # fmt: skip
     assert pinned_bytes(40960 * 4096 * 2) == 512 * MiB  # one sp=8 rank's Llama layer input at 327,680 tokens
 
 
@@ -61,7 +66,7 @@ def test_host_bytes_of_a_tiny_model_are_the_pinned_sum_by_hand():
     layer, layer_exact = 5 * 8192 + 2 * 2048 + 2 * 128, 2 * 4608 + 2 * 1536 + 3 * 7680 + 2 * 96
     pinned, exact = 2 * layer + 2 * 32768 + 128, 2 * layer_exact + 2 * 28800 + 96
     # pinned parameters and gradients, AdamW's two pageable states, its step's 3 temporaries of the largest
-    # shard; 2 layer inputs of 50 x 48 bf16 (4,800 B -> 8 KiB)
+    # shard; 2 layer inputs of 50 x 48 bf16 (4,800 B -> a page more: ulysses_sp.pinned.buffer_bytes)
     per_rank = 2 * pinned + 2 * exact + 3 * 28800 + 2 * 8192
     assert plan.host_bytes_per_node == 2 * per_rank == 2 * 672_832
     terms = host_terms(
@@ -89,11 +94,12 @@ def test_llama_8b_with_its_optimizer_offloaded_does_not_fit_one_gpu_with_120_gib
     assert max_seq_len(config, features=Features(cpu_offload_optimizer=True), **settings) == 0
 
 
-def test_offloaded_layer_inputs_are_pinned_in_power_of_two_blocks():
-    """One sp=8 rank at 327,680 tokens: 32 layer inputs of 40,960 x 4,096 bf16 (320 MiB) take 512 MiB each."""
+def test_offloaded_layer_inputs_are_pinned_at_their_exact_size():
+    """One sp=8 rank at 327,680 tokens: 32 layer inputs of 40,960 x 4,096 bf16 take 320 MiB each (ulysses_sp.pinned
+    registers exact-size buffers; torch's pinned allocator would take 512 MiB blocks)."""
     features = Features(activation_checkpointing="offload")
     plan = plan_memory("llama-3.1-8b", seq_len=327680, sp=8, gpus_per_node=1, features=features, device="cuda")
-    assert plan.host_bytes_per_node == 32 * 512 * MiB
+    assert plan.host_bytes_per_node == 32 * 320 * MiB
 
 
 def test_the_plan_reports_a_ranks_host_parts_and_they_add_up():
@@ -108,5 +114,5 @@ def test_the_plan_reports_a_ranks_host_parts_and_they_add_up():
     )  # fmt: skip
     parts = plan.to_dict()["host_breakdown_bytes"]
     assert set(parts) == {"parameters", "gradients", "optimizer", "checkpoints"}
-    assert sum(parts.values()) * 8 == plan.host_bytes_per_node and parts["checkpoints"] == 32 * (512 << 20)
-    assert "(a rank: parameters 4.13 GiB, gradients 4.13 GiB, optimizer 8.21 GiB, checkpoints 16.00 GiB" in _table(plan)
+    assert sum(parts.values()) * 8 == plan.host_bytes_per_node and parts["checkpoints"] == 32 * (320 << 20)
+    assert "(a rank: parameters 4.13 GiB, gradients 4.13 GiB, optimizer 8.21 GiB, checkpoints 10.00 GiB" in _table(plan)

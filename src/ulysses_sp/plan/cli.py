@@ -144,7 +144,7 @@ def _table(plan: MemoryPlan) -> str:
         lines.append(
             f"host memory per node: {format_bytes(plan.host_bytes_per_node)} {host}"
             + ("" if plan.fits_host else ": DOES NOT FIT")
-            + (f" (a rank: {parts}; pinned blocks in powers of two)" if parts else "")
+            + (f" (a rank: {parts}; pinned states in power-of-two blocks)" if parts else "")
         )
     sent = ", ".join(
         f"{name.replace('_', ' ')} {format_bytes(value)}" for name, value in plan.comm_bytes_per_layer.items()
