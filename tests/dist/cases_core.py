@@ -295,6 +295,14 @@ def layouts_differ():
     )
 
 
+def gloo_settles_at_exit(layout):
+    """A layout over a gloo group of several ranks leaves gloo's workers a moment at exit (process_group's
+    docstring: a worker freeing a collective's tensors once the interpreter finalizes aborts the rank)."""
+    from ulysses_sp.process_group import settle_at_exit
+
+    assert dist.get_backend() == "gloo" and settle_at_exit.cache_info().currsize == 1
+
+
 def resized_vocabulary(layout):
     """The vocabulary resized after parallelize (a tokenizer's new special tokens): ids are checked against the
     embedding's size at each forward. A grown one's new ids were refused (the size read at parallelize); an id
@@ -414,6 +422,7 @@ def world2() -> dict[str, str]:
         "changed_after_parallelize": P(changed_after_parallelize, sp2),
         "resized_vocabulary": P(resized_vocabulary, sp2),
         "layouts_differ": layouts_differ,
+        "gloo_settles_at_exit": P(gloo_settles_at_exit, sp2),
     }
     return run_cases(cases)
 

@@ -46,6 +46,7 @@ WORLD2 = [
     "changed_after_parallelize",
     "resized_vocabulary",
     "layouts_differ",
+    "gloo_settles_at_exit",
 ]
 WORLD4 = [
     "sp4_llama_mha",

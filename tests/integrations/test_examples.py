@@ -18,9 +18,9 @@ from tests.helpers.harness import free_port
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-# What a rank prints when it aborts while the interpreter tears down, after its work is done: a C++ thread (gloo's)
-# meeting a finalizing interpreter (pytorch/pytorch#179291 describes the mechanism). Seen twice in ~100 CI and local
-# runs of these examples, never reproduced on demand (77 runs of train_plain_pytorch.py under 3x overload, none).
+# What a rank prints when it aborts while the interpreter tears down, after its work is done: a gloo worker freeing a
+# collective's tensors asks for the GIL too late (ulysses_sp.process_group's docstring; a core dump showed it).
+# Layouts now leave the workers time at exit (settle_at_exit); this retry stays as the net for what that misses.
 _EXIT_ABORT = "terminate called without an active exception"
 
 
