@@ -140,7 +140,7 @@ class HostActivationStore:
             stream = self._side_stream(source.device)
             stream.wait_stream(torch.cuda.current_stream(source.device))  # the tensor has been computed
             nbytes = source.numel() * source.element_size()
-            buffer = self.pinned.take(nbytes)  # page-locked, nbytes or a little more
+            buffer = self.pinned.take(nbytes, source.device)  # page-locked, nbytes or a little more
             host = buffer[:nbytes].view(source.dtype).view(source.shape)
             with torch.cuda.stream(stream):
                 host.copy_(source, non_blocking=True)

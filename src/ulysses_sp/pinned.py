@@ -8,16 +8,19 @@ staging does); the registration is undone when the buffer's memory is freed. A b
 rounded up to a 32nd of its largest power of two (:func:`buffer_bytes`: at most 1/32 more; 320 MiB stays 320 MiB).
 
 A buffer given back (:meth:`PinnedBuffers.give`) is handed out again for a later request it holds with at most an
-eighth to spare, so a training loop that offloads the same layer inputs every step registers them once, and one
-whose lengths vary by a few percent (dynamic padding) mostly too. A request that no free buffer suits releases
-the free buffers that do not suit it (a run does not keep every size it has seen). Safe to reuse without waiting
+eighth to spare (or that it was made for), so a training loop that offloads the same layer inputs every step
+registers them once, and one whose lengths vary by a few percent (dynamic padding) mostly too. A request that no
+free buffer suits releases the free buffers that no request of the current step took (a run does not keep every
+size it has seen). Safe to reuse without waiting
 for copies: the offload store issues every copy into and out of a buffer on one side stream, in order
 (:mod:`ulysses_sp.offload`).
 """
 
 from __future__ import annotations
 
+import collections
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -37,9 +40,18 @@ def buffer_bytes(nbytes: int) -> int:
     return -(-nbytes // granule) * granule
 
 
+def _suits(size: int, nbytes: int) -> bool:
+    """Whether a free buffer of ``size`` bytes is handed out for ``nbytes``: it holds them with at most an eighth
+    to spare, or it is what :func:`buffer_bytes` would make for them (a small request's page)."""
+    return nbytes <= size <= max(buffer_bytes(nbytes), nbytes + nbytes // _SPARE)
+
+
 def _unlock(pointer: int) -> None:
-    torch.cuda.synchronize()  # no copy still reads or writes it (rare: a buffer's memory is freed)
-    torch.cuda.cudart().cudaHostUnregister(pointer)
+    for index in range(torch.cuda.device_count()):  # no copy on any device still reads or writes it (rare)
+        torch.cuda.synchronize(index)
+    error = int(torch.cuda.cudart().cudaHostUnregister(pointer))
+    if error != 0:
+        warnings.warn(f"cudaHostUnregister of a pinned host buffer failed (cudaError {error})", stacklevel=1)
 
 
 def page_lock(buffer: torch.Tensor) -> torch.Tensor:
@@ -58,37 +70,61 @@ def page_lock(buffer: torch.Tensor) -> torch.Tensor:
 
 
 class PinnedBuffers:
-    """Page-locked host buffers (uint8), handed out by :meth:`take` and back by :meth:`give`. ``lock`` page-locks
-    a new buffer (default :func:`page_lock`; CUDA only)."""
+    """Page-locked host buffers (uint8), handed out by :meth:`take` and back by :meth:`give`, each for copies to
+    and from one device (whose one side stream orders them). ``lock`` page-locks a new buffer (default
+    :func:`page_lock`; CUDA only).
+
+    A step is what happens between two moments when every buffer is back (a forward and its backward). A request no
+    free buffer suits lets go the free buffers that no request of the current step took (a new sequence length:
+    the old sizes go before the new ones are made), and only those.
+    """
 
     def __init__(self, lock: Callable[[torch.Tensor], torch.Tensor] = page_lock) -> None:
         self._lock = lock
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._mutex = threading.Lock()  # backward (autograd's device thread) gives back what forward took
+        self._free: list[tuple[torch.Tensor, object, int]] = []  # (buffer, device, step it was last taken in)
+        self._returned: collections.deque = collections.deque()  # give(): no lock (it may run inside a GC pass)
+        self._taken: dict[int, tuple[object, int]] = {}  # id(buffer) -> (device, step), for what is handed out
+        self._mutex = threading.Lock()
+        self._step = 0
         self.made = 0  # buffers allocated and page-locked so far
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A page-locked buffer holding at least ``nbytes`` bytes (uint8 ``[size]``, ``size >= nbytes``): the
-        smallest free one that suits, else a new one of :func:`buffer_bytes`."""
+    def _collect(self) -> None:
+        """Move what :meth:`give` returned into the free list (under the lock)."""
+        while self._returned:
+            buffer = self._returned.popleft()
+            device, step = self._taken.pop(id(buffer))
+            self._free.append((buffer, device, step))
+
+    def take(self, nbytes: int, device: object = None) -> torch.Tensor:
+        """A page-locked buffer holding at least ``nbytes`` bytes (uint8 ``[size]``, ``size >= nbytes``) for copies
+        to and from ``device``: the smallest free one that suits, else a new one of :func:`buffer_bytes`."""
         with self._mutex:
-            suits = [size for size in self._free if nbytes <= size <= nbytes + nbytes // _SPARE]
-            if suits:
-                size = min(suits)
-                found = self._free[size].pop()
-                if not self._free[size]:
-                    del self._free[size]
-                return found
-            self._free.clear()  # none suits: let them go (unregistered as their memory is freed)
+            self._collect()
+            if not self._taken:
+                self._step += 1  # everything is back: a new step begins
+            found = [i for i, (b, d, _) in enumerate(self._free) if d == device and _suits(b.numel(), nbytes)]
+            if found:
+                index = min(found, key=lambda i: self._free[i][0].numel())
+                buffer = self._free.pop(index)[0]
+            else:  # let go what this step has not used (unregistered as its memory is freed)
+                self._free = [entry for entry in self._free if entry[2] == self._step]
+                buffer = None
+            if buffer is not None:
+                self._taken[id(buffer)] = (device, self._step)
+                return buffer
         self.made += 1
-        return self._lock(torch.empty(buffer_bytes(nbytes), dtype=torch.uint8))
+        buffer = self._lock(torch.empty(buffer_bytes(nbytes), dtype=torch.uint8))
+        with self._mutex:
+            self._taken[id(buffer)] = (device, self._step)
+        return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
         """Take ``buffer`` (as :meth:`take` gave it) back: nothing reads or writes it any more, except copies
-        already queued on the one stream that will also fill it next."""
-        with self._mutex:
-            self._free.setdefault(buffer.numel(), []).append(buffer)
+        already queued on its device's side stream, which will also fill it next. Lock-free (a finalizer)."""
+        self._returned.append(buffer)
 
     def free_bytes(self) -> int:
         """Bytes of the buffers given back and not handed out again."""
         with self._mutex:
-            return sum(size * len(found) for size, found in self._free.items())
+            self._collect()
+            return sum(buffer.numel() for buffer, _, _ in self._free)

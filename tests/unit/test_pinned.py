@@ -18,6 +18,14 @@ def _buffers() -> tuple[PinnedBuffers, list[int]]:
     return PinnedBuffers(lock), locked
 
 
+def _step(pool: PinnedBuffers, sizes: list[int]) -> list[torch.Tensor]:
+    """One step: take a buffer for each size (a forward), then give them all back (its backward)."""
+    taken = [pool.take(size) for size in sizes]
+    for buffer in reversed(taken):
+        pool.give(buffer)
+    return taken
+
+
 def test_a_buffer_holds_the_request_and_is_handed_out_again_once_given_back():
     pool, locked = _buffers()
     first, second = pool.take(20 * MiB), pool.take(20 * MiB)
@@ -30,23 +38,39 @@ def test_a_buffer_holds_the_request_and_is_handed_out_again_once_given_back():
     assert pool.free_bytes() == 0
 
 
-def test_a_free_buffer_serves_a_slightly_smaller_request_and_not_a_much_smaller_or_larger_one():
+def test_steps_of_the_same_sizes_reuse_every_buffer_small_ones_included():
+    """A 3 KiB request gets a 4 KiB page, more than an eighth to spare: it must still be handed out again."""
     pool, locked = _buffers()
-    big = pool.take(20 * MiB)
-    pool.give(big)
-    assert pool.take(19 * MiB).data_ptr() == big.data_ptr()  # 1/19 to spare: within an eighth
-    pool.give(big)
-    small = pool.take(10 * MiB)  # half: a new buffer, and the unsuitable free one is let go
-    assert small.data_ptr() != big.data_ptr() and pool.free_bytes() == 0 and locked == [20 * MiB, 10 * MiB]
-    pool.give(small)
-    larger = pool.take(10 * MiB + 1)  # more than it holds
-    assert larger.numel() == buffer_bytes(10 * MiB + 1) > 10 * MiB and pool.made == 3 and pool.free_bytes() == 0
+    sizes = [10 * MiB, 3072, 10 * MiB, 3072, 5000]
+    for _ in range(3):
+        _step(pool, sizes)
+    assert pool.made == len(sizes) and locked == [buffer_bytes(size) for size in sizes]
 
 
-def test_the_smallest_suitable_buffer_is_handed_out():
+def test_a_free_buffer_serves_a_request_it_holds_with_an_eighth_to_spare_at_most():
     pool, _ = _buffers()
-    a, b = pool.take(21 * MiB), pool.take(20 * MiB)
-    pool.give(a)
-    pool.give(b)
-    assert pool.take(20 * MiB).data_ptr() == b.data_ptr()
-    assert pool.take(20 * MiB).data_ptr() == a.data_ptr() and pool.made == 2
+    (big,) = _step(pool, [20 * MiB])
+    (again,) = _step(pool, [19 * MiB])
+    assert again.data_ptr() == big.data_ptr() and pool.made == 1
+    (small,) = _step(pool, [10 * MiB])  # half: a new buffer
+    assert small.data_ptr() != big.data_ptr() and pool.made == 2
+
+
+def test_a_new_length_lets_go_the_buffers_no_request_of_this_step_took_and_only_those():
+    pool, _ = _buffers()
+    _step(pool, [20 * MiB, 20 * MiB])
+    kept = pool.take(20 * MiB)  # the next step takes one of the old size and gives it back at once
+    held = pool.take(8 * MiB)  # a new size: the other old buffer (untouched this step) goes
+    pool.give(kept)
+    assert pool.free_bytes() == 20 * MiB  # the one this step took stays
+    other = pool.take(6 * MiB)  # another miss: `kept` was taken this step, so it stays
+    assert pool.free_bytes() == 20 * MiB and pool.made == 4
+    for buffer in (held, other):
+        pool.give(buffer)
+
+
+def test_a_buffer_is_handed_out_again_only_for_its_device():
+    pool, _ = _buffers()
+    first = pool.take(4 * MiB, "cuda:0")
+    pool.give(first)
+    assert pool.take(4 * MiB, "cuda:1").data_ptr() != first.data_ptr() and pool.made == 2
