@@ -39,6 +39,7 @@ with ``epochs=N`` iteration raises ``StopIteration`` after N passes.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,7 +51,8 @@ import torch
 from ulysses_sp.train.config import TrainConfig
 from ulysses_sp.train.documents import (
     TokenizedCorpus,
-    load_documents,
+    held_out_indices,
+    load_named_documents,
     pad_token_id,
     split_documents,
     tokenize_documents,
@@ -307,7 +309,8 @@ class SequenceLoader:
 
 @dataclass
 class TrainData:
-    """The tokenizer, the training loader for this rank and the held-out documents."""
+    """The tokenizer, the training loader for this rank and the held-out documents (with their indices among the
+    dataset's documents and where each comes from, as :func:`load_named_documents` names it)."""
 
     tokenizer: Any
     train: SequenceLoader
@@ -315,6 +318,29 @@ class TrainData:
     config: TrainConfig
     dp_rank: int
     dp_size: int
+    eval_indices: tuple[int, ...] = ()
+    eval_names: tuple[str, ...] = ()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training loader's position, and what the held-out documents are: a short digest of each one's
+        tokens (a changed held-out document changes the held-out loss, not the training position)."""
+        state = self.train.state_dict()
+        if self.eval_corpus is not None:
+            state["held_out"] = {"indices": list(self.eval_indices), "digests": _digests(self.eval_corpus)}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`: the training documents and the held-out ones must be the same
+        (a checkpoint saved before held-out digests existed is checked on its training documents alone)."""
+        self.train.load_state_dict(state)
+        saved = state.get("held_out")
+        if saved is None or self.eval_corpus is None:
+            return
+        if saved["indices"] != list(self.eval_indices):
+            raise ValueError(_changed_held_out("the held-out documents are other documents than the checkpoint's"))
+        for name, old, new in zip(self.eval_names, saved["digests"], _digests(self.eval_corpus), strict=True):
+            if old != new:
+                raise ValueError(_changed_held_out(f"the held-out document {name} differs from the checkpoint's"))
 
     def eval_loader(self, seq_len: int) -> SequenceLoader | None:
         """A fresh one-pass, unshuffled loader over the held-out documents (None without any)."""
@@ -339,9 +365,12 @@ def build_data(config: TrainConfig, tokenizer: Any, *, dp_rank: int, dp_size: in
 
     Every rank does the same deterministic work, so no communication is needed.
     """
-    documents = load_documents(config.dataset, text_field=config.text_field, split=config.dataset_split)
+    documents, names = load_named_documents(config.dataset, text_field=config.text_field, split=config.dataset_split)
     corpus = tokenize_documents(documents, tokenizer)
     train_corpus, eval_corpus = split_documents(corpus, config.held_out_fraction(), config.seed)
+    held_out = (
+        held_out_indices(corpus.num_docs, config.held_out_fraction(), config.seed) if eval_corpus is not None else ()
+    )
     train = SequenceLoader(
         train_corpus,
         schedule=config.schedule(),
@@ -355,4 +384,18 @@ def build_data(config: TrainConfig, tokenizer: Any, *, dp_rank: int, dp_size: in
         grad_accum=config.grad_accum,
         pad_token_id=pad_token_id(tokenizer),
     )
-    return TrainData(tokenizer, train, eval_corpus, config, dp_rank, dp_size)
+    eval_names = tuple(names[int(index)] for index in held_out)
+    return TrainData(tokenizer, train, eval_corpus, config, dp_rank, dp_size, tuple(map(int, held_out)), eval_names)
+
+
+def _digests(corpus: TokenizedCorpus) -> list[str]:
+    """A short SHA-256 of each document's tokens, in order."""
+    return [hashlib.sha256(corpus.document(d).astype("<i4").tobytes()).hexdigest()[:16] for d in range(corpus.num_docs)]
+
+
+def _changed_held_out(what: str) -> str:
+    return (
+        f"cannot resume the data position: {what} (other text, or another --tokenizer), so the held-out loss would "
+        "not compare with the earlier one; resume with the same --dataset files and --tokenizer, or start a new run "
+        "from the checkpoint's weights with --model <checkpoint>"
+    )

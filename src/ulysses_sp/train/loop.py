@@ -273,7 +273,7 @@ class Trainer:
             tokenizer=self.tokenizer,
             config=self.config,
             scheduler_state=self.scheduler.state_dict(),
-            data_state=self.data.train.state_dict(),
+            data_state=self.data.state_dict(),
             metrics={"tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps},
             write_sharded=write_sharded,
             keep_last=self.config.keep_last,
@@ -298,7 +298,7 @@ class Trainer:
             self.scheduler.load_state_dict(checkpoint.scheduler_state)
         self._apply_optimizer_settings()
         if checkpoint.data_state is not None:
-            self.data.train.load_state_dict(checkpoint.data_state)
+            self.data.load_state_dict(checkpoint.data_state)
         checkpoint.restore_rng()
         self.step = checkpoint.step
         self.tokens_seen = int(checkpoint.metrics.get("tokens_seen", 0))
