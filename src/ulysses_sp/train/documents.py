@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ulysses_sp.train.dataset_files import EMBEDDED_CORPUS, builder_of, local_files, readable
+from ulysses_sp.train.dataset_files import EMBEDDED_CORPUS, builder_of, check_text_field, local_files, readable
 from ulysses_sp.train.errors import first_line
 from ulysses_sp.train.hub import hub_unreachable
 
@@ -108,12 +108,14 @@ def load_named_documents(source: str, *, text_field: str = "text", split: str = 
     cannot be read, or a dataset without any text, is a ValueError naming it.
     """
     if source == EMBEDDED_CORPUS:
+        check_text_field(source, None, text_field)
         books = load_bible()
         return books, [f"book {number} of the embedded Bible" for number in range(1, len(books) + 1)]
     import datasets
 
     files = local_files(source)
     builder = None if files is None else builder_of(source, files)
+    check_text_field(source, builder, text_field)
     files = None if files is None else readable(source, files)
     try:
         if files is None:

@@ -259,7 +259,7 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
     source = tokenizer_source(config)
     flag = "--tokenizer" if config.tokenizer is not None else "--model (its own tokenizer; --tokenizer picks one)"
     tokenizer = load_tokenizer(source, flag=flag)
-    check_dataset(config.dataset, text_field=config.text_field, eval_fraction=config.held_out_fraction())
+    notes += check_dataset(config.dataset, text_field=config.text_field, eval_fraction=config.held_out_fraction())
     model_source = str(resume) if resume else (None if config.model in SHAPES else config.model)
     model_config = hf_model_config(config, tokenizer, source=model_source)
     vocab_size = model_config.get_text_config().vocab_size
