@@ -84,8 +84,9 @@ def _step(model: torch.nn.Module, shard: dict, layout: U.ParallelLayout, device:
 
 
 def _profile(model: torch.nn.Module, shard: dict, layout: U.ParallelLayout, device: str) -> dict:
-    """One profiled step: its wall time, the device's busy time (the kernels' own time summed), the kernels
-    launched, and the ops that took the most device time. On CPU the 'device' is the CPU ops' own time."""
+    """One profiled step: its wall time, the device's busy time (its kernels' and copies' own time, summed over
+    every stream), the kernels and copies launched, and the ops that took the most device time. On CPU the 'device'
+    is the CPU ops' own time."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.startswith("cuda")
@@ -145,7 +146,7 @@ def _markdown(result: dict) -> str:
         f"{result['peft']}, {result['date']}; medians of {s['rounds']} interleaved rounds (ratio: each round's "
         "C / C = 1 at the same dropout).",
         "",
-        "| lora_dropout | C | step s | ratio to C = 1 (min-max) | peak GiB | profiled: wall s | busy s | launches |",
+        "| lora_dropout | C | step s | ratio to C = 1 (min-max) | peak GiB | profiled: wall s | busy s | launched |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:

@@ -273,3 +273,25 @@ def test_every_rank_writes_its_own_rng_and_state(tmp_path):
         assert loaded.rng_state is not None
         assert loaded.optimizer_state == {"from_rank": 0}  # only rank 0 writes the shared files
     assert load_checkpoint(tmp_path, rank=5).rng_state is None  # more ranks than saved: nothing to restore
+
+
+def test_two_rewinds_in_the_same_second_keep_both_abandoned_checkpoints(tmp_path):
+    """Each rewind renames the newer checkpoints abandoned-checkpoint-N-<time>; a second one in the same second
+    crashed on the name the first one took (os.replace onto a folder that is not empty)."""
+    from ulysses_sp.train.checkpoint import STATE_FILE, set_aside_newer
+
+    def checkpoint(step: int) -> None:
+        folder = tmp_path / f"checkpoint-{step:07d}"
+        folder.mkdir()
+        (folder / STATE_FILE).write_text(str(step))
+
+    checkpoint(4)
+    checkpoint(8)
+    first = set_aside_newer(tmp_path, 4, stamp=1700000000)
+    checkpoint(8)
+    second = set_aside_newer(tmp_path, 4, stamp=1700000000)
+    assert [p.name for p in first + second] == [
+        "abandoned-checkpoint-0000008-1700000000",
+        "abandoned-checkpoint-0000008-1700000000-2",
+    ]
+    assert all((p / STATE_FILE).is_file() for p in first + second)

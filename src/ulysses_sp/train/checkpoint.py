@@ -45,6 +45,7 @@ import yaml
 
 from ulysses_sp.train.config import TrainConfig, save_config
 from ulysses_sp.train.integrity import write_manifest
+from ulysses_sp.train.outdir import abandoned_path
 from ulysses_sp.train.rng import capture_rng_state, restore_rng_state
 
 FORMAT_VERSION = 1
@@ -135,7 +136,7 @@ def set_aside_newer(output_dir: str | os.PathLike[str], step: int, *, stamp: int
     moved, stamp = [], int(time.time()) if stamp is None else stamp
     for path in list_checkpoints(output_dir):
         if int(path.name.split("-")[-1]) > step:
-            target = path.with_name(f"abandoned-{path.name}-{stamp}")
+            target = abandoned_path(path, stamp)  # -2, -3, ... after a rewind in the same second
             os.replace(path, target)
             moved.append(target)
     return moved

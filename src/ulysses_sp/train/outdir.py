@@ -29,6 +29,7 @@ from ulysses_sp.train.config import TrainConfig
 __all__ = [
     "LOCK_FILE",
     "OutputDirLock",
+    "abandoned_path",
     "prepare_output_dir",
     "previous_run_files",
     "remove_previous_run",
@@ -147,7 +148,7 @@ def remove_previous_run(output_dir: str | os.PathLike[str], config: TrainConfig)
     return removed
 
 
-def _abandoned(path: Path, stamp: int) -> Path:
+def abandoned_path(path: Path, stamp: int) -> Path:
     """``abandoned-<stem>-<stamp><suffix>`` beside ``path`` (``-2``, ``-3``, ... added while that name is taken)."""
     target, count = path.with_name(f"abandoned-{path.stem}-{stamp}{path.suffix}"), 1
     while target.exists():
@@ -170,13 +171,13 @@ def set_aside_logs(
     if not metrics.is_file() or all((r.get("step") or 0) <= resume_step for r in read_metrics(metrics)):
         return []
     stamp = int(time.time()) if stamp is None else stamp
-    kept = _abandoned(metrics, stamp)
+    kept = abandoned_path(metrics, stamp)
     tmp = kept.with_name(kept.name + ".tmp")
     shutil.copy2(metrics, tmp)  # a copy: the resumed log keeps the records up to resume_step
     os.replace(tmp, kept)
     moved = [kept]
     if curve.is_file():
-        moved.append(_abandoned(curve, stamp))
+        moved.append(abandoned_path(curve, stamp))
         os.replace(curve, moved[-1])
     return moved
 
