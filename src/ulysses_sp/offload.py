@@ -112,7 +112,8 @@ class HostActivationStore:
         return copied
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """The host tensors held now (one per kept layer input that autograd still references)."""
+        """The host tensors held now (one per kept layer input that autograd still references). On CUDA they are
+        views of reused buffers: valid while their inputs are kept (after backward, a later step refills them)."""
         return [entry.host for entry in list(self._live)]
 
     def held_bytes(self) -> int:
