@@ -318,12 +318,14 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None, stats: Comm
 
 
 def all_gather_tensor(x: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None) -> torch.Tensor:
-    """Non-differentiable all-gather along a new dim 0: ``[...]`` -> ``[P, ...]`` (for metadata)."""
+    """Non-differentiable all-gather along a new dim 0: ``[...]`` -> ``[P, ...]`` (for metadata). The parts it
+    gathers into start zeroed: where a peer sent less (it was in another collective) zeros stay, never stale memory
+    (:func:`ulysses_sp.validation.gather_reports` reads that)."""
     size = _group_size(group)
     if size == 1:
         return x.unsqueeze(0)
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(size)]
+    parts = [torch.zeros_like(x) for _ in range(size)]
     dist.all_gather(parts, x, group=group)
     if stats is not None:
         stats.record("all_gather", x)

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from .comm import all_gather_tensor
+
 if TYPE_CHECKING:
     from .comm import CommStats
     from .layout import ParallelLayout
@@ -228,11 +230,8 @@ def gather_reports(
     length = report.numel()
     head = torch.tensor([_MAGIC, int(kind), length], dtype=torch.long, device=report.device)
     send = torch.cat([head, report.to(torch.long), head.new_zeros(REPORT_SLOTS - 3 - length)])
-    parts = [torch.zeros_like(send) for _ in range(size)]
-    dist.all_gather(parts, send, group=group)
-    if stats is not None:
-        stats.record("all_gather", send)
-    reports = torch.stack(parts).tolist()  # [size, REPORT_SLOTS]
+    world = dist.group.WORLD if group is None else group  # comm's None is "no group"; here it is the world
+    reports = all_gather_tensor(send, world, stats).tolist()  # [size, REPORT_SLOTS], into zeroed parts
     strays = {r: got for r, got in enumerate(reports) if got[:3] != [_MAGIC, int(kind), length]}
     if strays:
         raise RanksOutOfStep(_out_of_step(kind, length, dist.get_rank(group), strays, group))

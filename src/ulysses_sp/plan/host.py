@@ -3,9 +3,9 @@
 Pinned (page-locked) host memory from PyTorch's CachingHostAllocator is rounded up to the next power of two per
 request, and freed blocks are kept for the next request of that size (``ATen/core/CachingHostAllocator.h``,
 ``allocate``): FSDP2's sharded fp32 parameters and the fp32 gradients it copies to the host. The offloaded layer
-inputs are pinned at about their size instead (:mod:`ulysses_sp.pinned`: at most 3% more; reused from step to
-step). Pageable
-(exact bytes): AdamW's states and its CPU step's temporaries. docs/memory.md ("Host memory") gives the sources.
+inputs are pinned at about their size instead (:mod:`ulysses_sp.pinned`: at most 1/32 more; reused from step to
+step). Pageable (exact bytes): AdamW's states and its CPU step's temporaries. docs/memory.md ("Host memory") gives
+the sources.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ with ``epochs=N`` iteration raises ``StopIteration`` after N passes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Iterator
@@ -326,8 +327,14 @@ class TrainData:
         tokens (a changed held-out document changes the held-out loss, not the training position)."""
         state = self.train.state_dict()
         if self.eval_corpus is not None:
-            state["held_out"] = {"indices": list(self.eval_indices), "digests": _digests(self.eval_corpus)}
+            state["held_out"] = {"indices": list(self.eval_indices), "digests": list(self.eval_digests)}
         return state
+
+    @functools.cached_property
+    def eval_digests(self) -> list[str]:
+        """A short SHA-256 of each held-out document's tokens, in order (made once: every checkpoint saves them)."""
+        corpus = self.eval_corpus
+        return [] if corpus is None else [_digest(corpus.document(d)) for d in range(corpus.num_docs)]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict`: the training documents and the held-out ones must be the same
@@ -338,7 +345,7 @@ class TrainData:
             return
         if saved["indices"] != list(self.eval_indices):
             raise ValueError(_changed_held_out("the held-out documents are other documents than the checkpoint's"))
-        for name, old, new in zip(self.eval_names, saved["digests"], _digests(self.eval_corpus), strict=True):
+        for name, old, new in zip(self.eval_names, saved["digests"], self.eval_digests, strict=True):
             if old != new:
                 raise ValueError(_changed_held_out(f"the held-out document {name} differs from the checkpoint's"))
 
@@ -388,9 +395,9 @@ def build_data(config: TrainConfig, tokenizer: Any, *, dp_rank: int, dp_size: in
     return TrainData(tokenizer, train, eval_corpus, config, dp_rank, dp_size, tuple(map(int, held_out)), eval_names)
 
 
-def _digests(corpus: TokenizedCorpus) -> list[str]:
-    """A short SHA-256 of each document's tokens, in order."""
-    return [hashlib.sha256(corpus.document(d).astype("<i4").tobytes()).hexdigest()[:16] for d in range(corpus.num_docs)]
+def _digest(tokens: np.ndarray) -> str:
+    """A short SHA-256 of a document's tokens."""
+    return hashlib.sha256(tokens.astype("<i4").tobytes()).hexdigest()[:16]
 
 
 def _changed_held_out(what: str) -> str:
