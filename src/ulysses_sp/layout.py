@@ -293,10 +293,8 @@ class ParallelLayout:
             good = ", ".join(str(d) for d in divisors(world))
             raise ValueError(f"world size {world} is not divisible by sp={sp}; sp values that work: {good}")
         if device is None:
-            if dist.get_backend() == "nccl":
-                device = torch.device("cuda", torch.cuda.current_device())
-            else:
-                device = torch.device("cpu")
+            nccl = dist.get_backend() == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         device = torch.device(device)
         rank = dist.get_rank()
         if ring == 1:
@@ -353,6 +351,8 @@ class ParallelLayout:
                     f"sp_rank {sp_rank} != ring_rank {dist.get_rank(ring_group)} x ulysses {sp // ring} + "
                     f"ulysses_rank {ulysses_rank}: the ring and Ulysses groups do not tile the SP group ring-major"
                 )
+        if dist.is_initialized():
+            init_default_group()  # the group exists: this only adds the gloo exit settle, as from_env does
         if loss_group is None and dist.is_initialized():
             loss_group = dist.group.WORLD
         world = dist.get_world_size(loss_group) if loss_group is not None else 1
