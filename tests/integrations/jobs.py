@@ -53,6 +53,7 @@ def _record(job: str, trainer, **extra) -> None:
                 "losses": train_losses(state.log_history),
                 "global_step": state.global_step,
                 "epoch": state.epoch,
+                "total_flos": state.total_flos,
                 **extra,
             },
         )
@@ -89,6 +90,47 @@ def trainer_metrics(job: str, sp: int, include_for_metrics: list[str] | None = N
             },
             os.path.join(_out(job), "predicted.pt"),
         )
+
+
+class BatchInputs:
+    """A ``compute_metrics`` for ``batch_eval_metrics=True`` with ``include_for_metrics=["inputs", "loss"]``: keeps
+    each batch's ``inputs`` (a dict of tensors, as the evaluation loop hands it on) and losses."""
+
+    def __init__(self) -> None:
+        self.batches: list[dict] = []
+
+    def __call__(self, prediction, compute_result: bool) -> dict[str, float]:
+        kept = {key: torch.as_tensor(value).cpu() for key, value in prediction.inputs.items()}
+        self.batches.append({"inputs": kept, "losses": torch.as_tensor(prediction.losses).cpu()})
+        return {"batches": float(len(self.batches))} if compute_result else {}
+
+
+def batch_eval_inputs(trainer_class, out: str, **kwargs):
+    """Evaluate an untrained model batch by batch (``batch_eval_metrics``) with the inputs and losses included:
+    the batches that :class:`BatchInputs` kept (left-padded rows, as a generation-style collator gives them)."""
+    from tests.integrations.cases_random import left_pad_collate
+
+    metrics = BatchInputs()
+    args = trainer_args(out, batch_eval_metrics=True, include_for_metrics=["inputs", "loss"])
+    trainer = trainer_class(
+        model=build("llama"),
+        args=args,
+        eval_dataset=token_dataset(EVAL_LENGTHS, seed=2),
+        data_collator=left_pad_collate,
+        compute_metrics=metrics,
+        **kwargs,
+    )
+    trainer.evaluate()
+    return metrics.batches
+
+
+def batch_eval_inputs_sp2() -> None:
+    """:func:`batch_eval_inputs` under SP=2: rank 0 saves the batches."""
+    from ulysses_sp.integrations import UlyssesTrainer
+
+    batches = batch_eval_inputs(UlyssesTrainer, _out("batch_eval_inputs_sp2"), sp_size=2)
+    if dist.get_rank() == 0:
+        torch.save(batches, os.path.join(_out("batch_eval_inputs_sp2"), "batches.pt"))
 
 
 MOE_IGNORED = ["aux_loss", "router_logits"]
@@ -560,6 +602,7 @@ def world2_sp() -> dict[str, str]:
                 "trainer_metrics_sp2", 2, include_for_metrics=["inputs", "loss"]
             ),
             "trainer_metrics_moe_sp2": lambda: trainer_metrics_moe("trainer_metrics_moe_sp2", 2),
+            "batch_eval_inputs_sp2": batch_eval_inputs_sp2,
             "accelerate_ddp_sp2": lambda: accelerate_loop("accelerate_ddp_sp2", 2),
             "accelerate_fsdp2_sp2": lambda: accelerate_loop("accelerate_fsdp2_sp2", 2, fsdp2=True),
             "accelerate_metrics_sp2": lambda: accelerate_metrics("accelerate_metrics_sp2", 2),

@@ -417,7 +417,8 @@ def test_default_tiling_stays_off_with_a_warning_where_the_model_has_no_mlp_or_n
 @pytest.mark.parametrize("masked", [True, False])
 def test_full_batch_token_counts_ride_on_sp_rank_0_only(masked):
     """Summed over the ranks, the Trainer's counts are the full batch's (not the shards', which hold the padding
-    added for divisibility); -1 on every rank when the batch has no attention_mask; the length on every rank."""
+    added for divisibility); -1 on every rank when the batch has no attention_mask; the length on every rank; 0 (the
+    collator gave no position_ids) or 1 on every rank."""
     features = [{"input_ids": [7] * n, "labels": [7] * n} for n in (5, 2)]  # a full batch of 2 x 5, 7 real tokens
 
     def collate(rows):
@@ -430,7 +431,10 @@ def test_full_batch_token_counts_ride_on_sp_rank_0_only(masked):
     ]
     assert sum(p["input_ids"].numel() for p in parts) == 12  # the shards: 2 x 6
     counts = [p[TOKEN_COUNT_KEY].tolist() for p in parts]
-    assert counts == ([[10, 7, 5], [0, 0, 5]] if masked else [[10, -1, 5], [0, -1, 5]])
+    assert counts == ([[10, 7, 5, 0], [0, 0, 5, 0]] if masked else [[10, -1, 5, 0], [0, -1, 5, 0]])
+    positioned = lambda rows: {**collate(rows), "position_ids": torch.arange(5)[None]}  # noqa: E731
+    given = SequenceParallelCollator(positioned, fake_layout(2, 1), check_same_batch=False, token_counts=True)
+    assert given(features)[TOKEN_COUNT_KEY].tolist()[3] == 1
     assert TOKEN_COUNT_KEY not in shards(collate, features, 2)[0]  # only for a consumer that removes it
 
 

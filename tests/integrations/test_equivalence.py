@@ -77,6 +77,7 @@ def weights(out_dir, job: str, name: str = "final/model.safetensors") -> dict[st
 def assert_same_run(out_dir, reference: str, run: str) -> None:
     ref, got = result(out_dir, reference), result(out_dir, run)
     assert got["global_step"] == ref["global_step"] and got["epoch"] == ref["epoch"]
+    assert got["total_flos"] == ref["total_flos"]  # the collated batches' tokens, not the shards' (padded for sp)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), atol=LOSS_ATOL, rtol=0)
     ref_w, got_w = weights(out_dir, reference), weights(out_dir, run)
     assert ref_w.keys() == got_w.keys()
@@ -273,6 +274,25 @@ def test_moe_predictions_beside_logits_refused_then_equal_one_process_when_ignor
     want, got = reference.evaluate(ignore_keys=MOE_IGNORED), result(out_dir, job)["metrics"]
     for key in ("eval_loss", "eval_accuracy", "eval_valid", "eval_positions", "eval_target_logit_sum"):
         assert abs(got[key] - want[key]) < 1e-4, (key, got, want)
+
+
+def test_batch_eval_metrics_get_the_inputs_of_one_process(world2_sp, out_dir, tmp_path):
+    """batch_eval_metrics with include_for_metrics=["inputs", "loss"]: compute_metrics gets each eval batch as one
+    process collated it (whole rows of input_ids, attention_mask and labels, left-padded), not this rank's shard with
+    what SP added (shift_labels, position_ids, the token counts), and the batch losses of one process."""
+    from transformers import Trainer
+
+    from tests.integrations.jobs import batch_eval_inputs
+
+    assert_case(world2_sp, "batch_eval_inputs_sp2", 2)
+    got = torch.load(os.path.join(out_dir, "batch_eval_inputs_sp2", "batches.pt"))
+    want = batch_eval_inputs(Trainer, str(tmp_path))
+    assert len(got) == len(want) == 5
+    for ours, theirs in zip(got, want, strict=True):
+        assert sorted(ours["inputs"]) == sorted(theirs["inputs"]) == ["attention_mask", "input_ids", "labels"]
+        for key, value in theirs["inputs"].items():
+            torch.testing.assert_close(ours["inputs"][key], value, atol=0, rtol=0, msg=key)
+        torch.testing.assert_close(ours["losses"], theirs["losses"], atol=LOSS_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("job", ["trainer_sp2_gas2", FSDP2_JOB])
@@ -516,6 +536,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "peft_kinds_sp2",
             "trainer_metrics_sp2",
             "trainer_metrics_moe_sp2",
+            "batch_eval_inputs_sp2",
             "accelerate_ddp_sp2",
             "accelerate_fsdp2_sp2",
             "accelerate_metrics_sp2",

@@ -59,15 +59,16 @@ BATCH_CHECK_KEY = "ulysses_sp_batch_check"
 
 
 def full_batch_token_counts(batch: Mapping[str, Any], layout: ParallelLayout) -> torch.Tensor:
-    """``[all, attention_mask ones, length]`` of a collated full batch (-1: no attention_mask): the counts on SP
-    rank 0, zero on the others (summed over the world, each SP group's batch counts once, with the tokens one
-    process counts: a shard's own ``input_ids`` also hold the few tokens added to make the length divisible by
-    ``sp``), and on every rank the batch's sequence length (what gathered whole sequences are cut back to)."""
+    """``[all, attention_mask ones, length, has position_ids]`` of a collated full batch (-1: no attention_mask):
+    the counts on SP rank 0, zero on the others (summed over the world, each SP group's batch counts once, with the
+    tokens one process counts: a shard's ``input_ids`` also hold the tokens added to make the length divisible by
+    ``sp``); on every rank the batch's sequence length (what gathered whole sequences are cut back to) and 1 if the
+    collator gave ``position_ids`` (a shard always has them), else 0."""
     mask = batch.get("attention_mask")
     counted = layout.sp_rank == 0
     masked = -1 if mask is None else int(mask.sum()) * counted
     ids = batch["input_ids"]
-    return torch.tensor([ids.numel() * counted, masked, ids.shape[-1]])
+    return torch.tensor([ids.numel() * counted, masked, ids.shape[-1], int("position_ids" in batch)])
 
 
 def shard_full_batch(

@@ -70,7 +70,7 @@ from .data import (
 from .flos import CheckedFlos
 from .label_smoothing import smoothed_loss
 from .loss_override import LossOverrideCheck
-from .metrics import drop_repeats, gather_over_dp, sequence_parallel_gather
+from .metrics import drop_repeats, gather_over_dp, sequence_parallel_gather, whole_eval_batch
 from .trainer_checks import ddp_for_reentrant_checkpointing, refuse_deepspeed, refuse_sharded_before
 
 __all__ = ["UlyssesTrainer", "UlyssesTrainerMixin", "logits_forward", "resolve_core"]
@@ -372,7 +372,7 @@ class UlyssesTrainerMixin(CheckedFlos):
         labels ``[b, N]`` of the whole sequences, gathered from the SP group's shards and cut back to the collated
         batch's length ``N``; else None, and the full sequence is never gathered. Under the tiled loss (which makes
         no logits) the logits cost a second forward of the shard without labels. With ``include_for_metrics=
-        ["inputs"]`` the batch's input ids are replaced by the whole sequences' after the forward.
+        ["inputs"]`` the batch becomes the collated one after the forward (:func:`.metrics.whole_eval_batch`).
         """
         batch, inputs = inputs, self._prepare_inputs(inputs)
         layout = self.sp_layout
@@ -414,10 +414,8 @@ class UlyssesTrainerMixin(CheckedFlos):
         def whole(shard: torch.Tensor) -> torch.Tensor:  # [b, n, ...] -> [b, length, ...]
             return gather_sequence(shard, layout)[:, :length]
 
-        name = getattr(self.model, "main_input_name", "input_ids")
-        if "inputs" in self.args.include_for_metrics and name in batch:
-            # the Trainer's evaluation loop reads the inputs for compute_metrics from this batch after this call
-            batch[name] = whole(batch[name])
+        if "inputs" in self.args.include_for_metrics and counts is not None:
+            whole_eval_batch(batch, layout)  # the evaluation loop reads the inputs for compute_metrics from it
         labels = inputs.get("labels")
         return loss, whole(logits), None if labels is None else whole(labels)
 

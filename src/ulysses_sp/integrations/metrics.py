@@ -19,10 +19,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..layout import ParallelLayout
-from ..sharding import gather_sequence, tensor_digest
+from ..sharding import SHARDED_KEYS, gather_sequence, tensor_digest
 from ..validation import replicas_agree
 
-__all__ = ["drop_repeats", "gather_for_metrics", "gather_objects", "gather_over_dp", "sequence_parallel_gather"]
+__all__ = [
+    "drop_repeats",
+    "gather_for_metrics",
+    "gather_objects",
+    "gather_over_dp",
+    "sequence_parallel_gather",
+    "whole_eval_batch",
+]
 
 
 def gather_for_metrics(
@@ -101,6 +108,25 @@ def sequence_parallel_gather(accelerator: Any, layout: ParallelLayout) -> Any:
             ) from None
 
     return gather
+
+
+def whole_eval_batch(batch: dict[str, Any], layout: ParallelLayout) -> None:
+    """Make an eval batch of the Trainer's (a shard from :class:`~.data.SequenceParallelCollator` with its token
+    counts) the collated batch one process holds, in place: each per-token tensor the whole sequences
+    (:func:`~ulysses_sp.gather_sequence`, a collective over the SP group) cut back to the collated length, without
+    what SP added (``shift_labels``, the counts and a worker's verdict, ``position_ids`` and ``attention_mask``
+    where the collator gave none). It is what ``include_for_metrics=["inputs"]`` hands ``compute_metrics`` (the
+    whole batch with ``batch_eval_metrics``)."""
+    from .data import BATCH_CHECK_KEY, TOKEN_COUNT_KEY
+
+    counts = batch.pop(TOKEN_COUNT_KEY)
+    added = ["shift_labels", BATCH_CHECK_KEY, *["position_ids"] * (not counts[3])]
+    for key in added + ["attention_mask"] * bool(counts[1] < 0):
+        batch.pop(key, None)
+    length = int(counts[2])
+    for key in SHARDED_KEYS:
+        if key in batch:
+            batch[key] = gather_sequence(batch[key], layout)[:, :length]
 
 
 def gather_objects(accelerator: Any, input_data: Any, layout: ParallelLayout) -> list[Any]:
