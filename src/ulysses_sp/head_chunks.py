@@ -98,6 +98,8 @@ def split_problem(module: nn.Module, num_heads: int, num_kv_heads: int) -> str |
     """Why ``module`` cannot run in head chunks (None: it may; its first chunked call still probes it)."""
     if "forward" in module.__dict__:
         return "its forward is already replaced on the instance (by another library)"
+    if getattr(module, "store_full_length_kv", False):  # transformers' KV sharing (Gemma3n, Gemma-4)
+        return "it stores its k/v for later layers to reuse (KV sharing), which would get one chunk's kv heads only"
     names = _projections(module)
     if isinstance(names, str):
         return names

@@ -131,6 +131,22 @@ def feature_cases(layout, prefix: str, chunks: tuple[int, ...], adapt=None, tag:
     }
 
 
+def kv_sharing(layout) -> None:
+    """Gemma3n's layer 1 stores its k/v for layer 2 to reuse (KV sharing). Automatic head chunks (a 1-byte budget:
+    4 chunks of 8 heads over 2 ranks) chunk layer 0 alone and are exact: chunking layer 1 stored the last chunk's
+    kv heads only, which layer 2 then read (silently wrong, at sp=1 too); head_chunks=2 is refused naming it."""
+    stats = U.CommStats()
+    with calls_to(head_chunk_pipeline, "kernel_backward") as fused:
+        check_parity(layout, "gemma3n_kv_shared", heads=8, head_chunks=None, head_chunk_budget_bytes=1, stats=stats)
+    assert stats.calls["all_to_all"] == all_to_alls(4, 1, len(fused)) + all_to_alls(1, 2), stats.calls
+    try:
+        U.parallelize(build("gemma3n_kv_shared", heads=8), layout, head_chunks=2)
+    except ValueError as err:
+        assert "stores its k/v for later layers" in str(err) and "head_chunks=1" in str(err), err
+    else:
+        raise AssertionError("head_chunks=2 was accepted for a layer whose k/v later layers reuse")
+
+
 class _LoggedWork:
     """An exchange's work handle that marks the exchange done when it is waited for."""
 
@@ -301,6 +317,7 @@ def world2_cases(sp2) -> dict:
             blocked_parity, sp2, "qwen3", 4, heads=8, kv_heads=2, batch=make_batch(2, 24, packed=(10, 14))
         ),
         "sp2_C2_mha_blocked_kernel": P(blocked_parity, sp2, "llama", 2, heads=8),
+        "sp2_auto_kv_sharing_store_unchunked": P(kv_sharing, sp2),
         "sp2_C4_exchanges_overlap_cores": P(overlap, sp2),
         "sp2_C4_exchanges_overlap_cores_recomputed": P(overlap, sp2, core="eager"),
         **lora_cases(sp2, "sp2", 8, 2, features=True),
@@ -315,6 +332,7 @@ def world4_cases(sp4, dp2sp2, hybrid) -> dict:
         **family_cases(dp2sp2, "dp2_sp2", 8, 2, (2, 4)),
         **sliced_cases(sp4, "sp4", 16, 2),
         "sp4_C4_gqa_blocked_kernel": P(blocked_parity, sp4, "llama", 4, heads=16, kv_heads=2),
+        "dp2_sp2_auto_kv_sharing_store_unchunked": P(kv_sharing, dp2sp2),
         "ulysses2_ring2_C2_gqa": P(chunked_parity, hybrid, "llama", 2, heads=8, kv_heads=2),
         "ulysses2_ring2_C4_packed": P(
             chunked_parity, hybrid, "qwen2", 4, heads=8, kv_heads=4, batch=make_batch(2, 24, packed=(9, 15))

@@ -308,6 +308,15 @@ MORE_ARCHS.update(
         "roberta": lambda c, w, a: _from_config(
             "roberta", c, a, is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
         ),
+        # KV sharing: layer 2 reuses the k/v that layer 1 stores (layer 0 neither stores nor reuses)
+        "gemma3n_kv_shared": lambda c, w, a: _from_config(
+            "gemma3n_text",
+            {**c, "num_hidden_layers": 3},
+            a,
+            layer_types=["full_attention"] * 3,
+            num_kv_shared_layers=1,
+            activation_sparsity_pattern=[0.0] * 3,
+        ),
         "afmoe": lambda c, w, a: _from_config(
             "afmoe",
             c,
