@@ -10,6 +10,10 @@ and the memory planner both call these, so the plan predicts the C that runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .layout import ParallelLayout
 
 __all__ = [
     "DEFAULT_HEAD_CHUNK_BUDGET_BYTES",
@@ -100,6 +104,21 @@ def core_slices(heads: int, kv_heads: int, *, tokens: int, head_dim: int, budget
     choices = head_chunk_choices(heads, kv_heads, 1)
     fitting = [s for s in choices if 4 * tokens * (heads // s) * head_dim <= budget_bytes]
     return fitting[0] if fitting else choices[-1]
+
+
+def layer_kv_chunks(requested: int | None, layout: ParallelLayout, num_heads: int, layer_kv: list[int]) -> int | None:
+    """The head_chunks request for a model whose layers hold ``layer_kv`` kv heads (distinct, ascending; [] when the
+    config does not vary them per layer, :func:`ulysses_sp.hf.layer_kv_heads`): each count must split over
+    ``layout`` (ValueError), and layers of several counts run unchunked (a ValueError when C > 1 was asked for)."""
+    for kv_heads in layer_kv:
+        layout.check_heads(num_heads, kv_heads)
+    if len(layer_kv) < 2 or requested in (None, 0, 1):
+        return 1 if len(layer_kv) > 1 else requested
+    raise ValueError(
+        f"head_chunks={requested!r}: the model's layers hold different numbers of kv heads {layer_kv} (a per-layer "
+        "num_key_value_heads, e.g. Gemma-4's num_global_key_value_heads), which head chunks do not split; use "
+        "head_chunks=1 (--head-chunks 1) or leave it automatic (0 / None: unchunked for this model)"
+    )
 
 
 def check_head_chunks(requested: object, num_heads: int, num_kv_heads: int, ulysses: int) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "find_causal_lm",
     "find_pretrained",
     "head_counts",
+    "layer_kv_heads",
     "mlp_modules",
     "own_class",
     "refuse_prompt_learning",
@@ -117,11 +118,24 @@ def text_config(model_or_config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def layer_kv_heads(config: Any) -> list[int]:
+    """The layers' distinct ``num_key_value_heads``, ascending, where transformers' heterogeneous config varies it per
+    layer (Gemma-4's global layers: ``num_global_key_value_heads``), whose global value raises on reading; else []."""
+    text = text_config(config)
+    if not getattr(text, "is_heterogeneous", False) or "num_key_value_heads" not in text.per_layer_attributes:
+        return []
+    heads = getattr(text, "num_attention_heads", None)
+    layers = [text.per_layer_config[i] for i in range(text.num_hidden_layers)]
+    return sorted({getattr(layer, "num_key_value_heads", None) or heads for layer in layers})
+
+
 def head_counts(config: Any) -> tuple[int | None, int | None]:
-    """``(num_attention_heads, num_key_value_heads)`` of a model or config (kv = query heads when unset)."""
+    """``(num_attention_heads, num_key_value_heads)`` of a model or config (kv = query heads when unset; the fewest
+    of any layer where they vary per layer, :func:`layer_kv_heads`)."""
     text = text_config(config)
     heads = getattr(text, "num_attention_heads", None)
-    return heads, getattr(text, "num_key_value_heads", None) or heads
+    per_layer = layer_kv_heads(text)
+    return heads, per_layer[0] if per_layer else getattr(text, "num_key_value_heads", None) or heads
 
 
 def attention_head_counts(config: Any, modules: list[nn.Module]) -> tuple[int | None, int | None]:

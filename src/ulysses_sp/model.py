@@ -39,12 +39,13 @@ from .comm import CommStats
 from .cores import CORES, Core, get_core
 from .dropout_stream import DropoutStream
 from .head_chunks import head_chunk_targets, install_head_chunks, remove_head_chunks
-from .head_split import DEFAULT_HEAD_CHUNK_BUDGET_BYTES
+from .head_split import DEFAULT_HEAD_CHUNK_BUDGET_BYTES, layer_kv_chunks
 from .hf import (
     attention_head_counts,
     attention_modules,
     decoder_module,
     find_pretrained,
+    layer_kv_heads,
     refuse_prompt_learning,
     refuse_whole_sequence_head,
 )
@@ -352,7 +353,8 @@ def parallelize(
             f"{type(pretrained).__name__} uses attention sinks, which Ulysses does not support yet (the sink "
             "logits would be silently dropped)"
         )
-    chunked = head_chunk_targets(modules, num_heads, num_kv_heads or num_heads, layout.ulysses, head_chunks)
+    requested = layer_kv_chunks(head_chunks, layout, num_heads, layer_kv_heads(text_config))  # (per-layer kv)
+    chunked = head_chunk_targets(modules, num_heads, num_kv_heads or num_heads, layout.ulysses, requested)
     decoder = decoder_module(pretrained, modules)
     embeddings = pretrained.get_input_embeddings()
     vocab_size = getattr(embeddings, "num_embeddings", None) or getattr(text_config, "vocab_size", None)

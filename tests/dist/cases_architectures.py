@@ -199,6 +199,15 @@ def unshifted_own_loss(layout) -> None:
     check_parity(layout, "whisper", batch=batch, sp_batch=targets)
 
 
+def per_layer_kv_heads(layout, seq_len: int) -> None:
+    """Gemma-4 whose full-attention layer holds 1 kv head (num_global_key_value_heads, k = v) and its sliding one 2:
+    reading the config's num_key_value_heads raises, and parallelize crashed on it (AmbiguousGlobalPerLayerAttribute
+    Error); exact now, each layer's kv heads checked against the layout, and head_chunks=2 refused on every rank."""
+    check_parity(layout, "gemma4_per_layer_kv", kv_heads=2, batch=make_batch(2, seq_len, packed=(seq_len - 9, 9)))
+    model = build("gemma4_per_layer_kv", kv_heads=2)
+    raises_everywhere(lambda: U.parallelize(model, layout, head_chunks=2), "different numbers of kv heads [1, 2]")
+
+
 def _own_masks_one_generator(layout, mask: torch.Tensor, state: torch.Tensor, where: str) -> None:
     """The SP ranks drew different dropout masks ``mask``, and left torch's global generator in one ``state``."""
     import torch.distributed as dist
@@ -398,6 +407,7 @@ def world2_cases(sp2) -> dict:
         "sp2_roberta_ids_numbered_positions": P(ids_numbered_positions, sp2),
         "sp2_whisper_unshifted_own_loss": P(unshifted_own_loss, sp2),
         "sp2_gemma3n_zero_pad_embedding": P(zero_pad_embedding, sp2, 23),  # the user's right pads and the tail
+        "sp2_gemma4_per_layer_kv_heads": P(per_layer_kv_heads, sp2, 24),
     }
 
 
@@ -408,6 +418,7 @@ def world4_cases(sp4, dp2sp2) -> dict:
         "sp4_roberta_ids_numbered_positions": P(ids_numbered_positions, sp4),
         "sp4_whisper_unshifted_own_loss": P(unshifted_own_loss, sp4),
         "sp4_gemma3n_zero_pad_embedding": P(zero_pad_embedding, sp4, 26),
+        "sp4_gemma4_per_layer_kv_heads": P(per_layer_kv_heads, sp4, 26),  # 1 kv head, 2 and 4 ranks
         "dp2_sp2_gemma3n_zero_pad_embedding": P(zero_pad_embedding, dp2sp2, 23),
         **router_aux_cases(sp4, "sp4", make_batch(2, 26, packed=(9, 17)), (True,)),
         **router_aux_cases(dp2sp2, "dp2_sp2", make_batch(4, 22, pad="left"), (False,)),

@@ -317,6 +317,20 @@ MORE_ARCHS.update(
             num_kv_shared_layers=1,
             activation_sparsity_pattern=[0.0] * 3,
         ),
+        # a heterogeneous config: the full-attention layer holds 1 kv head of width 16 (k = v), the sliding one the
+        # config's kv heads of width 8; reading config.num_key_value_heads raises
+        "gemma4_per_layer_kv": lambda c, w, a: _from_config(
+            "gemma4_text",
+            c,
+            a,
+            sliding_window=w,
+            layer_types=["sliding_attention", "full_attention"],
+            attention_k_eq_v=True,
+            num_global_key_value_heads=1,
+            global_head_dim=16,
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=8,
+        ),
         "afmoe": lambda c, w, a: _from_config(
             "afmoe",
             c,
