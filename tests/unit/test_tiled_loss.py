@@ -391,8 +391,9 @@ def test_unknown_logit_post_processing_is_refused_at_first_forward(factor):
     torch.manual_seed(0)
     model = _ScaledLogits(tf.LlamaConfig(**_quiet()))
     model.factor = factor
-    with pytest.raises(ValueError, match="cannot reproduce _ScaledLogits's logits"):
+    with pytest.raises(ValueError, match="cannot reproduce _ScaledLogits's logits") as err:
         U.enable_tiled_loss(model)(**make_batch(1, 8))
+    assert "its logits differ from the head's by up to" in str(err.value)  # not only their (equal) shapes
 
 
 def test_deepcopy_of_a_tiled_model_is_independent():

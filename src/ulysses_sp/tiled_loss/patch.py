@@ -209,11 +209,17 @@ def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tenso
     tol = _probe_tolerance(like.dtype)
     close = theirs is not None and theirs.shape == ours.shape
     if not close or not torch.allclose(theirs.float(), ours, rtol=tol, atol=tol * float(ours.abs().max())):
-        got = "no logits" if theirs is None else f"logits {tuple(theirs.shape)}"
+        if theirs is None:
+            found = "its forward returns no logits"
+        elif not close:
+            found = f"its logits {tuple(theirs.shape)} vs the head's {tuple(ours.shape)}"
+        else:  # same shape: say by how much (the shapes alone read as if nothing differed)
+            gap = float((theirs.float() - ours).abs().max())
+            found = f"on a probe its logits differ from the head's by up to {gap:.3g}"
         raise ValueError(
             f"the tiled loss cannot reproduce {type(causal_lm).__name__}'s logits (its forward post-processes them "
-            f"in a way the tiled head {state.head} does not: {got} vs {tuple(ours.shape)}); disable the tiled loss "
-            "for this model (tiled_loss=False / --no-tiled-loss)"
+            f"in a way the tiled head {state.head} does not: {found}); disable the tiled loss for this model "
+            "(tiled_loss=False / --no-tiled-loss)"
         )
     state.verified = True
 
