@@ -316,6 +316,8 @@ MORE_ARCHS.update(
             layer_types=["full_attention"] * 3,
             num_kv_shared_layers=1,
             activation_sparsity_pattern=[0.0] * 3,
+            vocab_size_per_layer_input=VOCAB,  # (its default: 262,144 x 256 per layer, GBs per rank)
+            hidden_size_per_layer_input=8,
         ),
         # a heterogeneous config: the full-attention layer holds 1 kv head of width 16 (k = v), the sliding one the
         # config's kv heads of width 8; reading config.num_key_value_heads raises
