@@ -1,9 +1,13 @@
 """The probe of a head-chunked attention module's first chunked call (:meth:`HeadChunkedAttention.verify`).
 
 The module's own forward and the chunked one run on a few random tokens with one local core and must agree; a tensor
-argument other than the hidden states must not need a gradient (the chunks would not give it one). The probe also
-finds whether the module reads its input only through its sliced projections, so that backward may hand it a
-data-less stand-in and remake the input from a tiled norm's (:mod:`ulysses_sp.deferred_input`).
+argument other than the hidden states must not need a gradient (the chunks would not give it one). The probe runs
+the module in training mode (its LoRA input dropouts off: the chunks draw their own), whatever mode the model is in,
+and its own forward twice under two seeds: a forward that draws random numbers outside the attention core (a dropout
+after its output projection, as Seed-OSS's ``residual_dropout``) would be left out by the chunks, so it is refused,
+also when the first call is an evaluation (which would otherwise pass the probe and train without that dropout).
+The probe also finds whether the module reads its input only through its sliced projections, so that backward may
+hand it a data-less stand-in and remake the input from a tiled norm's (:mod:`ulysses_sp.deferred_input`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from .attention import intercepting, pad_qkv
 from .cores import AttentionCall, Segments, eager_core
 from .deferred_input import Absent, InputTouched, NormRemake
 from .head_chunk_grads import ProjectionCut
+from .head_chunk_lora import dropout_off
 from .head_chunk_pipeline import ChunkRun, placer
+from .hf import in_mode
 from .masks import mask_window
 
 if TYPE_CHECKING:
@@ -35,7 +41,10 @@ def probe_problem(
     """Why ``owner``'s module cannot run in ``split``'s chunks, found on a probe of its call ``(args, kwargs)``
     with hidden states ``x`` (None: it can). Sets ``owner.extra_outputs`` and ``owner.remakeable``."""
     problem = _grad_problem(args, kwargs, x)
-    return problem if problem is not None else _compare(owner, x, args, kwargs, split)
+    if problem is not None:
+        return problem
+    with in_mode(owner.module, training=True), dropout_off(owner.module):
+        return _compare(owner, x, args, kwargs, split)
 
 
 def _reads_input_by_projections(
@@ -70,10 +79,15 @@ def _compare(owner: HeadChunkedAttention, x: torch.Tensor, args: tuple, kwargs: 
         call = _local_prepare(module, query, key, value, attention_mask, **call_kwargs)
         return _local_attend(*pad_qkv(query, key, value, call.width), call).contiguous(), None
 
+    def own_forward(seed: int) -> Any:  # under its own generator state: torch's is left as it was
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            with intercepting(owner.module, reference):
+                return type(owner.module).forward(owner.module, *cut_args, **cut_kwargs)
+
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         try:
-            with intercepting(owner.module, reference):
-                theirs = type(owner.module).forward(owner.module, *cut_args, **cut_kwargs)
+            theirs, again = own_forward(0), own_forward(1)
             run = ChunkRun(owner, place, split, prepare=_local_prepare, attend=_local_attend, group=None)
             ours = run.forward(probe)
         except (RuntimeError, ValueError, TypeError, IndexError) as err:
@@ -82,6 +96,11 @@ def _compare(owner: HeadChunkedAttention, x: torch.Tensor, args: tuple, kwargs: 
     if not isinstance(theirs, tuple) or any(t is not None for t in theirs[1:]):
         return "its forward returns more than (output, None)"
     owner.extra_outputs = len(theirs) - 1
+    if not _agree(theirs[0], again[0]):
+        return (
+            "its forward draws random numbers outside the attention core while training (a dropout after a "
+            "projection, e.g. a residual_dropout in the config), which the chunks would leave out; set it to 0"
+        )
     if not _agree(theirs[0], ours):
         return "its own forward and the chunked one differ on a probe (its projections do not split by heads)"
     return None

@@ -45,7 +45,6 @@ from .head_chunk_lora import (
     as_in_forward,
     base_linear,
     call_problem,
-    dropout_off,
     is_lora,
     lora_linear,
     lora_problem,
@@ -400,8 +399,7 @@ class HeadChunkedAttention:
         """Run the module's own forward and the chunked one on a few random tokens with one local core; they must
         agree. Sets :attr:`verified` (and :attr:`remakeable`); raises ValueError when C > 1 was asked for and they
         do not."""
-        with dropout_off(self.module):  # the module's own forward and the chunks' draw other masks
-            problem = probe_problem(self, x, args, kwargs, split)
+        problem = probe_problem(self, x, args, kwargs, split)  # in training mode, LoRA input dropouts off
         self.verified = problem is None
         if problem is not None and self.requested:
             raise ValueError(

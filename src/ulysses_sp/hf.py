@@ -7,8 +7,10 @@ through these functions, so a model family that keeps them elsewhere is taught h
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +28,7 @@ __all__ = [
     "find_causal_lm",
     "find_pretrained",
     "head_counts",
+    "in_mode",
     "layer_kv_heads",
     "mlp_modules",
     "own_class",
@@ -101,6 +104,18 @@ def find_causal_lm(model: nn.Module, caller: str = "enable_tiled_loss") -> PreTr
         f"{caller} expects a transformers causal LM with an output embedding (lm_head), or a wrapper "
         f"around one (PEFT, DDP); got {type(model).__name__}"
     )
+
+
+@contextlib.contextmanager
+def in_mode(module: nn.Module, training: bool) -> Iterator[None]:
+    """``module`` and its submodules in training (or eval) mode, each put back in its own mode after."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.train(training)
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 def own_class(module: nn.Module) -> type:

@@ -99,6 +99,30 @@ def test_probe_refuses_before_any_step_and_automatic_falls_back():
     torch.testing.assert_close(loss, plain(**batch, use_cache=False).loss.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("first", ["eval", "train"])
+def test_dropout_outside_the_core_is_refused_whatever_mode_the_first_call_runs_in(first):
+    """Seed-OSS drops its attention output after o_proj (residual_dropout) while training, which the chunks would
+    leave out. Probed in eval mode (an evaluation first) it passed and then trained without that dropout; probed
+    while training it was refused as "projections do not split by heads". The probe now runs the module in
+    training mode and its forward under two seeds: refused by name either way, the model's modes left as they were."""
+    from tests.helpers.models import build_generic
+
+    model = build_generic("seed_oss", residual_dropout=0.1, attention_dropout=0.0)
+    model = U.parallelize(model, U.ParallelLayout.single(), head_chunks=2)
+    model.train(first == "train")
+    state = torch.random.get_rng_state()
+    refused = r"SeedOssAttention cannot run its heads in chunks: its forward draws random"
+    with pytest.raises(ValueError, match=refused), torch.no_grad():
+        model(**make_batch(1, 12), use_cache=False)
+    assert all(m.training == (first == "train") for m in model.modules())
+    assert torch.equal(torch.random.get_rng_state(), state)  # the probe's forwards drew from their own generator
+    fine = U.parallelize(build_generic("seed_oss", residual_dropout=0.0), U.ParallelLayout.single(), head_chunks=2)
+    fine.eval()
+    with torch.no_grad():
+        fine(**make_batch(1, 12), use_cache=False)
+    assert all(h.verified for h in _chunked(fine)) and not any(m.training for m in fine.modules())
+
+
 @pytest.mark.parametrize("bad", [3, -1, True, 2.0, "2"])
 def test_bad_chunk_count_names_the_choices(bad):
     with pytest.raises(ValueError, match=rf"head_chunks.*{bad!r}" if bad != -1 else r"head_chunks must be"):

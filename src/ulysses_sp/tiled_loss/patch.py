@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..hf import attention_modules, decoder_module, find_causal_lm
+from ..hf import attention_modules, decoder_module, find_causal_lm, in_mode
 from ..validation import IGNORE_INDEX, as_ignored
 from .kernel import DEFAULT_LOSS_BUDGET_BYTES, Adapter, LogitsHead, loss_chunk_tokens, tiled_cross_entropy_sum
 
@@ -177,25 +177,13 @@ def _probe_tolerance(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
 
 
-@contextlib.contextmanager
-def _in_eval(module: nn.Module) -> Iterator[None]:
-    """``module`` in eval mode (the head's own dropout, LoRA's, draws nothing in the probe), its modes restored."""
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
-
-
 def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tensor) -> None:
     """Push a few random hidden states through the model's own forward and compare with the tiled head."""
     output = causal_lm.get_output_embeddings()
     generator = torch.Generator(device="cpu").manual_seed(0)
     probe = torch.randn(1, _PROBE_TOKENS, like.shape[-1], generator=generator).to(like.device, like.dtype)
     ids = torch.zeros(1, _PROBE_TOKENS, dtype=torch.long, device=like.device)
-    with torch.no_grad(), torch.autocast(like.device.type, enabled=False), _in_eval(output):
+    with torch.no_grad(), torch.autocast(like.device.type, enabled=False), in_mode(output, training=False):
         try:
             with _decoder_returning(causal_lm, probe):
                 theirs = state.original_forward(input_ids=ids, use_cache=False).logits
