@@ -168,6 +168,8 @@ def test_kills_mid_run_and_mid_checkpoint_then_resume_match_the_uninterrupted_ru
         (["--sp", "3", "--ring", "1", "--nproc", "3"], "--sp 3 --ring 1"),
         (["--lr", "fast"], "--lr"),
         (["--parallel", "ddp", "--cpu-offload-optimizer"], "--cpu-offload-optimizer"),
+        # llama-tiny's 4 heads split over 2 ranks in 1 or 2 chunks: refused on the ranks, naming no flag, before
+        (["--head-chunks", "3"], "--head-chunks 3 with --sp 2: head_chunks=3 does not split"),
     ],
 )
 def test_an_invalid_config_exits_2_naming_the_flag(args, needle, tmp_path):

@@ -30,6 +30,7 @@ from torch import nn
 from ulysses_sp.attention import check_ring_core
 from ulysses_sp.features import apply_features, cli_switch
 from ulysses_sp.fsdp import fully_shard_layers
+from ulysses_sp.head_split import check_head_chunks
 from ulysses_sp.layout import ParallelLayout, choose_layout, resolve_ring_degree
 from ulysses_sp.model import parallelize
 from ulysses_sp.shapes import EMBEDDED_VOCAB_SIZE, SHAPES, TOKENIZER_SIZED_SHAPES, random_model, shape_config
@@ -122,7 +123,8 @@ def choose_run_layout(
 ) -> tuple[int, str]:
     """``(ring degree, reason)`` of the run: ``--ring``, or chosen from the model's heads and the node size
     (:func:`ulysses_sp.layout.choose_layout`: the all-to-alls inside a node, the ring across nodes; pure Ulysses
-    whenever the heads allow it). ValueError naming the flags when the heads do not fit the layout.
+    whenever the heads allow it). ValueError naming the flags when the heads do not fit the layout or
+    ``--head-chunks``.
     ``gpus_per_node``: ``--gpus-per-node`` when given; None = no topology limit."""
     text_config = (hf_config if hf_config is not None else hf_model_config(config)).get_text_config()
     num_heads = getattr(text_config, "num_attention_heads", None)
@@ -144,6 +146,10 @@ def choose_run_layout(
     except ValueError as error:
         chosen = "--ring" if config.ring is not None else f"the ring chosen from the heads ({num_heads} heads, --sp)"
         raise ValueError(f"--attn-core {config.attn_core}: {error} (the ring comes from {chosen})") from None
+    try:
+        check_head_chunks(config.head_chunks, num_heads, kv_heads or num_heads, config.sp // ring)
+    except ValueError as error:
+        raise ValueError(f"--head-chunks {config.head_chunks} with --sp {config.sp}: {error}") from None
     return ring, reason
 
 
