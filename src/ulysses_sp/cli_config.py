@@ -98,22 +98,12 @@ def _scalar(label: str, value: Any, kind: type) -> Any:
             return value.strip().lower() in _TRUE
         raise bad("true or false")
     if kind is int:
-        if isinstance(value, bool):
+        number = _integer(value)
+        if number is None:
             raise bad("an integer")
-        if isinstance(value, int):
-            return value
-        number = value
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                try:
-                    number = float(value)
-                except ValueError:
-                    raise bad("an integer") from None
-        if isinstance(number, float) and number.is_integer():
-            return int(number)
-        raise bad("an integer")
+        if not -(2**63) <= number < 2**63:  # what torch and numpy hold (a larger seed or length failed on the ranks)
+            raise bad("an integer of 64 bits (below 2**63)")
+        return number
     if kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -128,6 +118,24 @@ def _scalar(label: str, value: Any, kind: type) -> Any:
             return str(value)
         raise bad("a string")
     raise TypeError(f"unsupported config field type {kind!r} for {label}")
+
+
+def _integer(value: Any) -> int | None:
+    """``value`` (an int, an integral float or their text) as an int; None when it is none of them."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    number = value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            try:
+                number = float(value)
+            except ValueError:
+                return None
+    return int(number) if isinstance(number, float) and number.is_integer() else None
 
 
 def _bool_or_path(label: str, value: Any) -> bool | str:

@@ -119,6 +119,11 @@ def test_resume_none_is_no_resume_as_for_the_other_optional_flags(spelling, tmp_
         (["--parallel", "ddp", "--cpu-offload-optimizer"], "--cpu-offload-optimizer needs --parallel fsdp2"),
         (["--resume", "--overwrite"], "--overwrite deletes the checkpoints that --resume"),
         (["--dist-timeout", "0"], "--dist-timeout must be >= 1"),
+        # too large for what torch takes: the ranks used to fail with a traceback (a timedelta's overflow) or a
+        # line naming no flag ("Overflow when unpacking long long")
+        (["--dist-timeout", "99999999999999"], "--dist-timeout must be <= 1,000,000,000 seconds"),
+        (["--seed", str(2**64)], "--seed expects an integer of 64 bits"),
+        (["--seq-len", "99999999999999999999"], "--seq-len expects an integer of 64 bits"),
         # a path would put the logs (and --overwrite's deletions of an earlier run's) outside --output-dir
         (["--metrics-file", "/tmp/shared/metrics.jsonl"], "--metrics-file must be a file name, written inside"),
         (["--metrics-file", "../metrics.jsonl"], "got '../metrics.jsonl': give a name such as metrics.jsonl"),

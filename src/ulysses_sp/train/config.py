@@ -22,6 +22,7 @@ from ulysses_sp.train.schedule import SeqLenSchedule
 ATTN_CORE_CHOICES = ("sdpa", "flash", "flex", "eager")
 REPORT_TO_CHOICES = ("none", "tensorboard", "wandb")
 EVAL_FRACTION = 0.05  # the documents held out when --eval-fraction is not given and the run evaluates
+MAX_DIST_TIMEOUT_S = 10**9
 
 
 @dataclass(kw_only=True)
@@ -292,6 +293,10 @@ class TrainConfig(Features):
         _at_least("save_every", self.save_every, 0)
         _at_least("keep_last", self.keep_last, 0)
         _at_least("dist_timeout", self.dist_timeout, 1)
+        _require(  # a timedelta (what torch.distributed takes) holds at most 999,999,999 days
+            self.dist_timeout <= MAX_DIST_TIMEOUT_S,
+            f"--dist-timeout must be <= {MAX_DIST_TIMEOUT_S:,} seconds (about 31 years), got {self.dist_timeout:,}",
+        )
         _at_least("max_skipped_steps", self.max_skipped_steps, 0)
         _require(
             not (self.overwrite and self.resume),
