@@ -262,6 +262,9 @@ def test_resolved_nproc_and_dtype():
     assert TrainConfig(sp=2, nproc=6).resolved_nproc(num_gpus=8) == 6
     with pytest.raises(ValueError, match="not a multiple of --sp 3"):
         TrainConfig(sp=3).resolved_nproc(num_gpus=8)
+    with pytest.raises(ValueError, match="--nproc 4 is more than the 2 GPU"):  # rank 2 would ask for GPU 2
+        TrainConfig(sp=2, nproc=4).resolved_nproc(num_gpus=2)
+    assert TrainConfig(sp=2, nproc=4).resolved_nproc(num_gpus=0) == 4  # CPU ranks: as many as asked
     assert TrainConfig().torch_dtype("cpu") == torch.float32
     assert TrainConfig().torch_dtype("cuda") == torch.bfloat16
     with pytest.raises(ValueError, match="--dtype must be one of auto, bf16, fp32"):  # fp16 would need loss scaling
