@@ -153,3 +153,33 @@ def test_a_full_or_read_only_disk_is_one_line(tmp_path, corpus_file):
     assert result.returncode == 2, result.stderr
     assert "--output-dir" in result.stderr and "Read-only file system" in result.stderr, result.stderr
     assert len(cli.error_lines(result)) <= 2 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_sigterm_to_the_launcher_then_resume_keeps_every_held_out_loss(tmp_path, corpus_file):
+    """SIGTERM to the launcher alone (``kill PID``): every rank saves the agreed step and the run exits 143. The
+    save skips that step's held-out loss (it is due at every step here, --eval-every 1); the resumed run computes
+    it first, so its metrics hold every held-out loss of the uninterrupted run, once each (they used to lack the
+    stopped step's), and the same losses and weights."""
+    common = [*TINY, "--dataset", str(corpus_file), "--max-steps", "5", "--eval-every", "1", "--save-every", "0"]
+    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    cli.ok(cli.run_cli([*common, "--output-dir", str(reference)]))
+    run = cli.start_cli([*common, "--output-dir", str(stopped)], cli.cli_env(), stdout=subprocess.DEVNULL)
+    try:
+        cli.wait_for_step(stopped, 2, run)
+        ranks = cli.rank_pids(run.pid)
+        os.kill(run.pid, signal.SIGTERM)
+        run.wait(timeout=cli.TIMEOUT)
+        assert run.returncode == 143, run.stderr.read()
+        cli.assert_gone(ranks)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    last = cli.records(stopped)[-1]["step"]
+    assert last < 5 and _names(stopped) == [checkpoint_name(last)]
+    cli.ok(cli.run_cli([*common, "--output-dir", str(stopped), "--resume"]))
+    for event, key in (("train", "loss"), ("eval", "eval_loss")):
+        got = [(r["step"], r[key]) for r in cli.records(stopped, event)]
+        assert got == [(r["step"], r[key]) for r in cli.records(reference, event)], (event, got)
+    final = load_file(stopped / checkpoint_name(5) / "model.safetensors")
+    for name, tensor in load_file(reference / checkpoint_name(5) / "model.safetensors").items():
+        assert tensor.equal(final[name]), name

@@ -75,6 +75,12 @@ def test_metrics_log_drops_the_lost_steps_of_an_interrupted_run(tmp_path):
         ("train", 4)
     ]
     assert lines[-1]["loss"] == 9.0
+    # a run resumed from a checkpoint a SIGTERM saved before its held-out loss computes it again: a resume of that
+    # resume (killed later) drops the one its first try logged at that step, so the step holds one held-out loss
+    MetricsLog(path, enabled=True, resume_step=4).write({"event": "eval", "step": 4, "eval_loss": 8.0})
+    MetricsLog(path, enabled=True, resume_step=4, redo_eval=True).write({"event": "eval", "step": 4, "eval_loss": 8.0})
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["event"] for r in lines if r["step"] == 4] == ["train", "resume", "resume", "eval"]
     MetricsLog(path, enabled=True)  # a fresh run starts a new file
     assert path.read_text() == ""
     MetricsLog(tmp_path / "other.jsonl", enabled=False).write({"event": "train", "step": 1})

@@ -85,6 +85,7 @@ class Trainer:
         self.tokens_seen = 0
         self.skipped_steps = 0
         self.stop_requested = False
+        self.eval_pending = False  # a SIGTERM saved this step before its held-out loss: the resumed run computes it
         self._flops_per_token: dict[int, float] = {}
         self.peak_tflops = peak_tflops(self.device)
         if resume_dir is not None:
@@ -112,7 +113,13 @@ class Trainer:
                 config=config_to_dict(config),
                 resume_step=resume_step,
             )
-        self.metrics = MetricsLog(self.metrics_path, enabled=layout.is_main, resume_step=resume_step, reporter=reporter)
+        self.metrics = MetricsLog(
+            self.metrics_path,
+            enabled=layout.is_main,
+            resume_step=resume_step,
+            reporter=reporter,
+            redo_eval=self.eval_pending and bool(config.eval_every),
+        )
 
     # --- one optimizer step ------------------------------------------------------------------------
 
@@ -274,7 +281,11 @@ class Trainer:
             config=self.config,
             scheduler_state=self.scheduler.state_dict(),
             data_state=self.data.state_dict(),
-            metrics={"tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps},
+            metrics={
+                "tokens_seen": self.tokens_seen,
+                "skipped_steps": self.skipped_steps,
+                "eval_pending": self.eval_pending,
+            },
             write_sharded=write_sharded,
             keep_last=self.config.keep_last,
             rank=self.layout.rank,
@@ -303,6 +314,7 @@ class Trainer:
         self.step = checkpoint.step
         self.tokens_seen = int(checkpoint.metrics.get("tokens_seen", 0))
         self.skipped_steps = int(checkpoint.metrics.get("skipped_steps", 0))
+        self.eval_pending = bool(checkpoint.metrics.get("eval_pending", False))
 
     def _apply_optimizer_settings(self) -> None:
         """After a restore: this run's --lr and --weight-decay (the saved state carries the old ones), and the
@@ -358,6 +370,9 @@ class Trainer:
         start, first_loss, last_loss = time.perf_counter(), None, None
         start_step, start_tokens = self.step, self.tokens_seen
         evaluation, eval_step, checkpoint, saved_step = None, None, None, start_step
+        if self.eval_pending and config.eval_every:  # the held-out loss the stopped run owed at this step
+            evaluation, eval_step = self._evaluate_and_log(progress), self.step
+        self.eval_pending = False
         stopped_early, stopped = False, None
         while self.step < self.total_steps and not self.data.train.exhausted:
             record = self._train_step()
@@ -380,6 +395,10 @@ class Trainer:
                 self.fault.after_step(self.step, layout.rank)
             if config.eval_every and self.step % config.eval_every == 0 and not self.stop_requested:
                 evaluation, eval_step = self._evaluate_and_log(progress), self.step
+            if self.stop_requested and config.eval_every:  # saved without the held-out loss that an uninterrupted
+                # run computes here (an --eval-every step or the last one): the resumed run computes it first
+                last = self.step >= self.total_steps or self.data.train.exhausted
+                self.eval_pending = self.step % config.eval_every == 0 or last
             if (config.save_every and self.step % config.save_every == 0) or self.stop_requested:
                 checkpoint, saved_step = self._save_and_log(), self.step
             if self.stop_requested:

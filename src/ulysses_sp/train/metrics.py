@@ -99,12 +99,19 @@ class MetricsLog:
 
     ``resume_step=None`` starts a new file; otherwise records with a step after ``resume_step`` are
     dropped (they belong to the interrupted run's lost steps, or to a line of training a rewind abandoned; the
-    trainer kept the whole file aside first) and a ``resume`` record is appended.
+    trainer kept the whole file aside first) and a ``resume`` record is appended; ``redo_eval``: so is a held-out
+    loss at ``resume_step`` (the resumed run computes it again: its checkpoint was saved, on SIGTERM, before it).
     A fresh run never meets an earlier run's file here: the launcher refused that folder without --overwrite.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, enabled: bool, resume_step: int | None = None, reporter: Any = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        enabled: bool,
+        resume_step: int | None = None,
+        reporter: Any = None,
+        redo_eval: bool = False,
     ) -> None:
         self.path = Path(path)
         self.enabled = enabled
@@ -115,7 +122,9 @@ class MetricsLog:
         kept: list[str] = []
         if resume_step is not None and self.path.is_file():
             # written again as strict JSON (an earlier version's log may hold NaN)
-            kept = [_strict_json(r) for r in read_metrics(self.path) if (r.get("step") or 0) <= resume_step]
+            records = read_metrics(self.path)
+            redone = [r for r in records if redo_eval and r.get("event") == "eval" and r.get("step") == resume_step]
+            kept = [_strict_json(r) for r in records if (r.get("step") or 0) <= resume_step and r not in redone]
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         os.replace(tmp, self.path)
