@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -155,6 +156,24 @@ def test_bad_flag_exits_2_naming_it(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["--size", "tiny", "--seq-len", "513", "--output-dir", str(out), "--no-markdown"]) == 2
     assert "--seq-len 513" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("where", ["--output-dir", "--markdown"])
+def test_an_output_path_it_cannot_write_exits_2_before_measuring(where, tmp_path, capsys):
+    """A results folder or a markdown report under a file (or anywhere it cannot write): refused at once, naming
+    the flag. The report used to fail only after every section was measured (--markdown), the folder with a
+    traceback (--output-dir)."""
+    from ulysses_sp.bench.runner import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    paths = {"--output-dir": str(tmp_path / "out"), "--markdown": str(tmp_path / "B.md")}
+    paths[where] = str(blocker / ("B.md" if where == "--markdown" else "out"))
+    args = ["--size", "tiny", "--output-dir", paths["--output-dir"], "--markdown", paths["--markdown"]]
+    with mock.patch("ulysses_sp.bench.runner.run_bench", side_effect=AssertionError("it went on to measure")):
+        assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"ulysses-sp bench: error: {where}" in err and "a-file" in err and "Traceback" not in err, err
 
 
 def test_an_sp_degree_the_heads_do_not_split_exits_2_before_any_rank(tmp_path):

@@ -331,11 +331,17 @@ def main(argv: Sequence[str]) -> int:
         )
     except SystemExit as exit_:  # argparse's exit: --help (0) or a bad flag (2, message printed)
         return int(exit_.code or 0)
-    from .report import check_markdown_target  # (after the flags: --help and a bad flag import no torch)
+    from ulysses_sp.train.outdir import prepare_output_dir  # (after the flags: --help and a bad flag import no torch)
+
+    from .report import check_markdown_target
 
     try:
         if config.markdown_path:
             check_markdown_target(Path(config.markdown_path))
+        if config.report_from is None:  # where a run writes, before it measures (for minutes, or hours on a GPU)
+            prepare_output_dir(config.resolve().output_dir)
+            if config.markdown_path:
+                prepare_output_dir(str(Path(config.markdown_path).parent), flag="--markdown's folder")
     except ValueError as error:
         print(f"ulysses-sp bench: error: {error}", file=sys.stderr)
         return 2

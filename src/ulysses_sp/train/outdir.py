@@ -1,7 +1,7 @@
 """The output directory of a run: usable, held by one run at a time, and never emptied by accident.
 
 - :func:`prepare_output_dir` creates ``--output-dir`` and refuses a file or a read-only place, before any
-  rank starts.
+  rank starts (``ulysses-sp bench`` checks its output folders with it too, before measuring).
 - :class:`OutputDirLock` holds an exclusive ``flock`` on ``--output-dir/.ulysses-sp.lock`` for the whole
   run: a second run into the same folder is refused, naming the holder's pid. The kernel drops the lock
   when the last process holding it ends (however it ends: a killed run never leaves it stuck); our launcher
@@ -21,6 +21,7 @@ import fcntl
 import os
 import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,24 +44,30 @@ TENSORBOARD_DIR = "tensorboard"
 LOSS_CURVE = "loss_curve.png"
 
 
-def prepare_output_dir(output_dir: str) -> Path:
-    """Create ``output_dir`` (and its parents); ValueError naming ``--output-dir`` when it cannot hold a run."""
+def prepare_output_dir(output_dir: str, flag: str = "--output-dir") -> Path:
+    """Create ``output_dir`` (and its parents) and write a file in it; ValueError naming ``flag`` when it cannot
+    hold a run's files (a file in the way, no permission, a read-only filesystem)."""
     path = Path(output_dir).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise ValueError(
-            f"--output-dir {output_dir!r} is not a directory (a file of that name, or of one of its parents, "
-            "exists); remove it or choose another --output-dir"
+            f"{flag} {output_dir!r} is not a directory (a file of that name, or of one of its parents, "
+            f"exists); remove it or choose another {flag}"
         ) from None
     except OSError as error:
-        raise ValueError(_unwritable(output_dir, error)) from None
+        raise ValueError(_unwritable(output_dir, error, flag)) from None
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ValueError(_unwritable(output_dir, error, flag)) from None
     return path
 
 
-def _unwritable(output_dir: str, error: OSError) -> str:
+def _unwritable(output_dir: str, error: OSError, flag: str = "--output-dir") -> str:
     reason = error.strerror or str(error)
-    return f"--output-dir {output_dir!r} is not writable ({reason}); choose a directory this user can write to"
+    return f"{flag} {output_dir!r} is not writable ({reason}); choose a directory this user can write to"
 
 
 class OutputDirLock:
