@@ -156,6 +156,9 @@ def test_bad_flag_exits_2_naming_it(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["--size", "tiny", "--seq-len", "513", "--output-dir", str(out), "--no-markdown"]) == 2
     assert "--seq-len 513" in capsys.readouterr().err and not out.exists()
+    with mock.patch("ulysses_sp.bench.runner.run_bench", side_effect=AssertionError("it went on to measure")):
+        assert main(["--size", "tiny", "--gpu-memory", "0GiB", "--output-dir", str(out), "--no-markdown"]) == 2
+    assert "--gpu-memory must be more than 0" in capsys.readouterr().err and not out.exists()  # (a cap of 0 bytes)
 
 
 @pytest.mark.parametrize("where", ["--output-dir", "--markdown"])

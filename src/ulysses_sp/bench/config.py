@@ -94,7 +94,8 @@ class BenchConfig:
             raise ValueError(
                 f"--model {self.model!r} is not a benchmark model; choose one of {', '.join(BENCH_MODELS)}"
             )
-        self.gpu_settings()  # parses the sizes, naming the flag on error
+        if self.gpu_settings()["gpu_memory_bytes"] == 0:  # (parses the sizes, naming the flag on error)
+            raise ValueError(f"--gpu-memory must be more than 0 (or 'none': the card's), got {self.gpu_memory!r}")
         if not self.gpu_step_budget_s > 0:  # nan too
             raise ValueError(f"--gpu-step-budget-s must be > 0, got {self.gpu_step_budget_s}")
         if self.loss_tokens is not None and self.loss_tokens < 0:
