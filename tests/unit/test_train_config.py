@@ -128,6 +128,10 @@ def test_resume_none_is_no_resume_as_for_the_other_optional_flags(spelling, tmp_
         (["--metrics-file", "/tmp/shared/metrics.jsonl"], "--metrics-file must be a file name, written inside"),
         (["--metrics-file", "../metrics.jsonl"], "got '../metrics.jsonl': give a name such as metrics.jsonl"),
         (["--metrics-file", ".."], "--metrics-file must be a file name"),
+        # the loss curve used to be written over a metrics file of its name at the end of the run
+        (["--metrics-file", "loss_curve.png"], "--metrics-file 'loss_curve.png' collides with the loss curve"),
+        (["--metrics-file", ".ulysses-sp.lock"], "collides with the run's lock file"),
+        (["--metrics-file", "checkpoint-0000001"], "collides with the checkpoints' folders"),
         # a flag the others switch off would be silently ignored
         (
             ["--no-tiled-loss", "--loss-chunk-tokens", "256"],

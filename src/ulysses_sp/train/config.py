@@ -251,6 +251,13 @@ class TrainConfig(Features):
             f"--metrics-file must be a file name, written inside --output-dir; got {self.metrics_file!r}: give a name "
             "such as metrics.jsonl (and --output-dir for where it goes)",
         )
+        from ulysses_sp.train.outdir import taken_name  # (outdir imports this module)
+
+        taken = taken_name(self.metrics_file)
+        _require(
+            taken is None,
+            f"--metrics-file {self.metrics_file!r} collides with {taken}; give another name, e.g. metrics.jsonl",
+        )
         _require(
             self.tokenizer is None or bool(self.tokenizer.strip()),
             "--tokenizer must not be empty; use 'none' for the model's own tokenizer",

@@ -19,6 +19,7 @@ import datetime
 import errno
 import fcntl
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -37,6 +38,7 @@ __all__ = [
     "run_artifacts",
     "set_aside_logs",
     "set_aside_note",
+    "taken_name",
 ]
 
 LOCK_FILE = ".ulysses-sp.lock"
@@ -130,6 +132,16 @@ def run_artifacts(output_dir: str | os.PathLike[str], config: TrainConfig) -> di
         "tensorboard": Path(output_dir) / TENSORBOARD_DIR,
         "loss_curve": metrics.with_name(LOSS_CURVE),
     }
+
+
+def taken_name(name: str) -> str | None:
+    """What of a run's own files ``name`` would collide with in ``--output-dir`` (None: nothing), for
+    ``--metrics-file``: a metrics file named as the loss curve was overwritten by it at the end of the run."""
+    taken = {LOSS_CURVE: "the loss curve written beside the metrics file", LOCK_FILE: "the run's lock file"}
+    taken[TENSORBOARD_DIR] = "the TensorBoard event folder"
+    if re.match(r"(\.[a-z]+-)?checkpoint-", name):  # also the hidden names of one being saved or deleted
+        return "the checkpoints' folders (checkpoint-N)"
+    return taken.get(name)
 
 
 def previous_run_files(output_dir: str | os.PathLike[str], config: TrainConfig) -> list[Path]:
