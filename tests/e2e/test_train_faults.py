@@ -104,6 +104,20 @@ def test_killed_launcher_lock_damaged_checkpoint_sigterm_and_ctrl_c(tmp_path, co
             os.killpg(fourth.pid, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("text", ["seq_len: [\n", "- 128\n"])
+def test_an_unverified_checkpoint_with_a_damaged_config_is_one_line(text, tmp_path):
+    """A checkpoint without checksums.sha256 (resumed unverified) whose config.yaml is no YAML mapping: one line
+    naming the file, before any rank starts (it was a YAML ParserError's or an AttributeError's traceback)."""
+    checkpoint = tmp_path / checkpoint_name(3)
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text("{}")
+    (checkpoint / "config.yaml").write_text(text)
+    result = cli.refuse_in_process([*TINY, "--output-dir", str(tmp_path), "--resume"])
+    assert result.returncode == 2, result.stderr
+    assert f"{checkpoint / 'config.yaml'} cannot be read" in cli.error_lines(result)[-1], result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+
+
 def test_non_finite_training_stops_without_saving_non_finite_weights(tmp_path, corpus_file):
     """A learning rate far too large: steps whose loss or gradient norm is not finite are skipped and counted;
     past --max-skipped-steps the run stops (exit 1, one line naming the flag); no checkpoint holds a

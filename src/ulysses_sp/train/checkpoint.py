@@ -327,11 +327,8 @@ class Checkpoint:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The saved weights (CPU tensors) from ``model.safetensors`` or its shards.
-
-        Hugging Face drops tied duplicates (e.g. ``lm_head.weight`` tied to the embeddings) when saving;
-        load with ``strict=False`` or with ``from_pretrained(checkpoint.path)``.
-        """
+        """The saved weights (CPU tensors) from ``model.safetensors`` or its shards; without tied duplicates (e.g.
+        ``lm_head.weight`` tied to the embeddings): load with ``strict=False`` or ``from_pretrained(path)``."""
         return load_model_state_dict(self.path)
 
     def restore_rng(self) -> bool:
@@ -381,13 +378,10 @@ def load_checkpoint(
     map_location: str | torch.device = "cpu",
     weights_only: bool = True,
 ) -> Checkpoint:
-    """Read a checkpoint (or the newest one under an output directory) for ``rank``.
-
-    Returns step, data position, metrics, the config mapping, optimizer/scheduler states and this rank's
-    RNG state and ``rank_state`` (None when the checkpoint was written by fewer ranks). The model weights
-    are read lazily with :meth:`Checkpoint.model_state_dict`. ``weights_only=False`` is needed only when
-    a state holds arbitrary Python objects.
-    """
+    """Read a checkpoint (or the newest one under an output directory) for ``rank``: step, data position, metrics,
+    the config mapping, optimizer/scheduler states, this rank's RNG state and ``rank_state`` (None when fewer ranks
+    wrote it); the weights lazily (:meth:`Checkpoint.model_state_dict`). ``weights_only=False``: for states that
+    hold arbitrary Python objects."""
     directory = resolve_checkpoint(path)
     try:
         state = json.loads((directory / STATE_FILE).read_text(encoding="utf-8"))
@@ -405,11 +399,6 @@ def load_checkpoint(
         except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as error:
             raise ValueError(_damaged(file, error)) from None
 
-    config_file = directory / "config.yaml"
-    try:
-        config = yaml.safe_load(config_file.read_text(encoding="utf-8")) if config_file.is_file() else None
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise ValueError(_damaged(config_file, error)) from None
     rank_file = read(f"rank-{rank:05d}.pt") or {}
     return Checkpoint(
         path=directory,
@@ -417,13 +406,25 @@ def load_checkpoint(
         world_size=int(state["world_size"]),
         data_state=state.get("data_state"),
         metrics=state.get("metrics") or {},
-        config=config,
+        config=read_saved_config(directory) or None,
         optimizer_state=read("optimizer.pt"),
         scheduler_state=read("scheduler.pt"),
         rng_state=rank_file.get("rng"),
         rank_state=rank_file.get("rank_state"),
         extra={"saved_at": state.get("saved_at")},
     )
+
+
+def read_saved_config(directory: Path) -> dict[str, Any]:
+    """The mapping in a checkpoint's ``config.yaml`` ({} without one); ValueError naming it when damaged."""
+    config_file = directory / "config.yaml"
+    try:
+        config = yaml.safe_load(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        if not isinstance(config or {}, dict):
+            raise TypeError(f"a {type(config).__name__}, not a mapping")
+    except (yaml.YAMLError, UnicodeDecodeError, TypeError) as error:
+        raise ValueError(_damaged(config_file, error)) from None
+    return config or {}
 
 
 def _damaged(file: Path, error: BaseException) -> str:  # the error's text would only mislead (weights_only=...)
@@ -439,6 +440,7 @@ __all__ = [
     "load_checkpoint",
     "load_model_state_dict",
     "prune_checkpoints",
+    "read_saved_config",
     "remove_checkpoint",
     "resolve_checkpoint",
     "save_checkpoint",

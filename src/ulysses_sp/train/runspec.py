@@ -19,11 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ulysses_sp.cli_config import flag_name, to_mapping
 from ulysses_sp.shapes import SHAPES
-from ulysses_sp.train.checkpoint import find_latest_checkpoint, list_checkpoints, resolve_checkpoint
+from ulysses_sp.train.checkpoint import find_latest_checkpoint, list_checkpoints, read_saved_config, resolve_checkpoint
 from ulysses_sp.train.config import TrainConfig, config_from_dict
 from ulysses_sp.train.dataset_checks import check_dataset
 from ulysses_sp.train.documents import EMBEDDED_TOKENIZER, load_tokenizer
@@ -217,11 +215,6 @@ def changed_settings(saved: dict[str, Any], current: TrainConfig) -> list[str]:
     ]
 
 
-def _saved_config(checkpoint: Path) -> dict[str, Any]:
-    path = checkpoint / "config.yaml"
-    return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
-
-
 def _with_held_out_fraction(config: TrainConfig, resume: Path | None, saved_config: dict[str, Any]) -> TrainConfig:
     """``config`` with ``eval_fraction`` set: as given, else the resumed checkpoint's (``saved_config``: its
     config.yaml; its training documents), else the default for ``--eval-every``
@@ -245,7 +238,7 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
     naming the flag or file and the fix. ``--output-dir`` must exist and be held by this run already."""
     notes = []
     resume = resume_point(config)
-    saved = _saved_config(resume) if resume is not None else {}  # the checkpoint's config.yaml, read once
+    saved = read_saved_config(resume) if resume is not None else {}  # the checkpoint's config.yaml, read once
     config = _with_held_out_fraction(config, resume, saved)
     if resume is not None:  # before the tokenizer and the model are looked up under names that may differ
         check_same_model_and_data(saved, config, resume)
