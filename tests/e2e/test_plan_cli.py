@@ -60,6 +60,9 @@ def test_table_and_json():
         (["--dp", "3"], "--dp"),
         (["--gpu-memory", "80XB"], "--gpu-memory"),
         (["--activation-checkpointing", "sometimes"], "--activation-checkpointing"),
+        # what the simulated step cannot run: a ValueError's traceback from simulate_step, after the plan
+        (["--sp", "8", "--seq-len", "8193", "--simulate"], "--simulate needs a --seq-len divisible by --sp 8"),
+        (["--parallel", "ddp", "--simulate"], "--simulate measures FSDP2's step only; drop --parallel ddp"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(args, flag):

@@ -95,6 +95,10 @@ class PlanConfig(Features):
             raise ValueError(f"--seq-len {self.seq_len} must be >= --sp {self.sp} (every rank holds a token)")
         if self.device is not None:
             _check_device(self.device, self.simulate)
+        if self.simulate and self.seq_len % self.sp:  # (the plan pads it; the simulated step does not)
+            raise ValueError(f"--simulate needs a --seq-len divisible by --sp {self.sp}, got {self.seq_len}")
+        if self.simulate and self.parallel != "fsdp2":
+            raise ValueError(f"--simulate measures FSDP2's step only; drop --parallel {self.parallel} or --simulate")
         from ..hf import head_counts
 
         ring = _check_heads(self.model_config[0], self.sp, self.ring, self.gpus_per_node)
