@@ -28,7 +28,14 @@ from .layout import ParallelLayout
 from .plan import load_model_config, plan_memory
 from .standin import StandIn, measure_step, random_batch
 
-__all__ = ["allocator_settings", "memory_cap", "planned_gpu_bytes", "sharded_step_peak", "simulate_step"]
+__all__ = [
+    "allocator_settings",
+    "available_host_bytes",
+    "memory_cap",
+    "planned_gpu_bytes",
+    "sharded_step_peak",
+    "simulate_step",
+]
 
 
 def _materialise(model: nn.Module, device: torch.device, seed: int) -> None:
@@ -142,6 +149,16 @@ def allocator_settings() -> str:
     return ";".join(f"{name}={os.environ[name]}" for name in ALLOCATOR_ENV if name in os.environ) or "default"
 
 
+def available_host_bytes() -> int | None:
+    """The host memory this machine can still give (Linux's ``MemAvailable``); None where it cannot tell."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            fields = dict(line.split(":", 1) for line in handle if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024  # kB
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def planned_gpu_bytes(device: torch.device, gpu_memory_bytes: int | None) -> int:
     """The GPU memory a simulated step is planned for: ``gpu_memory_bytes``, else the CUDA device's, else 80 GiB."""
     if gpu_memory_bytes is not None:
@@ -207,6 +224,13 @@ def simulate_step(
         device=device.type,
         ring=ring,
     )
+    available = available_host_bytes() if device.type == "cpu" else None
+    if available is not None and plan.peak_bytes > available:  # the step would swap or be killed, not measured
+        raise ValueError(
+            f"a step of {seq_len:,} tokens on the CPU needs about {plan.peak_bytes / 2**30:.1f} GiB (its plan), more "
+            f"than the {available / 2**30:.1f} GiB of memory available here; simulate a shorter sequence, a larger "
+            "sp or a smaller model, or on a GPU"
+        )
     batch = random_batch(config.get_text_config().vocab_size, seq_len, batch=micro_batch, seed=seed)
     measured: dict[str, Any] | None = None
     out_of_memory = ""

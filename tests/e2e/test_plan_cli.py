@@ -80,3 +80,17 @@ def test_a_hybrid_layout_across_nodes():
     assert (data["plan"]["ulysses"], data["plan"]["ring"]) == (8, 8)
     bad = run("--model", "llama-3.1-8b", "--seq-len", "65536", "--sp", "8", "--ring", "3")
     assert bad.returncode == 2 and "--ring 3" in bad.stderr
+
+
+def test_a_simulated_step_the_host_cannot_hold_is_refused_not_run():
+    """--simulate on the CPU of a step whose plan needs more memory than the machine has available: one line
+    naming --simulate and both sizes, exit 2 (it used to run the step, which swaps or gets the process killed;
+    here the machine stands in as one with 1 MiB available)."""
+    from unittest import mock
+
+    with mock.patch("ulysses_sp.simulate.available_host_bytes", return_value=1 << 20):
+        result = run("--model", "llama-tiny", "--seq-len", "1024", "--sp", "2", "--gpus-per-node", "2", "--simulate")
+    assert result.returncode == 2, result.stdout + result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("ulysses-sp plan: error: --simulate: a step of 1,024 tokens on the CPU needs about"), line
+    assert "0.0 GiB of memory available here" in line and "Traceback" not in result.stderr

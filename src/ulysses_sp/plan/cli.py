@@ -234,19 +234,23 @@ def plan_command(argv: Sequence[str]) -> int:
         from ..simulate import simulate_step
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        simulated = simulate_step(
-            config,
-            seq_len=args.seq_len,
-            sp=args.sp,
-            dp=dp,
-            ring=plan.ring,
-            device=device,
-            features=features,
-            micro_batch=args.micro_batch,
-            gpu_memory_bytes=args.gpu_memory_bytes,
-            host_memory_bytes=args.host_memory_bytes,
-            gpus_per_node=args.gpus_per_node,
-        )
+        try:  # (a step the host cannot hold is refused: it would swap or be killed, not measured)
+            simulated = simulate_step(
+                config,
+                seq_len=args.seq_len,
+                sp=args.sp,
+                dp=dp,
+                ring=plan.ring,
+                device=device,
+                features=features,
+                micro_batch=args.micro_batch,
+                gpu_memory_bytes=args.gpu_memory_bytes,
+                host_memory_bytes=args.host_memory_bytes,
+                gpus_per_node=args.gpus_per_node,
+            )
+        except ValueError as error:
+            print(f"ulysses-sp plan: error: --simulate: {error}", file=sys.stderr)
+            return 2
     if args.json:
         out = {"model": name, "plan": plan.to_dict(), "max_seq_len": longest, "recommendation": advice.to_dict()}
         out["notes"] = list(shape.notes)
