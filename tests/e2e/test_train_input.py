@@ -57,6 +57,13 @@ def _no_tokenizer_files(tmp_path: Path) -> tuple[list[str], list[str]]:
     return ["--tokenizer", str(folder)], ["--tokenizer", "weights-only", "holds no tokenizer files", "gpt2-bpe"]
 
 
+def _model_is_a_run_folder(tmp_path: Path) -> tuple[list[str], list[str]]:
+    run = tmp_path / "earlier-run"  # its checkpoints are the models: the line used to say it held no tokenizer
+    (run / "checkpoint-0000002").mkdir(parents=True)
+    (run / "checkpoint-0000002" / "trainer_state.json").write_text("{}")
+    return ["--model", str(run)], ["--model", "is a training run's --output-dir", "earlier-run/checkpoint-0000002"]
+
+
 def _output_is_a_file(tmp_path: Path) -> tuple[list[str], list[str]]:
     path = tmp_path / "a-file"
     path.write_text("not a directory")
@@ -64,7 +71,18 @@ def _output_is_a_file(tmp_path: Path) -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.parametrize(
-    "case", [_binary, _malformed, _parquet_field, _empty, _hub, _tokenizer, _no_tokenizer_files, _output_is_a_file]
+    "case",
+    [
+        _binary,
+        _malformed,
+        _parquet_field,
+        _empty,
+        _hub,
+        _tokenizer,
+        _no_tokenizer_files,
+        _model_is_a_run_folder,
+        _output_is_a_file,
+    ],
 )
 def test_bad_data_tokenizer_or_output_dir_is_one_line(case, tmp_path):
     args, needles = case(tmp_path)

@@ -233,6 +233,17 @@ def _with_held_out_fraction(config: TrainConfig, resume: Path | None, saved_conf
     return dataclasses.replace(config, eval_fraction=float(saved))
 
 
+def _check_not_a_run_folder(model: str) -> None:
+    """Refuse ``--model`` naming a run's ``--output-dir`` (its checkpoints are the models): the tokenizer's or the
+    model config's error about it would say only that it holds neither."""
+    folder = Path(model).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file() and (latest := find_latest_checkpoint(folder)):
+        raise ValueError(
+            f"--model {model!r} is a training run's --output-dir, not a model; give one of its checkpoints, e.g. "
+            f"--model {latest} (or --resume with --output-dir {model} to continue that run)"
+        )
+
+
 def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
     """Resolve and check everything about a run that needs no rank (see the module docstring); ValueError
     naming the flag or file and the fix. ``--output-dir`` must exist and be held by this run already."""
@@ -249,6 +260,7 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
             f"to {config.metrics_file} only (pip install 'ulysses-sp[{report_to}]')"
         )
         report_to = "none"
+    _check_not_a_run_folder(config.model)
     source = tokenizer_source(config)
     flag = "--tokenizer" if config.tokenizer is not None else "--model (its own tokenizer; --tokenizer picks one)"
     tokenizer = load_tokenizer(source, flag=flag)
