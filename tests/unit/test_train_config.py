@@ -144,6 +144,9 @@ def test_resume_none_is_no_resume_as_for_the_other_optional_flags(spelling, tmp_
             ["--activation-checkpointing", "none", "--checkpoint-stride", "2"],
             "--checkpoint-stride 2 has no effect with --activation-checkpointing none",
         ),
+        # train reads --host-memory only to choose the checkpoints' place and stride: it was ignored in silence
+        (["--host-memory", "1TiB", "--checkpoint-stride", "2"], "--host-memory 1TiB has no effect with --checkpoint"),
+        (["--host-memory", "1TiB", "--activation-checkpointing", "offload"], "has no effect with --activation-check"),
     ],
 )
 def test_bad_cli_value_exits_2_naming_the_flag(capsys, argv, expected):
