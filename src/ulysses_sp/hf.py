@@ -30,6 +30,7 @@ __all__ = [
     "head_counts",
     "in_mode",
     "layer_kv_heads",
+    "learned_positions",
     "mlp_modules",
     "own_class",
     "refuse_prompt_learning",
@@ -181,6 +182,18 @@ def config_size_problem(config: Any) -> str | None:
     if not getattr(text, "head_dim", None) and text.hidden_size % heads:
         return f"its config's hidden_size={text.hidden_size} is not a multiple of num_attention_heads={heads}"
     return None
+
+
+def learned_positions(config: Any) -> int | None:
+    """How many positions a model's learned position table holds (GPT-2's ``n_positions``, OPT's, BioGPT's
+    ``max_position_embeddings``): a longer sequence indexes past it. None where positions are computed (RoPE,
+    ALiBi: any length runs, ``max_position_embeddings`` only says what it was trained on) or not stated."""
+    text = text_config(config)
+    keys = text.to_dict() if hasattr(text, "to_dict") else vars(text)
+    if getattr(text, "alibi", False) or any("rope" in key or "rotary" in key for key in keys):
+        return None
+    limit = getattr(text, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
 
 
 def decoder_layers(pretrained: nn.Module) -> list[nn.Module]:

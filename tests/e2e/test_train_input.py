@@ -64,6 +64,14 @@ def _model_is_a_run_folder(tmp_path: Path) -> tuple[list[str], list[str]]:
     return ["--model", str(run)], ["--model", "is a training run's --output-dir", "earlier-run/checkpoint-0000002"]
 
 
+def _learned_positions(tmp_path: Path) -> tuple[list[str], list[str]]:
+    from transformers import GPT2Config
+
+    folder = tmp_path / "gpt2-128"  # a position table of 128 rows: 256 tokens was an IndexError on every rank
+    GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128).save_pretrained(folder)
+    return ["--model", str(folder), "--tokenizer", "gpt2-bpe"], ["--seq-len: sequences of 256 tokens", "128 positions"]
+
+
 def _output_is_a_file(tmp_path: Path) -> tuple[list[str], list[str]]:
     path = tmp_path / "a-file"
     path.write_text("not a directory")
@@ -81,6 +89,7 @@ def _output_is_a_file(tmp_path: Path) -> tuple[list[str], list[str]]:
         _tokenizer,
         _no_tokenizer_files,
         _model_is_a_run_folder,
+        _learned_positions,
         _output_is_a_file,
     ],
 )

@@ -430,3 +430,14 @@ def test_router_logits_of_a_model_without_load_balancing_loss_change_nothing():
     model.config.output_router_logits = True
     assert router_aux_loss(model) is None
     U.parallelize(model, U.ParallelLayout.single())
+
+
+def test_learned_positions_are_the_table_of_learned_position_models_only():
+    """GPT-2 / OPT hold a table of positions (a longer sequence indexes past it); RoPE models compute theirs."""
+    from transformers import GPT2Config, LlamaConfig, OPTConfig
+
+    from ulysses_sp.hf import learned_positions
+
+    assert learned_positions(GPT2Config(n_positions=128)) == 128
+    assert learned_positions(OPTConfig(max_position_embeddings=512)) == 512
+    assert learned_positions(LlamaConfig(max_position_embeddings=2048)) is None

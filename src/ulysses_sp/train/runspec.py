@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ulysses_sp.cli_config import flag_name, to_mapping
+from ulysses_sp.hf import learned_positions
 from ulysses_sp.shapes import SHAPES
 from ulysses_sp.train.checkpoint import find_latest_checkpoint, list_checkpoints, read_saved_config, resolve_checkpoint
 from ulysses_sp.train.config import TrainConfig, config_from_dict
@@ -267,6 +268,13 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
     notes += check_dataset(config.dataset, text_field=config.text_field, eval_fraction=config.held_out_fraction())
     model_source = str(resume) if resume else (None if config.model in SHAPES else config.model)
     model_config = hf_model_config(config, tokenizer, source=model_source)
+    positions, longest = learned_positions(model_config), config.schedule().max_seq_len
+    if positions is not None and longest > positions:  # (an IndexError on every rank at the first step)
+        flag = "--seq-len-schedule" if config.seq_len_schedule.strip() else "--seq-len"
+        raise ValueError(
+            f"{flag}: sequences of {longest} tokens are longer than the {positions} positions --model "
+            f"{config.model!r} learned (a position table, no RoPE); train at most {positions} tokens a sequence"
+        )
     vocab_size = model_config.get_text_config().vocab_size
     if len(tokenizer) > vocab_size:
         raise ValueError(
