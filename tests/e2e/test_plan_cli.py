@@ -94,3 +94,13 @@ def test_a_simulated_step_the_host_cannot_hold_is_refused_not_run():
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("ulysses-sp plan: error: --simulate: a step of 1,024 tokens on the CPU needs about"), line
     assert "0.0 GiB of memory available here" in line and "Traceback" not in result.stderr
+
+
+def test_a_model_not_in_the_cache_is_one_line():
+    """A hub id not in the local cache (offline): the error is the last line, whole (the hub client's message ran
+    over two lines, the second one without the command's name)."""
+    result = run("--model", "no-such-org/no-such-model", "--seq-len", "8192")
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ulysses-sp plan: error: --model: model 'no-such-org/no-such-model' cannot be loaded"), last
+    assert last.endswith("or a Hugging Face id that is in the local cache"), last

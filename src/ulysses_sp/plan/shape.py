@@ -198,8 +198,10 @@ def load_model_config(model: Any) -> tuple[Any, str]:
         else:
             config = AutoConfig.from_pretrained(model, local_files_only=True)  # no network retries
     except Exception as error:  # noqa: BLE001 (a file's content: transformers' validators raise their own types)
+        from ..train.errors import first_line  # (one line: the hub's errors run over several)
+
         raise ValueError(
-            f"model {model!r} cannot be loaded ({type(error).__name__}: {error}); give a built-in shape "
+            f"model {model!r} cannot be loaded ({first_line(error)}); give a built-in shape "
             f"({', '.join(SHAPES)}), a config.json or model directory, or a Hugging Face id that is in the local cache"
         ) from None
     problem = config_size_problem(config)

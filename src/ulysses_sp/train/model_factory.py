@@ -35,6 +35,7 @@ from ulysses_sp.layout import ParallelLayout, choose_layout, resolve_ring_degree
 from ulysses_sp.model import parallelize
 from ulysses_sp.shapes import EMBEDDED_VOCAB_SIZE, SHAPES, TOKENIZER_SIZED_SHAPES, random_model, shape_config
 from ulysses_sp.train.config import TrainConfig
+from ulysses_sp.train.errors import first_line
 from ulysses_sp.train.hub import hub_unreachable
 
 __all__ = [
@@ -109,7 +110,7 @@ def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | No
     except Exception as error:  # noqa: BLE001 (a file's content: transformers' validators raise their own types)
         builtins = ", ".join(SHAPES)
         raise ValueError(
-            f"--model {source or config.model!r} cannot be loaded ({type(error).__name__}: {error}); give a Hugging "
+            f"--model {source or config.model!r} cannot be loaded ({first_line(error)}); give a Hugging "
             f"Face id that is cached or reachable, a local model directory, or a built-in name: {builtins}"
         ) from None
     problem = config_size_problem(loaded)
