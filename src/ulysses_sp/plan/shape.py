@@ -201,7 +201,7 @@ def load_model_config(model: Any) -> tuple[Any, str]:
         from ..train.errors import first_line  # (one line: the hub's errors run over several)
 
         raise ValueError(
-            f"model {model!r} cannot be loaded ({first_line(error)}); give a built-in shape "
+            f"model {model!r} cannot be loaded ({first_line(error, innermost=False)}); give a built-in shape "
             f"({', '.join(SHAPES)}), a config.json or model directory, or a Hugging Face id that is in the local cache"
         ) from None
     problem = config_size_problem(config)

@@ -37,9 +37,12 @@ class RunError(Exception):
         self.status = status
 
 
-def first_line(error: BaseException) -> str:
-    """The innermost cause of ``error`` as one line: what a user can act on, without the wrappers."""
-    while error.__cause__ is not None or (error.__context__ is not None and not error.__suppress_context__):
+def first_line(error: BaseException, *, innermost: bool = True) -> str:
+    """The innermost cause of ``error`` (``innermost=False``: ``error`` itself) as one line: what a user can act
+    on, without the wrappers."""
+    while innermost and (
+        error.__cause__ is not None or (error.__context__ is not None and not error.__suppress_context__)
+    ):
         error = error.__cause__ or error.__context__  # type: ignore[assignment]
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

@@ -108,10 +108,10 @@ def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | No
     try:
         loaded = AutoConfig.from_pretrained(name)
     except Exception as error:  # noqa: BLE001 (a file's content: transformers' validators raise their own types)
-        builtins = ", ".join(SHAPES)
+        builtins, cause = ", ".join(SHAPES), first_line(error, innermost=False)
         raise ValueError(
-            f"--model {source or config.model!r} cannot be loaded ({first_line(error)}); give a Hugging "
-            f"Face id that is cached or reachable, a local model directory, or a built-in name: {builtins}"
+            f"--model {source or config.model!r} cannot be loaded ({cause}); give a Hugging Face id that is cached "
+            f"or reachable, a local model directory, or a built-in name: {builtins}"
         ) from None
     problem = config_size_problem(loaded)
     if problem is not None:
