@@ -30,6 +30,7 @@ __all__ = [
     "head_counts",
     "in_mode",
     "layer_kv_heads",
+    "layer_values",
     "learned_positions",
     "mlp_modules",
     "own_class",
@@ -134,15 +135,21 @@ def text_config(model_or_config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def layer_values(config: Any, name: str) -> list[Any] | None:
+    """Each decoder layer's ``name`` where transformers' heterogeneous config varies it per layer (Gemma-4's
+    ``head_dim`` and ``num_key_value_heads``: reading the global value raises there), in layer order; else None."""
+    text = text_config(config)
+    if not getattr(text, "is_heterogeneous", False) or name not in text.per_layer_attributes:
+        return None
+    return [getattr(text.per_layer_config[i], name, None) for i in range(text.num_hidden_layers)]
+
+
 def layer_kv_heads(config: Any) -> list[int]:
     """The layers' distinct ``num_key_value_heads``, ascending, where transformers' heterogeneous config varies it per
     layer (Gemma-4's global layers: ``num_global_key_value_heads``), whose global value raises on reading; else []."""
-    text = text_config(config)
-    if not getattr(text, "is_heterogeneous", False) or "num_key_value_heads" not in text.per_layer_attributes:
-        return []
-    heads = getattr(text, "num_attention_heads", None)
-    layers = [text.per_layer_config[i] for i in range(text.num_hidden_layers)]
-    return sorted({getattr(layer, "num_key_value_heads", None) or heads for layer in layers})
+    per_layer = layer_values(config, "num_key_value_heads")
+    heads = getattr(text_config(config), "num_attention_heads", None)
+    return [] if per_layer is None else sorted({kv or heads for kv in per_layer})
 
 
 def head_counts(config: Any) -> tuple[int | None, int | None]:
@@ -179,7 +186,8 @@ def config_size_problem(config: Any) -> str | None:
     heads, kv_heads = head_counts(text)  # kv heads: the heads where the config has none
     if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
         return f"its config's num_key_value_heads={kv_heads!r} does not divide num_attention_heads={heads}"
-    if not getattr(text, "head_dim", None) and text.hidden_size % heads:
+    head_dims = layer_values(text, "head_dim")
+    if not (all(head_dims) if head_dims else getattr(text, "head_dim", None)) and text.hidden_size % heads:
         return f"its config's hidden_size={text.hidden_size} is not a multiple of num_attention_heads={heads}"
     return None
 

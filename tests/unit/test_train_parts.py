@@ -223,3 +223,27 @@ def test_the_automatic_ring_keeps_the_all_to_alls_inside_a_node():
     ring, reason = choose_run_layout(TrainConfig(sp=4, nproc=4), gpus_per_node=2)
     assert ring == 2 and "ulysses 2 x ring 2" in reason and "crosses nodes" in reason
     assert choose_run_layout(TrainConfig(sp=4, nproc=4, gpus_per_node=4), gpus_per_node=2)[0] == 1  # the flag wins
+
+
+def test_a_config_whose_heads_vary_per_layer_is_planned_and_launched_not_a_traceback():
+    """Gemma-4's config varies head_dim and num_key_value_heads per layer (its global layers: wider heads, fewer kv
+    heads, k = v), and reading either globally raises transformers' AmbiguousGlobalPerLayerAttributeError: plan,
+    the launcher's layout check and the FLOP count crashed on it. Each now reads the layers' own values."""
+    from tests.helpers.models import build
+    from ulysses_sp.hf import config_size_problem, layer_values
+    from ulysses_sp.plan.shape import ModelShape
+    from ulysses_sp.train.model_factory import choose_run_layout
+
+    model = build("gemma4_per_layer_kv", kv_heads=2)
+    config = model.config
+    assert layer_values(config, "head_dim") == [8, 16] and layer_values(config, "num_key_value_heads") == [2, 1]
+    assert config_size_problem(config) is None
+    shape = ModelShape.from_config(config)
+    assert (shape.head_dim, shape.num_kv_heads) == (16, 2)  # the widest layer's, for memory
+    assert shape.counted_params == sum(p.numel() for p in model.parameters())
+    assert any("vary per layer" in note for note in shape.notes)
+    assert choose_run_layout(TrainConfig(sp=2), hf_config=config)[0] == 1
+    params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel() * (
+        not config.get_text_config().tie_word_embeddings
+    )
+    assert training_flops_per_token(model, 64) == 6 * params + 6 * 4 * (8 + 16) * 64

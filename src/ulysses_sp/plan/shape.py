@@ -35,9 +35,18 @@ class ModelShape:
     @classmethod
     def from_config(cls, config: Any, name: str = "") -> ModelShape:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        from ..hf import layer_values  # (imports torch: not for `plan --help`)
+
         heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        head_dim = _widest(text, "head_dim") or text.hidden_size // heads
         notes = []
+        varying = [name for name in ("head_dim", "num_key_value_heads") if layer_values(text, name) is not None]
+        if varying:  # Gemma-4: its global layers' heads are wider and fewer than its sliding ones'
+            notes.append(
+                f"{' and '.join(varying)} vary per layer: every layer modelled with the largest (head_dim "
+                f"{head_dim}, {_widest(text, 'num_key_value_heads') or heads} kv heads), parameters counted on the "
+                "model (approximate)"
+            )
         qk_width = (getattr(text, "qk_nope_head_dim", None) or 0) + (getattr(text, "qk_rope_head_dim", None) or 0)
         if qk_width:  # MLA: q/k heads of nope + rope dims (config.head_dim is the rope part); v padded to them
             head_dim = max(qk_width, getattr(text, "v_head_dim", None) or 0)
@@ -48,14 +57,14 @@ class ModelShape:
         inter, moe_note = _mlp_width(text)
         notes += [moe_note] if moe_note else []
         # the dense formulas fit a dense decoder (plan then imports no model code); MoE and MLA layers are counted
-        counted = _counted_params(config, text.num_hidden_layers) if moe_note or qk_width else None
+        counted = _counted_params(config, text.num_hidden_layers) if moe_note or qk_width or varying else None
         if counted is None and moe_note:
             notes.append("parameters from a dense layer's formula (one expert's MLP): the model could not be built")
         return cls(
             hidden_size=text.hidden_size,
             num_layers=text.num_hidden_layers,
             num_heads=heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            num_kv_heads=_widest(text, "num_key_value_heads") or heads,
             head_dim=head_dim,
             intermediate_size=inter,
             vocab_size=text.vocab_size,
@@ -146,6 +155,16 @@ def _mlp_width(text: Any) -> tuple[int, str]:
 _MLP_WIDTH_KEYS = ("intermediate_size", "n_inner", "ffn_dim")
 _SHARED_WIDTH_KEYS = ("shared_expert_intermediate_size", "shared_intermediate_size")  # Qwen2-MoE, GraniteMoeShared
 _SHARED_EXPERT_KEYS = ("n_shared_experts", "moe_num_shared_experts")  # DeepSeek, Ernie 4.5: experts of its width
+
+
+def _widest(text: Any, name: str) -> Any:
+    """``text.<name>``, or its largest value over the layers where the config varies it per layer (None if unset)."""
+    from ..hf import layer_values
+
+    per_layer = layer_values(text, name)
+    if per_layer is None:
+        return getattr(text, name, None)
+    return max((value for value in per_layer if value), default=None)
 
 
 def _counted_params(config: Any, layers: int) -> tuple[int, int, int, tuple[tuple[int, int, int], ...]] | None:

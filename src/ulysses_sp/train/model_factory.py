@@ -31,6 +31,7 @@ from ulysses_sp.attention import check_ring_core
 from ulysses_sp.features import apply_features, cli_switch
 from ulysses_sp.fsdp import fully_shard_layers
 from ulysses_sp.head_split import check_head_chunks
+from ulysses_sp.hf import head_counts, layer_values
 from ulysses_sp.layout import ParallelLayout, choose_layout, resolve_ring_degree
 from ulysses_sp.model import parallelize
 from ulysses_sp.shapes import EMBEDDED_VOCAB_SIZE, SHAPES, TOKENIZER_SIZED_SHAPES, random_model, shape_config
@@ -132,7 +133,7 @@ def choose_run_layout(
     if num_heads is None:
         raise ValueError(f"--model {config.model!r}: its config has no num_attention_heads; is it a decoder LM?")
     node = config.gpus_per_node or gpus_per_node
-    kv_heads = getattr(text_config, "num_key_value_heads", None)
+    kv_heads = head_counts(text_config)[1]  # the fewest of any layer where they vary per layer (Gemma-4)
     try:
         if config.ring is None:
             _, ring, reason = choose_layout(config.sp, num_heads, kv_heads, node)
@@ -173,8 +174,9 @@ def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
     if getattr(text_config, "tie_word_embeddings", False) is False:
         matmul_params -= embedding.numel()
     heads = text_config.num_attention_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-    attention = 6 * text_config.num_hidden_layers * heads * head_dim * seq_len
+    layers = text_config.num_hidden_layers
+    head_dims = layer_values(text_config, "head_dim") or [getattr(text_config, "head_dim", None)] * layers
+    attention = 6 * heads * sum(d or text_config.hidden_size // heads for d in head_dims) * seq_len
     return float(6 * matmul_params + attention)
 
 
