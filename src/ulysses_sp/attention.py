@@ -39,6 +39,7 @@ from .validation import (
     PeerRejected,
     Report,
     check_id_ranges,
+    cut_problem,
     gather_reports,
     id_range,
     input_problem,
@@ -190,6 +191,7 @@ class UlyssesAttention:
         # (the position_ids the forward runs with, the documents of the full rows); ValueError for bad input
         layout = self.layout
         problem = input_problem(position_ids, attention_mask, batch_size, seq_len, layout.sp)
+        problem = problem or cut_problem(position_ids, layout)  # a shard cut for another layout
         if input_ids is not None and (input_ids.is_floating_point() or input_ids.dtype == torch.bool):
             problem = problem or f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; use .long()"
             input_ids = None

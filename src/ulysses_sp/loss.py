@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from .comm import CommStats, all_reduce_sum
 from .layout import ParallelLayout
-from .validation import IGNORE_INDEX, as_ignored, check_label_smoothing, first_bad_id
+from .validation import IGNORE_INDEX, as_ignored, carry_cut, check_label_smoothing, first_bad_id
 
 __all__ = [
     "causal_lm_loss",
@@ -218,7 +218,8 @@ def causal_lm_loss(
             f"the shard has no shift_labels (keys: {sorted(shard)}); pass ulysses_sp.shard_batch's output for a batch "
             "with labels (unshifted; -100 where no loss is wanted)"
         )
-    inputs = {key: shard[key].to(device) for key in MODEL_INPUTS if shard.get(key) is not None}
+    # (position_ids moved keep the mark of the layout shard_batch cut them for: the model checks it)
+    inputs = {key: carry_cut(shard[key], shard[key].to(device)) for key in MODEL_INPUTS if shard.get(key) is not None}
     targets = shard["shift_labels"].to(device)
     aux = router_aux_loss(model)
     common = dict(num_items_in_batch=num_items_in_batch, stats=stats)

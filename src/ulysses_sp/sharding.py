@@ -30,9 +30,11 @@ from .validation import (
     PeerRejected,
     Report,
     bad_id_message,
+    cut_of,
     first_bad_id,
     gather_reports,
     hole_message,
+    mark_cut,
     replicas_agree,
 )
 
@@ -164,7 +166,7 @@ def shard_batch(
 
     out: dict[str, torch.Tensor] = {k: v for k, v in batch.items() if k not in SHARDED_KEYS}  # type: ignore[misc]
     out["input_ids"] = local(input_ids)
-    out["position_ids"] = local(positions)
+    out["position_ids"] = mark_cut(local(positions), cut_of(layout))  # cut_problem reads it
     if mask is not None:
         out["attention_mask"] = local(mask)
     if labels is not None:

@@ -33,13 +33,17 @@ __all__ = [
     "RanksOutOfStep",
     "Report",
     "bad_id_message",
+    "carry_cut",
     "check_id_ranges",
     "check_label_smoothing",
+    "cut_of",
+    "cut_problem",
     "first_bad_id",
     "gather_reports",
     "hole_message",
     "id_range",
     "input_problem",
+    "mark_cut",
     "replicas_agree",
 ]
 
@@ -135,6 +139,43 @@ def input_problem(
             f"{tuple(attention_mask.shape)}; 4-D masks are not supported (documents come from position_ids)"
         )
     return None
+
+
+_CUT_ATTR = "_ulysses_sp_cut"  # on a shard's position_ids: (sp, ring, sp_rank) of the layout shard_batch cut it for
+
+
+def cut_of(layout: ParallelLayout) -> tuple[int, int, int]:
+    """Which cut of the sequence :func:`ulysses_sp.shard_batch` makes for ``layout`` (which tokens, in which
+    order): its ``(sp, ring, sp_rank)``."""
+    return (layout.sp, layout.ring, layout.sp_rank)
+
+
+def mark_cut(position_ids: torch.Tensor, cut: tuple[int, int, int] | None) -> torch.Tensor:
+    """``position_ids`` marked as a shard of the cut ``cut`` (:func:`cut_of`; None: no mark), for
+    :func:`cut_problem`."""
+    if cut is not None:
+        setattr(position_ids, _CUT_ATTR, cut)
+    return position_ids
+
+
+def carry_cut(source: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    """``moved`` (``source`` moved to a device) with ``source``'s mark of :func:`mark_cut`, if any."""
+    return mark_cut(moved, getattr(source, _CUT_ATTR, None))
+
+
+def cut_problem(position_ids: torch.Tensor | None, layout: ParallelLayout) -> str | None:
+    """Why a model parallelized on ``layout`` cannot run on ``position_ids`` that shard_batch cut for another
+    layout (another sp or ring: another cut or order of the tokens, so a silently wrong loss); None when they
+    carry no mark (made by hand) or the same cut."""
+    cut = getattr(position_ids, _CUT_ATTR, None)
+    if cut is None or cut == cut_of(layout):
+        return None
+    return (
+        f"the shard comes from shard_batch for sp={cut[0]}, ring={cut[1]} (sp_rank {cut[2]}), but this model was "
+        f"parallelized on sp={layout.sp}, ring={layout.ring} (sp_rank {layout.sp_rank}): its tokens are another cut "
+        "or order of the sequence than the model's, so the loss and gradients would be silently wrong; shard with "
+        "the layout given to parallelize (ulysses_sp.ulysses_context(model).layout)"
+    )
 
 
 class PeerRejected(ValueError):

@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 import ulysses_sp as U
 from tests.dist.cases_architectures import zero_pad_embedding
-from tests.dist.cases_core import check_parity
+from tests.dist.cases_core import LOSS_TOL, check_parity, expect_raise
 from tests.helpers.harness import run_cases
-from tests.helpers.models import build, make_batch
+from tests.helpers.models import build, dp_share, make_batch
 from tests.helpers.ring_sim import one_process_error_sums, ring_error_sums
 from ulysses_sp.ring import ring_bytes_per_layer
 
@@ -162,6 +162,25 @@ def topology_choice():
     check_parity(layout, "llama", kv_heads=2, batch=make_batch(2, 24, packed=(9, 15)))
 
 
+def shards_of_another_layout(model_layout: U.ParallelLayout, others: list[U.ParallelLayout]):
+    """Shards cut by shard_batch for another layout than the model's (a second from_env that chose another ring,
+    or another sp) hold another order or cut of the sequence: the loss came out silently wrong (rel. 1e-4 to 1e-3
+    here); now a ValueError on every rank, naming both layouts. A shard of an equal layout object runs exactly."""
+    model = build("llama", heads=2, kv_heads=1)
+    batch = make_batch(2, 24, seed=3)
+    ref_loss = model(**batch, use_cache=False).loss.detach()
+    par = U.parallelize(model, model_layout)
+    for other in others:
+        shard = U.shard_batch(dp_share(batch, other), other)
+        wanted = [f"shard_batch for sp={other.sp}, ring={other.ring}", f"parallelized on sp={model_layout.sp}, ring="]
+        expect_raise(ValueError, wanted)(lambda shard=shard, other=other: U.causal_lm_loss(par, shard, other))
+        inputs = {k: shard[k] for k in ("input_ids", "position_ids")}
+        expect_raise(ValueError, wanted)(lambda inputs=inputs: par(**inputs))
+    same = U.ParallelLayout.from_env(sp=model_layout.sp, ring=model_layout.ring)
+    loss = U.causal_lm_loss(par, U.shard_batch(dp_share(batch, same), same), same)
+    torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
+
+
 # ---------------------------------------------------------------------------------------------- workers
 def world2() -> dict[str, str]:
     ring2 = ring_layout(2, 2)
@@ -232,5 +251,8 @@ def world4() -> dict[str, str]:
         "bad_layouts": P(bad_layouts, 4),
         "automatic_choice": automatic_choice,
         "topology_choice": topology_choice,
+        "shards_of_another_layout_ring4": P(shards_of_another_layout, ring4, [hybrid, ring_layout(4, 1), dp2_ring2]),
+        "shards_of_another_layout_hybrid": P(shards_of_another_layout, hybrid, [ring4, ring_layout(4, 1)]),
+        "shards_of_another_layout_dp2_ring2": P(shards_of_another_layout, dp2_ring2, [ring_layout(2, 1), ring4]),
     }
     return run_cases(cases)

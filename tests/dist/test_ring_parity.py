@@ -49,6 +49,9 @@ WORLD4 = [
     "bad_layouts",
     "automatic_choice",
     "topology_choice",
+    "shards_of_another_layout_ring4",
+    "shards_of_another_layout_hybrid",
+    "shards_of_another_layout_dp2_ring2",
 ]
 
 results, test_case, test_every_worker_case_is_checked = dist_suite("tests.dist.cases_ring", {2: WORLD2, 4: WORLD4})
