@@ -115,6 +115,7 @@ class UlyssesAttention:
         # True while a caller replaces the load-balancing loss the model computes from its shard with the whole
         # sequence's (ulysses_sp.integrations.trl_sft): labels with router logits are then not refused
         self.router_aux_by_caller = False
+        self.head_chunks: int | None = None  # parallelize's head_chunks (None: automatic), for apply_features
         # id(position_ids of a forward pass) -> (weak ref to that tensor, its Segments). An entry lives as long
         # as its position_ids tensor (held by autograd while the forward may still be recomputed by
         # activation checkpointing), so a recomputed layer always finds its own documents.

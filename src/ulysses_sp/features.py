@@ -242,6 +242,7 @@ def apply_features(
 
     if not isinstance(features, Features):
         raise ValueError(f"features must be a ulysses_sp.Features, got {type(features).__name__}")
+    _check_head_chunks(model, features.head_chunks)
     resolved = features.resolve(device_type)
     steps = [  # (on, field that turns it off, switch on, undo); the norms after the MLPs: fused into their chunks
         (
@@ -290,3 +291,28 @@ def apply_features(
             ) from error
         done.append(undo)
     return resolved
+
+
+def _check_head_chunks(model: nn.Module, wanted: int | None) -> None:
+    """ValueError unless ``Features.head_chunks`` (``wanted``; None: no say) agrees with what the model was
+    parallelized with: it is :func:`ulysses_sp.parallelize`'s setting, which ``apply_features`` cannot change."""
+    from .model import ulysses_context
+
+    if wanted is None:
+        return
+    try:
+        given = ulysses_context(model).head_chunks  # None: automatic
+    except ValueError:  # not parallelized: nothing runs in head chunks, as automatic (0) and 1 allow
+        if wanted > 1:
+            raise _head_chunks_error(wanted, "not parallelized") from None
+        return
+    if (wanted or None) != given:
+        raise _head_chunks_error(wanted, f"parallelized with head_chunks={given}")
+
+
+def _head_chunks_error(wanted: int, state: str) -> ValueError:
+    return ValueError(
+        f"Features(head_chunks={wanted}) is parallelize's setting, which apply_features does not change, and this "
+        f"model was {state}; pass it to ulysses_sp.parallelize(model, layout, head_chunks={wanted}) (or leave "
+        "Features.head_chunks None)"
+    )

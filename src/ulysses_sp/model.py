@@ -368,6 +368,7 @@ def parallelize(
         masks=read_decoder_masks(decoder, pretrained.config._attn_implementation),
         slice_budget_bytes=head_chunk_budget_bytes,
     )
+    ctx.head_chunks = head_chunks or None
     name = f"ulysses_{core_name}" if isinstance(core, str) else "ulysses_custom"
     rope_hooks = _rope_hooks(pretrained, ctx, name, text_config)
 

@@ -1,6 +1,7 @@
 """Single-process tests of the core: sharding, segments, loss, layout and bad input."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -395,6 +396,24 @@ def test_apply_features_is_all_or_nothing_and_names_the_field_to_turn_off():
     assert not tiled_loss_enabled(model)
     U.apply_features(model, U.Features(tiled_mlp=False), "cpu")
     assert tiled_loss_enabled(model)
+
+
+def test_apply_features_refuses_head_chunks_it_does_not_set():
+    """Features.head_chunks is parallelize's setting (train and simulate pass it to both): apply_features was given
+    Features(head_chunks=2) in a user's loop and silently ran the model as it was parallelized. Now a value other
+    than parallelize's is refused before anything is switched on; None (the default) or the same value passes."""
+    from ulysses_sp.tiled_loss import tiled_loss_enabled
+
+    single = U.ParallelLayout.single()
+    chunked = U.parallelize(build("llama"), single, head_chunks=2)
+    U.apply_features(chunked, U.Features(head_chunks=2), "cpu")
+    automatic = U.parallelize(build("llama"), single)
+    for model, given in ((automatic, "head_chunks=None"), (build("llama"), "not parallelized")):
+        with pytest.raises(ValueError, match=rf"Features\(head_chunks=2\).*{re.escape(given)}.*head_chunks=2\)"):
+            U.apply_features(model, U.Features(head_chunks=2), "cpu")
+        assert not tiled_loss_enabled(model)
+        U.apply_features(model, U.Features(head_chunks=0), "cpu")  # automatic: what both already do
+    U.apply_features(build("llama"), U.Features(head_chunks=1), "cpu")
 
 
 def test_losses_read_another_ignore_index_on_a_shard_or_on_raw_targets():
