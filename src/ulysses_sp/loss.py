@@ -204,6 +204,7 @@ def causal_lm_loss(
     from .tiled_loss import LABEL_SMOOTHING, ROUTER_LOGITS_TO_CALLER, tiled_loss_enabled
 
     smoothing = check_label_smoothing(label_smoothing)
+    _check_parallelized(model, layout)
     device = layout.device
     unshifted = unshifted_own_loss(model) if shard.get("labels") is not None else None
     if unshifted is not None:  # the same model and batch keys on every rank: every rank raises here
@@ -241,6 +242,36 @@ def causal_lm_loss(
     if aux is None:
         return mean
     return (mean.double() + aux.coef * aux.loss(sums)).to(torch.float32)
+
+
+def _check_parallelized(model: torch.nn.Module, layout: ParallelLayout) -> None:
+    """ValueError (the same on every rank) when ``layout`` splits the sequence but ``model`` is a transformers model
+    that runs no sequence-parallel attention (never parallelized, or unparallelized since: its attention is one of
+    transformers' own), so each rank's attention would see its own shard alone. Another library's attention
+    registered under the model's implementation (DeepSpeed's Ulysses in ``ulysses-sp bench``) passes."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from .hf import find_pretrained
+    from .model import ulysses_context
+
+    if layout.sp == 1:
+        return
+    try:
+        ulysses_context(model)
+        return  # parallelized (a shard inside plain_attention is refused by the model)
+    except TypeError:  # not a transformers model: nothing to tell
+        return
+    except ValueError:
+        pass
+    impl = getattr(find_pretrained(model).config, "_attn_implementation", None)
+    attend = ALL_ATTENTION_FUNCTIONS.get(impl)  # None: the model's own eager attention
+    if attend is None or getattr(attend, "__module__", "").startswith("transformers."):
+        raise ValueError(
+            f"causal_lm_loss was given a layout with sp={layout.sp}, but the model is not parallelized (never, or "
+            "unparallelized since), so each rank's attention would see its own shard alone and the loss would be "
+            "silently wrong; call ulysses_sp.parallelize(model, layout) first (to generate in between, use `with "
+            "ulysses_sp.plain_attention(model):` rather than unparallelize)"
+        )
 
 
 def unshifted_own_loss(model: torch.nn.Module) -> str | None:

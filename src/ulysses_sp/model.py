@@ -29,12 +29,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from .attention import (
-    MODULE_ATTR,
-    UlyssesAttention,
-    check_ring_core,
-    ulysses_attention_forward,
-)
+from .attention import MODULE_ATTR, UlyssesAttention, check_ring_core, ulysses_attention_forward
 from .comm import CommStats
 from .cores import CORES, Core, get_core
 from .dropout_stream import DropoutStream
@@ -54,6 +49,7 @@ from .masks import read_decoder_masks, ulysses_mask
 from .moe import router_aux_loss
 from .offload import offload_store
 from .padding import lift_padding_ids
+from .validation import check_whole_input
 
 __all__ = ["parallelize", "plain_attention", "ulysses_context", "unparallelize"]
 
@@ -125,8 +121,8 @@ class _BeginForward:
 
     def __call__(self, module, args, kwargs):
         targets, self.targets = self.targets, None
-        if not self.check_active():
-            return None  # switched back to plain attention (plain_attention): nothing to do
+        if not self.check_active():  # switched back to plain attention (plain_attention): whole inputs only
+            return check_whole_input(kwargs.get("position_ids"))
         if kwargs.get("output_attentions"):  # (asked for in the call: a config's default is left as it was)
             raise ValueError(
                 "output_attentions=True: Ulysses attention returns no attention weights (no rank holds a layer's "

@@ -36,6 +36,7 @@ __all__ = [
     "carry_cut",
     "check_id_ranges",
     "check_label_smoothing",
+    "check_whole_input",
     "cut_of",
     "cut_problem",
     "first_bad_id",
@@ -176,6 +177,18 @@ def cut_problem(position_ids: torch.Tensor | None, layout: ParallelLayout) -> st
         "or order of the sequence than the model's, so the loss and gradients would be silently wrong; shard with "
         "the layout given to parallelize (ulysses_sp.ulysses_context(model).layout)"
     )
+
+
+def check_whole_input(position_ids: torch.Tensor | None) -> None:
+    """ValueError for a shard of ``sp > 1`` (position_ids marked by :func:`mark_cut`) run in plain attention (a
+    parallelized model inside ``plain_attention``), where each rank's attention would see its own shard alone."""
+    cut = getattr(position_ids, _CUT_ATTR, None)
+    if cut is not None and cut[0] > 1:
+        raise ValueError(
+            f"a shard of sp={cut[0]} (shard_batch's output) runs inside plain_attention, where each rank's attention "
+            "sees its own shard alone, so the loss and gradients would be silently wrong: plain_attention is for "
+            "whole inputs (generate, a forward on one rank); run shards outside it"
+        )
 
 
 class PeerRejected(ValueError):

@@ -181,6 +181,30 @@ def shards_of_another_layout(model_layout: U.ParallelLayout, others: list[U.Para
     torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
 
 
+def shards_on_a_model_without_ulysses(layout: U.ParallelLayout):
+    """Shards on a model that does not run Ulysses attention: never parallelized, switched back by plain_attention,
+    or unparallelized (to generate) and then trained on again. Each rank's attention saw its own shard alone and
+    causal_lm_loss returned a silently wrong loss (4.8423 against one process's 4.8437 here); now a ValueError on
+    every rank, and the same shards run exactly once the model is parallelized again."""
+    model = build("llama", heads=2, kv_heads=1)
+    batch = make_batch(2, 24, seed=340)
+    ref_loss = model(**batch, use_cache=False).loss.detach()
+    shard = U.shard_batch(dp_share(batch, layout), layout)
+    inputs = {k: shard[k] for k in ("input_ids", "position_ids")}
+    refused = expect_raise(ValueError, ["not parallelized", "parallelize(model, layout)"])
+    refused(lambda: U.causal_lm_loss(model, shard, layout))
+    U.parallelize(model, layout)
+    with U.plain_attention(model):
+        in_plain = expect_raise(ValueError, [f"a shard of sp={layout.sp}", "plain_attention"])
+        in_plain(lambda: U.causal_lm_loss(model, shard, layout))
+        in_plain(lambda: model(**inputs))
+        model(input_ids=batch["input_ids"])  # a whole input: what plain_attention is for
+    U.unparallelize(model)
+    refused(lambda: U.causal_lm_loss(model, shard, layout))
+    U.parallelize(model, layout)
+    torch.testing.assert_close(U.causal_lm_loss(model, shard, layout), ref_loss, **LOSS_TOL)
+
+
 # ---------------------------------------------------------------------------------------------- workers
 def world2() -> dict[str, str]:
     ring2 = ring_layout(2, 2)
@@ -254,5 +278,7 @@ def world4() -> dict[str, str]:
         "shards_of_another_layout_ring4": P(shards_of_another_layout, ring4, [hybrid, ring_layout(4, 1), dp2_ring2]),
         "shards_of_another_layout_hybrid": P(shards_of_another_layout, hybrid, [ring4, ring_layout(4, 1)]),
         "shards_of_another_layout_dp2_ring2": P(shards_of_another_layout, dp2_ring2, [ring_layout(2, 1), ring4]),
+        "shards_on_a_model_without_ulysses_hybrid": P(shards_on_a_model_without_ulysses, hybrid),
+        "shards_on_a_model_without_ulysses_dp2_ring2": P(shards_on_a_model_without_ulysses, dp2_ring2),
     }
     return run_cases(cases)

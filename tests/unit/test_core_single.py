@@ -416,6 +416,25 @@ def test_apply_features_refuses_head_chunks_it_does_not_set():
     U.apply_features(build("llama"), U.Features(head_chunks=1), "cpu")
 
 
+def test_causal_lm_loss_refuses_shards_on_a_model_without_sequence_parallel_attention(monkeypatch):
+    """A layout that splits the sequence (a rank view of sp=2 here: refused before any collective) and a model that
+    runs transformers' own attention (never parallelized, or unparallelized): each rank's attention would see its
+    shard alone. Another library's attention registered under the model's implementation (as the DeepSpeed
+    reference of ``ulysses-sp bench`` does) is left to that library."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from ulysses_sp.loss import _check_parallelized
+
+    view = U.ParallelLayout.rank_view(2, 0)
+    shard = U.shard_batch(make_batch(1, 8), view)
+    for impl in ("sdpa", "eager"):
+        with pytest.raises(ValueError, match=r"sp=2, but the model is not parallelized .*parallelize\(model, layout\)"):
+            U.causal_lm_loss(build("llama", attn=impl), shard, view)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", lambda *args, **kwargs: None)  # another library's
+    _check_parallelized(build("llama"), view)
+    _check_parallelized(build("llama", attn="eager"), U.ParallelLayout.single())  # no sequence split
+
+
 def test_losses_read_another_ignore_index_on_a_shard_or_on_raw_targets():
     """ignore_index=-1 passed to the loss functions, on shard_batch's output (already -100) or on targets marked
     -1 by hand: the same value as torch's cross-entropy ignoring those targets."""
