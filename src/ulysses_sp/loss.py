@@ -205,6 +205,7 @@ def causal_lm_loss(
 
     smoothing = check_label_smoothing(label_smoothing)
     _check_parallelized(model, layout)
+    _check_reduction(model, layout)
     device = layout.device
     unshifted = unshifted_own_loss(model) if shard.get("labels") is not None else None
     if unshifted is not None:  # the same model and batch keys on every rank: every rank raises here
@@ -272,6 +273,40 @@ def _check_parallelized(model: torch.nn.Module, layout: ParallelLayout) -> None:
             "silently wrong; call ulysses_sp.parallelize(model, layout) first (to generate in between, use `with "
             "ulysses_sp.plain_attention(model):` rather than unparallelize)"
         )
+
+
+def _check_reduction(model: torch.nn.Module, layout: ParallelLayout) -> None:
+    """ValueError (the same on every rank) when ``model`` is wrapped in DDP, or its parameters sharded by FSDP2, over
+    ranks that leave out some of those its loss is reduced over (``layout.loss_group``, dp x sp) or of its SP group:
+    their shares of every gradient would be missing from the average (e.g. a wrapper over ``layout.dp_group``)."""
+    from torch.distributed.tensor import DTensor
+
+    if layout.loss_group is None or not dist.is_initialized():  # one process, or a rank view: no group
+        return
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        wrapper, ranks = "DistributedDataParallel", _ranks(model.process_group)
+    else:
+        mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+        if mesh is None:
+            return
+        wrapper, ranks = "FSDP2 (its device mesh)", set(mesh.mesh.flatten().tolist())
+    wanted = _ranks(layout.loss_group)
+    if layout.sp > 1 and wanted is not None:
+        wanted = None if (sp := _ranks(layout.sp_group)) is None else wanted | sp
+    if ranks is not None and wanted is not None and not wanted <= ranks:
+        raise ValueError(
+            f"the model's {wrapper} averages gradients over ranks {sorted(ranks)}, but causal_lm_loss's gradients are "
+            f"exact once averaged over dp x sp: ranks {sorted(wanted)} (layout.loss_group); wrap it over the whole "
+            "world (DDP's default process group, FSDP2 on a mesh of every rank), not over layout.dp_group"
+        )
+
+
+def _ranks(group: object) -> set[int] | None:
+    """The global ranks of ``group``; None for one that torch.distributed does not know (a simulated group)."""
+    try:
+        return set(dist.get_process_group_ranks(group))
+    except (KeyError, ValueError, RuntimeError):
+        return None
 
 
 def unshifted_own_loss(model: torch.nn.Module) -> str | None:

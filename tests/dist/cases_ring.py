@@ -205,6 +205,34 @@ def shards_on_a_model_without_ulysses(layout: U.ParallelLayout):
     torch.testing.assert_close(U.causal_lm_loss(model, shard, layout), ref_loss, **LOSS_TOL)
 
 
+def wrapper_over_part_of_the_world(layout: U.ParallelLayout):
+    """DDP or FSDP2 over the dp group (or the SP group) alone, as a Megatron-style loop would wrap it: the gradients
+    were averaged without the other SP ranks' shares (half of the embedding's gradient wrong here), silently; now a
+    ValueError on every rank naming the ranks each wrapper reduces over. Over the whole world: exact."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.dist.cases_memory_features import wrap
+
+    model = build("llama", heads=2, kv_heads=1)
+    batch = make_batch(4, 24, seed=350)
+    ref_loss = model(**batch, use_cache=False).loss.detach()
+    shard = U.shard_batch(dp_share(batch, layout), layout)
+    world = list(range(dist.get_world_size()))
+    for group in (layout.dp_group, layout.sp_group):
+        ranks = dist.get_process_group_ranks(group)
+        refused = expect_raise(ValueError, [f"over ranks {ranks}", f"dp x sp: ranks {world}"])
+        ddp = torch.nn.parallel.DistributedDataParallel(U.parallelize(build("llama", heads=2, kv_heads=1), layout),
+                                                        process_group=group)  # fmt: skip
+        refused(lambda ddp=ddp: U.causal_lm_loss(ddp, shard, layout))
+        fsdp = U.parallelize(build("llama", heads=2, kv_heads=1), layout)
+        fully_shard(fsdp, mesh=DeviceMesh.from_group(group, "cpu"))
+        refused(lambda fsdp=fsdp: U.causal_lm_loss(fsdp, shard, layout))
+    for how in ("ddp", "fsdp2"):
+        wrapped = wrap(U.parallelize(build("llama", heads=2, kv_heads=1), layout), how)
+        torch.testing.assert_close(U.causal_lm_loss(wrapped, shard, layout).detach(), ref_loss, **LOSS_TOL)
+
+
 # ---------------------------------------------------------------------------------------------- workers
 def world2() -> dict[str, str]:
     ring2 = ring_layout(2, 2)
@@ -280,5 +308,6 @@ def world4() -> dict[str, str]:
         "shards_of_another_layout_dp2_ring2": P(shards_of_another_layout, dp2_ring2, [ring_layout(2, 1), ring4]),
         "shards_on_a_model_without_ulysses_hybrid": P(shards_on_a_model_without_ulysses, hybrid),
         "shards_on_a_model_without_ulysses_dp2_ring2": P(shards_on_a_model_without_ulysses, dp2_ring2),
+        "wrapper_over_part_of_the_world_dp2_ring2": P(wrapper_over_part_of_the_world, dp2_ring2),
     }
     return run_cases(cases)

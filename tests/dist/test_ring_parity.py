@@ -54,6 +54,7 @@ WORLD4 = [
     "shards_of_another_layout_dp2_ring2",
     "shards_on_a_model_without_ulysses_hybrid",
     "shards_on_a_model_without_ulysses_dp2_ring2",
+    "wrapper_over_part_of_the_world_dp2_ring2",
 ]
 
 results, test_case, test_every_worker_case_is_checked = dist_suite("tests.dist.cases_ring", {2: WORLD2, 4: WORLD4})
