@@ -194,6 +194,20 @@ def test_a_config_json_with_impossible_sizes_is_refused_naming_the_size(fields, 
         load_model_config(str(path))
 
 
+def test_recommend_tries_more_head_chunks_before_a_costlier_tier():
+    """Qwen3-4B at sp=8 on 80 GiB GPUs: automatic C keeps 1 chunk there (the smallest exchange, its core in
+    slices) and reaches 5.9M tokens; 4 chunks hold less of the attention and reach 7.0M. Asked for 6.5M, the
+    recommendation was the CPU optimizer (a slow host AdamW step); it now tries the explicit chunk counts of a tier
+    first, and automatic C where it suffices."""
+    config = dict(world_size=8, gpus_per_node=8)
+    advice = recommend("qwen3-4b", seq_len=6_553_600, **config)
+    assert advice.reaches_target and advice.sp == 8
+    assert advice.features.head_chunks == 4 and not advice.features.cpu_offload_optimizer
+    auto = plan_memory("qwen3-4b", seq_len=6_553_600, sp=8, features=Features(head_chunks=None))
+    assert not auto.fits and plan_memory("qwen3-4b", seq_len=6_553_600, sp=8, features=advice.features).fits
+    assert recommend("qwen3-4b", seq_len=5_242_880, **config).features.head_chunks in (0, None)  # auto suffices
+
+
 def test_recommend_skips_the_sp_that_requested_head_chunks_do_not_split():
     """4 heads on 2 kv heads: 4 chunks split them on 1 rank only, so a plan that needs sp > 1 cannot use them."""
     advice = recommend("llama-tiny", seq_len=100_000_000, world_size=8, features=Features(head_chunks=4))

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..features import Features
-from ..head_split import check_head_chunks
+from ..head_split import check_head_chunks, head_chunk_choices
 from ..layout import check_heads_split, choose_layout, divisors
 from .memory import MemoryPlan, plan_memory
 from .search import max_seq_len
@@ -93,29 +93,31 @@ def recommend(
     )
     best: tuple[int, int, Features, int | None] | None = None
     larger = {sp: _larger_rings(shape, sp, base.head_chunks, gpus_per_node) for sp in sps}
-    for candidate in _candidate_features(base, stride):
+    for tier in _candidate_features(base, stride):
         for sp in sps:
-            if seq_len < sp:
-                continue
-            plan = plan_memory(shape, seq_len=seq_len, sp=sp, dp=world_size // sp, features=candidate, **common)
-            if plan.fits:
-                longest = max_seq_len(shape, sp=sp, dp=world_size // sp, features=candidate, **common)
-                return Recommendation(sp, world_size // sp, plan.features, plan, longest, True, seq_len)
+            for candidate in _with_chunks(tier, shape, sp, None, gpus_per_node) if seq_len >= sp else ():
+                plan = plan_memory(shape, seq_len=seq_len, sp=sp, dp=world_size // sp, features=candidate, **common)
+                if plan.fits:
+                    longest = max_seq_len(shape, sp=sp, dp=world_size // sp, features=candidate, **common)
+                    return Recommendation(sp, world_size // sp, plan.features, plan, longest, True, seq_len)
     # none with train's layouts: larger rings (smaller Ulysses groups hold fewer heads' full-sequence buffers)
-    for candidate in _candidate_features(base, stride):
+    for tier in _candidate_features(base, stride):
         for sp in sps:
             for ring in larger[sp] if seq_len >= sp else ():
-                settings = dict(sp=sp, dp=world_size // sp, ring=ring, features=candidate, **common)
-                plan = plan_memory(shape, seq_len=seq_len, **settings)
-                if plan.fits:
-                    longest = max_seq_len(shape, **settings)
-                    return Recommendation(sp, world_size // sp, plan.features, plan, longest, True, seq_len)
-    for candidate in _candidate_features(base, stride):
+                for candidate in _with_chunks(tier, shape, sp, ring, gpus_per_node):
+                    settings = dict(sp=sp, dp=world_size // sp, ring=ring, features=candidate, **common)
+                    plan = plan_memory(shape, seq_len=seq_len, **settings)
+                    if plan.fits:
+                        longest = max_seq_len(shape, **settings)
+                        return Recommendation(sp, world_size // sp, plan.features, plan, longest, True, seq_len)
+    for tier in _candidate_features(base, stride):
         for sp in sps:
             for ring in (None, *larger[sp]):
-                longest = max_seq_len(shape, sp=sp, dp=world_size // sp, ring=ring, features=candidate, **common)
-                if best is None or longest > best[0]:
-                    best = (longest, sp, candidate, ring)
+                for candidate in _with_chunks(tier, shape, sp, ring, gpus_per_node):
+                    settings = dict(sp=sp, dp=world_size // sp, ring=ring, features=candidate, **common)
+                    longest = max_seq_len(shape, **settings)
+                    if best is None or longest > best[0]:
+                        best = (longest, sp, candidate, ring)
     if best is None:
         raise ValueError(
             f"head_chunks={base.head_chunks} splits the heads of no sp that divides the {world_size} GPUs; use 0 / "
@@ -125,6 +127,22 @@ def recommend(
     settings = dict(sp=sp, dp=world_size // sp, ring=ring, features=candidate, **common)
     plan = plan_memory(shape, seq_len=max(longest, sp), **settings)
     return Recommendation(sp, world_size // sp, plan.features, plan, longest, False, seq_len)
+
+
+def _with_chunks(
+    candidate: Features, shape: ModelShape, sp: int, ring: int | None, gpus_per_node: int | None
+) -> Iterator[Features]:
+    """``candidate``, then, where its head chunks are automatic, each larger count that splits sp's Ulysses heads
+    (``ring`` None: the ring ``ulysses-sp train`` chooses), fewest first: at lengths where automatic C keeps the
+    exchange's q/k/v smallest (1 chunk, its core in slices) more chunks can hold less (a ring's or the whole
+    attention's working set), for a chunk's fixed costs, which are cheaper than the next tier's."""
+    yield candidate
+    if candidate.head_chunks:
+        return
+    if ring is None:
+        _, ring, _ = choose_layout(sp, shape.num_heads, shape.num_kv_heads, gpus_per_node)
+    for chunks in head_chunk_choices(shape.num_heads, shape.num_kv_heads, sp // ring)[1:]:
+        yield replace(candidate, head_chunks=chunks)
 
 
 def _larger_rings(shape: ModelShape, sp: int, head_chunks: int | None, gpus_per_node: int | None) -> list[int]:
