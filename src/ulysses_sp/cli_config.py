@@ -265,13 +265,32 @@ def from_mapping(cls: type[T], data: dict[str, Any], source: str = "config") -> 
     return _build(cls, coerce_mapping(cls, data, source))
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (the plain loader keeps the last silently)."""
+
+
+def _mapping_of_unique_keys(loader: _UniqueKeys, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if not isinstance(key, typing.Hashable):
+            continue  # (construct_mapping refuses it)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=True)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_of_unique_keys)
+
+
 def read_yaml(path: str) -> dict[str, Any]:
     """The mapping in a ``--config`` YAML file; ValueError naming the file when it is missing or not a mapping."""
     if not os.path.isfile(path):
         raise ValueError(f"--config file not found: {path!r}")
     try:
         with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
+            data = yaml.load(handle, Loader=_UniqueKeys)  # a safe loader, refusing repeated keys
     except yaml.YAMLError as error:
         raise ValueError(f"--config {path!r} is not valid YAML: {error}") from None
     except (OSError, UnicodeDecodeError) as error:

@@ -171,6 +171,8 @@ def test_bad_yaml_exits_2(tmp_path, capsys):
     not_mapping = _write_yaml(tmp_path, "- 1\n- 2\n")
     assert "mapping" in _exit_message(capsys, ["--config", not_mapping])
     assert "not found" in _exit_message(capsys, ["--config", str(tmp_path / "missing.yaml")])
+    twice = _write_yaml(tmp_path, "lr: 0.1\nseq_len: 64\nlr: 0.2\n", name="twice.yaml")  # YAML kept the last lr
+    assert "the key 'lr' is given twice" in _exit_message(capsys, ["--config", twice])
     # a bad YAML value is fine when the command line replaces it
     assert load_config(["--config", bad_value, "--sp", "1"]).sp == 1
 

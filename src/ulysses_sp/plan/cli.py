@@ -263,7 +263,7 @@ def plan_command(argv: Sequence[str]) -> int:
     rows = f" ({args.micro_batch} sequences)" if args.micro_batch > 1 else ""
     print(
         f"ulysses-sp plan: {name}, seq_len {args.seq_len:,} {split} {padded // args.sp:,} tokens per rank{rows}, "
-        f"dp {dp}, micro-batch {args.micro_batch}, {args.world_size} GPUs"
+        f"dp {dp}, micro-batch {args.micro_batch}, {args.world_size} GPU{'s' * (args.world_size != 1)}"
     )
     for note in shape.notes:
         print(f"note: {note}")
