@@ -65,7 +65,14 @@ def init_default_group(backend: str | None = None, timeout: datetime.timedelta |
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local_rank >= gpus:  # (CUDA's "invalid device ordinal" on this rank alone, otherwise)
+            raise ValueError(
+                f"LOCAL_RANK={local_rank}, but this machine shows {gpus} GPU(s) (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start at most {gpus} processes per node "
+                f"(torchrun --nproc-per-node {gpus}), one per GPU"
+            )
+        torch.cuda.set_device(local_rank)
     options = {} if timeout is None else {"timeout": timeout}
     if under_launcher(os.environ):
         dist.init_process_group(backend, **options)

@@ -183,6 +183,12 @@ def test_default_group_starts_once_as_one_rank_without_a_launcher_and_refuses_a_
     with pytest.raises(ValueError, match="WORLD_SIZE=4 is set but RANK is not"):
         init_default_group("gloo")
     monkeypatch.delenv("WORLD_SIZE")
+    # NCCL on a rank whose LOCAL_RANK names a GPU the machine lacks (torchrun --nproc-per-node above the GPUs):
+    # CUDA's "invalid device ordinal" on that rank alone before; named, before any group starts
+    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=\d+, but this machine shows \d+ GPU\(s\).*--nproc-per-node"):
+        init_default_group("nccl")
+    monkeypatch.delenv("LOCAL_RANK")
     assert not dist.is_initialized()
     init_default_group("gloo", datetime.timedelta(seconds=30))
     try:
