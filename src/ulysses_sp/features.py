@@ -302,7 +302,7 @@ def _check_head_chunks(model: nn.Module, wanted: int | None) -> None:
         return
     try:
         given = ulysses_context(model).head_chunks  # None: automatic
-    except ValueError:  # not parallelized: nothing runs in head chunks, as automatic (0) and 1 allow
+    except (ValueError, TypeError):  # not parallelized (or no transformers model): nothing runs in head chunks
         if wanted > 1:
             raise _head_chunks_error(wanted, "not parallelized") from None
         return

@@ -112,6 +112,13 @@ def layer_kv_chunks(requested: int | None, layout: ParallelLayout, num_heads: in
     ``layout`` (ValueError), and layers of several counts run unchunked (a ValueError when C > 1 was asked for)."""
     for kv_heads in layer_kv:
         layout.check_heads(num_heads, kv_heads)
+    return uneven_kv_chunks(requested, layer_kv)
+
+
+def uneven_kv_chunks(requested: int | None, layer_kv: list[int] | tuple[int, ...]) -> int | None:
+    """The head_chunks request where the layers hold ``layer_kv`` kv heads (as :func:`layer_kv_chunks`, without a
+    layout to check them on): 1 where several counts run unchunked, ``requested`` otherwise; ValueError for C > 1
+    there. The planner and ``ulysses-sp train``'s launcher ask it as parallelize does."""
     if len(layer_kv) < 2 or requested in (None, 0, 1):
         return 1 if len(layer_kv) > 1 else requested
     raise ValueError(

@@ -286,9 +286,10 @@ def _check_reduction(model: torch.nn.Module, layout: ParallelLayout) -> None:
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         wrapper, ranks = "DistributedDataParallel", _ranks(model.process_group)
     else:
-        mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
-        if mesh is None:
+        first = next(iter(model.parameters()), None)  # FSDP2 makes every parameter a DTensor: one tells
+        if not isinstance(first, DTensor):
             return
+        mesh = first.device_mesh
         wrapper, ranks = "FSDP2 (its device mesh)", set(mesh.mesh.flatten().tolist())
     wanted = _ranks(layout.loss_group)
     if layout.sp > 1 and wanted is not None:

@@ -132,6 +132,8 @@ def test_resume_none_is_no_resume_as_for_the_other_optional_flags(spelling, tmp_
         (["--metrics-file", "loss_curve.png"], "--metrics-file 'loss_curve.png' collides with the loss curve"),
         (["--metrics-file", ".ulysses-sp.lock"], "collides with the run's lock file"),
         (["--metrics-file", "checkpoint-0000001"], "collides with the checkpoints' folders"),
+        (["--metrics-file", "abandoned-checkpoint-2-20261130-070000"], "collides with the checkpoints' folders"),
+        (["--metrics-file", ".wandb-run-id"], "collides with the W&B run's id file"),
         # a flag the others switch off would be silently ignored
         (
             ["--no-tiled-loss", "--loss-chunk-tokens", "256"],
@@ -157,6 +159,9 @@ def test_chunk_flags_that_still_apply_are_accepted():
     # the MLP chunk also sizes the tiled norms; a stride of 1 and the default loss budget are no choice at all
     assert load_config(["--no-tiled-mlp", "--mlp-chunk-tokens", "8"]).mlp_chunk_tokens == 8
     assert load_config(["--activation-checkpointing", "none", "--checkpoint-stride", "1"]).checkpoint_stride == 1
+    # --checkpoint-stride none is the planner's choice, which --host-memory feeds (it was refused as a fixed stride)
+    assert load_config(["--host-memory", "1TiB", "--checkpoint-stride", "none"]).checkpoint_stride is None
+    assert load_config(["--metrics-file", "checkpoint-log.jsonl"]).metrics_file == "checkpoint-log.jsonl"  # no clash
     assert load_config(["--no-tiled-loss", "--loss-chunk-mib", "1024"]).tiled_loss is False
 
 

@@ -230,7 +230,9 @@ def test_a_config_whose_heads_vary_per_layer_is_planned_and_launched_not_a_trace
     heads, k = v), and reading either globally raises transformers' AmbiguousGlobalPerLayerAttributeError: plan,
     the launcher's layout check and the FLOP count crashed on it. Each now reads the layers' own values."""
     from tests.helpers.models import build
+    from ulysses_sp.features import Features
     from ulysses_sp.hf import config_size_problem, layer_values
+    from ulysses_sp.plan import plan_memory
     from ulysses_sp.plan.shape import ModelShape
     from ulysses_sp.train.model_factory import choose_run_layout
 
@@ -243,6 +245,13 @@ def test_a_config_whose_heads_vary_per_layer_is_planned_and_launched_not_a_trace
     assert shape.counted_params == sum(p.numel() for p in model.parameters())
     assert any("vary per layer" in note for note in shape.notes)
     assert choose_run_layout(TrainConfig(sp=2), hf_config=config)[0] == 1
+    # layers of several kv head counts run unchunked: the plan predicts that C, and C > 1 is refused before any rank
+    assert shape.layer_kv_heads == (1, 2)
+    assert plan_memory(shape, seq_len=1 << 20, sp=1, features=Features(head_chunks=None)).head_chunks == 1
+    with pytest.raises(ValueError, match=r"head_chunks=2: the model's layers hold different numbers of kv heads"):
+        plan_memory(shape, seq_len=1 << 20, sp=1, features=Features(head_chunks=2))
+    with pytest.raises(ValueError, match=r"--head-chunks 2 with --sp 2: head_chunks=2: the model's layers hold"):
+        choose_run_layout(TrainConfig(sp=2, head_chunks=2), hf_config=config)
     params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel() * (
         not config.get_text_config().tie_word_embeddings
     )

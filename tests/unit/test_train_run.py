@@ -84,6 +84,18 @@ def test_the_run_spec_is_resolved_once_and_travels_as_json(tmp_path):
         resolve_run(TrainConfig(output_dir=str(tmp_path), dataset=str(data)), world_size=2)
 
 
+def test_a_built_in_model_name_is_the_shape_even_beside_a_run_folder_of_that_name(tmp_path, monkeypatch):
+    """`ulysses-sp train --output-dir llama-tiny` leaves a run folder named as the default --model; every later run
+    from that directory (a fresh one elsewhere, or `--resume` of that one) was refused as "--model names a run's
+    --output-dir". A built-in name means the shape, and a resume takes its model from the checkpoint."""
+    checkpoint = tmp_path / "llama-tiny" / "checkpoint-0000002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text('{"step": 2}')
+    monkeypatch.chdir(tmp_path)
+    spec = resolve_run(load_config(["--output-dir", str(tmp_path / "other"), "--seq-len", "256"]), world_size=2)
+    assert spec.config.model == "llama-tiny" and spec.model_source is None
+
+
 @pytest.mark.parametrize(
     ("change", "needle"),
     [

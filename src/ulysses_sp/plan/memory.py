@@ -24,6 +24,7 @@ from typing import Any
 
 from ..features import Features
 from ..gated_tile import block_rows
+from ..head_split import uneven_kv_chunks
 from ..layout import choose_layout, resolve_ring_degree
 from ..ring import ring_bytes_per_layer
 from ..tiled_loss import chunk_bytes_per_logit, loss_chunk_tokens
@@ -215,9 +216,8 @@ def _terms(
     # what each part saved is freed once its backward is done, so the MLP side and the attention side
     # peak at different moments.
     # The attention block and its exchanges (:mod:`ulysses_sp.plan.attention`), its heads in C chunks.
-    chunks = planned_head_chunks(
-        features.head_chunks, heads, kv_heads, ulysses, tokens=t * ulysses, head_dim=d, element_size=c
-    )
+    requested = uneven_kv_chunks(features.head_chunks, shape.layer_kv_heads)  # 1 where kv heads vary per layer
+    chunks = planned_head_chunks(requested, heads, kv_heads, ulysses, tokens=t * ulysses, head_dim=d, element_size=c)
     # RMSNorm saves its fp32 input (an upcast copy under bf16), the normalised tensor cast back and its
     # output (saved by the projections after it). Input norm: under fp32 its input IS the layer input
     # (counted with the layer input), hence u; post-attention norm: the residual sum, always 4 bytes.

@@ -31,11 +31,12 @@ class ModelShape:
     counted_root_params: int | None = None  # outside the decoder layers
     counted_tensors: tuple[tuple[int, int, int], ...] | None = None  # (rows, row elements, count): param_tensors
     notes: tuple[str, ...] = ()  # where this shape only approximates the model (printed by plan)
+    layer_kv_heads: tuple[int, ...] = ()  # the distinct kv head counts where they vary per layer (run unchunked)
 
     @classmethod
     def from_config(cls, config: Any, name: str = "") -> ModelShape:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        from ..hf import layer_values  # (imports torch: not for `plan --help`)
+        from ..hf import layer_kv_heads, layer_values  # (imports torch: not for `plan --help`)
 
         heads = text.num_attention_heads
         head_dim = _widest(text, "head_dim") or text.hidden_size // heads
@@ -77,6 +78,7 @@ class ModelShape:
             counted_layer_params=counted[1] if counted else None,
             counted_root_params=counted[2] if counted else None,
             counted_tensors=counted[3] if counted else None,
+            layer_kv_heads=tuple(layer_kv_heads(text)),
             notes=tuple(notes),
         )
 

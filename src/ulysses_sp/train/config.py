@@ -397,14 +397,14 @@ def _fill_default_sp(values: dict[str, Any]) -> None:
 
 def _check_flags(config: TrainConfig, given: frozenset[str]) -> None:
     """Refuse a flag given on the command line whose value the run would not use."""
-    placed = [f"--checkpoint-stride {config.checkpoint_stride}"] if "checkpoint_stride" in given else []
+    placed = [f"--checkpoint-stride {config.checkpoint_stride}"] * ("checkpoint_stride" in given)
+    placed *= config.checkpoint_stride is not None  # (--checkpoint-stride none: the planner's choice, as the flag says)
     if "activation_checkpointing" in given and config.activation_checkpointing != "auto":
         placed.insert(0, f"--activation-checkpointing {config.activation_checkpointing}")
     if "host_memory" in given and config.host_memory_bytes and placed:
         raise ValueError(
-            f"--host-memory {config.host_memory} has no effect with {' and '.join(placed)}: train reads it only to "
-            "choose the checkpoints' place and stride (--activation-checkpointing auto, no --checkpoint-stride); "
-            "drop one of them"
+            f"--host-memory {config.host_memory} has no effect with {' and '.join(placed)}: it chooses only the "
+            "checkpoints' place and stride (--activation-checkpointing auto, no --checkpoint-stride); drop one"
         )
     if "seq_len" in given and not SeqLenSchedule.follows_default(config.seq_len_schedule):
         last = config.schedule().stages[-1][0]

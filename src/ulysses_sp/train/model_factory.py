@@ -30,8 +30,8 @@ from torch import nn
 from ulysses_sp.attention import check_ring_core
 from ulysses_sp.features import apply_features, cli_switch
 from ulysses_sp.fsdp import fully_shard_layers
-from ulysses_sp.head_split import check_head_chunks
-from ulysses_sp.hf import head_counts, layer_values
+from ulysses_sp.head_split import check_head_chunks, uneven_kv_chunks
+from ulysses_sp.hf import head_counts, layer_kv_heads, layer_values
 from ulysses_sp.layout import ParallelLayout, choose_layout, resolve_ring_degree
 from ulysses_sp.model import parallelize
 from ulysses_sp.shapes import EMBEDDED_VOCAB_SIZE, SHAPES, TOKENIZER_SIZED_SHAPES, random_model, shape_config
@@ -150,6 +150,7 @@ def choose_run_layout(
         raise ValueError(f"--attn-core {config.attn_core}: {error} (the ring comes from {chosen})") from None
     try:
         check_head_chunks(config.head_chunks, num_heads, kv_heads or num_heads, config.sp // ring)
+        uneven_kv_chunks(config.head_chunks, layer_kv_heads(text_config))  # (as parallelize will: before any rank)
     except ValueError as error:
         raise ValueError(f"--head-chunks {config.head_chunks} with --sp {config.sp}: {error}") from None
     return ring, reason

@@ -138,8 +138,8 @@ def taken_name(name: str) -> str | None:
     """What of a run's own files ``name`` would collide with in ``--output-dir`` (None: nothing), for
     ``--metrics-file``: a metrics file named as the loss curve was overwritten by it at the end of the run."""
     taken = {LOSS_CURVE: "the loss curve written beside the metrics file", LOCK_FILE: "the run's lock file"}
-    taken[TENSORBOARD_DIR] = "the TensorBoard event folder"
-    if re.match(r"(\.[a-z]+-)?checkpoint-", name):  # also the hidden names of one being saved or deleted
+    taken[TENSORBOARD_DIR], taken[".wandb-run-id"] = "the TensorBoard event folder", "the W&B run's id file"
+    if re.fullmatch(r"(\.[a-z]+-|abandoned-)?checkpoint-\d+.*", name):  # also one being saved, deleted, set aside
         return "the checkpoints' folders (checkpoint-N)"
     return taken.get(name)
 

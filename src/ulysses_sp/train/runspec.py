@@ -261,7 +261,8 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
             f"to {config.metrics_file} only (pip install 'ulysses-sp[{report_to}]')"
         )
         report_to = "none"
-    _check_not_a_run_folder(config.model)
+    if resume is None and config.model not in SHAPES:  # (a built-in name is the shape; a resume reads its own)
+        _check_not_a_run_folder(config.model)
     source = tokenizer_source(config)
     flag = "--tokenizer" if config.tokenizer is not None else "--model (its own tokenizer; --tokenizer picks one)"
     tokenizer = load_tokenizer(source, flag=flag)
