@@ -269,6 +269,7 @@ def test_bench_lengths_are_checked_per_value_naming_the_flag():
         (dict(worlds=(2, -2)), "--worlds must be >= 1"),
         (dict(memory_sp=(0,)), "--memory-sp must be >= 1"),
         (dict(gpu_step_budget_s=float("nan")), "--gpu-step-budget-s must be > 0"),
+        (dict(gpu_step_budget_s=float("inf")), "--gpu-step-budget-s must be > 0 and finite, got inf"),
     ]:
         with pytest.raises(ValueError, match=message):
             BenchConfig(**bad).validate()

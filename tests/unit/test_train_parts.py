@@ -148,6 +148,11 @@ def test_summary_tells_where_the_checkpoint_is():
     assert "loss 10.8000 -> 6.5000, held-out 6.9000" in text and "1.3k tokens/s" in text
     assert "peak memory 7.10 GiB (rank 0)" in text  # 2**30 bytes: GiB, not GB
     assert 'from_pretrained("runs/x/checkpoint-0000016")' in text and "runs/x/metrics.jsonl" in text
+    # --resume with a --max-steps that ends before the checkpoint's step: say how to go back to an earlier one
+    past = format_summary(summary | {"first_loss": None, "step": 4, "total_steps": 2}, "runs/x/metrics.jsonl")
+    assert "nothing to train: already at step 4 of 2 (to train from an earlier checkpoint, name it: --resume" in past
+    done = format_summary(summary | {"first_loss": None, "step": 2, "total_steps": 2}, "runs/x/metrics.jsonl")
+    assert "already at step 2 of 2\n" in done and "an earlier checkpoint" not in done
 
 
 def test_builtin_models_and_the_sp_check():

@@ -96,8 +96,8 @@ class BenchConfig:
             )
         if self.gpu_settings()["gpu_memory_bytes"] == 0:  # (parses the sizes, naming the flag on error)
             raise ValueError(f"--gpu-memory must be more than 0 (or 'none': the card's), got {self.gpu_memory!r}")
-        if not self.gpu_step_budget_s > 0:  # nan too
-            raise ValueError(f"--gpu-step-budget-s must be > 0, got {self.gpu_step_budget_s}")
+        if not 0 < self.gpu_step_budget_s < float("inf"):  # nan too
+            raise ValueError(f"--gpu-step-budget-s must be > 0 and finite, got {self.gpu_step_budget_s}")
         if self.loss_tokens is not None and self.loss_tokens < 0:
             raise ValueError(f"--loss-tokens must be >= 0 (0: skip the tiled-loss section), got {self.loss_tokens}")
         for name in ("seq_len", "memory_seq_lens", "head_chunk_seq_lens", "reps", "loss_vocab", "worlds", "memory_sp"):

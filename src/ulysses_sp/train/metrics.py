@@ -204,6 +204,8 @@ def format_summary(summary: dict[str, Any], metrics_path: str | os.PathLike[str]
     lines = []
     if summary["first_loss"] is None:
         lines.append(f"nothing to train: already at step {summary['step']} of {summary['total_steps']}")
+        if summary["step"] > summary["total_steps"]:  # a --max-steps / --epochs that ends before the checkpoint
+            lines[-1] += " (to train from an earlier checkpoint, name it: --resume <output-dir>/checkpoint-N)"
     else:
         held_out = f", held-out {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
         verb = "stopped" if summary.get("stopped") else "done"
