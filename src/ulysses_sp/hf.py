@@ -186,8 +186,8 @@ def config_size_problem(config: Any) -> str | None:
     heads, kv_heads = head_counts(text)  # kv heads: the heads where the config has none
     if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
         return f"its config's num_key_value_heads={kv_heads!r} does not divide num_attention_heads={heads}"
-    head_dims = layer_values(text, "head_dim")
-    if not (all(head_dims) if head_dims else getattr(text, "head_dim", None)) and text.hidden_size % heads:
+    head_dims = layer_values(text, "head_dim") or [getattr(text, "head_dim", None)]
+    if not all(head_dims) and text.hidden_size % heads:
         return f"its config's hidden_size={text.hidden_size} is not a multiple of num_attention_heads={heads}"
     return None
 

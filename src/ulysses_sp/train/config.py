@@ -397,8 +397,8 @@ def _fill_default_sp(values: dict[str, Any]) -> None:
 
 def _check_flags(config: TrainConfig, given: frozenset[str]) -> None:
     """Refuse a flag given on the command line whose value the run would not use."""
-    placed = [f"--checkpoint-stride {config.checkpoint_stride}"] * ("checkpoint_stride" in given)
-    placed *= config.checkpoint_stride is not None  # (--checkpoint-stride none: the planner's choice, as the flag says)
+    stride = "checkpoint_stride" in given and config.checkpoint_stride is not None  # (none: the planner's choice)
+    placed = [f"--checkpoint-stride {config.checkpoint_stride}"] if stride else []
     if "activation_checkpointing" in given and config.activation_checkpointing != "auto":
         placed.insert(0, f"--activation-checkpointing {config.activation_checkpointing}")
     if "host_memory" in given and config.host_memory_bytes and placed:

@@ -149,7 +149,7 @@ def choose_run_layout(
         chosen = "--ring" if config.ring is not None else f"the ring chosen from the heads ({num_heads} heads, --sp)"
         raise ValueError(f"--attn-core {config.attn_core}: {error} (the ring comes from {chosen})") from None
     try:
-        check_head_chunks(config.head_chunks, num_heads, kv_heads or num_heads, config.sp // ring)
+        check_head_chunks(config.head_chunks, num_heads, kv_heads, config.sp // ring)
         uneven_kv_chunks(config.head_chunks, layer_kv_heads(text_config))  # (as parallelize will: before any rank)
     except ValueError as error:
         raise ValueError(f"--head-chunks {config.head_chunks} with --sp {config.sp}: {error}") from None
