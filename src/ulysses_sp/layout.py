@@ -322,6 +322,28 @@ class ParallelLayout:
                 f"ring=...), or leave ring=None and pass num_heads/num_kv_heads to choose automatically)"
             ) from None
 
+    def __getstate__(self) -> dict[str, object]:
+        """pickle / torch.save: a rank view or a layout without process groups pickles; groups live in this process
+        only, so a layout with any is a TypeError naming what to save instead (a model holds its layout while it
+        is parallelized)."""
+        groups = (self.sp_group, self.dp_group, self.loss_group, self.ring_group, self.ulysses_group, self.mesh)
+        if any(group is not None for group in groups):
+            raise TypeError(
+                f"cannot pickle {self!r}: its process groups exist in this process only. To save a model that "
+                "ulysses_sp.parallelize changed, save its weights (torch.save(model.state_dict(), path) or "
+                "model.save_pretrained(path)) or call ulysses_sp.unparallelize(model) first; to send where a rank "
+                "sits, pickle ParallelLayout.rank_view(sp, sp_rank, dp=..., dp_rank=..., ring=...)"
+            )
+        return dict(self.__dict__)
+
+    def __copy__(self) -> ParallelLayout:  # the same groups (copy.copy would otherwise go through __getstate__)
+        copied = object.__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
+
+    def __deepcopy__(self, memo: dict) -> ParallelLayout:
+        return self  # read-only, and process groups cannot be copied: a copy (of a model, say) shares them
+
     def __repr__(self) -> str:
         ring = f", ulysses={self.ulysses}, ring={self.ring}" if self.ring > 1 else ""
         return (

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import io
+import pickle
 
 import torch
 
@@ -371,6 +373,38 @@ def deepcopy_parallelized(layout) -> None:
         model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
 
 
+def pickle_parallelized(layout) -> None:
+    """torch.save / pickle of a parallelized model (its memory features on, DDP-wrapped too) is one TypeError naming
+    what to save instead; the weights save, and so does a model once unparallelized."""
+    model = U.parallelize(build("llama", kv_heads=2), layout)
+    U.apply_features(model, U.Features(), "cpu")
+    saves = {
+        "torch.save": lambda: torch.save(model, io.BytesIO()),
+        "pickle": lambda: pickle.dumps(model),
+        "ddp": lambda: torch.save(torch.nn.parallel.DistributedDataParallel(model), io.BytesIO()),
+        "layout": lambda: pickle.dumps(layout),
+    }
+    for name, save in saves.items():
+        try:
+            save()
+        except TypeError as err:
+            assert "cannot pickle ParallelLayout(dp=1, sp=2" in str(err), (name, str(err))
+            assert all(fix in str(err) for fix in ("model.state_dict()", "save_pretrained", "unparallelize")), err
+        else:
+            raise AssertionError(f"{name}: no TypeError")
+    assert copy.deepcopy(layout) is layout and copy.copy(layout).sp_group is layout.sp_group
+    weights = io.BytesIO()
+    torch.save(model.state_dict(), weights)
+    plain = U.unparallelize(U.parallelize(build("llama", kv_heads=2), layout))
+    whole = io.BytesIO()
+    torch.save(plain, whole)
+    loaded = torch.load(io.BytesIO(weights.getvalue())), torch.load(io.BytesIO(whole.getvalue()), weights_only=False)
+    for want, got in ((model.state_dict(), loaded[0]), (plain.state_dict(), loaded[1].state_dict())):
+        assert want.keys() == got.keys()
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=0)
+
+
 def world2_cases(sp2) -> dict:
     P = functools.partial
     return {
@@ -387,6 +421,7 @@ def world2_cases(sp2) -> dict:
         "bad_label_id_in_plain_loss": P(bad_label_in_plain_loss, sp2),
         "float_input_ids": P(float_input_ids, sp2),
         "deepcopy_parallelized": P(deepcopy_parallelized, sp2),
+        "pickle_parallelized": P(pickle_parallelized, sp2),
         "own_mask_refused": P(own_mask_refused, sp2),
         **router_aux_cases(sp2, "sp2", make_batch(2, 23, pad="right"), (False, True)),
         **{

@@ -164,6 +164,16 @@ def test_layout_validation():
         three.check_heads(12, 4)
 
 
+def test_a_layout_pickles_without_process_groups():
+    """A rank view or a one-process layout pickles (a dataloader worker receives one); the fields survive."""
+    import pickle
+
+    for layout in (U.ParallelLayout.rank_view(4, 3, dp=2, dp_rank=1, ring=2), U.ParallelLayout.single()):
+        got = pickle.loads(pickle.dumps(layout))
+        assert repr(got) == repr(layout) and (got.is_view, got.sp_group) == (layout.is_view, None)
+        assert copy.deepcopy(layout) is layout
+
+
 def test_from_env_without_launcher(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert U.ParallelLayout.from_env(sp=1).world_size == 1
