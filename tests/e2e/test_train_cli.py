@@ -259,6 +259,33 @@ def test_the_ranks_start_while_the_launcher_resolves_and_a_refusal_or_sigterm_st
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_a_sighup_while_a_one_process_run_resolves_is_one_line(tmp_path, corpus_file):
+    """--nproc 1 (no ranks started): a SIGHUP while the run is resolved ends the command with one line and 129, as
+    with several ranks (the signal's default ended it in silence), and the handlers from before come back."""
+    from tests.e2e.train_cli_helpers import main_in_process
+
+    def stand_in_resolution(config, world_size):
+        os.kill(os.getpid(), signal.SIGHUP)  # the command's handler raises at the next bytecode
+        time.sleep(5)
+        raise AssertionError("SIGHUP did not stop the resolution")
+
+    def not_the_command_s(signum, frame):  # without a handler of the command's, SIGHUP would end pytest
+        raise AssertionError("SIGHUP reached the test's own handler: the command had none while it resolved")
+
+    one = [*TINY[: TINY.index("--nproc")], "--nproc", "1", "--sp", "1"]
+    args = [*one, "--dataset", str(corpus_file), "--output-dir", str(tmp_path / "run")]
+    previous = signal.signal(signal.SIGHUP, not_the_command_s)
+    try:
+        with mock.patch("ulysses_sp.train.runspec.resolve_run", stand_in_resolution):
+            result = main_in_process(["train", *args])
+        handler = signal.getsignal(signal.SIGHUP)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    line = "ulysses-sp train: stopped by SIGHUP while resolving the run (nothing trained or saved)"
+    assert result.returncode == 128 + signal.SIGHUP and result.stderr.strip().splitlines() == [line], result.stderr
+    assert handler is not_the_command_s
+
+
 def test_when_a_rank_dies_the_run_ends_promptly_naming_it(tmp_path, corpus_file):
     """Our own launcher: rank 1 exits after step 2; the command stops rank 0 and exits non-zero."""
     start = time.monotonic()

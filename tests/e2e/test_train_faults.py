@@ -197,3 +197,25 @@ def test_sigterm_to_the_launcher_then_resume_keeps_every_held_out_loss(tmp_path,
     final = load_file(stopped / checkpoint_name(5) / "model.safetensors")
     for name, tensor in load_file(reference / checkpoint_name(5) / "model.safetensors").items():
         assert tensor.equal(final[name]), name
+
+
+@pytest.mark.parametrize(("signum", "flags"), [(signal.SIGHUP, []), (signal.SIGTERM, ["--no-save-on-sigterm"])])
+def test_a_signal_that_saves_nothing_ends_a_one_process_run_with_one_line(signum, flags, tmp_path, corpus_file):
+    """--nproc 1 trains in the command's own process: a SIGHUP (the terminal closed), or a SIGTERM that is not to
+    save, ends it as it ends a run of several ranks, with one line naming the signal and status 128 + the signal
+    (it ended in silence, killed by the signal), its metrics file whole and no checkpoint."""
+    one = [*TINY[: TINY.index("--nproc")], "--nproc", "1", "--sp", "1", "--log-every", "1"]
+    out = tmp_path / "one"
+    args = [*one, "--dataset", str(corpus_file), "--max-steps", "300", "--eval-every", "0", "--output-dir", str(out)]
+    run = cli.start_cli([*args, "--save-every", "0", *flags], cli.cli_env(), stdout=subprocess.DEVNULL)
+    try:
+        cli.wait_for_step(out, 2, run)
+        os.kill(run.pid, signum)
+        _, stderr = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 128 + signum, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"ulysses-sp train: stopped by {signum.name}"), stderr
+    assert cli.records(out)[-1]["step"] >= 2 and not _names(out)

@@ -35,12 +35,11 @@ from types import FrameType
 from typing import Any
 
 from ulysses_sp.train.errors import ERROR_DIR_ENV, read_rank_errors
-from ulysses_sp.train.lifeline import LAUNCHER_PID_ENV, PREEMPTED_STATUS
+from ulysses_sp.train.lifeline import LAUNCHER_PID_ENV, PREEMPTED_STATUS, STOP_SIGNALS, raise_stopped
 
 __all__ = [
     "SPEC_ENV",
     "LocalRanks",
-    "Stopped",
     "apply_slurm_env",
     "expected_world_size",
     "wait_for_spec",
@@ -50,7 +49,6 @@ SPEC_ENV = "ULYSSES_SP_RUN_SPEC"  # the run spec file our launcher hands its ran
 _POLL_S = 0.1
 _STOP_GRACE_S = 120.0  # how long the other ranks may take to finish once one stopped after a SIGTERM save
 _CLOSE_GRACE_S = 8.0  # how long rank 0 may take to close its logs once a rank handed over an error
-_STOPS = (signal.SIGTERM, signal.SIGHUP)  # signals that end the launcher (Ctrl-C: KeyboardInterrupt)
 
 
 def apply_slurm_env(environ: MutableMapping[str, str]) -> bool:
@@ -116,24 +114,13 @@ def _rank_env(nproc: int, port: int, spec_file: Path, error_dir: Path) -> dict[s
     return env
 
 
-class Stopped(Exception):
-    """SIGTERM or SIGHUP reached the launcher while it resolved the run: nothing trained, nothing to save."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_stopped(signum: int, frame: FrameType | None) -> None:
-    raise Stopped(signum)
-
-
 class LocalRanks:
     """``nproc`` local ranks of ``python -m ulysses_sp train ARGV``, started on entry, before the run is resolved:
     they import torch, transformers and our modules (seconds) while this process resolves the run, and wait for
     :meth:`train` to write the spec to ``spec_file``. On exit every rank still alive is killed (a refused run:
     they never saw a spec). ``lock_fd`` (the output directory's lock) is passed to them. Until :meth:`train`,
-    SIGTERM and SIGHUP raise :class:`Stopped`, so the ranks and the caller's temporary files go too.
+    SIGTERM and SIGHUP raise :class:`~ulysses_sp.train.lifeline.Stopped`, so the ranks and the caller's temporary
+    files go too.
 
     On a CPU-only machine each rank gets ``cpu_count // nproc`` threads unless ``OMP_NUM_THREADS`` is set.
     """
@@ -155,7 +142,7 @@ class LocalRanks:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.nproc))
         command = [sys.executable, "-m", "ulysses_sp", "train", *self.argv]  # the flags only show in `ps`
         if threading.current_thread() is threading.main_thread():
-            self._previous = {signum: signal.signal(signum, _raise_stopped) for signum in _STOPS}
+            self._previous = {signum: signal.signal(signum, raise_stopped) for signum in STOP_SIGNALS}
         try:
             for rank in range(self.nproc):
                 rank_env = env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}
@@ -178,7 +165,7 @@ class LocalRanks:
         partial = self.spec_file.with_name(self.spec_file.name + ".partial")
         partial.write_text(spec_json, encoding="utf-8")
         os.replace(partial, self.spec_file)
-        previous = {signum: signal.signal(signum, self.run.on_signal) for signum in (signal.SIGINT, *_STOPS)}
+        previous = {signum: signal.signal(signum, self.run.on_signal) for signum in (signal.SIGINT, *STOP_SIGNALS)}
         try:
             return _monitor(self.run, self.error_dir, save_on_sigterm)
         finally:

@@ -9,6 +9,8 @@
 - :class:`RankSignals`: SIGTERM (a preemption notice) only sets a flag, which the training loop agrees on
   across ranks at the next step boundary to save and stop together; under a launcher, SIGINT ends the rank
   at once and silently (the launcher prints the one line about it).
+- :func:`stopped_by_signals`: in the command's own process, SIGTERM and SIGHUP (a closed terminal) raise
+  :class:`Stopped`, so the command ends with one line and 128 + the signal, as Ctrl-C ends it with 130.
 - :func:`exit_now`: a process that has done its work (a rank of our own launcher, the command itself) exits
   without the interpreter's teardown of the ~2,500 modules that torch and transformers load: 2-3 s at the
   end of every process of a run, measured on CPU.
@@ -17,20 +19,31 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import FrameType
 from typing import NoReturn
 
-__all__ = ["LAUNCHER_PID_ENV", "PREEMPTED_STATUS", "RankSignals", "die_with_launcher", "exit_now"]
+__all__ = [
+    "LAUNCHER_PID_ENV",
+    "PREEMPTED_STATUS",
+    "STOP_SIGNALS",
+    "RankSignals",
+    "Stopped",
+    "die_with_launcher",
+    "exit_now",
+    "stopped_by_signals",
+]
 
 LAUNCHER_PID_ENV = "ULYSSES_SP_LAUNCHER_PID"
 PREEMPTED_STATUS = 128 + signal.SIGTERM  # 143: stopped by SIGTERM after saving a checkpoint
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # signals that end the command (Ctrl-C: KeyboardInterrupt)
 _PR_SET_PDEATHSIG = 1
 _WATCH_INTERVAL_S = 0.5
 
@@ -112,3 +125,30 @@ class RankSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)  # type: ignore[arg-type]
         self._previous.clear()
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP stopped the command (see :func:`stopped_by_signals`). A BaseException, as
+    KeyboardInterrupt is: no ``except Exception`` on its way up turns it into another error."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_stopped(signum: int, frame: FrameType | None) -> None:
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stopped_by_signals() -> Iterator[None]:
+    """Inside, SIGTERM and SIGHUP raise :class:`Stopped` (on the main thread; elsewhere nothing changes); the
+    previous handlers come back on exit. A handler installed inside (:class:`RankSignals`) takes precedence."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {signum: signal.signal(signum, raise_stopped) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -9,7 +9,8 @@ process launches, or as one rank of torchrun / accelerate / Slurm.
   broadcasts it (or its error) to the others.
 
 Exit status: 0 done, 2 bad input (one line naming the flag or file), 1 a failure (one line when it is one a
-user can act on, such as a full disk or non-finite training), 130 Ctrl-C, 143 stopped by SIGTERM after saving.
+user can act on, such as a full disk or non-finite training), 130 Ctrl-C, 143 stopped by SIGTERM after saving,
+128 + the signal for a SIGHUP (a closed terminal) or a SIGTERM that saves nothing (one line, whatever ``--nproc``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -25,7 +27,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ulysses_sp.train.errors import RunError, disk_error, first_line, report_error
-from ulysses_sp.train.lifeline import PREEMPTED_STATUS, RankSignals, die_with_launcher, exit_now
+from ulysses_sp.train.lifeline import (
+    PREEMPTED_STATUS,
+    RankSignals,
+    Stopped,
+    die_with_launcher,
+    exit_now,
+    stopped_by_signals,
+)
 from ulysses_sp.train.outdir import OutputDirLock, prepare_output_dir
 
 if TYPE_CHECKING:
@@ -63,15 +72,14 @@ def train_command(argv: Sequence[str]) -> int:
         return _print_error(str(error))
     except KeyboardInterrupt:
         return _interrupted()
-    from ulysses_sp.train.launch import Stopped
-
     with lock:
         try:
             return _resolve_and_run(argv, config, nproc, lock)
         except KeyboardInterrupt:  # before the launcher's own handlers are in place
             return _interrupted()
         except Stopped as stopped:
-            message = f"stopped by {stopped} while resolving the run (nothing trained or saved); its ranks were stopped"
+            ranks = "; its ranks were stopped" if nproc > 1 else ""
+            message = f"stopped by {stopped} while resolving the run (nothing trained or saved){ranks}"
             print(f"ulysses-sp train: {message}", file=sys.stderr, flush=True)
             return 128 + stopped.signum
 
@@ -87,6 +95,8 @@ def _resolve_and_run(argv: Sequence[str], config: TrainConfig, nproc: int, lock:
         if nproc > 1:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="ulysses-sp-run-"))
             ranks = stack.enter_context(LocalRanks(argv, nproc, Path(tmp) / "run.json", lock_fd=lock.fileno()))
+        else:  # SIGTERM and SIGHUP end the command with one line, as LocalRanks has them do (run_rank's own inside)
+            stack.enter_context(stopped_by_signals())
         try:
             spec = resolve_run(config, nproc)
         except ValueError as error:
@@ -227,6 +237,11 @@ def run_rank(spec: RunSpec | None, config: TrainConfig | None = None) -> int:
         return report_error(str(error), error.status, rank)
     except KeyboardInterrupt:  # one process, no launcher: Ctrl-C
         return _interrupted()
+    except Stopped as stopped:  # one process, no launcher: SIGHUP, or SIGTERM with --no-save-on-sigterm
+        saved = " without saving (--no-save-on-sigterm)" if stopped.signum == signal.SIGTERM else ""
+        message = f"stopped by {stopped}{saved}; --resume continues from the last checkpoint, if any"
+        print(f"ulysses-sp train: {message}", file=sys.stderr, flush=True)
+        return 128 + stopped.signum
     except Exception as error:
         message = disk_error(error, settings.output_dir)
         if message is None:
