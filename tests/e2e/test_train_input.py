@@ -115,9 +115,10 @@ def test_bad_data_tokenizer_or_output_dir_is_one_line(case, tmp_path):
         (["--max-grad-norm", "nan"], "--max-grad-norm", None),
         (["--label-smoothing", "1"], "--label-smoothing must be in [0, 1)", None),
         (["--nproc", "0"], "--nproc", "--sp"),
+        (["--nproc", "1000", "--sp", "2"], "--nproc 1000 is more than", None),  # (no rank started: refuse_in_process)
     ],
 )
-def test_non_finite_numbers_and_nproc_0_name_their_flag(args, needle, not_blamed, tmp_path):
+def test_non_finite_numbers_and_bad_nproc_name_their_flag(args, needle, not_blamed, tmp_path):
     result = refuse_in_process([*args, "--output-dir", str(tmp_path)])
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr and "Traceback" not in result.stderr, result.stderr

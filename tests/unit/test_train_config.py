@@ -270,15 +270,25 @@ def test_validate_direct_use():
     TrainConfig(eval_every=0, eval_fraction=0.0).validate()
 
 
-def test_resolved_nproc_and_dtype():
-    assert TrainConfig().resolved_nproc(num_gpus=0) == 2
-    assert TrainConfig(sp=4).resolved_nproc(num_gpus=8) == 8
-    assert TrainConfig(sp=2, nproc=6).resolved_nproc(num_gpus=8) == 6
+def test_local_nproc_and_dtype():
+    from ulysses_sp.train.launch import local_nproc
+
+    assert local_nproc(None, 2, num_gpus=0, num_cpus=2) == 2
+    assert local_nproc(None, 4, num_gpus=8, num_cpus=2) == 8  # GPUs: one rank each, whatever the cores
+    assert local_nproc(6, 2, num_gpus=8, num_cpus=2) == 6
     with pytest.raises(ValueError, match="not a multiple of --sp 3"):
-        TrainConfig(sp=3).resolved_nproc(num_gpus=8)
+        local_nproc(None, 3, num_gpus=8, num_cpus=2)
     with pytest.raises(ValueError, match="--nproc 4 is more than the 2 GPU"):  # rank 2 would ask for GPU 2
-        TrainConfig(sp=2, nproc=4).resolved_nproc(num_gpus=2)
-    assert TrainConfig(sp=2, nproc=4).resolved_nproc(num_gpus=0) == 4  # CPU ranks: as many as asked
+        local_nproc(4, 2, num_gpus=2, num_cpus=64)
+    assert local_nproc(8, 2, num_gpus=0, num_cpus=2) == 8  # CPU ranks: up to 4 per core (sp=8 tried on a laptop)
+    with pytest.raises(
+        ValueError, match=r"--nproc 1000 is more than 4 ranks per CPU core \(2 usable here: at most 8\)"
+    ):
+        local_nproc(1000, 2, num_gpus=0, num_cpus=2)  # (they started until memory or the store gave out)
+    with pytest.raises(ValueError, match="pass --nproc 6 or fewer"):  # the most that --sp 3 divides
+        local_nproc(9, 3, num_gpus=0, num_cpus=2)
+    with pytest.raises(ValueError, match="lower --sp 16 to 8 or fewer"):
+        local_nproc(16, 16, num_gpus=0, num_cpus=2)
     assert TrainConfig().torch_dtype("cpu") == torch.float32
     assert TrainConfig().torch_dtype("cuda") == torch.bfloat16
     with pytest.raises(ValueError, match="--dtype must be one of auto, bf16, fp32"):  # fp16 would need loss scaling

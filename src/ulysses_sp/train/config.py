@@ -72,7 +72,8 @@ class TrainConfig(Features):
     )
     nproc: int | None = option(
         None,
-        help="Number of processes to launch; 'none' = one per GPU, or 2 on a CPU-only machine.",
+        help="Number of processes to launch (at most one per GPU, or 4 per CPU core on a CPU-only machine); "
+        "'none' = one per GPU, or 2 on a CPU-only machine.",
     )
     # --- data -------------------------------------------------------------------------------------
     dataset: str = option(
@@ -339,22 +340,6 @@ class TrainConfig(Features):
     def schedule(self) -> SeqLenSchedule:
         """The sequence-length schedule (a fixed ``seq_len`` when ``seq_len_schedule`` is empty)."""
         return SeqLenSchedule.parse(self.seq_len_schedule, self.seq_len)
-
-    def resolved_nproc(self, num_gpus: int) -> int:
-        """Processes to launch: ``nproc`` if set (at most one per GPU), else one per GPU, else 2 on a CPU-only
-        machine."""
-        nproc = self.nproc if self.nproc is not None else (num_gpus if num_gpus > 0 else 2)
-        if 0 < num_gpus < nproc:  # rank r takes GPU r (LOCAL_RANK): the others failed in CUDA on their ranks
-            raise ValueError(
-                f"--nproc {nproc} is more than the {num_gpus} GPU(s) this machine shows (each local rank takes one): "
-                f"pass --nproc {num_gpus} or fewer, or start ranks on several machines with torchrun or srun"
-            )
-        if nproc % self.sp:
-            raise ValueError(
-                f"--nproc resolves to {nproc} processes ({num_gpus} GPUs found), which is not a multiple of "
-                f"--sp {self.sp}; pass --nproc explicitly or change --sp"
-            )
-        return nproc
 
 
 def _require(ok: bool, message: str) -> None:

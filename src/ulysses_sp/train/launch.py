@@ -42,12 +42,15 @@ __all__ = [
     "LocalRanks",
     "apply_slurm_env",
     "expected_world_size",
+    "local_nproc",
+    "usable_cpus",
     "wait_for_spec",
 ]
 
 SPEC_ENV = "ULYSSES_SP_RUN_SPEC"  # the run spec file our launcher hands its ranks (see runspec.py)
 _POLL_S = 0.1
 _STOP_GRACE_S = 120.0  # how long the other ranks may take to finish once one stopped after a SIGTERM save
+RANKS_PER_CPU = 4  # local CPU ranks per usable core at most: more only wait on one another (see local_nproc)
 _CLOSE_GRACE_S = 8.0  # how long rank 0 may take to close its logs once a rank handed over an error
 
 
@@ -86,6 +89,42 @@ def expected_world_size(nproc: int | None, num_gpus: int, environ: MutableMappin
     return num_gpus if num_gpus > 0 else 2
 
 
+def usable_cpus() -> int:
+    """The CPU cores this process may run on (its affinity: a container's or ``taskset``'s share, not the host's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def local_nproc(nproc: int | None, sp: int, num_gpus: int, num_cpus: int) -> int:
+    """Processes to launch on this machine: ``nproc`` if set, else one per GPU, else 2 on a CPU-only machine.
+    ValueError, before any rank starts, for more than the GPUs (rank r takes GPU r), more than
+    :data:`RANKS_PER_CPU` per core on a CPU-only machine (each rank is a process with its own torch, model and
+    threads: a thousand ranks on a laptop started until memory or the store gave out), or a count that is not a
+    multiple of ``sp``."""
+    nproc = nproc if nproc is not None else (num_gpus if num_gpus > 0 else 2)
+    if 0 < num_gpus < nproc:  # rank r takes GPU r (LOCAL_RANK): the others failed in CUDA on their ranks
+        raise ValueError(
+            f"--nproc {nproc} is more than the {num_gpus} GPU(s) this machine shows (each local rank takes one): "
+            f"pass --nproc {num_gpus} or fewer, or start ranks on several machines with torchrun or srun"
+        )
+    limit = RANKS_PER_CPU * num_cpus
+    if num_gpus == 0 and nproc > limit:
+        fits = limit - limit % sp
+        fix = f"pass --nproc {fits} or fewer" if fits else f"lower --sp {sp} to {limit} or fewer"
+        raise ValueError(
+            f"--nproc {nproc} is more than {RANKS_PER_CPU} ranks per CPU core ({num_cpus} usable here: at most "
+            f"{limit}); each CPU rank is a process with its own torch, model and threads, so more only wait on one "
+            f"another: {fix}, or start ranks on several machines with torchrun or srun"
+        )
+    if nproc % sp:
+        raise ValueError(
+            f"--nproc resolves to {nproc} processes ({num_gpus} GPUs found), which is not a multiple of "
+            f"--sp {sp}; pass --nproc explicitly or change --sp"
+        )
+    return nproc
+
+
 @dataclass
 class _Run:
     """The ranks of one local launch and what happened to them."""
@@ -122,7 +161,7 @@ class LocalRanks:
     SIGTERM and SIGHUP raise :class:`~ulysses_sp.train.lifeline.Stopped`, so the ranks and the caller's temporary
     files go too.
 
-    On a CPU-only machine each rank gets ``cpu_count // nproc`` threads unless ``OMP_NUM_THREADS`` is set.
+    On a CPU-only machine each rank gets ``usable_cpus() // nproc`` threads unless ``OMP_NUM_THREADS`` is set.
     """
 
     def __init__(self, argv: Sequence[str], nproc: int, spec_file: Path, *, lock_fd: int) -> None:
@@ -139,7 +178,7 @@ class LocalRanks:
         self.error_dir.mkdir(exist_ok=True)
         env = _rank_env(self.nproc, self.store.port, self.spec_file, self.error_dir)
         if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.nproc))
+            env["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // self.nproc))
         command = [sys.executable, "-m", "ulysses_sp", "train", *self.argv]  # the flags only show in `ps`
         if threading.current_thread() is threading.main_thread():
             self._previous = {signum: signal.signal(signum, raise_stopped) for signum in STOP_SIGNALS}

@@ -51,7 +51,7 @@ def _print_error(message: str) -> int:
 
 def train_command(argv: Sequence[str]) -> int:
     """``ulysses-sp train ARGV``; returns the exit status (see the module docstring)."""
-    from ulysses_sp.train.launch import SPEC_ENV, apply_slurm_env
+    from ulysses_sp.train.launch import SPEC_ENV, apply_slurm_env, local_nproc, usable_cpus
 
     if SPEC_ENV in os.environ:  # a rank of our own launcher, started while it resolves the run
         exit_now(_launched_rank(Path(os.environ[SPEC_ENV])))  # a process of its own: no module teardown
@@ -66,7 +66,7 @@ def train_command(argv: Sequence[str]) -> int:
             return run_rank(None, config)
         import torch
 
-        nproc = config.resolved_nproc(torch.cuda.device_count())
+        nproc = local_nproc(config.nproc, config.sp, torch.cuda.device_count(), usable_cpus())
         lock = OutputDirLock(prepare_output_dir(config.output_dir))
     except ValueError as error:
         return _print_error(str(error))
