@@ -87,6 +87,37 @@ def test_metrics_log_drops_the_lost_steps_of_an_interrupted_run(tmp_path):
     assert not (tmp_path / "other.jsonl").exists()
 
 
+def test_a_checkpoint_resumed_twice_logs_its_owed_held_out_loss_once_to_tensorboard(tmp_path):
+    """A SIGTERM saved step 2 before its held-out loss; a resume computes it first, is killed after step 3, and the
+    same checkpoint is resumed again: TensorBoard shows that loss once (the second resume logged it a second time,
+    at the same step), and every step's training loss once."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ulysses_sp.train.tracking import make_reporter
+
+    path, board = tmp_path / "metrics.jsonl", tmp_path / "tensorboard"
+
+    def run(resume_step, records, redo_eval=False):
+        where = {"output_dir": tmp_path, "tensorboard_dir": board, "config": {}, "resume_step": resume_step}
+        reporter = make_reporter("tensorboard", **where)
+        log = MetricsLog(path, enabled=True, resume_step=resume_step, reporter=reporter, redo_eval=redo_eval)
+        for record in records:
+            log.write(record)
+        log.close()
+
+    run(None, [{"event": "train", "step": 1, "loss": 9.0}, {"event": "eval", "step": 1, "eval_loss": 9.5}])
+    run(1, [{"event": "train", "step": 2, "loss": 8.0}, {"event": "stopped", "step": 2, "signal": "SIGTERM"}])
+    for _ in range(2):
+        run(2, [{"event": "eval", "step": 2, "eval_loss": 8.5}, {"event": "train", "step": 3, "loss": 7.0}], True)
+    events = EventAccumulator(str(board))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [(1, 9.5), (2, 8.5)]
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 9.0), (2, 8.0), (3, 7.0)]
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "eval"] == [1, 2]  # metrics.jsonl: once each as well
+
+
 def _strict_json(line: str) -> dict:
     """json.loads that refuses NaN / Infinity, as most JSON readers outside Python do."""
 

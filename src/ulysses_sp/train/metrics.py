@@ -100,7 +100,9 @@ class MetricsLog:
     ``resume_step=None`` starts a new file; otherwise records with a step after ``resume_step`` are
     dropped (they belong to the interrupted run's lost steps, or to a line of training a rewind abandoned; the
     trainer kept the whole file aside first) and a ``resume`` record is appended; ``redo_eval``: so is a held-out
-    loss at ``resume_step`` (the resumed run computes it again: its checkpoint was saved, on SIGTERM, before it).
+    loss at ``resume_step`` (the resumed run computes it again: its checkpoint was saved, on SIGTERM, before it),
+    and the ``reporter`` forgets that step and gets back the records of it that are kept (``reporter.replay``), so a
+    checkpoint resumed any number of times leaves that held-out loss in the reporter once.
     A fresh run never meets an earlier run's file here: the launcher refused that folder without --overwrite.
     """
 
@@ -119,15 +121,16 @@ class MetricsLog:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept: list[str] = []
+        kept: list[dict[str, Any]] = []
         if resume_step is not None and self.path.is_file():
-            # written again as strict JSON (an earlier version's log may hold NaN)
             records = read_metrics(self.path)
             redone = [r for r in records if redo_eval and r.get("event") == "eval" and r.get("step") == resume_step]
-            kept = [_strict_json(r) for r in records if (r.get("step") or 0) <= resume_step and r not in redone]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            kept = [r for r in records if (r.get("step") or 0) <= resume_step and r not in redone]
+        tmp = self.path.with_name(self.path.name + ".tmp")  # strict JSON again (an earlier version's may hold NaN)
+        tmp.write_text("".join(_strict_json(r) + "\n" for r in kept), encoding="utf-8")
         os.replace(tmp, self.path)
+        if redo_eval and reporter is not None:
+            reporter.replay(resume_step, [r for r in kept if r.get("step") == resume_step])
         if resume_step is not None:
             self.write({"event": "resume", "step": resume_step})
 

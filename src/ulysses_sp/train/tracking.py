@@ -35,6 +35,10 @@ class Reporter(Protocol):
 
     def log(self, record: dict[str, Any]) -> None: ...
 
+    def replay(self, step: int, records: list[dict[str, Any]]) -> None:
+        """Before any :meth:`log` of a resumed run that logs ``step``'s held-out loss again: forget what was logged
+        at ``step`` where the tracker can, and take ``records`` (those of ``step`` that ``metrics.jsonl`` keeps)."""
+
     def close(self) -> None: ...
 
 
@@ -49,20 +53,37 @@ def _scalars(record: dict[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardReporter:
-    """Scalars into event files under ``log_dir``; a resumed run purges the lost steps of the interrupted one."""
+    """Scalars into event files under ``log_dir``; a resumed run purges the lost steps of the interrupted one (the
+    writer starts at the first record, so that :meth:`replay` can purge the resumed step as well)."""
 
     def __init__(self, log_dir: Path, resume_step: int | None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        self.log_dir = log_dir
+        self.purge_step = resume_step + 1 if resume_step is not None else None
+        self._writer: Any = None
 
-        purge = resume_step + 1 if resume_step is not None else None
-        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
+    def _write(self) -> Any:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=self.purge_step)
+        return self._writer
 
     def log(self, record: dict[str, Any]) -> None:
         for tag, value in _scalars(record).items():
-            self.writer.add_scalar(tag, value, global_step=record["step"])
+            self._write().add_scalar(tag, value, global_step=record["step"])
+
+    def replay(self, step: int, records: list[dict[str, Any]]) -> None:
+        """Purge from ``step`` (TensorBoard then hides every event of it: the held-out loss an earlier resume of the
+        same checkpoint logged there too) and log ``records`` there again."""
+        assert self._writer is None, "replay comes before any record is logged"
+        self.purge_step = step
+        self._write()
+        for record in records:
+            self.log(record)
 
     def close(self) -> None:
-        self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 class WandbReporter:
@@ -81,6 +102,10 @@ class WandbReporter:
     def log(self, record: dict[str, Any]) -> None:
         if scalars := _scalars(record):
             self.run.log(scalars, step=record["step"])
+
+    def replay(self, step: int, records: list[dict[str, Any]]) -> None:
+        """Nothing: a W&B run cannot take back what it was given (a held-out loss that an earlier resume logged
+        stays); it ignores, with a warning, a step below its newest, as this run's own log of it again may be."""
 
     def close(self) -> None:
         self.run.finish()
