@@ -165,6 +165,29 @@ def test_chunk_flags_that_still_apply_are_accepted():
     assert load_config(["--no-tiled-loss", "--loss-chunk-mib", "1024"]).tiled_loss is False
 
 
+def test_a_typed_flag_that_a_config_file_key_leaves_unused_is_refused(tmp_path, capsys):
+    """--host-memory typed over a --config file that fixes the checkpoints' place or stride was ignored in silence
+    (the same keys typed were refused); a typed --seq-len that the file's schedule leaves unused is refused too.
+    Keys of the file alone are not compared: a saved config.yaml holds every key (the planner's choice beside the
+    --host-memory it chose with), and it loads."""
+    stride = _write_yaml(tmp_path, {"checkpoint_stride": 2}, name="stride.yaml")
+    message = _exit_message(capsys, ["--config", stride, "--host-memory", "1TiB"])
+    assert "--host-memory 1TiB has no effect with --checkpoint-stride 2 (from --config)" in message, message
+    offload = _write_yaml(tmp_path, {"activation_checkpointing": "offload"}, name="offload.yaml")
+    message = _exit_message(capsys, ["--config", offload, "--host-memory", "1TiB", "--checkpoint-stride", "2"])
+    assert "with --activation-checkpointing offload (from --config) and --checkpoint-stride 2:" in message, message
+    schedule = _write_yaml(tmp_path, {"seq_len_schedule": "128:2,512"}, name="schedule.yaml")
+    message = _exit_message(capsys, ["--config", schedule, "--seq-len", "256"])
+    assert "--seq-len 256 is not used: the last entry of --seq-len-schedule '128:2,512' (from --config)" in message
+    # what the typed flag would replace is used: the file's stride goes, --host-memory chooses
+    assert load_config(["--config", stride, "--host-memory", "1TiB", "--checkpoint-stride", "none"]).host_memory
+    saved = _write_yaml(
+        tmp_path, {"host_memory": "1TiB", "activation_checkpointing": "offload", "checkpoint_stride": 2}
+    )
+    assert load_config(["--config", saved]).checkpoint_stride == 2
+    assert load_config(["--config", saved, "--checkpoint-stride", "3"]).checkpoint_stride == 3
+
+
 def test_bad_yaml_exits_2(tmp_path, capsys):
     unknown = _write_yaml(tmp_path, {"seq_length": 4096})
     message = _exit_message(capsys, ["--config", unknown])

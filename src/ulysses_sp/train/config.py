@@ -381,24 +381,32 @@ def _fill_default_sp(values: dict[str, Any]) -> None:
 
 
 def _check_flags(config: TrainConfig, given: frozenset[str]) -> None:
-    """Refuse a flag given on the command line whose value the run would not use."""
-    stride = "checkpoint_stride" in given and config.checkpoint_stride is not None  # (none: the planner's choice)
-    placed = [f"--checkpoint-stride {config.checkpoint_stride}"] if stride else []
-    if "activation_checkpointing" in given and config.activation_checkpointing != "auto":
-        placed.insert(0, f"--activation-checkpointing {config.activation_checkpointing}")
+    """Refuse a flag typed on the command line whose value the run would not use, whether what overrides it was typed
+    too or is a key of the --config file. (Keys of the file alone are not compared: a saved config.yaml holds every
+    key, e.g. the checkpoints the planner placed beside the --host-memory it placed them with.)"""
+    placed = [
+        f"{flag_name(name)} {getattr(config, name)}" + ("" if name in given else " (from --config)")
+        for name, chosen in (
+            ("activation_checkpointing", config.activation_checkpointing != "auto"),
+            ("checkpoint_stride", config.checkpoint_stride is not None),  # (none: the planner's choice)
+        )
+        if chosen
+    ]
     if "host_memory" in given and config.host_memory_bytes and placed:
         raise ValueError(
             f"--host-memory {config.host_memory} has no effect with {' and '.join(placed)}: it chooses only the "
-            "checkpoints' place and stride (--activation-checkpointing auto, no --checkpoint-stride); drop one"
+            "checkpoints' place and stride (--activation-checkpointing auto, --checkpoint-stride none); drop one"
         )
     if "seq_len" in given and not SeqLenSchedule.follows_default(config.seq_len_schedule):
         last = config.schedule().stages[-1][0]
         if last != config.seq_len:
+            source = "" if "seq_len_schedule" in given else " (from --config)"
             raise ValueError(
                 f"--seq-len {config.seq_len} is not used: the last entry of --seq-len-schedule "
-                f"{config.seq_len_schedule!r} has no end step, so {last} holds to the end of the run (--seq-len "
-                f"is followed only after a last entry with a step); drop --seq-len, or end the schedule with a "
-                f"step, e.g. '{config.seq_len_schedule.strip()}:N', for the run to go on at --seq-len after step N"
+                f"{config.seq_len_schedule!r}{source} has no end step, so {last} holds to the end of the run "
+                f"(--seq-len is followed only after a last entry with a step); drop --seq-len, or end the schedule "
+                f"with a step, e.g. '{config.seq_len_schedule.strip()}:N', for the run to go on at --seq-len after "
+                "step N"
             )
 
 
