@@ -111,6 +111,13 @@ class HostActivationStore:
         copied.late = self.late
         return copied
 
+    def __getstate__(self) -> dict[str, Any]:  # pickle / torch.save (its weak set and streams do not pickle)
+        raise TypeError(
+            "cannot pickle a model whose activation checkpoints are offloaded to host memory. To save the model, save "
+            "its weights (torch.save(model.state_dict(), path) or model.save_pretrained(path)), or call "
+            "ulysses_sp.disable_activation_checkpointing(model) first"
+        )
+
     def held_tensors(self) -> list[torch.Tensor]:
         """The host tensors held now (one per kept layer input that autograd still references). On CUDA they are
         views of reused buffers: valid while their inputs are kept (after backward, a later step refills them)."""

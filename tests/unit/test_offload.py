@@ -148,6 +148,14 @@ def test_a_copied_model_gets_its_own_empty_store():
     loss_and_grads(copied, make_batch(1, 12))
 
 
+def test_torch_save_of_an_offloading_model_is_one_type_error_naming_the_fix(tmp_path):
+    """It failed inside pickle with "Can't pickle local object 'WeakSet.__init__.<locals>._remove'"."""
+    model = U.enable_activation_checkpointing(build("llama"), "offload")
+    with pytest.raises(TypeError, match=r"model.state_dict\(\).*disable_activation_checkpointing\(model\)"):
+        torch.save(model, tmp_path / "model.pt")
+    torch.save(U.disable_activation_checkpointing(model), tmp_path / "model.pt")
+
+
 def test_eval_mode_and_no_grad_keep_nothing():
     model = U.enable_activation_checkpointing(build("llama"), "offload")
     model.eval()

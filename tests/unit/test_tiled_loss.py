@@ -443,3 +443,19 @@ def test_chunk_budget_is_honoured(dtype, head):
     buffers = 4 * w.numel() + (elt * w.numel() if dtype != torch.float32 else 0) + elt * h.numel()
     assert chunk * vocab * 8 <= budget
     assert tiled.peak_bytes <= 1.02 * (budget + buffers), (tiled.peak_bytes, budget + buffers)
+
+
+def test_torch_save_of_a_tiled_model_is_refused_and_a_copy_or_the_disabled_model_is_fine(tmp_path):
+    """torch.save of a model with the tiled loss wrote a file that torch.load refused ('no attribute _tiled_forward':
+    the forward set on the instance pickles by a name the class lacks); now the save is a TypeError naming the fix.
+    A deep copy has a tiled loss of its own; disabled, the model saves and loads."""
+    model = U.enable_tiled_loss(build("llama"), chunk_tokens=5)
+    with pytest.raises(TypeError, match=r"model.state_dict\(\).*ulysses_sp.disable_tiled_loss\(model\)"):
+        torch.save(model, tmp_path / "model.pt")
+    batch = make_batch(2, 12, pad="right")
+    copied = copy.deepcopy(model)
+    assert tiled_loss_enabled(copied) and copied(**batch).logits is None
+    torch.testing.assert_close(copied(**batch).loss, model(**batch).loss, rtol=0, atol=0)
+    torch.save(U.disable_tiled_loss(model), tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    torch.testing.assert_close(loaded(**batch).loss, model(**batch).loss, rtol=0, atol=0)

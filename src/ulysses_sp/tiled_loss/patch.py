@@ -14,11 +14,13 @@ tiled head reproduces its logits, and raises ValueError naming the model if not.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import inspect
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +56,16 @@ class _TiledLossState:
     budget_bytes: int
     verified: bool = False
     instance_forward: object = None  # ``forward`` in the instance's __dict__ before enabling (restored after)
+
+    def __getstate__(self) -> dict[str, object]:  # pickle / torch.save: a file saved would not load
+        raise TypeError(
+            "cannot pickle a model with the tiled loss enabled: its forward is set on the instance, and torch.load "
+            "of the file fails. To save the model, save its weights (torch.save(model.state_dict(), path) or "
+            "model.save_pretrained(path)), or call ulysses_sp.disable_tiled_loss(model) first"
+        )
+
+    def __deepcopy__(self, memo: dict) -> _TiledLossState:  # copy.deepcopy of the model: a state of its own
+        return dataclasses.replace(self, **{f.name: copy.deepcopy(getattr(self, f.name), memo) for f in fields(self)})
 
 
 def tiled_loss_enabled(model: nn.Module) -> bool:
