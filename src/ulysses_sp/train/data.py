@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from ulysses_sp.train.config import TrainConfig
+from ulysses_sp.train.dataset_record import DatasetRecord, changed_documents
 from ulysses_sp.train.documents import (
     TokenizedCorpus,
     held_out_indices,
@@ -311,7 +312,8 @@ class SequenceLoader:
 @dataclass
 class TrainData:
     """The tokenizer, the training loader for this rank and the held-out documents (with their indices among the
-    dataset's documents and where each comes from, as :func:`load_named_documents` names it)."""
+    dataset's documents and where each comes from, as :func:`load_named_documents` names it), and the record of
+    every document of the dataset (:class:`DatasetRecord`, which names what changed before a resume)."""
 
     tokenizer: Any
     train: SequenceLoader
@@ -321,13 +323,17 @@ class TrainData:
     dp_size: int
     eval_indices: tuple[int, ...] = ()
     eval_names: tuple[str, ...] = ()
+    record: DatasetRecord | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        """The training loader's position, and what the held-out documents are: a short digest of each one's
-        tokens (a changed held-out document changes the held-out loss, not the training position)."""
+        """The training loader's position, what the held-out documents are (a short digest of each one's tokens:
+        a changed held-out document changes the held-out loss, not the training position) and the dataset's
+        record (what a resume names when documents changed)."""
         state = self.train.state_dict()
         if self.eval_corpus is not None:
             state["held_out"] = {"indices": list(self.eval_indices), "digests": list(self.eval_digests)}
+        if self.record is not None:
+            state["dataset"] = self.record.to_dict()
         return state
 
     @functools.cached_property
@@ -338,7 +344,16 @@ class TrainData:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict`: the training documents and the held-out ones must be the same
-        (a checkpoint saved before held-out digests existed is checked on its training documents alone)."""
+        (a checkpoint saved before held-out digests existed is checked on its training documents alone). A
+        checkpoint with the dataset's record names the documents that changed, were added or were removed."""
+        if "dataset" in state and self.record is not None:
+            change = changed_documents(DatasetRecord.from_dict(state["dataset"]), self.record, self._role)
+            if change is not None:
+                raise ValueError(
+                    f"cannot resume the data position: the documents of --dataset {self.config.dataset!r} changed "
+                    f"since the checkpoint: {change}; resume with the same --dataset files and --tokenizer, or start "
+                    "a new run from the checkpoint's weights with --model <checkpoint>"
+                )
         self.train.load_state_dict(state)
         saved = state.get("held_out")
         if saved is None or self.eval_corpus is None:
@@ -348,6 +363,12 @@ class TrainData:
         for name, old, new in zip(self.eval_names, saved["digests"], self.eval_digests, strict=True):
             if old != new:
                 raise ValueError(_changed_held_out(f"the held-out document {name} differs from the checkpoint's"))
+
+    def _role(self, entry: int) -> str:
+        """What the record's ``entry`` is to this run: a training or a held-out document (or a block of them)."""
+        if self.record is None or self.record.block > 1:
+            return "one of the documents"
+        return "the held-out document" if entry in self.eval_indices else "the training document"
 
     def eval_loader(self, seq_len: int) -> SequenceLoader | None:
         """A fresh one-pass, unshuffled loader over the held-out documents (None without any)."""
@@ -392,7 +413,9 @@ def build_data(config: TrainConfig, tokenizer: Any, *, dp_rank: int, dp_size: in
         pad_token_id=pad_token_id(tokenizer),
     )
     eval_names = tuple(names[int(index)] for index in held_out)
-    return TrainData(tokenizer, train, eval_corpus, config, dp_rank, dp_size, tuple(map(int, held_out)), eval_names)
+    record = DatasetRecord.of(corpus.document, names)
+    held = tuple(map(int, held_out))
+    return TrainData(tokenizer, train, eval_corpus, config, dp_rank, dp_size, held, eval_names, record)
 
 
 def _digest(tokens: np.ndarray) -> str:
