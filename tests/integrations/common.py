@@ -44,6 +44,23 @@ def no_target_trainer(trainer_class, out: str, **kwargs):
     )
 
 
+def stream_trainer(trainer_class, out: str, **kwargs):
+    """A Trainer (``UlyssesTrainer`` with ``sp_size=`` in kwargs) for 6 steps over the train and eval sets as
+    ``datasets.IterableDataset``s of 4 shards each (as a streamed dataset of many files: accelerate gives each rank
+    its own shards once there are as many as ranks); the last eval batch holds 1 of 2 samples. Under SP batches are
+    not dispatched from rank 0 (refused there), as docs/integrations.md says; one process keeps accelerate's default."""
+    sp = {"accelerator_config": {"dispatch_batches": False}} if "sp_size" in kwargs else {}
+    train, held_out = (token_dataset(lengths, seed=seed) for lengths, seed in ((TRAIN_LENGTHS, 1), (EVAL_LENGTHS, 2)))
+    return trainer_class(
+        model=build("llama"),
+        args=trainer_args(out, max_steps=6, **sp),
+        train_dataset=train.to_iterable_dataset(num_shards=4),
+        eval_dataset=held_out.to_iterable_dataset(num_shards=4),
+        data_collator=pad_collate,
+        **kwargs,
+    )
+
+
 def pad_collate(features: list[dict]) -> dict[str, torch.Tensor]:
     """A user's collator: right-pad input_ids (0), attention_mask and labels (-100, when the features have them); no
     position_ids."""

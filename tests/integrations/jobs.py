@@ -27,6 +27,7 @@ from tests.integrations.common import (
     no_target_trainer,
     pad_collate,
     sft_args,
+    stream_trainer,
     token_dataset,
     token_metrics,
     tokenizer,
@@ -273,6 +274,15 @@ def ulysses_trainer(
     )
 
 
+def trainer_stream(job: str) -> None:
+    """UlyssesTrainer over streamed datasets of 4 shards (:func:`tests.integrations.common.stream_trainer`)."""
+    from ulysses_sp.integrations import UlyssesTrainer
+
+    trainer = stream_trainer(UlyssesTrainer, _out(job), sp_size=2)
+    trainer.train()
+    _record(job, trainer, eval_loss=trainer.evaluate()["eval_loss"])
+
+
 def no_targets(job: str) -> None:
     """UlyssesTrainer (the tiled loss) training and evaluating on data where one batch has no targets."""
     from ulysses_sp.integrations import UlyssesTrainer
@@ -401,14 +411,17 @@ def bad_input() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- accelerate jobs
-def accelerate_loop(job: str, sp: int, fsdp2: bool = False, steps: int = 6) -> None:
-    """A custom Accelerate loop through SequenceParallelConfig.prepare, on DDP or on FSDP2 (fully_shard)."""
+def accelerate_loop(job: str, sp: int, fsdp2: bool = False, steps: int = 6, stream_shards: int = 0) -> None:
+    """A custom Accelerate loop through SequenceParallelConfig.prepare, on DDP or on FSDP2 (fully_shard); with
+    ``stream_shards``, over the data as a ``datasets.IterableDataset`` of that many shards (accelerate gives each
+    rank its own shards when there are as many as ranks), collated in a dataloader worker started by forkserver."""
     from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
     from torch.utils.data import DataLoader
 
     from ulysses_sp.integrations import SequenceParallelConfig
 
-    accelerator = Accelerator()
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=False))
     model = build("llama")
     if fsdp2:
         from torch.distributed.device_mesh import init_device_mesh
@@ -419,10 +432,15 @@ def accelerate_loop(job: str, sp: int, fsdp2: bool = False, steps: int = 6) -> N
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = DataLoader(token_dataset(TRAIN_LENGTHS, seed=1), batch_size=2, collate_fn=pad_collate)
+    data = token_dataset(TRAIN_LENGTHS, seed=1)
+    workers = {"num_workers": 1, "multiprocessing_context": "forkserver"} if stream_shards else {}
+    if stream_shards:
+        data = data.to_iterable_dataset(num_shards=stream_shards)
+    loader = DataLoader(data, batch_size=2, collate_fn=pad_collate, **workers)
     model, optimizer, loader, loss_fn = SequenceParallelConfig(sp_size=sp).prepare(
         accelerator, model, optimizer, loader
     )
+    batches = sum(1 for _ in loader) if stream_shards else len(loader)  # (a stream has no length)
     losses = []
     for step, batch in enumerate(loader):
         if step == steps:
@@ -441,7 +459,7 @@ def accelerate_loop(job: str, sp: int, fsdp2: bool = False, steps: int = 6) -> N
         for name, p in accelerator.unwrap_model(model).named_parameters()
     }
     if dist.get_rank() == 0:
-        write_json(os.path.join(_out(job), "result.json"), {"losses": losses, "batches": len(loader)})
+        write_json(os.path.join(_out(job), "result.json"), {"losses": losses, "batches": batches})
         torch.save(state, os.path.join(_out(job), "weights.pt"))
 
 
@@ -593,6 +611,7 @@ def world2_sp() -> dict[str, str]:
                 gradient_accumulation_steps=2,
             ),
             "sft_sp2_gas2": lambda: sft("sft_sp2_gas2", 2, gradient_accumulation_steps=2),
+            "trainer_stream_sp2": lambda: trainer_stream("trainer_stream_sp2"),
             "lora_sp2": lambda: ulysses_lora("lora_sp2"),
             "no_targets_sp2": lambda: no_targets("no_targets_sp2"),
             "loss_override_sp2": loss_override_sp2,
@@ -605,6 +624,7 @@ def world2_sp() -> dict[str, str]:
             "batch_eval_inputs_sp2": batch_eval_inputs_sp2,
             "accelerate_ddp_sp2": lambda: accelerate_loop("accelerate_ddp_sp2", 2),
             "accelerate_fsdp2_sp2": lambda: accelerate_loop("accelerate_fsdp2_sp2", 2, fsdp2=True),
+            "accelerate_stream_sp2": lambda: accelerate_loop("accelerate_stream_sp2", 2, stream_shards=4),
             "accelerate_metrics_sp2": lambda: accelerate_metrics("accelerate_metrics_sp2", 2),
             "bad_input": bad_input,
             "refusal_on_one_rank": refusal_on_one_rank,
@@ -619,6 +639,9 @@ def world4() -> dict[str, str]:
             # 8 eval samples: with dp=2 a partial last batch would be evened out by accelerate (as under DDP)
             "trainer_dp2_sp2": lambda: ulysses_trainer("trainer_dp2_sp2", 2, eval_samples=8),
             "accelerate_dp2_sp2": lambda: accelerate_loop("accelerate_dp2_sp2", 2, steps=4),
+            "accelerate_stream_dp2_sp2": lambda: accelerate_loop(
+                "accelerate_stream_dp2_sp2", 2, steps=4, stream_shards=4
+            ),
             "trainer_metrics_dp2_sp2": lambda: trainer_metrics(
                 "trainer_metrics_dp2_sp2", 2, sp_tiled_loss=False, preprocess_logits_for_metrics=argmax_and_top
             ),

@@ -116,3 +116,14 @@ def test_a_scheduler_prepared_under_split_batches_steps_once_per_optimizer_step(
         scheduler.step()
         scheduler.step()
     assert optimizer.param_groups[0]["lr"] == 1.0 / 3
+
+
+def test_an_iterable_dataset_for_one_dp_group_reads_in_a_spawned_worker():
+    """dp=1 with a dataloader worker started by spawn (forkserver, Python 3.14's default on Linux, alike): the whole
+    stream is read as one process reads it; the shard, a class made at run time, did not pickle ("Can't pickle local
+    object '_whole_stream_class.<locals>.WholeStreamShard'")."""
+    from accelerate.data_loader import DataLoaderShard, IterableDatasetShard
+
+    shard = IterableDatasetShard(Stream(5), batch_size=2, num_processes=2, process_index=1)
+    loader = DataLoaderShard(shard, batch_size=2, num_workers=1, multiprocessing_context="spawn")
+    assert dealt(loader, 1, dp=1, dp_rank=0) == one_process(Stream(5), 2)

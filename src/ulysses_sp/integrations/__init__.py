@@ -27,7 +27,7 @@ __all__ = [
 
 _WHERE = {
     "SequenceParallelCollator": "data",
-    "deal_batches_over_dp": "data",
+    "deal_batches_over_dp": "dealing",
     "shard_full_batch": "data",
     "SequenceParallelConfig": "accelerate",
     "SequenceParallelLoss": "accelerate",

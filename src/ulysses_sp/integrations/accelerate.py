@@ -12,7 +12,7 @@ The counterpart of Accelerate's ``ParallelismConfig(sp_size=...)`` (which needs 
 ``prepare`` parallelizes the model (before any DDP/FSDP wrapping), wraps each dataloader's collate function
 so batches arrive sharded (:class:`~ulysses_sp.integrations.data.SequenceParallelCollator`), calls
 ``accelerator.prepare`` on everything, and makes the dataloaders deal batches over the dp SP groups
-(:func:`~ulysses_sp.integrations.data.deal_batches_over_dp`). A model you sharded yourself with FSDP2's
+(:func:`~ulysses_sp.integrations.dealing.deal_batches_over_dp`). A model you sharded yourself with FSDP2's
 ``fully_shard`` over the world (its parameters are DTensors) is not wrapped in DDP again (tested on CPU).
 Accelerate's own FSDP2 plugin (``accelerate launch --use_fsdp --fsdp_version 2``) is only enabled by
 Accelerate on accelerator devices; it goes through the same ``accelerator.prepare`` call but is not covered by
@@ -43,11 +43,11 @@ from .data import (
     agree_on_worker_batches,
     check_sp_options,
     check_world_size,
-    deal_batches_over_dp,
     integration_features,
     layout_for_model,
     resolve_core,
 )
+from .dealing import deal_batches_over_dp, shared_stream
 from .metrics import gather_for_metrics, sequence_parallel_gather
 
 __all__ = ["SequenceParallelConfig", "SequenceParallelLoss"]
@@ -200,6 +200,9 @@ class SequenceParallelConfig:
         sharded.collate_fn = SequenceParallelCollator(
             collate, layout, pad_token_id=self.pad_token_id, defer_checks=True
         )
+        # a datasets.IterableDataset as a stream accelerate splits by batches (shared_stream); set past the guard
+        # DataLoader keeps for a dataset with samplers of its own (an iterable one has none; this copy is ours)
+        vars(sharded)["dataset"] = shared_stream(loader.dataset, layout)
         return sharded
 
 

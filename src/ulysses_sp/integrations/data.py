@@ -3,9 +3,9 @@
 Two rules make the Hugging Face data pipeline right under sequence parallelism:
 
 1. Every rank of one SP group gets the SAME full batch, and different SP groups get different samples:
-   :func:`deal_batches_over_dp` turns an Accelerate-prepared dataloader (which deals batches over every
-   rank of the world) into one that deals them over the ``dp`` SP groups only. Epoch length and the
-   samples consumed per optimizer step then match ``dp`` ordinary data-parallel ranks.
+   :func:`~ulysses_sp.integrations.dealing.deal_batches_over_dp` turns an Accelerate-prepared dataloader (which
+   deals batches over every rank of the world) into one that deals them over the ``dp`` SP groups only. Epoch
+   length and the samples consumed per optimizer step then match ``dp`` ordinary data-parallel ranks.
 2. Each rank keeps only its slice of the sequence: :class:`SequenceParallelCollator` wraps the user's
    collator, collates the full batch and hands on :func:`ulysses_sp.shard_batch`'s output (padded to a
    multiple of ``sp``, ``shift_labels`` shifted before slicing, global ``position_ids``, ``labels`` kept).
@@ -36,7 +36,6 @@ __all__ = [
     "agree_on_batch",
     "agree_on_worker_batches",
     "check_world_size",
-    "deal_batches_over_dp",
     "layout_for_model",
     "replace_collator",
     "resolve_core",
@@ -270,85 +269,6 @@ def replace_collator(dataloader: Any, **changes: Any) -> Any:
     if isinstance(collate, SequenceParallelCollator):
         setattr(holder, name, collate.replaced(**changes))
     return dataloader
-
-
-def deal_batches_over_dp(dataloader: Any, layout: ParallelLayout, *, split_batches: bool = False) -> Any:
-    """Make an Accelerate-prepared dataloader deal its batches over the ``dp`` SP groups (in place).
-
-    ``accelerator.prepare`` splits a dataloader over all ``dp x sp`` ranks; under sequence parallelism the
-    ``sp`` ranks of a group must see the same batch. This re-points accelerate's shard (a
-    ``BatchSamplerShard`` or an ``IterableDatasetShard``) at ``num_processes=dp``, ``process_index=dp_rank``,
-    which keeps the sample order (synchronised across ranks by accelerate), the epoch length and the
-    remainder accounting of ``gather_for_metrics`` consistent (with ``sp == 1`` that split is already the right
-    one; a dispatcher, which collates on process 0 alone, then gets a collator that runs no collective). With
-    ``dp == 1`` the batches are exactly those of one process (the last one may be partial). ``split_batches``: the
-    dataloader was prepared with whole batches per process (see ``SequenceParallelConfig.prepare``) and each batch
-    is now split over the dp groups, as ``Accelerator(split_batches=True)`` splits it over processes (its batch
-    size must be a multiple of ``dp``).
-    Returns the same dataloader.
-    """
-    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
-
-    if layout.sp == 1:  # world = dp: accelerate's split is already the right one
-        if isinstance(dataloader, DataLoaderDispatcher):
-            # it collates on process 0 alone (and sends the others slices of every tensor): no collective there,
-            # and no full-batch counts (not per row: a slice of them would be read as counts)
-            replace_collator(dataloader, check_same_batch=False, defer_checks=False, token_counts=False)
-        return dataloader
-    if isinstance(dataloader, DataLoaderDispatcher):
-        raise ValueError(
-            "the dataloader dispatches slices of one batch from rank 0 (accelerate's dispatch_batches=True, the "
-            "default for iterable datasets), which cannot give the ranks of an SP group the same batch; set "
-            "dispatch_batches=False (TrainingArguments(accelerator_config={'dispatch_batches': False}) or "
-            "Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=False)))"
-        )
-    shards = [
-        obj
-        for obj in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "sampler", None))
-        if isinstance(obj, BatchSamplerShard)
-    ]
-    dataset = getattr(dataloader, "dataset", None)
-    if isinstance(dataset, IterableDatasetShard):
-        shards.append(dataset)
-    if not shards:
-        world = layout.world_size
-        raise ValueError(
-            f"cannot find how {type(dataloader).__name__} splits batches over the {world} ranks; pass a dataloader "
-            "prepared by accelerate (accelerator.prepare) over a map-style dataset"
-        )
-    for shard in shards:
-        shard.num_processes = layout.dp
-        shard.process_index = layout.dp_rank
-        shard.split_batches = shard.split_batches or split_batches
-        if isinstance(shard, IterableDatasetShard) and shard.split_batches:
-            # the DataLoader batches what the shard yields: the group's slice of each batch (accelerate sized it
-            # for a slice per process)
-            dataloader.batch_sampler.batch_size = shard.batch_size // layout.dp
-        if layout.dp == 1:
-            # One SP group sees every batch, as one process would: no samples repeated to even out a last
-            # partial batch (with dp > 1 accelerate repeats a few, exactly as under plain DDP).
-            if isinstance(shard, BatchSamplerShard):
-                shard.even_batches = False
-            else:
-                shard.__class__ = _whole_stream_class()
-    return dataloader
-
-
-@functools.cache
-def _whole_stream_class() -> type:
-    from accelerate.data_loader import IterableDatasetShard
-
-    class WholeStreamShard(IterableDatasetShard):
-        """accelerate's shard of an iterable dataset for the one dp group: every sample once, in order, as in one
-        process (accelerate's would complete a partial last batch with samples from the start)."""
-
-        def __iter__(self) -> Any:
-            generator = getattr(self.dataset, "generator", None)
-            if not hasattr(self.dataset, "set_epoch") and isinstance(generator, torch.Generator):
-                generator.manual_seed(getattr(self, "epoch", 0))  # as accelerate's shard seeds it
-            return iter(self.dataset)
-
-    return WholeStreamShard
 
 
 def layout_for_model(model: torch.nn.Module, sp_size: int, device: Any, ring: int | None = None) -> ParallelLayout:

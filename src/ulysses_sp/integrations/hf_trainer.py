@@ -12,7 +12,7 @@ What the mixin changes, and why (the Trainer's own DDP / FSDP2 wrapping over the
   :class:`~ulysses_sp.integrations.data.SequenceParallelCollator`, so every batch - train and eval - reaches
   the model as this rank's shard with ``shift_labels``, ``labels`` and global ``position_ids``.
 * dataloaders deal batches over the ``dp`` SP groups, not over all ranks
-  (:func:`~ulysses_sp.integrations.data.deal_batches_over_dp`): DP=1/SP=2/GAS=2 consumes the same samples
+  (:func:`~ulysses_sp.integrations.dealing.deal_batches_over_dp`): DP=1/SP=2/GAS=2 consumes the same samples
   per optimizer step as DP=2/SP=1/GAS=1, and epochs have the right number of steps.
 * the model computes its loss with the tiled lm_head + cross-entropy (:func:`ulysses_sp.enable_tiled_loss`;
   ``sp_tiled_loss=False`` turns it off), so no rank ever holds ``[tokens, vocab]`` logits, and runs its MLPs
@@ -38,7 +38,6 @@ What the mixin changes, and why (the Trainer's own DDP / FSDP2 wrapping over the
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 from typing import Any
@@ -46,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from transformers import Trainer
+from transformers.trainer_pt_utils import find_batch_size
 
 from ..features import apply_features
 from ..hf import find_pretrained, text_config
@@ -54,17 +54,15 @@ from ..model import parallelize
 from ..moe import router_aux_loss
 from ..sharding import gather_sequence
 from ..validation import IGNORE_INDEX
-from .accelerate import check_split_batches, split_over_dp_groups
+from .accelerate import check_split_batches
 from .data import (
     TOKEN_COUNT_KEY,
     SequenceParallelCollator,
     agree_on_batch,
     check_sp_options,
     check_world_size,
-    deal_batches_over_dp,
     integration_features,
     layout_for_model,
-    replace_collator,
     resolve_core,
 )
 from .flos import CheckedFlos
@@ -72,6 +70,7 @@ from .label_smoothing import smoothed_loss
 from .loss_override import LossOverrideCheck
 from .metrics import drop_repeats, gather_over_dp, sequence_parallel_gather, whole_eval_batch
 from .trainer_checks import ddp_for_reentrant_checkpointing, refuse_deepspeed, refuse_sharded_before
+from .trainer_data import DealtDataloaders
 
 __all__ = ["UlyssesTrainer", "UlyssesTrainerMixin", "logits_forward", "resolve_core"]
 
@@ -85,7 +84,7 @@ def logits_forward(model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
 logger = logging.getLogger(__name__)
 
 
-class UlyssesTrainerMixin(CheckedFlos):
+class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
     """Mix into a ``transformers.Trainer`` subclass (before it) to train with Ulysses SP of degree ``sp_size``.
 
     ``class MyTrainer(UlyssesTrainerMixin, SomeTrainer)``; :class:`UlyssesTrainer` and
@@ -116,6 +115,7 @@ class UlyssesTrainerMixin(CheckedFlos):
     sp_tiled_loss_default = True
     sp_label_smoothing = True  # label_smoothing_factor (its compute_loss; TRL's SFTTrainer has its own)
     _sp_predicting = False
+    _sp_batch_rows: int | None = None  # the rows of the eval batch in prediction_step
 
     def __init__(
         self,
@@ -271,45 +271,6 @@ class UlyssesTrainerMixin(CheckedFlos):
             pad = getattr(text_config(find_pretrained(self.model)), "pad_token_id", None)
         return int(pad) if pad is not None else 0
 
-    # ------------------------------------------------------------------------------------- data
-    def get_train_dataloader(self) -> Any:
-        """The Trainer's dataloader, dealing batches over the dp SP groups (same batch on an SP group)."""
-        return self._dealt_over_dp(super().get_train_dataloader, "train")
-
-    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
-        """The Trainer's eval dataloader, dealing batches over the dp SP groups; batches without labels pass (as
-        in one process: logits, no loss)."""
-        return self._dealt_over_dp(functools.partial(super().get_eval_dataloader, eval_dataset), "eval")
-
-    def get_test_dataloader(self, test_dataset: Any) -> Any:
-        """The Trainer's test dataloader, dealing batches over the dp SP groups; batches without labels pass."""
-        return self._dealt_over_dp(functools.partial(super().get_test_dataloader, test_dataset), "eval")
-
-    def _batch_size(self, kind: str) -> tuple[str, int]:
-        """The argument that sets the ``kind`` ("train" / "eval") batch size, and the size now (a resume or
-        ``auto_find_batch_size`` may change the train one)."""
-        size = self._train_batch_size if kind == "train" else self.args.eval_batch_size
-        return f"per_device_{kind}_batch_size", size
-
-    def _dealt_over_dp(self, make: Any, kind: str) -> Any:
-        """``make()``'s dataloader dealing batches over the dp SP groups (under ``split_batches`` splitting each)."""
-        split = check_split_batches(self.accelerator, self.sp_layout, [self._batch_size(kind)])
-        with split_over_dp_groups(self.accelerator, split):
-            loader = replace_collator(make(), require_labels=kind == "train")
-        return deal_batches_over_dp(loader, self.sp_layout, split_batches=split)
-
-    def get_total_train_batch_size(self, args: Any) -> int:
-        """Samples per optimizer step: batch x accumulation x dp (SP ranks share samples; split_batches: not x dp)."""
-        groups = 1 if self.accelerator.split_batches else self.sp_layout.dp
-        return self._train_batch_size * args.gradient_accumulation_steps * groups
-
-    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's, with every rank agreeing on each batch that a dataloader worker collated before it is
-        counted (:func:`~ulysses_sp.integrations.data.agree_on_batch`): a batch refused on one rank raises the same
-        ValueError on every rank, not only where the worker refused it."""
-        checked = (agree_on_batch(batch, self.sp_layout) for batch in epoch_iterator)
-        return super().get_batch_samples(checked, num_batches, *args, **kwargs)
-
     def _prepare_inputs(self, inputs: Any) -> Any:
         """The Trainer's device placement of a batch (agreed on first, as in :meth:`get_batch_samples`, for an eval
         batch from a dataloader worker), without the full batch's token counts (not a model input)."""
@@ -375,7 +336,7 @@ class UlyssesTrainerMixin(CheckedFlos):
         ["inputs"]`` the batch becomes the collated one after the forward (:func:`.metrics.whole_eval_batch`).
         """
         batch, inputs = inputs, self._prepare_inputs(inputs)
-        layout = self.sp_layout
+        layout, self._sp_batch_rows = self.sp_layout, find_batch_size(inputs)  # (rows: see _gather_over_dp_groups)
         labelled = "shift_labels" in inputs  # else (a dataset without labels) logits alone, as in one process
         predict = not prediction_loss_only and (self.compute_metrics is not None or self._sp_predicting)
         if not labelled and not predict:
@@ -439,8 +400,10 @@ class UlyssesTrainerMixin(CheckedFlos):
     def _gather_over_dp_groups(self, data: Any) -> Any:
         """The Trainer's ``gather_function`` under SP: the eval losses, logits, labels and inputs (tensors or tuples
         of them, alike on the ranks of an SP group) gathered over the dp groups only, then the samples accelerate
-        repeated to even out the last batch dropped (gather_for_metrics' rule, over dp)."""
-        return drop_repeats(self.accelerator, gather_over_dp(data, self.sp_layout))
+        repeated to even out the last batch dropped (gather_for_metrics' rule, over dp), and with one dp group those of
+        a stream's last batch (:func:`.metrics.drop_repeats`)."""
+        rows = self._sp_batch_rows if self.sp_layout.dp == 1 else None
+        return drop_repeats(self.accelerator, gather_over_dp(data, self.sp_layout), rows)
 
 
 class UlyssesTrainer(UlyssesTrainerMixin, Trainer):

@@ -158,20 +158,25 @@ def gather_over_dp(data: Any, layout: ParallelLayout, pad_index: int | float = -
     return recursively_apply(lambda t: _gather_over_dp(t, layout, pad_index), data) if layout.dp > 1 else data
 
 
-def drop_repeats(accelerator: Any, data: Any) -> Any:
+def drop_repeats(accelerator: Any, data: Any, rows: int | None = None) -> Any:
     """Accelerate's cut at the end of a dataloader: the first ``remainder`` rows of each gathered tensor are the
-    last batch's real samples, the rest repeat samples to even it out (a scalar is left whole)."""
+    last batch's real samples, the rest repeat samples to even it out (a scalar is left whole). ``rows``: the rows
+    of the batch ``data`` came from, where one dp group reads a dataloader of unknown length (a stream) whole: its
+    last batch's rows are its real samples, as accelerate's dispatcher counts them in one process (the Trainer
+    repeats each batch's loss by its first batch's size)."""
     from accelerate.utils import recursively_apply
 
-    real = _real_rows(accelerator)
+    real = _real_rows(accelerator, rows)
     return data if real is None else recursively_apply(lambda t: t if t.dim() == 0 else t[:real], data)
 
 
-def _real_rows(accelerator: Any) -> int | None:
+def _real_rows(accelerator: Any, rows: int | None = None) -> int | None:
     """At the end of a dataloader whose last batch accelerate evened out, how many of its gathered rows are real
-    samples (``remainder``); else None: keep them all."""
+    samples (``remainder``; ``rows`` where the length is unknown, see :func:`drop_repeats`); else None: keep all."""
     state = accelerator.gradient_state
-    return state.remainder if state.end_of_dataloader and state.remainder > 0 else None
+    if not state.end_of_dataloader:
+        return None
+    return state.remainder if state.remainder > 0 else (rows if state.remainder == -1 else None)
 
 
 def _unlike_in_group(mine: Any, layout: ParallelLayout) -> list[Any] | None:
