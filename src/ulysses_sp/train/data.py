@@ -413,7 +413,7 @@ def build_data(config: TrainConfig, tokenizer: Any, *, dp_rank: int, dp_size: in
         pad_token_id=pad_token_id(tokenizer),
     )
     eval_names = tuple(names[int(index)] for index in held_out)
-    record = DatasetRecord.of(corpus.document, names)
+    record = DatasetRecord.of(corpus, names)
     held = tuple(map(int, held_out))
     return TrainData(tokenizer, train, eval_corpus, config, dp_rank, dp_size, held, eval_names, record)
 

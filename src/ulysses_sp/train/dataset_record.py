@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from ulysses_sp.train.documents import TokenizedCorpus
+
 __all__ = ["MAX_ENTRIES", "DatasetRecord", "changed_documents"]
 
 MAX_ENTRIES = 4096  # entries a record holds at most: one per document up to this many documents
@@ -38,23 +40,21 @@ class DatasetRecord:
     names: list[str]
 
     @classmethod
-    def of(cls, document: Callable[[int], np.ndarray], names: Sequence[str]) -> DatasetRecord:
-        """The record of ``len(names)`` documents, ``document(i)`` the token ids of the i-th."""
-        count = len(names)
+    def of(cls, corpus: TokenizedCorpus, names: Sequence[str]) -> DatasetRecord:
+        """The record of the dataset's documents (``corpus``, in their order) named ``names``."""
+        count = corpus.num_docs
+        if len(names) != count:
+            raise ValueError(f"{len(names)} names for {count} documents")
         block = max(1, math.ceil(count / MAX_ENTRIES))
+        offsets = corpus.offsets
         digests, tokens, labels = [], [], []
         for first in range(0, count, block):
-            last = min(first + block, count) - 1
-            digest = hashlib.sha256()
-            length = 0
-            for index in range(first, last + 1):
-                ids = np.ascontiguousarray(document(index), dtype="<i4")
-                digest.update(np.int64(len(ids)).astype("<i8").tobytes())
-                digest.update(ids.tobytes())
-                length += len(ids)
+            end = min(first + block, count)  # documents first .. end - 1: one run of the flat token array
+            digest = hashlib.sha256(np.ascontiguousarray(np.diff(offsets[first : end + 1]), dtype="<i8").tobytes())
+            digest.update(np.ascontiguousarray(corpus.tokens[offsets[first] : offsets[end]], dtype="<i4").tobytes())
             digests.append(digest.hexdigest()[:_DIGEST_HEX])
-            tokens.append(length)
-            labels.append(names[first] if first == last else f"{names[first]} .. {names[last]}")
+            tokens.append(int(offsets[end] - offsets[first]))
+            labels.append(names[first] if end - first == 1 else f"{names[first]} .. {names[end - 1]}")
         return cls(count, block, "".join(digests), tokens, labels)
 
     @classmethod
