@@ -25,18 +25,18 @@ class DealtDataloaders:
 
     def get_train_dataloader(self) -> Any:
         """The Trainer's dataloader, dealing batches over the dp SP groups (same batch on an SP group)."""
-        return self._dealt_over_dp(super().get_train_dataloader, "train")
+        return self._dealt_over_dp(super().get_train_dataloader, "train")  # type: ignore[misc]
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         """The Trainer's eval dataloader, dealing batches over the dp SP groups; batches without labels pass (as
         in one process: logits, no loss)."""
         eval_dataset = shared_stream(eval_dataset, self.sp_layout)  # (a name or None: as it is)
-        return self._dealt_over_dp(functools.partial(super().get_eval_dataloader, eval_dataset), "eval")
+        return self._dealt_over_dp(functools.partial(super().get_eval_dataloader, eval_dataset), "eval")  # type: ignore[misc]
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
         """The Trainer's test dataloader, dealing batches over the dp SP groups; batches without labels pass."""
         test_dataset = shared_stream(test_dataset, self.sp_layout)
-        return self._dealt_over_dp(functools.partial(super().get_test_dataloader, test_dataset), "eval")
+        return self._dealt_over_dp(functools.partial(super().get_test_dataloader, test_dataset), "eval")  # type: ignore[misc]
 
     def _batch_size(self, kind: str) -> tuple[str, int]:
         """The argument that sets the ``kind`` ("train" / "eval") batch size, and the size now (a resume or
@@ -61,4 +61,4 @@ class DealtDataloaders:
         counted (:func:`~ulysses_sp.integrations.data.agree_on_batch`): a batch refused on one rank raises the same
         ValueError on every rank, not only where the worker refused it."""
         checked = (agree_on_batch(batch, self.sp_layout) for batch in epoch_iterator)
-        return super().get_batch_samples(checked, num_batches, *args, **kwargs)
+        return super().get_batch_samples(checked, num_batches, *args, **kwargs)  # type: ignore[misc]
