@@ -411,10 +411,13 @@ def bad_input() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- accelerate jobs
-def accelerate_loop(job: str, sp: int, fsdp2: bool = False, steps: int = 6, stream_shards: int = 0) -> None:
+def accelerate_loop(
+    job: str, sp: int, fsdp2: bool = False, steps: int = 6, stream_shards: int = 0, worker: bool = False
+) -> None:
     """A custom Accelerate loop through SequenceParallelConfig.prepare, on DDP or on FSDP2 (fully_shard); with
     ``stream_shards``, over the data as a ``datasets.IterableDataset`` of that many shards (accelerate gives each
-    rank its own shards when there are as many as ranks), collated in a dataloader worker started by forkserver."""
+    rank its own shards when there are as many as ranks); with ``worker``, collated in a dataloader worker started by
+    forkserver."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
     from torch.utils.data import DataLoader
@@ -433,7 +436,7 @@ def accelerate_loop(job: str, sp: int, fsdp2: bool = False, steps: int = 6, stre
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = token_dataset(TRAIN_LENGTHS, seed=1)
-    workers = {"num_workers": 1, "multiprocessing_context": "forkserver"} if stream_shards else {}
+    workers = {"num_workers": 1, "multiprocessing_context": "forkserver"} if worker else {}
     if stream_shards:
         data = data.to_iterable_dataset(num_shards=stream_shards)
     loader = DataLoader(data, batch_size=2, collate_fn=pad_collate, **workers)
@@ -624,7 +627,7 @@ def world2_sp() -> dict[str, str]:
             "batch_eval_inputs_sp2": batch_eval_inputs_sp2,
             "accelerate_ddp_sp2": lambda: accelerate_loop("accelerate_ddp_sp2", 2),
             "accelerate_fsdp2_sp2": lambda: accelerate_loop("accelerate_fsdp2_sp2", 2, fsdp2=True),
-            "accelerate_stream_sp2": lambda: accelerate_loop("accelerate_stream_sp2", 2, stream_shards=4),
+            "accelerate_stream_sp2": lambda: accelerate_loop("accelerate_stream_sp2", 2, stream_shards=4, worker=True),
             "accelerate_metrics_sp2": lambda: accelerate_metrics("accelerate_metrics_sp2", 2),
             "bad_input": bad_input,
             "refusal_on_one_rank": refusal_on_one_rank,

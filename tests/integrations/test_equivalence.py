@@ -459,8 +459,9 @@ def one_process_loop(steps: int, batch_size: int) -> tuple[list[float], dict[str
 )
 def test_accelerate_loop_equals_one_process(world2_sp, world4, out_dir, job, world, steps, batch_size):
     """SequenceParallelConfig.prepare on DDP, on FSDP2 (fully_shard, DTensor parameters) and on dp=2 x sp=2; and over
-    a datasets.IterableDataset of 4 shards collated in a spawned worker: accelerate gave each of the ranks its own
-    shards (refused: 'cannot find how DataLoaderShard splits batches'), and a dp=1 shard did not pickle."""
+    a datasets.IterableDataset of 4 shards (at sp=2 collated in a worker started by forkserver): accelerate gave each
+    of the ranks its own shards (refused: 'cannot find how DataLoaderShard splits batches'), and a dp=1 shard did not
+    pickle."""
     assert_case(world2_sp if world == 2 else world4, job, world)
     expected_losses, expected_weights = one_process_loop(steps, batch_size)
     got = result(out_dir, job)
