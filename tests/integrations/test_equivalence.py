@@ -566,6 +566,8 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "batch_eval_inputs_sp2",
             "accelerate_ddp_sp2",
             "accelerate_fsdp2_sp2",
+            "accelerate_stream_sp2",
+            "trainer_stream_sp2",
             "accelerate_metrics_sp2",
             "bad_input",
             "refusal_on_one_rank",
@@ -573,6 +575,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
         {
             "trainer_dp2_sp2",
             "accelerate_dp2_sp2",
+            "accelerate_stream_dp2_sp2",
             "trainer_metrics_dp2_sp2",
             "accelerate_metrics_dp2_sp2",
             "accelerate_metrics_ulysses2_ring2",
