@@ -288,6 +288,38 @@ def test_lora_dropout_on_lm_head_draws_the_masks_peft_draws():
         torch.testing.assert_close(tiled(**batch).loss, plain(**batch).loss, **TOL)
 
 
+def test_adaption_prompt_runs_the_tiled_loss_its_wrapper_calls():
+    """PEFT's adaption prompt (LLaMA-Adapter) wraps the causal LM in a module whose ``forward`` is the causal LM's
+    forward as it was when the adapter was added: the tiled forward installed later was bypassed, so the model
+    returned whole logits and, given only ``shift_labels`` (as causal_lm_loss gives them), no loss
+    (causal_lm_loss: AttributeError 'NoneType' object has no attribute 'device'). Now the wrapper calls the tiled
+    forward: the loss and gradients of the plain model, no logits, and the wrapper's own forward back after
+    disable_tiled_loss."""
+    peft = pytest.importorskip("peft")
+    config = peft.AdaptionPromptConfig(adapter_len=4, adapter_layers=2, task_type="CAUSAL_LM")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(build("llama"), config)
+    with torch.no_grad():  # the gates start at zero (the prompt would add nothing and get no gradient)
+        for name, param in model.named_parameters():
+            if "adaption_gate" in name:
+                param.fill_(0.5)
+    batch, layout = make_batch(2, 20), U.ParallelLayout.single()
+    plain = copy.deepcopy(model)
+    want = plain(**batch)
+    want.loss.backward()
+    tiled = U.enable_tiled_loss(U.parallelize(copy.deepcopy(model), layout), chunk_tokens=7)
+    got = U.causal_lm_loss(tiled, U.shard_batch(batch, layout), layout)
+    got.backward()
+    assert tiled(**batch).logits is None  # the tiled forward ran
+    torch.testing.assert_close(got, want.loss, **TOL)
+    ref, grads = _grads(plain), _grads(tiled)
+    assert ref.keys() == grads.keys() and any("adaption_prompt" in name for name in ref)
+    for name in ref:
+        torch.testing.assert_close(grads[name], ref[name], **TOL, msg=name)
+    U.disable_tiled_loss(tiled)
+    assert tiled(**batch).logits is not None and not tiled_loss_enabled(tiled)
+
+
 @pytest.mark.parametrize("kind", ["modules_to_save", "trainable_tokens_tied", "lora"])
 def test_peft_trained_lm_head_runs_in_the_weight_the_model_uses(kind):
     """PEFT's modules_to_save copy of lm_head, trainable tokens on a tied lm_head, and LoRA on lm_head (with a bias on

@@ -20,7 +20,7 @@ import functools
 import inspect
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,9 @@ class _TiledLossState:
     budget_bytes: int
     verified: bool = False
     instance_forward: object = None  # ``forward`` in the instance's __dict__ before enabling (restored after)
+    # wrappers that call the causal LM's forward they kept as their own (PEFT's AdaptionPromptModel sets
+    # ``self.forward = model.forward``): pointed at the tiled forward too, and back after
+    wrappers: list[nn.Module] = field(default_factory=list)
 
     def __getstate__(self) -> dict[str, object]:  # pickle / torch.save: a file saved would not load
         raise TypeError(
@@ -120,9 +123,12 @@ def enable_tiled_loss(
         chunk_tokens,
         budget_bytes,
         instance_forward=causal_lm.__dict__.get("forward"),
+        wrappers=[m for m in model.modules() if m is not causal_lm and m.__dict__.get("forward") == causal_lm.forward],
     )
     setattr(causal_lm, _STATE_ATTR, state)
     causal_lm.forward = types.MethodType(_tiled_forward, causal_lm)
+    for wrapper in state.wrappers:  # else they would bypass it: the model's own loss (or none) and whole logits
+        wrapper.forward = causal_lm.forward
     return model
 
 
@@ -132,6 +138,8 @@ def disable_tiled_loss(model: nn.Module) -> nn.Module:
     if getattr(causal_lm, _STATE_ATTR, None) is None:
         return model
     state: _TiledLossState = getattr(causal_lm, _STATE_ATTR)
+    for wrapper in state.wrappers:
+        wrapper.forward = state.original_forward
     if state.instance_forward is not None:  # e.g. Accelerate's autocast wrapper, installed before enabling
         causal_lm.forward = state.instance_forward
     else:
