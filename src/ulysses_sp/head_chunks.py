@@ -110,7 +110,8 @@ def split_problem(module: nn.Module, num_heads: int, num_kv_heads: int) -> str |
                 return f"{name}: {problem}"
         child = base_linear(wrapper)
         if not isinstance(child, nn.Linear) or type(child).forward is not nn.Linear.forward:
-            return f"{name} is a {type(child).__name__}, not a plain torch.nn.Linear or a LoRA layer around one"
+            kind = f"{type(child).__module__}.{type(child).__qualname__}"  # (PEFT's IA3 layer is a "Linear" too)
+            return f"{name} is a {kind}, not a plain torch.nn.Linear or a LoRA layer around one"
         if any(m._forward_hooks or m._forward_pre_hooks for m in {wrapper, child}):
             return f"{name} has forward hooks, which a sliced projection would skip"
         heads = num_heads if name in names.query or name == names.out else num_kv_heads

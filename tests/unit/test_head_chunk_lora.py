@@ -148,6 +148,35 @@ def test_lora_variants_refused_at_parallelize(config, hooked, reason):
     assert not _chunked(auto)
 
 
+@pytest.mark.parametrize(
+    ("kind", "config"),
+    [
+        ("IA3Config", dict(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"])),
+        ("LoHaConfig", dict(r=4, target_modules=list(ATTENTION), init_weights=False)),
+    ],
+)
+def test_other_peft_layers_refused_by_their_full_name_or_run_unchunked(kind, config):
+    """PEFT layers other than LoRA on the projections (IA3, LoHa) cannot be sliced by heads: head_chunks=2 is refused
+    naming the layer's full class (PEFT calls them all ``Linear``: "k_proj is a Linear, not a plain torch.nn.Linear"
+    named nothing); automatic chunking leaves them unchunked, with the plain PEFT model's loss and gradients."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(3)
+    model = peft.get_peft_model(build("llama", kv_heads=2), getattr(peft, kind)(**config))
+    layer = type(model.base_model.model.model.layers[0].self_attn.k_proj)
+    assert layer.__name__ == "Linear" and layer.__module__.startswith("peft.tuners.")
+    with pytest.raises(ValueError, match=rf"[qk]_proj is a {layer.__module__}\.Linear, not a plain torch\.nn\.Linear"):
+        U.parallelize(copy.deepcopy(model), U.ParallelLayout.single(), head_chunks=2)
+    batch = make_batch(2, 20, packed=(8, 12))
+    want_loss, want = loss_and_grads(copy.deepcopy(model), batch)
+    loss, grads = _parallel_loss_and_grads(model, batch, chunks=None, head_chunk_budget_bytes=1)
+    assert not _chunked(model)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    trained = [n for n, g in want.items() if g is not None]
+    assert trained and all(grads[n] is not None for n in trained)
+    for name in trained:
+        torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_merged_and_disabled_adapters_run_the_base_weights_in_chunks():
     batch = make_batch(1, 12)
     model = with_lora(build("llama", kv_heads=2), ATTENTION)
