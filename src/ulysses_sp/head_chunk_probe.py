@@ -101,14 +101,24 @@ def _compare(owner: HeadChunkedAttention, x: torch.Tensor, args: tuple, kwargs: 
             "its forward draws random numbers outside the attention core while training (a dropout after a "
             "projection, e.g. a residual_dropout in the config), which the chunks would leave out; set it to 0"
         )
-    if not _agree(theirs[0], ours):
+    if not _agree(theirs[0], ours, _narrowest(owner.module, theirs[0].dtype)):
         return "its own forward and the chunked one differ on a probe (its projections do not split by heads)"
     return None
 
 
-def _agree(want: torch.Tensor, got: torch.Tensor) -> bool:
-    """Equal shapes and values up to rounding (another matmul blocking, another order of the chunks' sums)."""
-    tol = 1e-5 if want.dtype == torch.float32 else 4 * torch.finfo(want.dtype).eps
+def _narrowest(module: torch.nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """The least precise of ``dtype`` and the module's floating parameters: a 16-bit LoRA adapter of an fp32
+    projection rounds its share of the output to 16 bits (PEFT casts the input to the adapter's dtype), which the
+    chunks round in another order (or not: the output projection's adapters sum the chunks' shares in fp32)."""
+    dtypes = {dtype} | {p.dtype for p in module.parameters() if p.is_floating_point()}
+    return max(dtypes, key=lambda d: torch.finfo(d).eps)
+
+
+def _agree(want: torch.Tensor, got: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Equal shapes and values up to rounding (another matmul blocking, another order of the chunks' sums) in
+    ``dtype`` (default: ``want``'s)."""
+    dtype = want.dtype if dtype is None else dtype
+    tol = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
     return want.shape == got.shape and torch.allclose(
         want.float(), got.float(), rtol=tol, atol=tol * float(want.abs().max())
     )

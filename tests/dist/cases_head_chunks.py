@@ -16,10 +16,17 @@ import torch
 
 import ulysses_sp as U
 from tests.dist.cases_architectures import EVAL_ONLY, PARITY_ARCHS
-from tests.dist.cases_core import check_parity
+from tests.dist.cases_core import check_parity, sequence_parallel
 from tests.dist.cases_memory_features import check_features
 from tests.helpers.harness import run_cases
-from tests.helpers.models import build, dropout_seeds, make_batch, with_chunk_dropout, with_lora
+from tests.helpers.models import (
+    assert_as_close_as_one_process,
+    build,
+    dropout_seeds,
+    make_batch,
+    with_chunk_dropout,
+    with_lora,
+)
 from tests.helpers.spy import calls_to
 from ulysses_sp import chunk_core, head_chunk_pipeline, sliced_core
 
@@ -258,6 +265,22 @@ def lora_dropout_cases(layout, prefix: str, heads: int, chunks: int, features: b
     }
 
 
+def lora_16_bit_adapters(layout, chunks: int, adapter_dtype: torch.dtype = torch.bfloat16) -> None:
+    """fp32 base weights with 16-bit LoRA adapters on every attention projection (PEFT rounds their shares to 16 bits):
+    chunked (the first call's probe compares at the adapters' precision), and as close to the fp64 truth as one
+    process running the plain PEFT model."""
+    model = with_lora(build("llama", heads=8, kv_heads=2), ("q_proj", "k_proj", "v_proj", "o_proj"))
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.to(adapter_dtype)
+    batch = make_batch(2, 24, packed=(10, 14))
+    stats = U.CommStats()
+    with calls_to(head_chunk_pipeline, "kernel_backward") as fused:
+        loss, grads, _ = sequence_parallel(model, batch, layout, head_chunks=chunks, stats=stats)
+    assert stats.calls["all_to_all"] == all_to_alls(chunks, 2, len(fused)), stats.calls  # chunked, not unchunked
+    assert_as_close_as_one_process(model, batch, loss, grads)
+
+
 def lora_cases(layout, prefix: str, heads: int, chunks: int, features: bool = False) -> dict:
     """PEFT LoRA adapters (random A and B) on every attention projection: exact in chunks, the kernel's backward
     (GQA, packed) and the recompute (a window), the projections of the input (q/k/v) and of an inner tensor (MLA's
@@ -322,6 +345,8 @@ def world2_cases(sp2) -> dict:
         "sp2_C4_exchanges_overlap_cores_recomputed": P(overlap, sp2, core="eager"),
         **lora_cases(sp2, "sp2", 8, 2, features=True),
         **lora_dropout_cases(sp2, "sp2", 8, 2, features=True),
+        "sp2_C2_lora_bf16_adapters_fp32_base": P(lora_16_bit_adapters, sp2, 2),
+        "sp2_C4_lora_fp16_adapters_fp32_base": P(lora_16_bit_adapters, sp2, 4, torch.float16),
     }
 
 

@@ -484,3 +484,23 @@ def loss_and_grads(model, batch: dict[str, torch.Tensor], layout=None) -> tuple[
         loss = U.sequence_parallel_cross_entropy(model(**inputs).logits, shard["shift_labels"], layout)
     loss.backward()
     return loss.detach(), {n: None if p.grad is None else p.grad.float() for n, p in model.named_parameters()}
+
+
+def assert_as_close_as_one_process(model, batch, loss, grads, factor: float = 3.0, floor: float = 1e-4) -> None:
+    """For a run of ``model`` (16-bit somewhere) on ``batch`` that gave ``loss`` and ``grads``: per tensor, its
+    relative distance from the fp64 truth (``model`` in float64, one process) is at most ``factor`` times that of one
+    process running ``model`` as it is, plus ``floor`` (rounding in another order may round otherwise, not worse)."""
+    import copy
+
+    truth_loss, truth = loss_and_grads(copy.deepcopy(model).double(), batch)
+    ref_loss, ref = loss_and_grads(copy.deepcopy(model), batch)
+    assert {n for n, g in grads.items() if g is not None} == {n for n, g in ref.items() if g is not None}
+
+    def distance(got: torch.Tensor, want: torch.Tensor) -> float:
+        return float((got.double() - want.double()).norm() / want.double().norm())
+
+    for name, got, one, want in [("loss", loss, ref_loss, truth_loss)] + [
+        (n, grads[n], ref[n], truth[n]) for n in ref if ref[n] is not None
+    ]:
+        worst = factor * distance(one, want) + floor
+        assert distance(got, want) <= worst, f"{name}: {distance(got, want):.2e} from the truth > {worst:.2e}"

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 import ulysses_sp as U
-from tests.helpers.models import build, loss_and_grads, make_batch, with_chunk_dropout, with_lora
+from tests.helpers.models import (
+    assert_as_close_as_one_process,
+    build,
+    loss_and_grads,
+    make_batch,
+    with_chunk_dropout,
+    with_lora,
+)
 from ulysses_sp.head_chunk_lora import InputDropout
 from ulysses_sp.head_chunks import HeadChunkedAttention
 
@@ -57,6 +64,24 @@ def test_lora_chunks_match_the_plain_peft_model(arch, targets, unfreeze, autocas
     torch.testing.assert_close(loss, ref, **tol)
     for name in trained:
         torch.testing.assert_close(grads[name], want[name], **tol, msg=name)
+
+
+@pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_adapters_of_fp32_projections_run_in_chunks(adapter_dtype):
+    """fp32 base weights with 16-bit LoRA adapters (PEFT casts the input to the adapter's dtype, so the adapters'
+    share of each projection is rounded to 16 bits): the first call's probe compared the chunked forward with PEFT's at
+    fp32's tolerance and refused head_chunks=2 ("its projections do not split by heads", 0.4% apart: the chunks sum
+    the output projection's adapter shares in fp32). It now compares at the adapters' precision: chunked, and as close
+    to the fp64 truth as the plain PEFT model."""
+    batch = make_batch(2, 20, packed=(8, 12))
+    model = with_lora(build("llama", kv_heads=2), ATTENTION)
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.to(adapter_dtype)
+    chunked = copy.deepcopy(model)
+    loss, grads = _parallel_loss_and_grads(chunked, batch)
+    assert len(_chunked(chunked)) == 2 and all(h.verified for h in _chunked(chunked))
+    assert_as_close_as_one_process(model, batch, loss, grads)
 
 
 @pytest.mark.parametrize(
