@@ -248,15 +248,17 @@ def causal_lm_loss(
 def _check_parallelized(model: torch.nn.Module, layout: ParallelLayout) -> None:
     """ValueError (the same on every rank) when ``layout`` splits the sequence but ``model`` is a transformers model
     that runs no sequence-parallel attention (never parallelized, or unparallelized since: its attention is one of
-    transformers' own), so each rank's attention would see its own shard alone. Another library's attention
+    transformers' own), so each rank's attention would see its own shard alone, or a PEFT model with a prompt-learning
+    adapter (its virtual tokens would go to each shard). Another library's attention
     registered under the model's implementation (DeepSpeed's Ulysses in ``ulysses-sp bench``) passes."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from .hf import find_pretrained
+    from .hf import find_pretrained, refuse_prompt_learning
     from .model import ulysses_context
 
     if layout.sp == 1:
         return
+    refuse_prompt_learning(model)  # a PEFT prompt-learning wrapper put around the model after parallelize
     try:
         ulysses_context(model)
         return  # parallelized (a shard inside plain_attention is refused by the model)

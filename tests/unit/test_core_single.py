@@ -493,7 +493,8 @@ def test_apply_features_undoes_its_work_on_any_error(monkeypatch):
 def test_peft_prompt_learning_is_refused_under_sp_not_alone(kind):
     """Prompt, prefix and p-tuning add virtual tokens to each sequence the model sees: under SP each shard would get
     them (the first step failed on missing positions or a KV cache, naming neither). Refused when parallelized with
-    sp > 1, naming the adapter; one rank (sp=1) takes it, as do LoRA and the adaption prompt under SP."""
+    sp > 1 (or, wrapped around a model parallelized already, by causal_lm_loss), naming the adapter; one rank (sp=1)
+    takes it, as do LoRA and the adaption prompt under SP."""
     peft = pytest.importorskip("peft")
     from ulysses_sp.standin import StandIn
 
@@ -508,6 +509,11 @@ def test_peft_prompt_learning_is_refused_under_sp_not_alone(kind):
     with StandIn(sp=2) as rank:
         with pytest.raises(ValueError, match=r"the PEFT adapter 'default' is \w+_TUNING, prompt learning"):
             U.parallelize(adapted(prompt), rank.layout)
+        # wrapped after parallelize: refused by causal_lm_loss (PEFT drops the shard's position_ids for the virtual
+        # tokens, and the model's refusal of a shard without global positions blamed the caller's batch)
+        wrapped = peft.get_peft_model(U.parallelize(build("llama"), rank.layout), prompt)
+        with pytest.raises(ValueError, match=r"the PEFT adapter 'default' is \w+_TUNING, prompt learning"):
+            U.causal_lm_loss(wrapped, U.shard_batch(make_batch(1, 16), rank.layout), rank.layout)
         for other in (
             peft.LoraConfig(r=4, target_modules=["q_proj"]),
             peft.AdaptionPromptConfig(adapter_len=2, adapter_layers=1, task_type="CAUSAL_LM"),
