@@ -268,7 +268,10 @@ class UlyssesAttention:
         if self._latest is None:
             raise RuntimeError(
                 "Ulysses attention ran before the model's forward pre-hook: call the parallelized model itself "
-                "(not a single layer), or call UlyssesAttention.begin_forward first"
+                "(not a single layer), or call UlyssesAttention.begin_forward first; or the attention module is a "
+                "copy made after parallelize (PEFT's modules_to_save listing an attention module or a decoder layer "
+                "deep-copies it): list its projections instead (modules_to_save=['q_proj', 'k_proj', 'v_proj', "
+                "'o_proj'])"
             )
         if position_ids is None:  # the model does not hand position_ids to its attention
             return self._latest

@@ -35,6 +35,7 @@ __all__ = [
     "mlp_modules",
     "own_class",
     "refuse_prompt_learning",
+    "refuse_unswitched_attention",
     "text_config",
 ]
 
@@ -71,6 +72,33 @@ def refuse_prompt_learning(model: nn.Module) -> None:
                     "each rank holds a shard, which would get them instead; use LoRA (or another adapter on the "
                     "weights) or LLaMA-Adapter's adaption prompt"
                 )
+
+
+def refuse_unswitched_attention(
+    pretrained: PreTrainedModel, modules: list[nn.Module], name: str, original: str, sp: int
+) -> None:
+    """After ``pretrained.set_attn_implementation(name)`` with ``sp`` > 1: a ValueError (the model switched back to
+    ``original`` first) when an attention module of ``modules`` did not follow, its config being a copy that
+    transformers' switch does not reach (PEFT's ``modules_to_save`` deep-copies a listed attention module or decoder
+    layer, config and all): its attention would run ``original`` on this rank's shard alone, silently wrong (at
+    sp=1 it runs on the whole sequence: exact)."""
+    if sp == 1:
+        return
+    ids = {id(m) for m in modules}
+    stale = [
+        path
+        for path, m in pretrained.named_modules()
+        if id(m) in ids and getattr(getattr(m, "config", None), "_attn_implementation", name) != name
+    ]
+    if stale:
+        pretrained.set_attn_implementation(original)
+        raise ValueError(
+            f"{', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''}: attention module(s) whose config is a copy "
+            f"that set_attn_implementation does not reach (PEFT's modules_to_save copies a listed attention module "
+            f"or decoder layer with its config), so under sequence parallelism they would run {original!r} on each "
+            "rank's shard alone; list their projections instead (modules_to_save=['q_proj', 'k_proj', 'v_proj', "
+            "'o_proj']) or train them with LoRA"
+        )
 
 
 # heads that read across the whole sequence: under SP each rank would read its own shard's (a wrong, rank-dependent

@@ -42,6 +42,7 @@ from .hf import (
     find_pretrained,
     layer_kv_heads,
     refuse_prompt_learning,
+    refuse_unswitched_attention,
     refuse_whole_sequence_head,
 )
 from .layout import ParallelLayout
@@ -372,6 +373,7 @@ def parallelize(
     _register(name)
     original = pretrained.config._attn_implementation
     pretrained.set_attn_implementation(name)
+    refuse_unswitched_attention(pretrained, modules, name, original, layout.sp)
     for module in modules:
         object.__setattr__(module, MODULE_ATTR, ctx)
     chunk_options = dict(num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads, requested=head_chunks)

@@ -286,6 +286,30 @@ def changed_after_parallelize(layout):
     )
 
 
+def attention_copied_by_peft(layout):
+    """PEFT's modules_to_save listing an attention module or a decoder layer deep-copies it, config and all, and
+    set_attn_implementation does not reach the copy's config: under SP the copy ran the model's own sdpa on each rank's
+    shard alone (loss 0.2% off, silently). Refused at parallelize, the model left as it was; copied after parallelize,
+    refused at the forward naming the cause; the projections listed instead are exact."""
+    from tests.helpers.models import with_lora
+
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    for saved in (["self_attn"], ["layers.1"]):
+        model = with_lora(build("qwen3", kv_heads=2), ("gate_proj",), modules_to_save=saved)
+        expect_raise(ValueError, ["config is a copy that set_attn_implementation does not reach", "q_proj"])(
+            lambda m=model: U.parallelize(m, layout)
+        )
+        assert model.config._attn_implementation == "sdpa"
+        U.unparallelize(U.parallelize(model, U.ParallelLayout.single()))  # left unparallelized: takes sp=1
+        copied = with_lora(U.parallelize(build("qwen3", kv_heads=2), layout), ("gate_proj",), modules_to_save=saved)
+        shard = U.shard_batch(make_batch(1, 16), layout)
+        expect_raise(RuntimeError, ["copy made after parallelize", "modules_to_save"])(
+            lambda m=copied, s=shard: U.causal_lm_loss(m, s, layout)
+        )
+    adapt = functools.partial(with_lora, targets=("gate_proj",), modules_to_save=projections)
+    check_parity(layout, "qwen3", kv_heads=2, batch=make_batch(2, 24, packed=(10, 14)), adapt=adapt)
+
+
 def layouts_differ():
     """Ranks that ask for different sp (a per-rank config) built different groups and waited in each other's
     collectives until the process-group timeout (30 min by default); now a ValueError on every rank."""
@@ -423,6 +447,7 @@ def world2() -> dict[str, str]:
         "plain_attention_roundtrip": P(plain_attention_roundtrip, sp2),
         "dp2_sp1_refusal_on_one_replica": P(refusal_on_one_replica_sp1, dp2),
         "changed_after_parallelize": P(changed_after_parallelize, sp2),
+        "attention_copied_by_peft": P(attention_copied_by_peft, sp2),
         "resized_vocabulary": P(resized_vocabulary, sp2),
         "layouts_differ": layouts_differ,
         "gloo_settles_at_exit": P(gloo_settles_at_exit, sp2),

@@ -44,6 +44,7 @@ WORLD2 = [
     "plain_attention_roundtrip",
     "dp2_sp1_refusal_on_one_replica",
     "changed_after_parallelize",
+    "attention_copied_by_peft",
     "resized_vocabulary",
     "layouts_differ",
     "gloo_settles_at_exit",
