@@ -9,6 +9,7 @@ forward's RNG and autocast state.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,16 @@ from .tiling import Replay
 if TYPE_CHECKING:
     from .offload import HostActivationStore
 
-__all__ = ["StridedCheckpoint"]
+__all__ = ["StridedCheckpoint", "not_picklable"]
+
+
+def not_picklable(what: str) -> TypeError:
+    """The error of ``pickle`` / ``torch.save`` of a model with activation checkpointing in a state that does
+    not pickle; ``what`` completes "cannot pickle a model ..."."""
+    return TypeError(
+        f"cannot pickle a model {what}. To save the model, save its weights (torch.save(model.state_dict(), path) "
+        "or model.save_pretrained(path)), or call ulysses_sp.disable_activation_checkpointing(model) first"
+    )
 
 
 class _Head:
@@ -76,7 +86,20 @@ class StridedCheckpoint:
 
     def __init__(self, index: int, stride: int, store: HostActivationStore | None, shared: dict, layer: nn.Module):
         self.index, self.stride, self.store, self.shared = index, stride, store, shared
-        self.layer = weakref.ref(layer)
+        self.layer = weakref.ref(layer)  # (weak: the layer holds this function)
+
+    def __deepcopy__(self, memo: dict) -> StridedCheckpoint:
+        # copy.deepcopy of the model (an EMA or reference copy) copies the layer before its __dict__, so the
+        # copied layer is in ``memo``: the copy's function serves it (its FSDP2 unit once sharded, its name in
+        # errors), the copy's store, and one fresh group slot shared with the copy's other layers. A function
+        # copied on its own serves the same layer.
+        layer = self.layer()
+        shared = memo.setdefault(id(self.shared), {})
+        store = copy.deepcopy(self.store, memo)
+        return type(self)(self.index, self.stride, store, shared, memo.get(id(layer), layer))
+
+    def __getstate__(self) -> dict[str, Any]:  # pickle / torch.save: the weak reference to its layer does not pickle
+        raise not_picklable("whose decoder layers are checkpointed in groups (checkpoint_stride > 1)")
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         return self.store.pack(tensor) if self.store is not None else tensor

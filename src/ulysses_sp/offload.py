@@ -59,7 +59,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .checkpoint_groups import StridedCheckpoint
+from .checkpoint_groups import StridedCheckpoint, not_picklable
 from .hf import decoder_layers, find_pretrained
 from .pinned import PinnedBuffers
 
@@ -113,11 +113,7 @@ class HostActivationStore:
         return copied
 
     def __getstate__(self) -> dict[str, Any]:  # pickle / torch.save (its weak set and streams do not pickle)
-        raise TypeError(
-            "cannot pickle a model whose activation checkpoints are offloaded to host memory. To save the model, save "
-            "its weights (torch.save(model.state_dict(), path) or model.save_pretrained(path)), or call "
-            "ulysses_sp.disable_activation_checkpointing(model) first"
-        )
+        raise not_picklable("whose activation checkpoints are offloaded to host memory")
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The host tensors held now (one per kept layer input that autograd still references). On CUDA they are

@@ -65,10 +65,15 @@ def check_features(
     head_chunks=None,
     adapt=None,
     ref_adapt=None,
+    stride=1,
+    twin=False,
 ):
     """``heads`` query heads (2 kv heads); ``head_chunks``: parallelize's (None: its default); ``adapt(model)``:
     the model to run instead of the built one (e.g. with LoRA); ``ref_adapt(copy)``: the reference's instead of
-    that model (e.g. its dropout drawing the run's masks)."""
+    that model (e.g. its dropout drawing the run's masks); ``stride``: the checkpoint stride; ``twin``: run a
+    copy.deepcopy of the model made once its features are on (an EMA or reference model), the original's weights
+    then changed and both wrapped."""
+    assert not (twin and after_wrap)
     batch = batch if batch is not None else make_batch(2, 24, packed=(10, 14))
     model = build_model(arch, tied, heads=heads)
     if adapt is not None:
@@ -80,9 +85,15 @@ def check_features(
     if tiled:  # the tiled layer: MLP and norms (the MLP's norm fused into its chunks)
         U.enable_tiled_mlp(par, chunk_tokens=chunk)  # 12 tokens per rank: chunks of 5, 5 and 2
         U.enable_tiled_norms(par, chunk_tokens=chunk)
-    U.enable_activation_checkpointing(par, checkpointing)
+    U.enable_activation_checkpointing(par, checkpointing, stride=stride)
     if tiled_loss:
         U.enable_tiled_loss(par, chunk_tokens=7)
+    if twin:
+        original, par = par, copy.deepcopy(par)
+        with torch.no_grad():
+            for param in original.parameters():
+                param.mul_(1.5)
+        wrap(original, wrapper)
     par.train()
     wrapped = wrapped or wrap(par, wrapper)
     mine = dp_share(batch, layout)
@@ -92,10 +103,10 @@ def check_features(
     else:
         logits = wrapped(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
         loss = U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
-    if checkpointing == "offload":  # one host copy of each decoder layer's input [b, n/sp, h] is held
+    if checkpointing == "offload":  # one host copy of each group head's input [b, n/sp, h] is held
         b, n, h = shard["input_ids"].shape[0], shard["input_ids"].shape[1], model.config.hidden_size
         held = offload_store(par).held_bytes()
-        assert held == model.config.num_hidden_layers * b * n * h * 4, held
+        assert held == -(-model.config.num_hidden_layers // stride) * b * n * h * 4, held
     loss.backward()
     if checkpointing == "offload":
         assert offload_store(par).held_bytes() == 0, "the host store outlived backward"
@@ -150,6 +161,10 @@ def world2() -> dict[str, str]:
         )
     cases["sp2_tiled_loss_tiled_mlp_offload_fsdp2_tied"] = P(
         check_features, sp2, "fsdp2", tiled=True, checkpointing="offload", tied=True, tiled_loss=True
+    )
+    # a copy made with a checkpoint stride of 2 recomputed its groups with the original's FSDP2 units gathered
+    cases["sp2_tiled_offload_stride2_copy_fsdp2"] = P(
+        check_features, sp2, "fsdp2", tiled=True, checkpointing="offload", stride=2, twin=True
     )
     cases["sp2_tiled_offload_padded_ddp"] = P(
         check_features, sp2, "ddp", tiled=True, checkpointing="offload", batch=make_batch(2, 23, pad="right")

@@ -15,6 +15,7 @@ WORLD2 = [
     "sp2_tiled_offload_enabled_after_ddp",
     "sp2_tiled_offload_enabled_after_fsdp2",
     "sp2_tiled_loss_tiled_mlp_offload_fsdp2_tied",
+    "sp2_tiled_offload_stride2_copy_fsdp2",
     "sp2_tiled_offload_padded_ddp",
     "ddp_different_chunk_counts_per_rank",
 ]

@@ -6,12 +6,14 @@ import types
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import ulysses_sp as U
 from tests.helpers.models import _common, make_batch
 from tests.unit.test_tiling import assert_same, loss_and_grads
-from ulysses_sp.features import Features
+from ulysses_sp.features import Features, apply_features
+from ulysses_sp.fsdp import fully_shard_layers
 from ulysses_sp.offload import offload_store
 from ulysses_sp.plan import load_model_config, plan_memory
 from ulysses_sp.plan.placement import placements
@@ -43,6 +45,50 @@ def test_stride_is_exact_and_recomputes_the_layers_between(mode, stride):
     # forward + own recompute, and once more to rebuild a later input of its group unless it is a group's last
     last = {min(g + stride, LAYERS) - 1 for g in range(0, LAYERS, stride)}
     assert runs == [2 if i in last else 3 for i in range(LAYERS)]
+
+
+def gathered(result):
+    """(loss, gradients) with FSDP2's sharded gradients gathered whole."""
+    loss, grads = result
+    return loss, {name: g.full_tensor() if hasattr(g, "full_tensor") else g for name, g in grads.items()}
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of this process alone, for FSDP2 in one process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "offload"])
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("around", ["plain", "fsdp2", "parallelize"])
+def test_a_deep_copy_recomputes_its_own_layers(mode, stride, around, request):
+    """An EMA or reference model: copy.deepcopy of a model with checkpointing on, the original's weights then
+    changed. The copy's loss and gradients are those of a copy made before enabling and then enabled. With a stride
+    of 2 the copy's checkpoint functions served the original's layers: under FSDP2 the copy's backward gathered
+    the original's layers and ran its own still sharded (RuntimeError "got mixed torch.Tensor and DTensor")."""
+    model, batch = five_layers(), make_batch(2, 24, packed=(10, 14))
+    features = Features(activation_checkpointing=mode, checkpoint_stride=stride, mlp_chunk_tokens=5)
+
+    def enable(m):
+        if around == "parallelize":  # at sp=1 (sp=2: tests/dist/cases_memory_features.py)
+            apply_features(U.parallelize(m, U.ParallelLayout.single()), features, "cpu")
+        else:
+            U.enable_activation_checkpointing(m, mode, stride=stride)
+        return m
+
+    reference = enable(copy.deepcopy(model))
+    twin = copy.deepcopy(enable(model))
+    with torch.no_grad():
+        for param in model.parameters():  # the original trains on; the copy keeps the weights it was made with
+            param.mul_(1.5)
+    if around == "fsdp2":
+        request.getfixturevalue("one_rank_group")
+        for m in (model, twin, reference):
+            fully_shard_layers(m, torch.device("cpu"), 1)
+    assert_same(gathered(loss_and_grads(twin, batch)), gathered(loss_and_grads(reference, batch)))
 
 
 @pytest.mark.parametrize("stride", [1, 2, 3])

@@ -148,12 +148,17 @@ def test_a_copied_model_gets_its_own_empty_store():
     loss_and_grads(copied, make_batch(1, 12))
 
 
-def test_torch_save_of_an_offloading_model_is_one_type_error_naming_the_fix(tmp_path):
-    """It failed inside pickle with "Can't pickle local object 'WeakSet.__init__.<locals>._remove'"."""
-    model = U.enable_activation_checkpointing(build("llama"), "offload")
+@pytest.mark.parametrize(("mode", "stride"), [("offload", 1), ("checkpoint", 2), ("offload", 2)])
+def test_torch_save_of_an_offloading_or_strided_model_is_one_type_error_naming_the_fix(tmp_path, mode, stride):
+    """It failed inside pickle with "Can't pickle local object 'WeakSet.__init__.<locals>._remove'" (offload), and
+    with "cannot pickle 'weakref.ReferenceType' object" (checkpoint_stride 2: a layer's function refers to it)."""
+    model = U.enable_activation_checkpointing(build("llama"), mode, stride=stride)
     with pytest.raises(TypeError, match=r"model.state_dict\(\).*disable_activation_checkpointing\(model\)"):
         torch.save(model, tmp_path / "model.pt")
     torch.save(U.disable_activation_checkpointing(model), tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    batch = make_batch(1, 12)
+    torch.testing.assert_close(loaded(**batch).loss, model(**batch).loss)
 
 
 def test_eval_mode_and_no_grad_keep_nothing():
