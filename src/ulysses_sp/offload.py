@@ -73,7 +73,6 @@ __all__ = [
 
 MODES = ("none", "checkpoint", "offload")
 _STATE_ATTR = "_ulysses_sp_checkpointing"
-_MISSING = object()
 _ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")  # what _set_gradient_checkpointing sets
 
 
@@ -241,7 +240,9 @@ class _State:
     mode: str
     store: HostActivationStore | None
     stride: int
-    previous: list[tuple[nn.Module, Any, Any]]  # (module, its own gradient_checkpointing, its own func)
+    # (module, the _ATTRS it had in its own __dict__): what a deep copy or pickle keeps, where a sentinel for a
+    # missing one (object()) came back as another object, set on the copy's layers by disable
+    previous: list[tuple[nn.Module, dict[str, Any]]]
 
 
 def enable_activation_checkpointing(model: nn.Module, mode: str = "checkpoint", *, stride: int = 1) -> nn.Module:
@@ -273,7 +274,7 @@ def enable_activation_checkpointing(model: nn.Module, mode: str = "checkpoint", 
     if "value" in inspect.signature(pretrained._set_gradient_checkpointing).parameters:
         raise ValueError(f"{name} uses transformers' pre-4.35 checkpointing hook, which takes no checkpoint function")
     previous = [
-        (m, *(m.__dict__.get(attr, _MISSING) for attr in _ATTRS))
+        (m, {attr: m.__dict__[attr] for attr in _ATTRS if attr in m.__dict__})
         for m in pretrained.modules()
         if hasattr(m, "gradient_checkpointing")
     ]
@@ -320,12 +321,11 @@ def disable_activation_checkpointing(model: nn.Module) -> nn.Module:
         contexts = _attention_contexts(pretrained)
         for ctx in contexts:
             ctx.backward_hooks[:] = [h for h in ctx.backward_hooks if getattr(h, "__self__", None) is not state.store]
-    for module, *values in state.previous:
-        for attr, value in zip(_ATTRS, values, strict=True):
-            if value is _MISSING:
-                module.__dict__.pop(attr, None)
-            else:
-                setattr(module, attr, value)
+    for module, own in state.previous:
+        for attr in _ATTRS:
+            module.__dict__.pop(attr, None)
+        for attr, value in own.items():
+            setattr(module, attr, value)
     delattr(pretrained, _STATE_ATTR)
     return model
 

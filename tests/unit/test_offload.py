@@ -139,6 +139,35 @@ def test_modes_are_reversible_and_none_turns_transformers_checkpointing_off():
     assert offload_store(plain) is None and U.disable_activation_checkpointing(plain) is plain
 
 
+def own_flags(model):
+    """Each module's checkpointing attributes set on the instance (not the class's defaults)."""
+    names = ("gradient_checkpointing", "_gradient_checkpointing_func")
+    return [{name: m.__dict__[name] for name in names if name in m.__dict__} for m in model.modules()]
+
+
+@pytest.mark.parametrize(
+    ("mode", "stride", "how"),
+    [("offload", 1, "deepcopy"), ("checkpoint", 2, "deepcopy"), ("checkpoint", 1, "torch.load")],
+)
+def test_disable_on_a_copied_or_loaded_model_restores_it(tmp_path, mode, stride, how):
+    """disable_activation_checkpointing of a copy.deepcopy (or of what torch.load gave back) set a new object() as
+    each layer's gradient_checkpointing and checkpoint function (the 'missing' sentinel was copied): its next
+    training step raised TypeError "'object' object is not callable"."""
+    model, batch = build("llama"), make_batch(1, 12)
+    want = loss_and_grads(copy.deepcopy(model), batch)
+    U.enable_activation_checkpointing(model, mode, stride=stride)
+    if how == "deepcopy":
+        twin = copy.deepcopy(model)
+    else:
+        torch.save(model, tmp_path / "model.pt")
+        twin = torch.load(tmp_path / "model.pt", weights_only=False)
+    U.disable_activation_checkpointing(twin)
+    assert own_flags(twin) == own_flags(build("llama"))  # LlamaModel's own False, nothing on the layers
+    runs = count_layer_runs(twin)
+    assert_same(loss_and_grads(twin, batch), want)
+    assert len(runs) == 1  # not checkpointed any more
+
+
 def test_a_copied_model_gets_its_own_empty_store():
     model = U.enable_activation_checkpointing(build("llama"), "offload")
     copied = copy.deepcopy(model)
