@@ -50,7 +50,7 @@ from .masks import read_decoder_masks, ulysses_mask
 from .moe import router_aux_loss
 from .offload import offload_store
 from .padding import lift_padding_ids
-from .validation import check_whole_input
+from .validation import carry_cut_to_outputs, check_whole_input
 
 __all__ = ["parallelize", "plain_attention", "ulysses_context", "unparallelize"]
 
@@ -389,6 +389,7 @@ def parallelize(
         pretrained.register_forward_pre_hook(begin.take_targets, with_kwargs=True),
         pretrained.register_forward_pre_hook(outer.before, with_kwargs=True),
         pretrained.register_forward_hook(outer.after, with_kwargs=True, always_call=True),
+        pretrained.register_forward_hook(carry_cut_to_outputs, with_kwargs=True),  # for gather_sequence's check
         decoder.register_forward_pre_hook(begin, with_kwargs=True),
         decoder.register_forward_pre_hook(dropout.before, with_kwargs=True),  # after the shard's checks
         decoder.register_forward_hook(dropout.after, with_kwargs=True, always_call=True),

@@ -32,6 +32,7 @@ from .validation import (
     bad_id_message,
     cut_of,
     first_bad_id,
+    gather_cut_problem,
     gather_reports,
     hole_message,
     mark_cut,
@@ -166,7 +167,7 @@ def shard_batch(
 
     out: dict[str, torch.Tensor] = {k: v for k, v in batch.items() if k not in SHARDED_KEYS}  # type: ignore[misc]
     out["input_ids"] = local(input_ids)
-    out["position_ids"] = mark_cut(local(positions), cut_of(layout))  # cut_problem reads it
+    out["position_ids"] = local(positions)
     if mask is not None:
         out["attention_mask"] = local(mask)
     if labels is not None:
@@ -175,6 +176,9 @@ def shard_batch(
         given_targets = shift_labels(labels)
     if given_targets is not None:
         out["shift_labels"] = local(pad_to_multiple(given_targets, multiple, IGNORE_INDEX))
+    for key in SHARDED_KEYS:  # the cut, for the model's cut_problem and gather_sequence's gather_cut_problem
+        if key in out:
+            mark_cut(out[key], cut_of(layout))
     return out
 
 
@@ -188,11 +192,13 @@ def gather_sequence(x: torch.Tensor, layout: ParallelLayout, dim: int = 1) -> to
     ``shift_labels`` are -100 there): cut the rows back to the batch's length where it matters. A collective over
     the SP group: every rank of it must call it. Not differentiable: call it under ``torch.no_grad()`` or on a
     detached tensor. Raises ValueError on every rank of the group when any rank's shard is not one (no sequence
-    ``dim``, needs a gradient) or the shards differ in shape or dtype.
+    ``dim``, needs a gradient), the shards differ in shape or dtype, or a shard carries the mark of a cut for another
+    layout (another ``sp`` or ``ring``: the tensors of :func:`shard_batch`'s output, and a parallelized model's
+    ``logits`` and ``hidden_states`` on them, carry it; a tensor computed from one, such as an argmax, does not).
     """
     if not isinstance(layout, ParallelLayout):
         raise ValueError(f"layout must be a ulysses_sp.ParallelLayout, got {type(layout).__name__}")
-    problem = _not_a_shard(x, dim)
+    problem = _not_a_shard(x, dim) or gather_cut_problem(x, layout)
     if layout.sp == 1 or problem is not None and layout.is_view:
         if problem is not None:
             raise ValueError(problem)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import inspect
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -34,12 +35,14 @@ __all__ = [
     "Report",
     "bad_id_message",
     "carry_cut",
+    "carry_cut_to_outputs",
     "check_id_ranges",
     "check_label_smoothing",
     "check_whole_input",
     "cut_of",
     "cut_problem",
     "first_bad_id",
+    "gather_cut_problem",
     "gather_reports",
     "hole_message",
     "id_range",
@@ -168,15 +171,56 @@ def cut_problem(position_ids: torch.Tensor | None, layout: ParallelLayout) -> st
     """Why a model parallelized on ``layout`` cannot run on ``position_ids`` that shard_batch cut for another
     layout (another sp or ring: another cut or order of the tokens, so a silently wrong loss); None when they
     carry no mark (made by hand) or the same cut."""
-    cut = getattr(position_ids, _CUT_ATTR, None)
+    return _other_cut(
+        position_ids,
+        layout,
+        "the shard comes from shard_batch for",
+        "this model was parallelized on",
+        "its tokens are another cut or order of the sequence than the model's, so the loss and gradients would be "
+        "silently wrong; shard with the layout given to parallelize (ulysses_sp.ulysses_context(model).layout)",
+    )
+
+
+def gather_cut_problem(x: torch.Tensor, layout: ParallelLayout) -> str | None:
+    """Why :func:`ulysses_sp.gather_sequence` cannot put ``x`` together on ``layout``: it carries the mark of another
+    cut (a tensor of shard_batch's output for another layout, or a model's output on one); None when it carries
+    none (made by hand, or a new tensor computed from one, such as an argmax) or the same cut."""
+    return _other_cut(
+        x,
+        layout,
+        "gather_sequence got a shard cut (by shard_batch, or a model's output on its shard) for",
+        "it was given a layout of",
+        "it would put the tokens together in another order, silently; gather with the layout the shards were cut for "
+        "(the model's: ulysses_sp.ulysses_context(model).layout; UlyssesTrainer's sp_layout)",
+    )
+
+
+def _other_cut(x: object, layout: ParallelLayout, marked: str, given: str, why: str) -> str | None:
+    """The message ``{marked} <x's cut>, but {given} <layout's cut>: {why}`` when ``x`` carries the mark of another
+    cut than ``layout``'s (:func:`mark_cut`); None when it carries none or the same."""
+    cut = getattr(x, _CUT_ATTR, None)
     if cut is None or cut == cut_of(layout):
         return None
+    sp, ring, sp_rank = cut
     return (
-        f"the shard comes from shard_batch for sp={cut[0]}, ring={cut[1]} (sp_rank {cut[2]}), but this model was "
-        f"parallelized on sp={layout.sp}, ring={layout.ring} (sp_rank {layout.sp_rank}): its tokens are another cut "
-        "or order of the sequence than the model's, so the loss and gradients would be silently wrong; shard with "
-        "the layout given to parallelize (ulysses_sp.ulysses_context(model).layout)"
+        f"{marked} sp={sp}, ring={ring} (sp_rank {sp_rank}), but {given} sp={layout.sp}, ring={layout.ring} "
+        f"(sp_rank {layout.sp_rank}): {why}"
     )
+
+
+def carry_cut_to_outputs(module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+    """A forward hook (``with_kwargs=True``) of a parallelized model: its per-token outputs (``logits``, each of
+    ``hidden_states``) get the mark of :func:`mark_cut` of the ``position_ids`` it ran on, token for token the same
+    cut, so :func:`gather_cut_problem` refuses gathering them for another layout."""
+    positions = kwargs.get("position_ids")
+    if positions is None and args:
+        positions = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get("position_ids")
+    cut = getattr(positions, _CUT_ATTR, None)
+    if cut is None:
+        return
+    for value in (getattr(output, "logits", None), *(getattr(output, "hidden_states", None) or ())):
+        if isinstance(value, torch.Tensor):
+            mark_cut(value, cut)
 
 
 def check_whole_input(position_ids: torch.Tensor | None) -> None:

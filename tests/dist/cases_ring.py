@@ -181,6 +181,29 @@ def shards_of_another_layout(model_layout: U.ParallelLayout, others: list[U.Para
     torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
 
 
+def gathered_on_another_layout(layout: U.ParallelLayout):
+    """gather_sequence with a layout of another ring (or sp) than the shards were cut for put their tokens together
+    in another order, silently (a ring-2 shard's logits gathered on a ring-1 layout: not one process's logits); now a
+    ValueError on every rank for shard_batch's tensors and the model's logits and hidden states, which carry the
+    cut. With the layout they were cut for: one process's logits and hidden states."""
+    model = build("llama", heads=2, kv_heads=1)
+    batch = make_batch(2, 23, seed=360)
+    with torch.no_grad():
+        ref = model(input_ids=batch["input_ids"], output_hidden_states=True)
+        par = U.parallelize(model, layout)
+        shard = U.shard_batch(batch, layout)
+        out = par(input_ids=shard["input_ids"], position_ids=shard["position_ids"], output_hidden_states=True)
+        for other in (U.ParallelLayout.from_env(sp=layout.sp, ring=1), U.ParallelLayout.single()):
+            refused = expect_raise(
+                ValueError, [f"its shard) for sp={layout.sp}, ring={layout.ring}", f"layout of sp={other.sp}, ring=1"]
+            )
+            for part in (out.logits, out.hidden_states[1], shard["shift_labels"], shard["input_ids"]):
+                refused(lambda part=part, other=other: U.gather_sequence(part, other))
+        torch.testing.assert_close(U.gather_sequence(out.logits, layout)[:, :23], ref.logits, **LOSS_TOL)
+        for got, want in zip(out.hidden_states, ref.hidden_states, strict=True):
+            torch.testing.assert_close(U.gather_sequence(got, layout)[:, :23], want, **LOSS_TOL)
+
+
 def shards_on_a_model_without_ulysses(layout: U.ParallelLayout):
     """Shards on a model that does not run Ulysses attention: never parallelized, switched back by plain_attention,
     or unparallelized (to generate) and then trained on again. Each rank's attention saw its own shard alone and
@@ -258,6 +281,7 @@ def world2() -> dict[str, str]:
         "ring2_bytes": P(byte_counts, ring2, heads=4, kv_heads=2),
         "ulysses2_bytes": P(byte_counts, ring_layout(2, 1), heads=4, kv_heads=2),
         "bad_layouts": P(bad_layouts, 2),
+        "gathered_on_another_layout": P(gathered_on_another_layout, ring2),
         "automatic_choice": automatic_choice,
     }
     return run_cases(cases)

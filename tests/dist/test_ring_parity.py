@@ -26,6 +26,7 @@ WORLD2 = [
     "ulysses2_bytes",
     "bad_layouts",
     "automatic_choice",
+    "gathered_on_another_layout",
 ]
 WORLD4 = [
     "ring4_llama",
