@@ -36,6 +36,7 @@ from .validation import (
     gather_reports,
     hole_message,
     mark_cut,
+    peers_join,
     replicas_agree,
 )
 
@@ -207,7 +208,8 @@ def gather_sequence(x: torch.Tensor, layout: ParallelLayout, dim: int = 1) -> to
         raise ValueError("a ParallelLayout.rank_view has no process group to gather over; use ParallelLayout.from_env")
     mine = (problem, None) if problem is not None else (None, (tuple(x.shape), str(x.dtype), dim % x.dim()))
     metas: list = [None] * layout.sp
-    dist.all_gather_object(metas, mine, group=layout.sp_group)  # every rank's verdict: all raise, or none
+    with peers_join("gathering a tensor's shards (gather_sequence)"):
+        dist.all_gather_object(metas, mine, group=layout.sp_group)  # every rank's verdict: all raise, or none
     bad = [(r, why) for r, (why, _) in enumerate(metas) if why is not None]
     if bad:
         raise ValueError(problem if problem is not None else f"sp_rank {bad[0][0]} of the SP group: {bad[0][1]}")

@@ -31,6 +31,7 @@ __all__ = [
     "IGNORE_INDEX",
     "REPORT_SLOTS",
     "PeerRejected",
+    "PeersAbsent",
     "RanksOutOfStep",
     "Report",
     "bad_id_message",
@@ -48,6 +49,7 @@ __all__ = [
     "id_range",
     "input_problem",
     "mark_cut",
+    "peers_join",
     "replicas_agree",
 ]
 
@@ -256,6 +258,8 @@ def replicas_agree(layout: ParallelLayout) -> Iterator[None]:
         return
     try:
         yield
+    except PeersAbsent:
+        raise  # a collective here already waited out the timeout: sharing over the world would wait as long again
     except Exception as error:
         _share_verdict(layout, error)
         raise
@@ -264,7 +268,8 @@ def replicas_agree(layout: ParallelLayout) -> Iterator[None]:
 
 def _share_verdict(layout: ParallelLayout, error: Exception | None) -> None:
     failed = torch.tensor([float(error is not None)], device=layout.device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=layout.loss_group)
+    with peers_join("sharing a check's verdict with the other data-parallel replicas"):
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=layout.loss_group)
     if not failed.item():
         return
     mine = None
@@ -283,6 +288,38 @@ def _share_verdict(layout: ParallelLayout, error: Exception | None) -> None:
         f"data-parallel replica(s) {replicas} rejected their batch, so every rank stops here (the replicas step "
         f"together); rank {rank} (replica {dp_rank}): {reason}"
     ) from error
+
+
+class PeersAbsent(RuntimeError):
+    """Raised by :func:`peers_join`: a collective timed out, or lost a peer, waiting for its group's other ranks."""
+
+
+@contextlib.contextmanager
+def peers_join(doing: str) -> Iterator[None]:
+    """Around the first collective of a call that every rank of a group must make: a timeout or a lost connection
+    inside (torch's bare "Timed out waiting ...ms" after the process group's timeout, 30 minutes by default, or
+    "Connection closed by peer") is raised again as :class:`PeersAbsent`, saying what this rank was ``doing`` and the
+    likely cause (a rank that runs it alone: ``if rank == 0: trainer.evaluate()``) and how to wait longer."""
+    try:
+        yield
+    except RuntimeError as error:
+        text = str(error)
+        if "timed out" in text.lower():
+            what = "timed out waiting for the other ranks of its group (they never joined this collective)"
+        elif "closed by peer" in text or "reset by peer" in text:
+            what = "lost another rank of its group (it ended or died: see its log)"
+        else:
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise PeersAbsent(
+            f"rank {rank} {what} while {doing}. Every rank of a sequence-parallel group must run ulysses-sp's "
+            "collectives together, the same number of times (a forward of the parallelized model, shard_batch, "
+            "causal_lm_loss, gather_sequence, UlyssesTrainer's evaluate, predict and saves): not one rank alone (`if "
+            "rank == 0: trainer.evaluate()`); for a forward or generate on one rank run the whole input inside `with "
+            "ulysses_sp.plain_attention(model):`. If the others were only slow (loading, saving), wait longer: "
+            "ulysses_sp.init_default_group(timeout=...) before the layout, `ulysses-sp train --dist-timeout`, "
+            f"TrainingArguments(ddp_timeout=...). ({text.splitlines()[0] if text else type(error).__name__})"
+        ) from error
 
 
 class RanksOutOfStep(ValueError):
@@ -329,7 +366,8 @@ def gather_reports(
     head = torch.tensor([_MAGIC, int(kind), length], dtype=torch.long, device=report.device)
     send = torch.cat([head, report.to(torch.long), head.new_zeros(REPORT_SLOTS - 3 - length)])
     world = dist.group.WORLD if group is None else group  # comm's None is "no group"; here it is the world
-    reports = all_gather_tensor(send, world, stats).tolist()  # [size, REPORT_SLOTS], into zeroed parts
+    with peers_join(kind.doing):
+        reports = all_gather_tensor(send, world, stats).tolist()  # [size, REPORT_SLOTS], into zeroed parts
     strays = {r: got for r, got in enumerate(reports) if got[:3] != [_MAGIC, int(kind), length]}
     if strays:
         raise RanksOutOfStep(_out_of_step(kind, length, dist.get_rank(group), strays, group))

@@ -8,6 +8,7 @@ not a bare IndexError, a gloo abort, or a refusal read from another collective's
 
 from __future__ import annotations
 
+import datetime
 import tempfile
 
 import torch
@@ -16,8 +17,8 @@ import torch.distributed as dist
 from tests.helpers.harness import run_cases
 from tests.helpers.models import build
 from tests.integrations.common import TRAIN_LENGTHS, pad_collate, token_dataset, trainer_args
-from ulysses_sp import ParallelLayout, parallelize, shard_batch
-from ulysses_sp.validation import RanksOutOfStep
+from ulysses_sp import ParallelLayout, gather_sequence, parallelize, shard_batch
+from ulysses_sp.validation import PeersAbsent, RanksOutOfStep
 
 BATCH_CHECK = "is checking a batch (shard_batch"
 FLOS = "is gathering the Trainer's flos counts"
@@ -90,11 +91,40 @@ def collective_of_its_own() -> None:
         _out_of_step(lambda: shard_batch(_batch(), layout), "rank 0 is in another collective (no ulysses-sp report")
 
 
+def alone_until_timeout() -> None:
+    """rank 0 runs gather_sequence, then a forward, alone (``if rank == 0:``) while rank 1 goes on elsewhere: it waited
+    until the process group's timeout (30 minutes by default) and then raised gloo's bare "Timed out waiting 2000ms
+    for send operation to complete"; now PeersAbsent saying what it was doing, the likely cause, and the timeout
+    settings. (Each on an SP group of its own with a 2 s timeout, which rank 1 never uses; the shard is cut on the
+    suite's layout, the same cut.)"""
+    shard = shard_batch(_batch(), ParallelLayout.from_env(sp=2))
+    groups = [dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2)) for _ in range(2)]  # made together
+    if dist.get_rank() == 1:
+        return
+    doings = ("gathering a tensor's shards (gather_sequence)", "starting a forward of the model")
+    for doing, group in zip(doings, groups, strict=True):
+        layout = ParallelLayout.from_groups(group)
+        model = parallelize(build("llama"), layout)
+        try:
+            if doing.startswith("gathering"):
+                gather_sequence(shard["input_ids"], layout)
+            else:
+                model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+        except PeersAbsent as error:
+            said = "rank 0 timed out waiting for the other ranks of its group (they never joined this collective) while"
+            advice = ["if rank == 0: trainer.evaluate()", "plain_attention", "timeout=...", "--dist-timeout"]
+            for fragment in (f"{said} {doing}", *advice, "Timed out waiting 2000ms"):
+                assert fragment in str(error), f"expected {fragment!r} in: {error}"
+        else:
+            raise AssertionError("a collective on one rank alone returned")
+
+
 def world2() -> dict[str, str]:
     return run_cases(
         {
             "save_on_one_rank": save_on_one_rank,
             "forward_on_one_rank": forward_on_one_rank,
             "collective_of_its_own": collective_of_its_own,
+            "alone_until_timeout": alone_until_timeout,
         }
     )

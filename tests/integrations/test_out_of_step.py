@@ -8,7 +8,8 @@ from tests.helpers.harness import dist_suite
 from ulysses_sp.validation import REPORT_SLOTS, Report, gather_reports
 
 results, test_case, test_every_worker_case_is_checked = dist_suite(
-    "tests.integrations.out_of_step", {2: ["save_on_one_rank", "forward_on_one_rank", "collective_of_its_own"]}
+    "tests.integrations.out_of_step",
+    {2: ["save_on_one_rank", "forward_on_one_rank", "collective_of_its_own", "alone_until_timeout"]},
 )
 
 
