@@ -68,7 +68,14 @@ from .data import (
 from .flos import CheckedFlos
 from .label_smoothing import smoothed_loss
 from .loss_override import LossOverrideCheck
-from .metrics import drop_repeats, gather_over_dp, sequence_parallel_gather, whole_eval_batch
+from .metrics import (
+    drop_repeats,
+    gather_over_dp,
+    only_logits,
+    sequence_parallel_gather,
+    whole_eval_batch,
+    without_repeats,
+)
 from .trainer_checks import ddp_for_reentrant_checkpointing, refuse_deepspeed, refuse_sharded_before
 from .trainer_data import DealtDataloaders
 
@@ -327,7 +334,8 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """The loss of one eval batch, computed on this rank's shard and reduced over its SP group.
 
-        Returns ``(loss, logits, labels)``: the loss is the token-weighted mean over the whole batch (all shards),
+        Returns ``(loss, logits, labels)``: the loss is the token-weighted mean over the whole batch (all shards; not
+        the samples accelerate repeats to even out a last batch over dp groups, :func:`.metrics.without_repeats`),
         the value one process computes on the full batch (None without labels, as there). Only for
         ``compute_metrics`` or ``predict()`` (and not ``prediction_loss_only``), the logits ``[b, N, vocab]`` and
         labels ``[b, N]`` of the whole sequences, gathered from the SP group's shards and cut back to the collated
@@ -344,13 +352,14 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
         loss = outputs = logits = None
         with torch.no_grad(), self.compute_loss_context_manager():
             if labelled:
-                count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
+                scored = without_repeats(inputs, self.accelerator, layout)  # no loss from samples accelerate repeated
+                count = (scored["shift_labels"] != IGNORE_INDEX).sum()
                 if layout.sp > 1:
                     dist.all_reduce(count, group=layout.sp_group)
                 # the outputs only for the logits: TRL's SFTTrainer makes them in a forward of its own
                 with self._sp_loss_check.watch():
                     kwargs = dict(return_outputs=predict, num_items_in_batch=count.clamp(min=1))  # by keyword
-                    got = self.compute_loss(model, inputs, **kwargs)  # (an override may take **kwargs)
+                    got = self.compute_loss(model, scored, **kwargs)  # (an override may take **kwargs)
                 loss, outputs = got if predict else (got, None)
                 logits = getattr(outputs, "logits", None)
             if predict and logits is None:  # the tiled loss (or the MoE path) returned no logits: the shard's
@@ -381,21 +390,8 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
         return loss, whole(logits), None if labels is None else whole(labels)
 
     def _only_logits(self, outputs: Any, ignore_keys: list[str] | None) -> None:
-        """Refuse outputs that one process would hand compute_metrics as a tuple with the logits (an MoE model's
-        ``aux_loss`` and ``router_logits``, ``hidden_states``): only the logits are gathered as whole sequences,
-        and a ``predictions[1]`` written for that tuple would silently read a sample's logits instead."""
-        if ignore_keys is None:
-            ignore_keys = getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", None)
-        skipped = {*(ignore_keys if ignore_keys is not None else ["past_key_values"]), "loss", "logits"}
-        extra = [k for k in (outputs.keys() if hasattr(outputs, "keys") else ()) if k not in skipped]
-        if extra:
-            raise ValueError(
-                f"the model's outputs hold {extra} beside the logits, which transformers' Trainer would pass to "
-                "compute_metrics / predict() as a tuple with the logits; under sequence parallelism only the logits "
-                f"are gathered, as whole sequences: pass ignore_keys={extra} to evaluate() / predict() (or set "
-                "model.config.keys_to_ignore_at_inference) so that the predictions are the logits alone, as in one "
-                "process with those keys ignored"
-            )
+        """:func:`.metrics.only_logits`: outputs beside the logits refused (TRL's subclass refuses none)."""
+        only_logits(outputs, ignore_keys, self.model)
 
     def _gather_over_dp_groups(self, data: Any) -> Any:
         """The Trainer's ``gather_function`` under SP: the eval losses, logits, labels and inputs (tensors or tuples

@@ -20,15 +20,17 @@ import torch.nn.functional as F
 
 from ..layout import ParallelLayout
 from ..sharding import SHARDED_KEYS, gather_sequence, tensor_digest
-from ..validation import replicas_agree
+from ..validation import IGNORE_INDEX, replicas_agree
 
 __all__ = [
     "drop_repeats",
     "gather_for_metrics",
     "gather_objects",
     "gather_over_dp",
+    "only_logits",
     "sequence_parallel_gather",
     "whole_eval_batch",
+    "without_repeats",
 ]
 
 
@@ -168,6 +170,40 @@ def drop_repeats(accelerator: Any, data: Any, rows: int | None = None) -> Any:
 
     real = _real_rows(accelerator, rows)
     return data if real is None else recursively_apply(lambda t: t if t.dim() == 0 else t[:real], data)
+
+
+def without_repeats(inputs: dict[str, Any], accelerator: Any, layout: ParallelLayout) -> dict[str, Any]:
+    """A shard of an eval batch (``labels`` and ``shift_labels`` ``[b, n]``) without targets (-100) in the rows that
+    repeat samples: at the end of a dataloader whose last batch accelerate evened out over ``dp > 1`` groups, the
+    gathered rows run in dp order and only the first ``remainder`` are samples (:func:`drop_repeats`). The batch's
+    loss is then that of its samples, as one process computes it (the repeats counted in it before); the same
+    ``inputs`` when no row repeats."""
+    real, rows = _real_rows(accelerator), inputs["shift_labels"].shape[0]
+    if real is None or real >= (layout.dp_rank + 1) * rows:
+        return inputs
+    repeated = (layout.dp_rank * rows + torch.arange(rows) >= real)[:, None]  # [b, 1]
+    return {
+        key: value.masked_fill(repeated.to(value.device), IGNORE_INDEX) if key in ("labels", "shift_labels") else value
+        for key, value in inputs.items()
+    }
+
+
+def only_logits(outputs: Any, ignore_keys: list[str] | None, model: Any) -> None:
+    """Refuse outputs that one process would hand compute_metrics as a tuple with the logits (an MoE model's
+    ``aux_loss`` and ``router_logits``, ``hidden_states``): only the logits are gathered as whole sequences,
+    and a ``predictions[1]`` written for that tuple would silently read a sample's logits instead."""
+    if ignore_keys is None:
+        ignore_keys = getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", None)
+    skipped = {*(ignore_keys if ignore_keys is not None else ["past_key_values"]), "loss", "logits"}
+    extra = [k for k in (outputs.keys() if hasattr(outputs, "keys") else ()) if k not in skipped]
+    if extra:
+        raise ValueError(
+            f"the model's outputs hold {extra} beside the logits, which transformers' Trainer would pass to "
+            "compute_metrics / predict() as a tuple with the logits; under sequence parallelism only the logits "
+            f"are gathered, as whole sequences: pass ignore_keys={extra} to evaluate() / predict() (or set "
+            "model.config.keys_to_ignore_at_inference) so that the predictions are the logits alone, as in one "
+            "process with those keys ignored"
+        )
 
 
 def _real_rows(accelerator: Any, rows: int | None = None) -> int | None:
