@@ -50,7 +50,7 @@ from .masks import read_decoder_masks, ulysses_mask
 from .moe import router_aux_loss
 from .offload import offload_store
 from .padding import lift_padding_ids
-from .validation import carry_cut_to_outputs, check_whole_input
+from .validation import carry_cut_to_outputs, check_kept_logits, check_whole_input
 
 __all__ = ["parallelize", "plain_attention", "ulysses_context", "unparallelize"]
 
@@ -104,7 +104,9 @@ class _BeginForward:
     def take_targets(self, module, args, kwargs):
         self.targets = None
         if self.check_active():
-            labels = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get("labels")
+            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+            check_kept_logits(bound.get("logits_to_keep"), self.ctx.layout.sp)  # generate() outside plain_attention
+            labels = bound.get("labels")
             router = kwargs.get("output_router_logits")
             if router is None:
                 router = getattr(self.pretrained.config.get_text_config(), "output_router_logits", False)

@@ -38,6 +38,7 @@ __all__ = [
     "carry_cut",
     "carry_cut_to_outputs",
     "check_id_ranges",
+    "check_kept_logits",
     "check_label_smoothing",
     "check_whole_input",
     "cut_of",
@@ -223,6 +224,21 @@ def carry_cut_to_outputs(module: torch.nn.Module, args: tuple, kwargs: dict, out
     for value in (getattr(output, "logits", None), *(getattr(output, "hidden_states", None) or ())):
         if isinstance(value, torch.Tensor):
             mark_cut(value, cut)
+
+
+def check_kept_logits(logits_to_keep: object, sp: int) -> None:
+    """ValueError for ``logits_to_keep`` (other than 0: all) given to a model running Ulysses attention under
+    ``sp > 1``: each rank would keep the last tokens of its own shard, not of the sequence. transformers'
+    ``generate()`` passes ``logits_to_keep=1``: without ``plain_attention`` it generated from every rank's whole
+    prompt read as shards of one longer sequence (silently wrong tokens where the model lets documents attend to
+    each other, OPT's and BioGPT's)."""
+    if sp > 1 and logits_to_keep is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        raise ValueError(
+            f"logits_to_keep={logits_to_keep!r} under sequence parallelism (sp={sp}) would keep the last tokens of "
+            "each rank's shard, not of the sequence; generate() passes it: generate inside `with "
+            "ulysses_sp.plain_attention(model):` on the whole input (or after ulysses_sp.unparallelize(model)), and "
+            "for a shard's logits pass logits_to_keep=0 (all)"
+        )
 
 
 def check_whole_input(position_ids: torch.Tensor | None) -> None:

@@ -240,14 +240,33 @@ def missing_positions(layout):
 
 
 def plain_attention_roundtrip(layout):
-    """The model switches back to plain attention (same outputs as never parallelized) and generates."""
+    """The model switches back to plain attention (same outputs as never parallelized) and generates the tokens of the
+    model never parallelized, on every rank and on one rank alone (no collective inside). generate() outside
+    plain_attention is refused on every rank, with a KV cache or not: with use_cache=False it ran each rank's whole
+    prompt as a shard of one longer sequence, which gave OPT's other tokens than one process's (logits off by 0.3),
+    silently; now its logits_to_keep=1 is refused, naming plain_attention."""
+    from tests.helpers.models import build_generic
+
     model = build("llama")
     before = copy.deepcopy(model)
     U.parallelize(model, layout)
-    ids = torch.randint(0, 100, (1, 6))
-    with U.plain_attention(model):
-        out = model.generate(ids, max_new_tokens=3, do_sample=False)
-        assert out.shape == (1, 9)
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # row 0 left-padded
+    want = before.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    for alone in (False, True):
+        if alone and dist.get_rank() != 0:
+            continue
+        with U.plain_attention(model):
+            assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False), want)
+            got = model(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(got, before(input_ids=ids, attention_mask=mask).logits, **LOSS_TOL)
+    opt = U.parallelize(build_generic("opt"), layout)
+    for generator in (model, opt):
+        for cache in (True, False):
+            expect_raise(ValueError, ["logits_to_keep=1 under sequence parallelism", "plain_attention(model)"])(
+                lambda g=generator, c=cache: g.generate(ids, max_new_tokens=2, do_sample=False, use_cache=c)
+            )
     U.unparallelize(model)
     torch.testing.assert_close(model(input_ids=ids).logits, before(input_ids=ids).logits)
     assert model.config._attn_implementation == "sdpa"
