@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from .comm import CommStats, all_reduce_sum
 from .layout import ParallelLayout
-from .validation import IGNORE_INDEX, as_ignored, carry_cut, check_label_smoothing, first_bad_id
+from .validation import IGNORE_INDEX, as_ignored, carry_cut, check_label_smoothing, first_bad_id, peers_join
 
 __all__ = [
     "causal_lm_loss",
@@ -157,7 +157,8 @@ def _token_mean(
     flagged = bad[0].sum() if bad is not None else torch.zeros((), dtype=torch.long)
     head = torch.stack([token_loss_sum.double(), local_count.double(), flagged.to(local_count.device).double()])
     parts = [head] if extra is None else [head, extra.to(head.device).double()]
-    totals = all_reduce_sum(torch.cat(parts), layout.loss_group, options.get("stats"))  # [3 + len(extra)]
+    with peers_join("reducing the loss over dp x sp (causal_lm_loss, sequence_parallel_cross_entropy)"):
+        totals = all_reduce_sum(torch.cat(parts), layout.loss_group, options.get("stats"))  # [3 + len(extra)]
     if bad is not None and bool(totals[2] > 0):
         _, targets, vocab_size = bad
         here = first_bad_id(as_ignored(targets, ignore_index), vocab_size, IGNORE_INDEX)

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import datetime
 import tempfile
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from tests.helpers.harness import run_cases
-from tests.helpers.models import build
+from tests.helpers.models import VOCAB, build
 from tests.integrations.common import TRAIN_LENGTHS, pad_collate, token_dataset, trainer_args
-from ulysses_sp import ParallelLayout, gather_sequence, parallelize, shard_batch
+from ulysses_sp import ParallelLayout, gather_sequence, parallelize, sequence_parallel_cross_entropy, shard_batch
 from ulysses_sp.validation import PeersAbsent, RanksOutOfStep
 
 BATCH_CHECK = "is checking a batch (shard_batch"
@@ -92,24 +93,27 @@ def collective_of_its_own() -> None:
 
 
 def alone_until_timeout() -> None:
-    """rank 0 runs gather_sequence, then a forward, alone (``if rank == 0:``) while rank 1 goes on elsewhere: it waited
-    until the process group's timeout (30 minutes by default) and then raised gloo's bare "Timed out waiting 2000ms
-    for send operation to complete"; now PeersAbsent saying what it was doing, the likely cause, and the timeout
-    settings. (Each on an SP group of its own with a 2 s timeout, which rank 1 never uses; the shard is cut on the
-    suite's layout, the same cut.)"""
+    """rank 0 runs gather_sequence, a forward, then a loss alone (``if rank == 0:``) while rank 1 goes on elsewhere: it
+    waited until the process group's timeout (30 minutes by default) and then raised gloo's bare "Timed out waiting
+    2000ms for send operation to complete"; now PeersAbsent saying what it was doing, the likely cause, and the
+    timeout settings. (Each on an SP group of its own with a 2 s timeout, which rank 1 never uses; the shard is cut on
+    the suite's layout, the same cut.)"""
     shard = shard_batch(_batch(), ParallelLayout.from_env(sp=2))
-    groups = [dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2)) for _ in range(2)]  # made together
+    groups = [dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2)) for _ in range(3)]  # made together
     if dist.get_rank() == 1:
         return
-    doings = ("gathering a tensor's shards (gather_sequence)", "starting a forward of the model")
+    doings = ("gathering a tensor's shards (gather_sequence)", "starting a forward of the model", "reducing the loss")
     for doing, group in zip(doings, groups, strict=True):
         layout = ParallelLayout.from_groups(group)
         model = parallelize(build("llama"), layout)
         try:
             if doing.startswith("gathering"):
                 gather_sequence(shard["input_ids"], layout)
-            else:
+            elif doing.startswith("starting"):
                 model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+            else:  # (the loss group is the world: its own on this group)
+                logits = torch.zeros(*shard["input_ids"].shape, VOCAB)
+                sequence_parallel_cross_entropy(logits, shard["shift_labels"], replace(layout, loss_group=group))
         except PeersAbsent as error:
             said = "rank 0 timed out waiting for the other ranks of its group (they never joined this collective) while"
             advice = ["if rank == 0: trainer.evaluate()", "plain_attention", "timeout=...", "--dist-timeout"]
