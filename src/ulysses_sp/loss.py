@@ -361,12 +361,23 @@ def _router_statistics(aux, out, inputs: dict[str, torch.Tensor]) -> torch.Tenso
 def sync_gradients(model: torch.nn.Module, layout: ParallelLayout, *, bucket_numel: int = 1 << 25) -> None:
     """Average parameter gradients over dp x sp, for plain loops without DDP/FSDP (which do it themselves).
 
-    Gradients are flattened into buckets of at most ``bucket_numel`` elements per all-reduce (per dtype).
+    Gradients are flattened into buckets of at most ``bucket_numel`` elements per all-reduce (per dtype). A
+    parameter that has a gradient on some ranks only (experts that no token of this rank's shard picked, e.g.
+    LongCat-Flash's layers whose tokens all went to its zero experts) gets zeros on the others first: the ranks
+    agree on which parameters have one (one small all-reduce), so every rank reduces the same tensors in the same
+    order. A parameter no rank reached keeps ``grad`` None.
     """
     group = layout.loss_group
     if group is None or dist.get_world_size(group) == 1:
         return
     world = dist.get_world_size(group)
+    params = list(model.parameters())
+    if params:
+        present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=group)
+        for param, anywhere in zip(params, present.tolist(), strict=True):
+            if anywhere and param.grad is None:
+                param.grad = torch.zeros_like(param)
     bucket: list[torch.Tensor] = []
 
     def flush() -> None:
@@ -381,7 +392,7 @@ def sync_gradients(model: torch.nn.Module, layout: ParallelLayout, *, bucket_num
             offset += g.numel()
         bucket.clear()
 
-    for param in model.parameters():
+    for param in params:
         grad = param.grad
         if grad is None:
             continue

@@ -18,6 +18,7 @@ import torch
 import ulysses_sp as U
 from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, check_parity, reference, sequence_parallel
 from tests.dist.cases_memory_features import full_grad, wrap
+from tests.dist.cases_zoo import zoo_cases
 from tests.helpers.harness import run_cases
 from tests.helpers.models import VOCAB, build, build_generic, dp_share, make_batch, router_aux_on
 
@@ -443,6 +444,7 @@ def world2_cases(sp2) -> dict:
         "sp2_whisper_unshifted_own_loss": P(unshifted_own_loss, sp2),
         "sp2_gemma3n_zero_pad_embedding": P(zero_pad_embedding, sp2, 23),  # the user's right pads and the tail
         "sp2_gemma4_per_layer_kv_heads": P(per_layer_kv_heads, sp2, 24),
+        **zoo_cases(sp2),
     }
 
 

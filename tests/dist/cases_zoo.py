@@ -1,0 +1,70 @@
+"""Multi-rank cases from a sweep of every transformers causal-LM model_type (tiny generic configs, sp=2, the
+library loop: shard_batch + causal_lm_loss, with the default memory features and head chunks), run in the WORLD2 job
+of tests/dist/test_architectures.py: what the sweep found refused with a misleading reason or not at all, one
+representative per mechanism. The full sweep is too slow for CI; its table is in the report of branch ``zoo``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+
+import ulysses_sp as U
+from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, reference
+from tests.helpers.models import build_generic, make_batch
+
+# LongCat-Flash's MLA (q through a low-rank q_a_proj) and MoE, tiny
+_LONGCAT = dict(
+    kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, head_dim=4,
+    num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+)  # fmt: skip
+
+
+def library_loop_parity(layout, model_type: str, batch, *, extra=None, features: bool = False, **kwargs) -> None:
+    """The README's loop on ``build_generic(model_type, **extra)`` (parallelize, apply_features with chunks of 5 / 7
+    tokens when ``features``, shard_batch, causal_lm_loss, sync_gradients): loss and every gradient of one process
+    on the full batch, the model's own loss."""
+    model = build_generic(model_type, **(extra or {}))
+    ref_loss, ref_grads = reference(model, batch)
+    par = U.parallelize(copy.deepcopy(model), layout, **kwargs)
+    if features:
+        U.apply_features(par, U.Features(mlp_chunk_tokens=5, loss_chunk_tokens=7), "cpu")
+    loss = U.causal_lm_loss(par, U.shard_batch(batch, layout), layout)
+    loss.backward()
+    U.sync_gradients(par, layout)
+    torch.testing.assert_close(loss.detach(), ref_loss, **LOSS_TOL)
+    for name, param in par.named_parameters():
+        if ref_grads[name] is None:  # a parameter the loss does not reach (a router's bias)
+            assert param.grad is None or not param.grad.any(), name
+        else:
+            torch.testing.assert_close(param.grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def gradients_on_some_ranks(layout) -> None:
+    """Two experts of one shape, each reached on one rank only (no token of the other's shard picked it): the
+    experts' averaged gradients are each one rank's / 2. sync_gradients reduced only the gradients a rank had, so
+    rank 0's expert A and rank 1's expert B were summed into both, silently (LongCat-Flash, whose tokens may all go
+    to its zero experts, gave buckets of other sizes: gloo aborted the process, 'Received data size doesn't match')."""
+    experts = torch.nn.ModuleList([torch.nn.Linear(3, 2, bias=False) for _ in range(2)])
+    mine = experts[layout.sp_rank]
+    (mine.weight * (layout.sp_rank + 1)).sum().backward()
+    U.sync_gradients(experts, layout)
+    for rank, expert in enumerate(experts):
+        torch.testing.assert_close(expert.weight.grad, torch.full((2, 3), (rank + 1) / 2), rtol=0, atol=0)
+    lone = torch.nn.Linear(2, 2)  # reached on no rank: no gradient made up
+    U.sync_gradients(lone, layout)
+    assert lone.weight.grad is None
+
+
+def zoo_cases(sp2) -> dict:
+    P = functools.partial
+    packed = make_batch(2, 24, packed=(15, 9))
+    return {
+        "sp2_sync_gradients_reached_on_some_ranks": P(gradients_on_some_ranks, sp2),
+        # a LongCat-Flash layer whose tokens all go to its zero experts leaves its experts without a gradient there
+        "sp2_longcat_flash_experts_reached_on_one_rank": P(
+            library_loop_parity, sp2, "longcat_flash", packed, extra=_LONGCAT
+        ),
+    }
