@@ -18,10 +18,11 @@ received exactly the tensor that norm handed through, and raises a ValueError ot
 fused norm's output fed to something else too (GraniteMoeShared's shared MLP, which would get the unnormalised
 input), so the layer's code is read: a norm whose output feeds anything but its MLP is tiled on its own.
 
-Norms are the children of a decoder layer that are ``nn.LayerNorm`` / ``nn.RMSNorm`` or whose class name
-ends in ``RMSNorm`` / ``LayerNorm`` (token-wise by construction; the tiled forward refuses one that maps
-``[b, n, h]`` to another shape). Norms inside attention (per-head q/k norms) are the attention's. Loss and
-gradients equal the untiled layer's; the cost is one more forward of each norm per step.
+Norms are the children of a decoder layer (or of a ModuleList / ModuleDict child: LongCat-Flash's) that are
+``nn.LayerNorm`` / ``nn.RMSNorm`` or whose class name ends in ``RMSNorm`` / ``LayerNorm`` (token-wise by
+construction; the tiled forward refuses one that maps ``[b, n, h]`` to another shape). Norms inside attention
+(per-head q/k norms) are the attention's. Loss and gradients equal the untiled layer's; the cost is one more forward
+of each norm per step.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def enable_tiled_norms(model: nn.Module, *, chunk_tokens: int | None = None) -> 
     check_chunk_tokens(chunk_tokens)
     pretrained = find_pretrained(model, "enable_tiled_norms")
     layers = decoder_layers(pretrained)
-    norms = [(layer, name, m) for layer in layers for name, m in layer.named_children() if is_norm(m)]
+    norms = [(layer, name, m) for layer in layers for name, m in _layer_norms(layer)]
     if not norms:
         names = sorted({type(layer).__name__ for layer in layers}) or "none found"
         raise ValueError(f"{type(pretrained).__name__} has no norm in its decoder layers ({names}) to tile")
@@ -174,6 +175,18 @@ def enable_tiled_norms(model: nn.Module, *, chunk_tokens: int | None = None) -> 
         if id(layer) in tiled:
             install_norm_projections(layer, tiled[id(layer)])
     return model
+
+
+def _layer_norms(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``layer``'s norms: its norm children, and the norms held one level down in a ModuleList / ModuleDict child
+    (LongCat-Flash keeps two of each norm in ``input_layernorm`` and ``post_attention_layernorm`` lists)."""
+    found = []
+    for name, child in layer.named_children():
+        if is_norm(child):
+            found.append((name, child))
+        elif isinstance(child, nn.ModuleList | nn.ModuleDict):
+            found.extend((f"{name}.{key}", item) for key, item in child.named_children() if is_norm(item))
+    return found
 
 
 def _tiled_mlp(layer: nn.Module) -> TiledMLP | None:

@@ -67,4 +67,8 @@ def zoo_cases(sp2) -> dict:
         "sp2_longcat_flash_experts_reached_on_one_rank": P(
             library_loop_parity, sp2, "longcat_flash", packed, extra=_LONGCAT
         ),
+        # LongCat-Flash keeps its norms in ModuleLists: the default features refused it ('has no norm ... to tile')
+        "sp2_longcat_flash_features_norms_in_lists": P(
+            library_loop_parity, sp2, "longcat_flash", packed, extra=_LONGCAT, features=True
+        ),
     }
