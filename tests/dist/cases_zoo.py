@@ -71,4 +71,8 @@ def zoo_cases(sp2) -> dict:
         "sp2_longcat_flash_features_norms_in_lists": P(
             library_loop_parity, sp2, "longcat_flash", packed, extra=_LONGCAT, features=True
         ),
+        # Fuyu embeds through its text decoder's get_input_embeddings: the tiled loss's probe stand-in lacked it
+        "sp2_fuyu_tiled_loss": P(
+            library_loop_parity, sp2, "fuyu", make_batch(2, 23, pad="right", pad_lengths=(0, 5)), features=True
+        ),
     }

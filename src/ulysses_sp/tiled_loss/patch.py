@@ -178,6 +178,12 @@ def _decoder_returning(causal_lm: nn.Module, hidden: torch.Tensor) -> Iterator[N
         def forward(self, *args, **kwargs):
             return _ProbeOutputs(hidden)
 
+        def __getattr__(self, name: str):  # the decoder's own attributes (Fuyu embeds through get_input_embeddings)
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(decoder, name)
+
     try:
         decoder = decoder_module(causal_lm, attention_modules(causal_lm))
     except ValueError:  # no module holding the attention layers takes position ids: the base model, then
