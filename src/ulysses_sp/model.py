@@ -169,15 +169,17 @@ class _BeginForward:
 
 
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+_TOKENWISE_LAYER_TYPES = {"mlp", "moe"}  # layers that mix no tokens (Nemotron-H's MLP and MoE blocks)
 
 
 def _check_model_features(config, core: str | None) -> None:
     """Refuse, before training, model features that Ulysses would get silently wrong."""
-    layer_types = set(getattr(config, "layer_types", None) or [])
-    if layer_types - _SUPPORTED_LAYER_TYPES:
+    unsupported = set(getattr(config, "layer_types", None) or []) - _SUPPORTED_LAYER_TYPES - _TOKENWISE_LAYER_TYPES
+    if unsupported:
         raise ValueError(
-            f"layer types {sorted(layer_types - _SUPPORTED_LAYER_TYPES)} are not supported by Ulysses attention "
-            f"(supported: {sorted(_SUPPORTED_LAYER_TYPES)})"
+            f"layer types {sorted(unsupported)} are not supported by Ulysses attention (supported: "
+            f"{sorted(_SUPPORTED_LAYER_TYPES)}): such layers (state-space, linear, convolutional, chunked or indexed "
+            "attention) mix tokens along the sequence themselves, and each rank would see its own shard only"
         )
     if getattr(config, "attention_chunk_size", None):
         raise ValueError(

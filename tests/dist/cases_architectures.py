@@ -16,7 +16,7 @@ import pickle
 import torch
 
 import ulysses_sp as U
-from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, check_parity, reference, sequence_parallel
+from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, check_parity, raises_everywhere, reference, sequence_parallel
 from tests.dist.cases_memory_features import full_grad, wrap
 from tests.dist.cases_zoo import zoo_cases
 from tests.helpers.harness import run_cases
@@ -64,16 +64,6 @@ def parity_cases(layout, prefix: str, seq_len: int, modes: tuple[str, ...]) -> d
             train = mode == "train"
             cases[f"{prefix}_{arch}_{mode}"] = P(check_parity, layout, arch, kv_heads=kv, batch=batch, train=train)
     return cases
-
-
-def raises_everywhere(fn, *needles: str) -> None:
-    """``fn()`` must raise a ValueError on this rank whose message holds every needle."""
-    try:
-        fn()
-    except ValueError as err:
-        assert all(n in str(err) for n in needles), (needles, str(err))
-    else:
-        raise AssertionError(f"no ValueError (expected one mentioning {needles})")
 
 
 def batch_differs_in(layout, key: str) -> None:

@@ -50,6 +50,16 @@ def sequence_parallel(model, batch, layout, prepare=None, shard_kwargs=None, **k
     return loss.detach(), {n: p.grad for n, p in par.named_parameters()}, par
 
 
+def raises_everywhere(fn, *needles: str) -> None:
+    """``fn()`` must raise a ValueError on this rank whose message holds every needle."""
+    try:
+        fn()
+    except ValueError as err:
+        assert all(n in str(err) for n in needles), (needles, str(err))
+    else:
+        raise AssertionError(f"no ValueError (expected one mentioning {needles})")
+
+
 def assert_rel_close(got, want, rel, name=""):
     err = (got.float() - want.float()).norm()
     assert err <= rel * want.float().norm() + 1e-12, f"{name}: |diff| {err:.3e} > {rel} x |ref| {want.norm():.3e}"

@@ -12,13 +12,18 @@ import functools
 import torch
 
 import ulysses_sp as U
-from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, reference
+from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, raises_everywhere, reference
 from tests.helpers.models import build_generic, make_batch
 
 # LongCat-Flash's MLA (q through a low-rank q_a_proj) and MoE, tiny
 _LONGCAT = dict(
     kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, head_dim=4,
     num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+)  # fmt: skip
+# Nemotron-H with attention, MLP and MoE blocks only (no Mamba): its layer types 'mlp' / 'moe' mix no tokens
+_NEMOTRON_H = dict(
+    layers_block_type=["full_attention", "mlp", "full_attention", "moe"], n_routed_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
 )  # fmt: skip
 
 
@@ -40,6 +45,19 @@ def library_loop_parity(layout, model_type: str, batch, *, extra=None, features:
             assert param.grad is None or not param.grad.any(), name
         else:
             torch.testing.assert_close(param.grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def token_wise_layer_types(layout) -> None:
+    """Nemotron-H's layer types 'mlp' and 'moe' mix no tokens: a model of attention, MLP and MoE blocks is exact
+    (it was refused as 'layer types [mlp, moe] are not supported'); its Mamba blocks ('linear_attention') are
+    refused naming that type alone, and why."""
+    library_loop_parity(layout, "nemotron_h", make_batch(2, 24, packed=(15, 9)), extra=_NEMOTRON_H)
+    hybrid = build_generic("nemotron_h", **{**_NEMOTRON_H, "layers_block_type": ["linear_attention", "mlp"]})
+    raises_everywhere(
+        lambda: U.parallelize(hybrid, layout),
+        "layer types ['linear_attention'] are",
+        "each rank would see its own shard",
+    )
 
 
 def gradients_on_some_ranks(layout) -> None:
@@ -75,4 +93,5 @@ def zoo_cases(sp2) -> dict:
         "sp2_fuyu_tiled_loss": P(
             library_loop_parity, sp2, "fuyu", make_batch(2, 23, pad="right", pad_lengths=(0, 5)), features=True
         ),
+        "sp2_nemotron_h_token_wise_layer_types": P(token_wise_layer_types, sp2),
     }
