@@ -20,6 +20,7 @@ import torch
 from .attention import intercepting, pad_qkv
 from .cores import AttentionCall, Segments, eager_core
 from .deferred_input import Absent, InputTouched, NormRemake
+from .head_chunk_fit import unsliced_parts
 from .head_chunk_grads import ProjectionCut
 from .head_chunk_lora import dropout_off
 from .head_chunk_pipeline import ChunkRun, placer
@@ -91,7 +92,7 @@ def _compare(owner: HeadChunkedAttention, x: torch.Tensor, args: tuple, kwargs: 
             run = ChunkRun(owner, place, split, prepare=_local_prepare, attend=_local_attend, group=None)
             ours = run.forward(probe)
         except (RuntimeError, ValueError, TypeError, IndexError) as err:
-            return f"the chunked forward failed on a probe ({type(err).__name__}: {err})"
+            return f"the chunked forward failed on a probe ({type(err).__name__}: {err}){_unsliced(owner)}"
         owner.remakeable = _reads_input_by_projections(owner, probe, place, run)
     if not isinstance(theirs, tuple) or any(t is not None for t in theirs[1:]):
         return "its forward returns more than (output, None)"
@@ -102,8 +103,16 @@ def _compare(owner: HeadChunkedAttention, x: torch.Tensor, args: tuple, kwargs: 
             "projection, e.g. a residual_dropout in the config), which the chunks would leave out; set it to 0"
         )
     if not _agree(theirs[0], ours, _narrowest(owner.module, theirs[0].dtype)):
-        return "its own forward and the chunked one differ on a probe (its projections do not split by heads)"
+        return "its own forward and the chunked one differ on a probe" + (
+            _unsliced(owner) or " (its projections do not split by heads)"
+        )
     return None
+
+
+def _unsliced(owner: HeadChunkedAttention) -> str:
+    """What a failed probe names besides its error: the module's weights the chunks do not split by heads."""
+    parts = unsliced_parts(owner.module, owner.names)
+    return f"; it also computes with {parts}, which the chunks do not split by heads" if parts else ""
 
 
 def _narrowest(module: torch.nn.Module, dtype: torch.dtype) -> torch.dtype:

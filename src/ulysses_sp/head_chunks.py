@@ -37,6 +37,7 @@ from torch.autograd.function import once_differentiable
 
 from .attention import UlyssesAttention, intercepting
 from .deferred_input import Absent, NormRemake
+from .head_chunk_fit import Projections, norm_problem, projection_names
 from .head_chunk_grads import ProjectionCut
 from .head_chunk_lora import (
     Adapter,
@@ -74,34 +75,17 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------- which modules
-@dataclass(frozen=True)
-class Projections:
-    """The names of a module's projections: sliced by query heads (rows), by kv heads (rows), the output (columns)."""
-
-    query: tuple[str, ...]
-    kv: tuple[str, ...]
-    out: str
-
-
-def _projections(module: nn.Module) -> Projections | str:
-    children = module._modules
-    query = next(((n,) for n in ("q_proj", "q_b_proj") if children.get(n) is not None), None)
-    kv = ("k_proj", "v_proj") if children.get("k_proj") is not None else ("kv_b_proj",)
-    if query is None or any(children.get(n) is None for n in kv) or children.get("o_proj") is None:
-        present = sorted(n for n, m in children.items() if m is not None)
-        return f"it has no q_proj/k_proj/v_proj/o_proj (or MLA's q_b_proj/kv_b_proj) children (it has {present})"
-    return Projections(query, kv, "o_proj")
-
-
 def split_problem(module: nn.Module, num_heads: int, num_kv_heads: int) -> str | None:
     """Why ``module`` cannot run in head chunks (None: it may; its first chunked call still probes it)."""
     if "forward" in module.__dict__:
         return "its forward is already replaced on the instance (by another library)"
     if getattr(module, "store_full_length_kv", False):  # transformers' KV sharing (Gemma3n, Gemma-4)
         return "it stores its k/v for later layers to reuse (KV sharing), which would get one chunk's kv heads only"
-    names = _projections(module)
+    names = projection_names(module)
     if isinstance(names, str):
         return names
+    if (problem := norm_problem(module)) is not None:
+        return problem
     for name in (*names.query, *names.kv, names.out):
         wrapper = module._modules[name]
         if is_lora(wrapper):
@@ -135,7 +119,7 @@ def head_chunk_targets(
     for module in modules:
         problem = split_problem(module, num_heads, num_kv_heads)
         if problem is None:
-            targets.append((module, _projections(module)))
+            targets.append((module, projection_names(module)))
         elif requested:
             raise ValueError(
                 f"{type(module).__name__} cannot run its heads in chunks: {problem}; use head_chunks=1 "

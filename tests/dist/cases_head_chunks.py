@@ -35,14 +35,14 @@ CHUNKS = (1, 2, 4)
 # Architectures of the parity suite whose attention module cannot be split (head_chunks=2 is refused at
 # parallelize with a ValueError naming the reason); every other one must be exact in chunks.
 REFUSED = {
-    "opt": "it has no q_proj/k_proj/v_proj/o_proj",  # out_proj
-    "phi": "it has no q_proj/k_proj/v_proj/o_proj",  # dense
-    "biogpt": "it has no q_proj/k_proj/v_proj/o_proj",  # out_proj
-    "phi3_longrope": "it has no q_proj/k_proj/v_proj/o_proj",  # one fused qkv_proj
-    # q/k norms over all heads' width at once (not per head): the probe's chunked forward fails
-    "olmo3": "the chunked forward failed on a probe",
-    # a per-head output gate (gate_proj) the chunks would skip: refused by the first call's probe
-    "afmoe": "its own forward and the chunked one differ on a probe",
+    "opt": "it has no o_proj child",  # out_proj
+    "phi": "it has no o_proj child",  # dense
+    "biogpt": "it has no o_proj child",  # out_proj
+    "phi3_longrope": "it has no q_proj/k_proj/v_proj child",  # one fused qkv_proj
+    # q/k norms over all heads' width at once (not per head): refused at parallelize
+    "olmo3": "its q_norm normalises 32 features at once (4 heads x 8",
+    # a per-head output gate (gate_proj) the chunks would skip: refused by the first call's probe, which names it
+    "afmoe": "differ on a probe; it also computes with ['gate_proj']",
 }
 
 

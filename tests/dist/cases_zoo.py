@@ -47,6 +47,19 @@ def library_loop_parity(layout, model_type: str, batch, *, extra=None, features:
             torch.testing.assert_close(param.grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def head_chunks_name_the_part(layout, model_type: str, needle: str, at_parallelize: bool) -> None:
+    """head_chunks=2 on an attention module the chunks cannot split: the ValueError names the part that prevents it
+    (it read 'the chunked forward failed on a probe (RuntimeError: The size of tensor a (32) must match ...)' for
+    OLMo-2's whole-width q_norm, and 'its projections do not split by heads' for BitNet's attn_sub_norm); a
+    q/k norm over all heads is refused at parallelize, before any forward."""
+    model = build_generic(model_type)
+    if at_parallelize:
+        return raises_everywhere(lambda: U.parallelize(model, layout, head_chunks=2), needle, "head_chunks=1")
+    par = U.parallelize(model, layout, head_chunks=2)
+    shard = U.shard_batch(make_batch(2, 24, packed=(15, 9)), layout)
+    raises_everywhere(lambda: U.causal_lm_loss(par, shard, layout), needle, "head_chunks=1")
+
+
 def token_wise_layer_types(layout) -> None:
     """Nemotron-H's layer types 'mlp' and 'moe' mix no tokens: a model of attention, MLP and MoE blocks is exact
     (it was refused as 'layer types [mlp, moe] are not supported'); its Mamba blocks ('linear_attention') are
@@ -79,6 +92,11 @@ def gradients_on_some_ranks(layout) -> None:
 def zoo_cases(sp2) -> dict:
     P = functools.partial
     packed = make_batch(2, 24, packed=(15, 9))
+    chunk_refusals = {
+        "olmo2": ("its q_norm normalises 32 features at once (4 heads x 8", True),
+        "bitnet": ("differ on a probe; it also computes with ['attn_sub_norm']", False),
+        "diffllama": ("it also computes with ['lambda_k1', 'lambda_k2', 'lambda_q1', 'lambda_q2']", False),
+    }
     return {
         "sp2_sync_gradients_reached_on_some_ranks": P(gradients_on_some_ranks, sp2),
         # a LongCat-Flash layer whose tokens all go to its zero experts leaves its experts without a gradient there
@@ -94,4 +112,8 @@ def zoo_cases(sp2) -> dict:
             library_loop_parity, sp2, "fuyu", make_batch(2, 23, pad="right", pad_lengths=(0, 5)), features=True
         ),
         "sp2_nemotron_h_token_wise_layer_types": P(token_wise_layer_types, sp2),
+        **{
+            f"sp2_head_chunks_name_{t}_part": P(head_chunks_name_the_part, sp2, t, *v)
+            for t, v in chunk_refusals.items()
+        },
     }

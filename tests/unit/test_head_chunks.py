@@ -72,9 +72,10 @@ def test_backward_runs_the_input_projections_by_hand(monkeypatch, autocast):
 
 
 def test_unsplittable_module_refused_at_parallelize():
-    """OPT's attention has out_proj, not o_proj: head_chunks > 1 is refused before any forward."""
+    """OPT's attention has out_proj, not o_proj: head_chunks > 1 is refused before any forward, naming o_proj (the
+    message said 'no q_proj/k_proj/v_proj/o_proj' while listing its q_proj, k_proj and v_proj)."""
     with pytest.raises(
-        ValueError, match=r"OPTAttention cannot run its heads in chunks: it has no q_proj.*head_chunks=1"
+        ValueError, match=r"OPTAttention cannot run its heads in chunks: it has no o_proj child.*head_chunks=1"
     ):
         U.parallelize(build("opt"), U.ParallelLayout.single(), head_chunks=2)
     model = U.parallelize(build("opt"), U.ParallelLayout.single())  # automatic: unchunked, accepted
