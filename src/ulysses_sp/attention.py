@@ -321,7 +321,10 @@ class UlyssesAttention:
                 "process gives different losses); make them agree, e.g. remove sliding_window from the config"
             )
         if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
-            raise ValueError("Ulysses attention supports causal (decoder) attention only")
+            raise ValueError(
+                f"{type(module).__name__} runs bidirectional (non-causal) attention, and Ulysses attention supports "
+                "causal (decoder) attention only; a BERT-style model trained as a causal LM needs is_decoder=True"
+            )
         for name in ("s_aux", "sinks"):
             if kwargs.get(name) is not None:
                 raise ValueError(

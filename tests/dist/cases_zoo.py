@@ -60,6 +60,20 @@ def head_chunks_name_the_part(layout, model_type: str, needle: str, at_paralleli
     raises_everywhere(lambda: U.causal_lm_loss(par, shard, layout), needle, "head_chunks=1")
 
 
+def non_causal_attention(layout) -> None:
+    """A BERT-style LM head model built without is_decoder=True attends both ways: refused at the first forward on
+    every rank naming the module and is_decoder=True (the message said only 'causal (decoder) attention only');
+    with is_decoder=True, right-padded rows are exact."""
+    batch = make_batch(2, 23, pad="right", pad_lengths=(0, 5))
+    par = U.parallelize(build_generic("bert"), layout)
+    shard = U.shard_batch(batch, layout)
+    raises_everywhere(
+        lambda: U.causal_lm_loss(par, shard, layout), "BertSelfAttention runs bidirectional", "is_decoder=True"
+    )
+    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    library_loop_parity(layout, "bert", batch, extra=dict(is_decoder=True, **no_dropout))
+
+
 def token_wise_layer_types(layout) -> None:
     """Nemotron-H's layer types 'mlp' and 'moe' mix no tokens: a model of attention, MLP and MoE blocks is exact
     (it was refused as 'layer types [mlp, moe] are not supported'); its Mamba blocks ('linear_attention') are
@@ -116,4 +130,5 @@ def zoo_cases(sp2) -> dict:
             f"sp2_head_chunks_name_{t}_part": P(head_chunks_name_the_part, sp2, t, *v)
             for t, v in chunk_refusals.items()
         },
+        "sp2_bert_non_causal_refused_decoder_exact": P(non_causal_attention, sp2),
     }
