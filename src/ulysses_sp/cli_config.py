@@ -315,8 +315,9 @@ def parse_config(
     """Parse ``argv`` into a validated ``cls``: ``--config`` YAML first, then the flags given over it.
 
     ``fill`` may add derived defaults to the values read (before the config is built). ``check_flags`` gets
-    the built config and the field names given as flags on the command line (not the YAML file's keys, which
-    a saved config holds all of): for a flag the user typed whose value would go unused. Any bad value exits
+    the built config and the field names given as flags on the command line with a value other than the YAML
+    file's (not the file's keys, which a saved config holds all of): for a flag the user typed whose value would
+    go unused. Any bad value exits
     with status 2 and a message naming the flag.
     """
     parser = build_parser(cls, prog=prog, description=description, config_file=config_file)
@@ -325,12 +326,16 @@ def parse_config(
     try:
         values = coerce_mapping(cls, read_yaml(config_path), config_path) if config_path else {}
         kinds = _kinds(cls)
-        values.update({name: _coerce(name, raw, kinds[name]) for name, raw in namespace.items()})
+        typed = {name: _coerce(name, raw, kinds[name]) for name, raw in namespace.items()}
+        # a flag typed with the value the file holds changes nothing (the original command again over its saved
+        # config.yaml): it is checked as a key of the file
+        given = frozenset(name for name, value in typed.items() if name not in values or values[name] != value)
+        values.update(typed)
         if fill is not None:
             fill(values)
         config = _build(cls, values)
         if check_flags is not None:
-            check_flags(config, frozenset(namespace))
+            check_flags(config, given)
         return config
     except ValueError as error:
         parser.error(str(error))

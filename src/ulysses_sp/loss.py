@@ -373,7 +373,7 @@ def sync_gradients(model: torch.nn.Module, layout: ParallelLayout, *, bucket_num
     world = dist.get_world_size(group)
     params = list(model.parameters())
     if params:
-        present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+        present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=layout.device)
         dist.all_reduce(present, op=dist.ReduceOp.MAX, group=group)
         for param, anywhere in zip(params, present.tolist(), strict=True):
             if anywhere and param.grad is None:

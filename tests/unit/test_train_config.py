@@ -186,6 +186,12 @@ def test_a_typed_flag_that_a_config_file_key_leaves_unused_is_refused(tmp_path, 
     )
     assert load_config(["--config", saved]).checkpoint_stride == 2
     assert load_config(["--config", saved, "--checkpoint-stride", "3"]).checkpoint_stride == 3
+    # the original command again over its saved config.yaml: the same --host-memory changes nothing, and loads
+    assert load_config(["--config", saved, "--host-memory", "1TiB"]).checkpoint_stride == 2
+    message = _exit_message(capsys, ["--config", saved, "--host-memory", "64GiB"])  # another: the file's choice stays
+    assert "type --activation-checkpointing auto --checkpoint-stride none for --host-memory to choose" in message
+    replanned = ["--host-memory", "64GiB", "--activation-checkpointing", "auto", "--checkpoint-stride", "none"]
+    assert load_config(["--config", saved, *replanned]).checkpoint_stride is None
 
 
 def test_bad_yaml_exits_2(tmp_path, capsys):

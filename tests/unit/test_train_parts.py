@@ -116,6 +116,10 @@ def test_a_checkpoint_resumed_twice_logs_its_owed_held_out_loss_once_to_tensorbo
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 9.0), (2, 8.0), (3, 7.0)]
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in records if r["event"] == "eval"] == [1, 2]  # metrics.jsonl: once each as well
+    run(1, [])  # a resume from step 1 that logs nothing (killed before its first step) still purges steps 2 and 3
+    events = EventAccumulator(str(board))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 9.0)]
 
 
 def _strict_json(line: str) -> dict:

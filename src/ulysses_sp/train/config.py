@@ -395,7 +395,8 @@ def _check_flags(config: TrainConfig, given: frozenset[str]) -> None:
     if "host_memory" in given and config.host_memory_bytes and placed:
         raise ValueError(
             f"--host-memory {config.host_memory} has no effect with {' and '.join(placed)}: it chooses only the "
-            "checkpoints' place and stride (--activation-checkpointing auto, --checkpoint-stride none); drop one"
+            "checkpoints' place and stride (--activation-checkpointing auto, --checkpoint-stride none); drop one, or "
+            "type --activation-checkpointing auto --checkpoint-stride none for --host-memory to choose them again"
         )
     if "seq_len" in given and not SeqLenSchedule.follows_default(config.seq_len_schedule):
         last = config.schedule().stages[-1][0]

@@ -75,13 +75,17 @@ class TensorBoardReporter:
     def replay(self, step: int, records: list[dict[str, Any]]) -> None:
         """Purge from ``step`` (TensorBoard then hides every event of it: the held-out loss an earlier resume of the
         same checkpoint logged there too) and log ``records`` there again."""
-        assert self._writer is None, "replay comes before any record is logged"
+        if self._writer is not None:  # (replay comes first; a writer already open would keep its own purge step)
+            self._writer.close()
+            self._writer = None
         self.purge_step = step
         self._write()
         for record in records:
             self.log(record)
 
     def close(self) -> None:
+        if self._writer is None and self.purge_step is not None:
+            self._write()  # a resumed run that logged nothing still hides the interrupted run's lost steps
         if self._writer is not None:
             self._writer.close()
 
