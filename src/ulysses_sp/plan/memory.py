@@ -23,16 +23,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..features import Features
-from ..gated_tile import block_rows
 from ..head_split import uneven_kv_chunks
 from ..layout import choose_layout, resolve_ring_degree
 from ..ring import ring_bytes_per_layer
 from ..tiled_loss import chunk_bytes_per_logit, loss_chunk_tokens
-from ..tiling import default_chunk_tokens
 from ..traffic import ulysses_bytes_per_layer
 from .attention import attention_backward, attention_terms, planned_head_chunks
 from .earlier_layers import add_earlier_layers
 from .host import host_terms
+from .mlp import mlp_terms
 from .placement import choose_placement, placement_is_chosen
 from .shape import ModelShape, model_shape
 from .units import GiB
@@ -170,7 +169,7 @@ def _terms(
     tokens, the head chunks and the core's slices of heads."""
     c = 2 if features.dtype == "bf16" else 4
     u = 4 if c < 4 else 0  # an fp32 upcast is a separate tensor only when computing in bf16
-    h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    h, d = shape.hidden_size, shape.head_dim
     vocab, layers = shape.vocab_size, shape.num_layers
     heads, kv_heads = shape.num_heads, shape.num_kv_heads
     world = sp * dp
@@ -191,12 +190,10 @@ def _terms(
         weights = master + c * root_params + 2 * c * layer_params
         # Sharded fp32 grads exist after the reduce-scatters (all of them at the optimizer step). The layer
         # being back-propagated holds its unsharded grads in the compute dtype as they are made: during its
-        # MLP's backward the MLP's (made by the tiled MLP inside its own working set, counted there), during
-        # its attention's the MLP's and the attention's. Their fp32 copy for the reduce-scatter comes after
-        # the layer's activations are freed.
+        # MLP's backward the MLP's (plan/mlp.py), during its attention's the MLP's and the attention's. Their fp32
+        # copy for the reduce-scatter comes after the layer's activations are freed.
         sharded_grads = 0 if offload_states else 4 * params // world
         layer_grads = c * layer_params
-        mlp_grads = 0 if features.tiled_mlp else c * 3 * h * inter
         # AdamW exp_avg + exp_avg_sq (fp32, sharded); its foreach step on CUDA makes one more state-sized
         # temporary (sqrt of exp_avg_sq); the CPU for-loop step one per parameter.
         states = 0 if offload_states else 8 * params // world
@@ -206,7 +203,7 @@ def _terms(
         master = 4 * params
         weights = master + (c * params if c < 4 else 0)
         sharded_grads = 4 * params + 4 * params  # .grad + DDP's gradient buckets
-        layer_grads = mlp_grads = 0
+        layer_grads = 0
         states = 8 * params
         step_temp = 4 * params if device == "cuda" else 4 * layer_params
     head_grad = c * vocab * h  # the unsharded lm_head (or tied embedding) gradient, from loss backward on
@@ -238,16 +235,8 @@ def _terms(
     )
     slices = attn.slices
     attention_saved, o_proj_input, exchange = attn.saved, attn.o_proj_input, ulysses > 1
-    # Gated MLP: saves 4 [t, I], backward adds 2; tiled: by hand in blocks of r rows (ulysses_sp.gated_tile): 5 [r, I]
-    mlp_chunk = min(features.mlp_chunk_tokens or default_chunk_tokens(h), t)
-    if features.tiled_mlp:
-        mlp_saved, products, block = 0.0, 4 * 3 + (c if c < 4 else 0), block_rows(mlp_chunk)
-        mlp_backward = ((5 * c * inter + (u + 4 * c) * h) * block + c * h * mlp_chunk + products * h * inter) / t
-        # or its forward, recomputed in this phase: three [c, I] (act and up, then their product), the chunk's norm,
-        forward = (3 * c * inter + (u + 2 * c) * h) * mlp_chunk / t + (c * h if mlp_chunk < t else 0) - c * h
-        mlp_backward = max(mlp_backward, forward)  # the output buffer of several chunks; no input gradient yet
-    else:
-        mlp_saved, mlp_backward = 4 * c * inter, 2 * c * inter
+    mlp = mlp_terms(shape, features, c=c, u=u, t=t, fsdp=fsdp)  # a gated MLP's or an MoE block's (plan/mlp.py)
+    mlp_saved, mlp_backward, mlp_grads = mlp.saved, mlp.backward, mlp.grads
     layer_input = c * h  # a layer's input: the checkpoint, or (fp32 or a tiled norm, no checkpointing) its norm's
     input_saved = layer_input if c == 4 or features.tiled_norms else 0
     per_layer = norm_in + attention_saved + o_proj_input + norm_post + mlp_saved + input_saved
@@ -262,7 +251,7 @@ def _terms(
     mode, stride = features.activation_checkpointing, min(features.checkpoint_stride or 1, layers)
     kept, regrown = -(-layers // stride), (stride - 1) * layer_input * t  # heads' inputs; a group's recomputed
     if mode == "none":  # every layer keeps everything (and under fp32 its input, saved by its norm)
-        checkpoints, others, own_input = 0, (layers - 1) * per_layer * t, input_saved * t
+        checkpoints, others, own_input = 0, ((layers - 1) * per_layer + mlp.others_extra) * t, input_saved * t
     elif mode == "checkpoint" or device == "cpu":  # every kept input stays on the GPU (a CPU's one memory)
         checkpoints, others, own_input = kept * layer_input * t + regrown, 0, 0
     else:  # offload: the input being recomputed (or, in a group, the k - 1 rebuilt from its head) is on the GPU;
