@@ -183,12 +183,12 @@ class SavedActivations:
 
     Counts every tensor autograd saves inside the block, one storage once, leaving out the storages of
     ``model``'s parameters (weights are not activations; a cast copy of a weight, e.g. under autocast, is
-    counted because it is allocated for this step).
+    counted because it is allocated for this step), and those of ``inputs`` (tensors made before the block).
     """
 
-    def __init__(self, model: nn.Module | None = None) -> None:
+    def __init__(self, model: nn.Module | None = None, inputs: tuple[torch.Tensor, ...] = ()) -> None:
         params = [t for p in model.parameters() for t in _local_tensors(p)] if model is not None else []
-        self._params = {t.untyped_storage().data_ptr() for t in params}
+        self._params = {t.untyped_storage().data_ptr() for t in [*params, *inputs]}
         self._seen: set[int] = set()
         self.bytes = 0
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None

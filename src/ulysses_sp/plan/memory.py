@@ -1,7 +1,8 @@
 """Memory model of one training step on one rank.
 
 :func:`plan_memory` predicts the peak bytes one GPU holds during a training step of a Llama-style decoder
-(pre-norm RMSNorm, q/k/v/o projections with optional per-head q/k norms, gated MLP) trained the way this
+(pre-norm RMSNorm, q/k/v/o projections with optional per-head q/k norms, gated MLP; mixture-of-experts blocks:
+:mod:`.moe`) trained the way this
 library trains it: Ulysses attention over ``sp`` ranks, FSDP2 (or DDP) over the whole world ``dp x sp``,
 AdamW, bf16 autocast with fp32 master weights (or fp32 throughout), and the long-sequence
 :class:`~ulysses_sp.features.Features`. It counts tensors, term by term, at the moments a step can peak
@@ -31,7 +32,7 @@ from ..traffic import ulysses_bytes_per_layer
 from .attention import attention_backward, attention_terms, planned_head_chunks
 from .earlier_layers import add_earlier_layers
 from .host import host_terms
-from .mlp import mlp_terms
+from .mlp import mlp_by_layer, mlp_terms
 from .placement import choose_placement, placement_is_chosen
 from .shape import ModelShape, model_shape
 from .units import GiB
@@ -328,6 +329,7 @@ def _terms(
     if fsdp:  # the same phases in layers back-propagated later (FSDP2's gradients and reduce-scatter)
         add_earlier_layers(phases, layers=layers, layer_params=layer_params, world=world, c=c,
                            offload_states=offload_states, freed=freed, mode=mode, stride=stride)  # fmt: skip
+        mlp_by_layer(phases, mlp, t)  # a layer whose MLP differs from the last one's (an MoE model's dense ones)
     offloaded = kept if mode == "offload" and device == "cuda" else 0  # host: states, checkpoints (.host: pinned)
     host = host_terms(shape, world=world, offload_states=offload_states, checkpoint_bytes=layer_input * t,
                       checkpoints=offloaded)  # fmt: skip

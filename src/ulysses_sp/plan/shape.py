@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .moe import MoeShape
+
 __all__ = ["ModelShape", "load_model_config", "model_shape"]
 
 
@@ -32,6 +34,7 @@ class ModelShape:
     counted_tensors: tuple[tuple[int, int, int], ...] | None = None  # (rows, row elements, count): param_tensors
     notes: tuple[str, ...] = ()  # where this shape only approximates the model (printed by plan)
     layer_kv_heads: tuple[int, ...] = ()  # the distinct kv head counts where they vary per layer (run unchunked)
+    moe: MoeShape | None = None  # the MoE blocks' sizes (None: every layer a dense MLP of intermediate_size)
 
     @classmethod
     def from_config(cls, config: Any, name: str = "") -> ModelShape:
@@ -49,17 +52,22 @@ class ModelShape:
                 "model (approximate)"
             )
         qk_width = (getattr(text, "qk_nope_head_dim", None) or 0) + (getattr(text, "qk_rope_head_dim", None) or 0)
+        v_width = getattr(text, "v_head_dim", None) or 0
         if qk_width:  # MLA: q/k heads of nope + rope dims (config.head_dim is the rope part); v padded to them
-            head_dim = max(qk_width, getattr(text, "v_head_dim", None) or 0)
+            head_dim = max(qk_width, v_width)
             notes.append(
                 f"multi-head latent attention: its heads modelled as q/k/v of width {head_dim} (the q/k head; v is "
                 "padded to it in the exchange), its low-rank projections' activations left out (approximate)"
             )
-        inter, moe_note = _mlp_width(text)
-        notes += [moe_note] if moe_note else []
+        mlp = _mlp_width(text)
         # the dense formulas fit a dense decoder (plan then imports no model code); MoE and MLA layers are counted
-        counted = _counted_params(config, text.num_hidden_layers) if moe_note or qk_width or varying else None
-        if counted is None and moe_note:
+        counted = _counted_params(config, text.num_hidden_layers, mlp) if mlp.note or qk_width or varying else None
+        moe = counted[4] if counted else None
+        if counted is not None and counted[5] is False:  # experts configured, but every layer runs a dense MLP
+            mlp = _MlpWidth(mlp.dense)
+        if mlp.note:
+            notes.append(mlp.note + (_moe_modelled(text) if moe is not None else _MOE_APPROXIMATE.format(mlp.width)))
+        if counted is None and mlp.note:
             notes.append("parameters from a dense layer's formula (one expert's MLP): the model could not be built")
         return cls(
             hidden_size=text.hidden_size,
@@ -67,10 +75,10 @@ class ModelShape:
             num_heads=heads,
             num_kv_heads=_widest(text, "num_key_value_heads") or heads,
             head_dim=head_dim,
-            intermediate_size=inter,
+            intermediate_size=mlp.width,
             vocab_size=text.vocab_size,
             tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
-            qk_norm=getattr(text, "model_type", "") in ("qwen3", "gemma3_text", "gemma3"),
+            qk_norm=getattr(text, "model_type", "") in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3"),
             attention_bias=bool(getattr(text, "attention_bias", False)),
             logit_softcap=bool(getattr(text, "final_logit_softcapping", None)),
             name=name or getattr(config, "_name_or_path", "") or getattr(text, "model_type", ""),
@@ -80,6 +88,7 @@ class ModelShape:
             counted_tensors=counted[3] if counted else None,
             layer_kv_heads=tuple(layer_kv_heads(text)),
             notes=tuple(notes),
+            moe=moe,
         )
 
     @property
@@ -130,16 +139,26 @@ def _tally(tensors: Any) -> tuple[tuple[int, int, int], ...]:
     return tuple(sorted((rows, row, count) for (rows, row), count in counts.items()))
 
 
-def _mlp_width(text: Any) -> tuple[int, str]:
-    """The MLP width per token the activations are modelled with, and a note for a mixture of experts: there each
-    token goes through ``num_experts_per_tok`` experts (and any shared ones), modelled as one gated MLP that wide."""
+@dataclass(frozen=True)
+class _MlpWidth:
+    width: int  # the MLP width per token a dense formula would use (a mixture of experts: k experts + shared ones)
+    note: str = ""  # for a mixture of experts
+    per_token: int = 0  # k
+    expert: int = 0  # one expert's width
+    shared: int = 0  # the shared experts' width together
+    dense: int = 0  # a dense layer's MLP width
+
+
+def _mlp_width(text: Any) -> _MlpWidth:
+    """The MLP width per token and, for a mixture of experts, its experts' sizes and a note: there each token goes
+    through ``num_experts_per_tok`` experts (and any shared ones)."""
     experts = next(
         (n for key in ("num_local_experts", "num_experts", "n_routed_experts") if (n := getattr(text, key, None))), 0
     )
     # GPT-2's n_inner (None: 4 x hidden), OPT's ffn_dim
     dense = next((w for key in _MLP_WIDTH_KEYS if (w := getattr(text, key, None))), None) or 4 * text.hidden_size
     if not experts or experts <= 1:
-        return dense, ""
+        return _MlpWidth(dense)
     per_token = getattr(text, "num_experts_per_tok", None) or 1
     expert = getattr(text, "moe_intermediate_size", None) or dense
     shared_count = next((n for key in _SHARED_EXPERT_KEYS if (n := getattr(text, key, None))), 0)
@@ -147,11 +166,20 @@ def _mlp_width(text: Any) -> tuple[int, str]:
     width = per_token * expert + shared
     dense_layers = getattr(text, "first_k_dense_replace", 0) or getattr(text, "mlp_only_layers", None)
     width = max(width, dense) if dense_layers else width
-    note = (
-        f"mixture of experts ({experts} experts, {per_token} per token): the MLP's activations modelled as one gated "
-        f"MLP {width:,} wide, its routing buffers left out (approximate: --simulate measures)"
-    )
-    return width, note
+    note = f"mixture of experts ({experts} experts, {per_token} per token)"
+    return _MlpWidth(width, note, per_token, expert, shared, dense)
+
+
+# where the model could not be built on the meta device
+_MOE_APPROXIMATE = ": its activations modelled as one gated MLP {:,} wide, its routing buffers left out (approximate)"
+
+
+def _moe_modelled(text: Any) -> str:
+    """The note's end where the MoE blocks are modelled (plan/moe.py) for the experts' implementation that runs."""
+    implementation = getattr(text, "_experts_implementation", None) or "grouped_mm"
+    if implementation in ("grouped_mm", "eager"):
+        return ": its router, routed rows and shared experts modelled as transformers runs them"
+    return f": modelled as the grouped_mm experts run, not {implementation}'s (approximate: --simulate measures)"
 
 
 _MLP_WIDTH_KEYS = ("intermediate_size", "n_inner", "ffn_dim")
@@ -169,15 +197,18 @@ def _widest(text: Any, name: str) -> Any:
     return max((value for value in per_layer if value), default=None)
 
 
-def _counted_params(config: Any, layers: int) -> tuple[int, int, int, tuple[tuple[int, int, int], ...]] | None:
+def _counted_params(
+    config: Any, layers: int, mlp: _MlpWidth
+) -> tuple[int, int, int, tuple[tuple[int, int, int], ...], MoeShape | None, bool] | None:
     """(every parameter, the largest decoder layer's, those outside the decoder layers, the parameter tensors as
-    :attr:`ModelShape.param_tensors` lists them) of the causal LM of ``config`` built on the meta device (no
-    memory), or None where it cannot be built."""
+    :attr:`ModelShape.param_tensors` lists them, the MoE blocks' sizes, whether any layer holds experts) of the causal
+    LM of ``config`` built on the meta device (no memory), or None where it cannot be built."""
     import copy
 
     import torch
 
     from ..shapes import random_model
+    from .moe import has_experts, moe_shape
 
     try:
         with torch.random.fork_rng(devices=[]):  # random_model seeds torch: the caller's RNG is left as it was
@@ -191,7 +222,10 @@ def _counted_params(config: Any, layers: int) -> tuple[int, int, int, tuple[tupl
     total = sum(p.numel() for p in model.parameters())
     rows = [(p.shape[0] if p.dim() else 1, p) for p in model.parameters() if p.numel()]
     tensors = _tally((n, p.numel() // n, 1) for n, p in rows)
-    return total, max(per_layer), total - sum(per_layer), tensors
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    sizes = dict(per_token=mlp.per_token, width=mlp.expert, shared=mlp.shared, dense=mlp.dense)
+    moe = moe_shape(text, model, list(stacks[0]), **sizes) if mlp.note else None
+    return total, max(per_layer), total - sum(per_layer), tensors, moe, has_experts(list(stacks[0]))
 
 
 def load_model_config(model: Any) -> tuple[Any, str]:
