@@ -34,7 +34,7 @@ def test_the_moe_and_mla_sizes_are_read_from_the_model():
     """What the terms need, read from the model built on the meta device: the experts, whether the router's top-k
     weights are fp32 under bf16 (Mixtral's: its weighted rows are then fp32; Qwen3-MoE's are cast back), the
     router's own saved bytes (DeepSeek-V3's router saves a bf16 copy of its input under autocast: h x 2 bytes a
-    token), which layers are MoE. Qwen3-MoE has Qwen3's per-head q/k norms (they were left out:
+    token), which layers are MoE, the low-rank widths. Qwen3-MoE has Qwen3's per-head q/k norms (they were left out:
     12.6 MB of the 4,096-token step below)."""
     qwen = ModelShape.from_config(qwen3_moe())
     assert qwen.qk_norm and qwen.moe is not None and not qwen.moe.fp32_weights
@@ -54,6 +54,7 @@ def test_the_moe_and_mla_sizes_are_read_from_the_model():
     )  # fmt: skip
     assert deepseek.moe is not None and deepseek.moe.sparse == (False, True) and deepseek.moe.shared_width == 128
     assert deepseek.moe.router_saved[0] >= 2 * 256 > deepseek.moe.router_saved[1]
+    assert (deepseek.q_rank, deepseek.kv_rank, deepseek.rope_dim, deepseek.v_head_dim) == (96, 64, 32, 64)
     dense = ModelShape.from_config(mla())  # experts configured, every layer dense: no MoE note, the dense width
     assert dense.moe is None and dense.intermediate_size == 512 and not any("experts" in n for n in dense.notes)
 
@@ -65,8 +66,12 @@ def test_the_moe_and_mla_sizes_are_read_from_the_model():
         # chunk): the routed rows were one gated MLP 2 x I wide, without the gathered and weighted rows [S, h], the
         # fp32 sums of every expert's gradient and the q/k norms: plan / measured 0.780 (29.2 MB / 37.4 MB)
         (qwen3_moe, 2048, Features(dtype="bf16", mlp_chunk_tokens=512)),
+        # MLA, the default features: the recompute's peak is its forward's exchange, next to the forward's own
+        # tensors (the q projection's and the kv up-projection's outputs, the rotary parts) and the low-rank
+        # projection's norm: 0.867 (32.9 MB / 38.0 MB)
+        (mla, 4096, Features(dtype="bf16")),
     ],
-    ids=["qwen3-moe"],
+    ids=["qwen3-moe", "deepseek-v2-mla"],
 )
 def test_simulate_agrees_with_the_plan_for_moe_and_mla(config, seq_len, features):
     from ulysses_sp.simulate import simulate_step

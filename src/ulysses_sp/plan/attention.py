@@ -24,8 +24,17 @@ from dataclasses import dataclass
 
 from ..chunk_core import kernel_blocks
 from ..head_split import DEFAULT_HEAD_CHUNK_BUDGET_BYTES, DEPTH, ChunkHeads, choose_head_chunks, core_slices
+from .shape import ModelShape
 
-__all__ = ["AttentionTerms", "attention_backward", "attention_terms", "planned_core_slices", "planned_head_chunks"]
+__all__ = [
+    "AttentionTerms",
+    "LatentTerms",
+    "attention_backward",
+    "attention_terms",
+    "latent_terms",
+    "planned_core_slices",
+    "planned_head_chunks",
+]
 
 
 @dataclass(frozen=True)
@@ -279,3 +288,33 @@ def attention_backward(attn: AttentionTerms, mode: str, ring: int) -> float:
     reading it) and its working set (the ring's is counted apart), or the moment before its chunks if larger."""
     held = attn.saved if mode == "none" else attn.saved_in_backward
     return max(attn.saved + attn.backward_start, held + (0 if ring > 1 else attn.backward))
+
+
+@dataclass(frozen=True)
+class LatentTerms:
+    """Bytes per local token multi-head latent attention (DeepSeek-V2/V3) adds to a layer's attention terms."""
+
+    saved: float = 0  # its low-rank projections' activations, saved from its forward to its backward
+    forward: float = 0  # the forward's own tensors, alive while its q/k/v are exchanged (the recompute's peak)
+    o_proj_padding: float = 0  # o_proj reads the output v heads wide, not as wide as the padded q/k/v heads
+
+
+def latent_terms(shape: ModelShape, c: int, *, exchange: bool) -> LatentTerms:
+    """MLA's terms (none for other attention). Saved: each low-rank projection's output (q: ``q_lora_rank``, kv:
+    ``kv_lora_rank`` + the rotary part) goes through an RMSNorm that keeps its fp32 input (under fp32 the output
+    itself, whose rotary part the kv norm's view holds too), the normalised copy and its output. Alive through the
+    forward's exchange (measured, ``plan --simulate``, DeepSeek-V2/V3 shapes, sp 1 and 2): the forward's locals, the
+    q projection's output (H (d_nope + d_rope)), the kv up-projection's (H (d_nope + d_v)), the rotary parts made
+    for q and k and, under bf16, the low-rank projections' outputs, next to the q/k/v the plain formulas count;
+    without an exchange (``exchange`` False) they are alive at o_proj too, with its input and output."""
+    if not shape.rope_dim:
+        return LatentTerms()
+    heads, rope, v_width = shape.num_heads, shape.rope_dim, shape.v_head_dim or shape.head_dim
+    saved = (4 + 2 * c) * (shape.q_rank + shape.kv_rank) + (c * rope if c == 4 and shape.kv_rank else 0)
+    nope = max(shape.head_dim - rope, 0)
+    forward = c * (heads * (nope + rope) + heads * (nope + v_width) + heads * rope + rope)
+    if c < 4:  # the low-rank projections' outputs (under fp32 the norms' saved inputs)
+        forward += c * (shape.q_rank + shape.kv_rank + rope)
+    if not exchange:  # at one Ulysses rank the forward peaks at o_proj: the output cut to v's width, copied, its output
+        forward += c * heads * v_width + c * shape.hidden_size
+    return LatentTerms(saved, forward, c * heads * (shape.head_dim - v_width))

@@ -1,8 +1,8 @@
 """Memory model of one training step on one rank.
 
 :func:`plan_memory` predicts the peak bytes one GPU holds during a training step of a Llama-style decoder
-(pre-norm RMSNorm, q/k/v/o projections with optional per-head q/k norms, gated MLP; mixture-of-experts blocks:
-:mod:`.moe`) trained the way this
+(pre-norm RMSNorm, q/k/v/o projections with optional per-head q/k norms, gated MLP; mixture-of-experts blocks,
+:mod:`.moe`, and multi-head latent attention, :func:`.attention.latent_terms`) trained the way this
 library trains it: Ulysses attention over ``sp`` ranks, FSDP2 (or DDP) over the whole world ``dp x sp``,
 AdamW, bf16 autocast with fp32 master weights (or fp32 throughout), and the long-sequence
 :class:`~ulysses_sp.features.Features`. It counts tensors, term by term, at the moments a step can peak
@@ -29,7 +29,7 @@ from ..layout import choose_layout, resolve_ring_degree
 from ..ring import ring_bytes_per_layer
 from ..tiled_loss import chunk_bytes_per_logit, loss_chunk_tokens
 from ..traffic import ulysses_bytes_per_layer
-from .attention import attention_backward, attention_terms, planned_head_chunks
+from .attention import attention_backward, attention_terms, latent_terms, planned_head_chunks
 from .earlier_layers import add_earlier_layers
 from .host import host_terms
 from .mlp import mlp_by_layer, mlp_terms
@@ -231,11 +231,14 @@ def _terms(
         recomputed_norm_out = c * h
     if shape.qk_norm:  # per-head q/k norms: fp32 input + normalised copy (their output feeds RoPE, not saved)
         norm_in += (4 + c) * (heads + kv_heads) * d
+    latent = latent_terms(shape, c, exchange=ulysses > 1)  # MLA's (plan/attention.py; none for other attention)
+    norm_in += latent.saved
     attn = attention_terms(
         heads, kv_heads, d, h, ulysses=ulysses, ring=ring, c=c, device=device, chunks=chunks, tokens=t * ulysses
     )
     slices = attn.slices
     attention_saved, o_proj_input, exchange = attn.saved, attn.o_proj_input, ulysses > 1
+    o_proj_input -= latent.o_proj_padding if o_proj_input else 0
     mlp = mlp_terms(shape, features, c=c, u=u, t=t, fsdp=fsdp)  # a gated MLP's or an MoE block's (plan/mlp.py)
     mlp_saved, mlp_backward, mlp_grads = mlp.saved, mlp.backward, mlp.grads
     layer_input = c * h  # a layer's input: the checkpoint, or (fp32 or a tiled norm, no checkpointing) its norm's
@@ -246,7 +249,7 @@ def _terms(
     # the input's gradient is made after the core's backward and the exchange (measured, C = 1, 2 and 4).
     grad_stream = 2 * c * h
     attention_stream = c * h
-    rope = 2 * c * d * t  # cos and sin [t, d], shared by every layer
+    rope = 2 * c * (shape.rope_dim or d) * t  # cos and sin [t, d] (MLA: its rotary part), shared by every layer
 
     # --- what the other layers hold while the last one runs its backward ---------------------------------
     mode, stride = features.activation_checkpointing, min(features.checkpoint_stride or 1, layers)
@@ -302,7 +305,7 @@ def _terms(
             **base,
             "gradients": head_grad,
             "layer_activations": others + own_input + (norm_in + recomputed_norm_out) * t,
-            "attention": attn.forward * t,
+            "attention": (attn.forward + latent.forward) * t,
         },
         "backward: last layer's attention": {
             **base,

@@ -35,6 +35,12 @@ class ModelShape:
     notes: tuple[str, ...] = ()  # where this shape only approximates the model (printed by plan)
     layer_kv_heads: tuple[int, ...] = ()  # the distinct kv head counts where they vary per layer (run unchunked)
     moe: MoeShape | None = None  # the MoE blocks' sizes (None: every layer a dense MLP of intermediate_size)
+    # multi-head latent attention (DeepSeek-V2/V3): the q and kv low-rank widths (q 0: a full q_proj), the rotary
+    # part of a q/k head and the v head width (0: head_dim)
+    q_rank: int = 0
+    kv_rank: int = 0
+    rope_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def from_config(cls, config: Any, name: str = "") -> ModelShape:
@@ -57,7 +63,7 @@ class ModelShape:
             head_dim = max(qk_width, v_width)
             notes.append(
                 f"multi-head latent attention: its heads modelled as q/k/v of width {head_dim} (the q/k head; v is "
-                "padded to it in the exchange), its low-rank projections' activations left out (approximate)"
+                "padded to it in the exchange), its low-rank projections' activations as its RMSNorms keep them"
             )
         mlp = _mlp_width(text)
         # the dense formulas fit a dense decoder (plan then imports no model code); MoE and MLA layers are counted
@@ -89,6 +95,10 @@ class ModelShape:
             layer_kv_heads=tuple(layer_kv_heads(text)),
             notes=tuple(notes),
             moe=moe,
+            q_rank=(getattr(text, "q_lora_rank", None) or 0) if qk_width else 0,
+            kv_rank=(getattr(text, "kv_lora_rank", None) or 0) if qk_width else 0,
+            rope_dim=(getattr(text, "qk_rope_head_dim", None) or 0) if qk_width else 0,
+            v_head_dim=v_width if qk_width else 0,
         )
 
     @property
