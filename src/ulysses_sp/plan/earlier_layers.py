@@ -49,7 +49,7 @@ def earlier_layers(
             "gradients": reduce_input + done * shard,
             # the heads of the groups wholly after this layer, and the inputs its own group rebuilt after it
             freed_in: -freed * (groups - (layer // stride + 1) + stride - 1 - layer % stride),
-            "weights": -c * layer_params if layer == 0 else 0,  # layer 0: no next layer to prefetch
+            "weights": -c * layer_params if layer == 0 and world > 1 else 0,  # layer 0: no next layer to prefetch
         }
         if layer == 0 or change not in found.values():
             found[layer] = change

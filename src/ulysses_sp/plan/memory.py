@@ -283,13 +283,19 @@ def _terms(
         loss_forward = (c + u + 4) * t * vocab
         loss_backward = 12 * t * vocab
 
-    base = {"weights": weights, "optimizer": states, "rope": rope, "checkpoints": checkpoints}
+    # one rank: FSDP2's prefetch is a no-op (its all-gather, a copy, is made when the layer itself runs), so backward
+    # holds one layer unsharded, not two (measured, sp=1: Mixtral, DeepSeek-V3)
+    lone = c * layer_params if fsdp and world == 1 else 0
+    base = {"weights": weights - lone, "optimizer": states, "rope": rope, "checkpoints": checkpoints}
     loss_base = {**base, "weights": weights - c * layer_params * fsdp}  # FSDP2: one layer unsharded (the last), not 2
     all_layers = others + per_layer * t if mode == "none" else 0
     phases = {
         "loss forward": {**loss_base, "layer_activations": all_layers + final_norm, "logits_loss": loss_forward},
         "loss backward": {
             **base,
+            # FSDP2 gathers the last layer again once the gradient reaches the model's output: the plain loss's
+            # logits, after this moment (measured: only the root is gathered at the log-softmax's backward)
+            **({} if features.tiled_loss else {"weights": weights - 2 * c * layer_params * fsdp}),
             "gradients": 0 if features.tiled_loss else head_grad,  # tiled: made at its end (in logits_loss)
             "layer_activations": all_layers + norm_after_loss,
             "logits_loss": loss_backward,
