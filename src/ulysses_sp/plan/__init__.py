@@ -1,6 +1,7 @@
 """The memory planner: per-GPU memory of a training step, the longest sequence that fits, recommended settings.
 
-Modules: :mod:`.shape` (model sizes), :mod:`.memory` (the memory model), :mod:`.search` (longest sequence),
+Modules: :mod:`.shape` (model sizes), :mod:`.memory` (the memory model; its terms in :mod:`.attention`,
+:mod:`.mlp`, :mod:`.moe`, :mod:`.earlier_layers`, :mod:`.host`), :mod:`.search` (longest sequence),
 :mod:`.recommendation`, :mod:`.units` (byte sizes), :mod:`.cli` (``ulysses-sp plan``). ``--simulate`` runs one
 real step as one rank of the layout: :mod:`ulysses_sp.simulate`.
 
