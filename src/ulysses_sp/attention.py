@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -30,6 +29,7 @@ from torch import nn
 
 from .comm import CommStats, all_gather_tensor, heads_to_seq, qkv_seq_to_heads
 from .cores import AttentionCall, Core, Segments
+from .forward_segments import ForwardPasses
 from .layout import ParallelLayout
 from .masks import DecoderMasks, ids_positions_problem, left_padding_problem, mask_window
 from .ring import from_zigzag, ring_attention
@@ -116,11 +116,7 @@ class UlyssesAttention:
         # sequence's (ulysses_sp.integrations.trl_sft): labels with router logits are then not refused
         self.router_aux_by_caller = False
         self.head_chunks: int | None = None  # parallelize's head_chunks (None: automatic), for apply_features
-        # id(position_ids of a forward pass) -> (weak ref to that tensor, its Segments). An entry lives as long
-        # as its position_ids tensor (held by autograd while the forward may still be recomputed by
-        # activation checkpointing), so a recomputed layer always finds its own documents.
-        self._segments: dict[int, tuple[weakref.ref, Segments]] = {}
-        self._latest: Segments | None = None
+        self.forwards = ForwardPasses()  # the forward passes alive: their documents, for each attention call
         # Called (no arguments) in backward once per attention call, when its q/k/v projections' outputs have
         # their gradient: the attention's own backward working set is gone (ulysses_sp.offload times its
         # prefetch of the next layer input by it).
@@ -174,10 +170,7 @@ class UlyssesAttention:
             position_ids, segments = self._checked_segments(
                 position_ids, attention_mask, batch_size, seq_len, input_ids=input_ids, targets=targets
             )
-        key = id(position_ids)
-        self._segments[key] = (weakref.ref(position_ids), segments)
-        weakref.finalize(position_ids, self._segments.pop, key, None)
-        self._latest = segments
+        self.forwards.add(position_ids, segments)
 
     def _checked_segments(
         self,
@@ -265,29 +258,7 @@ class UlyssesAttention:
 
     def segments_for(self, position_ids: torch.Tensor | None) -> Segments:
         """The Segments of the forward pass that ``position_ids`` belongs to."""
-        if self._latest is None:
-            raise RuntimeError(
-                "Ulysses attention ran before the model's forward pre-hook: call the parallelized model itself "
-                "(not a single layer), or call UlyssesAttention.begin_forward first; or the attention module is a "
-                "copy made after parallelize (PEFT's modules_to_save listing an attention module or a decoder layer "
-                "deep-copies it): list its projections instead (modules_to_save=['q_proj', 'k_proj', 'v_proj', "
-                "'o_proj'])"
-            )
-        if position_ids is None:  # the model does not hand position_ids to its attention
-            return self._latest
-        entry = self._segments.get(id(position_ids))
-        if entry is not None and entry[0]() is position_ids:
-            return entry[1]
-        live = list(self._segments.values())
-        if len(live) == 1:  # the layer got a derived position_ids tensor, but only one forward is alive
-            return live[0][1]
-        if not live:  # the model made its own positions (sp == 1 without position_ids)
-            return self._latest
-        raise RuntimeError(
-            "cannot tell which forward pass this attention call belongs to: the layer received a position_ids "
-            f"tensor that was not given to the model, while {len(live)} forward passes are alive; pass the "
-            "same position_ids tensor down to the attention layers, or finish one backward before the next forward"
-        )
+        return self.forwards.find(position_ids)
 
     # ---------------------------------------------------------------------------------- every layer
     def prepare(

@@ -56,6 +56,8 @@ class CommStats:
 
     ``calls["all_to_all"]`` counts forward and backward exchanges alike; ``bytes`` is the payload this
     rank hands to the collective (for an all-to-all: the whole send buffer, of which ``1/P`` stays local).
+    Collectives traced by ``torch.compile`` are not counted: a count kept inside a graph makes dynamo guard
+    on its value (a recompile at every step) and break the graph at every exchange.
     """
 
     calls: Counter = field(default_factory=Counter)
@@ -63,6 +65,8 @@ class CommStats:
     wait_s: float = 0.0  # host seconds blocked on asynchronous exchanges (head chunks): the part not overlapped
 
     def record(self, op: str, tensor: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():
+            return
         self.calls[op] += 1
         self.bytes[op] += tensor.numel() * tensor.element_size()
 

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .instance_forward import installed_forward
+
 if TYPE_CHECKING:
     from .tiling import _GradSums
 
@@ -54,7 +56,7 @@ def _hooked(module: Any) -> bool:
 def _plain_linear(module: Any) -> bool:
     if type(module) is not nn.Linear or _hooked(module):
         return False
-    installed = module.__dict__.get("forward")  # none, or one that is the plain linear on a chunk of the MLP
+    installed = installed_forward(module)  # none, or one that is the plain linear on a chunk of the MLP
     if installed is not None and not getattr(installed, "plain_on_chunks", False):  # (NormProjection's marker)
         return False
     params = [module.weight] + ([module.bias] if module.bias is not None else [])

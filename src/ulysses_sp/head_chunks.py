@@ -60,6 +60,7 @@ from .head_split import (
     choose_head_chunks,
     head_chunk_choices,
 )
+from .instance_forward import install_forward, installed_forward, restore_forward
 from .norm_projections import NormProjection
 from .tiling import Replay, compute_dtype
 
@@ -131,14 +132,14 @@ def head_chunk_targets(
 def install_head_chunks(targets: list[tuple[nn.Module, Projections]], ctx: UlyssesAttention, **options: Any) -> None:
     """Set each target's ``forward`` to a :class:`HeadChunkedAttention` (``options``: its keyword arguments)."""
     for module, names in targets:
-        module.forward = HeadChunkedAttention(module, ctx, names, **options)
+        install_forward(module, HeadChunkedAttention(module, ctx, names, **options))
 
 
 def remove_head_chunks(modules: list[nn.Module]) -> None:
     """Undo :func:`install_head_chunks` (modules without one are left as they are)."""
     for module in modules:
-        if isinstance(module.__dict__.get("forward"), HeadChunkedAttention):
-            del module.forward
+        if isinstance(installed_forward(module), HeadChunkedAttention):
+            restore_forward(module, None)
 
 
 # ---------------------------------------------------------------------------------------------- the forward
@@ -370,7 +371,7 @@ class HeadChunkedAttention:
         """How to remake ``x`` tile by tile and from what, where a tiled norm of the layer has just made it (seen by
         the :class:`~ulysses_sp.norm_projections.NormProjection` installed on the query projection) and this
         module reads its input only through its sliced projections (:attr:`remakeable`); else None."""
-        installed = self.projection(self.names.query[0]).__dict__.get("forward")
+        installed = installed_forward(self.projection(self.names.query[0]))
         if not self.remakeable or not isinstance(installed, NormProjection):
             return None
         found = installed.made_by_norm(x)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from .instance_forward import install_forward, installed_forward, restore_forward
 from .tiling import Replay, TiledForward, _spans, compute_dtype
 
 __all__ = ["NormProjection", "install_norm_projections", "remove_norm_projections"]
@@ -131,16 +132,14 @@ def record_output(norm: TiledForward, source: torch.Tensor, out: torch.Tensor) -
 def install_norm_projections(layer: nn.Module, norms: list[TiledForward]) -> None:
     """:class:`NormProjection` on every plain ``nn.Linear`` under ``layer`` (not subclasses: LoRA, quantized)."""
     for module in layer.modules():
-        if type(module) is nn.Linear and not isinstance(module.__dict__.get("forward"), NormProjection):
-            module.forward = NormProjection(module, norms, module.__dict__.get("forward"))
+        previous = installed_forward(module)
+        if type(module) is nn.Linear and not isinstance(previous, NormProjection):
+            install_forward(module, NormProjection(module, norms, previous))
 
 
 def remove_norm_projections(model: nn.Module) -> None:
     """Undo :func:`install_norm_projections` everywhere in ``model``."""
     for module in model.modules():
-        installed = module.__dict__.get("forward")
+        installed = installed_forward(module)
         if isinstance(installed, NormProjection):
-            if installed.previous is not None:
-                module.forward = installed.previous
-            else:
-                del module.forward
+            restore_forward(module, installed.previous)

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .hf import MLP_NAMES, decoder_layers, find_pretrained
+from .instance_forward import install_forward, installed_forward, restore_forward
 from .norm_projections import install_norm_projections, record_output, remove_norm_projections
 from .tiling import NORMS_OFF, TiledForward, TiledMLP, check_chunk_tokens
 
@@ -138,7 +139,7 @@ class _HandThrough:
 
 
 def _installed(module: nn.Module) -> TiledNorm | _HandThrough | None:
-    forward = module.__dict__.get("forward")
+    forward = installed_forward(module)
     return forward if isinstance(forward, TiledNorm | _HandThrough) else None
 
 
@@ -162,15 +163,16 @@ def enable_tiled_norms(model: nn.Module, *, chunk_tokens: int | None = None) -> 
         raise ValueError("the norms of this model are already tiled; call ulysses_sp.disable_tiled_norms(model) first")
     tiled: dict[int, list[TiledNorm]] = {}  # per layer: its norms tiled on their own
     for layer, name, norm in norms:
-        previous = norm.__dict__.get("forward")
+        previous = installed_forward(norm)
         mlp = _tiled_mlp(layer) if name == mlp_norm_name(layer) else None
         if mlp is not None:
             mlp.pre = norm
             mlp.pre_forward = previous if previous is not None else functools.partial(type(norm).forward, norm)
-            norm.forward = _HandThrough(norm, mlp, previous)
+            install_forward(norm, _HandThrough(norm, mlp, previous))
         else:
-            norm.forward = TiledNorm(norm, chunk_tokens, previous)
-            tiled.setdefault(id(layer), []).append(norm.forward)
+            own = TiledNorm(norm, chunk_tokens, previous)
+            install_forward(norm, own)
+            tiled.setdefault(id(layer), []).append(own)
     for layer in layers:  # the projections of a tiled norm's output save the norm's input instead
         if id(layer) in tiled:
             install_norm_projections(layer, tiled[id(layer)])
@@ -192,7 +194,7 @@ def _layer_norms(layer: nn.Module) -> list[tuple[str, nn.Module]]:
 def _tiled_mlp(layer: nn.Module) -> TiledMLP | None:
     """The tiled MLP directly under ``layer`` with no norm fused into it yet, if any."""
     for child in layer.children():
-        forward = child.__dict__.get("forward")
+        forward = installed_forward(child)
         if isinstance(forward, TiledMLP) and forward.pre is None:
             return forward
     return None
@@ -209,8 +211,5 @@ def disable_tiled_norms(model: nn.Module) -> nn.Module:
             continue
         if isinstance(installed, _HandThrough):
             installed.mlp.pre = installed.mlp.pre_forward = installed.mlp.handed_over = None
-        if installed.previous is not None:
-            module.forward = installed.previous
-        else:
-            del module.forward
+        restore_forward(module, installed.previous)
     return model

@@ -43,6 +43,7 @@ from torch.autograd.function import once_differentiable
 
 from .gated_tile import GatedChunk, gated_chunk
 from .hf import find_pretrained, mlp_modules, text_config
+from .instance_forward import install_forward, installed_forward, restore_forward
 
 __all__ = [
     "TiledForward",
@@ -394,7 +395,7 @@ class TiledMLP(TiledForward):
 
 
 def _installed(module: nn.Module) -> TiledMLP | None:
-    forward = module.__dict__.get("forward")
+    forward = installed_forward(module)
     return forward if isinstance(forward, TiledMLP) else None
 
 
@@ -416,10 +417,10 @@ def enable_tiled_mlp(model: nn.Module, *, chunk_tokens: int | None = None) -> nn
     if any(_installed(m) is not None for m in mlps):
         raise ValueError("the MLPs of this model are already tiled; call ulysses_sp.disable_tiled_mlp(model) first")
     for mlp in mlps:
-        previous = mlp.__dict__.get("forward")
-        mlp.forward = TiledMLP(mlp, chunk_tokens, previous)
-        mlp.forward.recorders = dict(getattr(pretrained, "_can_record_outputs", None) or {})
-        mlp.forward.config = text_config(pretrained)
+        tiled = TiledMLP(mlp, chunk_tokens, installed_forward(mlp))
+        tiled.recorders = dict(getattr(pretrained, "_can_record_outputs", None) or {})
+        tiled.config = text_config(pretrained)
+        install_forward(mlp, tiled)
     return model
 
 
@@ -436,8 +437,5 @@ def disable_tiled_mlp(model: nn.Module) -> nn.Module:
             "ulysses_sp.disable_tiled_mlp(model)"
         )
     for module, tiled in installed:
-        if tiled.previous is not None:
-            module.forward = tiled.previous
-        else:
-            del module.forward
+        restore_forward(module, tiled.previous)
     return model

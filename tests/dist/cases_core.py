@@ -104,13 +104,28 @@ def check_parity(
         torch.testing.assert_close(grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def _compiled_steps(model, par, layout, batches, after_step=None):
+    """Train steps of the compiled ``par`` on ``batches`` (an int: a batch of that many tokens): each step's loss
+    and every gradient equal one process (plain ``model``, eager); ``after_step(i)`` runs after step ``i``'s check."""
+    for i, batch in enumerate(batches):
+        batch = make_batch(2, batch, seed=1 + i) if isinstance(batch, int) else batch
+        ref_loss, ref_grads = reference(model, batch)
+        par.zero_grad(set_to_none=True)
+        loss = U.causal_lm_loss(par, U.shard_batch(batch, layout), layout)
+        loss.backward()
+        U.sync_gradients(par, layout)
+        torch.testing.assert_close(loss.detach(), ref_loss, **LOSS_TOL)
+        for name, param in par.named_parameters():
+            torch.testing.assert_close(param.grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+        if after_step is not None:
+            after_step(i)
+
+
 def compiled(layout):
     """``torch.compile`` (dynamo's tracing; the eager backend keeps it quick) over the parallelized model with the
     tiled loss, MLP and norms and activation checkpointing, the loss through ``causal_lm_loss``: the loss and every
     gradient of one process."""
     model = build("llama", kv_heads=2)
-    batch = make_batch(2, 24, packed=(10, 14))
-    ref_loss, ref_grads = reference(model, batch)
     par = U.parallelize(copy.deepcopy(model), layout)
     features = U.Features(
         tiled_loss=True, tiled_mlp=True, tiled_norms=True, mlp_chunk_tokens=5, loss_chunk_tokens=7,
@@ -119,12 +134,30 @@ def compiled(layout):
     U.apply_features(par, features, "cpu")
     torch._dynamo.reset()
     par.compile(backend="eager")
-    loss = U.causal_lm_loss(par, U.shard_batch(batch, layout), layout)
-    loss.backward()
-    U.sync_gradients(par, layout)
-    torch.testing.assert_close(loss.detach(), ref_loss, **LOSS_TOL)
-    for name, param in par.named_parameters():
-        torch.testing.assert_close(param.grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+    _compiled_steps(model, par, layout, [make_batch(2, 24, packed=(10, 14))])
+
+
+def compiled_layers_fullgraph(layout):
+    """Each decoder layer compiled on its own with fullgraph=True (the FSDP2 recipe; aot_eager, what inductor gets):
+    the all-to-alls trace into the layer's graph (CommStats counting them inside it failed the trace: "HOP: Unsafe
+    side effect"), both layers share one graph (the head-chunk wrapper set as each attention's forward made dynamo
+    compile one graph per layer, and past its recompile limit of 8 run the other layers eagerly), and a second step
+    of new tensors of the same shapes compiles nothing (the documents, looked up by id(position_ids), recompiled
+    every step); loss and gradients of every step, one of another shard length too, equal one process."""
+    from torch._dynamo.utils import counters
+
+    model = build("llama", kv_heads=2)
+    par = U.parallelize(copy.deepcopy(model), layout)
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in par.model.layers:
+        layer.compile(backend="aot_eager", fullgraph=True)
+
+    def one_graph(step):
+        if step < 2:  # (step 2, 20 tokens: a recompile for the new length is dynamo's, as in one process)
+            assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+    _compiled_steps(model, par, layout, (24, 24, 20), one_graph)
 
 
 def flex_forward(layout):
@@ -449,6 +482,7 @@ def world2() -> dict[str, str]:
         "llama_eager_core": P(check_parity, sp2, "llama", kv_heads=2, core="eager"),
         "llama_flex_core_forward": P(flex_forward, sp2),
         "compiled_with_memory_features": P(compiled, sp2),
+        "compiled_layers_fullgraph": P(compiled_layers_fullgraph, sp2),
         "seq_not_divisible": P(check_parity, sp2, "llama", batch=make_batch(2, 23)),
         "batch_size_3": P(check_parity, sp2, "llama", batch=make_batch(3, 20)),
         "padded_right": P(check_parity, sp2, "llama", batch=make_batch(2, 24, pad="right")),

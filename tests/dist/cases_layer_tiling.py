@@ -21,6 +21,7 @@ from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, reference, sequence_parall
 from tests.helpers.harness import run_cases
 from tests.helpers.models import build, make_batch
 from ulysses_sp.hf import decoder_layers, mlp_modules
+from ulysses_sp.instance_forward import installed_forward
 from ulysses_sp.tiled_norms import TiledNorm, _HandThrough
 
 
@@ -35,8 +36,8 @@ def layer_features(model, checkpointing: str, stride: int = 1) -> None:
     if has_mlp:
         U.enable_tiled_mlp(model, chunk_tokens=5)  # 12 or 13 tokens per rank: several chunks, a short last one
     U.enable_tiled_norms(model, chunk_tokens=4)
-    fused = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), _HandThrough)]
-    alone = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), TiledNorm)]
+    fused = [m for m in model.modules() if isinstance(installed_forward(m), _HandThrough)]
+    alone = [m for m in model.modules() if isinstance(installed_forward(m), TiledNorm)]
     assert alone and (fused or not has_mlp or _post_norm(model)), (len(fused), len(alone))
     U.enable_activation_checkpointing(model, checkpointing, stride=stride)
 

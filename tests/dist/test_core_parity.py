@@ -21,6 +21,7 @@ WORLD2 = [
     "llama_eager_core",
     "llama_flex_core_forward",
     "compiled_with_memory_features",
+    "compiled_layers_fullgraph",
     "seq_not_divisible",
     "batch_size_3",
     "padded_right",

@@ -19,14 +19,13 @@ from tests.helpers.models import (
 )
 from ulysses_sp.head_chunk_lora import InputDropout
 from ulysses_sp.head_chunks import HeadChunkedAttention
+from ulysses_sp.instance_forward import installed_forward
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def _chunked(model) -> list[HeadChunkedAttention]:
-    return [
-        m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), HeadChunkedAttention)
-    ]
+    return [installed_forward(m) for m in model.modules() if isinstance(installed_forward(m), HeadChunkedAttention)]
 
 
 def _parallel_loss_and_grads(model, batch, chunks=2, **kwargs):

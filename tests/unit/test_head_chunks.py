@@ -13,12 +13,11 @@ import ulysses_sp as U
 from tests.helpers.models import build, loss_and_grads, make_batch
 from ulysses_sp.head_chunks import HeadChunkedAttention
 from ulysses_sp.head_split import choose_head_chunks, chunk_exchange_bytes, head_chunk_choices
+from ulysses_sp.instance_forward import installed_forward
 
 
 def _chunked(model) -> list[HeadChunkedAttention]:
-    return [
-        m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), HeadChunkedAttention)
-    ]
+    return [installed_forward(m) for m in model.modules() if isinstance(installed_forward(m), HeadChunkedAttention)]
 
 
 @pytest.mark.parametrize(("arch", "kv_heads", "chunks"), [("qwen3", 2, 4), ("deepseek_v3_mla_v4", None, 2)])

@@ -13,6 +13,7 @@ from tests.helpers.spy import calls_to
 from tests.unit.test_tiled_norms import tiled
 from tests.unit.test_tiling import assert_rel_close, assert_same, loss_and_grads
 from ulysses_sp import norm_projections
+from ulysses_sp.instance_forward import installed_forward
 from ulysses_sp.norm_projections import NormProjection
 
 
@@ -82,7 +83,7 @@ def test_lora_projections_keep_their_own_path_and_stay_exact():
 def test_disable_restores_every_linear():
     model = tiled(build("llama", kv_heads=2))
     linears = [m for m in model.model.layers.modules() if type(m) is nn.Linear]  # not lm_head: outside the layers
-    assert linears and all(isinstance(m.__dict__.get("forward"), NormProjection) for m in linears)
+    assert linears and all(isinstance(installed_forward(m), NormProjection) for m in linears)
     U.disable_tiled_norms(model)
     assert not any("forward" in m.__dict__ for m in linears)
 
@@ -140,7 +141,8 @@ def test_a_model_saves_after_a_step(tmp_path):
     model, batch = tiled(build("llama", kv_heads=2)), make_batch(2, 24)
     loss_and_grads(model, batch)
     torch.save(model, tmp_path / "model.pt")  # what a norm last made is not pickled
-    assert torch.load(tmp_path / "model.pt", weights_only=False).model.layers[0].input_layernorm.forward.made is None
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert installed_forward(loaded.model.layers[0].input_layernorm).made is None
 
 
 def test_an_empty_sequence_gets_zero_gradients():

@@ -13,13 +13,14 @@ import ulysses_sp as U
 from tests.helpers.models import build, make_batch
 from tests.unit.test_tiling import assert_rel_close, assert_same, loss_and_grads
 from ulysses_sp.features import Features
+from ulysses_sp.instance_forward import installed_forward
 from ulysses_sp.tiled_norms import TiledNorm, _HandThrough, mlp_norm_name
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def installed(model, kind):
-    return [name for name, m in model.named_modules() if isinstance(m.__dict__.get("forward"), kind)]
+    return [name for name, m in model.named_modules() if isinstance(installed_forward(m), kind)]
 
 
 def tiled(model, chunk=5, checkpointing="none"):
@@ -106,7 +107,7 @@ def test_disable_restores_every_norm_and_refuses_disabling_the_mlp_first():
         U.enable_tiled_norms(got)
     U.disable_tiled_norms(got)
     assert not installed(got, _HandThrough) and not installed(got, TiledNorm)
-    assert all(m.pre is None for m in (layer.mlp.forward for layer in got.model.layers))
+    assert all(m.pre is None for m in (installed_forward(layer.mlp) for layer in got.model.layers))
     U.disable_tiled_mlp(got)
     assert "forward" not in got.model.layers[0].mlp.__dict__
     got.zero_grad(set_to_none=True)

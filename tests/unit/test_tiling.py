@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 import ulysses_sp as U
 from tests.helpers.models import VOCAB, build, make_batch, router_aux_on
+from ulysses_sp.instance_forward import installed_forward
 from ulysses_sp.memory import PeakMemory
 from ulysses_sp.tiling import TiledMLP, default_chunk_tokens
 
@@ -172,7 +173,7 @@ def test_state_dict_keys_save_load_and_disable(tmp_path):
     loaded = type(model).from_pretrained(tmp_path)
     torch.testing.assert_close(loaded(input_ids=ids).logits, want)
     copied = copy.deepcopy(model)  # the copy's MLPs are tiled and run the copy's weights
-    assert copied.model.layers[0].mlp.forward.module is copied.model.layers[0].mlp
+    assert installed_forward(copied.model.layers[0].mlp).module is copied.model.layers[0].mlp
     U.disable_tiled_mlp(model)
     assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
     torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=0, atol=0)
