@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .compile_boundary import run_eagerly
+
 if TYPE_CHECKING:
     from .attention import UlyssesAttention
 
@@ -61,7 +63,8 @@ class DropoutStream:
         self.saved: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.seeded: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    @torch.compiler.disable  # the generators' state is set eagerly, around whatever compiled code runs between
+    # the generators' state is set eagerly, around whatever compiled code runs between
+    @run_eagerly("sets each SP rank's dropout seed (the generators' state) around the forward")
     def before(self, module, args, kwargs):
         layout = self.ctx.layout
         if not module.training or layout.sp == 1 or not self.active():
@@ -76,7 +79,7 @@ class DropoutStream:
         self.seeded = _states(device)
         return None
 
-    @torch.compiler.disable
+    @run_eagerly("puts the generators' state back after the forward")
     def after(self, module, args, kwargs, output):
         if self.saved is None or self.seeded is None:
             return None

@@ -31,6 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import MODULE_ATTR, UlyssesAttention, check_ring_core, ulysses_attention_forward
 from .comm import CommStats
+from .compile_boundary import run_eagerly
 from .cores import CORES, Core, get_core
 from .dropout_stream import DropoutStream
 from .head_chunks import head_chunk_targets, install_head_chunks, remove_head_chunks
@@ -123,6 +124,7 @@ class _BeginForward:
             self.targets = targets if isinstance(targets, torch.Tensor) else None
         return None
 
+    @run_eagerly("checks each forward's shard across the SP group (host-side collectives) and reads its documents")
     def __call__(self, module, args, kwargs):
         targets, self.targets = self.targets, None
         if not self.check_active():  # switched back to plain attention (plain_attention): whole inputs only

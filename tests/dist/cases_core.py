@@ -160,6 +160,30 @@ def compiled_layers_fullgraph(layout):
     _compiled_steps(model, par, layout, (24, 24, 20), one_graph)
 
 
+def compiled_model_steps(layout):
+    """model.compile() over the parallelized model (aot_eager): the once-per-forward checks leave the graph at one
+    break (dynamo used to fail on them frame after frame: 24 graphs and 17 breaks for 2 layers) and a second step of
+    the same shapes compiles nothing (CommStats' counts, read as constants, made every step recompile); loss and
+    gradients equal one process. fullgraph=True is refused by an error that names the break and what works."""
+    from torch._dynamo.utils import counters
+
+    model = build("llama", kv_heads=2)
+    par = U.parallelize(copy.deepcopy(model), layout)
+    torch._dynamo.reset()
+    counters.clear()
+    par.compile(backend="aot_eager")
+    graphs = []
+    _compiled_steps(model, par, layout, (24, 24), lambda step: graphs.append(counters["stats"]["unique_graphs"]))
+    assert graphs[0] <= 3 and graphs[1] == graphs[0], graphs
+    whole = U.parallelize(copy.deepcopy(model), layout)
+    torch._dynamo.reset()  # (else dynamo reuses the code compiled above, breaks and all, fullgraph or not)
+    whole.compile(backend="aot_eager", fullgraph=True)
+    shard = U.shard_batch(make_batch(2, 24), layout)
+    named = ["shard across the SP group", "layer.compile(fullgraph=True)"]
+    expect_raise(torch._dynamo.exc.Unsupported, named)(lambda: U.causal_lm_loss(whole, shard, layout))
+    torch._dynamo.reset()
+
+
 def flex_forward(layout):
     """flex_attention has no CPU backward in torch: compare the forward loss here (GPU tests do backward)."""
     batch = make_batch(2, 24, packed=(7, 10, 7))
@@ -483,6 +507,7 @@ def world2() -> dict[str, str]:
         "llama_flex_core_forward": P(flex_forward, sp2),
         "compiled_with_memory_features": P(compiled, sp2),
         "compiled_layers_fullgraph": P(compiled_layers_fullgraph, sp2),
+        "compiled_model_steps": P(compiled_model_steps, sp2),
         "seq_not_divisible": P(check_parity, sp2, "llama", batch=make_batch(2, 23)),
         "batch_size_3": P(check_parity, sp2, "llama", batch=make_batch(3, 20)),
         "padded_right": P(check_parity, sp2, "llama", batch=make_batch(2, 24, pad="right")),

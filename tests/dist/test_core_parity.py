@@ -22,6 +22,7 @@ WORLD2 = [
     "llama_flex_core_forward",
     "compiled_with_memory_features",
     "compiled_layers_fullgraph",
+    "compiled_model_steps",
     "seq_not_divisible",
     "batch_size_3",
     "padded_right",

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compile_boundary import run_eagerly
 from ..hf import attention_modules, decoder_module, find_causal_lm, in_mode
 from ..validation import IGNORE_INDEX, as_ignored
 from .head_calls import Weights, head_calls, vocab_rows
@@ -204,8 +205,12 @@ def _probe_tolerance(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
 
 
+@run_eagerly("checks once, on a probe, that the tiled loss reproduces the model's logits")
 def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tensor) -> None:
-    """Push a few random hidden states through the model's own forward and compare with the tiled head."""
+    """Push a few random hidden states through the model's own forward and compare with the tiled head (once:
+    the check is here, not at the call, so that a compiled forward does not depend on it and compile again)."""
+    if state.verified:
+        return
     output = causal_lm.get_output_embeddings()
     generator = torch.Generator(device="cpu").manual_seed(0)
     probe = torch.randn(1, _PROBE_TOKENS, like.shape[-1], generator=generator).to(like.device, like.dtype)
@@ -240,7 +245,7 @@ def _verify_head(causal_lm: nn.Module, state: _TiledLossState, like: torch.Tenso
 
 
 # What a head module called on hidden states multiplies them by: (weight, bias, low-rank adapters)
-@torch.compiler.disable  # under torch.compile: run eagerly (dynamo cannot trace the per-call forward swap)
+@run_eagerly("runs the tiled loss eagerly (it swaps the head's forward for the call, which dynamo cannot trace)")
 def _head_loss(
     output: nn.Module, calls: list[tuple[nn.Module, Weights]], hidden: torch.Tensor, targets: torch.Tensor, **kwargs
 ) -> torch.Tensor:
@@ -337,8 +342,7 @@ def _tiled_forward(
         **kwargs,
     )
     hidden = outputs.last_hidden_state  # [b, n, h]
-    if not state.verified:
-        _verify_head(self, state, hidden)
+    _verify_head(self, state, hidden)
     targets = as_ignored(_shifted_targets(labels, shift_labels, IGNORE_INDEX), ignore_index).to(hidden.device)
     output = self.get_output_embeddings()
     calls = head_calls(output)
