@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .comm import CommStats, all_gather_tensor, heads_to_seq, qkv_seq_to_heads
+from .compile_boundary import run_eagerly
 from .cores import AttentionCall, Core, Segments
 from .forward_segments import ForwardPasses
 from .layout import ParallelLayout
@@ -318,6 +319,18 @@ class UlyssesAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
     ) -> torch.Tensor:  # [b, N/R, h, d_v]
         """The local core (the ring's in a hybrid layout) on head-sharded q/k/v, the padding sliced off."""
+        if not call.segments.is_dense or self.layout.ring > 1:
+            return self._core_eagerly(q, k, v, call)
+        return self._core(q, k, v, call)
+
+    @run_eagerly(
+        "runs attention eagerly over packed documents or padding (a graph would hold this batch's spans: a compile "
+        "per batch) and in a ring (its point-to-point exchanges)"
+    )
+    def _core_eagerly(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return self._core(q, k, v, call)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         if self.layout.ring == 1 and self.slice_budget_bytes is not None:
             out = sliced_core(q, k, v, call, core_name=self.core_name, budget_bytes=self.slice_budget_bytes)
             if out is not None:

@@ -4,7 +4,10 @@ Once per forward pass ulysses_sp checks the shard across the SP group (small hos
 on the host) and works out its documents, and in training it sets each rank's dropout seed: Python that
 depends on data, which runs eagerly around the compiled code (one graph break each, instead of dynamo failing
 on it frame after frame). With ``fullgraph=True`` over the whole model these are the breaks dynamo reports,
-with :data:`FULLGRAPH_HINT`: the decoder layers, compiled one by one, trace whole.
+with :data:`FULLGRAPH_HINT`: the decoder layers, compiled one by one, trace whole. Inside a layer, what runs
+eagerly is what a graph could not hold from batch to batch: attention over packed documents or padding (per
+document, by spans that change with every batch), heads in chunks, the tiled MLP and norms (their chunks
+recomputed in backward by hand).
 """
 
 from __future__ import annotations
@@ -15,13 +18,18 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["FULLGRAPH_HINT", "run_eagerly"]
+__all__ = ["FULLGRAPH_HINT", "TILED_OFF", "run_eagerly"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 FULLGRAPH_HINT = (
     "a parallelized model's forward cannot be one graph (torch.compile fullgraph=True); compile its decoder layers "
     "instead: for layer in model.model.layers: layer.compile(fullgraph=True)"
+)
+
+TILED_OFF = (
+    "to compile the decoder layers whole (fullgraph=True), turn the tiled MLP and norms off: "
+    "Features(tiled_mlp=False, tiled_norms=False) (--no-tiled-mlp --no-tiled-norms)"
 )
 
 

@@ -72,6 +72,12 @@ class Segments:
     device: torch.device
     max_position: int = 0  # the largest position id of the full rows (length-dependent RoPE reads it)
     _cache: dict = field(default_factory=dict, repr=False)
+    # True when every row is a single document without padding (one kernel call for the batch). A bool worked out
+    # once, which torch.compile guards on alone (reading the spans, it would guard on each: a recompile per length)
+    is_dense: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.is_dense = all(row == [(0, self.seq_len)] for row in self.spans)
 
     @classmethod
     def from_positions(
@@ -104,11 +110,6 @@ class Segments:
             spans.append([(s, e) for s, e in zip(begin, ends, strict=True) if bool(row_valid[s])])
         largest = int(pos.max()) if pos.numel() else 0
         return cls(batch=batch, seq_len=seq_len, spans=spans, device=position_ids.device, max_position=largest)
-
-    @property
-    def is_dense(self) -> bool:
-        """True when every row is a single document without padding (one kernel call for the batch)."""
-        return all(row == [(0, self.seq_len)] for row in self.spans)
 
     def cached(self, key: object, build: Callable[[], object]) -> object:
         if key not in self._cache:

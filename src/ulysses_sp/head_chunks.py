@@ -27,7 +27,6 @@ planner uses too); 1 = the unchunked path.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +35,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from .attention import UlyssesAttention, intercepting
+from .compile_boundary import run_eagerly
 from .deferred_input import Absent, NormRemake
 from .head_chunk_fit import Projections, norm_problem, projection_names
 from .head_chunk_grads import ProjectionCut
@@ -60,6 +60,7 @@ from .head_split import (
     choose_head_chunks,
     head_chunk_choices,
 )
+from .hf import first_argument
 from .instance_forward import install_forward, installed_forward, restore_forward
 from .norm_projections import NormProjection
 from .tiling import Replay, compute_dtype
@@ -217,7 +218,7 @@ class HeadChunkedAttention:
         self.verified: bool | None = None  # None: not probed yet; False: failed (automatic C: unchunked)
         self.remakeable = False  # reads its input only through the sliced projections (set by the probe)
         self.extra_outputs = 1
-        self.hidden_name = _first_argument(module)
+        self.hidden_name = first_argument(module)
 
     # ------------------------------------------------------------------------------------------- parts
     def projection(self, name: str) -> nn.Linear:
@@ -328,17 +329,23 @@ class HeadChunkedAttention:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         x = kwargs.get(self.hidden_name, args[0] if args else None)
-        place = placer(self.hidden_name, args, kwargs)
         if (
             not isinstance(x, torch.Tensor)
             or x.dim() != 3
             or not self.active()
             or kwargs.get("past_key_values") is not None
-            or self.verified is False
         ):
             return type(module).forward(module, *args, **kwargs)
         chunks = self.chunks_for(x)
         if chunks == 1:
+            return type(module).forward(module, *args, **kwargs)
+        return self.chunked(x, chunks, args, kwargs)
+
+    @run_eagerly("runs attention heads in chunks eagerly (its exchanges overlap the other chunk's core by hand)")
+    def chunked(self, x: torch.Tensor, chunks: int, args: tuple, kwargs: dict) -> Any:
+        """The module's forward with its heads in ``chunks`` chunks (or its own where they cannot be)."""
+        module, place = self.module, placer(self.hidden_name, args, kwargs)
+        if self.verified is False:  # (read here, not in __call__: a compiled layer would compile again once it is set)
             return type(module).forward(module, *args, **kwargs)
         problem = call_problem(module, (*self.names.query, *self.names.kv, self.names.out))  # (head_chunk_lora)
         if problem is not None:
@@ -424,9 +431,3 @@ class HeadChunkedFunction(torch.autograd.Function):
         for hook in ctx.run.owner.ctx.backward_hooks:  # every chunk's backward is done (UlyssesAttention)
             hook()
         return (None, None if grad_x is None else grad_x.to(ctx.x_meta[1]), *grads)
-
-
-def _first_argument(module: nn.Module) -> str:
-    """The name of the forward's first argument after self (the hidden states)."""
-    params = list(inspect.signature(type(module).forward).parameters)
-    return params[1] if len(params) > 1 else "hidden_states"

@@ -27,6 +27,7 @@ __all__ = [
     "decoder_module",
     "find_causal_lm",
     "find_pretrained",
+    "first_argument",
     "head_counts",
     "in_mode",
     "layer_kv_heads",
@@ -263,6 +264,12 @@ def mlp_modules(pretrained: nn.Module) -> list[nn.Module]:
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The attention modules: those with ``num_key_value_groups`` or a class name ending in ``Attention``."""
     return [m for m in model.modules() if hasattr(m, "num_key_value_groups") or type(m).__name__.endswith("Attention")]
+
+
+def first_argument(module: nn.Module) -> str:
+    """The name of ``module``'s forward's first argument after self (the hidden states)."""
+    params = list(inspect.signature(type(module).forward).parameters)
+    return params[1] if len(params) > 1 else "hidden_states"
 
 
 def _takes_tokens(module: nn.Module) -> bool:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from .compile_boundary import TILED_OFF, run_eagerly
 from .instance_forward import install_forward, installed_forward, restore_forward
 from .tiling import Replay, TiledForward, _spans, compute_dtype
 
@@ -114,6 +115,7 @@ class NormProjection:
                 return made, source
         return None
 
+    @run_eagerly("runs the tiled MLP and norms eagerly (their chunks are recomputed in backward by hand)", TILED_OFF)
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         found = self._made(x) if not args and not kwargs and torch.is_grad_enabled() else None
         if found is not None:

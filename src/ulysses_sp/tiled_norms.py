@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .compile_boundary import TILED_OFF, run_eagerly
 from .hf import MLP_NAMES, decoder_layers, find_pretrained
 from .instance_forward import install_forward, installed_forward, restore_forward
 from .norm_projections import install_norm_projections, record_output, remove_norm_projections
@@ -112,6 +113,7 @@ class TiledNorm(TiledForward):
     hint = NORMS_OFF
     called_as = "norm(hidden_states [b, n, h])"
 
+    @run_eagerly("runs the tiled MLP and norms eagerly (their chunks are recomputed in backward by hand)", TILED_OFF)
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = super().__call__(hidden_states, *args, **kwargs)
         record_output(self, hidden_states, out)
@@ -128,6 +130,7 @@ class _HandThrough:
     def __init__(self, norm: nn.Module, mlp: TiledMLP, previous: Callable | None) -> None:
         self.norm, self.mlp, self.previous = norm, mlp, previous
 
+    @run_eagerly("runs the tiled MLP and norms eagerly (their chunks are recomputed in backward by hand)", TILED_OFF)
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs or not isinstance(hidden_states, torch.Tensor):
             raise ValueError(

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from .compile_boundary import TILED_OFF, run_eagerly
 from .gated_tile import GatedChunk, gated_chunk
 from .hf import find_pretrained, mlp_modules, text_config
 from .instance_forward import install_forward, installed_forward, restore_forward
@@ -335,6 +336,7 @@ class TiledForward:
         assert out is not None, "an empty sequence has no chunks"
         return out
 
+    @run_eagerly("runs the tiled MLP and norms eagerly (their chunks are recomputed in backward by hand)", TILED_OFF)
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 2:
             raise ValueError(
@@ -367,6 +369,7 @@ class TiledMLP(TiledForward):
         chunk, self.probed = gated_chunk(self.module, self.previous is not None, self.probed)
         return chunk
 
+    @run_eagerly("runs the tiled MLP and norms eagerly (their chunks are recomputed in backward by hand)", TILED_OFF)
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.pre is not None:  # a norm fused in: it returned its input, which must be what arrives here
             handed = self.handed_over() if self.handed_over is not None else None

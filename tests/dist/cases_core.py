@@ -160,6 +160,33 @@ def compiled_layers_fullgraph(layout):
     _compiled_steps(model, par, layout, (24, 24, 20), one_graph)
 
 
+def compiled_layers_batches_vary(layout):
+    """Decoder layers compiled on their own, batches as training gives them: rows packed with documents that
+    differ from batch to batch compile once (the documents' spans, traced into the graph, made each new packing
+    compile again, and past dynamo's recompile limit run the layers eagerly: the core now runs them eagerly), and
+    rows of another length compile once more, for every length after (guards on each span did it for each
+    length); loss and gradients of every step equal one process. Heads in chunks (head_chunks=2) run eagerly
+    inside the compiled layers, with no compile at a second step either."""
+    from torch._dynamo.utils import counters
+
+    model = build("llama", kv_heads=2)
+    packings = [(5, 9, 10), (12, 12), (3, 21)]
+    varied = [make_batch(2, 24, packed=p, seed=i) for i, p in enumerate(packings)] + [24, 20, 16]
+    for head_chunks, batches in ((None, varied), (2, [24, 24])):
+        par = U.parallelize(copy.deepcopy(model), layout, head_chunks=head_chunks)
+        torch._dynamo.reset()
+        counters.clear()
+        for layer in par.model.layers:
+            layer.compile(backend="aot_eager")
+        graphs: list[int] = []
+        count = functools.partial(lambda g, step: g.append(counters["stats"]["unique_graphs"]), graphs)
+        _compiled_steps(model, par, layout, batches, count)
+        if head_chunks is None:  # packings, then dense rows of 24 (another branch), 20 (dynamic from here), 16
+            assert graphs[0] == graphs[1] == graphs[2] and graphs[-1] == graphs[-2], graphs
+        else:
+            assert graphs[1] == graphs[0], graphs
+
+
 def compiled_model_steps(layout):
     """model.compile() over the parallelized model (aot_eager): the once-per-forward checks leave the graph at one
     break (dynamo used to fail on them frame after frame: 24 graphs and 17 breaks for 2 layers) and a second step of
@@ -508,6 +535,7 @@ def world2() -> dict[str, str]:
         "compiled_with_memory_features": P(compiled, sp2),
         "compiled_layers_fullgraph": P(compiled_layers_fullgraph, sp2),
         "compiled_model_steps": P(compiled_model_steps, sp2),
+        "compiled_layers_batches_vary": P(compiled_layers_batches_vary, sp2),
         "seq_not_divisible": P(check_parity, sp2, "llama", batch=make_batch(2, 23)),
         "batch_size_3": P(check_parity, sp2, "llama", batch=make_batch(3, 20)),
         "padded_right": P(check_parity, sp2, "llama", batch=make_batch(2, 24, pad="right")),
