@@ -362,7 +362,7 @@ def test_plain_loss_refuses_targets_outside_the_vocabulary(label):
 def test_fingerprint_sees_edits_that_cancel_in_sums():
     """Paired +1/-1 edits 65521 tokens apart (equal weights), or +1, -2, +1 on weights 1, 2, 3, left the old
     (weighted sum, sum) fingerprint unchanged: ranks holding different batches went unnoticed."""
-    from ulysses_sp.sharding import _fingerprint
+    from ulysses_sp.batch_checks import _fingerprint
 
     ids = torch.full((1, 65536), 10)
     paired = ids.clone()
