@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 # The per-token keys shard_batch slices over the sequence; any other key passes through untouched.
-SHARDED_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")
+SHARDED_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels", "inputs_embeds")
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -73,31 +73,55 @@ def _bad_id(name: str, ids: torch.Tensor, vocab_size: int | None, ignore_index: 
     return Problem(bad_id_message(name, value, vocab_size, ignore_index), SHARDED_KEYS.index(name), value)
 
 
+def _tokens(batch: Mapping[str, object]) -> tuple[dict[str, torch.Tensor], Problem | None]:
+    """The batch's ``input_ids [b, N]`` or ``inputs_embeds [b, N, hidden]`` (exactly one of them), checked."""
+    given = [key for key in ("input_ids", "inputs_embeds") if batch.get(key) is not None]
+    if len(given) != 1:
+        found = "both" if given else f"neither (keys: {sorted(batch)})"
+        return {}, Problem(
+            "the batch needs input_ids or inputs_embeds, not both (input_ids [batch, seq_len] or inputs_embeds "
+            f"[batch, seq_len, hidden]: the model takes one of them); it has {found}"
+        )
+    if given == ["inputs_embeds"]:
+        embeds = batch["inputs_embeds"]
+        embeds = embeds if isinstance(embeds, torch.Tensor) else torch.as_tensor(embeds)
+        if embeds.dim() != 3:
+            return {}, Problem(f"inputs_embeds must be [batch, seq_len, hidden], got shape {tuple(embeds.shape)}")
+        if not embeds.is_floating_point():
+            return {}, Problem(f"inputs_embeds must hold floats (the embedded tokens), got dtype {embeds.dtype}")
+        tokens = {"inputs_embeds": embeds}
+    else:
+        try:
+            input_ids = _as_2d("input_ids", batch["input_ids"])
+        except ValueError as err:
+            return {}, Problem(str(err))
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            return {}, Problem(
+                f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; cast them with .long()"
+            )
+        tokens = {"input_ids": input_ids}
+    shape = next(iter(tokens.values())).shape
+    if shape[0] == 0 or shape[1] == 0:
+        return {}, Problem(f"{given[0]} has shape {tuple(shape)}: a batch needs at least one row and token")
+    return tokens, None
+
+
 def validated(
     batch: Mapping[str, object], vocab_size: int | None, ignore_index: int
 ) -> tuple[dict[str, torch.Tensor], Problem | None]:
-    """The batch's per-token tensors as ``[b, N]`` (positions ``[b, N]`` long), and what is wrong with it."""
-    if "input_ids" not in batch:
-        return {}, Problem(f"the batch needs input_ids; it has keys {sorted(batch)}")
-    full: dict[str, torch.Tensor] = {}
-    try:
-        input_ids = _as_2d("input_ids", batch["input_ids"])
-    except ValueError as err:
-        return {}, Problem(str(err))
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        return {}, Problem(
-            f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; cast them with .long()"
-        )
-    full["input_ids"] = input_ids
-    b, seq_len = input_ids.shape
-    if b == 0 or seq_len == 0:
-        return {}, Problem(f"input_ids has shape {tuple(input_ids.shape)}: a batch needs at least one row and token")
+    """The batch's per-token tensors as ``[b, N]`` (``inputs_embeds`` ``[b, N, hidden]``; positions ``[b, N]``
+    long), and what is wrong with it."""
+    full, problem = _tokens(batch)
+    if problem is not None:
+        return full, problem
+    ((tokens_name, tokens),) = full.items()
+    b, seq_len = tokens.shape[:2]
     for name in ("labels", "attention_mask", "position_ids", "shift_labels"):
         value = batch.get(name)
         if value is None:
             continue
         try:
-            value = _as_2d(name, value).to(input_ids.device)
+            value = _as_2d(name, value).to(tokens.device)
         except ValueError as err:
             return full, Problem(str(err))
         if (
@@ -106,8 +130,9 @@ def validated(
             or (name != "position_ids" and value.shape[0] != b)
         ):
             return full, Problem(
-                f"{name} has shape {tuple(value.shape)} but input_ids has shape {tuple(input_ids.shape)}; "
-                f"they must match (labels are the unshifted input ids, -100 where no loss is wanted)"
+                f"{name} has shape {tuple(value.shape)} but {tokens_name} has shape {tuple(tokens.shape)}; "
+                f"they must match in [batch, seq_len] (labels are the unshifted input ids, -100 where no loss is "
+                "wanted)"
             )
         if name in ("labels", "shift_labels", "position_ids"):
             if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
@@ -156,12 +181,27 @@ def tensor_digest(x: torch.Tensor) -> bytes:
     return hashlib.blake2b(values.view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
 
 
+def embedding_words(embeds: torch.Tensor, chunk_elements: int = 1 << 22) -> torch.Tensor:
+    """``[b, N, hidden]`` floats -> ``[b, N]`` int64 words that stand for each token's values in a fingerprint: a
+    weighted sum of the 16-bit pieces of its values' bits (fixed weights below 2**24: exact integer sums, no
+    overflow up to 2**23 pieces a token), computed where the embeddings are, in chunks of tokens of at most
+    ``chunk_elements`` pieces; so equal embeddings give equal words on any rank, and they never go to the host."""
+    pieces = embeds.detach().contiguous()
+    pieces = pieces.view(torch.int16 if pieces.element_size() >= 2 else torch.uint8)  # [b, N, hidden * k]
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.randint(1, 1 << 24, (pieces.shape[-1],), generator=gen).to(pieces.device)  # [hidden * k]
+    chunk = max(1, chunk_elements // max(1, pieces.shape[0] * pieces.shape[-1]))
+    words = [((part.long() & 0xFFFF) * weights).sum(dim=-1) for part in pieces.split(chunk, dim=1)]
+    return torch.cat(words, dim=1)  # [b, N]
+
+
 def _fingerprint(x: torch.Tensor | None) -> list[torch.Tensor]:
-    """(present, a 128-bit BLAKE2b digest of the values as two int64s) of one full ``[b, N]`` tensor: no edit of
-    the values can cancel out (paired +1/-1 edits did in a weighted sum)."""
+    """(present, a 128-bit BLAKE2b digest of the values as two int64s) of one full ``[b, N]`` tensor (embeddings
+    ``[b, N, hidden]``: of their :func:`embedding_words`): no edit of the ids can cancel out (paired +1/-1 edits
+    did in a weighted sum)."""
     if x is None:
         return [torch.tensor(0)] * 3
-    digest = tensor_digest(x.to(torch.long))
+    digest = tensor_digest(embedding_words(x) if x.is_floating_point() else x.to(torch.long))
     halves = (int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8))
     return [torch.tensor(1), *(torch.tensor(h) for h in halves)]
 
@@ -207,7 +247,8 @@ def check_batch(
 def batch_check(
     full: dict[str, torch.Tensor], problem: Problem | None, vocab_size: int | None, ignore_index: int
 ) -> BatchCheck:
-    shape = full["input_ids"].shape if "input_ids" in full else (0, 0)
+    tokens = full.get("input_ids", full.get("inputs_embeds"))
+    shape = tokens.shape[:2] if tokens is not None else (0, 0)  # [b, N]
     found = problem if problem is not None else Problem("")
     report = [int(problem is not None), found.key, found.value, *shape]
     for name in SHARDED_KEYS:

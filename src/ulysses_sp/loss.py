@@ -174,7 +174,7 @@ def _token_mean(
     return mean, (totals[3:] if extra is not None else None)
 
 
-MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
+MODEL_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask")
 
 
 def causal_lm_loss(
@@ -191,8 +191,8 @@ def causal_lm_loss(
     Args:
         model: the parallelized model (DDP / FSDP2 wrapped or not); with the tiled loss enabled the logits
             are never materialised.
-        shard: :func:`ulysses_sp.shard_batch`'s output (``input_ids``, ``position_ids``, ``shift_labels``,
-            optionally ``attention_mask``).
+        shard: :func:`ulysses_sp.shard_batch`'s output (``input_ids`` or ``inputs_embeds``, ``position_ids``,
+            ``shift_labels``, optionally ``attention_mask``).
         num_items_in_batch, label_smoothing: as in :func:`sequence_parallel_cross_entropy` (the smoothing inside
             the tiled loss too).
 

@@ -68,12 +68,13 @@ def shard_batch(
     """Turn a full batch into this rank's shard.
 
     Args:
-        batch: ``input_ids [b, N]``; optional ``labels [b, N]`` (unshifted, as for a HF causal LM),
+        batch: ``input_ids [b, N]`` (or ``inputs_embeds [b, N, hidden]``: embedded tokens, e.g. with a soft prompt
+            or another tower's tokens merged in); optional ``labels [b, N]`` (unshifted, as for a HF causal LM),
             ``attention_mask [b, N]`` (1 = token, 0 = padding), ``position_ids [b or 1, N]`` (restarting at 0
             for each packed document), ``shift_labels [b, N]`` (targets already shifted: they win over
             ``labels``, as in transformers' loss). Other keys are passed through untouched.
         layout: the parallel layout; ``layout.sp`` ranks split the sequence.
-        pad_token_id: id used to pad ``input_ids`` up to a multiple of ``sp``.
+        pad_token_id: id used to pad ``input_ids`` up to a multiple of ``sp`` (``inputs_embeds``: zeros).
         ignore_index: the label that means "no loss here" in ``batch`` (default -100). The shard's ``labels`` and
             ``shift_labels`` always use -100, the value the loss functions (and transformers') ignore.
         check_same_batch: compare a fingerprint (a hash of the values) of every per-token tensor of the full
@@ -89,8 +90,8 @@ def shard_batch(
             ``ignore_index``) raise a ValueError naming the id, on every rank of the group; without it
             only negative ids are caught. Pass ``model.config.vocab_size``.
 
-    Returns a dict with ``input_ids``, ``position_ids`` (global positions) and, when given or when padding
-    was added, ``attention_mask`` of shape ``[b, n]`` with ``n = ceil(N / sp)``; with labels, also
+    Returns a dict with ``input_ids`` (or ``inputs_embeds``), ``position_ids`` (global positions) and, when given
+    or when padding was added, ``attention_mask`` of shape ``[b, n]`` with ``n = ceil(N / sp)``; with labels, also
     ``shift_labels`` ``[b, n]`` (targets, shifted before slicing) and ``labels`` (the local slice, so
     transformers models still return a loss when given ``shift_labels``). The padding added for divisibility
     sits at the end of each row, masked, with positions restarting at 0 and ignored labels, so it changes
@@ -112,14 +113,14 @@ def shard_batch(
             compare_in_group(batch_check(full, problem, vocab_size, ignore_index), layout)
         elif problem is not None:
             raise ValueError(problem.message)
-    input_ids, labels, mask, positions = (
-        full.get(k) for k in ("input_ids", "labels", "attention_mask", "position_ids")
-    )
+    labels, mask, positions = (full.get(k) for k in ("labels", "attention_mask", "position_ids"))
     given_targets = full.get("shift_labels")  # already shifted by the caller: they win, as in transformers' loss
-    b, seq_len = input_ids.shape
+    tokens_key = "input_ids" if "input_ids" in full else "inputs_embeds"
+    tokens = full[tokens_key]  # input_ids [b, N] or inputs_embeds [b, N, hidden]
+    b, seq_len = tokens.shape[:2]
     sp = layout.sp
     if positions is None:
-        positions = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
+        positions = torch.arange(seq_len, device=tokens.device).unsqueeze(0)
     positions = positions.expand(b, seq_len).to(torch.long)
 
     ring = layout.ring
@@ -130,20 +131,20 @@ def shard_batch(
         # which length-dependent RoPE (dynamic, longrope) reads, and no real token attends to it.
         tail = torch.arange(extra, device=positions.device).expand(b, extra)
         positions = torch.cat([positions, tail], dim=1)
-        input_ids = pad_to_multiple(input_ids, multiple, pad_token_id)
+        tokens = pad_to_multiple(tokens, multiple, pad_token_id if tokens_key == "input_ids" else 0.0)
         # ... and it is padding: masked (a mask is made when the batch has none), so no statistic over the
         # tokens (the MoE load-balancing loss) counts it
-        mask = pad_to_multiple(mask if mask is not None else torch.ones_like(input_ids[:, :seq_len]), multiple, 0)
+        mask = pad_to_multiple(mask if mask is not None else positions.new_ones(b, seq_len), multiple, 0)
     n = (seq_len + extra) // sp
-    order = zigzag_order(seq_len + extra, ring, input_ids.device) if ring > 1 else None
+    order = zigzag_order(seq_len + extra, ring, tokens.device) if ring > 1 else None
 
-    def local(x: torch.Tensor) -> torch.Tensor:  # [b, N] -> this rank's [b, n]
+    def local(x: torch.Tensor) -> torch.Tensor:  # [b, N, ...] -> this rank's [b, n, ...]
         if order is not None:
             x = x.index_select(1, order)
         return x[:, layout.sp_rank * n : (layout.sp_rank + 1) * n].contiguous()
 
     out: dict[str, torch.Tensor] = {k: v for k, v in batch.items() if k not in SHARDED_KEYS}  # type: ignore[misc]
-    out["input_ids"] = local(input_ids)
+    out[tokens_key] = local(tokens)
     out["position_ids"] = local(positions)
     if mask is not None:
         out["attention_mask"] = local(mask)

@@ -494,6 +494,52 @@ def label_forms(layout):
     check_parity(layout, "llama", kv_heads=2, batch=batch, sp_batch={**batch, "labels": batch["labels"].int()})
 
 
+def inputs_embeds(layout):
+    """A batch of inputs_embeds instead of input_ids (soft prompts, another tower's tokens merged in): shard_batch
+    refused it ("the batch needs input_ids") and causal_lm_loss dropped it from the shard (the model then asked for
+    input_ids or inputs_embeds); now it is cut as input_ids are, zeros where the length is padded, and the loss and
+    every gradient equal one process's (Llama; Gemma-3, whose embedding scales its output; the tiled loss). Ids and
+    embeddings together, embeddings that are not [batch, seq_len, hidden] of floats, or that differ across the SP
+    group are a ValueError on every rank."""
+    batch = make_batch(2, 23, pad="right")
+    noise = 0.1 * torch.randn(2, 23, 32, generator=torch.Generator().manual_seed(5))  # not a plain lookup
+
+    def embedded(model):
+        return {**batch, "inputs_embeds": model.get_input_embeddings()(batch["input_ids"]) + noise}
+
+    for arch, tiled in (("llama", False), ("gemma3", False), ("llama", True)):
+        model = build(arch, kv_heads=2)
+        ref = copy.deepcopy(model)
+        ref_loss = ref(**{k: v for k, v in embedded(ref).items() if k != "input_ids"}, use_cache=False).loss
+        ref_loss.backward()  # (the embeddings come from this model: reference() would run a copy of it)
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        par = U.parallelize(copy.deepcopy(model), layout)
+        if tiled:
+            U.enable_tiled_loss(par, chunk_tokens=5)
+        full = {k: v for k, v in embedded(par).items() if k != "input_ids"}
+        loss = U.causal_lm_loss(par, U.shard_batch(full, layout), layout)
+        loss.backward()
+        U.sync_gradients(par, layout)
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), **LOSS_TOL)
+        for name, param in par.named_parameters():
+            torch.testing.assert_close(
+                param.grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=f"{arch} {name}": f"{n}: {m}"
+            )
+    with torch.no_grad():
+        both = embedded(model)
+        expect_raise(ValueError, ["input_ids or inputs_embeds, not both"])(lambda: U.shard_batch(both, layout))
+        flat = {"inputs_embeds": both["inputs_embeds"][0], "labels": batch["labels"]}
+        expect_raise(ValueError, ["inputs_embeds must be [batch, seq_len, hidden]", "(23, 32)"])(
+            lambda: U.shard_batch(flat, layout)
+        )
+        ids = {"inputs_embeds": batch["input_ids"][..., None], "labels": batch["labels"]}
+        expect_raise(ValueError, ["inputs_embeds must hold floats", "torch.int64"])(lambda: U.shard_batch(ids, layout))
+        differ = {"inputs_embeds": both["inputs_embeds"] + 1e-3 * layout.sp_rank, "labels": batch["labels"]}
+        expect_raise(ValueError, ["hold different batches (differing: inputs_embeds"])(
+            lambda: U.shard_batch(differ, layout)
+        )
+
+
 def refusal_on_one_replica_sp1(layout):
     """dp=2 x sp=1 (no sequence split): a batch refused on replica 1 only, at sharding and at the forward, raises the
     same ValueError on both ranks instead of replica 0 going on to its gradient reduction; one process (sp=1, dp=1)
@@ -547,6 +593,7 @@ def world2() -> dict[str, str]:
         "padded_left_unmasked_labels": P(check_parity, sp2, "llama", kv_heads=2, batch=unmasked_left_padding()),
         "padding_with_targets_refused": P(padding_with_targets_refused, sp2),
         "label_forms": P(label_forms, sp2),
+        "inputs_embeds": P(inputs_embeds, sp2),
         "packed_documents": P(check_parity, sp2, "llama", kv_heads=2, batch=make_batch(2, 24, packed=(5, 9, 10))),
         "packed_sliding_window": P(check_parity, sp2, "mistral", batch=make_batch(2, 30, packed=(13, 17))),
         "packed_eager_core": P(check_parity, sp2, "qwen3", core="eager", batch=make_batch(2, 24, packed=(12, 3, 9))),

@@ -33,6 +33,7 @@ WORLD2 = [
     "padded_left_unmasked_labels",
     "padding_with_targets_refused",
     "label_forms",
+    "inputs_embeds",
     "packed_documents",
     "packed_sliding_window",
     "packed_eager_core",

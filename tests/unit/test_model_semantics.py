@@ -375,6 +375,26 @@ def test_fingerprint_sees_edits_that_cancel_in_sums():
     assert _fingerprint(ids.int())[1:] == _fingerprint(ids)[1:]  # the values count, not the dtype
 
 
+def test_embedding_words_are_exact_and_see_one_value():
+    """A batch of inputs_embeds is fingerprinted by per-token integer words computed where the embeddings are (no
+    [b, N, hidden] copy to the host): the same for any chunk of tokens (exact integer sums), changed by a change of
+    one value (its sign too) of one token, in fp32, bf16 and fp8."""
+    from ulysses_sp.batch_checks import _fingerprint, embedding_words
+
+    embeds = torch.randn(2, 37, 48, generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        x = embeds.to(dtype)
+        words = embedding_words(x)
+        assert words.shape == (2, 37) and words.dtype == torch.int64
+        assert torch.equal(embedding_words(x, chunk_elements=1), words)
+        for edit in (lambda v: -v, lambda v: v * 2):
+            y = x.clone()
+            y[1, 20, 7] = edit(y[1, 20, 7].float()).to(dtype)
+            changed = embedding_words(y) != words
+            assert changed[1, 20] and int(changed.sum()) == 1, dtype
+            assert _fingerprint(y)[1:] != _fingerprint(x)[1:]
+
+
 # ----------------------------------------------------------------------------------------------------- dropout streams
 def test_dropout_at_sp1_draws_what_the_model_draws():
     """Per-rank dropout streams exist under sp > 1 only (tests/dist/cases_architectures.py): one process draws exactly
