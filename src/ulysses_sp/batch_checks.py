@@ -53,7 +53,13 @@ def _as_2d(name: str, value: object) -> torch.Tensor:
     if value.dim() == 1:
         value = value.unsqueeze(0)
     if value.dim() != 2:
-        raise ValueError(f"{name} must be [batch, seq_len], got shape {tuple(value.shape)}")
+        hint = (
+            " (1 = token, 0 = padding): a 4-D mask is not supported; give the 2-D padding mask, and packed documents "
+            "as position_ids that restart at 0 for each document (their attention is kept apart from those)"
+            if name == "attention_mask"
+            else ""
+        )
+        raise ValueError(f"{name} must be [batch, seq_len], got shape {tuple(value.shape)}{hint}")
     return value
 
 

@@ -372,6 +372,10 @@ def test_checkpoint_recompute_after_many_forwards_finds_its_documents(reentrant)
         (lambda b, L: U.shard_batch(b, None), "layout must be a ulysses_sp.ParallelLayout, got NoneType"),
         (lambda b, L: U.shard_batch({**b, "input_ids": b["input_ids"][:, :0]}, L), r"shape \(2, 0\): a batch needs"),
         (lambda b, L: U.shard_batch({**b, "labels": b["labels"].float()}, L), "labels must hold integers, got dtype"),
+        (
+            lambda b, L: U.shard_batch({**b, "attention_mask": torch.ones(2, 1, 24, 24)}, L),
+            r"got shape \(2, 1, 24, 24\) \(1 = token, 0 = padding\): a 4-D mask is not supported; give the 2-D",
+        ),
         (lambda b, L: U.causal_lm_loss(build("llama"), b, L), "the shard has no shift_labels"),
         (lambda b, L: U.parallelize(build("llama"), None), "layout must be a ulysses_sp.ParallelLayout"),
         (lambda b, L: U.parallelize(build("llama"), L, comm_dtype="bf16"), "comm_dtype must be a torch.dtype"),
