@@ -9,6 +9,7 @@ fingerprint of every per-token tensor), which the ranks of an SP group compare i
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ __all__ = [
     "Problem",
     "batch_check",
     "check_batch",
+    "checked_pad_id",
     "compare_in_group",
     "shift_labels",
     "tensor_digest",
@@ -61,6 +63,24 @@ def _as_2d(name: str, value: object) -> torch.Tensor:
         )
         raise ValueError(f"{name} must be [batch, seq_len], got shape {tuple(value.shape)}{hint}")
     return value
+
+
+def checked_pad_id(pad_token_id: object, vocab_size: int | None) -> int:
+    """``pad_token_id`` as an int, or a ValueError naming it: checked at every call, whether or not the batch's length
+    needs padding (a ``None`` from a tokenizer without a pad token failed only on lengths not divisible by sp, in
+    torch's ``new_full``; an id outside the vocabulary reached the model on the rank holding the padding)."""
+    try:
+        pad = None if isinstance(pad_token_id, bool) else operator.index(pad_token_id)  # (numpy ints pass)
+    except TypeError:
+        pad = None
+    if pad is None or pad < 0 or (vocab_size is not None and pad >= vocab_size):
+        allowed = "a non-negative int" if vocab_size is None else f"an int in [0, {vocab_size})"
+        raise ValueError(
+            f"pad_token_id={pad_token_id!r}: shard_batch pads input_ids to a multiple of sp with it, so it must be "
+            f"{allowed}; the padding is masked and has no target, so any id of the vocabulary works (the "
+            "tokenizer's pad_token_id, else its eos_token_id, or 0)"
+        )
+    return pad
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from .batch_checks import (
     BatchCheck,
     batch_check,
     check_batch,
+    checked_pad_id,
     compare_in_group,
     shift_labels,
     tensor_digest,
@@ -74,7 +75,8 @@ def shard_batch(
             for each packed document), ``shift_labels [b, N]`` (targets already shifted: they win over
             ``labels``, as in transformers' loss). Other keys are passed through untouched.
         layout: the parallel layout; ``layout.sp`` ranks split the sequence.
-        pad_token_id: id used to pad ``input_ids`` up to a multiple of ``sp`` (``inputs_embeds``: zeros).
+        pad_token_id: id used to pad ``input_ids`` up to a multiple of ``sp`` (``inputs_embeds``: zeros); checked at
+            every call (a ValueError unless an int in ``[0, vocab_size)``, or non-negative without ``vocab_size``).
         ignore_index: the label that means "no loss here" in ``batch`` (default -100). The shard's ``labels`` and
             ``shift_labels`` always use -100, the value the loss functions (and transformers') ignore.
         check_same_batch: compare a fingerprint (a hash of the values) of every per-token tensor of the full
@@ -105,6 +107,7 @@ def shard_batch(
         )
     if not isinstance(layout, ParallelLayout):
         raise ValueError(f"layout must be a ulysses_sp.ParallelLayout, got {type(layout).__name__}")
+    pad_token_id = checked_pad_id(pad_token_id, vocab_size)
     # with dp > 1, a refusal on one replica stops them all
     with replicas_agree(layout) if check_same_batch else contextlib.nullcontext():
         full, problem = validated(batch, vocab_size, ignore_index)

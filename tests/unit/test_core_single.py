@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ulysses_sp as U
-from tests.helpers.models import build, make_batch
+from tests.helpers.models import VOCAB, build, make_batch
 from ulysses_sp.layout import sp_degrees_for
 
 
@@ -372,6 +372,13 @@ def test_checkpoint_recompute_after_many_forwards_finds_its_documents(reentrant)
         (lambda b, L: U.shard_batch(b, None), "layout must be a ulysses_sp.ParallelLayout, got NoneType"),
         (lambda b, L: U.shard_batch({**b, "input_ids": b["input_ids"][:, :0]}, L), r"shape \(2, 0\): a batch needs"),
         (lambda b, L: U.shard_batch({**b, "labels": b["labels"].float()}, L), "labels must hold integers, got dtype"),
+        # (a tokenizer without a pad token: None failed in torch's new_full, on lengths not divisible by sp only)
+        (lambda b, L: U.shard_batch(b, L, pad_token_id=None), "pad_token_id=None: shard_batch pads input_ids to a"),
+        (lambda b, L: U.shard_batch(b, L, pad_token_id=1.5), r"pad_token_id=1.5: .* must be a non-negative int"),
+        (
+            lambda b, L: U.shard_batch(b, L, pad_token_id=VOCAB, vocab_size=VOCAB),
+            rf"pad_token_id={VOCAB}: .* must be an int in \[0, {VOCAB}\); .* eos_token_id, or 0",
+        ),
         (
             lambda b, L: U.shard_batch({**b, "attention_mask": torch.ones(2, 1, 24, 24)}, L),
             r"got shape \(2, 1, 24, 24\) \(1 = token, 0 = padding\): a 4-D mask is not supported; give the 2-D",
