@@ -402,6 +402,12 @@ def bad_input() -> None:
         lambda: make(args=trainer_args(_out("bad_input"), include_for_metrics=["nonsense", "loss"])),
     )
     expect_error(ValueError, "sp_size must be a positive int", lambda: make(sp_size=0))
+    # each shard's loss would be divided by its own token count (a mean of the shards' means)
+    expect_error(
+        ValueError,
+        "average_tokens_across_devices=False (the loss must divide by the token count of all ranks; set it to True)",
+        lambda: make(args=trainer_args(_out("bad_input"), average_tokens_across_devices=False)),
+    )
     expect_error(ValueError, "not divisible by sp=4", lambda: make(sp_size=4))
     sharded = build("llama")
     fully_shard(sharded)  # by hand, not at load time: the Trainer would wrap its DTensor parameters in DDP
