@@ -9,7 +9,7 @@ and its derivative (autograd's, so any token-wise ``act_fn`` works), with each g
 whose values it no longer needs: about four ``[c / 4, I]`` tensors at once, so the chunk's backward holds about
 one ``[c, I]`` tensor where autograd's held six (the forward's chunk holds about three). The weight gradients
 are matmuls added into the tiled function's sums (in place where the dtypes allow;
-:class:`ulysses_sp.tiling._GradSums`), one matmul per block. Matmuls keep at least ``MIN_BLOCK_ROWS`` rows: a
+:class:`ulysses_sp.grad_sums.GradSums`), one matmul per block. Matmuls keep at least ``MIN_BLOCK_ROWS`` rows: a
 chunk that short is one block.
 
 Used for an MLP whose ``gate_proj``, ``up_proj`` and ``down_proj`` are plain ``nn.Linear`` with plain parameters
@@ -34,7 +34,7 @@ from torch import nn
 from .instance_forward import installed_forward
 
 if TYPE_CHECKING:
-    from .tiling import _GradSums
+    from .grad_sums import GradSums as _GradSums
 
 __all__ = ["MIN_BLOCK_ROWS", "ROW_BLOCKS", "GatedChunk", "block_rows", "gated_chunk"]
 

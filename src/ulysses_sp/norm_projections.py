@@ -25,6 +25,7 @@ from torch.autograd.function import once_differentiable
 
 from .compile_boundary import TILED_OFF, run_eagerly
 from .instance_forward import install_forward, installed_forward, restore_forward
+from .tiled_op import AVAILABLE
 from .tiling import Replay, TiledForward, _spans, compute_dtype
 
 __all__ = ["NormProjection", "install_norm_projections", "remove_norm_projections"]
@@ -115,12 +116,20 @@ class NormProjection:
                 return made, source
         return None
 
-    @run_eagerly("runs the tiled MLP and norms eagerly (their chunks are recomputed in backward by hand)", TILED_OFF)
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if AVAILABLE and torch.compiler.is_compiling():  # traced: the plain projection (see compile_boundary)
+            return self.plain(x, *args, **kwargs)
+        return self.eager_call(x, *args, **kwargs)
+
+    @run_eagerly("runs the tiled MLP and norms eagerly (their chunks are recomputed in backward by hand)", TILED_OFF)
+    def eager_call(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         found = self._made(x) if not args and not kwargs and torch.is_grad_enabled() else None
         if found is not None:
             made, source = found
             return _ProjectNormOutput.apply(made, x, source, self.module.weight, self.module.bias)
+        return self.plain(x, *args, **kwargs)
+
+    def plain(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.previous is not None:
             return self.previous(x, *args, **kwargs)
         return nn.Linear.forward(self.module, x, *args, **kwargs)

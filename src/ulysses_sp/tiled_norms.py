@@ -114,8 +114,8 @@ class TiledNorm(TiledForward):
     called_as = "norm(hidden_states [b, n, h])"
 
     @run_eagerly("runs the tiled MLP and norms eagerly (their chunks are recomputed in backward by hand)", TILED_OFF)
-    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        out = super().__call__(hidden_states, *args, **kwargs)
+    def eager_call(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = super().eager_call(hidden_states, *args, **kwargs)
         record_output(self, hidden_states, out)
         return out
 
@@ -130,13 +130,22 @@ class _HandThrough:
     def __init__(self, norm: nn.Module, mlp: TiledMLP, previous: Callable | None) -> None:
         self.norm, self.mlp, self.previous = norm, mlp, previous
 
-    @run_eagerly("runs the tiled MLP and norms eagerly (their chunks are recomputed in backward by hand)", TILED_OFF)
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not self.mlp.compiles():
+            return self.eager_call(hidden_states, *args, **kwargs)
+        self.check_call(hidden_states, args, kwargs)
+        return hidden_states  # (traced: the MLP's receiving it is not checked, see compile_boundary)
+
+    def check_call(self, hidden_states: Any, args: tuple, kwargs: dict) -> None:
         if args or kwargs or not isinstance(hidden_states, torch.Tensor):
             raise ValueError(
                 f"the fused {type(self.norm).__name__} expects norm(hidden_states [b, n, h]); got {len(args)} more "
                 f"positional and {sorted(kwargs)} keyword arguments; {NORMS_OFF}"
             )
+
+    @run_eagerly("runs the tiled MLP and norms eagerly (their chunks are recomputed in backward by hand)", TILED_OFF)
+    def eager_call(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.check_call(hidden_states, args, kwargs)
         self.mlp.handed_over = weakref.ref(hidden_states)
         return hidden_states
 

@@ -33,8 +33,7 @@ return anything but a tensor or change their input in place (Mixtral's ``router_
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,8 +42,12 @@ from torch.autograd.function import once_differentiable
 
 from .compile_boundary import TILED_OFF, run_eagerly
 from .gated_tile import GatedChunk, gated_chunk
+from .grad_sums import GradSums as _GradSums
+from .grad_sums import add_mm, sum_dtype
 from .hf import find_pretrained, mlp_modules, text_config
 from .instance_forward import install_forward, installed_forward, restore_forward
+from .replay import Replay
+from .tiled_op import apply_tiled, new_handle
 
 __all__ = [
     "TiledForward",
@@ -95,125 +98,12 @@ def _spans(length: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(chunk, length - start)) for start in range(0, length, chunk)]
 
 
-def sum_dtype(dtype: torch.dtype, wide: bool) -> torch.dtype:
-    """The dtype of a sum of ``dtype`` gradients: fp32 for 16-bit ones when ``wide`` (summed over several parts)."""
-    return torch.float32 if wide and dtype in (torch.bfloat16, torch.float16) else dtype
-
-
-def add_mm(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``target += a @ b``, in place where the dtypes allow (no product tensor), else through one product."""
-    if target.dtype == a.dtype:
-        target.addmm_(a, b)
-    else:
-        target.add_(a.mm(b))
-
-
-class Replay:
-    """The autocast and RNG state of a forward, to recompute it identically in backward."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        types = dict.fromkeys(("cpu", device.type))
-        self.autocast = [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types]
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
-        devices = [self.device] if self.cuda_rng is not None else []
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=devices))
-            torch.set_rng_state(self.cpu_rng)
-            if self.cuda_rng is not None:
-                torch.cuda.set_rng_state(self.cuda_rng, self.device)
-            for device_type, enabled, dtype in self.autocast:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-            yield
-
-
-class _GradSums:
-    """Each parameter's gradient summed over the chunks AS autograd makes it (a hook on the parameter while the
-    chunks run), so that one chunk's parameter gradient lives only until it is added: the sums plus one
-    parameter-sized gradient at a time, not the sums plus all of a chunk's (the ``torch.autograd.grad`` call
-    then captures a zero-strided stand-in). Sums are fp32 for bf16/fp16 parameters when there is more than one
-    chunk. A parameter that receives a gradient twice in one chunk is one that a graph outside this module
-    also uses while its chunks run, which the hook could not tell apart: a RuntimeError, never a wrong sum."""
-
-    def __init__(self, params: list[torch.Tensor], *, wide: bool) -> None:
-        self.params, self.wide = params, wide
-        self.sums: list[torch.Tensor | None] = [None] * len(params)
-        self.calls = [0] * len(params)
-        self.handles: list[Any] = []
-
-    def _hook(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        def add(grad: torch.Tensor) -> torch.Tensor:
-            self.calls[i] += 1
-            total = self.sums[i]
-            if total is None:
-                if sum_dtype(grad.dtype, self.wide) != grad.dtype:
-                    self.sums[i] = grad.float()
-                else:  # kept and added to in place: not a view of, or a broadcast into, what autograd holds
-                    owned = grad._base is None and grad.is_contiguous()
-                    self.sums[i] = grad if owned else grad.clone(memory_format=torch.contiguous_format)
-            else:
-                total.add_(grad)
-            return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
-
-        return add
-
-    def _sum(self, param: torch.Tensor) -> torch.Tensor | None:
-        """``param``'s sum (made zero on first use), or None when ``param`` is not one whose gradient is wanted."""
-        i = next((i for i, p in enumerate(self.params) if p is param), None)
-        if i is None:
-            return None
-        if self.sums[i] is None:
-            self.sums[i] = torch.zeros(param.shape, dtype=sum_dtype(param.dtype, self.wide), device=param.device)
-        return self.sums[i]
-
-    def add_mm(self, param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Add ``a @ b`` to ``param``'s sum, a gradient made by hand (no hook runs; skipped if not wanted)."""
-        total = self._sum(param)
-        if total is not None:
-            add_mm(total, a, b)
-
-    def add(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add ``grad`` to ``param``'s sum, a gradient made by hand (no hook runs; skipped if not wanted)."""
-        total = self._sum(param)
-        if total is not None:
-            total.add_(grad)
-
-    def cast(self) -> Iterator[torch.Tensor | None]:
-        """The sums in order, each in its parameter's dtype and dropped from here once cast (an fp32 sum is freed
-        before the next one is cast: the casts are not all held next to the sums)."""
-        for i, param in enumerate(self.params):
-            total, self.sums[i] = self.sums[i], None
-            yield None if total is None else total.to(param.dtype)
-
-    def check_chunk(self) -> None:
-        if any(n > 1 for n in self.calls):
-            names = [tuple(p.shape) for p, n in zip(self.params, self.calls, strict=True) if n > 1]
-            raise RuntimeError(
-                f"parameters of shapes {names} received more than one gradient while one chunk of a tiled module "
-                "was back-propagated: they are also used outside it in the same backward; disable the tiling"
-            )
-        self.calls = [0] * len(self.params)
-
-    def __enter__(self) -> _GradSums:
-        self.handles = [p.register_hook(self._hook(i)) for i, p in enumerate(self.params)]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-
 class _TiledFunction(torch.autograd.Function):
     """``out = tiled(x)`` chunk by chunk; saves only ``x``; backward recomputes chunk by chunk."""
 
     @staticmethod
     def forward(ctx: Any, tiled: TiledForward, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        ctx.tiled, ctx.num_params = tiled, len(params)
+        ctx.tiled = tiled
         ctx.replay = Replay(x.device)
         ctx.save_for_backward(x)
         return tiled.run_chunks(x)
@@ -222,40 +112,52 @@ class _TiledFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (x,) = ctx.saved_tensors
-        tiled: TiledForward = ctx.tiled
-        params = tiled.trainable_parameters()
-        if len(params) != ctx.num_params:
-            raise RuntimeError(
-                f"{type(tiled.module).__name__} had {ctx.num_params} trainable parameters in forward and "
-                f"{len(params)} in backward; do not change requires_grad between forward and backward"
-            )
         need_x, need_params = ctx.needs_input_grad[1], ctx.needs_input_grad[2:]
-        wanted = [p for p, need in zip(params, need_params, strict=True) if need]
-        spans = _spans(x.shape[-2], tiled.chunk_size(x))
-        grad_x = torch.empty_like(x) if need_x and len(spans) > 1 else None
-        by_hand = tiled.chunk_backward() if x.numel() else None
-        sums = _GradSums(wanted, wide=len(spans) > 1 or by_hand is not None)  # by hand: summed over row blocks
-        pre = [p for p in wanted if any(p is q for q in tiled.pre_parameters())]  # the fused norm's, by hand
-        with ctx.replay(), torch.enable_grad(), sums:
-            for start, length in spans:
-                chunk = x.narrow(-2, start, length).detach().contiguous().requires_grad_(need_x)  # [b, c, h]
-                grad_part = grad_out.narrow(-2, start, length)
-                if by_hand is not None:
-                    grads = [by_hand.backward(chunk, grad_part, sums, need_x, tiled.pre_forward, pre)]
-                else:
-                    out = tiled.call_module(chunk)
-                    inputs = ([chunk] if need_x else []) + wanted
-                    grads = torch.autograd.grad(out, inputs, grad_part, allow_unused=True)
-                sums.check_chunk()
-                if need_x:
-                    grad_chunk = grads[0] if grads[0] is not None else torch.zeros_like(chunk)
-                    if grad_x is None:
-                        grad_x = grad_chunk
-                    else:
-                        grad_x.narrow(-2, start, length).copy_(grad_chunk)
-        cast = sums.cast()
-        param_grads = [next(cast) if need else None for need in need_params]
+        grad_x, param_grads = backward_chunks(ctx.tiled, x, grad_out, ctx.replay, need_x, need_params)
         return (None, grad_x, *param_grads)
+
+
+def backward_chunks(
+    tiled: TiledForward,
+    x: torch.Tensor,
+    grad_out: torch.Tensor,
+    replay: Replay,
+    need_x: bool,
+    need_params: tuple[bool, ...],
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """The gradients of ``x`` (if ``need_x``) and of each trainable parameter (where ``need_params`` says) of
+    ``tiled`` over ``x [..., n, h]``, chunk by chunk, its forward recomputed under ``replay``."""
+    params = tiled.trainable_parameters()
+    if len(params) != len(need_params):
+        raise RuntimeError(
+            f"{type(tiled.module).__name__} had {len(need_params)} trainable parameters in forward and "
+            f"{len(params)} in backward; do not change requires_grad between forward and backward"
+        )
+    wanted = [p for p, need in zip(params, need_params, strict=True) if need]
+    spans = _spans(x.shape[-2], tiled.chunk_size(x))
+    grad_x = torch.empty_like(x) if need_x and len(spans) > 1 else None
+    by_hand = tiled.chunk_backward() if x.numel() else None
+    sums = _GradSums(wanted, wide=len(spans) > 1 or by_hand is not None)  # by hand: summed over row blocks
+    pre = [p for p in wanted if any(p is q for q in tiled.pre_parameters())]  # the fused norm's, by hand
+    with replay(), torch.enable_grad(), sums:
+        for start, length in spans:
+            chunk = x.narrow(-2, start, length).detach().contiguous().requires_grad_(need_x)  # [b, c, h]
+            grad_part = grad_out.narrow(-2, start, length)
+            if by_hand is not None:
+                grads = [by_hand.backward(chunk, grad_part, sums, need_x, tiled.pre_forward, pre)]
+            else:
+                out = tiled.call_module(chunk)
+                inputs = ([chunk] if need_x else []) + wanted
+                grads = torch.autograd.grad(out, inputs, grad_part, allow_unused=True)
+            sums.check_chunk()
+            if need_x:
+                grad_chunk = grads[0] if grads[0] is not None else torch.zeros_like(chunk)
+                if grad_x is None:
+                    grad_x = grad_chunk
+                else:
+                    grad_x.narrow(-2, start, length).copy_(grad_chunk)
+    cast = sums.cast()
+    return grad_x, [next(cast) if need else None for need in need_params]
 
 
 class TiledForward:
@@ -282,6 +184,11 @@ class TiledForward:
         self.pre: nn.Module | None = None
         self.pre_forward: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.handed_over: Callable[[], torch.Tensor | None] | None = None  # weakref to what ``pre`` returned
+        self.handle = new_handle(self)  # what the compiled graph's operators run (:mod:`ulysses_sp.tiled_op`)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a deep copy or unpickled one: a key of its own
+        self.__dict__.update(state)
+        self.handle = new_handle(self)
 
     def chunk_size(self, x: torch.Tensor) -> int:
         return self.chunk_tokens if self.chunk_tokens is not None else default_chunk_tokens(x.shape[-1])
@@ -336,13 +243,26 @@ class TiledForward:
         assert out is not None, "an empty sequence has no chunks"
         return out
 
-    @run_eagerly("runs the tiled MLP and norms eagerly (their chunks are recomputed in backward by hand)", TILED_OFF)
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not self.compiles():
+            return self.eager_call(hidden_states, *args, **kwargs)
+        self.check_call(hidden_states, args, kwargs)
+        return apply_tiled(self, hidden_states) if hidden_states.shape[-2] else self.call_module(hidden_states)
+
+    def compiles(self) -> bool:
+        """Whether this call is traced by dynamo and runs as the compiled graph's operators (else: eagerly)."""
+        return self.handle is not None and torch.compiler.is_compiling()
+
+    def check_call(self, hidden_states: Any, args: tuple, kwargs: dict) -> None:
         if args or kwargs or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 2:
             raise ValueError(
                 f"tiled {type(self.module).__name__} expects to be called as {self.called_as}; got "
                 f"{len(args)} more positional and {sorted(kwargs)} keyword arguments; {self.hint} for this model"
             )
+
+    @run_eagerly("runs the tiled MLP and norms eagerly (their chunks are recomputed in backward by hand)", TILED_OFF)
+    def eager_call(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.check_call(hidden_states, args, kwargs)
         if hidden_states.shape[-2] == 0:
             return self.call_module(hidden_states)
         params = self.trainable_parameters()
@@ -369,8 +289,13 @@ class TiledMLP(TiledForward):
         chunk, self.probed = gated_chunk(self.module, self.previous is not None, self.probed)
         return chunk
 
+    def compiles(self) -> bool:
+        """As :meth:`TiledForward.compiles`, but not for a block whose router logits are recorded (eagerly)."""
+        routed = getattr(self.config, "output_router_logits", False) or any("router" in k for k in self.recorders)
+        return not routed and super().compiles()
+
     @run_eagerly("runs the tiled MLP and norms eagerly (their chunks are recomputed in backward by hand)", TILED_OFF)
-    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def eager_call(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.pre is not None:  # a norm fused in: it returned its input, which must be what arrives here
             handed = self.handed_over() if self.handed_over is not None else None
             self.handed_over = None
@@ -391,7 +316,7 @@ class TiledMLP(TiledForward):
                 "recomputes what the forward ran; set model.config.output_router_logits = True instead"
             )
         before = {key: len(entries) for key, entries in (collected or {}).items()}
-        out = super().__call__(hidden_states, *args, **kwargs)
+        out = super().eager_call(hidden_states, *args, **kwargs)
         if routed:
             record_router_logits(self, hidden_states, collected, before)
         return out
