@@ -187,6 +187,29 @@ def compiled_layers_batches_vary(layout):
             assert graphs[1] == graphs[0], graphs
 
 
+def compiled_layers_default_features(layout):
+    """Decoder layers compiled one by one over apply_features' defaults (activation checkpointing, tiled MLP with its
+    norm fused in, tiled input norm; chunks of 5 tokens): each layer is ONE graph with no break, both layers share it,
+    and further steps compile nothing (before: a break in the tiled norm inside the checkpoint, so dynamo ran every
+    layer eagerly, 0 graphs; without checkpointing 6 graphs and 10 breaks); loss and gradients equal one process."""
+    from torch._dynamo.utils import counters
+
+    model = build("llama", kv_heads=2)
+    for checkpointing in ("checkpoint", "none"):
+        par = U.parallelize(copy.deepcopy(model), layout)
+        U.apply_features(par, U.Features(mlp_chunk_tokens=5, activation_checkpointing=checkpointing), "cpu")
+        torch._dynamo.reset()
+        counters.clear()
+        for layer in par.model.layers:
+            layer.compile(backend="aot_eager")
+        seen: list[tuple[int, int]] = []
+        count = functools.partial(
+            lambda s, step: s.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))), seen
+        )
+        _compiled_steps(model, par, layout, (24, 24, 24), count)
+        assert seen == [(1, 0)] * 3, (checkpointing, seen)
+
+
 def compiled_model_steps(layout):
     """model.compile() over the parallelized model (aot_eager): the once-per-forward checks leave the graph at one
     break (dynamo used to fail on them frame after frame: 24 graphs and 17 breaks for 2 layers) and a second step of
@@ -581,6 +604,7 @@ def world2() -> dict[str, str]:
         "compiled_with_memory_features": P(compiled, sp2),
         "compiled_layers_fullgraph": P(compiled_layers_fullgraph, sp2),
         "compiled_model_steps": P(compiled_model_steps, sp2),
+        "compiled_layers_default_features": P(compiled_layers_default_features, sp2),
         "compiled_layers_batches_vary": P(compiled_layers_batches_vary, sp2),
         "seq_not_divisible": P(check_parity, sp2, "llama", batch=make_batch(2, 23)),
         "batch_size_3": P(check_parity, sp2, "llama", batch=make_batch(3, 20)),

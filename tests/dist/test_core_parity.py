@@ -23,6 +23,7 @@ WORLD2 = [
     "compiled_with_memory_features",
     "compiled_layers_fullgraph",
     "compiled_model_steps",
+    "compiled_layers_default_features",
     "compiled_layers_batches_vary",
     "seq_not_divisible",
     "batch_size_3",
