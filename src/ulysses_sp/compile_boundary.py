@@ -6,8 +6,8 @@ depends on data, which runs eagerly around the compiled code (one graph break ea
 on it frame after frame). With ``fullgraph=True`` over the whole model these are the breaks dynamo reports,
 with :data:`FULLGRAPH_HINT`: the decoder layers, compiled one by one, trace whole. Inside a layer, what runs
 eagerly is what a graph could not hold from batch to batch: attention over packed documents or padding (per
-document, by spans that change with every batch), heads in chunks, the tiled MLP and norms (their chunks
-recomputed in backward by hand).
+document, by spans that change with every batch), heads in chunks, and a tiled MoE block whose router logits are
+recorded. The tiled MLP and norms themselves are operators of the graph (:mod:`ulysses_sp.tiled_op`).
 """
 
 from __future__ import annotations
