@@ -8,12 +8,16 @@ eager code: dynamo and AOTAutograd see two opaque nodes with known output shapes
 residuals, the checkpoint's recompute) compiles into one graph, and the chunks inside run as they do eagerly:
 one chunk's intermediates at a time in backward, the same numbers.
 
-The module reaches the operators through :class:`TiledHandle`, an opaque reference (a graph input that dynamo
-neither traces nor guards on, so every layer shares one graph). The autocast state the layer is traced under is
-passed as two dtypes (inside an operator it is not in effect: the compiled graph casts explicitly), and the forward
-returns the RNG state it ran under for the backward to recompute with. Used only while dynamo traces
-(:func:`torch.compiler.is_compiling`); eagerly the tiled forward keeps its autograd Function. Needs torch's opaque
-objects (:data:`AVAILABLE`; without them the tiled modules run eagerly under torch.compile, as before).
+The module reaches the operators through a key: a CPU int64 scalar (a graph input, neither traced into nor guarded
+on, so every layer shares one graph) that a weak table of this module maps to the tiled forward (:func:`new_handle`;
+a torch opaque object would be the direct way, but torch 2.13's partitioner misorders one saved for backward in a
+checkpointed region that draws random numbers). The table holds no model alive and is its only state; a deep copy
+or an unpickled model takes new keys. The autocast state the layer is traced under is passed as two dtypes (inside
+an operator it is not in effect: the compiled graph casts explicitly), and the forward returns the RNG state it ran
+under for the backward to recompute with. Used only while dynamo traces (:func:`torch.compiler.is_compiling`);
+eagerly the tiled forward keeps its autograd Function. Needs torch's custom operators and a dispatch-key guard to
+run autograd and autocast inside them (:data:`AVAILABLE`; without them the tiled modules run eagerly under
+torch.compile, as before).
 """
 
 import contextlib
