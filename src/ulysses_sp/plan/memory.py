@@ -249,6 +249,7 @@ def _terms(
     # the input's gradient is made after the core's backward and the exchange (measured, C = 1, 2 and 4).
     grad_stream = 2 * c * h
     attention_stream = c * h
+    waiting = attention_stream if features.activation_checkpointing != "none" else 0
     rope = 2 * c * (shape.rope_dim or d) * t  # cos and sin [t, d] (MLA: its rotary part), shared by every layer
 
     # --- what the other layers hold while the last one runs its backward ---------------------------------
@@ -310,7 +311,9 @@ def _terms(
         "recompute: last layer's attention": {
             **base,
             "gradients": head_grad,
-            "layer_activations": others + own_input + (norm_in + recomputed_norm_out) * t,
+            # checkpointed: the residual stream's gradient (the layer output's) waits through the recompute for
+            # the attention's backward to add to it (measured alive: MLA, sp 2); without, this is the forward
+            "layer_activations": others + own_input + (norm_in + recomputed_norm_out + waiting) * t,
             "attention": (attn.forward + latent.forward) * t,
         },
         "backward: last layer's attention": {
