@@ -156,6 +156,7 @@ def backward_chunks(
                     grad_x = grad_chunk
                 else:
                     grad_x.narrow(-2, start, length).copy_(grad_chunk)
+            chunk = out = grads = grad_chunk = None  # freed before the next chunk's: [b, c, h] each
     cast = sums.cast()
     return grad_x, [next(cast) if need else None for need in need_params]
 

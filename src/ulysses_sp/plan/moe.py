@@ -79,14 +79,14 @@ def moe_terms(
         if late * t + grads > start * t:
             return saved, late - saved - c * h, grads
         return saved, start - saved - c * h, 0
-    # Tiled, per chunk of T tokens: the fused norm's fp32 input (bf16) and its two outputs, the chunk's output and the
-    # previous chunk's input gradient (still referenced while the next is made); the parameters' fp32 sums over the
-    # chunks (from the second chunk on), and one of a chunk's parameter gradients at a time. One chunk: no input
-    # gradient buffer (the chunk's own gradient, made at its end), no previous chunk, its gradients kept as they are
-    # made (those of the experts' down projection, then the gate/up's).
+    # Tiled, per chunk of T tokens: the fused norm's fp32 input (bf16) and its two outputs, the chunk's output (the
+    # previous chunk's input gradient is freed before the next is made: ulysses_sp.tiling); the parameters' fp32 sums
+    # over the chunks (from the second chunk on), and one of a chunk's parameter gradients at a time. One chunk: no
+    # input gradient buffer (the chunk's own gradient, made at its end), its gradients kept as they are made (those
+    # of the experts' down projection, then the gate/up's).
     chunks = -(-t // chunk)
     norm = (u + 2 * c) * h if fused_norm else 0
-    around = (norm + (2 if chunks > 1 else 1) * c * h) * chunk
+    around = (norm + c * h) * chunk
     sums = 4 * moe.block_params if chunks > 1 else 0
     made = sums or c * (moe.block_params - moe.largest_param)
     backward = max(sums + around + start * chunk, made + around + late * chunk + c * moe.largest_param)
