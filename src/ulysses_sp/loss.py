@@ -185,6 +185,7 @@ def causal_lm_loss(
     num_items_in_batch: int | torch.Tensor | None = None,
     label_smoothing: float = 0.0,
     stats: CommStats | None = None,
+    rows_kept: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run ``model`` on this rank's shard and return the token-weighted loss over dp x sp.
 
@@ -195,6 +196,9 @@ def causal_lm_loss(
             ``shift_labels``, optionally ``attention_mask``).
         num_items_in_batch, label_smoothing: as in :func:`sequence_parallel_cross_entropy` (the smoothing inside
             the tiled loss too).
+        rows_kept: ``[b]`` bool, the rows an MoE model's load-balancing term counts (None: all): leave out the rows
+            that repeat samples to even out a last eval batch over dp groups (their targets -100 too), as one
+            process never sees them.
 
     Returns the same scalar on every rank, equal to the one-process loss (gradient convention as above). A MoE
     model with ``config.output_router_logits`` gets its load-balancing loss added as transformers adds it
@@ -232,11 +236,11 @@ def causal_lm_loss(
         if smoothing:
             extra[LABEL_SMOOTHING] = smoothing
         out = model(**inputs, shift_labels=targets, num_items_in_batch=1, **extra)
-        statistics = _router_statistics(aux, out, inputs)
+        statistics = _router_statistics(aux, out, inputs, rows_kept)
         mean, sums = _token_mean(out.loss, targets, layout, extra=statistics, **common)
     else:
         out = model(**inputs)
-        statistics = _router_statistics(aux, out, inputs)
+        statistics = _router_statistics(aux, out, inputs, rows_kept)
         # logits [b, n, V]
         mean, sums = _cross_entropy_mean(
             out.logits, targets, layout, extra=statistics, label_smoothing=smoothing, **common
@@ -345,7 +349,9 @@ def _unshifted(cls: type) -> str | None:
     return cls.__name__ if cross_entropy and not shifted else None
 
 
-def _router_statistics(aux, out, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+def _router_statistics(
+    aux, out, inputs: dict[str, torch.Tensor], rows_kept: torch.Tensor | None
+) -> torch.Tensor | None:
     """This shard's load-balancing sums (:meth:`ulysses_sp.moe.RouterAuxLoss.statistics`), or None without aux."""
     if aux is None:
         return None
@@ -355,7 +361,7 @@ def _router_statistics(aux, out, inputs: dict[str, torch.Tensor]) -> torch.Tenso
             "config.output_router_logits is set but the model returned no router_logits, so its load-balancing "
             "loss cannot be added; set model.config.output_router_logits = False"
         )
-    return aux.statistics(tuple(router_logits), inputs.get("attention_mask"))
+    return aux.statistics(tuple(router_logits), inputs.get("attention_mask"), rows_kept)
 
 
 def sync_gradients(model: torch.nn.Module, layout: ParallelLayout, *, bucket_numel: int = 1 << 25) -> None:

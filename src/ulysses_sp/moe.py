@@ -35,16 +35,28 @@ class RouterAuxLoss:
     top_k: int
     coef: float
 
-    def statistics(self, router_logits: tuple[torch.Tensor, ...], token_mask: torch.Tensor | None) -> torch.Tensor:
+    def statistics(
+        self,
+        router_logits: tuple[torch.Tensor, ...],
+        token_mask: torch.Tensor | None,
+        rows_kept: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """This shard's sums ``[2E + 1]``: top-k assignments per expert (no gradient), router probabilities per
         expert, tokens; over every layer's router logits (``[tokens, E]``) and the tokens ``token_mask``
-        (``[b, n]``, 1 = counts; None: all) keeps, as transformers sums them."""
+        (``[b, n]``, 1 = counts; None: all) keeps, as transformers sums them. ``rows_kept`` (``[b]`` bool; None:
+        all): the rows that count at all (not those that repeat samples to even out a last eval batch over dp
+        groups, which one process never sees)."""
         experts = self.num_experts
         device = router_logits[0].device
         counts = torch.zeros(experts, dtype=torch.float32, device=device)
         probs = torch.zeros(experts, dtype=torch.float32, device=device)
         rows = torch.zeros((), dtype=torch.float32, device=device)
         keep = None if token_mask is None else token_mask.reshape(-1).to(device=device, dtype=torch.float32)
+        if rows_kept is not None:
+            tokens = router_logits[0].numel() // experts
+            assert tokens % rows_kept.numel() == 0, (tokens, rows_kept.shape)
+            by_row = rows_kept.to(device=device, dtype=torch.float32).repeat_interleave(tokens // rows_kept.numel())
+            keep = by_row if keep is None else keep * by_row
         for layer in router_logits:
             weights = F.softmax(layer.reshape(-1, experts), dim=-1)  # [T, E]
             chosen = torch.topk(weights, self.top_k, dim=-1).indices  # [T, k]

@@ -141,6 +141,18 @@ def sft_args(out: str, **overrides):
     return SFTConfig(output_dir=out, packing=True, max_length=48, **{**RUN_SETTINGS, **sizes, **overrides})
 
 
+def sft_moe_eval_kwargs(out: str) -> dict:
+    """UlyssesSFTTrainer / SFTTrainer arguments for an eval of a tiny Mixtral with TRL's load-balancing term (0.5) over
+    the 9 eval samples, unpacked in batches of 2: at dp=2 accelerate evens out the last batch with repeated samples."""
+    from trl import SFTConfig
+
+    data = token_dataset(EVAL_LENGTHS, seed=2).remove_columns("labels")
+    sizes = dict(per_device_train_batch_size=2, per_device_eval_batch_size=2)
+    args = SFTConfig(output_dir=out, max_length=128, router_aux_loss_coef=0.5, **{**RUN_SETTINGS, **sizes})
+    model = build("mixtral", kv_heads=2)
+    return dict(model=model, args=args, train_dataset=data, eval_dataset=data, processing_class=tokenizer())
+
+
 def token_metrics(prediction) -> dict[str, float]:
     """A user's ``compute_metrics``: next-token accuracy over the valid targets, their count, and (given logits, not
     argmax predictions from ``preprocess_logits_for_metrics``) the sum of the targets' logits."""

@@ -27,6 +27,7 @@ from tests.integrations.common import (
     no_target_trainer,
     pad_collate,
     sft_args,
+    sft_moe_eval_kwargs,
     stream_trainer,
     token_dataset,
     token_metrics,
@@ -364,6 +365,15 @@ def sft(job: str, sp: int | None, model=None, eval_first: bool = False, options:
     )
 
 
+def sft_moe_eval(job: str) -> None:
+    """UlyssesSFTTrainer's eval of an MoE model with TRL's load-balancing term (:func:`sft_moe_eval_kwargs`)."""
+    from ulysses_sp.integrations import UlyssesSFTTrainer
+
+    metrics = UlyssesSFTTrainer(**sft_moe_eval_kwargs(_out(job)), sp_size=2).evaluate()
+    if dist.get_rank() == 0:
+        write_json(os.path.join(_out(job), "result.json"), {"eval_loss": metrics["eval_loss"]})
+
+
 # ----------------------------------------------------------------------------------------------- bad input
 def bad_input() -> None:
     """Each bad input raises a ValueError on every rank, before training (or at the first batch), no hang."""
@@ -669,14 +679,15 @@ def world4() -> dict[str, str]:
                 # without the targets (with them the tiled loss would make a loss), and TRL hands them on alone
                 options={"sp_tiled_loss": True, "compute_metrics": token_metrics},
             ),
+            # 9 eval samples: the last batch evened out by accelerate, its repeated rows in no part of the loss
             "trainer_moe_aux_dp2_sp2_gas2": lambda: ulysses_trainer(
                 "trainer_moe_aux_dp2_sp2_gas2",
                 2,
                 model=moe_model(),
-                eval_samples=8,
                 gradient_accumulation_steps=2,
                 num_train_epochs=1,
             ),
+            "sft_moe_eval_dp2_sp2": lambda: sft_moe_eval("sft_moe_eval_dp2_sp2"),
             "refusal_in_worker_dp2_sp2": refusal_in_worker_dp2_sp2,
             "split_batches_refused_dp2_sp2": split_batches_refused_dp2_sp2,
         }

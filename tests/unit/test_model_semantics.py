@@ -442,6 +442,25 @@ def test_router_aux_loss_is_added_as_the_model_adds_it(arch, tiled):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["plain_loss", "tiled_loss"])
+def test_router_aux_loss_leaves_out_rows_not_kept(tiled):
+    """rows_kept (an eval batch's rows that repeat no sample): a row left out, its targets -100, counts in neither
+    part of the loss, which is the model's own on the kept row alone (its router tokens made it differ)."""
+    from tests.dist.cases_architectures import with_router_aux
+
+    model = with_router_aux("mixtral")
+    batch = make_batch(2, 23, pad="right")
+    want = copy.deepcopy(model)(**{k: v[:1] for k, v in batch.items()}, use_cache=False).loss
+    single = U.ParallelLayout.single()
+    par = U.parallelize(copy.deepcopy(model), single)
+    if tiled:
+        U.enable_tiled_loss(par, chunk_tokens=5)
+    shard = U.shard_batch({**batch, "labels": batch["labels"].index_fill(0, torch.tensor([1]), -100)}, single)
+    got = U.causal_lm_loss(par, shard, single, rows_kept=torch.tensor([True, False]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert abs(float(U.causal_lm_loss(par, shard, single) - want)) > 1e-4  # the repeated row's router tokens
+
+
 def test_router_logits_of_a_model_without_load_balancing_loss_change_nothing():
     """DeepSeek-V3 collects router logits but adds no load-balancing loss: nothing to add, nothing refused."""
     from ulysses_sp.moe import router_aux_loss

@@ -72,6 +72,7 @@ from .metrics import (
     drop_repeats,
     gather_over_dp,
     only_logits,
+    repeated_rows,
     sequence_parallel_gather,
     whole_eval_batch,
     without_repeats,
@@ -123,6 +124,7 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
     sp_label_smoothing = True  # label_smoothing_factor (its compute_loss; TRL's SFTTrainer has its own)
     _sp_predicting = False
     _sp_batch_rows: int | None = None  # the rows of the eval batch in prediction_step
+    _sp_rows_kept: torch.Tensor | None = None  # [b] bool: its rows that are no repeated sample (None: all)
 
     def __init__(
         self,
@@ -269,7 +271,8 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
         layout = dataclasses.replace(self.sp_layout, loss_group=self.sp_layout.sp_group)
         # the dp replica's loss (equal on its SP group, gradients right once averaged over it) x dp: the scale of
         # the Trainer's own (its shard's sum / the world's count, x the world size; gradients averaged over dp x sp)
-        loss = causal_lm_loss(model, inputs, layout, num_items_in_batch=num_items_in_batch) * layout.dp
+        kept = self._sp_rows_kept  # in evaluation: the term without the rows that repeat samples, as one process
+        loss = causal_lm_loss(model, inputs, layout, num_items_in_batch=num_items_in_batch, rows_kept=kept) * layout.dp
         return (loss, None) if return_outputs else loss
 
     def _pad_token_id(self) -> int:
@@ -353,13 +356,18 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
         with torch.no_grad(), self.compute_loss_context_manager():
             if labelled:
                 scored = without_repeats(inputs, self.accelerator, layout)  # no loss from samples accelerate repeated
+                repeated = repeated_rows(self.accelerator, layout, inputs["shift_labels"].shape[0])
+                self._sp_rows_kept = None if repeated is None else ~repeated  # nor an MoE's load-balancing term
                 count = (scored["shift_labels"] != IGNORE_INDEX).sum()
                 if layout.sp > 1:
                     dist.all_reduce(count, group=layout.sp_group)
                 # the outputs only for the logits: TRL's SFTTrainer makes them in a forward of its own
                 with self._sp_loss_check.watch():
                     kwargs = dict(return_outputs=predict, num_items_in_batch=count.clamp(min=1))  # by keyword
-                    got = self.compute_loss(model, scored, **kwargs)  # (an override may take **kwargs)
+                    try:
+                        got = self.compute_loss(model, scored, **kwargs)  # (an override may take **kwargs)
+                    finally:
+                        self._sp_rows_kept = None
                 loss, outputs = got if predict else (got, None)
                 logits = getattr(outputs, "logits", None)
             if predict and logits is None:  # the tiled loss (or the MoE path) returned no logits: the shard's

@@ -28,6 +28,7 @@ __all__ = [
     "gather_objects",
     "gather_over_dp",
     "only_logits",
+    "repeated_rows",
     "sequence_parallel_gather",
     "whole_eval_batch",
     "without_repeats",
@@ -178,14 +179,25 @@ def without_repeats(inputs: dict[str, Any], accelerator: Any, layout: ParallelLa
     gathered rows run in dp order and only the first ``remainder`` are samples (:func:`drop_repeats`). The batch's
     loss is then that of its samples, as one process computes it (the repeats counted in it before); the same
     ``inputs`` when no row repeats."""
-    real, rows = _real_rows(accelerator), inputs["shift_labels"].shape[0]
-    if real is None or real >= (layout.dp_rank + 1) * rows:
+    repeated = repeated_rows(accelerator, layout, inputs["shift_labels"].shape[0])
+    if repeated is None:
         return inputs
-    repeated = (layout.dp_rank * rows + torch.arange(rows) >= real)[:, None]  # [b, 1]
     return {
-        key: value.masked_fill(repeated.to(value.device), IGNORE_INDEX) if key in ("labels", "shift_labels") else value
+        key: value.masked_fill(repeated[:, None].to(value.device), IGNORE_INDEX)  # [b, 1] over [b, n]
+        if key in ("labels", "shift_labels")
+        else value
         for key, value in inputs.items()
     }
+
+
+def repeated_rows(accelerator: Any, layout: ParallelLayout, rows: int) -> torch.Tensor | None:
+    """Which of the ``rows`` rows of this dp group's eval batch repeat samples (``[rows]`` bool, True = repeat) at
+    the end of a dataloader whose last batch accelerate evened out over ``dp > 1`` groups (:func:`drop_repeats`'
+    rule); None when none does."""
+    real = _real_rows(accelerator)
+    if real is None or real >= (layout.dp_rank + 1) * rows:
+        return None
+    return layout.dp_rank * rows + torch.arange(rows) >= real
 
 
 def only_logits(outputs: Any, ignore_keys: list[str] | None, model: Any) -> None:

@@ -74,7 +74,7 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
         before = self.__dict__.get("current_gradient_accumulation_steps")
         self.current_gradient_accumulation_steps = 1
         try:
-            with whole_sequence_aux(model, self.sp_layout) as given:
+            with whole_sequence_aux(model, self.sp_layout, self._sp_rows_kept) as given:
                 out = loss(self, model, inputs, False, num_items_in_batch)
         finally:
             if before is None:
@@ -85,13 +85,17 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
 
 
 @contextlib.contextmanager
-def whole_sequence_aux(model: torch.nn.Module, layout: ParallelLayout) -> Iterator[list[torch.Tensor]]:
+def whole_sequence_aux(
+    model: torch.nn.Module, layout: ParallelLayout, rows_kept: torch.Tensor | None = None
+) -> Iterator[list[torch.Tensor]]:
     """Inside the block a call of ``model`` (wrapped or not) returns as ``aux_loss`` the load-balancing loss of
     the whole sequence of the SP group (:mod:`ulysses_sp.moe`: its shards' router sums added, in an all-reduce
     whose backward adds the gradients over the group too), not the one its shard alone gives; the model may be
     given labels with router logits meanwhile. TRL adds ``coef * aux_loss`` to each rank's loss without the
     world-size scale of its cross-entropy, so that value on every rank of the group, with that gradient, is what
-    one process gives once DDP averages the gradients over dp x sp. Yields the list of the values given."""
+    one process gives once DDP averages the gradients over dp x sp. Yields the list of the values given.
+    ``rows_kept``: as in :meth:`~ulysses_sp.moe.RouterAuxLoss.statistics` (an eval batch's rows that repeat no
+    sample)."""
     aux = router_aux_loss(model)
     ctx = ulysses_context(model)
     found: list[torch.Tensor] = []
@@ -104,7 +108,7 @@ def whole_sequence_aux(model: torch.nn.Module, layout: ParallelLayout) -> Iterat
                 "TRL asked for router logits but the model returned none, so its load-balancing loss cannot be "
                 "computed over the whole sequence; pass router_aux_loss_coef=0.0 in the SFTConfig"
             )
-        sums = aux.statistics(tuple(router_logits), kwargs.get("attention_mask")).double()  # [2E + 1]
+        sums = aux.statistics(tuple(router_logits), kwargs.get("attention_mask"), rows_kept).double()  # [2E + 1]
         found.append(aux.loss(all_reduce_sum(sums, layout.sp_group)).to(torch.float32))
 
     def give(module: torch.nn.Module, args: tuple, output: Any) -> None:
