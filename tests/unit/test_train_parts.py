@@ -3,6 +3,7 @@ fault parsing, the metrics log across a resume, built-in models and the FLOPs co
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -22,7 +23,7 @@ from ulysses_sp.train.model_factory import (
     training_flops_per_token,
 )
 from ulysses_sp.train.optim import lr_factor, planned_steps
-from ulysses_sp.train.tracking import write_loss_curve
+from ulysses_sp.train.tracking import make_reporter, write_loss_curve
 
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():
@@ -87,39 +88,66 @@ def test_metrics_log_drops_the_lost_steps_of_an_interrupted_run(tmp_path):
     assert not (tmp_path / "other.jsonl").exists()
 
 
+def _tensorboard_run(tmp_path, resume_step, records, redo_eval=False) -> MetricsLog:
+    """One run of the trainer's log with ``--report-to tensorboard`` under ``tmp_path``: its records, then closed."""
+    where = {"output_dir": tmp_path, "tensorboard_dir": tmp_path / "tensorboard", "config": {}}
+    reporter = make_reporter("tensorboard", **where, resume_step=resume_step)
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path, enabled=True, resume_step=resume_step, reporter=reporter, redo_eval=redo_eval)
+    for record in records:
+        log.write(record)
+    log.close()
+    return log
+
+
+def _scalars(tmp_path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
 def test_a_checkpoint_resumed_twice_logs_its_owed_held_out_loss_once_to_tensorboard(tmp_path):
     """A SIGTERM saved step 2 before its held-out loss; a resume computes it first, is killed after step 3, and the
     same checkpoint is resumed again: TensorBoard shows that loss once (the second resume logged it a second time,
     at the same step), and every step's training loss once."""
     pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from ulysses_sp.train.tracking import make_reporter
-
-    path, board = tmp_path / "metrics.jsonl", tmp_path / "tensorboard"
-
-    def run(resume_step, records, redo_eval=False):
-        where = {"output_dir": tmp_path, "tensorboard_dir": board, "config": {}, "resume_step": resume_step}
-        reporter = make_reporter("tensorboard", **where)
-        log = MetricsLog(path, enabled=True, resume_step=resume_step, reporter=reporter, redo_eval=redo_eval)
-        for record in records:
-            log.write(record)
-        log.close()
-
+    path = tmp_path / "metrics.jsonl"
+    run = functools.partial(_tensorboard_run, tmp_path)
     run(None, [{"event": "train", "step": 1, "loss": 9.0}, {"event": "eval", "step": 1, "eval_loss": 9.5}])
     run(1, [{"event": "train", "step": 2, "loss": 8.0}, {"event": "stopped", "step": 2, "signal": "SIGTERM"}])
     for _ in range(2):
         run(2, [{"event": "eval", "step": 2, "eval_loss": 8.5}, {"event": "train", "step": 3, "loss": 7.0}], True)
-    events = EventAccumulator(str(board))
-    events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [(1, 9.5), (2, 8.5)]
-    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 9.0), (2, 8.0), (3, 7.0)]
+    assert _scalars(tmp_path, "eval/loss") == [(1, 9.5), (2, 8.5)]
+    assert _scalars(tmp_path, "train/loss") == [(1, 9.0), (2, 8.0), (3, 7.0)]
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in records if r["event"] == "eval"] == [1, 2]  # metrics.jsonl: once each as well
     run(1, [])  # a resume from step 1 that logs nothing (killed before its first step) still purges steps 2 and 3
-    events = EventAccumulator(str(board))
-    events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 9.0)]
+    assert _scalars(tmp_path, "train/loss") == [(1, 9.0)]
+
+
+def test_a_resume_whose_metrics_file_was_deleted_says_so_and_keeps_tensorboard_at_that_step(tmp_path):
+    """metrics.jsonl deleted before a resume that owes step 2's held-out loss: the resume says the file is missing
+    and what that costs, and TensorBoard keeps step 2's training loss (purged before, with nothing to replay it
+    from: train/loss held steps 1 and 3 only), adds the held-out loss there, and drops the lost step 3."""
+    pytest.importorskip("tensorboard")
+    path = tmp_path / "metrics.jsonl"
+    run = functools.partial(_tensorboard_run, tmp_path)
+    run(None, [{"event": "train", "step": 1, "loss": 9.0}, {"event": "train", "step": 2, "loss": 8.0}])
+    run(2, [{"event": "stopped", "step": 2, "signal": "SIGTERM"}, {"event": "train", "step": 3, "loss": 6.0}])
+    path.unlink()
+    log = run(2, [{"event": "eval", "step": 2, "eval_loss": 8.5}, {"event": "train", "step": 3, "loss": 7.0}], True)
+    assert log.missing is not None and str(path) in log.missing and "step 2" in log.missing, log.missing
+    assert "--report-to keeps what it holds at step 2" in log.missing
+    assert _scalars(tmp_path, "train/loss") == [(1, 9.0), (2, 8.0), (3, 7.0)]
+    assert _scalars(tmp_path, "eval/loss") == [(2, 8.5)]
+    assert [r["event"] for r in map(json.loads, path.read_text().splitlines())] == ["resume", "eval", "train"]
+    # a resume with the file there, or --resume that found no checkpoint (step 0), has nothing to say
+    assert run(3, []).missing is None
+    path.unlink()
+    assert run(0, []).missing is None
+    assert MetricsLog(tmp_path / "gone.jsonl", enabled=True, resume_step=4).missing.endswith("earlier steps' records")
 
 
 def _strict_json(line: str) -> dict:

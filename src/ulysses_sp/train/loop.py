@@ -365,6 +365,8 @@ class Trainer:
             progress.message(f"--resume: no checkpoint in {self.output_dir}, so the run starts at step 0")
         if self.set_aside:
             progress.message(f"  note: {set_aside_note(self.step, self.set_aside, self.metrics_path.name)}")
+        if self.metrics.missing:
+            progress.message(f"  warning: {self.metrics.missing}")
         for note in self.spec.notes:
             progress.message(f"  note: {note}")
         start, first_loss, last_loss = time.perf_counter(), None, None

@@ -104,6 +104,8 @@ class MetricsLog:
     and the ``reporter`` forgets that step and gets back the records of it that are kept (``reporter.replay``), so a
     checkpoint resumed any number of times leaves that held-out loss in the reporter once.
     A fresh run never meets an earlier run's file here: the launcher refused that folder without --overwrite.
+    A resume past step 0 that finds no file (deleted) starts a new one and sets ``missing``, a line to show: nothing is
+    replayed to the reporter then (what it holds at ``resume_step`` stays, rather than being purged for nothing).
     """
 
     def __init__(
@@ -118,8 +120,11 @@ class MetricsLog:
         self.path = Path(path)
         self.enabled = enabled
         self.reporter = reporter  # e.g. TensorBoard (ulysses_sp.train.tracking): gets every record too
+        self.missing: str | None = None
         if not enabled:
             return
+        if resume_step and not self.path.is_file():
+            self.missing = _missing_note(self.path, resume_step, replayed=redo_eval and reporter is not None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept: list[dict[str, Any]] = []
         if resume_step is not None and self.path.is_file():
@@ -129,7 +134,7 @@ class MetricsLog:
         tmp = self.path.with_name(self.path.name + ".tmp")  # strict JSON again (an earlier version's may hold NaN)
         tmp.write_text("".join(_strict_json(r) + "\n" for r in kept), encoding="utf-8")
         os.replace(tmp, self.path)
-        if redo_eval and reporter is not None:
+        if redo_eval and reporter is not None and self.missing is None:
             reporter.replay(resume_step, [r for r in kept if r.get("step") == resume_step])
         if resume_step is not None:
             self.write({"event": "resume", "step": resume_step})
@@ -149,6 +154,18 @@ class MetricsLog:
         if self.reporter is not None:
             self.reporter.close()
             self.reporter = None
+
+
+def _missing_note(path: Path, resume_step: int, *, replayed: bool) -> str:
+    """What a resume from ``resume_step`` tells when its metrics file ``path`` is gone; ``replayed``: a reporter was
+    to be given the file's records of that step again."""
+    note = f"{path} is missing (deleted?): it starts again at step {resume_step}, without the earlier steps' records"
+    if replayed:
+        note += (
+            f"; --report-to keeps what it holds at step {resume_step} (nothing to replay it from), and gets the "
+            "held-out loss owed there again, beside any an earlier resume of this checkpoint gave it"
+        )
+    return note
 
 
 def _format_rate(tokens_per_sec: float) -> str:
