@@ -167,9 +167,10 @@ def test_chunk_flags_that_still_apply_are_accepted():
 
 def test_a_typed_flag_that_a_config_file_key_leaves_unused_is_refused(tmp_path, capsys):
     """--host-memory typed over a --config file that fixes the checkpoints' place or stride was ignored in silence
-    (the same keys typed were refused); a typed --seq-len that the file's schedule leaves unused is refused too.
-    Keys of the file alone are not compared: a saved config.yaml holds every key (the planner's choice beside the
-    --host-memory it chose with), and it loads."""
+    (the same keys typed were refused); a typed --seq-len that the file's schedule leaves unused is refused too. A
+    file that holds host_memory beside a fixed place or stride is refused as the typed pair is (it loaded, and
+    host_memory went unused in silence): a saved config.yaml holds auto and none beside it
+    (tests/unit/test_train_run.py), so the original command over it loads."""
     stride = _write_yaml(tmp_path, {"checkpoint_stride": 2}, name="stride.yaml")
     message = _exit_message(capsys, ["--config", stride, "--host-memory", "1TiB"])
     assert "--host-memory 1TiB has no effect with --checkpoint-stride 2 (from --config)" in message, message
@@ -181,17 +182,21 @@ def test_a_typed_flag_that_a_config_file_key_leaves_unused_is_refused(tmp_path, 
     assert "--seq-len 256 is not used: the last entry of --seq-len-schedule '128:2,512' (from --config)" in message
     # what the typed flag would replace is used: the file's stride goes, --host-memory chooses
     assert load_config(["--config", stride, "--host-memory", "1TiB", "--checkpoint-stride", "none"]).host_memory
-    saved = _write_yaml(
-        tmp_path, {"host_memory": "1TiB", "activation_checkpointing": "offload", "checkpoint_stride": 2}
-    )
-    assert load_config(["--config", saved]).checkpoint_stride == 2
-    assert load_config(["--config", saved, "--checkpoint-stride", "3"]).checkpoint_stride == 3
-    # the original command again over its saved config.yaml: the same --host-memory changes nothing, and loads
-    assert load_config(["--config", saved, "--host-memory", "1TiB"]).checkpoint_stride == 2
-    message = _exit_message(capsys, ["--config", saved, "--host-memory", "64GiB"])  # another: the file's choice stays
-    assert "type --activation-checkpointing auto --checkpoint-stride none for --host-memory to choose" in message
-    replanned = ["--host-memory", "64GiB", "--activation-checkpointing", "auto", "--checkpoint-stride", "none"]
-    assert load_config(["--config", saved, *replanned]).checkpoint_stride is None
+    both = _write_yaml(tmp_path, {"host_memory": "1TiB", "activation_checkpointing": "offload", "checkpoint_stride": 2})
+    for argv in ([], ["--host-memory", "1TiB"]):  # the file alone, or the same value typed over it
+        message = _exit_message(capsys, ["--config", both, *argv])
+        want = (
+            "--host-memory 1TiB (from --config) has no effect with --activation-checkpointing offload (from --config)"
+        )
+        assert want in message and "(YAML: activation_checkpointing: auto, checkpoint_stride: none)" in message
+    message = _exit_message(capsys, ["--config", both, "--checkpoint-stride", "3"])
+    assert "offload (from --config) and --checkpoint-stride 3:" in message, message
+    host = _write_yaml(tmp_path, {"host_memory": "1TiB", "checkpoint_stride": 2}, name="host.yaml")
+    assert "no effect with --checkpoint-stride 2 (from --config)" in _exit_message(capsys, ["--config", host])
+    # the file's choice given up for --host-memory's, or --host-memory dropped for the file's
+    replanned = ["--activation-checkpointing", "auto", "--checkpoint-stride", "none"]
+    assert load_config(["--config", both, "--host-memory", "64GiB", *replanned]).checkpoint_stride is None
+    assert load_config(["--config", both, "--host-memory", "0"]).checkpoint_stride == 2
 
 
 def test_bad_yaml_exits_2(tmp_path, capsys):

@@ -9,6 +9,7 @@ import os
 import signal
 
 import pytest
+import yaml
 
 from ulysses_sp.train.config import TrainConfig, config_to_dict, load_config
 from ulysses_sp.train.errors import disk_error, read_rank_errors, report_error
@@ -363,3 +364,40 @@ def test_a_rewind_keeps_the_newer_steps_metrics_and_loss_curve_beside_the_newer_
     note = [line for line in capsys.readouterr().out.splitlines() if "moved aside" in line]
     assert len(note) == 1 and checkpoint.name in note[0] and f"abandoned-metrics-{stamp}.jsonl" in note[0], note
     assert f"abandoned-loss_curve-{stamp}.png" in note[0] and "keeps the records up to step 2" in note[0]
+
+
+def test_a_checkpoint_saves_the_placement_asked_for_and_its_config_reruns(tmp_path, monkeypatch, capsys):
+    """With --host-memory on GPUs the planner places the checkpoints (here a stand-in for a GPU's choice: CPU runs
+    place none). The run uses its place and stride, and a checkpoint's config.yaml holds what was asked (auto, none,
+    beside host_memory): it held the choice beside host_memory, which --config now refuses as the typed pair is, so
+    the original command over its saved config.yaml loads and places them again."""
+    import dataclasses
+
+    from ulysses_sp.train import loop, model_factory
+
+    def gpu_choice(config, *args, **kwargs):
+        placed = dataclasses.replace(config, activation_checkpointing="checkpoint", checkpoint_stride=2)
+        return placed, "checkpoints: 1 in 2 layer inputs on the GPU (a stand-in for the planner's choice)"
+
+    built = []
+
+    def build_model(config, *args, **kwargs):
+        built.append((config.activation_checkpointing, config.checkpoint_stride))
+        return model_factory.build_model(config, *args, **kwargs)
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(model_factory, "place_checkpoints", gpu_choice)
+    monkeypatch.setattr(loop, "build_model", build_model)
+    out = tmp_path / "run"
+    assert train_in_one_process(out, "--host-memory", "1TiB", "--max-steps", "1", "--save-every", "1") == 0
+    assert built == [("checkpoint", 2)]
+    saved = yaml.safe_load((out / "checkpoint-0000001" / "config.yaml").read_text())
+    assert (saved["host_memory"], saved["activation_checkpointing"], saved["checkpoint_stride"]) == (
+        "1TiB",
+        "auto",
+        None,
+    )
+    path = str(out / "checkpoint-0000001" / "config.yaml")
+    for argv in ([], ["--host-memory", "1TiB"]):
+        config = load_config(["--config", path, *argv])
+        assert (config.host_memory, config.activation_checkpointing, config.checkpoint_stride) == ("1TiB", "auto", None)

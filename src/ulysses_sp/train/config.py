@@ -382,8 +382,9 @@ def _fill_default_sp(values: dict[str, Any]) -> None:
 
 def _check_flags(config: TrainConfig, given: frozenset[str]) -> None:
     """Refuse a flag typed on the command line whose value the run would not use, whether what overrides it was typed
-    too or is a key of the --config file. (Keys of the file alone are not compared: a saved config.yaml holds every
-    key, e.g. the checkpoints the planner placed beside the --host-memory it placed them with.)"""
+    too or is a key of the --config file; and ``host_memory`` beside a fixed place or stride of the checkpoints from
+    any source (a saved config.yaml holds ``auto`` and ``none`` beside it: the run places them again). Other keys of
+    the file alone are not compared (a saved config.yaml holds every key)."""
     placed = [
         f"{flag_name(name)} {getattr(config, name)}" + ("" if name in given else " (from --config)")
         for name, chosen in (
@@ -392,11 +393,13 @@ def _check_flags(config: TrainConfig, given: frozenset[str]) -> None:
         )
         if chosen
     ]
-    if "host_memory" in given and config.host_memory_bytes and placed:
+    if config.host_memory_bytes and placed:
+        source = "" if "host_memory" in given else " (from --config)"
         raise ValueError(
-            f"--host-memory {config.host_memory} has no effect with {' and '.join(placed)}: it chooses only the "
-            "checkpoints' place and stride (--activation-checkpointing auto, --checkpoint-stride none); drop one, or "
-            "type --activation-checkpointing auto --checkpoint-stride none for --host-memory to choose them again"
+            f"--host-memory {config.host_memory}{source} has no effect with {' and '.join(placed)}: it chooses only "
+            "the checkpoints' place and stride (--activation-checkpointing auto, --checkpoint-stride none); drop one, "
+            "or give --activation-checkpointing auto --checkpoint-stride none (YAML: activation_checkpointing: auto, "
+            "checkpoint_stride: none) for --host-memory to choose them"
         )
     if "seq_len" in given and not SeqLenSchedule.follows_default(config.seq_len_schedule):
         last = config.schedule().stages[-1][0]

@@ -58,7 +58,7 @@ class Trainer:
     """
 
     def __init__(self, spec: RunSpec, layout: ParallelLayout, signals: RankSignals | None = None) -> None:
-        config = spec.config
+        config = spec.run_config()
         self.spec, self.config, self.layout, self.signals = spec, config, layout, signals
         self.device = layout.device
         self.output_dir = Path(config.output_dir)
@@ -278,7 +278,7 @@ class Trainer:
                 self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             ),
             tokenizer=self.tokenizer,
-            config=self.config,
+            config=self.spec.config,  # (without the planner's placement: a run over it places them again)
             scheduler_state=self.scheduler.state_dict(),
             data_state=self.data.state_dict(),
             metrics={

@@ -223,7 +223,8 @@ def run_rank(spec: RunSpec | None, config: TrainConfig | None = None) -> int:
             config, spec.model_config(), layout=layout, gpu_memory_bytes=memory, gpus_per_node=local
         )
         if choice:
-            spec = dataclasses.replace(spec, config=placed)
+            chosen = (placed.activation_checkpointing, placed.checkpoint_stride)
+            spec = dataclasses.replace(spec, placed_checkpoints=chosen)
             if layout.is_main:
                 print(choice, flush=True)
         summary = Trainer(spec, layout, signals).fit()
