@@ -69,24 +69,28 @@ def adapter_seed(call_seed: int, projection: str, index: int, rank: int) -> int:
 @dataclass(frozen=True)
 class Adapter:
     """One active adapter of a projection: ``a`` = A ``[r, in]`` (the parameter), ``b`` = the rows of B ``[out, r]``
-    a chunk computes (``b_param``: the parameter), the scaling, whether the input is cast to A's dtype first
-    (PEFT's ``cast_input_dtype_enabled``), and the dropout on its input."""
+    a chunk computes (``b_param``: the parameter), the scaling, the dtypes its input is cast to in turn (``casts``:
+    PEFT's forward casts one input to each active adapter's A dtype, in their order, and hands each adapter the input
+    as cast so far: a bf16 adapter before an fp32 one rounds the fp32 one's input to bf16; empty without PEFT's
+    ``cast_input_dtype_enabled``), and the dropout on its input."""
 
     a: torch.Tensor
     b: torch.Tensor
     b_param: torch.Tensor
     scaling: float
-    cast: bool
+    casts: tuple[torch.dtype, ...]
     p: float = 0.0  # dropout on its input (training only): given an InputDropout per call
     dropout: InputDropout | None = None
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.a.dtype) if self.cast else x
+        for dtype in self.casts:
+            x = x.to(dtype)
+        return x
 
     def dtype(self, like: torch.dtype) -> torch.dtype:
         """The dtype the adapter computes in for an input of dtype ``like`` (e.g. fp32 adapters of a bf16 layer:
         fp32, as PEFT's forward and its autograd; autocast still casts the matmuls)."""
-        return torch.promote_types(like, self.a.dtype) if self.cast else like
+        return torch.promote_types(like, self.a.dtype) if self.casts else like
 
 
 def is_lora(child: nn.Module) -> bool:
@@ -126,15 +130,16 @@ def active_adapters(child: nn.Module) -> tuple[Adapter, ...]:
     their input's dropout probability where it is active (``lora_dropout`` while training)."""
     if not is_lora(child) or child.disable_adapters or child.merged:
         return ()
-    found = []
+    found: list[Adapter] = []
+    cast = getattr(child, "cast_input_dtype_enabled", True)
     for name in child.active_adapters:
         if name not in child.lora_A:
             continue
         dropout = child.lora_dropout[name] if name in child.lora_dropout else nn.Identity()
         p = float(dropout.p) if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
-        b = child.lora_B[name].weight
-        cast = getattr(child, "cast_input_dtype_enabled", True)
-        found.append(Adapter(child.lora_A[name].weight, b, b, float(child.scaling[name]), cast, p))
+        a, b = child.lora_A[name].weight, child.lora_B[name].weight
+        casts = (*found[-1].casts, a.dtype) if found and cast else (a.dtype,) * cast
+        found.append(Adapter(a, b, b, float(child.scaling[name]), casts, p))
     return tuple(found)
 
 

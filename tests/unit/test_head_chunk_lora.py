@@ -83,6 +83,41 @@ def test_16_bit_adapters_of_fp32_projections_run_in_chunks(adapter_dtype):
     assert_as_close_as_one_process(model, batch, loss, grads)
 
 
+@pytest.mark.parametrize("first", ["bf16", "fp32"])
+def test_two_active_adapters_of_different_dtypes_take_their_input_as_peft_casts_it(first):
+    """Two adapters active at once on q/k/v, one bf16 and one fp32, on fp32 weights: PEFT's forward casts one input
+    to each adapter's dtype in turn, so after a bf16 adapter the fp32 one gets the input rounded to bf16. The chunks
+    cast the input afresh for each adapter: the first layer's attention output was 5.3e-4 off PEFT's with the bf16
+    adapter first (the same otherwise); now it is PEFT's at fp32's tolerance in both orders, and the loss and
+    gradients are as close to the fp64 truth as PEFT's (later layers pass fp32 noise through the bf16 rounding, as
+    PEFT's own model does)."""
+    from peft import LoraConfig
+
+    targets = ("q_proj", "k_proj", "v_proj")
+    batch = make_batch(2, 20, packed=(8, 12))
+    model = with_lora(build("llama", kv_heads=2), targets)
+    torch.manual_seed(5)
+    model.add_adapter("other", LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False))
+    low = "default" if first == "bf16" else "other"
+    for name, param in model.named_parameters():
+        if f".{low}." in name:
+            param.data = param.data.to(torch.bfloat16)
+    model.base_model.set_adapter(["default", "other"])
+    par = U.parallelize(copy.deepcopy(model), U.ParallelLayout.single(), head_chunks=2)
+    seen = []
+    for net in (model, par):
+        attention = net.base_model.model.model.layers[0].self_attn
+        hook = attention.register_forward_hook(lambda module, args, out: seen.append(out[0].detach()))
+        with torch.no_grad():
+            _sp_loss(net, batch) if net is par else net(**batch, use_cache=False)
+        hook.remove()
+    assert all(h.verified for h in _chunked(par))
+    torch.testing.assert_close(seen[1], seen[0], rtol=1e-5, atol=1e-6)
+    loss, grads = loss_and_grads(par, batch, U.ParallelLayout.single())
+    assert {n for n, g in grads.items() if g is not None} >= {n for n, _ in model.named_parameters() if ".other." in n}
+    assert_as_close_as_one_process(model, batch, loss, grads)
+
+
 @pytest.mark.parametrize(
     ("arch", "targets", "tiled_norms"),
     [
