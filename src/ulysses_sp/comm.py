@@ -29,18 +29,21 @@ import torch.distributed as dist
 
 __all__ = [
     "CommStats",
+    "Joined",
     "all_gather_tensor",
     "all_reduce_sum",
     "all_to_all",
     "heads_to_seq",
     "out_local",
     "out_local_grad",
+    "out_pack_send",
     "out_send_buffer",
     "out_send_grad",
     "qkv_full",
     "qkv_full_grad",
     "qkv_send_buffer",
     "qkv_send_grad",
+    "qkv_send_parts",
     "qkv_seq_to_heads",
     "start_all_to_all",
 ]
@@ -141,16 +144,22 @@ def _kv_send_grad(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return grad.reshape(num_kv_heads, copies, b, n, d).sum(1).transpose(0, 1)
 
 
-def qkv_send_buffer(q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None, sp: int) -> torch.Tensor:
-    """q ``[b, H, n, d]``, k/v ``[b, Hkv, n, d]`` -> the send buffer ``[P, b, H/P + 2 hkv, n, d]`` (row j to rank j).
-    q alone (k, v None) or k/v alone (q None): ``[P, b, H/P, n, d]`` or ``[P, b, 2 hkv, n, d]``."""
+def qkv_send_parts(q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None, sp: int) -> Joined:
+    """q ``[b, H, n, d]``, k/v ``[b, Hkv, n, d]`` -> the send buffer ``[P, b, H/P + 2 hkv, n, d]`` (row j to rank j)
+    as views side by side (:class:`Joined`); q alone (k, v None) or k/v alone (q None): ``[P, b, H/P, n, d]`` or
+    ``[P, b, 2 hkv, n, d]``."""
     parts = []
     if q is not None:
         b, num_heads, n, d = q.shape
         parts.append(q.reshape(b, sp, num_heads // sp, n, d).transpose(0, 1))  # [P, b, H/P, n, d]
     if k is not None and v is not None:
         parts += [_kv_send(k, sp), _kv_send(v, sp)]
-    return torch.cat(parts, dim=2)
+    return Joined(tuple(parts), 2)
+
+
+def qkv_send_buffer(q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None, sp: int) -> torch.Tensor:
+    """:func:`qkv_send_parts` as one tensor."""
+    return qkv_send_parts(q, k, v, sp).tensor()
 
 
 def qkv_send_grad(grad: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor | None, ...]:
@@ -182,8 +191,8 @@ def qkv_full(recv: torch.Tensor) -> torch.Tensor:
 
 
 def qkv_full_grad(grad: torch.Tensor, sp: int) -> torch.Tensor:
-    """The adjoint of :func:`qkv_full`: ``[b, h, N, d]`` -> ``[P, b, h, n, d]`` (contiguous)."""
-    return _split_ranks(grad, sp).contiguous()
+    """The adjoint of :func:`qkv_full`: ``[b, h, N, d]`` -> ``[P, b, h, n, d]`` (a view: the exchange copies it)."""
+    return _split_ranks(grad, sp)
 
 
 def out_send_buffer(out: torch.Tensor, sp: int) -> torch.Tensor:
@@ -204,42 +213,80 @@ def out_local(recv: torch.Tensor) -> torch.Tensor:
 
 
 def out_local_grad(grad: torch.Tensor, sp: int) -> torch.Tensor:
-    """The adjoint of :func:`out_local`: ``[b, n, P h, d]`` -> ``[P, b, n, h, d]`` (contiguous)."""
-    return _split_ranks(grad, sp).contiguous()
+    """The adjoint of :func:`out_local`: ``[b, n, P h, d]`` -> ``[P, b, n, h, d]`` (a view: the exchange copies it)."""
+    return _split_ranks(grad, sp)
 
 
-def out_pack_send(sp: int, *parts: torch.Tensor) -> torch.Tensor:
+def out_pack_send(sp: int, *parts: torch.Tensor) -> Joined:
     """``[b, n, P h, d_i]`` tensors (any strides) -> one send buffer ``[P, b, n, h, sum d_i]``: :func:`out_local_grad`
-    of each, side by side in the last dim (they travel in one all-to-all; :func:`out_send_grad` then splits)."""
-    b, n, heads, _ = parts[0].shape
-    send = parts[0].new_empty(sp, b, n, heads // sp, sum(t.shape[-1] for t in parts))
-    for piece, t in zip(send.split([t.shape[-1] for t in parts], dim=-1), parts, strict=True):
-        piece.copy_(_split_ranks(t, sp))
-    return send
+    of each, side by side in the last dim (:class:`Joined`; they travel in one all-to-all, :func:`out_send_grad`
+    then splits)."""
+    return Joined(tuple(_split_ranks(t, sp) for t in parts), -1)
 
 
-def pack_rows(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[torch.Size, torch.dtype, int]]]:
-    """Send buffers ``[P, ...]`` of any dtypes and strides -> one ``[P, bytes]`` uint8 buffer with each rank's rows
-    side by side (each part's row padded to the widest element size, so that :func:`unpack_rows` reads views) and
-    the layout; each part copied once, straight into its place."""
-    sp, align = parts[0].shape[0], max(t.element_size() for t in parts)
+@dataclass(frozen=True)
+class Joined:
+    """Send-buffer pieces ``[P, ...]`` of one dtype (any strides) side by side along ``dim``: the buffer
+    ``torch.cat(pieces, dim)`` makes, which :func:`pack_rows` writes straight into its place instead (one copy, not
+    two)."""
+
+    pieces: tuple[torch.Tensor, ...]
+    dim: int
+
+    @property
+    def shape(self) -> torch.Size:
+        shape = list(self.pieces[0].shape)
+        shape[self.dim] = sum(t.shape[self.dim] for t in self.pieces)
+        return torch.Size(shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pieces[0].dtype
+
+    def tensor(self) -> torch.Tensor:
+        """The buffer (the piece itself where there is one)."""
+        return self.pieces[0] if len(self.pieces) == 1 else torch.cat(self.pieces, self.dim)
+
+    def write(self, place: torch.Tensor) -> None:
+        """Copy the pieces into ``place`` (of the buffer's shape; any dtype: the copy casts)."""
+        start = 0
+        for t in self.pieces:
+            place.narrow(self.dim, start, t.shape[self.dim]).copy_(t)
+            start += t.shape[self.dim]
+
+
+def pack_rows(
+    parts: list[torch.Tensor | Joined], dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, list[tuple[torch.Size, torch.dtype, int]]]:
+    """Send buffers ``[P, ...]`` (tensors of any dtypes and strides, or :class:`Joined` pieces) -> one ``[P, row]``
+    buffer with each rank's rows side by side and the layout; each part copied once, straight into its place (cast
+    to ``dtype`` where given). The buffer has the parts' dtype where they share one, else it is bytes (uint8), each
+    part's row padded to the widest element size, so that :func:`unpack_rows` reads views."""
+    dtypes = [part.dtype if dtype is None else dtype for part in parts]
+    sp, align = parts[0].shape[0], max(t.itemsize for t in dtypes)
     layout = []
-    for t in parts:
-        size = t[0].numel() * t.element_size()
-        layout.append((t.shape, t.dtype, size + -size % align))
-    send = torch.empty(sp, sum(width for *_, width in layout), dtype=torch.uint8, device=parts[0].device)
-    for t, place in zip(parts, unpack_rows(send, layout), strict=True):
-        place.copy_(t)
+    for part, part_dtype in zip(parts, dtypes, strict=True):
+        size = part.shape[1:].numel() * part_dtype.itemsize
+        layout.append((part.shape, part_dtype, size + -size % align))
+    kind = dtypes[0] if len(set(dtypes)) == 1 else torch.uint8
+    device = (part.pieces[0] if isinstance(part, Joined) else part).device
+    send = torch.empty(sp, sum(width for *_, width in layout) // kind.itemsize, dtype=kind, device=device)
+    for part, place in zip(parts, unpack_rows(send, layout), strict=True):
+        if isinstance(part, Joined):
+            part.write(place)
+        else:
+            place.copy_(part)
     return send, layout
 
 
 def unpack_rows(recv: torch.Tensor, layout: list[tuple[torch.Size, torch.dtype, int]]) -> list[torch.Tensor]:
-    """The parts of a :func:`pack_rows` buffer as received ``[P, bytes]``: views, in their shapes and dtypes."""
-    found, start = [], 0
+    """The parts of a :func:`pack_rows` buffer as received ``[P, row]``: views, in their shapes and dtypes."""
+    found, start, unit = [], 0, recv.element_size()
     for shape, dtype, width in layout:
         size = shape.numel() // shape[0] * dtype.itemsize
-        found.append(recv[:, start : start + size].view(dtype).view(shape))
-        start += width
+        piece = recv[:, start : start + size // unit]
+        found.append((piece if dtype == recv.dtype else piece.view(dtype)).view(shape))
+        start += width // unit
     return found
 
 

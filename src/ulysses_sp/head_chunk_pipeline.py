@@ -53,6 +53,7 @@ import torch.distributed as dist
 from .attention import pad_qkv
 from .chunk_core import chunk_kernel, kernel_backward, kernel_forward
 from .comm import (
+    Joined,
     out_local,
     out_local_grad,
     out_pack_send,
@@ -61,8 +62,8 @@ from .comm import (
     pack_rows,
     qkv_full,
     qkv_full_grad,
-    qkv_send_buffer,
     qkv_send_grad,
+    qkv_send_parts,
     start_all_to_all,
     unpack_rows,
 )
@@ -71,7 +72,7 @@ from .deferred_input import Absent, NormRemake
 from .head_chunk_grads import Accumulators, ProjectionCut, Roots
 from .head_chunk_lora import InputLows
 from .head_chunk_output import out_finish, out_input_grad, out_proj_backward, out_share, out_start, output_grads
-from .head_chunk_parts import KV, ChunkParts, add_at, core_inputs, exchanged_heads, rows_index, take
+from .head_chunk_parts import KV, ChunkParts, add_at, core_inputs, exchanged_heads, take
 from .interleave import Stages, run_interleaved
 from .tiling import Replay, sum_dtype
 
@@ -174,13 +175,13 @@ class ChunkRun:
             return tuple(full.split(exchanged_heads(*heads, self.sp), dim=1))
         if self.kv is None:
             raise RuntimeError("a chunk ran before the kv heads the chunks share arrived")
-        rows = rows_index(self.split.shared_rows(chunk, self.blocks), full.device)
+        rows = self.parts.shared_rows(chunk, self.blocks, full.device)
         return (full, *(take(t, 1, rows) for t in self.kv.chunk(2, dim=1)))
 
     def kv_adder(self, chunk: int) -> Callable[[tuple, torch.Tensor, torch.Tensor], None]:
         """``add(piece, dk, dv)``: add a chunk's k/v gradients of the tokens ``piece`` (indices into ``[b, hkv_c,
         N]``, its heads all) into the shared kv heads' sums (the chunk's rows of them)."""
-        rows = rows_index(self.split.shared_rows(chunk, self.blocks), self.kv_grad.device)
+        rows = self.parts.shared_rows(chunk, self.blocks, self.kv_grad.device)
 
         def add(piece: tuple, dk: torch.Tensor, dv: torch.Tensor) -> None:
             batch, _, tokens = piece
@@ -189,19 +190,21 @@ class ChunkRun:
 
         return add
 
-    def _exchange(self, parts: list[torch.Tensor]) -> Generator[None, None, list[torch.Tensor]]:
-        """Launch one all-to-all of the send buffers ``parts`` (``[P, ...]`` each, in a list, emptied: then no
-        caller's name keeps them alive; several travel side by side, :func:`~ulysses_sp.comm.pack_rows`), yield
-        while it is in flight, return what arrived of each, in its dtype."""
+    def _exchange(self, parts: list[torch.Tensor | Joined]) -> Generator[None, None, list[torch.Tensor]]:
+        """Launch one all-to-all of the send buffers ``parts`` (``[P, ...]``, any strides, or :class:`Joined`; in a
+        list, emptied: then no caller's name keeps them alive; several are copied once into one buffer,
+        :func:`~ulysses_sp.comm.pack_rows`), yield while it is in flight, return what arrived of each, in its dtype."""
         dtypes = [t.dtype for t in parts]
         if self.sp == 1:
-            found = parts[:]
+            found = [t.tensor() if isinstance(t, Joined) else t for t in parts]
             parts.clear()
             return found
-        wired = [t if self.wire is None else t.to(self.wire) for t in parts]
+        if len(parts) == 1:
+            send, layout = (parts[0].tensor() if isinstance(parts[0], Joined) else parts[0]), None
+            send = send if self.wire is None else send.to(self.wire, memory_format=torch.contiguous_format)
+        else:
+            send, layout = pack_rows(parts, self.wire)
         parts.clear()
-        send, layout = (wired[0], None) if len(wired) == 1 else pack_rows(wired)
-        del wired
         recv, work = start_all_to_all(send, self.group, self.stats)
         del send
         yield
@@ -221,11 +224,11 @@ class ChunkRun:
         sent = self.sent(chunk, q, k, v)
         heads = (q.shape[1], 0 if sent[1] is None else k.shape[1])
         del q, k, v
-        parts = [qkv_send_buffer(*core_inputs(x, *sent), self.sp)]
+        parts = [qkv_send_parts(*core_inputs(x, *sent), self.sp)]
         del sent
         if chunk == 0 and self.split.shared_kv:  # the kv heads the chunks share travel with the first chunk's q
             _, k, v, _ = self.project(x, KV, self.parts.weights(KV))
-            parts.append(qkv_send_buffer(*core_inputs(x, None, k, v), self.sp))
+            parts.append(qkv_send_parts(*core_inputs(x, None, k, v), self.sp))
             del k, v
         recv, *kv = yield from self._exchange(parts)
         if kv:
@@ -247,7 +250,7 @@ class ChunkRun:
         local = out_local(recv)  # [b, n, Hc, d_v]
         del recv
         if kernel is not None:  # saved: one tensor per chunk, made as its output arrives (a view where sp = 1)
-            self.local[chunk] = local.contiguous()
+            self.local[chunk] = local = local.contiguous()  # (out_share reads it as [b n, Hc d_v]: a view then)
         out_share(self, chunk, local, out)
 
     def kernel_for(self, call: AttentionCall, q: torch.Tensor) -> Any | None:
@@ -280,7 +283,7 @@ class ChunkRun:
         sent = self.sent(stage, q, k, v)
         del q, k, v
         roots = Roots(*sent)
-        send = qkv_send_buffer(*core_inputs(x, *(None if t is None else t.detach() for t in sent)), self.sp)
+        send = qkv_send_parts(*core_inputs(x, *(None if t is None else t.detach() for t in sent)), self.sp)
         return (leaves, cut), roots, call, send
 
     def _recompute_qkv(self, x: torch.Tensor, stage: int) -> Generator[None, None, tuple]:

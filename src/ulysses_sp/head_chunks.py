@@ -219,6 +219,9 @@ class HeadChunkedAttention:
         self.remakeable = False  # reads its input only through the sliced projections (set by the probe)
         self.extra_outputs = 1
         self.hidden_name = first_argument(module)
+        # the rows of each sliced projection a stage uses, by (split, projection, stage, device): made at the first
+        # call of each, then read (ulysses_sp.head_chunk_parts.ChunkParts.index)
+        self.row_indices: dict[tuple, slice | torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------------------- parts
     def projection(self, name: str) -> nn.Linear:

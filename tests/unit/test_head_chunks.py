@@ -233,7 +233,7 @@ def test_out_pack_send_is_out_local_grads_side_by_side():
     from ulysses_sp.comm import out_local_grad, out_pack_send, out_send_grad
 
     first, second = torch.randn(2, 5, 8, 3), torch.randn(2, 5, 8, 1)  # [b, n, P h, d_i], P = 4
-    packed = out_pack_send(4, first, second)
+    packed = out_pack_send(4, first, second).tensor()
     torch.testing.assert_close(packed, torch.cat([out_local_grad(first, 4), out_local_grad(second, 4)], dim=-1))
     a, b = out_send_grad(packed).split((3, 1), dim=-1)
     torch.testing.assert_close(a, out_send_grad(out_local_grad(first, 4)))

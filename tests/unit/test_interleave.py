@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ulysses_sp.comm import pack_rows, unpack_rows
+from ulysses_sp.comm import Joined, pack_rows, unpack_rows
 from ulysses_sp.interleave import run_interleaved
 
 
@@ -78,3 +78,18 @@ def test_pack_rows_round_trips_mixed_dtypes_and_strides() -> None:
     for found, part in zip(unpack_rows(send, layout), parts, strict=True):
         assert found.dtype == part.dtype and found.shape == part.shape
         torch.testing.assert_close(found, part, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("wire", [None, torch.float64])
+def test_pack_rows_writes_joined_pieces_once_into_a_buffer_of_their_dtype(wire) -> None:
+    """Pieces joined along a dim go straight into their place (what torch.cat of them would be); parts of one dtype
+    (or cast to one ``wire`` dtype) share a buffer of that dtype, read back as views without a byte view."""
+    sp = 2
+    joined = Joined((torch.randn(sp, 3, 2, 4).transpose(2, 3), torch.randn(sp, 3, 4, 1)), -1)
+    plain = torch.randn(sp, 5)
+    send, layout = pack_rows([joined, plain], wire)
+    assert send.dtype == (wire or torch.float32) and send.shape == (sp, 3 * 4 * 3 + 5)
+    first, second = unpack_rows(send, layout)
+    torch.testing.assert_close(first, joined.tensor().to(send.dtype), rtol=0, atol=0)
+    torch.testing.assert_close(second, plain.to(send.dtype), rtol=0, atol=0)
+    assert first.untyped_storage().data_ptr() == send.untyped_storage().data_ptr()  # a view of the buffer
