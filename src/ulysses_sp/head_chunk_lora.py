@@ -94,8 +94,11 @@ class Adapter:
 
 
 def is_lora(child: nn.Module) -> bool:
-    """Whether ``child`` is a LoRA layer around a linear one (PEFT's ``lora.Linear``, by its attributes)."""
-    return all(isinstance(getattr(child, n, None), nn.Module) for n in ("base_layer", "lora_A", "lora_B")) and (
+    """Whether ``child`` is a LoRA layer around a linear one (PEFT's ``lora.Linear``, by its attributes; its
+    submodules read from ``_modules``, where a module's are: a missing one costs no AttributeError, and this is asked
+    several times per chunk)."""
+    found = child._modules
+    return all(isinstance(found.get(n), nn.Module) for n in ("base_layer", "lora_A", "lora_B")) and (
         isinstance(getattr(child, "scaling", None), dict)
     )
 

@@ -88,7 +88,8 @@ class ChunkParts:
             if a.p > 0
         }
         self.stages = ([KV] if heads.shared_kv else []) + list(range(heads.chunks))
-        self._index = owner.row_indices  # the layer's, kept across calls (an index tensor made once, not per call)
+        # the layer's, kept across calls for this split (an index tensor made once, not per call)
+        self._index = owner.row_indices.setdefault(heads, {})
 
     def head_ids(self, name: str, stage: int) -> list[int] | None:
         """The heads of projection ``name`` that ``stage`` computes, in order (None: it is blank there)."""
@@ -118,7 +119,7 @@ class ChunkParts:
     def index(self, name: str, stage: int, device: torch.device) -> slice | torch.Tensor:
         """``stage``'s rows of ``name`` (its columns for the output projection): a slice where they are one run,
         else their indices."""
-        key = (self.heads, name, stage, device)
+        key = (name, stage, device)
         if key not in self._index:
             ids, per = self.head_ids(name, stage), self._width(name)
             if ids is None:
@@ -129,7 +130,7 @@ class ChunkParts:
     def shared_rows(self, chunk: int, blocks: int, device: torch.device) -> slice | torch.Tensor:
         """Where the chunks share the kv heads: the rows of them that chunk ``chunk`` reads
         (:meth:`~ulysses_sp.head_split.ChunkHeads.shared_rows`), made once for the layer."""
-        key = (self.heads, "shared kv rows", chunk, blocks, device)
+        key = ("shared kv rows", chunk, blocks, device)
         if key not in self._index:
             self._index[key] = rows_index(self.heads.shared_rows(chunk, blocks), device)
         return self._index[key]
@@ -176,7 +177,7 @@ class ChunkParts:
         """The output projection's input columns that chunk ``stage`` has, as indices."""
         index = self.index(self.owner.names.out, stage, device)
         if isinstance(index, slice):
-            key = (self.heads, "columns", stage, device)
+            key = ("columns", stage, device)
             if key not in self._index:
                 self._index[key] = torch.arange(index.start, index.stop, device=device)
             return self._index[key]
