@@ -14,10 +14,11 @@ a torch opaque object would be the direct way, but torch 2.13's partitioner miso
 checkpointed region that draws random numbers). The table holds no model alive and is its only state; a deep copy
 or an unpickled model takes new keys. The autocast state the layer is traced under is passed as two dtypes (inside
 an operator it is not in effect: the compiled graph casts explicitly), and the forward returns the RNG state it ran
-under for the backward to recompute with. Used only while dynamo traces (:func:`torch.compiler.is_compiling`);
-eagerly the tiled forward keeps its autograd Function. Needs torch's custom operators and a dispatch-key guard to
-run autograd and autocast inside them (:data:`AVAILABLE`; without them the tiled modules run eagerly under
-torch.compile, as before).
+under for the backward to recompute with (the operator is tagged as drawing random numbers, so that a checkpoint's
+recompute of it in the compiled backward replays that state too). Used only while dynamo traces
+(:func:`torch.compiler.is_compiling`); eagerly the tiled forward keeps its autograd Function. Needs torch's custom
+operators and a dispatch-key guard to run autograd and autocast inside them (:data:`AVAILABLE`; without them the
+tiled modules run eagerly under torch.compile, as before).
 """
 
 import contextlib
@@ -80,7 +81,9 @@ def _tiled(key: torch.Tensor) -> Any:
     return tiled
 
 
-@torch.library.custom_op("ulysses_sp::tiled_forward", mutates_args=())
+# Tagged as drawing random numbers (dropout inside the module): a checkpointed region's recompute of it in the compiled
+# backward then runs under the forward's RNG state (the partitioner's run_with_rng_state), not the state it finds.
+@torch.library.custom_op("ulysses_sp::tiled_forward", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def _forward(
     key: torch.Tensor,
     x: torch.Tensor,
