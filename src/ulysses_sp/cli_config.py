@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import difflib
 import os
+import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -39,6 +40,7 @@ __all__ = [
     "read_yaml",
     "save_yaml",
     "to_mapping",
+    "unrecognized_arguments",
 ]
 
 T = TypeVar("T")
@@ -321,7 +323,10 @@ def parse_config(
     with status 2 and a message naming the flag.
     """
     parser = build_parser(cls, prog=prog, description=description, config_file=config_file)
-    namespace = vars(parser.parse_args(None if argv is None else list(argv)))
+    namespace, extras = parser.parse_known_args(None if argv is None else list(argv))
+    if extras:
+        parser.error(unrecognized_arguments(parser, list(sys.argv[1:] if argv is None else argv), extras))
+    namespace = vars(namespace)
     config_path = namespace.pop("config", None)
     try:
         values = coerce_mapping(cls, read_yaml(config_path), config_path) if config_path else {}
@@ -339,6 +344,42 @@ def parse_config(
         return config
     except ValueError as error:
         parser.error(str(error))
+
+
+def unrecognized_arguments(parser: argparse.ArgumentParser, argv: list[str], extras: list[str]) -> str:
+    """argparse's "unrecognized arguments" line, with the fix where one is clear: the flag an unknown ``--flag`` was
+    likely meant to be, and for words left after a flag's one value (an unquoted glob that the shell expanded into one
+    word per file: ``--dataset data/*.jsonl`` over three files) that flag, the values it got and the quoting."""
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    flags = [option for action in parser._actions for option in action.option_strings]
+    unknown = [word.split("=")[0] for word in extras if word.startswith("--")]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], flags, n=1)
+        return message + (f" (did you mean {close[0]}?)" if close else "")
+    # the value-taking flag that the first stray word follows, and every word from its value up to the next flag
+    start = argv.index(extras[0])
+    before = [i for i in range(start) if argv[i].startswith("-")]
+    if not before:
+        return message
+    flag = argv[before[-1]].split("=")[0]
+    takes_one = any(flag in action.option_strings and action.nargs is None for action in parser._actions)
+    if not takes_one:
+        return message
+    inline = argv[before[-1]].partition("=")[2]
+    end = next((i for i in range(start, len(argv)) if argv[i].startswith("-")), len(argv))
+    values = ([inline] if inline else []) + argv[before[-1] + 1 : end]
+    message = f"{flag} takes one value, got {len(values)}: {' '.join(values)}"
+    if all(os.path.exists(value) for value in values):
+        message += f". A glob the shell expanded? Quote it, e.g. {flag} {_glob_of(values)!r}"
+    return message
+
+
+def _glob_of(paths: list[str]) -> str:
+    """A glob for ``paths`` (for the message): their common folder and, where they share one, their suffix."""
+    folders = {os.path.dirname(path) for path in paths}
+    suffixes = {os.path.splitext(path)[1] for path in paths}
+    folder = folders.pop() if len(folders) == 1 else "FOLDER"
+    return os.path.join(folder, "*" + (suffixes.pop() if len(suffixes) == 1 else ""))
 
 
 def to_mapping(config: Any) -> dict[str, Any]:

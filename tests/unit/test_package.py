@@ -67,6 +67,7 @@ def test_help_and_a_bad_flag_answer_without_importing_torch():
         ["train", "--help"],
         ["train", "--sp", "2", "--seq-len", "0"],  # without --sp the default follows the GPU count (torch)
         ["train", "--no-such-flag"],
+        ["train", "--dataset", "a.jsonl", "b.jsonl"],  # an unquoted glob the shell expanded
         ["plan", "--help"],
         ["plan", "--model", "llama-tiny", "--seq-len", "0"],
         ["bench", "--help"],

@@ -155,6 +155,25 @@ def test_bad_cli_value_exits_2_naming_the_flag(capsys, argv, expected):
     assert expected in _exit_message(capsys, argv)
 
 
+def test_words_left_after_a_flag_name_the_flag_and_the_fix(tmp_path, capsys, monkeypatch):
+    """The docs' `--dataset data/*.jsonl`, unquoted, reaches the command as one word per file: argparse said only
+    "unrecognized arguments: data/b.jsonl data/c.jsonl" (the flag and the quoting unnamed). A mistyped flag gets the
+    flag it is closest to, as a mistyped YAML key does."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for name in ("a", "b", "c"):
+        (tmp_path / "data" / f"{name}.jsonl").write_text('{"text": "x"}\n', encoding="utf-8")
+    expanded = ["--dataset", "data/a.jsonl", "data/b.jsonl", "data/c.jsonl", "--seq-len", "64"]
+    message = _exit_message(capsys, expanded)
+    assert "--dataset takes one value, got 3: data/a.jsonl data/b.jsonl data/c.jsonl" in message, message
+    assert "Quote it, e.g. --dataset 'data/*.jsonl'" in message, message
+    assert "--sp takes one value, got 2: 2 4" in _exit_message(capsys, ["--sp", "2", "4"])  # no glob: no quoting
+    assert "Quote it" not in _exit_message(capsys, ["--sp", "2", "4"])
+    assert "unrecognized arguments: --seqlen 64 (did you mean --seq-len?)" in _exit_message(capsys, ["--seqlen", "64"])
+    assert "unrecognized arguments: stray" in _exit_message(capsys, ["stray"])  # no flag before it: argparse's line
+    assert load_config(["--dataset", "data/*.jsonl"]).dataset == "data/*.jsonl"  # quoted, the glob reaches it whole
+
+
 def test_chunk_flags_that_still_apply_are_accepted():
     # the MLP chunk also sizes the tiled norms; a stride of 1 and the default loss budget are no choice at all
     assert load_config(["--no-tiled-mlp", "--mlp-chunk-tokens", "8"]).mlp_chunk_tokens == 8
