@@ -275,6 +275,22 @@ def test_bench_lengths_are_checked_per_value_naming_the_flag():
             BenchConfig(**bad).validate()
 
 
+def test_bench_help_says_what_each_preset_fills_in():
+    """`ulysses-sp bench --help` showed '(default: none)' for every flag the --size preset fills in, and not what
+    each preset puts there; it now names the value of each preset."""
+    from ulysses_sp.bench.config import PRESETS, BenchConfig
+    from ulysses_sp.cli_config import build_parser
+
+    parser = build_parser(BenchConfig, prog="ulysses-sp bench", description="x")
+    helps = {action.dest: " ".join(action.help.split()) for action in parser._actions if action.help}
+    for name in PRESETS["small"]:
+        for size, preset in PRESETS.items():
+            value = preset[name]
+            shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            assert f"{size} {shown}" in helps[name], (name, helps[name])
+    assert "small 11 at 2 ranks, 7 at 4 ranks, 7 rounds; tiny 3 at 2 ranks, 3 rounds" in helps["reps"], helps["reps"]
+
+
 def test_report_from_a_file_that_is_not_a_results_json_exits_2_naming_it(tmp_path, capsys):
     from ulysses_sp.bench.runner import main
 

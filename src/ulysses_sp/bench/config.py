@@ -37,29 +37,50 @@ _PRESET_REPS = {"small": {2: 11, 4: 7}, "tiny": {2: 3}}  # timed repetitions per
 _PRESET_LOSS_ROUNDS = {"small": 7, "tiny": 3}  # timed rounds of the tiled-loss section
 
 
+def _from_preset(name: str) -> str:
+    """The end of a help text: what 'none' takes from each ``--size`` preset (``--help`` said only 'default: none')."""
+    values = {size: preset[name] for size, preset in PRESETS.items()}
+    shown = {size: ",".join(map(str, v)) if isinstance(v, tuple) else str(v) for size, v in values.items()}
+    return "; none = the --size preset's: " + "; ".join(f"{size} {value}" for size, value in shown.items())
+
+
 @dataclass(kw_only=True)
 class BenchConfig:
     """What ``ulysses-sp bench`` measures and where it writes; 'none' values come from the ``--size`` preset."""
 
     size: str = option("small", help="Preset sizes (tiny: seconds per section).", choices=tuple(PRESETS))
-    model: str | None = option(None, help=f"Benchmark model, one of {', '.join(BENCH_MODELS)}.")
+    model: str | None = option(None, help=f"Benchmark model, one of {', '.join(BENCH_MODELS)}{_from_preset('model')}.")
     memory_seq_lens: tuple[int, ...] | None = option(
-        None, help="Sequence lengths of the per-rank memory section, e.g. 512,1024.", metavar="LENS"
+        None, help=f"Sequence lengths of the per-rank memory section{_from_preset('memory_seq_lens')}.", metavar="LENS"
     )
     memory_sp: tuple[int, ...] = option((1, 2, 4), help="sp degrees of the per-rank memory section.", metavar="SPS")
-    seq_len: int | None = option(None, help="Sequence length of the step-time worlds.")
+    seq_len: int | None = option(None, help=f"Sequence length of the step-time worlds{_from_preset('seq_len')}.")
     head_chunk_seq_lens: tuple[int, ...] | None = option(
         None,
-        help="Sequence lengths of the head-chunk section, e.g. 4096,8192 (longer than --seq-len: head chunks are for "
-        "long sequences, where the attention core outweighs each chunk's fixed costs).",
+        help="Sequence lengths of the head-chunk section (longer than --seq-len: head chunks are for long sequences, "
+        f"where the attention core outweighs each chunk's fixed costs){_from_preset('head_chunk_seq_lens')}.",
         metavar="LENS",
     )
-    worlds: tuple[int, ...] | None = option(None, help="World sizes (gloo ranks) of the step-time section.")
-    loss_tokens: int | None = option(
-        None, help="Tokens of the tiled-loss section (the lm_head + loss of the model's hidden size; 0: skip it)."
+    worlds: tuple[int, ...] | None = option(
+        None, help=f"World sizes (gloo ranks) of the step-time section{_from_preset('worlds')}."
     )
-    loss_vocab: int | None = option(None, help="Vocabulary of the tiled-loss section.")
-    reps: int | None = option(None, help="Timed repetitions per world (after 1 warm-up).")
+    loss_tokens: int | None = option(
+        None,
+        help="Tokens of the tiled-loss section (the lm_head + loss of the model's hidden size; 0: skip it)"
+        f"{_from_preset('loss_tokens')}.",
+    )
+    loss_vocab: int | None = option(None, help=f"Vocabulary of the tiled-loss section{_from_preset('loss_vocab')}.")
+    reps: int | None = option(
+        None,
+        help="Timed repetitions per world (after 1 warm-up) and rounds of the tiled-loss section; none = the --size "
+        "preset's: "
+        + "; ".join(
+            f"{size} {', '.join(f'{reps} at {world} ranks' for world, reps in by_world.items())}, "
+            f"{_PRESET_LOSS_ROUNDS[size]} rounds"
+            for size, by_world in _PRESET_REPS.items()
+        )
+        + ".",
+    )
     deepspeed: bool = option(True, help="Run DeepSpeed's Ulysses side by side when it is installed.")
     gpu: str = option("auto", help="auto: the GPU mode when CUDA is present.", choices=("auto", "off"))
     gpu_memory: str | None = option(
