@@ -59,6 +59,26 @@ def test_local_cached_and_offline_ids_are_left_to_transformers(closed_hub, tmp_p
     assert hub_unreachable("some-org/not-here") is None  # transformers fails at once offline
 
 
+def test_a_hub_dataset_is_refused_at_once_when_the_hub_cannot_be_reached(closed_hub, tmp_path, monkeypatch):
+    """`--dataset wikitext` without network spent about 25 s in datasets' retries, printing six lines of them, before
+    its one line; it is now refused in seconds, as a model id is. A dataset in the hub's cache or datasets' own is
+    left to datasets (which falls back to its cache)."""
+    import datasets.config
+
+    from ulysses_sp.train.dataset_checks import check_dataset
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"--dataset 'some-org/not-here': 'some-org/not-here' is not a local dir"):
+        check_dataset("some-org/not-here")
+    assert time.monotonic() - start < 10
+    assert hub_unreachable("some-org/not-here", repo_type="dataset") is not None
+    (closed_hub / "datasets--some-org--in-hub-cache").mkdir(parents=True)
+    assert hub_unreachable("some-org/in-hub-cache", repo_type="dataset") is None
+    (tmp_path / "datasets" / "some-org___built").mkdir(parents=True)
+    assert hub_unreachable("some-org/built", repo_type="dataset") is None
+
+
 def test_a_name_lookup_that_blocks_gives_up_after_the_timeout(closed_hub, monkeypatch):
     """A broken resolver blocks socket.getaddrinfo, which takes no timeout: the probe stops waiting after its own."""
     release = threading.Event()

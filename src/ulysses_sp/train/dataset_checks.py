@@ -24,6 +24,7 @@ from ulysses_sp.train.dataset_files import (
 )
 from ulysses_sp.train.documents import _hub_error, _not_text, _too_few_documents
 from ulysses_sp.train.errors import first_line
+from ulysses_sp.train.hub import hub_unreachable
 
 __all__ = ["check_dataset"]
 
@@ -154,6 +155,12 @@ def check_dataset(source: str, *, text_field: str = "text", eval_fraction: float
     if files is None:
         import datasets
 
+        offline = hub_unreachable(source, repo_type="dataset")
+        if offline is not None:  # (datasets' own retries take about 25 s, printing a line each)
+            raise ValueError(
+                f"--dataset {source!r}: {offline}; check the name and the network, or give local "
+                ".txt/.jsonl/.json/.parquet files"
+            )
         try:
             datasets.load_dataset_builder(source)
         except Exception as error:  # datasets raises many kinds (connection, not found, bad config)

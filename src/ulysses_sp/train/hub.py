@@ -1,9 +1,11 @@
-"""Whether a model or tokenizer id can come from the Hugging Face Hub, asked before transformers is.
+"""Whether a model or tokenizer id, or a dataset's name, can come from the Hugging Face Hub, asked before
+transformers or datasets is.
 
 On a machine without network, ``from_pretrained("org/model")`` spends about 50 s in huggingface_hub's retries
-before it fails. :func:`hub_unreachable` answers in a few seconds: an id that is neither a local directory nor
-in the local cache needs the Hub, and one TCP connection to its endpoint says whether it can be reached (not
-asked where a proxy carries the requests: then the hub client decides). The name lookup is bounded too: a broken
+before it fails (``datasets.load_dataset_builder("name")`` about 25 s, printing each retry).
+:func:`hub_unreachable` answers in a few seconds: an id that is neither a local directory nor in the local cache
+needs the Hub, and one TCP connection to its endpoint says whether it can be reached (not asked where a proxy
+carries the requests: then the hub client decides). The name lookup is bounded too: a broken
 resolver can block ``socket.getaddrinfo``, which takes no timeout, for minutes.
 """
 
@@ -22,9 +24,15 @@ PROBE_TIMEOUT_S = 5.0
 CACHED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
 
 
-def _cached(name: str) -> bool:
-    from huggingface_hub import try_to_load_from_cache
+def _cached(name: str, repo_type: str) -> bool:
+    from huggingface_hub import constants, try_to_load_from_cache
 
+    if repo_type == "dataset":  # the hub's copy of its files, or what datasets built from them (its own cache)
+        import datasets.config
+
+        hub_copy = Path(constants.HF_HUB_CACHE) / ("datasets--" + name.replace("/", "--"))
+        built = Path(datasets.config.HF_DATASETS_CACHE) / name.replace("/", "___")
+        return hub_copy.is_dir() or built.is_dir()
     return any(isinstance(try_to_load_from_cache(name, filename), str) for filename in CACHED_FILES)
 
 
@@ -35,15 +43,17 @@ def _through_proxy(scheme: str, host: str) -> bool:
     return bool(proxies.get(scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host)
 
 
-def hub_unreachable(name: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
-    """Why ``name`` cannot be loaded from the Hub (None where it can, or where transformers should decide): it is
-    not a local directory, not cached, and the Hub's endpoint (``HF_ENDPOINT``) refuses a connection."""
+def hub_unreachable(name: str, timeout_s: float = PROBE_TIMEOUT_S, *, repo_type: str = "model") -> str | None:
+    """Why ``name`` cannot be loaded from the Hub (None where it can, or where transformers or datasets should
+    decide): it is not a local path, not cached, and the Hub's endpoint (``HF_ENDPOINT``) refuses a connection.
+    ``repo_type``: "model" (a model or tokenizer id) or "dataset" (a hub dataset's name, whose files datasets
+    caches in the hub's cache and builds in its own)."""
     from huggingface_hub import constants
 
     if Path(name).expanduser().exists() or constants.HF_HUB_OFFLINE:  # offline: transformers fails at once
         return None
     try:
-        if _cached(name):
+        if _cached(name, repo_type):
             return None
     except Exception:  # noqa: BLE001 (an id the hub's validators reject: transformers names the problem)
         return None
