@@ -423,8 +423,9 @@ CORES: dict[str, Core] = {
 _FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 
 
-def get_core(name: str) -> Core:
-    """Look up a core by name; ValueError for unknown names or a flash core whose package is missing."""
+def get_core(name: str, *, instead: str = "core='sdpa'") -> Core:
+    """Look up a core by name; ValueError for unknown names or a flash core whose package is missing.
+    ``instead``: how the caller's user asks for sdpa, for the message (``ulysses-sp train``: ``--attn-core sdpa``)."""
     if name not in CORES:
         raise ValueError(f"unsupported attention core {name!r}; choose one of {sorted(CORES)}")
     module = _FLASH_MODULES.get(name)
@@ -432,8 +433,8 @@ def get_core(name: str) -> Core:
         if importlib.util.find_spec(module) is None:
             raise ValueError(
                 f"core {name!r} needs the {module!r} package, which is not importable; install it "
-                "(`pip install ulysses-sp[flash]` on a CUDA machine) or use core='sdpa'"
+                f"(`pip install ulysses-sp[flash]` on a CUDA machine) or use {instead}"
             )
         if not torch.cuda.is_available():
-            raise ValueError(f"core {name!r} needs a CUDA device; use core='sdpa' on CPU")
+            raise ValueError(f"core {name!r} needs a CUDA device; use {instead} on CPU")
     return CORES[name]

@@ -4,11 +4,13 @@ run's files, the resolved RunSpec, one-line errors, the rank's signals, tracking
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import os
 import signal
 
 import pytest
+import torch
 import yaml
 
 from ulysses_sp.train.config import TrainConfig, config_to_dict, load_config
@@ -83,6 +85,20 @@ def test_the_run_spec_is_resolved_once_and_travels_as_json(tmp_path):
     data.write_text(json.dumps([{"body": "In the beginning", "id": 1}]))
     with pytest.raises(ValueError, match=r"docs.json row 1 has no --text-field 'text' \(it holds \['body', 'id'\]\)"):
         resolve_run(TrainConfig(output_dir=str(tmp_path), dataset=str(data)), world_size=2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals are of a machine without CUDA")
+def test_a_core_that_cannot_train_here_is_refused_before_any_rank_starts(tmp_path):
+    """`ulysses-sp train --attn-core flex` on CPU started its ranks, which failed at the first backward with torch's
+    traceback ("FlexAttention does not support backward on CPU", exit 1); --attn-core flash without flash_attn failed
+    in the ranks, telling a command-line user to "use core='sdpa'"."""
+    flex = TrainConfig(output_dir=str(tmp_path), seq_len=256, attn_core="flex")
+    with pytest.raises(ValueError, match=r"^--attn-core flex trains on CUDA devices only .* use --attn-core sdpa$"):
+        resolve_run(flex, world_size=2)
+    if importlib.util.find_spec("flash_attn") is None:
+        flash = TrainConfig(output_dir=str(tmp_path), seq_len=256, attn_core="flash")
+        with pytest.raises(ValueError, match=r"^--attn-core flash: core 'flash_attention_2' needs .*--attn-core sdpa$"):
+            resolve_run(flash, world_size=2)
 
 
 def test_a_built_in_model_name_is_the_shape_even_beside_a_run_folder_of_that_name(tmp_path, monkeypatch):

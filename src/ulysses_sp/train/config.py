@@ -142,7 +142,7 @@ class TrainConfig(Features):
     )
     attn_core: str = option(
         "sdpa",
-        help="Local attention kernel run on each rank's heads after the all-to-all.",
+        help="Local attention kernel run on each rank's heads after the all-to-all (flex and flash: CUDA only).",
         choices=ATTN_CORE_CHOICES,
     )
     # --- evaluation, logging, checkpoints ---------------------------------------------------------

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ulysses_sp.attention import check_ring_core
+from ulysses_sp.cores import get_core
 from ulysses_sp.features import apply_features, cli_switch
 from ulysses_sp.fsdp import fully_shard_layers
 from ulysses_sp.head_split import check_head_chunks, uneven_kv_chunks
@@ -154,6 +155,22 @@ def choose_run_layout(
     except ValueError as error:
         raise ValueError(f"--head-chunks {config.head_chunks} with --sp {config.sp}: {error}") from None
     return ring, reason
+
+
+def check_attn_core(config: TrainConfig) -> None:
+    """ValueError naming ``--attn-core`` when its core cannot train on this machine, before any rank starts: a flash
+    core without its package or a GPU, and flex without a GPU (torch's flex_attention has no backward on CPU: the
+    ranks failed at the first backward with torch's traceback)."""
+    name = _CORE_NAMES[config.attn_core]
+    if name == "flex_attention" and not torch.cuda.is_available():
+        raise ValueError(
+            "--attn-core flex trains on CUDA devices only (torch's flex_attention has no backward on CPU); use "
+            "--attn-core sdpa"
+        )
+    try:
+        get_core(name, instead="--attn-core sdpa")
+    except ValueError as error:
+        raise ValueError(f"--attn-core {config.attn_core}: {error}") from None
 
 
 def resolve_ring(config: TrainConfig, hf_config: Any | None = None, gpus_per_node: int | None = None) -> int:

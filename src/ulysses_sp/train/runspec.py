@@ -27,7 +27,7 @@ from ulysses_sp.train.config import TrainConfig, config_from_dict
 from ulysses_sp.train.dataset_checks import check_dataset
 from ulysses_sp.train.documents import EMBEDDED_TOKENIZER, load_tokenizer
 from ulysses_sp.train.integrity import MANIFEST, newest_intact_checkpoint, verify_checkpoint
-from ulysses_sp.train.model_factory import choose_run_layout, hf_model_config, tokenizer_source
+from ulysses_sp.train.model_factory import check_attn_core, choose_run_layout, hf_model_config, tokenizer_source
 from ulysses_sp.train.outdir import previous_run_files
 
 __all__ = [
@@ -297,6 +297,7 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
         )
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # ranks on this node
     ring, layout_reason = choose_run_layout(config, model_config, gpus_per_node=local)
+    check_attn_core(config)
     resolved = dataclasses.replace(
         config, nproc=world_size, tokenizer=source or EMBEDDED_TOKENIZER, lr=config.peak_lr(), report_to=report_to
     )
