@@ -41,6 +41,10 @@ def test_output_dir_that_is_a_file_is_named(tmp_path):
 def test_a_fresh_run_refuses_an_earlier_runs_files_unless_overwrite(tmp_path):
     config = TrainConfig(output_dir=str(tmp_path))
     assert resume_point(config) is None and previous_run_files(tmp_path, config) == []
+    # a run that failed before its first record (a bad --attn-core in the ranks) left an empty metrics file, and
+    # the same command with the flag mended was refused ("already holds an earlier run's files (metrics.jsonl)")
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert resume_point(config) is None and previous_run_files(tmp_path, config) == []
     (tmp_path / "metrics.jsonl").write_text('{"event": "train", "step": 1}\n')
     (tmp_path / "tensorboard").mkdir()
     with pytest.raises(ValueError, match=r"metrics\.jsonl.*--resume.*--overwrite"):

@@ -145,10 +145,15 @@ def taken_name(name: str) -> str | None:
 
 
 def previous_run_files(output_dir: str | os.PathLike[str], config: TrainConfig) -> list[Path]:
-    """What an earlier run left in ``output_dir``: its complete checkpoints and its logs."""
+    """What an earlier run left in ``output_dir``: its complete checkpoints and its logs (an empty metrics file, of a
+    run that failed before its first record, holds nothing to keep: the next run replaces it)."""
     from ulysses_sp.train.checkpoint import list_checkpoints  # torch: not for ``--help`` and a bad flag
 
-    logs = [path for path in run_artifacts(output_dir, config).values() if path.exists()]
+    logs = [
+        path
+        for path in run_artifacts(output_dir, config).values()
+        if path.exists() and not (path.is_file() and path.stat().st_size == 0)
+    ]
     return [*list_checkpoints(output_dir), *logs]
 
 
