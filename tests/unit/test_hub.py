@@ -42,6 +42,18 @@ def test_an_uncached_id_is_refused_at_once_when_the_hub_cannot_be_reached(closed
     assert time.monotonic() - start < 10
 
 
+def test_a_model_that_cannot_be_reached_is_named_as_the_model_not_its_tokenizer(closed_hub, tmp_path):
+    """`ulysses-sp train --model Qwen/Qwen3-4B` without network was refused for its tokenizer, with the fix
+    '--tokenizer gpt2-bpe'; a user who took it met the model's refusal next. The model is named first."""
+    from ulysses_sp.train.runspec import resolve_run
+
+    config = TrainConfig(model="some-org/not-here", output_dir=str(tmp_path / "run"), seq_len=256)
+    with pytest.raises(ValueError, match=r"^--model: 'some-org/not-here' is not a local directory .* built-in name"):
+        resolve_run(config, world_size=2)
+    with pytest.raises(ValueError, match=r"^--model '\./missing': no such directory"):
+        resolve_run(TrainConfig(model="./missing", output_dir=str(tmp_path / "run"), seq_len=256), world_size=2)
+
+
 def test_local_cached_and_offline_ids_are_left_to_transformers(closed_hub, tmp_path, monkeypatch):
     assert hub_unreachable(str(tmp_path)) is None  # a local directory
     snapshot = closed_hub / "models--some-org--cached" / "snapshots" / "abc123"

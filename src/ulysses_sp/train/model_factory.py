@@ -74,6 +74,19 @@ def _check_shape_vocab(name: str, tokenizer: Any) -> None:
     )
 
 
+def check_model_reachable(name: str) -> None:
+    """ValueError naming ``--model`` when ``name`` is a path that does not exist, or an id that is neither cached nor
+    servable by an unreachable Hub (in seconds: not after the hub client's retries)."""
+    if name.startswith((".", "/", "~")) and not Path(name).expanduser().exists():
+        raise ValueError(f"--model {name!r}: no such directory; give a model directory, a hub id or a built-in name")
+    offline = hub_unreachable(name)
+    if offline is not None:
+        raise ValueError(
+            f"--model: {offline}; give a local model directory, download it first, or a built-in name: "
+            f"{', '.join(SHAPES)}"
+        )
+
+
 def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | None = None) -> Any:
     """The transformers config of the model to train.
 
@@ -99,14 +112,7 @@ def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | No
     from ..hf import config_size_problem
 
     name = source or config.model
-    if name.startswith((".", "/", "~")) and not Path(name).expanduser().exists():
-        raise ValueError(f"--model {name!r}: no such directory; give a model directory, a hub id or a built-in name")
-    offline = hub_unreachable(name)
-    if offline is not None:
-        raise ValueError(
-            f"--model: {offline}; give a local model directory, download it first, or a built-in name: "
-            f"{', '.join(SHAPES)}"
-        )
+    check_model_reachable(name)
     try:
         loaded = AutoConfig.from_pretrained(name)
     except Exception as error:  # noqa: BLE001 (a file's content: transformers' validators raise their own types)

@@ -27,7 +27,13 @@ from ulysses_sp.train.config import TrainConfig, config_from_dict
 from ulysses_sp.train.dataset_checks import check_dataset
 from ulysses_sp.train.documents import EMBEDDED_TOKENIZER, load_tokenizer
 from ulysses_sp.train.integrity import MANIFEST, newest_intact_checkpoint, verify_checkpoint
-from ulysses_sp.train.model_factory import check_attn_core, choose_run_layout, hf_model_config, tokenizer_source
+from ulysses_sp.train.model_factory import (
+    check_attn_core,
+    check_model_reachable,
+    choose_run_layout,
+    hf_model_config,
+    tokenizer_source,
+)
 from ulysses_sp.train.outdir import previous_run_files
 
 __all__ = [
@@ -277,6 +283,10 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
     if resume is None and config.model not in SHAPES:  # (a built-in name is the shape; a resume reads its own)
         _check_not_a_run_folder(config.model)
     source = tokenizer_source(config)
+    if resume is None and config.tokenizer is None and source is not None:
+        # the model's own tokenizer: a model that cannot be reached is named as --model (told of --tokenizer, a
+        # user met the same refusal for --model next)
+        check_model_reachable(config.model)
     flag = "--tokenizer" if config.tokenizer is not None else "--model (its own tokenizer; --tokenizer picks one)"
     tokenizer = load_tokenizer(source, flag=flag)
     notes += check_dataset(config.dataset, text_field=config.text_field, eval_fraction=config.held_out_fraction())
