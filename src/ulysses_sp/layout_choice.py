@@ -94,11 +94,11 @@ def choose_layout(
         where = ""
     elif ulysses < pairs[0][0]:
         where = (
-            f"; ulysses {pairs[0][0]} would not fit inside a node of {gpus_per_node} GPUs, so the all-to-alls stay "
+            f"; ulysses {pairs[0][0]} would not fit inside a node of {gpus_per_node} ranks, so the all-to-alls stay "
             f"inside each node (ulysses divides {gpus_per_node}) and the ring of {ring} crosses nodes"
         )
     else:
-        where = f"; each Ulysses group lies inside a node of {gpus_per_node} GPUs"
+        where = f"; each Ulysses group lies inside a node of {gpus_per_node} ranks"
     if ring == 1:
         name = f"pure Ulysses (ulysses {sp})"
     elif ulysses == 1:

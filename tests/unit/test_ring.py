@@ -308,6 +308,9 @@ def test_choose_layout_keeps_ulysses_inside_a_node():
     assert reason.startswith("ulysses 8 x ring 2 for sp=16") and "ring of 2 crosses nodes" in reason, reason
     assert choose_layout(16, 32, 8, gpus_per_node=4)[:2] == (4, 4)
     assert choose_layout(8, 32, 8, gpus_per_node=8)[2].startswith("pure Ulysses (ulysses 8) for sp=8")
+    # ranks, not GPUs: `ulysses-sp train` on a CPU machine printed "inside a node of 2 GPUs"
+    assert choose_layout(2, 4, 2, gpus_per_node=2)[2].endswith("each Ulysses group lies inside a node of 2 ranks")
+    assert "would not fit inside a node of 8 ranks" in reason, reason
     assert choose_layout(4, 2, 2, gpus_per_node=8)[:2] == (2, 2)  # the heads limit it, not the node
     assert choose_layout(6, 4, 4, gpus_per_node=8)[:2] == (2, 3)
     assert choose_layout(4, 4, 4, gpus_per_node=6)[:2] == (2, 2)  # groups of 4 would straddle nodes of 6
