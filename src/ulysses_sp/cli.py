@@ -10,6 +10,7 @@ after saving a checkpoint.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from collections.abc import Sequence
@@ -17,7 +18,9 @@ from typing import NoReturn
 
 __all__ = ["console", "main"]
 
-USAGE = """usage: ulysses-sp <command> [flags]
+COMMANDS = ("train", "bench", "plan")
+
+USAGE = """usage: ulysses-sp <command> [flags]   (ulysses-sp --version: the version)
 
 commands:
   train    train a causal LM on long sequences with Ulysses sequence parallelism;
@@ -36,6 +39,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        from ulysses_sp import __version__  # (the package's names load lazily: no torch)
+
+        print(f"ulysses-sp {__version__}")
+        return 0
     command, rest = args[0], args[1:]
     if command == "train":
         return train(rest)
@@ -46,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ulysses_sp.plan.cli import plan_command
 
         return plan_command(rest)
-    print(f"ulysses-sp: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
+    close = difflib.get_close_matches(command, COMMANDS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    print(f"ulysses-sp: unknown command {command!r}{hint}\n{USAGE}", end="", file=sys.stderr)
     return 2
 
 

@@ -68,12 +68,23 @@ def test_help_and_a_bad_flag_answer_without_importing_torch():
         ["train", "--sp", "2", "--seq-len", "0"],  # without --sp the default follows the GPU count (torch)
         ["train", "--no-such-flag"],
         ["train", "--dataset", "a.jsonl", "b.jsonl"],  # an unquoted glob the shell expanded
+        ["--version"],
         ["plan", "--help"],
         ["plan", "--model", "llama-tiny", "--seq-len", "0"],
         ["bench", "--help"],
         ["bench", "--worlds", "x"],
     ):
         assert "torch" not in _modules_after(_cli(argv)), argv
+
+
+def test_the_version_and_a_mistyped_command(capsys):
+    """`ulysses-sp --version` was "unknown command '--version'"; a mistyped command gets the one it is closest to."""
+    from ulysses_sp.cli import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"ulysses-sp {ulysses_sp.__version__}\n"
+    assert main(["trian"]) == 2
+    assert "unknown command 'trian' (did you mean 'train'?)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("package", ["ulysses_sp", "ulysses_sp.plan", "ulysses_sp.tiled_loss"])
