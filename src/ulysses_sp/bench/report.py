@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .report_chunks import head_chunks_section, tiled_loss_section
+from .report_chunks import head_chunks_section, notes, tiled_loss_section
 from .tables import md_table, ratio_rows
 
 __all__ = ["GENERATED_BY", "check_markdown_target", "render_markdown", "write_markdown"]
@@ -231,17 +231,15 @@ def _overhead(results: dict[str, Any]) -> list[str]:
 
 
 def _gpu(results: dict[str, Any], image: str | None) -> list[str]:
-    gpu = results["gpu"]
+    gpu, recorded = results["gpu"], notes(results, "gpu")
     lines = ["## 5. GPU mode", ""]
-    if "skipped" in gpu:
-        return lines + [
-            f"Not run: {gpu['skipped']}. Run `ulysses-sp bench` on a CUDA machine to fill this section.",
-            "",
-        ]
+    if "skipped" in gpu:  # what a GPU run of another day recorded, else how to fill it
+        here = f"Not run: {gpu['skipped']}. Run `ulysses-sp bench` on a CUDA machine to fill this section."
+        return lines + (recorded or [here]) + [""]
     lines += gpu_table(gpu)
     if image:
         lines += [f"![gpu]({image})", ""]
-    return lines
+    return lines + ([*recorded, ""] if recorded else [])
 
 
 def gpu_table(gpu: dict[str, Any]) -> list[str]:

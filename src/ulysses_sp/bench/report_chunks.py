@@ -9,7 +9,7 @@ from typing import Any
 from .tables import md_table, ratio_rows
 from .tiledloss import table_lines
 
-__all__ = ["head_chunks_section", "tiled_loss_section"]
+__all__ = ["head_chunks_section", "notes", "tiled_loss_section"]
 
 
 def _chunk_traffic(result: dict[str, Any]) -> float:
@@ -38,6 +38,13 @@ def _later_run(results: dict[str, Any], key: str) -> list[str]:
     if key not in results:
         return []
     return [f"This section was measured in a later run than the others: {results[key]}.", ""]
+
+
+def notes(results: dict[str, Any], section: str) -> list[str]:
+    """What was recorded about a section by hand, after its run (``results["notes"][section]``: markdown lines, e.g.
+    a GPU lease's findings or earlier runs' ratios), kept in results.json so that ``--report-from`` redraws the whole
+    report (a line added to BENCHMARKS.md alone was lost by the next redraw)."""
+    return list(results.get("notes", {}).get(section, []))
 
 
 def _busy(result: dict[str, Any]) -> str:
@@ -108,6 +115,7 @@ def head_chunks_section(results: dict[str, Any]) -> list[str]:
         *_later_run(results, "head_chunks_run"),
         *md_table(header, rows),
         *[f"- {line}" for line in waits],
+        *notes(results, "head_chunks"),
         "",
     ]
 
@@ -136,4 +144,5 @@ def tiled_loss_section(results: dict[str, Any]) -> list[str]:
         *_later_run(results, "tiled_loss_run"),
         *table_lines(found["rows"]),
         "",
+        *([*notes(results, "tiled_loss"), ""] if notes(results, "tiled_loss") else []),
     ]
