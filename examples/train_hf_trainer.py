@@ -39,6 +39,7 @@ tokens = chapters.map(tokenize, batched=True, remove_columns=["text"]).train_tes
 config = LlamaConfig(
     vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
 )
+torch.manual_seed(0)  # the same weights in every run: compare the logged loss with one process's
 model = LlamaForCausalLM(config)
 
 args = TrainingArguments(

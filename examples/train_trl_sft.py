@@ -30,6 +30,7 @@ dataset = Dataset.from_dict({"text": [" ".join(verses.values()) for verses in ex
 config = LlamaConfig(
     vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
 )
+torch.manual_seed(0)  # the same weights in every run: compare the logged loss with one process's
 model = LlamaForCausalLM(config)
 
 args = SFTConfig(
