@@ -45,3 +45,16 @@ def test_a_glob_given_to_a_flag_is_quoted():
     for path in DOCS:
         unquoted = re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*[ =][^\s'\"`]*\*\S*", path.read_text())
         assert not unquoted, f"{path.relative_to(ROOT)} gives an unquoted glob to a flag: {unquoted} (quote it)"
+
+
+def test_the_plan_commands_in_the_docs_run_as_written():
+    """Each `ulysses-sp plan ...` of the docs parses as `plan` parses it: docs/ring.md showed
+    `ulysses-sp plan --sp 64 --gpus-per-node 8 --nodes 8`, which exits 2 ('--model, --seq-len are required')."""
+    from ulysses_sp.cli_config import parse_config
+
+    for path in DOCS:
+        for line in re.findall(r"ulysses-sp plan ([^`#\n]*)", path.read_text()):
+            argv = line.split()
+            if "--help" in argv or any(arg.startswith("path/to/") for arg in argv):  # (a placeholder path)
+                continue
+            parse_config(PlanConfig, argv, prog="ulysses-sp plan", description=f"{path.name}: {line}")
