@@ -356,18 +356,19 @@ def unrecognized_arguments(parser: argparse.ArgumentParser, argv: list[str], ext
     if unknown:
         close = difflib.get_close_matches(unknown[0], flags, n=1)
         return message + (f" (did you mean {close[0]}?)" if close else "")
-    # the value-taking flag that the first stray word follows, and every word from its value up to the next flag
-    start = argv.index(extras[0])
-    before = [i for i in range(start) if argv[i].startswith("-")]
+    # the value-taking flag that the last stray word follows (its last place: the same word may be an earlier
+    # flag's value too), and every word from that flag's value up to the next flag
+    last = len(argv) - 1 - argv[::-1].index(extras[-1])
+    before = [i for i in range(last) if argv[i].startswith("-")]
     if not before:
         return message
     flag = argv[before[-1]].split("=")[0]
     takes_one = any(flag in action.option_strings and action.nargs is None for action in parser._actions)
-    if not takes_one:
-        return message
     inline = argv[before[-1]].partition("=")[2]
-    end = next((i for i in range(start, len(argv)) if argv[i].startswith("-")), len(argv))
+    end = next((i for i in range(last, len(argv)) if argv[i].startswith("-")), len(argv))
     values = ([inline] if inline else []) + argv[before[-1] + 1 : end]
+    if not takes_one or len(values) < 2:
+        return message
     message = f"{flag} takes one value, got {len(values)}: {' '.join(values)}"
     if all(os.path.exists(value) for value in values):
         message += f". A glob the shell expanded? Quote it, e.g. {flag} {_glob_of(values)!r}"

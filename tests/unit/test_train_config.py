@@ -167,6 +167,8 @@ def test_words_left_after_a_flag_name_the_flag_and_the_fix(tmp_path, capsys, mon
     message = _exit_message(capsys, expanded)
     assert "--dataset takes one value, got 3: data/a.jsonl data/b.jsonl data/c.jsonl" in message, message
     assert "Quote it, e.g. --dataset 'data/*.jsonl'" in message, message
+    again = ["--tokenizer", "data/b.jsonl", *expanded]  # a word of the glob is an earlier flag's value too
+    assert "--dataset takes one value, got 3" in _exit_message(capsys, again)
     assert "--sp takes one value, got 2: 2 4" in _exit_message(capsys, ["--sp", "2", "4"])  # no glob: no quoting
     assert "Quote it" not in _exit_message(capsys, ["--sp", "2", "4"])
     assert "unrecognized arguments: --seqlen 64 (did you mean --seq-len?)" in _exit_message(capsys, ["--seqlen", "64"])
