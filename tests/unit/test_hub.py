@@ -89,6 +89,8 @@ def test_a_hub_dataset_is_refused_at_once_when_the_hub_cannot_be_reached(closed_
     assert hub_unreachable("some-org/in-hub-cache", repo_type="dataset") is None
     (tmp_path / "datasets" / "some-org___built").mkdir(parents=True)
     assert hub_unreachable("some-org/built", repo_type="dataset") is None
+    (tmp_path / "datasets" / "Some-Org___camel_case").mkdir(parents=True)  # datasets snake-cases the name alone
+    assert hub_unreachable("Some-Org/CamelCase", repo_type="dataset") is None
 
 
 def test_a_name_lookup_that_blocks_gives_up_after_the_timeout(closed_hub, monkeypatch):

@@ -29,9 +29,11 @@ def _cached(name: str, repo_type: str) -> bool:
 
     if repo_type == "dataset":  # the hub's copy of its files, or what datasets built from them (its own cache)
         import datasets.config
+        from datasets.naming import camelcase_to_snakecase
 
         hub_copy = Path(constants.HF_HUB_CACHE) / ("datasets--" + name.replace("/", "--"))
-        built = Path(datasets.config.HF_DATASETS_CACHE) / name.replace("/", "___")
+        *namespace, dataset = name.split("/")  # where datasets looks for a build without the Hub (its cache factory)
+        built = Path(datasets.config.HF_DATASETS_CACHE) / "___".join([*namespace, camelcase_to_snakecase(dataset)])
         return hub_copy.is_dir() or built.is_dir()
     return any(isinstance(try_to_load_from_cache(name, filename), str) for filename in CACHED_FILES)
 
