@@ -5,7 +5,7 @@
 embedded CPU demo. Started plainly it launches its own local ranks; under torchrun, ``accelerate launch`` or
 Slurm it is one rank of theirs (see :mod:`ulysses_sp.train.run`). Exit status: 0 done, 2 invalid
 configuration (one line naming the flag or file), 1 any other failure, 130 Ctrl-C, 143 stopped by SIGTERM
-after saving a checkpoint.
+after saving a checkpoint, 129 SIGHUP (a closed terminal: nothing saved).
 """
 
 from __future__ import annotations
