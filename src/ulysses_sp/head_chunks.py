@@ -220,19 +220,15 @@ class HeadChunkedAttention:
         self.extra_outputs = 1
         self.hidden_name = first_argument(module)
         # the rows of each sliced projection a stage uses, by split and (projection, stage, device): made at the first
-        # call of each, then read (ulysses_sp.head_chunk_parts.ChunkParts.index); each projection's linear layer, by
-        # the child it was found under (a LoRA layer's base layer, :meth:`projection`)
+        # call of each, then read (ulysses_sp.head_chunk_parts.ChunkParts.index)
         self.row_indices: dict[ChunkHeads, dict[tuple, slice | torch.Tensor]] = {}
-        self._linears: dict[str, tuple[nn.Module, nn.Module]] = {}
 
     # ------------------------------------------------------------------------------------------- parts
     def projection(self, name: str) -> nn.Linear:
-        """The linear layer whose weight ``name`` slices (a LoRA layer's base layer)."""
-        child = self.module._modules[name]
-        found = self._linears.get(name)
-        if found is None or found[0] is not child:  # (PEFT may wrap or unwrap it between calls)
-            self._linears[name] = found = (child, base_linear(child))
-        return found[1]  # type: ignore[return-value]
+        """The linear layer whose weight ``name`` slices (a LoRA layer's base layer). Looked up at each call, not
+        kept: PEFT may wrap or unwrap it between calls, and a write here while a compiled layer traces the unchunked
+        path (which asks for the head dim) is a side effect that breaks its graph inside a checkpointed region."""
+        return base_linear(self.module._modules[name])  # type: ignore[return-value]
 
     def adapters(self, name: str) -> tuple[Adapter, ...]:
         """The LoRA adapters that projection ``name`` adds in this call (:mod:`ulysses_sp.head_chunk_lora`)."""
