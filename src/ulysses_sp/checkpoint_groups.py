@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .tiling import Replay
+from .replay import Replay
 
 if TYPE_CHECKING:
     from .offload import HostActivationStore

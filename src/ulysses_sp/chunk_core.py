@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from .cores import AttentionCall
+from .grad_sums import sum_dtype
 from .ring_kernels import default_ring_kernel, get_ring_kernel
-from .tiling import sum_dtype
 
 __all__ = [
     "KERNEL_CORES",

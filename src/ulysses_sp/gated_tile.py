@@ -34,7 +34,7 @@ from torch import nn
 from .instance_forward import installed_forward
 
 if TYPE_CHECKING:
-    from .grad_sums import GradSums as _GradSums
+    from .grad_sums import GradSums
 
 __all__ = ["MIN_BLOCK_ROWS", "ROW_BLOCKS", "GatedChunk", "block_rows", "gated_chunk"]
 
@@ -97,7 +97,7 @@ class GatedChunk:
         self,
         x: torch.Tensor,
         grad: torch.Tensor,
-        sums: _GradSums,
+        sums: GradSums,
         need_x: bool,
         pre: Callable[[torch.Tensor], torch.Tensor] | None = None,
         pre_params: list[torch.Tensor] | None = None,
@@ -107,7 +107,7 @@ class GatedChunk:
         ``grad``: the output's gradient ``[..., c, h_out]``. ``pre``: a norm fused in front (the MLP computes
         ``mlp(pre(x))``), run with autograd block by block; its parameters ``pre_params`` get their gradients
         through ``sums``' hooks. Runs under the forward's autocast state (the caller's
-        :class:`ulysses_sp.tiling.Replay`), so the projections compute in the dtype the forward's did.
+        :class:`ulysses_sp.replay.Replay`), so the projections compute in the dtype the forward's did.
         """
         x2, g2 = x.detach().reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])  # [c, h], [c, h_out]
         rows = x2.shape[0]
@@ -132,7 +132,7 @@ class GatedChunk:
                 grad_x[part] = grad_normed.view(-1, x2.shape[-1]) if grad_normed is not None else 0
         return None if grad_x is None else grad_x.view(x.shape)
 
-    def _block(self, x: torch.Tensor, g: torch.Tensor, sums: _GradSums, need_x: bool) -> torch.Tensor | None:
+    def _block(self, x: torch.Tensor, g: torch.Tensor, sums: GradSums, need_x: bool) -> torch.Tensor | None:
         """One block of ``r`` rows: ``x [r, h]``, the output's gradient ``g [r, h_out]``. The weights enter the
         matmuls as they are: under autocast its cached casts (those the projections' forward made), no copies."""
         gate = F.linear(x, self.gate.weight, self.gate.bias)  # [r, I]

@@ -18,8 +18,8 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.autograd.graph import get_gradient_edge
 
+from .grad_sums import add_mm, sum_dtype
 from .head_chunk_lora import lora_linear
-from .tiling import add_mm, sum_dtype
 
 if TYPE_CHECKING:
     from .deferred_input import NormRemake
@@ -134,7 +134,7 @@ _INPUT = "<the block's input>"  # add_chunk's name for the input's gradient (not
 
 
 def _zeros(t: torch.Tensor, chunks: int) -> torch.Tensor:
-    """A zeroed accumulator of ``t``'s shape (:func:`ulysses_sp.tiling.sum_dtype`)."""
+    """A zeroed accumulator of ``t``'s shape (:func:`ulysses_sp.grad_sums.sum_dtype`)."""
     return torch.zeros(t.shape, dtype=sum_dtype(t.dtype, chunks > 1), device=t.device)
 
 

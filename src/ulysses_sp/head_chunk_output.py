@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from .chunk_core import output_row_sums
+from .grad_sums import sum_dtype
 from .head_chunk_lora import adapter_grads, adapter_low
 from .head_split import DEPTH
-from .tiling import compute_dtype, sum_dtype
+from .tiling import compute_dtype
 
 if TYPE_CHECKING:
     from .head_chunk_grads import Accumulators

@@ -69,12 +69,13 @@ from .comm import (
 )
 from .cores import AttentionCall
 from .deferred_input import Absent, NormRemake
+from .grad_sums import sum_dtype
 from .head_chunk_grads import Accumulators, ProjectionCut, Roots
 from .head_chunk_lora import InputLows
 from .head_chunk_output import out_finish, out_input_grad, out_proj_backward, out_share, out_start, output_grads
 from .head_chunk_parts import KV, ChunkParts, add_at, core_inputs, exchanged_heads, take
 from .interleave import Stages, run_interleaved
-from .tiling import Replay, sum_dtype
+from .replay import Replay
 
 if TYPE_CHECKING:
     from .head_chunk_lora import Adapter

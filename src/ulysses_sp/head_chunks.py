@@ -63,7 +63,8 @@ from .head_split import (
 from .hf import first_argument
 from .instance_forward import install_forward, installed_forward, restore_forward
 from .norm_projections import NormProjection
-from .tiling import Replay, compute_dtype
+from .replay import Replay
+from .tiling import compute_dtype
 
 __all__ = [
     "HeadChunkedAttention",

@@ -25,8 +25,9 @@ from torch.autograd.function import once_differentiable
 
 from .compile_boundary import TILED_OFF, run_eagerly
 from .instance_forward import install_forward, installed_forward, restore_forward
+from .replay import Replay
 from .tiled_op import AVAILABLE
-from .tiling import Replay, TiledForward, _spans, compute_dtype
+from .tiling import TiledForward, _spans, compute_dtype
 
 __all__ = ["NormProjection", "install_norm_projections", "remove_norm_projections"]
 

@@ -42,8 +42,7 @@ from torch.autograd.function import once_differentiable
 
 from .compile_boundary import TILED_OFF, run_eagerly
 from .gated_tile import GatedChunk, gated_chunk
-from .grad_sums import GradSums as _GradSums
-from .grad_sums import add_mm, sum_dtype
+from .grad_sums import GradSums
 from .hf import find_pretrained, mlp_modules, text_config
 from .instance_forward import install_forward, installed_forward, restore_forward
 from .replay import Replay
@@ -51,10 +50,7 @@ from .tiled_op import apply_tiled, new_handle
 
 __all__ = [
     "TiledForward",
-    "Replay",
     "TiledMLP",
-    "add_mm",
-    "sum_dtype",
     "check_chunk_tokens",
     "compute_dtype",
     "default_chunk_tokens",
@@ -137,7 +133,7 @@ def backward_chunks(
     spans = _spans(x.shape[-2], tiled.chunk_size(x))
     grad_x = torch.empty_like(x) if need_x and len(spans) > 1 else None
     by_hand = tiled.chunk_backward() if x.numel() else None
-    sums = _GradSums(wanted, wide=len(spans) > 1 or by_hand is not None)  # by hand: summed over row blocks
+    sums = GradSums(wanted, wide=len(spans) > 1 or by_hand is not None)  # by hand: summed over row blocks
     pre = [p for p in wanted if any(p is q for q in tiled.pre_parameters())]  # the fused norm's, by hand
     with replay(), torch.enable_grad(), sums:
         for start, length in spans:

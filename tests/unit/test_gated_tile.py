@@ -183,13 +183,13 @@ def test_bf16_parameters_in_one_chunk_and_an_empty_batch(monkeypatch):
     from ulysses_sp import tiling
 
     made = []
-    grad_sums = tiling._GradSums
+    grad_sums = tiling.GradSums
 
     def spy(params, *, wide):
         made.append(wide)
         return grad_sums(params, wide=wide)
 
-    monkeypatch.setattr(tiling, "_GradSums", spy)
+    monkeypatch.setattr(tiling, "GradSums", spy)
     torch.manual_seed(0)
     mlp = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=96, num_attention_heads=2)).to(torch.bfloat16)
     x, grad = torch.randn(1, 1024, 32, dtype=torch.bfloat16), torch.randn(1, 1024, 32, dtype=torch.bfloat16)

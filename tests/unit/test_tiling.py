@@ -337,11 +337,11 @@ def test_a_parameter_gradient_from_outside_the_chunk_is_refused_not_summed():
     """While a chunk is back-propagated, the hook that sums a parameter's gradient would also take one that another
     graph delivers to that parameter in the same window (a weight shared with a parallel branch): the chunk's
     check sees two gradients and raises instead of returning a wrong sum."""
-    from ulysses_sp.tiling import _GradSums
+    from ulysses_sp.grad_sums import GradSums
 
     weight = torch.nn.Parameter(torch.randn(3, 3))
     x = torch.randn(2, 3)
-    with _GradSums([weight], wide=False) as sums:
+    with GradSums([weight], wide=False) as sums:
         torch.autograd.grad((x @ weight).sum(), [weight])  # the chunk's own
         sums.check_chunk()
         torch.autograd.grad((x @ weight).sum(), [weight])
