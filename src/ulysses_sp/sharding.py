@@ -20,31 +20,17 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from .batch_checks import (
-    SHARDED_KEYS,
-    BatchCheck,
-    batch_check,
-    check_batch,
-    checked_pad_id,
-    compare_in_group,
-    shift_labels,
-    tensor_digest,
-    validated,
-)
+from .batch_checks import SHARDED_KEYS, batch_check, checked_pad_id, compare_in_group, shift_labels, validated
 from .layout import ParallelLayout
 from .ring import from_zigzag, zigzag_order
 from .validation import IGNORE_INDEX, cut_of, gather_cut_problem, mark_cut, peers_join, replicas_agree
 
 __all__ = [
     "IGNORE_INDEX",
-    "SHARDED_KEYS",
-    "BatchCheck",
-    "check_batch",
     "gather_sequence",
     "pad_to_multiple",
     "shard_batch",
     "shift_labels",
-    "tensor_digest",
 ]
 
 

@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
+from ..batch_checks import SHARDED_KEYS, BatchCheck, check_batch
 from ..features import Features
 from ..layout import ParallelLayout
-from ..sharding import SHARDED_KEYS, BatchCheck, check_batch, shard_batch
+from ..sharding import shard_batch
 
 __all__ = [
     "BATCH_CHECK_KEY",
@@ -138,7 +139,7 @@ class SequenceParallelCollator:
             removes it before the model (the Trainer integration, for ``include_num_input_tokens_seen``).
         require_labels: refuse a batch without ``labels`` (True, for training); False passes it on without
             ``shift_labels``, for a model that then returns logits alone (the Trainer's eval and test batches).
-        defer_checks: in a dataloader worker, put the checks' verdict (a :class:`~ulysses_sp.sharding.BatchCheck`)
+        defer_checks: in a dataloader worker, put the checks' verdict (a :class:`~ulysses_sp.batch_checks.BatchCheck`)
             into the batch under :data:`BATCH_CHECK_KEY` instead of raising a refusal there (a refused batch is
             then the verdict alone), for the main process of each rank to share with :func:`agree_on_batch`, so
             every rank raises the same ValueError. For a consumer that does so: the Trainer and Accelerate
@@ -217,7 +218,7 @@ class SequenceParallelCollator:
 
 def agree_on_batch(batch: Any, layout: ParallelLayout) -> Any:
     """``batch`` without :data:`BATCH_CHECK_KEY`, once every rank has agreed on the verdict a dataloader worker put
-    there (:meth:`~ulysses_sp.sharding.BatchCheck.agree`: a collective; a batch refused on any rank, or batches
+    there (:meth:`~ulysses_sp.batch_checks.BatchCheck.agree`: a collective; a batch refused on any rank, or batches
     that differ inside an SP group, raise the same kind of ValueError on every rank). A batch without the key is
     returned as it is (collated in the main process, where the collator agreed already). Every rank must call it
     on each batch of the same dataloader."""

@@ -355,11 +355,11 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
         loss = outputs = logits = None
         with torch.no_grad(), self.compute_loss_context_manager():
             if labelled:
-                scored = without_repeats(inputs, self.accelerator, layout)  # no loss from samples accelerate repeated
+                repeated = repeated_rows(self.accelerator, layout, inputs["shift_labels"].shape[0])
+                scored = without_repeats(inputs, repeated)  # no loss from samples accelerate repeated
                 # nor an MoE's load-balancing term, unless every row repeats (that batch's loss is dropped; TRL's
                 # aux_loss metric, a mean over the ranks, then gets a sample's term as under plain DDP, not 0)
-                repeated = repeated_rows(self.accelerator, layout, inputs["shift_labels"].shape[0])
-                repeated = None if repeated is None or repeated.all() else repeated
+                kept = None if repeated is None or repeated.all() else ~repeated
                 count = (scored["shift_labels"] != IGNORE_INDEX).sum()
                 if layout.sp > 1:
                     dist.all_reduce(count, group=layout.sp_group)
@@ -367,7 +367,7 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
                 with self._sp_loss_check.watch():
                     kwargs = dict(return_outputs=predict, num_items_in_batch=count.clamp(min=1))  # by keyword
                     try:
-                        self._sp_rows_kept = None if repeated is None else ~repeated
+                        self._sp_rows_kept = kept
                         got = self.compute_loss(model, scored, **kwargs)  # (an override may take **kwargs)
                     finally:
                         self._sp_rows_kept = None

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..batch_checks import SHARDED_KEYS, tensor_digest
 from ..layout import ParallelLayout
-from ..sharding import SHARDED_KEYS, gather_sequence, tensor_digest
+from ..sharding import gather_sequence
 from ..validation import IGNORE_INDEX, replicas_agree
 
 __all__ = [
@@ -173,13 +174,12 @@ def drop_repeats(accelerator: Any, data: Any, rows: int | None = None) -> Any:
     return data if real is None else recursively_apply(lambda t: t if t.dim() == 0 else t[:real], data)
 
 
-def without_repeats(inputs: dict[str, Any], accelerator: Any, layout: ParallelLayout) -> dict[str, Any]:
+def without_repeats(inputs: dict[str, Any], repeated: torch.Tensor | None) -> dict[str, Any]:
     """A shard of an eval batch (``labels`` and ``shift_labels`` ``[b, n]``) without targets (-100) in the rows that
-    repeat samples: at the end of a dataloader whose last batch accelerate evened out over ``dp > 1`` groups, the
-    gathered rows run in dp order and only the first ``remainder`` are samples (:func:`drop_repeats`). The batch's
-    loss is then that of its samples, as one process computes it (the repeats counted in it before); the same
-    ``inputs`` when no row repeats."""
-    repeated = repeated_rows(accelerator, layout, inputs["shift_labels"].shape[0])
+    repeat samples (``repeated``, :func:`repeated_rows`): at the end of a dataloader whose last batch accelerate
+    evened out over ``dp > 1`` groups, the gathered rows run in dp order and only the first ``remainder`` are samples
+    (:func:`drop_repeats`). The batch's loss is then that of its samples, as one process computes it (the repeats
+    counted in it before); the same ``inputs`` when no row repeats."""
     if repeated is None:
         return inputs
     return {
