@@ -200,7 +200,7 @@ class ChunkRun:
             found = [t.tensor() if isinstance(t, Joined) else t for t in parts]
             parts.clear()
             return found
-        if len(parts) == 1:
+        if len(parts) == 1 and (self.wire is None or not isinstance(parts[0], Joined)):  # (else a cast: pack_rows')
             send, layout = (parts[0].tensor() if isinstance(parts[0], Joined) else parts[0]), None
             send = send if self.wire is None else send.to(self.wire, memory_format=torch.contiguous_format)
         else:
