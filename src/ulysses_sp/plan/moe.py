@@ -119,10 +119,8 @@ def has_experts(layers: list[Any]) -> bool:
     return any(mlp is not None and mlp._modules.get("experts") is not None for mlp in mlp_blocks(layers))
 
 
-def moe_shape(
-    text: Any, model: Any, layers: list[Any], *, per_token: int, width: int, shared: int, dense: int
-) -> MoeShape | None:
-    """The :class:`MoeShape` of ``model`` (built on the meta device; ``layers`` its decoder layers) or None where no
+def moe_shape(text: Any, layers: list[Any], *, per_token: int, width: int, shared: int, dense: int) -> MoeShape | None:
+    """The :class:`MoeShape` of a model (built on the meta device; ``layers`` its decoder layers) or None where no
     layer holds an MoE block as transformers 5 builds them: a child ``experts`` whose weights are ``[E, ...]``
     tensors (not a list of expert modules), beside a router whose weight is ``[E, h]``."""
     blocks = []

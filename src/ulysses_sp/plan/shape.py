@@ -234,7 +234,7 @@ def _counted_params(
     tensors = _tally((n, p.numel() // n, 1) for n, p in rows)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     sizes = dict(per_token=mlp.per_token, width=mlp.expert, shared=mlp.shared, dense=mlp.dense)
-    moe = moe_shape(text, model, list(stacks[0]), **sizes) if mlp.note else None
+    moe = moe_shape(text, list(stacks[0]), **sizes) if mlp.note else None
     return total, max(per_layer), total - sum(per_layer), tensors, moe, has_experts(list(stacks[0]))
 
 
