@@ -30,7 +30,7 @@ from ..ring import ring_bytes_per_layer
 from ..tiled_loss import chunk_bytes_per_logit, loss_chunk_tokens
 from ..traffic import ulysses_bytes_per_layer
 from .attention import attention_backward, attention_terms, latent_terms, planned_head_chunks
-from .earlier_layers import add_earlier_layers
+from .earlier_layers import add_earlier_layers, unsharded_layers
 from .host import host_terms
 from .mlp import mlp_by_layer, mlp_terms
 from .placement import choose_placement, placement_is_chosen
@@ -186,9 +186,9 @@ def _terms(
         # fp32 master shards (1/W of every parameter) + the compute-dtype copies FSDP2 all-gathers: the
         # root (embedding, final norm, untied lm_head) stays unsharded from its forward to the end of
         # backward (FSDP2 does not reshard the root after forward), decoder layers one at a time plus the
-        # next one prefetched.
+        # next one prefetched (below: earlier_layers.unsharded_layers).
         master = 0 if offload_states else 4 * params // world
-        weights = master + c * root_params + 2 * c * layer_params
+        weights = master + c * root_params
         # Sharded fp32 grads exist after the reduce-scatters (all of them at the optimizer step). The layer
         # being back-propagated holds its unsharded grads in the compute dtype as they are made: during its
         # MLP's backward the MLP's (plan/mlp.py), during its attention's the MLP's and the attention's. Their fp32
@@ -284,11 +284,10 @@ def _terms(
         loss_forward = (c + u + 4) * t * vocab
         loss_backward = 12 * t * vocab
 
-    # one rank: FSDP2's prefetch is a no-op (its all-gather, a copy, is made when the layer itself runs), so backward
-    # holds one layer unsharded, not two (measured, sp=1: Mixtral, DeepSeek-V3)
-    lone = c * layer_params if fsdp and world == 1 else 0
-    base = {"weights": weights - lone, "optimizer": states, "rope": rope, "checkpoints": checkpoints}
-    loss_base = {**base, "weights": weights - c * layer_params * fsdp}  # FSDP2: one layer unsharded (the last), not 2
+    layer = c * layer_params * fsdp  # a decoder layer FSDP2 gathers (DDP's copies are all in `weights`)
+    base = {"weights": weights + unsharded_layers(world) * layer, "optimizer": states, "rope": rope}
+    base["checkpoints"] = checkpoints
+    loss_base = {**base, "weights": weights + layer}  # FSDP2: one layer unsharded (the last)
     all_layers = others + per_layer * t if mode == "none" else 0
     phases = {
         "loss forward": {**loss_base, "layer_activations": all_layers + final_norm, "logits_loss": loss_forward},
@@ -296,7 +295,7 @@ def _terms(
             **base,
             # FSDP2 gathers the last layer again once the gradient reaches the model's output: the plain loss's
             # logits, after this moment (measured: only the root is gathered at the log-softmax's backward)
-            **({} if features.tiled_loss else {"weights": weights - 2 * c * layer_params * fsdp}),
+            **({} if features.tiled_loss else {"weights": weights}),
             "gradients": 0 if features.tiled_loss else head_grad,  # tiled: made at its end (in logits_loss)
             "layer_activations": all_layers + norm_after_loss,
             "logits_loss": loss_backward,
