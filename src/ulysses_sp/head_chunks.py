@@ -21,8 +21,8 @@ must agree (:meth:`HeadChunkedAttention.verify`). A module that fails either che
 when C > 1 was asked for, and keeps the unchunked path when C is automatic.
 
 C: ``head_chunks`` of :func:`ulysses_sp.parallelize` (``--head-chunks``); None or 0 = automatic: the fewest
-chunks whose q/k/v after the exchange fit ``budget_bytes`` per rank (:mod:`ulysses_sp.head_split`, which the
-planner uses too); 1 = the unchunked path.
+chunks whose q/k/v after the exchange fit ``budget_bytes`` per rank, else the planner's lowest attention peak
+(:func:`ulysses_sp.head_split.choose_head_chunks`, which the planner calls too); 1 = the unchunked path.
 """
 
 from __future__ import annotations
@@ -328,6 +328,9 @@ class HeadChunkedAttention:
             tokens=x.shape[0] * x.shape[1] * layout.ulysses,
             head_dim=self.projection(self.names.query[0]).out_features // self.num_heads,
             element_size=torch.empty((), dtype=dtype).element_size(),
+            hidden=x.shape[-1],
+            ring=layout.ring,
+            device="cuda" if x.is_cuda else "cpu",
             requested=self.requested,
             budget_bytes=self.budget_bytes,
         )

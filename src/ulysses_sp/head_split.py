@@ -2,9 +2,10 @@
 
 :func:`head_chunk_choices` lists the chunk counts C that split the heads over the Ulysses ranks with the kv groups
 intact; :func:`choose_head_chunks` picks one (asked for, or the fewest whose q/k/v after the exchange fit a budget
-per rank); :class:`HeadSplit` maps a slice of one process's heads to its query and kv heads, and
-:class:`ChunkHeads` a chunk of a layer's heads over the Ulysses ranks. The attention (:mod:`ulysses_sp.head_chunks`)
-and the memory planner both call these, so the plan predicts the C that runs.
+per rank, else the one whose attention the memory planner puts lowest); :class:`HeadSplit` maps a slice of one
+process's heads to its query and kv heads, and :class:`ChunkHeads` a chunk of a layer's heads over the Ulysses
+ranks. The attention (:mod:`ulysses_sp.head_chunks`) and the memory planner both call these, so the plan predicts
+the C that runs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ __all__ = [
     "HeadSplit",
     "check_head_chunks",
     "choose_head_chunks",
-    "chunk_backward_bytes",
     "chunk_exchange_bytes",
     "core_slices",
     "head_chunk_choices",
@@ -59,31 +59,14 @@ def chunk_exchange_bytes(
     and, per chunk, its ``max(Hkv_c/U, 1)`` kv heads, or, where the chunks share them
     (:attr:`ChunkHeads.shared_kv`), the layer's ``max(Hkv/U, 1)`` kv heads once and, as backward holds them, their
     gradients' sum (fp32)."""
-    return _chunk_bytes(num_heads, num_kv_heads, ulysses, chunks, tokens, head_dim, element_size, copies=1)
-
-
-def chunk_backward_bytes(
-    num_heads: int, num_kv_heads: int, ulysses: int, chunks: int, *, tokens: int, head_dim: int, element_size: int
-) -> int:
-    """Bytes of the q/k/v after the exchange on one rank AND their gradients while ``min(C, DEPTH)`` chunks are in
-    backward (arguments as :func:`chunk_exchange_bytes`): each chunk's query heads and their gradients and, per
-    chunk, its kv heads and theirs, or, where the chunks share them, the layer's kv heads once with their gradients'
-    fp32 sum. C = 1 holds the whole layer's q/k/v and gradients."""
-    return _chunk_bytes(num_heads, num_kv_heads, ulysses, chunks, tokens, head_dim, element_size, copies=2)
-
-
-def _chunk_bytes(
-    num_heads: int, num_kv_heads: int, ulysses: int, chunks: int, tokens: int, head_dim: int, c: int, copies: int
-) -> int:
-    """q/k/v after the exchange of the chunks alive, ``copies`` = 1 (the tensors) or 2 (and their gradients); kv
-    heads the chunks share: once, with their gradients' fp32 sum, either way."""
+    c = element_size
     heads = ChunkHeads(num_heads, num_kv_heads, chunks, ulysses)
     alive = min(chunks, DEPTH)
-    q = alive * heads.heads_per_chunk // ulysses * copies * c
+    q = alive * heads.heads_per_chunk // ulysses * c
     if heads.shared_kv:
         kv = 2 * max(num_kv_heads // ulysses, 1) * (c + max(c, 4))
     else:
-        kv = 2 * alive * max(heads.kv_per_chunk // ulysses, 1) * copies * c
+        kv = 2 * alive * max(heads.kv_per_chunk // ulysses, 1) * c
     return (q + kv) * tokens * head_dim
 
 
@@ -95,32 +78,40 @@ def choose_head_chunks(
     tokens: int,
     head_dim: int,
     element_size: int,
+    hidden: int,
+    ring: int,
+    device: str,
     requested: int | None = None,
     budget_bytes: int = DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
 ) -> int:
     """The chunk count C: ``requested`` when > 0 (ValueError unless it is one of :func:`head_chunk_choices`),
     else the fewest chunks whose :func:`chunk_exchange_bytes` (the chunks alive at once) fit ``budget_bytes``;
-    when none does, the C of the smallest :func:`chunk_backward_bytes` (the fewest chunks among equals).
+    when none does, the C whose attention peaks lowest as the memory planner models it
+    (:func:`ulysses_sp.plan.attention.attention_peak`: the chunks' q/k/v, gradients, exchange buffers and core,
+    a ring's included, over ``ring`` ranks of ``hidden``-wide tokens on ``device``, "cuda" or "cpu"; the fewest
+    chunks among equals), so that plan and run agree on C and C is the planner's lowest peak.
 
-    Where none fits, the q/k/v alone would mislead: chunks that share the kv heads hold their fp32 gradient sum,
-    and one chunk holds its gradients beside it as C = 1 does, so C = 1 looked smallest for every layer whose
-    chunks share kv heads (Llama-3.1-8B at sp=8: 12 against 16 bytes a token and head dim for C = 4), though the
-    planner puts a rank's peak at 8M tokens 23% lower with C = 4 (59.5 against 77.1 GiB, the issue-18 plan)."""
+    Where none fits, the q/k/v alone (and then the q/k/v with their gradients) misled: C = 1 for 16 heads on 8 kv
+    heads over 4 ranks at 2M tokens, where C = 4 plans 13% lower; C = 4 for Llama-3.1-8B in ulysses 2 x ring 4 at
+    8M tokens (79.4 GiB), where C = 16 plans 72.7 GiB (``tests/unit/test_head_chunks.py``)."""
     choices = head_chunk_choices(num_heads, num_kv_heads, ulysses)
     if requested:
         check_head_chunks(requested, num_heads, num_kv_heads, ulysses)
         return requested
-    sizes = {
-        c: chunk_exchange_bytes(
-            num_heads, num_kv_heads, ulysses, c, tokens=tokens, head_dim=head_dim, element_size=element_size
-        )
-        for c in choices
-    }
-    fitting = [c for c in choices if sizes[c] <= budget_bytes]
+    kw = dict(tokens=tokens, head_dim=head_dim, element_size=element_size)
+    fitting = [c for c in choices if chunk_exchange_bytes(num_heads, num_kv_heads, ulysses, c, **kw) <= budget_bytes]
     if fitting:
         return fitting[0]
-    kw = dict(tokens=tokens, head_dim=head_dim, element_size=element_size)
-    return min(choices, key=lambda c: (chunk_backward_bytes(num_heads, num_kv_heads, ulysses, c, **kw), c))
+    from .plan.attention import attention_peak, attention_terms  # the planner's (plan/attention.py imports this)
+
+    def peak(chunks: int) -> float:
+        attn = attention_terms(
+            num_heads, num_kv_heads, head_dim, hidden, ulysses=ulysses, ring=ring, c=element_size, device=device,
+            chunks=chunks, tokens=tokens,
+        )  # fmt: skip
+        return attention_peak(attn, hidden=hidden, c=element_size, ring=ring)
+
+    return min(choices, key=lambda c: (peak(c), c))
 
 
 def core_slices(heads: int, kv_heads: int, *, tokens: int, head_dim: int, budget_bytes: int) -> int:

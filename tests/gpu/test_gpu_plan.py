@@ -35,8 +35,8 @@ def test_simulate_on_gpu_agrees_with_the_plan(model, seq_len, sp, features, gpu_
 
 def test_automatic_head_chunks_of_the_issue_18_layer_agree_with_the_plan(gpu_record):
     """Llama-3.1-8B's layers (4 of them, to keep the step short) as one rank of sp=8 at 1M tokens, the default
-    features: no chunk count fits the automatic budget there, so automatic C is the one whose q/k/v and gradients are
-    smallest, 4 (ulysses_sp.head_split.chunk_backward_bytes), the chunks' kernels and exchanges the planner's CUDA
+    features: no chunk count fits the automatic budget there, so automatic C is the one whose attention the planner
+    puts lowest, 4 (ulysses_sp.plan.attention.attention_peak), the chunks' kernels and exchanges the planner's CUDA
     terms. Planned 14.1 GiB (the loss forward, the last layer's exchange 1% below it)."""
     from ulysses_sp.shapes import shape_config
 

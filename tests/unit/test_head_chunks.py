@@ -12,7 +12,7 @@ import torch
 import ulysses_sp as U
 from tests.helpers.models import build, loss_and_grads, make_batch
 from ulysses_sp.head_chunks import HeadChunkedAttention
-from ulysses_sp.head_split import choose_head_chunks, chunk_backward_bytes, chunk_exchange_bytes, head_chunk_choices
+from ulysses_sp.head_split import choose_head_chunks, chunk_exchange_bytes, head_chunk_choices
 from ulysses_sp.instance_forward import installed_forward
 
 
@@ -133,32 +133,65 @@ def test_choices_and_automatic_choice():
     assert head_chunk_choices(8, 2, 2) == [1, 2, 4]  # 8 chunks of 1 head would not split over 2 ranks
     assert head_chunk_choices(16, 2, 4) == [1, 2, 4]
     assert head_chunk_choices(4, 4, 4) == [1]
-    kw = dict(tokens=16384, head_dim=64, element_size=4)
+    kw = dict(tokens=16384, head_dim=64, element_size=4, hidden=1024, ring=1, device="cuda")
     # q/k/v after the exchange of the chunks alive (min(C, 2)), x 16384 x 64 x 4 bytes: 16 heads, 4 kv heads over
     # 2 ranks: C=1 (8 + 2 x 2) rows, C=2 2 x (4 + 2 x 1); C=4 and C=8 share the kv heads (one per chunk < 2
     # ranks): 2 x 2 and 2 x 1 query rows, the 2 x 2 kv rows once and their fp32 gradient sum (2 x 2 more)
     row = 16384 * 64 * 4
     assert head_chunk_choices(16, 4, 2) == [1, 2, 4, 8]
-    sizes = {c: chunk_exchange_bytes(16, 4, 2, c, **kw) for c in (1, 2, 4, 8)}
+    sizes = {c: chunk_exchange_bytes(16, 4, 2, c, tokens=16384, head_dim=64, element_size=4) for c in (1, 2, 4, 8)}
     assert sizes == {1: 12 * row, 2: 12 * row, 4: 12 * row, 8: 10 * row}
     assert choose_head_chunks(16, 4, 2, budget_bytes=12 * row, **kw) == 1
     assert choose_head_chunks(16, 4, 2, budget_bytes=12 * row - 1, **kw) == 8
-    # none fits: the smallest backward working set, the q/k/v with their gradients (kv heads the chunks share: with
-    # their fp32 sum): C=1 2 x 12 rows, C=2 2 x 12, C=4 2 x 4 + 8, C=8 2 x 2 + 8
-    backward = {c: chunk_backward_bytes(16, 4, 2, c, **kw) for c in (1, 2, 4, 8)}
-    assert backward == {1: 24 * row, 2: 24 * row, 4: 16 * row, 8: 12 * row}
+    # none fits: the C of the planner's lowest attention peak (ulysses_sp.plan.attention.attention_peak)
     assert choose_head_chunks(16, 4, 2, budget_bytes=1, **kw) == 8
-    # Llama-3.1-8B's heads at sp=8 (32 on 8 kv: one kv head a rank, shared by C = 2 and 4): by the q/k/v alone C = 1
-    # looked smallest whatever the length (12 rows of 2 bytes a token and head dim, C = 4 16), so it never chunked
-    big = dict(tokens=1 << 23, head_dim=128, element_size=2)
-    assert [chunk_exchange_bytes(32, 8, 8, c, **big) // (1 << 30) for c in (1, 2, 4)] == [12, 20, 16]
-    assert [chunk_backward_bytes(32, 8, 8, c, **big) // (1 << 30) for c in (1, 2, 4)] == [24, 28, 20]
+    # Llama-3.1-8B's heads at sp=8 (32 on 8 kv: one kv head a rank, shared by C = 2 and 4) at 8M tokens: C = 4
+    big = dict(tokens=1 << 23, head_dim=128, element_size=2, hidden=4096, ring=1, device="cuda")
     assert choose_head_chunks(32, 8, 8, **big) == 4
     assert choose_head_chunks(32, 8, 8, **{**big, "tokens": 1 << 19}) == 1  # C = 1 fits the default budget
     # bf16: 4 query rows and 4 kv rows of 2 bytes, the kv heads' gradient sum 4 rows of 4 bytes
     bf16 = chunk_exchange_bytes(16, 4, 2, 4, tokens=16384, head_dim=64, element_size=2)
     assert bf16 == (4 * 2 + 4 * 2 + 4 * 4) * 16384 * 64
     assert choose_head_chunks(16, 4, 2, budget_bytes=1, requested=2, **kw) == 2
+
+
+# (hidden, heads, kv heads, ulysses, ring, tokens) where no C fits the budget, and the planned peaks of the C the rule
+# took when it compared the q/k/v with their gradients and of the lowest (Llama-3.1-8B's heads: 32 of 128 on 8 kv)
+_OVER_BUDGET = [
+    (2048, 16, 8, 4, 1, 1 << 21),  # C = 1 25.1 GiB, C = 4 21.7
+    (4096, 32, 8, 2, 4, 1 << 23),  # Llama-3.1-8B's heads, ulysses 2 x ring 4: C = 4 70.5 GiB, C = 16 63.9
+    (4096, 32, 8, 2, 16, 1 << 25),  # ulysses 2 x ring 16: C = 4 65.0 GiB, C = 16 58.3
+    (1024, 8, 4, 2, 2, 1 << 23),  # C = 1 68.5 GiB, C = 4 49.4
+    (2048, 16, 16, 8, 2, 1 << 21),  # C = 1 14.9 GiB, C = 2 12.9
+    (4096, 32, 8, 8, 1, 1 << 23),  # Llama-3.1-8B's heads at sp=8 (issue 18): C = 4 64.9 GiB (C = 1 82.4), as before
+]
+
+
+@pytest.mark.parametrize(("hidden", "heads", "kv_heads", "ulysses", "ring", "seq_len"), _OVER_BUDGET)
+def test_automatic_chunks_are_the_planners_lowest_peak_where_none_fits_the_budget(
+    hidden, heads, kv_heads, ulysses, ring, seq_len
+):
+    """Where no C's q/k/v fit the budget, automatic C is the one whose planned per-rank peak is lowest (ties within
+    0.5%: the fewest chunks): the plan of each allowed C (the default features, bf16 on CUDA, 16 layers) against the
+    plan of automatic C, which is the runtime's choose_head_chunks for the same tokens."""
+    from ulysses_sp.plan import Features, ModelShape, plan_memory
+
+    shape = ModelShape(
+        hidden_size=hidden, num_layers=16, num_heads=heads, num_kv_heads=kv_heads, head_dim=128,
+        intermediate_size=4 * hidden, vocab_size=32000, tie_word_embeddings=False,
+    )  # fmt: skip
+    args = dict(seq_len=seq_len, sp=ulysses * ring, ring=ring)
+    peaks = {
+        c: plan_memory(shape, **args, features=Features(head_chunks=c)).peak_bytes
+        for c in head_chunk_choices(heads, kv_heads, ulysses)
+    }
+    auto = plan_memory(shape, **args, features=Features())
+    tokens = auto.tokens_per_rank * ulysses
+    sizes = dict(tokens=tokens, head_dim=128, element_size=2)
+    assert min(chunk_exchange_bytes(heads, kv_heads, ulysses, c, **sizes) for c in peaks) > 1 << 30  # none fits
+    runtime = choose_head_chunks(heads, kv_heads, ulysses, **sizes, hidden=hidden, ring=ring, device="cuda")
+    assert auto.head_chunks == runtime
+    assert peaks[runtime] <= min(peaks.values()) * 1.005, (runtime, peaks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

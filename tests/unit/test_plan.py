@@ -1,5 +1,7 @@
 """The memory planner: formulas, monotonicity, the measured H100 anchors, simulate on CPU, errors."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -195,23 +197,26 @@ def test_a_config_json_with_impossible_sizes_is_refused_naming_the_size(fields, 
 
 
 def test_recommend_tries_more_head_chunks_before_a_costlier_tier():
-    """16 heads of 128 on 8 kv heads (hidden 2048, 16 layers) at sp=4 on 80 GiB GPUs: automatic C keeps 1 chunk
-    (whose q/k/v with their gradients are the smallest: 4 chunks would share the rank's 2 kv heads) and reaches
-    7.2M tokens; 4 chunks hold less of the attention and reach 8.6M. Asked for 8M, the recommendation was the CPU
-    optimizer (a slow host AdamW step); it now tries the explicit chunk counts of a tier first, and automatic C where
-    it suffices. (Qwen3-4B at sp=8 was the example until automatic C chose 4 chunks there: it reaches 7.0M.)"""
+    """16 heads of 128 on 8 kv heads (hidden 2048, 16 layers) on 16 GPUs, 8 a node (sp=16: ulysses 8 x ring 2), 4M
+    tokens: without checkpointing, automatic C keeps 1 chunk (it compares the chunks' attention as a checkpointed layer
+    holds it), whose every layer saves its q/k/v, output and lse (104.1 GiB), where the chunks of a ring recompute
+    their cores and save none: 2 chunks plan 51.5 GiB. The recommendation tries the explicit chunk counts of a tier
+    before a costlier tier (checkpointing), and automatic C where it suffices. (16 heads on 8 kv at sp=4, 8M tokens,
+    was the example until automatic C took the planner's lowest peak there: 4 chunks, 8.6M tokens.)"""
     config = LlamaConfig(
         hidden_size=2048, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=8192,
         num_hidden_layers=16, vocab_size=128256, tie_word_embeddings=True,
     )  # fmt: skip
-    layout = dict(world_size=4, gpus_per_node=4)
-    advice = recommend(config, seq_len=8_000_000, **layout)
-    assert advice.reaches_target and advice.sp == 4
-    assert advice.features.head_chunks == 4 and not advice.features.cpu_offload_optimizer
-    auto = plan_memory(config, seq_len=8_000_000, sp=4, features=Features(head_chunks=None))
+    layout = dict(world_size=16, gpus_per_node=8)
+    advice = recommend(config, seq_len=4_000_000, **layout)
+    assert advice.reaches_target and advice.sp == 16 and advice.plan.ring == 2
+    assert advice.features.activation_checkpointing == "none" and advice.features.head_chunks == 2
+    settings = dict(seq_len=4_000_000, sp=16, gpus_per_node=8)
+    auto = plan_memory(config, **settings, features=replace(advice.features, head_chunks=None))
     assert auto.head_chunks == 1 and not auto.fits
-    assert plan_memory(config, seq_len=8_000_000, sp=4, features=advice.features).fits
-    assert recommend(config, seq_len=6_000_000, **layout).features.head_chunks in (0, None)  # auto suffices
+    four = plan_memory(config, seq_len=8_000_000, sp=4, features=Features())  # automatic C: the lowest of 1, 2, 4
+    assert four.head_chunks == 4 and four.fits
+    assert recommend(config, seq_len=6_000_000, world_size=4, gpus_per_node=4).features.head_chunks in (0, None)
     qwen = recommend("qwen3-4b", seq_len=6_553_600, world_size=8, gpus_per_node=8)
     assert qwen.reaches_target and qwen.features.head_chunks in (0, None) and not qwen.features.cpu_offload_optimizer
 
@@ -470,7 +475,8 @@ def test_head_chunks_shrink_the_attention_terms_and_c_is_the_runtime_choice():
     assert abs(plans[4].peak_bytes / 184_843_868 - 1) < 0.05, plans[4].peak_bytes
     auto = plan_memory(shape, seq_len=1 << 20, sp=2, features=Features(), device="cpu")
     tokens = auto.tokens_per_rank * 2
-    assert auto.head_chunks == choose_head_chunks(16, 4, 2, tokens=tokens, head_dim=128, element_size=4) > 1
+    sizes = dict(tokens=tokens, head_dim=128, element_size=4, hidden=512, ring=1, device="cpu")
+    assert auto.head_chunks == choose_head_chunks(16, 4, 2, **sizes) > 1
     assert plan_memory(shape, seq_len=4096, sp=2, features=Features(), device="cpu").head_chunks == 1
 
 

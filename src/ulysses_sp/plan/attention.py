@@ -12,7 +12,7 @@ the unchunked formula for one chunk's heads, or, without a ring, what was measur
 input's gradient in backward, made only once the gradients waiting for it would outgrow it).
 
 C is :func:`ulysses_sp.head_split.choose_head_chunks`'s, the same call the attention makes at run time, so the
-plan predicts the C that runs.
+plan predicts the C that runs; where no C's q/k/v fit its budget it picks the C of the lowest :func:`attention_peak`.
 
 Notation as in :mod:`ulysses_sp.plan.memory`: U = ulysses, R = ring, d = head dim, c = bytes of the compute dtype.
 """
@@ -30,6 +30,7 @@ __all__ = [
     "AttentionTerms",
     "LatentTerms",
     "attention_backward",
+    "attention_peak",
     "attention_terms",
     "latent_terms",
     "planned_core_slices",
@@ -59,17 +60,21 @@ def planned_head_chunks(
     requested: int | None,
     heads: int,
     kv_heads: int,
-    ulysses: int,
+    hidden: int,
     *,
+    ulysses: int,
+    ring: int,
     tokens: int,
     head_dim: int,
     element_size: int,
+    device: str,
 ) -> int:
     """C as the attention chooses it at run time: ``requested`` (> 0), else from the default budget; ``tokens`` =
     batch x the sequence a rank attends over (N / R)."""
     return choose_head_chunks(
-        heads, kv_heads, ulysses, tokens=tokens, head_dim=head_dim, element_size=element_size, requested=requested
-    )
+        heads, kv_heads, ulysses, tokens=tokens, head_dim=head_dim, element_size=element_size, hidden=hidden,
+        ring=ring, device=device, requested=requested,
+    )  # fmt: skip
 
 
 def planned_core_slices(
@@ -288,6 +293,19 @@ def attention_backward(attn: AttentionTerms, mode: str, ring: int) -> float:
     reading it) and its working set (the ring's is counted apart), or the moment before its chunks if larger."""
     held = attn.saved if mode == "none" else attn.saved_in_backward
     return max(attn.saved + attn.backward_start, held + (0 if ring > 1 else attn.backward))
+
+
+def attention_peak(attn: AttentionTerms, *, hidden: int, c: int, ring: int) -> float:
+    """Bytes per local token at the highest of the moments :mod:`ulysses_sp.plan.memory` looks at in one attention
+    layer of terms ``attn`` (:func:`attention_terms`), under checkpointing and tiled norms (what ``ulysses-sp train``
+    runs): its recompute beside the input norm's output and the stream's gradient waiting for it (2 ``[t, h]``),
+    its backward (a ring's included) and its backward exchange beside the stream's gradient (1 ``[t, h]``). What
+    does not change with C (weights, checkpoints, the other layers) is left out, so the C of the lowest is the C of
+    the lowest planned peak where the attention's moments are the peak. Where no C fits its budget,
+    :func:`ulysses_sp.head_split.choose_head_chunks` compares the chunk counts by it."""
+    stream = c * hidden
+    backward = attention_backward(attn, "checkpoint", ring) + attn.ring_backward
+    return max(attn.forward + 2 * stream, backward + stream, attn.exchange + stream)
 
 
 @dataclass(frozen=True)

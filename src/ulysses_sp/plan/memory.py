@@ -215,7 +215,8 @@ def _terms(
     # peak at different moments.
     # The attention block and its exchanges (:mod:`ulysses_sp.plan.attention`), its heads in C chunks.
     requested = uneven_kv_chunks(features.head_chunks, shape.layer_kv_heads)  # 1 where kv heads vary per layer
-    chunks = planned_head_chunks(requested, heads, kv_heads, ulysses, tokens=t * ulysses, head_dim=d, element_size=c)
+    chunks = planned_head_chunks(requested, heads, kv_heads, h, ulysses=ulysses, ring=ring, tokens=t * ulysses,
+                                 head_dim=d, element_size=c, device=device)  # fmt: skip
     # RMSNorm saves its fp32 input (an upcast copy under bf16), the normalised tensor cast back and its
     # output (saved by the projections after it). Input norm: under fp32 its input IS the layer input
     # (counted with the layer input), hence u; post-attention norm: the residual sum, always 4 bytes.
