@@ -22,7 +22,7 @@ when C > 1 was asked for, and keeps the unchunked path when C is automatic.
 
 C: ``head_chunks`` of :func:`ulysses_sp.parallelize` (``--head-chunks``); None or 0 = automatic: the fewest
 chunks whose q/k/v after the exchange fit ``budget_bytes`` per rank, else the planner's lowest attention peak
-(:func:`ulysses_sp.head_split.choose_head_chunks`, which the planner calls too); 1 = the unchunked path.
+(:func:`ulysses_sp.plan.attention.choose_head_chunks`, which the planner calls too); 1 = the unchunked path.
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ from .head_split import (
     DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
     ChunkHeads,
     check_head_chunks,
-    choose_head_chunks,
     head_chunk_choices,
 )
 from .hf import first_argument
 from .instance_forward import install_forward, installed_forward, restore_forward
 from .norm_projections import NormProjection
+from .plan.attention import choose_head_chunks
 from .replay import Replay
 from .tiling import compute_dtype
 

@@ -1,11 +1,11 @@
 """How many head chunks an attention layer runs in, and which heads each chunk holds (no model code here).
 
 :func:`head_chunk_choices` lists the chunk counts C that split the heads over the Ulysses ranks with the kv groups
-intact; :func:`choose_head_chunks` picks one (asked for, or the fewest whose q/k/v after the exchange fit a budget
-per rank, else the one whose attention the memory planner puts lowest); :class:`HeadSplit` maps a slice of one
-process's heads to its query and kv heads, and :class:`ChunkHeads` a chunk of a layer's heads over the Ulysses
-ranks. The attention (:mod:`ulysses_sp.head_chunks`) and the memory planner both call these, so the plan predicts
-the C that runs.
+intact, and :func:`chunk_exchange_bytes` what their q/k/v hold after the exchange (the budget test of
+:func:`ulysses_sp.plan.attention.choose_head_chunks`, which picks C where the memory planner models the attention);
+:class:`HeadSplit` maps a slice of one process's heads to its query and kv heads, and :class:`ChunkHeads` a chunk of
+a layer's heads over the Ulysses ranks. The attention (:mod:`ulysses_sp.head_chunks`) and the memory planner both
+call these, so the plan predicts the C that runs.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ __all__ = [
     "ChunkHeads",
     "HeadSplit",
     "check_head_chunks",
-    "choose_head_chunks",
     "chunk_exchange_bytes",
     "core_slices",
     "head_chunk_choices",
@@ -68,50 +67,6 @@ def chunk_exchange_bytes(
     else:
         kv = 2 * alive * max(heads.kv_per_chunk // ulysses, 1) * c
     return (q + kv) * tokens * head_dim
-
-
-def choose_head_chunks(
-    num_heads: int,
-    num_kv_heads: int,
-    ulysses: int,
-    *,
-    tokens: int,
-    head_dim: int,
-    element_size: int,
-    hidden: int,
-    ring: int,
-    device: str,
-    requested: int | None = None,
-    budget_bytes: int = DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
-) -> int:
-    """The chunk count C: ``requested`` when > 0 (ValueError unless it is one of :func:`head_chunk_choices`),
-    else the fewest chunks whose :func:`chunk_exchange_bytes` (the chunks alive at once) fit ``budget_bytes``;
-    when none does, the C whose attention peaks lowest as the memory planner models it
-    (:func:`ulysses_sp.plan.attention.attention_peak`: the chunks' q/k/v, gradients, exchange buffers and core,
-    a ring's included, over ``ring`` ranks of ``hidden``-wide tokens on ``device``, "cuda" or "cpu"; the fewest
-    chunks among equals), so that plan and run agree on C and C is the planner's lowest peak.
-
-    Where none fits, the q/k/v alone (and then the q/k/v with their gradients) misled: C = 1 for 16 heads on 8 kv
-    heads over 4 ranks at 2M tokens, where C = 4 plans 13% lower; C = 4 for Llama-3.1-8B in ulysses 2 x ring 4 at
-    8M tokens (79.4 GiB), where C = 16 plans 72.7 GiB (``tests/unit/test_head_chunks.py``)."""
-    choices = head_chunk_choices(num_heads, num_kv_heads, ulysses)
-    if requested:
-        check_head_chunks(requested, num_heads, num_kv_heads, ulysses)
-        return requested
-    kw = dict(tokens=tokens, head_dim=head_dim, element_size=element_size)
-    fitting = [c for c in choices if chunk_exchange_bytes(num_heads, num_kv_heads, ulysses, c, **kw) <= budget_bytes]
-    if fitting:
-        return fitting[0]
-    from .plan.attention import attention_peak, attention_terms  # the planner's (plan/attention.py imports this)
-
-    def peak(chunks: int) -> float:
-        attn = attention_terms(
-            num_heads, num_kv_heads, head_dim, hidden, ulysses=ulysses, ring=ring, c=element_size, device=device,
-            chunks=chunks, tokens=tokens,
-        )  # fmt: skip
-        return attention_peak(attn, hidden=hidden, c=element_size, ring=ring)
-
-    return min(choices, key=lambda c: (peak(c), c))
 
 
 def core_slices(heads: int, kv_heads: int, *, tokens: int, head_dim: int, budget_bytes: int) -> int:

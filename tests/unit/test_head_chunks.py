@@ -12,8 +12,9 @@ import torch
 import ulysses_sp as U
 from tests.helpers.models import build, loss_and_grads, make_batch
 from ulysses_sp.head_chunks import HeadChunkedAttention
-from ulysses_sp.head_split import choose_head_chunks, chunk_exchange_bytes, head_chunk_choices
+from ulysses_sp.head_split import chunk_exchange_bytes, head_chunk_choices
 from ulysses_sp.instance_forward import installed_forward
+from ulysses_sp.plan.attention import choose_head_chunks
 
 
 def _chunked(model) -> list[HeadChunkedAttention]:

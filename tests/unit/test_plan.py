@@ -449,8 +449,8 @@ def test_head_chunks_shrink_the_attention_terms_and_c_is_the_runtime_choice():
     than the unchunked block's q/k/v, output and o_proj input) and its working sets are those of 2 chunks (the one
     computing, the one in flight): the recompute's and the backward's shrink with C (backward frees the saved
     outputs before its chunks run). Automatic C is the one the attention chooses at run time
-    (ulysses_sp.head_split.choose_head_chunks)."""
-    from ulysses_sp.head_split import choose_head_chunks
+    (ulysses_sp.plan.attention.choose_head_chunks)."""
+    from ulysses_sp.plan.attention import choose_head_chunks
 
     shape = LlamaConfig(
         hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,

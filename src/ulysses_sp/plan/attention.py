@@ -11,7 +11,7 @@ the unchunked formula for one chunk's heads, or, without a ring, what was measur
 :func:`attention_terms`), plus the block's own ``[t, h]`` buffers (the output it sums into in forward; the
 input's gradient in backward, made only once the gradients waiting for it would outgrow it).
 
-C is :func:`ulysses_sp.head_split.choose_head_chunks`'s, the same call the attention makes at run time, so the
+C is :func:`choose_head_chunks`'s, the call the attention (:mod:`ulysses_sp.head_chunks`) makes at run time too, so the
 plan predicts the C that runs; where no C's q/k/v fit its budget it picks the C of the lowest :func:`attention_peak`.
 
 Notation as in :mod:`ulysses_sp.plan.memory`: U = ulysses, R = ring, d = head dim, c = bytes of the compute dtype.
@@ -23,7 +23,15 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..chunk_core import kernel_blocks
-from ..head_split import DEFAULT_HEAD_CHUNK_BUDGET_BYTES, DEPTH, ChunkHeads, choose_head_chunks, core_slices
+from ..head_split import (
+    DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
+    DEPTH,
+    ChunkHeads,
+    check_head_chunks,
+    chunk_exchange_bytes,
+    core_slices,
+    head_chunk_choices,
+)
 from .shape import ModelShape
 
 __all__ = [
@@ -32,9 +40,9 @@ __all__ = [
     "attention_backward",
     "attention_peak",
     "attention_terms",
+    "choose_head_chunks",
     "latent_terms",
     "planned_core_slices",
-    "planned_head_chunks",
 ]
 
 
@@ -56,25 +64,48 @@ class AttentionTerms:
     slices: int = 1  # the unchunked core's slices of heads (planned_core_slices)
 
 
-def planned_head_chunks(
-    requested: int | None,
-    heads: int,
-    kv_heads: int,
-    hidden: int,
-    *,
+def choose_head_chunks(
+    num_heads: int,
+    num_kv_heads: int,
     ulysses: int,
-    ring: int,
+    *,
     tokens: int,
     head_dim: int,
     element_size: int,
+    hidden: int,
+    ring: int,
     device: str,
+    requested: int | None = None,
+    budget_bytes: int = DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
 ) -> int:
-    """C as the attention chooses it at run time: ``requested`` (> 0), else from the default budget; ``tokens`` =
-    batch x the sequence a rank attends over (N / R)."""
-    return choose_head_chunks(
-        heads, kv_heads, ulysses, tokens=tokens, head_dim=head_dim, element_size=element_size, hidden=hidden,
-        ring=ring, device=device, requested=requested,
-    )  # fmt: skip
+    """The chunk count C: ``requested`` when > 0 (ValueError unless it is one of
+    :func:`~ulysses_sp.head_split.head_chunk_choices`), else the fewest chunks whose
+    :func:`~ulysses_sp.head_split.chunk_exchange_bytes` (the chunks alive at once) fit ``budget_bytes``;
+    when none does, the C whose attention peaks lowest as the memory planner models it
+    (:func:`attention_peak`: the chunks' q/k/v, gradients, exchange buffers and core,
+    a ring's included, over ``ring`` ranks of ``hidden``-wide tokens on ``device``, "cuda" or "cpu"; the fewest
+    chunks among equals), so that plan and run agree on C and C is the planner's lowest peak.
+
+    Where none fits, the q/k/v alone (and then the q/k/v with their gradients) misled: C = 1 for 16 heads on 8 kv
+    heads over 4 ranks at 2M tokens, where C = 4 plans 13% lower; C = 4 for Llama-3.1-8B in ulysses 2 x ring 4 at
+    8M tokens (79.4 GiB), where C = 16 plans 72.7 GiB (``tests/unit/test_head_chunks.py``)."""
+    choices = head_chunk_choices(num_heads, num_kv_heads, ulysses)
+    if requested:
+        check_head_chunks(requested, num_heads, num_kv_heads, ulysses)
+        return requested
+    kw = dict(tokens=tokens, head_dim=head_dim, element_size=element_size)
+    fitting = [c for c in choices if chunk_exchange_bytes(num_heads, num_kv_heads, ulysses, c, **kw) <= budget_bytes]
+    if fitting:
+        return fitting[0]
+
+    def peak(chunks: int) -> float:
+        attn = attention_terms(
+            num_heads, num_kv_heads, head_dim, hidden, ulysses=ulysses, ring=ring, c=element_size, device=device,
+            chunks=chunks, tokens=tokens,
+        )  # fmt: skip
+        return attention_peak(attn, hidden=hidden, c=element_size, ring=ring)
+
+    return min(choices, key=lambda c: (peak(c), c))
 
 
 def planned_core_slices(
@@ -302,7 +333,7 @@ def attention_peak(attn: AttentionTerms, *, hidden: int, c: int, ring: int) -> f
     its backward (a ring's included) and its backward exchange beside the stream's gradient (1 ``[t, h]``). What
     does not change with C (weights, checkpoints, the other layers) is left out, so the C of the lowest is the C of
     the lowest planned peak where the attention's moments are the peak. Where no C fits its budget,
-    :func:`ulysses_sp.head_split.choose_head_chunks` compares the chunk counts by it."""
+    :func:`choose_head_chunks` compares the chunk counts by it."""
     stream = c * hidden
     backward = attention_backward(attn, "checkpoint", ring) + attn.ring_backward
     return max(attn.forward + 2 * stream, backward + stream, attn.exchange + stream)

@@ -29,7 +29,7 @@ from ..layout import choose_layout, resolve_ring_degree
 from ..ring import ring_bytes_per_layer
 from ..tiled_loss import chunk_bytes_per_logit, loss_chunk_tokens
 from ..traffic import ulysses_bytes_per_layer
-from .attention import attention_backward, attention_terms, latent_terms, planned_head_chunks
+from .attention import attention_backward, attention_terms, choose_head_chunks, latent_terms
 from .earlier_layers import add_earlier_layers, unsharded_layers
 from .host import host_terms
 from .mlp import mlp_by_layer, mlp_terms
@@ -96,7 +96,7 @@ class MemoryPlan:
     all_to_all: int = 0
     ring_buffers: int = 0
     rope: int = 0
-    head_chunks: int = 1  # C, as the attention chooses it (:func:`ulysses_sp.plan.attention.planned_head_chunks`)
+    head_chunks: int = 1  # C, as the attention chooses it (:func:`ulysses_sp.plan.attention.choose_head_chunks`)
     core_slices: int = 1  # the unchunked core's slices of heads (:func:`ulysses_sp.plan.attention.planned_core_slices`)
     comm_bytes_per_layer: dict[str, int] = field(default_factory=dict)
     gpu_memory_bytes: int = 0
@@ -215,8 +215,8 @@ def _terms(
     # peak at different moments.
     # The attention block and its exchanges (:mod:`ulysses_sp.plan.attention`), its heads in C chunks.
     requested = uneven_kv_chunks(features.head_chunks, shape.layer_kv_heads)  # 1 where kv heads vary per layer
-    chunks = planned_head_chunks(requested, heads, kv_heads, h, ulysses=ulysses, ring=ring, tokens=t * ulysses,
-                                 head_dim=d, element_size=c, device=device)  # fmt: skip
+    chunks = choose_head_chunks(heads, kv_heads, ulysses, tokens=t * ulysses, head_dim=d, element_size=c, hidden=h,
+                                ring=ring, device=device, requested=requested)  # fmt: skip
     # RMSNorm saves its fp32 input (an upcast copy under bf16), the normalised tensor cast back and its
     # output (saved by the projections after it). Input norm: under fp32 its input IS the layer input
     # (counted with the layer input), hence u; post-attention norm: the residual sum, always 4 bytes.
