@@ -8,6 +8,7 @@ and the final weights to AdamW round-off. Each world size is spawned once (modul
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -96,6 +97,14 @@ def assert_trained_as(out_dir, job: str, reference) -> None:
     saved = AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, job, "final"))
     for name, param in reference.model.named_parameters():
         torch.testing.assert_close(saved.get_parameter(name), param, atol=WEIGHT_ATOL, rtol=0, msg=name)
+
+
+def speed_counts(metrics: dict, prefix: str) -> tuple[int, int]:
+    """(samples, steps) that transformers' speed metrics stand for: rate x runtime (rounded to 4 decimals) for the
+    samples, and the steps from the ratio of the two rates (each rounded to 3 decimals, both over the same runtime)."""
+    samples_per_second = metrics[f"{prefix}_samples_per_second"]
+    samples = round(samples_per_second * metrics[f"{prefix}_runtime"])
+    return samples, round(metrics[f"{prefix}_steps_per_second"] / samples_per_second * samples)
 
 
 def one_process_eval_loss(model, samples: int) -> float:
@@ -257,6 +266,14 @@ def test_compute_metrics_and_predict_under_sp_equal_one_process(world2_sp, world
         assert abs(got["metrics"][key] - want[key]) < 1e-4, (key, got["metrics"], want)
     predicted = torch.load(os.path.join(out_dir, job, "predicted.pt"))
     expected = reference.predict(token_dataset(EVAL_LENGTHS, seed=2))
+    # the speed metrics count the steps of the dp groups (an SP group shares each batch): eval_steps_per_second
+    # stood for 3 steps of 9 samples in batches of 2 at sp=2, where one process runs 5
+    dp = world // 2
+    steps = math.ceil(len(EVAL_LENGTHS) / (2 * dp))  # transformers' count over dp ranks, 5 in one process
+    for ours, theirs, prefix in ((got["metrics"], want, "eval"), (got["predict"], expected.metrics, "test")):
+        assert speed_counts(ours, prefix) == (len(EVAL_LENGTHS), steps), (prefix, ours)
+        if dp == 1:
+            assert speed_counts(theirs, prefix) == (len(EVAL_LENGTHS), steps), (prefix, theirs)
     assert abs(got["predict"]["test_loss"] - expected.metrics["test_loss"]) < 1e-4, (got["predict"], expected.metrics)
     unlabelled = token_dataset(EVAL_LENGTHS, seed=2).remove_columns("labels")
     bare = reference.predict(unlabelled)

@@ -25,7 +25,8 @@ What the mixin changes, and why (the Trainer's own DDP / FSDP2 wrapping over the
   router sums of the SP group's shards, as one process computes it on the dp replica's micro-batch.
 * token counts and metrics are those of one process: ``include_num_input_tokens_seen`` from the full batches'
   counts (:meth:`_track_num_input_tokens`), and scalars gathered for metrics (TRL's token count, entropy and
-  accuracy) keep every shard's part at the end of an epoch too;
+  accuracy) keep every shard's part at the end of an epoch too, and evaluation counts its steps per dp group
+  (:mod:`.speed`);
 * NEFTune's noise (``neftune_noise_alpha``), which transformers scales by the length of the batch the embedding
   layer sees, is scaled by the whole batch's, as one process scales it, not by the shard's (:meth:`_prepare_inputs`);
 * evaluation runs sharded too (:meth:`prediction_step`): per batch, the loss sums of the SP group's shards
@@ -77,6 +78,7 @@ from .metrics import (
     whole_eval_batch,
     without_repeats,
 )
+from .speed import StepCountedMetrics, eval_steps
 from .trainer_checks import ddp_for_reentrant_checkpointing, refuse_deepspeed, refuse_sharded_before
 from .trainer_data import DealtDataloaders
 
@@ -315,10 +317,20 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
         self.state.num_input_tokens_seen += self.accelerator.gather(tokens).sum().item()
 
     # ------------------------------------------------------------------------------------- evaluation
-    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's loop, gathering each batch loss once per SP group (the Trainer resets it afterwards)."""
+    def evaluation_loop(
+        self,
+        dataloader: Any,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> Any:
+        """The Trainer's loop, gathering each batch loss once per SP group (the Trainer resets it afterwards); its
+        metrics take the steps of the dp groups, not of the world, for ``{prefix}_steps_per_second`` (:mod:`.speed`)."""
         self.gather_function = self._gather_over_dp_groups
-        return super().evaluation_loop(*args, **kwargs)
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        steps = eval_steps(output.num_samples, self.args.eval_batch_size, self.sp_layout.dp)
+        return output._replace(metrics=StepCountedMetrics(output.metrics, metric_key_prefix, steps))
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's ``predict``; its predictions are the whole sequences' logits (:meth:`prediction_step`)."""
