@@ -79,7 +79,7 @@ from .metrics import (
     without_repeats,
 )
 from .speed import StepCountedMetrics, eval_steps
-from .trainer_checks import ddp_for_reentrant_checkpointing, refuse_deepspeed, refuse_sharded_before
+from .trainer_checks import check_supported, ddp_for_reentrant_checkpointing, refuse_deepspeed, refuse_sharded_before
 from .trainer_data import DealtDataloaders
 
 __all__ = ["UlyssesTrainer", "UlyssesTrainerMixin", "logits_forward", "resolve_core"]
@@ -146,7 +146,7 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
         refuse_deepspeed(given_args)
         refuse_sharded_before(kwargs.get("model", args[0] if args else None), given_args)
         super().__init__(*args, **kwargs)
-        self._check_supported(sp_size)
+        check_supported(self, sp_size)
         core = resolve_core(self.model, sp_core)
         self.sp_layout = layout_for_model(self.model, sp_size, self.args.device, ring=sp_ring)
         check_world_size(
@@ -182,58 +182,6 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
         """The Trainer's, with DDP's search for unused parameters off under torch's reentrant checkpoint (unless the
         arguments set it): :func:`~ulysses_sp.integrations.trainer_checks.ddp_for_reentrant_checkpointing`."""
         return ddp_for_reentrant_checkpointing(super()._build_accelerator_args(**kwargs), self.args)
-
-    # ------------------------------------------------------------------------------------- set-up checks
-    def _check_supported(self, sp_size: int) -> None:
-        args = self.args
-        problems = []
-        if self.model_init is not None:
-            problems.append("model_init (the model is re-created in train(); pass model= instead)")
-        if not args.average_tokens_across_devices:
-            problems.append(
-                "average_tokens_across_devices=False (the loss must divide by the token count of all ranks; "
-                "set it to True)"
-            )
-        if args.label_smoothing_factor != 0 and not self.sp_label_smoothing:
-            problems.append(f"label_smoothing_factor={args.label_smoothing_factor} (set it to 0)")
-        if self.compute_loss_func is not None:
-            problems.append("compute_loss_func (the model's own token-weighted loss is used)")
-        unknown = sorted(set(args.include_for_metrics) - {"inputs", "loss"})
-        if unknown:
-            problems.append(f"include_for_metrics={unknown} (only 'inputs' and 'loss' are gathered for it)")
-        if getattr(args, "use_liger_kernel", False):
-            problems.append(
-                "use_liger_kernel=True (train() would patch Liger's forwards over the norms, MLPs and loss head "
-                "that ulysses-sp has tiled, so neither runs as set up, untested under SP; the tiled loss, MLP and "
-                "norms bound the same memory)"
-            )
-        if args.train_sampling_strategy == "batch_rebalance":
-            problems.append(
-                "train_sampling_strategy='batch_rebalance' (use 'random', 'sequential' or 'group_by_length')"
-            )
-        config = getattr(self.accelerator, "parallelism_config", None)
-        if config is not None and ((config.sp_size or 1) > 1 or (config.cp_size or 1) > 1):
-            problems.append("a parallelism_config with sp_size or cp_size > 1 (sp_size= here replaces it)")
-        if sp_size > 1 and getattr(self, "aux_loss_enabled", False):
-            # TRL's SFTTrainer turns its load-balancing term on from router_aux_loss_coef (the model's by default)
-            # and sets output_router_logits from it: that coefficient is the way to turn it off
-            try:
-                why = None if router_aux_loss(self.model) is not None else "its module has no load_balancing_loss_func"
-            except ValueError as error:
-                why = str(error).split("; set model.config")[0]
-            if why is not None:
-                problems.append(
-                    f"TRL's load-balancing term for {type(find_pretrained(self.model)).__name__}, which ulysses-sp "
-                    f"cannot compute over the whole sequence ({why}; each shard's alone would be wrong); pass "
-                    "router_aux_loss_coef=0.0 in the SFTConfig"
-                )
-        if not self.model_accepts_loss_kwargs:
-            problems.append(
-                f"{type(find_pretrained(self.model)).__name__}, which does not accept loss kwargs "
-                "(shift_labels, num_items_in_batch), so its loss cannot be weighted by the tokens of all shards"
-            )
-        if problems:
-            raise ValueError(f"{type(self).__name__}(sp_size={sp_size}) does not support: " + "; ".join(problems))
 
     # ------------------------------------------------------------------------------------- loss
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:

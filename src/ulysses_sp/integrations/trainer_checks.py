@@ -1,6 +1,6 @@
-"""Set-up of the Trainer integration that comes before the Trainer is made: what ulysses-sp's trainers do not run
-on (DeepSpeed), a model sharded in a way the Trainer would then wrap wrongly, and DDP's search for unused
-parameters under torch's reentrant checkpoint."""
+"""Set-up checks of the Trainer integration: what ulysses-sp's trainers do not run on (DeepSpeed), a model sharded
+in a way the Trainer would then wrap wrongly (both before the Trainer is made), the options that do not work under SP
+(:func:`check_supported`), and DDP's search for unused parameters under torch's reentrant checkpoint."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["ddp_for_reentrant_checkpointing", "refuse_deepspeed", "refuse_sharded_before"]
+from ..hf import find_pretrained
+from ..moe import router_aux_loss
+
+__all__ = ["check_supported", "ddp_for_reentrant_checkpointing", "refuse_deepspeed", "refuse_sharded_before"]
 
 
 def ddp_for_reentrant_checkpointing(accelerator_args: dict[str, Any], args: Any) -> dict[str, Any]:
@@ -78,3 +81,54 @@ def refuse_sharded_before(model: Any, args: Any) -> None:
             "pass the unsharded model with TrainingArguments(fsdp=...) on GPUs"
         )
     raise ValueError(f"{type(model).__name__} has DTensor parameters on a world of {args.world_size} ranks: {how}")
+
+
+def check_supported(trainer: Any, sp_size: int) -> None:
+    """ValueError listing every option of ``trainer`` (a ulysses-sp trainer, its model parallelized not yet) that
+    does not work under SP of degree ``sp_size``, each with its fix."""
+    args = trainer.args
+    problems = []
+    if trainer.model_init is not None:
+        problems.append("model_init (the model is re-created in train(); pass model= instead)")
+    if not args.average_tokens_across_devices:
+        problems.append(
+            "average_tokens_across_devices=False (the loss must divide by the token count of all ranks; set it to True)"
+        )
+    if args.label_smoothing_factor != 0 and not trainer.sp_label_smoothing:
+        problems.append(f"label_smoothing_factor={args.label_smoothing_factor} (set it to 0)")
+    if trainer.compute_loss_func is not None:
+        problems.append("compute_loss_func (the model's own token-weighted loss is used)")
+    unknown = sorted(set(args.include_for_metrics) - {"inputs", "loss"})
+    if unknown:
+        problems.append(f"include_for_metrics={unknown} (only 'inputs' and 'loss' are gathered for it)")
+    if getattr(args, "use_liger_kernel", False):
+        problems.append(
+            "use_liger_kernel=True (train() would patch Liger's forwards over the norms, MLPs and loss head "
+            "that ulysses-sp has tiled, so neither runs as set up, untested under SP; the tiled loss, MLP and "
+            "norms bound the same memory)"
+        )
+    if args.train_sampling_strategy == "batch_rebalance":
+        problems.append("train_sampling_strategy='batch_rebalance' (use 'random', 'sequential' or 'group_by_length')")
+    config = getattr(trainer.accelerator, "parallelism_config", None)
+    if config is not None and ((config.sp_size or 1) > 1 or (config.cp_size or 1) > 1):
+        problems.append("a parallelism_config with sp_size or cp_size > 1 (sp_size= here replaces it)")
+    if sp_size > 1 and getattr(trainer, "aux_loss_enabled", False):
+        # TRL's SFTTrainer turns its load-balancing term on from router_aux_loss_coef (the model's by default)
+        # and sets output_router_logits from it: that coefficient is the way to turn it off
+        try:
+            why = None if router_aux_loss(trainer.model) is not None else "its module has no load_balancing_loss_func"
+        except ValueError as error:
+            why = str(error).split("; set model.config")[0]
+        if why is not None:
+            problems.append(
+                f"TRL's load-balancing term for {type(find_pretrained(trainer.model)).__name__}, which ulysses-sp "
+                f"cannot compute over the whole sequence ({why}; each shard's alone would be wrong); pass "
+                "router_aux_loss_coef=0.0 in the SFTConfig"
+            )
+    if not trainer.model_accepts_loss_kwargs:
+        problems.append(
+            f"{type(find_pretrained(trainer.model)).__name__}, which does not accept loss kwargs "
+            "(shift_labels, num_items_in_batch), so its loss cannot be weighted by the tokens of all shards"
+        )
+    if problems:
+        raise ValueError(f"{type(trainer).__name__}(sp_size={sp_size}) does not support: " + "; ".join(problems))
