@@ -53,6 +53,7 @@ def _record(job: str, trainer, **extra) -> None:
             os.path.join(_out(job), "result.json"),
             {
                 "losses": train_losses(state.log_history),
+                "grad_norms": [e["grad_norm"] for e in state.log_history if "grad_norm" in e],  # (when clipping)
                 "global_step": state.global_step,
                 "epoch": state.epoch,
                 "total_flos": state.total_flos,
@@ -220,12 +221,12 @@ def moe_model():
 
 
 # ----------------------------------------------------------------------------------------------- trainer jobs
-def plain_trainer(job: str, **args) -> None:
-    """Reference: the plain transformers Trainer (DP over every rank)."""
+def plain_trainer(job: str, model=None, **args) -> None:
+    """Reference: the plain transformers Trainer (DP over every rank); ``model``: the tiny Llama by default."""
     from transformers import Trainer
 
     trainer = Trainer(
-        model=build("llama"),
+        model=model if model is not None else build("llama"),
         args=trainer_args(_out(job), **args),
         train_dataset=token_dataset(TRAIN_LENGTHS, seed=1),
         data_collator=pad_collate,
@@ -412,12 +413,6 @@ def bad_input() -> None:
         lambda: make(args=trainer_args(_out("bad_input"), include_for_metrics=["nonsense", "loss"])),
     )
     expect_error(ValueError, "sp_size must be a positive int", lambda: make(sp_size=0))
-    # each shard's loss would be divided by its own token count (a mean of the shards' means)
-    expect_error(
-        ValueError,
-        "average_tokens_across_devices=False (the loss must divide by the token count of all ranks; set it to True)",
-        lambda: make(args=trainer_args(_out("bad_input"), average_tokens_across_devices=False)),
-    )
     expect_error(ValueError, "not divisible by sp=4", lambda: make(sp_size=4))
     sharded = build("llama")
     fully_shard(sharded)  # by hand, not at load time: the Trainer would wrap its DTensor parameters in DDP
@@ -605,12 +600,29 @@ def neftune_sp2() -> None:
     assert seen[3][0].abs().max() == 0
 
 
+# average_tokens_across_devices=False: each dp rank's loss over its own targets (plain DDP then averages the ranks'
+# gradients); the gradient norm logged (clipping that never clips)
+OWN_TOKENS = dict(average_tokens_across_devices=False, max_grad_norm=1e9, num_train_epochs=1)
+
+
+def sft_moe_own_tokens(job: str, sp: int | None) -> None:
+    """:func:`sft` of a tiny Mixtral with TRL's load-balancing term (0.5) under :data:`OWN_TOKENS`."""
+    sft(job, sp, model=build("mixtral", kv_heads=2), router_aux_loss_coef=0.5, **OWN_TOKENS)
+
+
 def world2_plain() -> dict[str, str]:
-    """References on 2 ranks: DP=2 / SP=1 / GAS=1 with the plain Trainer and the plain SFTTrainer."""
+    """References on 2 ranks: DP=2 / SP=1 / GAS=1 with the plain Trainer and the plain SFTTrainer; the same with
+    average_tokens_across_devices=False (:data:`OWN_TOKENS`: the tiny Llama, an MoE with its load-balancing term
+    under the Trainer and TRL's)."""
     return run_cases(
         {
             "trainer_dp2": lambda: plain_trainer("trainer_dp2"),
             "sft_dp2": lambda: sft("sft_dp2", None),
+            "trainer_own_tokens_dp2": lambda: plain_trainer("trainer_own_tokens_dp2", **OWN_TOKENS),
+            "trainer_moe_own_tokens_dp2": lambda: plain_trainer(
+                "trainer_moe_own_tokens_dp2", model=moe_model(), **OWN_TOKENS
+            ),
+            "sft_moe_own_tokens_dp2": lambda: sft_moe_own_tokens("sft_moe_own_tokens_dp2", None),
         }
     )
 
@@ -688,6 +700,12 @@ def world4() -> dict[str, str]:
                 num_train_epochs=1,
             ),
             "sft_moe_eval_dp2_sp2": lambda: sft_moe_eval("sft_moe_eval_dp2_sp2"),
+            # average_tokens_across_devices=False: each dp replica's loss over its SP group's targets, as plain DDP
+            "trainer_own_tokens_dp2_sp2": lambda: ulysses_trainer("trainer_own_tokens_dp2_sp2", 2, **OWN_TOKENS),
+            "trainer_moe_own_tokens_dp2_sp2": lambda: ulysses_trainer(
+                "trainer_moe_own_tokens_dp2_sp2", 2, model=moe_model(), **OWN_TOKENS
+            ),
+            "sft_moe_own_tokens_dp2_sp2": lambda: sft_moe_own_tokens("sft_moe_own_tokens_dp2_sp2", 2),
             "refusal_in_worker_dp2_sp2": refusal_in_worker_dp2_sp2,
             "split_batches_refused_dp2_sp2": split_batches_refused_dp2_sp2,
         }

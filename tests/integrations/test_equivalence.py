@@ -202,6 +202,24 @@ def test_trainer_dp2_sp2_on_4_ranks_equals_dp2(world2_plain, world4, out_dir):
     assert result(out_dir, "trainer_dp2_sp2")["train_batches"] == 4  # batches dealt over dp=2 SP groups
 
 
+@pytest.mark.parametrize("kind", ["trainer", "trainer_moe", "sft_moe"])
+def test_average_tokens_across_devices_off_dp2_sp2_equals_plain_ddp(world2_plain, world4, out_dir, kind):
+    """average_tokens_across_devices=False (refused before): plain DDP divides each dp rank's loss by its own
+    targets; under SP a dp replica's targets are its SP group's, so each replica's loss, gradients (the logged norm)
+    and the weights are those of plain DDP over dp=2 (the Trainer's loss, an MoE's through the load-balancing path
+    and TRL's with its term), not the world-count ones of average_tokens_across_devices=True."""
+    reference, job = f"{kind}_own_tokens_dp2", f"{kind}_own_tokens_dp2_sp2"
+    assert_case(world2_plain, reference, 2)
+    assert_case(world4, job, 4)
+    assert_same_run(out_dir, reference, job)
+    want, got = result(out_dir, reference)["grad_norms"], result(out_dir, job)["grad_norms"]
+    assert len(got) == len(want) == result(out_dir, job)["global_step"] >= 3
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=0)
+    if kind == "trainer":  # the switch matters here: the first step's loss, the mean of the dp ranks' own means
+        averaged = result(out_dir, "trainer_dp2")["losses"][0]  # (the same batches, the world's count)
+        assert abs(result(out_dir, job)["losses"][0] - averaged) > 100 * LOSS_ATOL, (result(out_dir, job), averaged)
+
+
 def test_trainer_moe_load_balancing_loss_dp2_sp2_equals_one_process(world4, out_dir):
     """An MoE model with output_router_logits: its load-balancing term over each dp replica's micro-batch, as one
     process adds it to each micro-batch (dp2 x sp2 x GAS 2 against GAS 4): losses, eval loss and weights. The eval's
@@ -226,7 +244,7 @@ def test_trainer_moe_load_balancing_loss_dp2_sp2_equals_one_process(world4, out_
     assert abs(result(out_dir, job)["eval_loss"] - reference.evaluate()["eval_loss"]) < LOSS_ATOL
 
 
-@pytest.mark.parametrize("job", ["trainer_sp2_gas2", FSDP2_JOB, "trainer_dp2_sp2"])
+@pytest.mark.parametrize("job", ["trainer_sp2_gas2", FSDP2_JOB, "trainer_dp2_sp2", "trainer_own_tokens_dp2_sp2"])
 def test_eval_under_sp_equals_one_process_eval(world2_sp, world4, out_dir, job):
     """Eval of long odd-length sequences, run sharded, reports the loss one process computes on the saved model."""
     from transformers import LlamaForCausalLM
@@ -585,7 +603,7 @@ def test_split_batches_that_do_not_split_over_the_dp_groups_are_refused_before_t
 
 def test_every_job_is_checked(world2_plain, world2_sp, world4):
     checked = (
-        {"trainer_dp2", "sft_dp2"},
+        {"trainer_dp2", "sft_dp2", "trainer_own_tokens_dp2", "trainer_moe_own_tokens_dp2", "sft_moe_own_tokens_dp2"},
         {
             "trainer_sp2_gas2",
             "trainer_sp2_resume",
@@ -619,6 +637,9 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "sft_moe_eval_dp2_sp2",
             "refusal_in_worker_dp2_sp2",
             "split_batches_refused_dp2_sp2",
+            "trainer_own_tokens_dp2_sp2",
+            "trainer_moe_own_tokens_dp2_sp2",
+            "sft_moe_own_tokens_dp2_sp2",
         },
     )
     for results, jobs in zip((world2_plain, world2_sp, world4), checked, strict=True):

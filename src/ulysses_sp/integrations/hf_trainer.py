@@ -20,8 +20,9 @@ What the mixin changes, and why (the Trainer's own DDP / FSDP2 wrapping over the
 * the loss is the model's own: the Trainer counts ``num_items_in_batch`` from ``shift_labels`` - now the
   local shards, which partition the tokens - summed over the world, so the count is exact; the model divides
   its shard's loss sum by it and the Trainer multiplies by the world size, which is what DDP/FSDP's gradient
-  average over dp x sp expects. The logged loss (mean over ranks) is the true token-weighted loss. Only an MoE
-  model's load-balancing term (``output_router_logits``) is computed here (:meth:`compute_loss`), over the
+  average over dp x sp expects (with ``average_tokens_across_devices=False``: each dp replica's count, over its SP
+  group, and ``sp``: :meth:`sp_loss_scale`). The logged loss (mean over ranks) is the true token-weighted loss.
+  Only an MoE model's load-balancing term (``output_router_logits``) is computed here (:meth:`compute_loss`), over the
   router sums of the SP group's shards, as one process computes it on the dp replica's micro-batch.
 * token counts and metrics are those of one process: ``include_num_input_tokens_seen`` from the full batches'
   counts (:meth:`_track_num_input_tokens`), and scalars gathered for metrics (TRL's token count, entropy and
@@ -205,13 +206,16 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
         self._sp_loss_check.reached()
         if self.label_smoother is not None:  # the targets of the whole sequence, not the shard's labels shifted
             loss, outputs = smoothed_loss(model, inputs, self.label_smoother.epsilon, num_items_in_batch)
-            if num_items_in_batch is not None:  # the Trainer's scale (average_tokens_across_devices is on)
-                loss = loss * self.accelerator.num_processes
+            if num_items_in_batch is not None:
+                loss = loss * self.sp_loss_scale()
             return (loss, outputs) if return_outputs else loss
         if router_aux_loss(self.model) is None:
-            return super().compute_loss(
+            got = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
+            if num_items_in_batch is None or self.args.average_tokens_across_devices:
+                return got  # (the Trainer scaled it by the world size)
+            return (got[0] * self.sp_layout.sp, got[1]) if return_outputs else got * self.sp_layout.sp
         extra = sorted(set(inputs) - {*MODEL_INPUTS, "labels", "shift_labels"})
         if extra:
             raise ValueError(
@@ -220,10 +224,19 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
             )
         layout = dataclasses.replace(self.sp_layout, loss_group=self.sp_layout.sp_group)
         # the dp replica's loss (equal on its SP group, gradients right once averaged over it) x dp: the scale of
-        # the Trainer's own (its shard's sum / the world's count, x the world size; gradients averaged over dp x sp)
+        # the Trainer's own (its shard's sum / the world's count, x the world size; gradients averaged over dp x sp);
+        # without average_tokens_across_devices x 1 (plain DDP's rank loss is its own tokens' mean, unscaled)
         kept = self._sp_rows_kept  # in evaluation: the term without the rows that repeat samples, as one process
-        loss = causal_lm_loss(model, inputs, layout, num_items_in_batch=num_items_in_batch, rows_kept=kept) * layout.dp
+        loss = causal_lm_loss(model, inputs, layout, num_items_in_batch=num_items_in_batch, rows_kept=kept)
+        loss = loss * (self.sp_loss_scale() // layout.sp)
         return (loss, None) if return_outputs else loss
+
+    def sp_loss_scale(self) -> int:
+        """What a loss divided by ``num_items_in_batch`` is multiplied by for DDP's gradient average over dp x sp: the
+        world size (the Trainer's own scale, the count being the world's) with ``average_tokens_across_devices``,
+        else ``sp`` (the count is the dp replica's, summed over its SP group in :meth:`get_batch_samples`, as plain
+        DDP divides each rank's loss by its own tokens)."""
+        return self.accelerator.num_processes if self.args.average_tokens_across_devices else self.sp_layout.sp
 
     def _pad_token_id(self) -> int:
         pad = getattr(self.processing_class, "pad_token_id", None)
@@ -339,9 +352,9 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
         if predict:
             self._only_logits(outputs, ignore_keys)
         if labelled:
-            # A loss normalised by num_items_in_batch comes back multiplied by the number of processes (the
-            # Trainer's convention for DDP's gradient average); undo it, then add the shards' parts.
-            loss = loss.detach().float() / self.accelerator.num_processes
+            # A loss normalised by num_items_in_batch comes back multiplied by sp_loss_scale() (the Trainer's
+            # convention for DDP's gradient average); undo it, then add the shards' parts.
+            loss = loss.detach().float() / self.sp_loss_scale()
             if layout.sp > 1:
                 dist.all_reduce(loss, group=layout.sp_group)
             # a batch of no targets: NaN, as one process's mean over none, which the evaluation loop leaves out

@@ -90,10 +90,6 @@ def check_supported(trainer: Any, sp_size: int) -> None:
     problems = []
     if trainer.model_init is not None:
         problems.append("model_init (the model is re-created in train(); pass model= instead)")
-    if not args.average_tokens_across_devices:
-        problems.append(
-            "average_tokens_across_devices=False (the loss must divide by the token count of all ranks; set it to True)"
-        )
     if args.label_smoothing_factor != 0 and not trainer.sp_label_smoothing:
         problems.append(f"label_smoothing_factor={args.label_smoothing_factor} (set it to 0)")
     if trainer.compute_loss_func is not None:

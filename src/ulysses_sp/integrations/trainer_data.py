@@ -7,6 +7,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from ..layout import ParallelLayout
 from .accelerate import check_split_batches, split_over_dp_groups
 from .data import agree_on_batch, replace_collator
@@ -59,6 +62,13 @@ class DealtDataloaders:
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's, with every rank agreeing on each batch that a dataloader worker collated before it is
         counted (:func:`~ulysses_sp.integrations.data.agree_on_batch`): a batch refused on one rank raises the same
-        ValueError on every rank, not only where the worker refused it."""
+        ValueError on every rank, not only where the worker refused it. Without ``average_tokens_across_devices`` the
+        targets counted are the SP group's (the dp replica's), not this rank's shards' alone."""
         checked = (agree_on_batch(batch, self.sp_layout) for batch in epoch_iterator)
-        return super().get_batch_samples(checked, num_batches, *args, **kwargs)  # type: ignore[misc]
+        batches, count = super().get_batch_samples(checked, num_batches, *args, **kwargs)  # type: ignore[misc]
+        if isinstance(count, torch.Tensor) and not self.args.average_tokens_across_devices and self.sp_layout.sp > 1:
+            # the Trainer counts the targets of this rank's shards; the dp replica's are those of its SP group (what
+            # plain DDP divides each rank's loss by without the world's count)
+            count = count.clone()
+            dist.all_reduce(count, group=self.sp_layout.sp_group)
+        return batches, count

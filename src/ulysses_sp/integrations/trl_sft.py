@@ -62,15 +62,22 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
         returns (an MoE's ``aux_loss`` and ``router_logits``)."""
 
     def _trl_loss(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
+        """TRL's loss at :meth:`sp_loss_scale`: TRL scales its cross-entropy by the world size with
+        ``average_tokens_across_devices``, else not at all; here then by ``sp`` (its load-balancing term, added
+        unscaled, stays so)."""
         loss = SFTTrainer.compute_loss  # TRL's, not the mixin's (which serves the plain Trainer's convention)
+        scale = 1 if num_items_in_batch is None or self.args.average_tokens_across_devices else self.sp_layout.sp
         if not getattr(self, "aux_loss_enabled", False) or self.sp_layout.sp == 1:
-            return loss(self, model, inputs, False, num_items_in_batch)
+            return loss(self, model, inputs, False, num_items_in_batch) * scale
         if self.model.training or num_items_in_batch is None:
-            with whole_sequence_aux(model, self.sp_layout):
-                return loss(self, model, inputs, False, num_items_in_batch)
-        # evaluation (prediction_step: this loss / the world size, summed over the SP group; one process's eval adds
+            with whole_sequence_aux(model, self.sp_layout) as given:
+                out = loss(self, model, inputs, False, num_items_in_batch)
+            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1  # TRL's
+            return _cross_entropy_scaled(out, self.router_aux_loss_coef * sum(given) / steps, scale)
+        # evaluation (prediction_step: this loss / sp_loss_scale(), summed over the SP group; one process's eval adds
         # the term whole): TRL divides it by current_gradient_accumulation_steps (unset before any training step),
-        # pinned to 1 here, and it is added dp - 1 times more
+        # pinned to 1 here, and it is added sp_loss_scale() / sp - 1 times more (dp - 1, or 0 without
+        # average_tokens_across_devices)
         before = self.__dict__.get("current_gradient_accumulation_steps")
         self.current_gradient_accumulation_steps = 1
         try:
@@ -81,7 +88,13 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
                 del self.current_gradient_accumulation_steps
             else:
                 self.current_gradient_accumulation_steps = before
-        return out + self.router_aux_loss_coef * given[0] * (self.sp_layout.dp - 1)
+        term = self.router_aux_loss_coef * given[0]
+        return _cross_entropy_scaled(out, term, scale) + term * (self.sp_loss_scale() // self.sp_layout.sp - 1)
+
+
+def _cross_entropy_scaled(loss: torch.Tensor, term: torch.Tensor | float, scale: int) -> torch.Tensor:
+    """TRL's ``loss`` (its cross-entropy plus the load-balancing ``term``) with the cross-entropy ``scale`` times."""
+    return loss if scale == 1 else (loss - term) * scale + term
 
 
 @contextlib.contextmanager
