@@ -77,6 +77,15 @@ def pad_collate(features: list[dict]) -> dict[str, torch.Tensor]:
     return batch if "labels" in features[0] else {k: v for k, v in batch.items() if k != "labels"}
 
 
+def embeds_collate(features: list[dict]) -> dict[str, torch.Tensor]:
+    """A user's collator for a model fed embeddings (another tower's tokens, a soft prompt): :func:`pad_collate`'s
+    batch with ``inputs_embeds`` ``[b, N, 32]`` (the tiny models' hidden size) from a fixed table in place of
+    ``input_ids`` (zeros where padded)."""
+    batch = pad_collate(features)
+    table = torch.randn(VOCAB, 32, generator=torch.Generator().manual_seed(11))
+    return {"inputs_embeds": table[batch.pop("input_ids")] * batch["attention_mask"][..., None], **batch}
+
+
 def drop_labels_collate(features: list[dict]) -> dict[str, torch.Tensor]:
     """A broken collator that loses the labels."""
     batch = pad_collate(features)

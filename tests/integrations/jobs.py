@@ -22,6 +22,7 @@ from tests.integrations.common import (
     argmax_and_top,
     checkpointing_arg,
     drop_labels_collate,
+    embeds_collate,
     expect_error,
     first,
     no_target_trainer,
@@ -53,10 +54,11 @@ def _record(job: str, trainer, **extra) -> None:
             os.path.join(_out(job), "result.json"),
             {
                 "losses": train_losses(state.log_history),
-                "grad_norms": [e["grad_norm"] for e in state.log_history if "grad_norm" in e],  # (when clipping)
+                "grad_norms": [e["grad_norm"] for e in state.log_history if "grad_norm" in e],
                 "global_step": state.global_step,
                 "epoch": state.epoch,
                 "total_flos": state.total_flos,
+                "tokens_seen": state.num_input_tokens_seen,
                 **extra,
             },
         )
@@ -252,7 +254,13 @@ def fsdp2_model():
 
 
 def ulysses_trainer(
-    job: str, sp: int, model=None, eval_samples: int = len(EVAL_LENGTHS), resume_from: str | None = None, **args
+    job: str,
+    sp: int,
+    model=None,
+    eval_samples: int = len(EVAL_LENGTHS),
+    resume_from: str | None = None,
+    collator=pad_collate,
+    **args,
 ) -> None:
     """UlyssesTrainer with an eval set of long, odd-length sequences, checkpoints every 4 steps."""
     from ulysses_sp.integrations import UlyssesTrainer
@@ -262,7 +270,7 @@ def ulysses_trainer(
         args=trainer_args(_out(job), save_strategy="steps", save_steps=4, **args),
         train_dataset=token_dataset(TRAIN_LENGTHS, seed=1),
         eval_dataset=token_dataset(EVAL_LENGTHS[:eval_samples], seed=2),
-        data_collator=pad_collate,
+        data_collator=collator,
         sp_size=sp,
     )
     trainer.train(resume_from_checkpoint=resume_from)
@@ -274,6 +282,9 @@ def ulysses_trainer(
         eval_samples=eval_samples,
         train_batches=len(trainer.get_train_dataloader()),
     )
+
+
+EMBEDS_ARGS = dict(num_train_epochs=1, include_num_input_tokens_seen="all")  # (with embeds_collate)
 
 
 def trainer_stream(job: str) -> None:
@@ -601,8 +612,8 @@ def neftune_sp2() -> None:
 
 
 # average_tokens_across_devices=False: each dp rank's loss over its own targets (plain DDP then averages the ranks'
-# gradients); the gradient norm logged (clipping that never clips)
-OWN_TOKENS = dict(average_tokens_across_devices=False, max_grad_norm=1e9, num_train_epochs=1)
+# gradients)
+OWN_TOKENS = dict(average_tokens_across_devices=False, num_train_epochs=1)
 
 
 def sft_moe_own_tokens(job: str, sp: int | None) -> None:
@@ -647,6 +658,9 @@ def world2_sp() -> dict[str, str]:
             "no_targets_sp2": lambda: no_targets("no_targets_sp2"),
             "loss_override_sp2": loss_override_sp2,
             "neftune_sp2": neftune_sp2,
+            "trainer_embeds_sp2": lambda: ulysses_trainer(
+                "trainer_embeds_sp2", 2, collator=embeds_collate, **EMBEDS_ARGS
+            ),
             "peft_kinds_sp2": peft_kinds_sp2,
             "trainer_metrics_sp2": lambda: trainer_metrics(  # tiled loss: 2 forwards
                 "trainer_metrics_sp2", 2, include_for_metrics=["inputs", "loss"]

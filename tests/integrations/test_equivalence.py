@@ -31,7 +31,7 @@ from tests.integrations.common import (
     train_losses,
     trainer_args,
 )
-from tests.integrations.jobs import MOE_IGNORED, moe_model
+from tests.integrations.jobs import EMBEDS_ARGS, MOE_IGNORED, moe_model
 
 # The Trainer trains a model sharded at load time (from_pretrained(distributed_config=...)) only in transformers
 # whose models report it (is_distributed_loading_by_transformers, read by the Trainer to leave the model unwrapped);
@@ -129,6 +129,31 @@ def test_trainer_dp1_sp2_gas2_equals_dp2_sp1_gas1(world2_plain, world2_sp, out_d
     ours = result(out_dir, "trainer_sp2_gas2")
     assert len(ours["losses"]) == ours["global_step"] == 8  # 16 samples / (2 per batch x GAS 2 x dp 1), 2 epochs
     assert ours["train_batches"] == 8  # every rank of the SP group iterates the whole epoch, not half of it
+
+
+def test_a_collator_of_inputs_embeds_trains_and_evaluates_as_one_process(world2_sp, out_dir, tmp_path):
+    """A collator that gives inputs_embeds [b, N, hidden] and no input_ids (another tower's tokens) was refused ("the
+    collated batch needs an 'input_ids' tensor"): now its shards are cut as input_ids are, and the losses, weights,
+    eval loss, FLOPs and tokens seen (none: one process counts input_ids only) are those of one process."""
+    from transformers import Trainer
+
+    from tests.integrations.common import embeds_collate
+
+    job = "trainer_embeds_sp2"
+    assert_case(world2_sp, job, 2)
+    args = trainer_args(str(tmp_path), **EMBEDS_ARGS)
+    data = token_dataset(TRAIN_LENGTHS, seed=1), token_dataset(EVAL_LENGTHS, seed=2)
+    reference = Trainer(
+        model=build("llama"), args=args, train_dataset=data[0], eval_dataset=data[1], data_collator=embeds_collate
+    )
+    reference.train()
+    assert_trained_as(out_dir, job, reference)
+    got = result(out_dir, job)
+    state = reference.state
+    assert (got["total_flos"], got["tokens_seen"]) == (state.total_flos, state.num_input_tokens_seen), got
+    want = [e["grad_norm"] for e in state.log_history if "grad_norm" in e]  # (AdamW's steps hide a gradient's scale)
+    torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(want), rtol=1e-4, atol=0)
+    assert abs(got["eval_loss"] - reference.evaluate()["eval_loss"]) < LOSS_ATOL
 
 
 def test_a_step_and_an_eval_batch_of_no_targets_match_one_process(world2_sp, out_dir, tmp_path):
@@ -613,6 +638,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "no_targets_sp2",
             "loss_override_sp2",
             "neftune_sp2",
+            "trainer_embeds_sp2",
             "peft_kinds_sp2",
             "trainer_metrics_sp2",
             "trainer_metrics_moe_sp2",

@@ -67,8 +67,22 @@ def full_batch_token_counts(batch: Mapping[str, Any], layout: ParallelLayout) ->
     mask = batch.get("attention_mask")
     counted = layout.sp_rank == 0
     masked = -1 if mask is None else int(mask.sum()) * counted
-    ids = batch["input_ids"]
-    return torch.tensor([ids.numel() * counted, masked, ids.shape[-1], int("position_ids" in batch)])
+    key, seq_len = _tokens_and_length(batch)
+    positions = batch[key].numel() if key == "input_ids" else batch[key].shape[0] * seq_len  # (not the hidden dim)
+    return torch.tensor([positions * counted, masked, seq_len, int("position_ids" in batch)])
+
+
+def _tokens_and_length(batch: Mapping[str, Any]) -> tuple[str, int]:
+    """The key of a collated batch's tokens (``input_ids [b, N]``, or ``inputs_embeds [b, N, hidden]`` without them)
+    and its sequence length ``N``; ValueError naming the keys when it has neither tensor."""
+    key = "input_ids" if batch.get("input_ids") is not None else "inputs_embeds"
+    tokens = batch.get(key)
+    if not isinstance(tokens, torch.Tensor) or (key == "inputs_embeds" and tokens.dim() < 2):  # (shard_batch: 3)
+        raise ValueError(
+            "the collated batch needs an 'input_ids' tensor (or 'inputs_embeds' [batch, seq_len, hidden] instead); "
+            f"got keys {sorted(batch)}"
+        )
+    return key, tokens.shape[-1] if key == "input_ids" else tokens.shape[1]
 
 
 def shard_full_batch(
@@ -79,7 +93,8 @@ def shard_full_batch(
     check_same_batch: bool = True,
     require_labels: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Check a collated full batch and return this rank's shard (see :func:`ulysses_sp.shard_batch`).
+    """Check a collated full batch (``input_ids``, or ``inputs_embeds [b, N, hidden]`` instead) and return this rank's
+    shard (see :func:`ulysses_sp.shard_batch`).
 
     Raises ValueError when the batch has no ``labels`` (the loss could not be computed; with ``require_labels=False``
     such a batch is sharded without ``shift_labels``, for logits alone) or carries another ``[batch, seq_len]`` tensor
@@ -98,10 +113,7 @@ def shard_full_batch(
             "the collated batch already has 'shift_labels'; pass unshifted 'labels' only: ulysses-sp shifts them "
             "before splitting the sequence"
         )
-    input_ids = batch.get("input_ids")
-    if not isinstance(input_ids, torch.Tensor):
-        raise ValueError(f"the collated batch needs an 'input_ids' tensor; got keys {sorted(batch)}")
-    seq_len = input_ids.shape[-1]
+    seq_len = _tokens_and_length(batch)[1]
     kept = {}
     for key, value in batch.items():
         if key in FULL_SEQUENCE_KEYS or (key == "labels" and value is None):

@@ -249,7 +249,7 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
         batch from a dataloader worker), without the full batch's token counts (not a model input)."""
         prepared = super()._prepare_inputs(agree_on_batch(inputs, self.sp_layout))
         counts = prepared.get(TOKEN_COUNT_KEY)
-        if self.neftune_noise_alpha is not None and counts is not None:
+        if self.neftune_noise_alpha is not None and counts is not None and "input_ids" in prepared:  # (embeds: none)
             self._scale_neftune(prepared["input_ids"].shape[-1], int(counts[2]))
         return {key: value for key, value in prepared.items() if key != TOKEN_COUNT_KEY}
 
@@ -266,7 +266,8 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
         holds the padding that makes the length divisible by ``sp``), summed over the dp SP groups."""
         counts = inputs.get(TOKEN_COUNT_KEY)
         mode = self.args.include_num_input_tokens_seen
-        if counts is None or mode == "no" or getattr(self.model, "main_input_name", "input_ids") != "input_ids":
+        name = getattr(self.model, "main_input_name", "input_ids")
+        if counts is None or mode == "no" or name != "input_ids" or name not in inputs:  # (inputs_embeds: as there)
             return super()._track_num_input_tokens({k: v for k, v in inputs.items() if k != TOKEN_COUNT_KEY})
         tokens = counts[0]  # "all", and "non_padding" with neither an attention_mask nor a pad token (HF's rule)
         pad = getattr(self.processing_class, "pad_token_id", None)
