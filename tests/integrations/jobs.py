@@ -623,8 +623,8 @@ def sft_moe_own_tokens(job: str, sp: int | None) -> None:
 
 def world2_plain() -> dict[str, str]:
     """References on 2 ranks: DP=2 / SP=1 / GAS=1 with the plain Trainer and the plain SFTTrainer; the same with
-    average_tokens_across_devices=False (:data:`OWN_TOKENS`: the tiny Llama, an MoE with its load-balancing term
-    under the Trainer and TRL's)."""
+    average_tokens_across_devices=False (:data:`OWN_TOKENS`: the tiny Llama, with label smoothing too, an MoE with its
+    load-balancing term under the Trainer and TRL's)."""
     return run_cases(
         {
             "trainer_dp2": lambda: plain_trainer("trainer_dp2"),
@@ -632,6 +632,9 @@ def world2_plain() -> dict[str, str]:
             "trainer_own_tokens_dp2": lambda: plain_trainer("trainer_own_tokens_dp2", **OWN_TOKENS),
             "trainer_moe_own_tokens_dp2": lambda: plain_trainer(
                 "trainer_moe_own_tokens_dp2", model=moe_model(), **OWN_TOKENS
+            ),
+            "trainer_smoothed_own_tokens_dp2": lambda: plain_trainer(
+                "trainer_smoothed_own_tokens_dp2", label_smoothing_factor=0.1, **OWN_TOKENS
             ),
             "sft_moe_own_tokens_dp2": lambda: sft_moe_own_tokens("sft_moe_own_tokens_dp2", None),
         }
@@ -718,6 +721,9 @@ def world4() -> dict[str, str]:
             "trainer_own_tokens_dp2_sp2": lambda: ulysses_trainer("trainer_own_tokens_dp2_sp2", 2, **OWN_TOKENS),
             "trainer_moe_own_tokens_dp2_sp2": lambda: ulysses_trainer(
                 "trainer_moe_own_tokens_dp2_sp2", 2, model=moe_model(), **OWN_TOKENS
+            ),
+            "trainer_smoothed_own_tokens_dp2_sp2": lambda: ulysses_trainer(
+                "trainer_smoothed_own_tokens_dp2_sp2", 2, label_smoothing_factor=0.1, **OWN_TOKENS
             ),
             "sft_moe_own_tokens_dp2_sp2": lambda: sft_moe_own_tokens("sft_moe_own_tokens_dp2_sp2", 2),
             "refusal_in_worker_dp2_sp2": refusal_in_worker_dp2_sp2,

@@ -227,12 +227,12 @@ def test_trainer_dp2_sp2_on_4_ranks_equals_dp2(world2_plain, world4, out_dir):
     assert result(out_dir, "trainer_dp2_sp2")["train_batches"] == 4  # batches dealt over dp=2 SP groups
 
 
-@pytest.mark.parametrize("kind", ["trainer", "trainer_moe", "sft_moe"])
+@pytest.mark.parametrize("kind", ["trainer", "trainer_smoothed", "trainer_moe", "sft_moe"])
 def test_average_tokens_across_devices_off_dp2_sp2_equals_plain_ddp(world2_plain, world4, out_dir, kind):
     """average_tokens_across_devices=False (refused before): plain DDP divides each dp rank's loss by its own
     targets; under SP a dp replica's targets are its SP group's, so each replica's loss, gradients (the logged norm)
-    and the weights are those of plain DDP over dp=2 (the Trainer's loss, an MoE's through the load-balancing path
-    and TRL's with its term), not the world-count ones of average_tokens_across_devices=True."""
+    and the weights are those of plain DDP over dp=2 (the Trainer's loss, label-smoothed too, an MoE's through the
+    load-balancing path and TRL's with its term), not the world-count ones of average_tokens_across_devices=True."""
     reference, job = f"{kind}_own_tokens_dp2", f"{kind}_own_tokens_dp2_sp2"
     assert_case(world2_plain, reference, 2)
     assert_case(world4, job, 4)
@@ -628,7 +628,14 @@ def test_split_batches_that_do_not_split_over_the_dp_groups_are_refused_before_t
 
 def test_every_job_is_checked(world2_plain, world2_sp, world4):
     checked = (
-        {"trainer_dp2", "sft_dp2", "trainer_own_tokens_dp2", "trainer_moe_own_tokens_dp2", "sft_moe_own_tokens_dp2"},
+        {
+            "trainer_dp2",
+            "sft_dp2",
+            "trainer_own_tokens_dp2",
+            "trainer_smoothed_own_tokens_dp2",
+            "trainer_moe_own_tokens_dp2",
+            "sft_moe_own_tokens_dp2",
+        },
         {
             "trainer_sp2_gas2",
             "trainer_sp2_resume",
@@ -664,6 +671,7 @@ def test_every_job_is_checked(world2_plain, world2_sp, world4):
             "refusal_in_worker_dp2_sp2",
             "split_batches_refused_dp2_sp2",
             "trainer_own_tokens_dp2_sp2",
+            "trainer_smoothed_own_tokens_dp2_sp2",
             "trainer_moe_own_tokens_dp2_sp2",
             "sft_moe_own_tokens_dp2_sp2",
         },
