@@ -10,7 +10,7 @@ once per forward pass; no core builds an O(N^2) mask:
   CUDA, rows packed with many documents go to one ``flex_attention`` call instead (:func:`packed_kernel`).
 * ``eager``: explicit softmax(q k^T) per document, the reference; supports ``softcap``.
 * ``flex_attention``: one ``flex_attention`` call with a document (+ window) ``BlockMask``.
-* ``flash_attention_2`` / ``flash_attention_3``: varlen kernels fed with ``cu_seqlens`` (CUDA only).
+* ``flash_attention_2`` / ``flash_attention_3``: varlen kernels fed with ``cu_seqlens`` (CUDA only; :mod:`.flash_core`).
 
 Padding tokens get a zero output (they never feed a real token; a target on padding whose output one process
 makes otherwise is refused before any core runs: :func:`ulysses_sp.shard_batch`, :mod:`ulysses_sp.masks`).
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .flash_core import FLASH_MODULES, flash_core
 from .validation import hole_message
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "AttentionCall",
     "Core",
     "Segments",
+    "check_core_trains",
     "compiled_flex",
     "eager_core",
     "flex_compiles",
@@ -49,6 +51,7 @@ __all__ = [
 
 Core = Callable[..., torch.Tensor]
 FLEX_MIN_HEAD_DIM_CUDA = 16  # torch's compiled flex_attention kernels reject smaller head dims
+FLEX_NO_BACKWARD_DEVICES = ("cpu", "mps")  # torch's flex_attention refuses inputs that require grad there
 # The sdpa core hands packed rows to flex_attention on CUDA above this many documents per row (on average):
 # below it the per-document sdpa loop is a few calls of the fastest kernel. Measured on an H200 (2026-11-30,
 # benchmarks/packed_attention.py, 32K tokens, one layer's core fwd + bwd, BENCHMARKS.md section 5): at 8 documents
@@ -321,6 +324,8 @@ def flex_core(
     if dropout:
         raise ValueError(f"the flex_attention core has no attention dropout (dropout={dropout}); use sdpa")
     check_flex_head_dim(q.shape[-1], q.device)
+    if q.requires_grad or k.requires_grad or v.requires_grad:  # (torch's own refusal: a NotImplementedError)
+        check_core_trains("flex_attention", q.device.type)
     docs = segments.doc_ids()
     window = sliding_window
 
@@ -371,56 +376,12 @@ def compiled_flex() -> Callable:
     return torch.compile(flex_attention, dynamic=False)
 
 
-# ---------------------------------------------------------------------------------------------- flash
-def _flash_core(module_name: str) -> Core:
-    def core(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        segments: Segments,
-        *,
-        scaling: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        dropout: float = 0.0,
-    ) -> torch.Tensor:
-        flash = importlib.import_module(module_name)
-        kwargs = {"softmax_scale": scaling, "causal": True}
-        kwargs["window_size"] = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
-        if softcap is not None:
-            kwargs["softcap"] = softcap
-        if dropout:
-            if module_name != "flash_attn":
-                raise ValueError(f"{module_name} has no attention dropout (dropout={dropout}); use flash_attention_2")
-            kwargs["dropout_p"] = dropout
-        b, h, seq_len, d = q.shape
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [b, N, heads, d]
-        if segments.is_dense:
-            out = flash.flash_attn_func(qt, kt, vt, **kwargs)
-            return out[0] if isinstance(out, tuple) else out
-        index, cu, max_len = segments.varlen()
-        flat = [x.reshape(b * seq_len, x.shape[2], d) for x in (qt, kt, vt)]  # [b*N, heads, d]
-        padded = index.numel() != b * seq_len
-        if padded:  # keep real tokens only
-            flat = [x.index_select(0, index) for x in flat]
-        out = flash.flash_attn_varlen_func(*flat, cu, cu, max_len, max_len, **kwargs)
-        out = out[0] if isinstance(out, tuple) else out  # [T, h, d]
-        if padded:
-            out = out.new_zeros(b * seq_len, h, d).index_copy(0, index, out)
-        return out.reshape(b, seq_len, h, d)
-
-    core.__name__ = f"flash_core_{module_name}"
-    return core
-
-
 CORES: dict[str, Core] = {
     "sdpa": sdpa_core,
     "eager": eager_core,
     "flex_attention": flex_core,
-    "flash_attention_2": _flash_core("flash_attn"),
-    "flash_attention_3": _flash_core("flash_attn_interface"),
+    **{name: flash_core(module) for name, module in FLASH_MODULES.items()},
 }
-_FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 
 
 def get_core(name: str, *, instead: str = "core='sdpa'") -> Core:
@@ -428,7 +389,7 @@ def get_core(name: str, *, instead: str = "core='sdpa'") -> Core:
     ``instead``: how the caller's user asks for sdpa, for the message (``ulysses-sp train``: ``--attn-core sdpa``)."""
     if name not in CORES:
         raise ValueError(f"unsupported attention core {name!r}; choose one of {sorted(CORES)}")
-    module = _FLASH_MODULES.get(name)
+    module = FLASH_MODULES.get(name)
     if module is not None:
         if importlib.util.find_spec(module) is None:
             raise ValueError(
@@ -438,3 +399,14 @@ def get_core(name: str, *, instead: str = "core='sdpa'") -> Core:
         if not torch.cuda.is_available():
             raise ValueError(f"core {name!r} needs a CUDA device; use {instead} on CPU")
     return CORES[name]
+
+
+def check_core_trains(name: str, device_type: str, *, instead: str = "core='sdpa'") -> None:
+    """ValueError when core ``name`` cannot make gradients on a ``device_type`` device: flex_attention on a CPU
+    (or MPS), where torch refuses q/k/v that require grad (it has no backward kernel there; its forward under
+    ``torch.no_grad()`` runs). ``instead``: how the caller's user asks for sdpa, as in :func:`get_core`."""
+    if name == "flex_attention" and device_type in FLEX_NO_BACKWARD_DEVICES:
+        raise ValueError(
+            f"core 'flex_attention' cannot train on a {device_type} device (torch's flex_attention has no backward "
+            f"there, only a forward under torch.no_grad()); use {instead} to train, or flex_attention on CUDA"
+        )

@@ -256,6 +256,21 @@ def test_flex_head_dim_check_is_for_cuda_only():
         check_flex_head_dim(8, torch.device("cuda"))
 
 
+def test_flex_core_trains_nowhere_torch_has_no_backward_for_it():
+    """parallelize(core='flex_attention') on the CPU, then a training step: torch's NotImplementedError ("FlexAttention
+    does not support backward on CPU") from inside the layers (only `ulysses-sp train` refused it, by a rule of its
+    own). Now the core names itself and sdpa; the forward under no_grad (evaluation) still runs, as one process."""
+    batch = make_batch(2, 24, packed=(7, 10, 7))
+    model = build("llama", kv_heads=2)
+    with torch.no_grad():
+        reference = model(**batch, use_cache=False).loss  # (a cache turns transformers' packed-document mask off)
+    par = U.parallelize(copy.deepcopy(model), U.ParallelLayout.single(), core="flex_attention")
+    with pytest.raises(ValueError, match=r"^core 'flex_attention' cannot train on a cpu device .* use core='sdpa'"):
+        par(**batch)
+    with torch.no_grad():
+        torch.testing.assert_close(par(**batch).loss, reference)
+
+
 @pytest.mark.parametrize(
     ("nproc", "gpus", "environ", "world"),
     [

@@ -97,7 +97,10 @@ def test_a_core_that_cannot_train_here_is_refused_before_any_rank_starts(tmp_pat
     traceback ("FlexAttention does not support backward on CPU", exit 1); --attn-core flash without flash_attn failed
     in the ranks, telling a command-line user to "use core='sdpa'"."""
     flex = TrainConfig(output_dir=str(tmp_path), seq_len=256, attn_core="flex")
-    with pytest.raises(ValueError, match=r"^--attn-core flex trains on CUDA devices only .* use --attn-core sdpa$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--attn-core flex: core 'flex_attention' cannot train on a cpu .* use --attn-core sdpa to train",
+    ):
         resolve_run(flex, world_size=2)
     if importlib.util.find_spec("flash_attn") is None:
         flash = TrainConfig(output_dir=str(tmp_path), seq_len=256, attn_core="flash")

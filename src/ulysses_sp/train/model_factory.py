@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ulysses_sp.attention import check_ring_core
-from ulysses_sp.cores import get_core
+from ulysses_sp.cores import check_core_trains, get_core
 from ulysses_sp.features import apply_features, cli_switch
 from ulysses_sp.fsdp import fully_shard_layers
 from ulysses_sp.head_split import check_head_chunks, uneven_kv_chunks
@@ -165,16 +165,11 @@ def choose_run_layout(
 
 def check_attn_core(config: TrainConfig) -> None:
     """ValueError naming ``--attn-core`` when its core cannot train on this machine, before any rank starts: a flash
-    core without its package or a GPU, and flex without a GPU (torch's flex_attention has no backward on CPU: the
-    ranks failed at the first backward with torch's traceback)."""
-    name = _CORE_NAMES[config.attn_core]
-    if name == "flex_attention" and not torch.cuda.is_available():
-        raise ValueError(
-            "--attn-core flex trains on CUDA devices only (torch's flex_attention has no backward on CPU); use "
-            "--attn-core sdpa"
-        )
+    core without its package or a GPU, and flex without a GPU (:func:`ulysses_sp.cores.check_core_trains`)."""
+    name, device_type = _CORE_NAMES[config.attn_core], "cuda" if torch.cuda.is_available() else "cpu"
     try:
         get_core(name, instead="--attn-core sdpa")
+        check_core_trains(name, device_type, instead="--attn-core sdpa")
     except ValueError as error:
         raise ValueError(f"--attn-core {config.attn_core}: {error}") from None
 
