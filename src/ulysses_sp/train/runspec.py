@@ -26,6 +26,7 @@ from ulysses_sp.train.checkpoint import find_latest_checkpoint, list_checkpoints
 from ulysses_sp.train.config import TrainConfig, config_from_dict
 from ulysses_sp.train.dataset_checks import check_dataset
 from ulysses_sp.train.documents import EMBEDDED_TOKENIZER, load_tokenizer
+from ulysses_sp.train.hub import HubProbe
 from ulysses_sp.train.integrity import MANIFEST, newest_intact_checkpoint, verify_checkpoint
 from ulysses_sp.train.model_factory import (
     check_attn_core,
@@ -283,15 +284,16 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
     if resume is None and config.model not in SHAPES:  # (a built-in name is the shape; a resume reads its own)
         _check_not_a_run_folder(config.model)
     source = tokenizer_source(config)
+    hub = HubProbe()  # each hub id probed once: the model, its own tokenizer and its config name one
     if resume is None and config.tokenizer is None and source is not None:
         # the model's own tokenizer: a model that cannot be reached is named as --model (told of --tokenizer, a
         # user met the same refusal for --model next)
-        check_model_reachable(config.model)
+        check_model_reachable(config.model, hub)
     flag = "--tokenizer" if config.tokenizer is not None else "--model (its own tokenizer; --tokenizer picks one)"
-    tokenizer = load_tokenizer(source, flag=flag)
+    tokenizer = load_tokenizer(source, flag=flag, hub=hub)
     notes += check_dataset(config.dataset, text_field=config.text_field, eval_fraction=config.held_out_fraction())
     model_source = str(resume) if resume else (None if config.model in SHAPES else config.model)
-    model_config = hf_model_config(config, tokenizer, source=model_source)
+    model_config = hf_model_config(config, tokenizer, source=model_source, hub=hub)
     positions, longest = learned_positions(model_config), config.schedule().max_seq_len
     if positions is not None and longest > positions:  # (an IndexError on every rank at the first step)
         flag = "--seq-len-schedule" if config.seq_len_schedule.strip() else "--seq-len"
