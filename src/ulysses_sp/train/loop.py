@@ -34,7 +34,7 @@ from ulysses_sp.layout import ParallelLayout
 from ulysses_sp.loss import causal_lm_loss, count_valid_tokens
 from ulysses_sp.sharding import shard_batch
 from ulysses_sp.train.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, set_aside_newer
-from ulysses_sp.train.config import config_to_dict
+from ulysses_sp.train.config import TrainConfig, config_to_dict
 from ulysses_sp.train.data import build_data
 from ulysses_sp.train.documents import load_tokenizer, pad_token_id
 from ulysses_sp.train.errors import RunError
@@ -42,7 +42,7 @@ from ulysses_sp.train.faults import Fault
 from ulysses_sp.train.lifeline import RankSignals
 from ulysses_sp.train.metrics import MetricsLog, Progress, peak_memory_gib, peak_tflops
 from ulysses_sp.train.model_factory import build_model, training_flops_per_token
-from ulysses_sp.train.optim import build_optimizer, build_scheduler, planned_steps
+from ulysses_sp.train.optim import build_optimizer, build_scheduler, planned_steps, restore_settings
 from ulysses_sp.train.outdir import remove_previous_run, run_artifacts, set_aside_logs, set_aside_note
 from ulysses_sp.train.runspec import RunSpec
 from ulysses_sp.train.tracking import make_reporter, write_loss_curve
@@ -54,11 +54,14 @@ class Trainer:
     """Builds everything for one rank from the run's :class:`RunSpec` and a layout, then :meth:`fit` trains.
 
     ``signals`` (this rank's :class:`RankSignals`) carries a SIGTERM: the ranks agree on it at the next step
-    boundary, save that step together and stop (``summary["stopped"] == "SIGTERM"``).
+    boundary, save that step together and stop (``summary["stopped"] == "SIGTERM"``). ``config``: what the run
+    trains with, ``spec.config`` with the checkpoints where the planner placed them for this run's GPUs
+    (:func:`~ulysses_sp.train.model_factory.place_checkpoints`); checkpoints save ``spec.config``, as asked.
     """
 
-    def __init__(self, spec: RunSpec, layout: ParallelLayout, signals: RankSignals | None = None) -> None:
-        config = spec.run_config()
+    def __init__(
+        self, spec: RunSpec, layout: ParallelLayout, signals: RankSignals | None = None, *, config: TrainConfig
+    ) -> None:
         self.spec, self.config, self.layout, self.signals = spec, config, layout, signals
         self.device = layout.device
         self.output_dir = Path(config.output_dir)
@@ -307,7 +310,7 @@ class Trainer:
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         if checkpoint.scheduler_state is not None:
             self.scheduler.load_state_dict(checkpoint.scheduler_state)
-        self._apply_optimizer_settings()
+        restore_settings(self.optimizer, self.scheduler, self.config.peak_lr(), self._weight_decays)
         if checkpoint.data_state is not None:
             self.data.load_state_dict(checkpoint.data_state)
         checkpoint.restore_rng()
@@ -315,18 +318,6 @@ class Trainer:
         self.tokens_seen = int(checkpoint.metrics.get("tokens_seen", 0))
         self.skipped_steps = int(checkpoint.metrics.get("skipped_steps", 0))
         self.eval_pending = bool(checkpoint.metrics.get("eval_pending", False))
-
-    def _apply_optimizer_settings(self) -> None:
-        """After a restore: this run's --lr and --weight-decay (the saved state carries the old ones), and the
-        learning rate of the current step under this run's schedule (e.g. a larger --max-steps)."""
-        peak = self.config.peak_lr()
-        self.scheduler.base_lrs = [peak for _ in self.optimizer.param_groups]
-        for group, decay, factor in zip(
-            self.optimizer.param_groups, self._weight_decays, self.scheduler.lr_lambdas, strict=True
-        ):
-            group["initial_lr"] = peak
-            group["weight_decay"] = decay
-            group["lr"] = peak * factor(self.scheduler.last_epoch)
 
     def _evaluate_and_log(self, progress: Progress) -> dict[str, Any] | None:
         evaluation = self.evaluate()

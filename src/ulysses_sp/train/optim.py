@@ -9,7 +9,7 @@ from torch import nn
 
 from ulysses_sp.train.config import TrainConfig
 
-__all__ = ["build_optimizer", "build_scheduler", "lr_factor", "planned_steps"]
+__all__ = ["build_optimizer", "build_scheduler", "lr_factor", "planned_steps", "restore_settings"]
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
@@ -49,6 +49,21 @@ def build_scheduler(
         )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def restore_settings(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    peak_lr: float,
+    weight_decays: list[float],
+) -> None:
+    """After a restore: this run's peak learning rate and weight decay per group (the saved state carries the old
+    ones), and the learning rate of the current step under this run's schedule (e.g. a larger --max-steps)."""
+    scheduler.base_lrs = [peak_lr for _ in optimizer.param_groups]
+    for group, decay, factor in zip(optimizer.param_groups, weight_decays, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = peak_lr
+        group["weight_decay"] = decay
+        group["lr"] = peak_lr * factor(scheduler.last_epoch)
 
 
 def planned_steps(config: TrainConfig, micro_batches_in_epochs: int | None) -> int:

@@ -16,7 +16,6 @@ user can act on, such as a full disk or non-finite training), 130 Ctrl-C, 143 st
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import os
 import signal
@@ -222,12 +221,9 @@ def run_rank(spec: RunSpec | None, config: TrainConfig | None = None) -> int:
         placed, choice = place_checkpoints(
             config, spec.model_config(), layout=layout, gpu_memory_bytes=memory, gpus_per_node=local
         )
-        if choice:
-            chosen = (placed.activation_checkpointing, placed.checkpoint_stride)
-            spec = dataclasses.replace(spec, placed_checkpoints=chosen)
-            if layout.is_main:
-                print(choice, flush=True)
-        summary = Trainer(spec, layout, signals).fit()
+        if choice and layout.is_main:
+            print(choice, flush=True)
+        summary = Trainer(spec, layout, signals, config=placed).fit()
         if layout.is_main:
             metrics = os.path.join(config.output_dir, config.metrics_file)
             print(format_summary(summary, metrics), flush=True)

@@ -69,7 +69,9 @@ class RunSpec:
 
     Attributes:
         config: the resolved config: ``nproc`` = the world size, ``tokenizer`` = what is loaded, ``lr`` = the
-            peak learning rate (this is what checkpoints save as ``config.yaml``; the run uses :meth:`run_config`).
+            peak learning rate (this is what checkpoints save as ``config.yaml``: the checkpoints' place as asked,
+            ``auto`` beside ``--host-memory``; the ranks train with the place the planner chooses for their GPUs,
+            :func:`~ulysses_sp.train.model_factory.place_checkpoints`).
         ring: the ring degree inside ``sp`` (1 = pure Ulysses).
         layout_reason: why this ulysses x ring (one sentence, printed with the layout).
         resume_from: the verified checkpoint to continue from, or None for a fresh start.
@@ -77,8 +79,6 @@ class RunSpec:
             for a seeded random init.
         hf_config: the model's transformers config, as a dict.
         notes: lines rank 0 prints at the start (settings changed since the checkpoint, skipped extras).
-        placed_checkpoints: the checkpoints' place and stride the planner chose for ``--host-memory`` on the GPUs
-            the ranks found (set on every rank at start-up), or None where it chose none.
     """
 
     config: TrainConfig
@@ -88,17 +88,6 @@ class RunSpec:
     model_source: str | None
     hf_config: dict[str, Any]
     notes: tuple[str, ...] = ()
-    placed_checkpoints: tuple[str, int] | None = None
-
-    def run_config(self) -> TrainConfig:
-        """:attr:`config` as the run uses it, the checkpoints where the planner placed them. A checkpoint saves
-        :attr:`config` (``activation_checkpointing: auto``, ``checkpoint_stride: none`` beside ``host_memory``), so
-        a run over its config.yaml places them again, for its own GPUs, and finds no key that ``host_memory``
-        would not be used with (:func:`~ulysses_sp.train.config.load_config` refuses that pair)."""
-        if self.placed_checkpoints is None:
-            return self.config
-        mode, stride = self.placed_checkpoints
-        return dataclasses.replace(self.config, activation_checkpointing=mode, checkpoint_stride=stride)
 
     def model_config(self) -> Any:
         """The transformers config object of :attr:`hf_config`."""
