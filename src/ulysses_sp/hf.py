@@ -33,6 +33,7 @@ __all__ = [
     "layer_kv_heads",
     "layer_values",
     "learned_positions",
+    "layer_mlp",
     "mlp_modules",
     "own_class",
     "refuse_prompt_learning",
@@ -242,16 +243,16 @@ def decoder_layers(pretrained: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def layer_mlp(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's MLP: its child named the first of :data:`MLP_NAMES` it has; None where it has none."""
+    children = layer._modules
+    return next((children[name] for name in MLP_NAMES if isinstance(children.get(name), nn.Module)), None)
+
+
 def mlp_modules(pretrained: nn.Module) -> list[nn.Module]:
-    """Each decoder layer's MLP (the child named one of :data:`MLP_NAMES`); ValueError when none is found."""
+    """Each decoder layer's MLP (:func:`layer_mlp`); ValueError when none is found."""
     layers = decoder_layers(pretrained)
-    found = []
-    for layer in layers:
-        for name in MLP_NAMES:
-            child = layer._modules.get(name)
-            if isinstance(child, nn.Module):
-                found.append(child)
-                break
+    found = [mlp for mlp in map(layer_mlp, layers) if mlp is not None]
     if not found:
         layer_names = sorted({type(layer).__name__ for layer in layers}) or "none found"
         raise ValueError(

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MoeShape", "has_experts", "mlp_blocks", "moe_saved", "moe_shape", "moe_terms"]
+__all__ = ["MoeShape", "has_experts", "moe_saved", "moe_shape", "moe_terms"]
 
 _PROBE_TOKENS = (8, 16)  # the router's saved bytes per token: the difference between these two calls
 
@@ -107,24 +107,21 @@ def _weights_bytes(moe: MoeShape, c: int) -> int:
     return 4 if c < 4 and moe.fp32_weights else c
 
 
-def mlp_blocks(layers: list[Any]) -> list[Any]:
-    """Each decoder layer's MLP module (its child named one of ``hf.MLP_NAMES``; None where it has none)."""
-    from ..hf import MLP_NAMES
-
-    return [next((layer._modules[n] for n in MLP_NAMES if layer._modules.get(n) is not None), None) for layer in layers]
-
-
 def has_experts(layers: list[Any]) -> bool:
     """Whether any decoder layer's MLP holds experts (a child ``experts``)."""
-    return any(mlp is not None and mlp._modules.get("experts") is not None for mlp in mlp_blocks(layers))
+    from ..hf import layer_mlp
+
+    return any(mlp is not None and mlp._modules.get("experts") is not None for mlp in map(layer_mlp, layers))
 
 
 def moe_shape(text: Any, layers: list[Any], *, per_token: int, width: int, shared: int, dense: int) -> MoeShape | None:
     """The :class:`MoeShape` of a model (built on the meta device; ``layers`` its decoder layers) or None where no
     layer holds an MoE block as transformers 5 builds them: a child ``experts`` whose weights are ``[E, ...]``
     tensors (not a list of expert modules), beside a router whose weight is ``[E, h]``."""
+    from ..hf import layer_mlp
+
     blocks = []
-    for mlp in mlp_blocks(layers):
+    for mlp in map(layer_mlp, layers):
         experts = mlp._modules.get("experts") if mlp is not None else None
         blocks.append(mlp if experts is not None and any(p.dim() == 3 for p in experts.parameters()) else None)
     found = [block for block in blocks if block is not None]
