@@ -16,11 +16,12 @@ import pickle
 import torch
 
 import ulysses_sp as U
-from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, check_parity, raises_everywhere, reference, sequence_parallel
+from tests.dist.cases_core import check_parity, raises_everywhere, reference, sequence_parallel
 from tests.dist.cases_memory_features import full_grad, wrap
 from tests.dist.cases_zoo import zoo_cases
 from tests.helpers.harness import run_cases
 from tests.helpers.models import VOCAB, build, build_generic, dp_share, make_batch, router_aux_on
+from tests.helpers.parity import assert_loss_and_grads
 
 # Every family of the issue, tiny: (arch, kv_heads). heads=4 so sp=4 splits them.
 PARITY_ARCHS = {
@@ -160,9 +161,7 @@ def zero_pad_embedding(layout, seq_len: int) -> None:
     assert model.get_input_embeddings().weight[model.config.pad_token_id].abs().max() == 0
     ref_loss, ref_grads = reference(model, batch)
     loss, grads, _ = sequence_parallel(model, batch, layout)
-    torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert_loss_and_grads(loss, grads, ref_loss, ref_grads)
 
 
 def ids_numbered_positions(layout) -> None:
@@ -316,9 +315,7 @@ def router_aux_parity(
     loss.backward()
     if wrapper == "none":
         U.sync_gradients(par, layout)
-    torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
-    for name, param in par.named_parameters():
-        torch.testing.assert_close(full_grad(param), ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert_loss_and_grads(loss, {n: full_grad(p) for n, p in par.named_parameters()}, ref_loss, ref_grads)
 
 
 def router_aux_own_loss_refused(layout) -> None:

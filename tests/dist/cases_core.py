@@ -17,9 +17,8 @@ import torch.distributed as dist
 import ulysses_sp as U
 from tests.helpers.harness import run_cases
 from tests.helpers.models import VOCAB, build, dp_share, make_batch
+from tests.helpers.parity import LOSS_TOL, assert_loss_and_grads
 
-LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
-GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
 BF16_REL = 2e-2  # bf16 on the wire: |g - g_ref| <= 2% of |g_ref|, per parameter (an all-zero grad fails)
 
 
@@ -93,15 +92,12 @@ def check_parity(
     model.train(checkpointing or train)  # built models start in train mode; the configs have no dropout
     ref_loss, ref_grads = reference(model if ref_adapt is None else ref_adapt(copy.deepcopy(model)), batch)
     loss, grads, _ = sequence_parallel(model, sp_batch if sp_batch is not None else batch, layout, **kwargs)
+    if rel is None:
+        return assert_loss_and_grads(loss, grads, ref_loss, ref_grads)
     assert grads.keys() == ref_grads.keys()
-    if rel is not None:
-        assert_rel_close(loss, ref_loss, rel, "loss")
-        for name, grad in grads.items():
-            assert_rel_close(grad, ref_grads[name], rel, name)
-        return
-    torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
+    assert_rel_close(loss, ref_loss, rel, "loss")
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+        assert_rel_close(grad, ref_grads[name], rel, name)
 
 
 def _compiled_steps(model, par, layout, batches, after_step=None):
@@ -114,9 +110,7 @@ def _compiled_steps(model, par, layout, batches, after_step=None):
         loss = U.causal_lm_loss(par, U.shard_batch(batch, layout), layout)
         loss.backward()
         U.sync_gradients(par, layout)
-        torch.testing.assert_close(loss.detach(), ref_loss, **LOSS_TOL)
-        for name, param in par.named_parameters():
-            torch.testing.assert_close(param.grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+        assert_loss_and_grads(loss, {n: p.grad for n, p in par.named_parameters()}, ref_loss, ref_grads)
         if after_step is not None:
             after_step(i)
 
@@ -482,9 +476,7 @@ def resized_vocabulary(layout):
         par.load_state_dict(grown.state_dict())
 
     loss, grads, par = sequence_parallel(model, batch, layout, prepare=resize)
-    torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert_loss_and_grads(loss, grads, ref_loss, ref_grads)
     par.resize_token_embeddings(VOCAB - 8)
     shard = U.shard_batch(make_batch(1, 24), layout)
     shard["input_ids"] %= VOCAB - 8
@@ -543,11 +535,9 @@ def inputs_embeds(layout):
         loss = U.causal_lm_loss(par, U.shard_batch(full, layout), layout)
         loss.backward()
         U.sync_gradients(par, layout)
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), **LOSS_TOL)
-        for name, param in par.named_parameters():
-            torch.testing.assert_close(
-                param.grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=f"{arch} {name}": f"{n}: {m}"
-            )
+        assert_loss_and_grads(
+            loss, {n: p.grad for n, p in par.named_parameters()}, ref_loss, ref_grads, label=f"{arch} "
+        )
     with torch.no_grad():
         both = embedded(model)
         expect_raise(ValueError, ["input_ids or inputs_embeds, not both"])(lambda: U.shard_batch(both, layout))

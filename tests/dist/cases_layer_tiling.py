@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 import ulysses_sp as U
 from tests.dist.cases_architectures import EVAL_ONLY, PARITY_ARCHS
-from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, reference, sequence_parallel
+from tests.dist.cases_core import reference, sequence_parallel
 from tests.helpers.harness import run_cases
 from tests.helpers.models import build, make_batch
+from tests.helpers.parity import GRAD_TOL, LOSS_TOL
 from ulysses_sp.hf import decoder_layers, mlp_modules
 from ulysses_sp.instance_forward import installed_forward
 from ulysses_sp.tiled_norms import TiledNorm, _HandThrough

@@ -16,9 +16,10 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import ulysses_sp as U
-from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, reference
+from tests.dist.cases_core import reference
 from tests.helpers.harness import run_cases
 from tests.helpers.models import _common, dp_share, make_batch
+from tests.helpers.parity import GRAD_TOL, assert_loss_and_grads
 from ulysses_sp.hf import decoder_layers
 from ulysses_sp.offload import offload_store
 
@@ -111,11 +112,7 @@ def check_features(
     if checkpointing == "offload":
         assert offload_store(par).held_bytes() == 0, "the host store outlived backward"
 
-    grads = {name: full_grad(p) for name, p in par.named_parameters()}
-    assert grads.keys() == ref_grads.keys(), grads.keys() ^ ref_grads.keys()
-    torch.testing.assert_close(loss.detach(), ref_loss, **LOSS_TOL)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert_loss_and_grads(loss, {name: full_grad(p) for name, p in par.named_parameters()}, ref_loss, ref_grads)
 
 
 def different_lengths_per_rank(layout):

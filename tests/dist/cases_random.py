@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses_sp as U
-from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, reference
+from tests.dist.cases_core import reference
 from tests.dist.cases_memory_features import full_grad, wrap
 from tests.helpers.models import (
     build,
@@ -32,6 +32,7 @@ from tests.helpers.models import (
     with_chunk_dropout,
     with_lora,
 )
+from tests.helpers.parity import GRAD_TOL, LOSS_TOL
 
 ARCHS = (
     "llama", "qwen3", "mistral", "qwen2", "gemma2", "mixtral", "qwen3_moe", "deepseek_v3_mla_v4", "starcoder2",

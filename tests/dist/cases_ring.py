@@ -14,9 +14,10 @@ import torch.distributed as dist
 
 import ulysses_sp as U
 from tests.dist.cases_architectures import zero_pad_embedding
-from tests.dist.cases_core import LOSS_TOL, check_parity, expect_raise
+from tests.dist.cases_core import check_parity, expect_raise
 from tests.helpers.harness import run_cases
 from tests.helpers.models import build, dp_share, make_batch
+from tests.helpers.parity import LOSS_TOL
 from tests.helpers.ring_sim import one_process_error_sums, ring_error_sums
 from ulysses_sp.ring import ring_bytes_per_layer
 

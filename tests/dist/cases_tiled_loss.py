@@ -16,9 +16,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ulysses_sp as U
-from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, reference
+from tests.dist.cases_core import reference
 from tests.helpers.harness import run_cases
 from tests.helpers.models import build, dp_share, make_batch, router_aux_on
+from tests.helpers.parity import GRAD_TOL, LOSS_TOL
 
 
 def wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:

@@ -12,8 +12,9 @@ import functools
 import torch
 
 import ulysses_sp as U
-from tests.dist.cases_core import GRAD_TOL, LOSS_TOL, raises_everywhere, reference
+from tests.dist.cases_core import raises_everywhere, reference
 from tests.helpers.models import build_generic, make_batch
+from tests.helpers.parity import GRAD_TOL, LOSS_TOL
 
 # LongCat-Flash's MLA (q through a low-rank q_a_proj) and MoE, tiny
 _LONGCAT = dict(
