@@ -36,7 +36,7 @@ from .instance_forward import installed_forward
 if TYPE_CHECKING:
     from .grad_sums import GradSums
 
-__all__ = ["MIN_BLOCK_ROWS", "ROW_BLOCKS", "GatedChunk", "block_rows", "gated_chunk"]
+__all__ = ["MIN_BLOCK_ROWS", "ROW_BLOCKS", "GatedChunk", "block_rows", "gated_chunk", "hooked"]
 
 ROW_BLOCKS = 4  # blocks a chunk's rows are back-propagated in
 MIN_BLOCK_ROWS = 256  # no smaller blocks: matmuls keep their rows, a short chunk is one block
@@ -48,13 +48,14 @@ def block_rows(rows: int) -> int:
     return min(rows, max(MIN_BLOCK_ROWS, -(-rows // ROW_BLOCKS)))
 
 
-def _hooked(module: Any) -> bool:
+def hooked(module: Any) -> bool:
+    """Whether ``module`` has module hooks of its own (another library's code runs in its calls)."""
     hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     return isinstance(module, nn.Module) and any(getattr(module, name, None) for name in hooks)
 
 
 def _plain_linear(module: Any) -> bool:
-    if type(module) is not nn.Linear or _hooked(module):
+    if type(module) is not nn.Linear or hooked(module):
         return False
     installed = installed_forward(module)  # none, or one that is the plain linear on a chunk of the MLP
     if installed is not None and not getattr(installed, "plain_on_chunks", False):  # (NormProjection's marker)
@@ -70,7 +71,7 @@ def _structure(mlp: nn.Module) -> tuple | None:
     names = ("gate_proj", "up_proj", "down_proj")
     linears = [getattr(mlp, name, None) for name in names]
     act = getattr(mlp, "act_fn", None)
-    if not all(_plain_linear(m) for m in linears) or not callable(act) or _hooked(act):
+    if not all(_plain_linear(m) for m in linears) or not callable(act) or hooked(act):
         return None
     if getattr(act, "inplace", False):
         return None

@@ -28,7 +28,6 @@ of each norm per step.
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 import textwrap
 import weakref
@@ -39,7 +38,7 @@ import torch
 from torch import nn
 
 from .compile_boundary import TILED_OFF, run_eagerly
-from .hf import MLP_NAMES, decoder_layers, find_pretrained
+from .hf import MLP_NAMES, decoder_layers, find_pretrained, text_config
 from .instance_forward import install_forward, installed_forward, restore_forward
 from .norm_projections import install_norm_projections, record_output, remove_norm_projections
 from .tiling import NORMS_OFF, TiledForward, TiledMLP, check_chunk_tokens
@@ -174,15 +173,15 @@ def enable_tiled_norms(model: nn.Module, *, chunk_tokens: int | None = None) -> 
     if any(_installed(m) is not None for _, _, m in norms):
         raise ValueError("the norms of this model are already tiled; call ulysses_sp.disable_tiled_norms(model) first")
     tiled: dict[int, list[TiledNorm]] = {}  # per layer: its norms tiled on their own
+    hidden_size = getattr(text_config(pretrained), "hidden_size", None)
     for layer, name, norm in norms:
         previous = installed_forward(norm)
         mlp = _tiled_mlp(layer) if name == mlp_norm_name(layer) else None
         if mlp is not None:
-            mlp.pre = norm
-            mlp.pre_forward = previous if previous is not None else functools.partial(type(norm).forward, norm)
+            mlp.fuse(norm, previous)
             install_forward(norm, _HandThrough(norm, mlp, previous))
         else:
-            own = TiledNorm(norm, chunk_tokens, previous)
+            own = TiledNorm(norm, chunk_tokens, previous, hidden_size)
             install_forward(norm, own)
             tiled.setdefault(id(layer), []).append(own)
     for layer in layers:  # the projections of a tiled norm's output save the norm's input instead
@@ -222,6 +221,6 @@ def disable_tiled_norms(model: nn.Module) -> nn.Module:
         if installed is None:
             continue
         if isinstance(installed, _HandThrough):
-            installed.mlp.pre = installed.mlp.pre_forward = installed.mlp.handed_over = None
+            installed.mlp.fuse(None, None)
         restore_forward(module, installed.previous)
     return model

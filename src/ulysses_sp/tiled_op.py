@@ -1,24 +1,25 @@
 """The tiled MLP and norms as two operators that ``torch.compile`` keeps whole: the decoder layer traces around them.
 
 Why: the tiled forward (:class:`ulysses_sp.tiling.TiledForward`) runs Python loops over chunks, and its backward
-recomputes them by hand (gradient hooks, ``torch.autograd.grad``, the forward's RNG state). Dynamo cannot trace
-that, and a graph break inside an activation-checkpointed layer (what ``apply_features`` turns on) makes dynamo run
-the whole layer eagerly. Here the forward and the backward are each one ``torch.library.custom_op`` holding the
-eager code: dynamo and AOTAutograd see two opaque nodes with known output shapes, the rest of the layer (attention,
-residuals, the checkpoint's recompute) compiles into one graph, and the chunks inside run as they do eagerly:
-one chunk's intermediates at a time in backward, the same numbers.
+recomputes them by hand (gradient hooks, ``torch.autograd.grad``, the forward's RNG state). Dynamo cannot trace that,
+and a graph break inside an activation-checkpointed layer (what ``apply_features`` turns on) makes dynamo run the whole
+layer eagerly. Here the forward and the backward are each one ``torch.library.custom_op`` holding the eager code: dynamo
+and AOTAutograd see two opaque nodes with known output shapes, the rest of the layer (attention, residuals, the
+checkpoint's recompute) compiles into one graph, and the chunks inside run as they do eagerly: one chunk's intermediates
+at a time in backward, the same numbers.
 
-The module reaches the operators through a key: a CPU int64 scalar (a graph input, neither traced into nor guarded
-on, so every layer shares one graph) that a weak table of this module maps to the tiled forward (:func:`new_handle`;
-a torch opaque object would be the direct way, but torch 2.13's partitioner misorders one saved for backward in a
-checkpointed region that draws random numbers). The table holds no model alive and is its only state; a deep copy
-or an unpickled model takes new keys. The autocast state the layer is traced under is passed as two dtypes (inside
-an operator it is not in effect: the compiled graph casts explicitly), and the forward returns the RNG state it ran
-under for the backward to recompute with (the operator is tagged as drawing random numbers, so that a checkpoint's
-recompute of it in the compiled backward replays that state too). Used only while dynamo traces
+The module reaches the operators through a key: a CPU int64 scalar (a graph input, neither traced into nor guarded on,
+so every layer shares one graph) that a weak table of this module maps to the tiled forward (:func:`new_handle`; a torch
+opaque object would be the direct way, but torch 2.13's partitioner misorders one saved for backward in a checkpointed
+region that draws random numbers). The table holds no model alive and is its only state; a deep copy or an unpickled
+model takes new keys. What the graph must know before the module runs (the parameters it reaches, the dtype it returns)
+comes from :mod:`ulysses_sp.tiled_facts`, read while dynamo traces. The autocast state the layer is traced under is
+passed as two dtypes (inside an operator it is not in effect: the compiled graph casts explicitly), and the forward
+returns the RNG state it ran under for the backward to recompute with (the operator is tagged as drawing random numbers,
+so that a checkpoint's recompute of it in the compiled backward replays that state too). Used only while dynamo traces
 (:func:`torch.compiler.is_compiling`); eagerly the tiled forward keeps its autograd Function. Needs torch's custom
-operators and a dispatch-key guard to run autograd and autocast inside them (:data:`AVAILABLE`; without them the
-tiled modules run eagerly under torch.compile, as before).
+operators and a dispatch-key guard to run autograd and autocast inside them (:data:`AVAILABLE`; without them the tiled
+modules run eagerly under torch.compile, as before).
 """
 
 import contextlib
@@ -90,11 +91,12 @@ def _forward(
     params: list[torch.Tensor],
     cpu_autocast: torch.dtype | None,
     device_autocast: torch.dtype | None,
+    out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, cpu RNG state, cuda RNG state)``: the tiled module over ``x``, chunk by chunk, no graph; ``out`` in
-    ``x``'s dtype (a 16-bit output under autocast is widened exactly; a residual add gives the same numbers, but a
-    norm on the MLP's output, e.g. Gemma's post_feedforward_layernorm, then returns fp32 where eagerly it returns
-    bf16: one bf16 rounding apart, 1e-5 of a tiny Gemma-3's loss under CPU bf16 autocast)."""
+    ``out_dtype``: the dtype it returns eagerly (:mod:`ulysses_sp.tiled_facts`), else ``x``'s (a 16-bit output under
+    autocast is then widened exactly; a residual add gives the same numbers, a norm on it, e.g. Gemma's
+    post_feedforward_layernorm, returns fp32 where eagerly it returns bf16)."""
     tiled = _tiled(key)
     with _as_eager(), torch.no_grad(), under_autocast(_state(x, cpu_autocast, device_autocast)):
         cpu_rng, cuda_rng = _rng_states(x.device)
@@ -104,17 +106,22 @@ def _forward(
             f"{type(tiled.module).__name__} maps {tuple(x.shape)} to {tuple(out.shape)}; under torch.compile a tiled "
             f"module keeps its input's shape; {tiled.hint}"
         )
-    return out.to(x.dtype) if out is not x else out.clone(), cpu_rng, cuda_rng
+    if out.dtype != out_dtype and out_dtype != x.dtype:  # (x's: not known, cast as before)
+        raise RuntimeError(
+            f"{type(tiled.module).__name__} returned {out.dtype} where its probe on fake tensors returned {out_dtype} "
+            f"(input {x.dtype}); the compiled graph was traced for {out_dtype}; {tiled.hint} under torch.compile"
+        )
+    return out.to(out_dtype) if out is not x else out.clone(), cpu_rng, cuda_rng
 
 
 @_forward.register_fake
-def _(key, x, params, cpu_autocast, device_autocast):  # noqa: ANN001, ANN202
+def _(key, x, params, cpu_autocast, device_autocast, out_dtype):  # noqa: ANN001, ANN202
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
         cpu_rng, cuda_rng = _rng_states(x.device)
     return (
-        torch.empty_like(x),
+        torch.empty_like(x, dtype=out_dtype),
         key.new_empty(cpu_rng.shape, dtype=torch.uint8),
         key.new_empty(cuda_rng.shape, dtype=torch.uint8, device=cuda_rng.device),
     )
@@ -143,7 +150,9 @@ def _backward(
     state = _state(x, cpu_autocast, device_autocast)
     replay = Replay(x.device, state, cpu_rng, cuda_rng if cuda_rng.numel() else None)
     with _as_eager():
-        grad_x, grads = backward_chunks(_tiled(key), x, grad_out, replay, need_x, tuple(need_params))
+        tiled = _tiled(key)
+        params_now = tiled.compiled_parameters()
+        grad_x, grads = backward_chunks(tiled, x, grad_out, replay, need_x, tuple(need_params), params_now)
     made = ([grad_x] if need_x else []) + [g for g, need in zip(grads, need_params, strict=True) if need]
     likes = _wanted(x, params, need_x, need_params)
     return [torch.zeros_like(like) if g is None else g for g, like in zip(made, likes, strict=True)]
@@ -155,8 +164,8 @@ def _(key, x, grad_out, params, cpu_rng, cuda_rng, cpu_autocast, device_autocast
 
 
 def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    key, x, params, cpu_autocast, device_autocast = inputs
-    ctx.autocast = (cpu_autocast, device_autocast)
+    key, x, params, cpu_autocast, device_autocast, out_dtype = inputs
+    ctx.autocast, ctx.out_dtype = (cpu_autocast, device_autocast), out_dtype
     ctx.save_for_backward(key, x, output[1], output[2], *params)
 
 
@@ -164,14 +173,14 @@ def _gradients(ctx: Any, grad_out: torch.Tensor, *_: Any) -> tuple:
     key, x, cpu_rng, cuda_rng, *params = ctx.saved_tensors
     need_x, need_params = bool(ctx.needs_input_grad[1]), [bool(n) for n in ctx.needs_input_grad[2]]
     if not need_x and not any(need_params):
-        return None, None, [None] * len(params), None, None
+        return None, None, [None] * len(params), None, None, None
     made = iter(
         torch.ops.ulysses_sp.tiled_backward(
-            key, x, grad_out.to(x.dtype), params, cpu_rng, cuda_rng, *ctx.autocast, need_x, need_params
+            key, x, grad_out.to(ctx.out_dtype), params, cpu_rng, cuda_rng, *ctx.autocast, need_x, need_params
         )
     )
     grad_x = next(made) if need_x else None
-    return None, grad_x, [next(made) if need else None for need in need_params], None, None
+    return None, grad_x, [next(made) if need else None for need in need_params], None, None, None
 
 
 _forward.register_autograd(_gradients, setup_context=_setup)
@@ -182,9 +191,10 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
 
 
 def apply_tiled(tiled: Any, x: torch.Tensor) -> torch.Tensor:
-    """``tiled`` over ``x [..., n, h]`` as the forward operator (called while dynamo traces; ``tiled.handle`` set)."""
-    device = _autocast_dtype(x.device.type) if x.device.type != "cpu" else None
-    out, _, _ = torch.ops.ulysses_sp.tiled_forward(
-        tiled.handle, x, tiled.trainable_parameters(), _autocast_dtype("cpu"), device
-    )
+    """``tiled`` over ``x [..., n, h]`` as the forward operator (called while dynamo traces; ``tiled.handle`` set):
+    it takes the parameters the forward reaches and returns the dtype it returns eagerly, where ``tiled.facts`` know
+    them (:mod:`ulysses_sp.tiled_facts`)."""
+    cpu, device = _autocast_dtype("cpu"), _autocast_dtype(x.device.type) if x.device.type != "cpu" else None
+    out_dtype = tiled.facts.out_dtype(x, device if x.device.type != "cpu" else cpu) or x.dtype
+    out, _, _ = torch.ops.ulysses_sp.tiled_forward(tiled.handle, x, tiled.compiled_parameters(), cpu, device, out_dtype)
     return out

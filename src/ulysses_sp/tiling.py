@@ -33,6 +33,7 @@ return anything but a tensor or change their input in place (Mixtral's ``router_
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,7 @@ from .grad_sums import GradSums
 from .hf import find_pretrained, mlp_modules, text_config
 from .instance_forward import install_forward, installed_forward, restore_forward
 from .replay import Replay
+from .tiled_facts import ForwardFacts, forward_facts, runs_foreign_code
 from .tiled_op import apply_tiled, new_handle
 
 __all__ = [
@@ -109,7 +111,8 @@ class _TiledFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (x,) = ctx.saved_tensors
         need_x, need_params = ctx.needs_input_grad[1], ctx.needs_input_grad[2:]
-        grad_x, param_grads = backward_chunks(ctx.tiled, x, grad_out, ctx.replay, need_x, need_params)
+        params = ctx.tiled.trainable_parameters()
+        grad_x, param_grads = backward_chunks(ctx.tiled, x, grad_out, ctx.replay, need_x, need_params, params)
         return (None, grad_x, *param_grads)
 
 
@@ -120,10 +123,11 @@ def backward_chunks(
     replay: Replay,
     need_x: bool,
     need_params: tuple[bool, ...],
+    params: list[torch.Tensor],
 ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-    """The gradients of ``x`` (if ``need_x``) and of each trainable parameter (where ``need_params`` says) of
-    ``tiled`` over ``x [..., n, h]``, chunk by chunk, its forward recomputed under ``replay``."""
-    params = tiled.trainable_parameters()
+    """The gradients of ``x`` (if ``need_x``) and of each of ``params`` (``tiled``'s trainable parameters, or
+    :meth:`TiledForward.compiled_parameters`; where ``need_params`` says) of ``tiled`` over ``x [..., n, h]``, chunk
+    by chunk, its forward recomputed under ``replay``."""
     if len(params) != len(need_params):
         raise RuntimeError(
             f"{type(tiled.module).__name__} had {len(need_params)} trainable parameters in forward and "
@@ -165,6 +169,8 @@ class TiledForward:
         chunk_tokens: tokens per chunk along dim -2, or None for :func:`default_chunk_tokens`.
         previous: the module's own instance-level ``forward`` if it had one (e.g. a hook of another
             library), called per chunk and restored when tiling is turned off.
+        hidden_size: the size of the input's last dim (the model's hidden size), to probe the forward with for
+            what a compiled graph must know of it (:mod:`ulysses_sp.tiled_facts`); None: nothing is known.
 
     ``pre`` / ``pre_forward`` (None unless :mod:`ulysses_sp.tiled_norms` fuses a norm in): a token-wise module
     run on each chunk first, so the module computes ``module(pre(chunk))`` and ``pre``'s output is never held
@@ -174,14 +180,41 @@ class TiledForward:
     hint = MLP_OFF  # how to turn it off, named in errors
     called_as = "module(hidden_states [b, n, h])"  # the one call it accepts, named in errors
 
-    def __init__(self, module: nn.Module, chunk_tokens: int | None, previous: Callable | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        chunk_tokens: int | None,
+        previous: Callable | None = None,
+        hidden_size: int | None = None,
+    ) -> None:
         self.module = module
         self.chunk_tokens = chunk_tokens
         self.previous = previous
+        self.hidden_size = hidden_size
         self.pre: nn.Module | None = None
         self.pre_forward: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.handed_over: Callable[[], torch.Tensor | None] | None = None  # weakref to what ``pre`` returned
+        self.pre_previous: Callable | None = None  # ``pre``'s instance forward of another library, if any
         self.handle = new_handle(self)  # what the compiled graph's operators run (:mod:`ulysses_sp.tiled_op`)
+        self.facts = self.probe()
+
+    def probe(self) -> ForwardFacts:
+        """What the compiled graph's operators must know of this forward: none where they are unavailable or where
+        the forward runs another library's code (:mod:`ulysses_sp.tiled_facts`)."""
+        modules = [self.module] + ([self.pre] if self.pre is not None else [])
+        if self.handle is None or self.previous is not None or self.pre_previous is not None:
+            return ForwardFacts()
+        if runs_foreign_code(modules):
+            return ForwardFacts()
+        return forward_facts(self.module, self.call_module, self.hidden_size)
+
+    def fuse(self, pre: nn.Module | None, previous: Callable | None = None) -> None:
+        """Run ``pre`` on each chunk first (by ``previous``, its instance forward of another library, if it had
+        one); None: no longer."""
+        self.pre, self.pre_previous, self.handed_over = pre, previous, None
+        own = functools.partial(type(pre).forward, pre) if pre is not None else None
+        self.pre_forward = previous if previous is not None else own
+        self.facts = self.probe()
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # a deep copy or unpickled one: a key of its own
         self.__dict__.update(state)
@@ -204,6 +237,13 @@ class TiledForward:
 
     def trainable_parameters(self) -> list[torch.Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad] + self.pre_parameters()
+
+    def compiled_parameters(self) -> list[torch.Tensor]:
+        """The trainable parameters the compiled operators take: those the forward reaches (eagerly the others'
+        gradient is None, under the operators it would be zero)."""
+        unused = self.facts.unused
+        own = [p for name, p in self.module.named_parameters() if p.requires_grad and name not in unused]
+        return own + self.pre_parameters()
 
     def pre_parameters(self) -> list[torch.Tensor]:
         """The trainable parameters of the fused ``pre`` module (none without one)."""
@@ -341,10 +381,11 @@ def enable_tiled_mlp(model: nn.Module, *, chunk_tokens: int | None = None) -> nn
     mlps = mlp_modules(pretrained)
     if any(_installed(m) is not None for m in mlps):
         raise ValueError("the MLPs of this model are already tiled; call ulysses_sp.disable_tiled_mlp(model) first")
+    config = text_config(pretrained)
     for mlp in mlps:
-        tiled = TiledMLP(mlp, chunk_tokens, installed_forward(mlp))
+        tiled = TiledMLP(mlp, chunk_tokens, installed_forward(mlp), getattr(config, "hidden_size", None))
         tiled.recorders = dict(getattr(pretrained, "_can_record_outputs", None) or {})
-        tiled.config = text_config(pretrained)
+        tiled.config = config
         install_forward(mlp, tiled)
     return model
 
