@@ -42,6 +42,9 @@ with k = 1. Loss and gradients are unchanged; the cost is one more forward of k 
 that only one in k layer inputs is held between forward and backward (host memory / k in offload mode). The
 groups are :mod:`ulysses_sp.checkpoint_groups`.
 
+Under torch.compile ``"offload"`` layers run eagerly: dynamo will not trace ``saved_tensors_hooks`` (torch 2.13), and
+an eager checkpoint around a compiled layer disables dynamo in everything it calls (``"checkpoint"`` compiles).
+
 On a CPU-only machine the compute device is the host: ``"offload"`` still moves each kept input into the
 store's own host copy (one memcpy per layer), so the mechanism runs and can be measured there.
 """
