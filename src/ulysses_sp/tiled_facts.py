@@ -29,65 +29,76 @@ _PROBE_TOKENS = 2
 
 @dataclass(frozen=True)
 class ForwardFacts:
-    """A tiled module's forward, as fake tensors show it (``device_type``: where it was probed; "" if it was not)."""
+    """A tiled module's forward, as fake tensors show it (nothing known: the defaults)."""
 
-    device_type: str = ""
     unused: tuple[str, ...] = ()  # module.named_parameters() names no output depends on
-    out_dtypes: tuple[tuple[torch.dtype, torch.dtype | None, torch.dtype], ...] = ()  # (input, autocast, output)
+    # (device type, input dtype, autocast dtype or None, output dtype)
+    out_dtypes: tuple[tuple[str, torch.dtype, torch.dtype | None, torch.dtype], ...] = ()
 
     def out_dtype(self, x: torch.Tensor, autocast: torch.dtype | None) -> torch.dtype | None:
         """The dtype the forward returns for ``x`` under ``autocast`` (None: off) on ``x``'s device, if known."""
-        if x.device.type != self.device_type:
-            return None
-        for x_dtype, autocast_dtype, out_dtype in self.out_dtypes:
-            if x_dtype == x.dtype and autocast_dtype == autocast:
+        for device_type, x_dtype, autocast_dtype, out_dtype in self.out_dtypes:
+            if device_type == x.device.type and x_dtype == x.dtype and autocast_dtype == autocast:
                 return out_dtype
         return None
 
 
 def forward_facts(
-    module: nn.Module, call: Callable[[torch.Tensor], torch.Tensor], hidden_size: int | None
+    module: nn.Module,
+    call: Callable[[torch.Tensor], torch.Tensor],
+    hidden_size: int | None,
+    pre: nn.Module | None = None,
 ) -> ForwardFacts:
-    """The facts of ``call`` (``module``'s forward on one chunk ``[1, c, hidden_size]``, perhaps after a fused norm),
-    probed on fake tensors on the device of ``module``'s parameters; empty where it cannot run there."""
+    """The facts of ``call`` (``module``'s forward on one chunk ``[1, c, hidden_size]``, after ``pre``'s if a norm is
+    fused in), probed on fake tensors on the device type of ``module``'s parameters (the CPU for meta ones: a model
+    made on the meta device) and on CUDA where it is available; empty where it cannot run."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
 
-    params = dict(module.named_parameters())  # (a parameter under two names: once)
-    like = next((p for p in params.values() if p.is_floating_point()), None)
-    if hidden_size is None or like is None or like.device.type == "meta":  # meta: autocast does not act there
+    like = next((p for p in module.parameters() if p.is_floating_point()), None)
+    if hidden_size is None or like is None:
         return ForwardFacts()
+    here = like.device if like.device.type != "meta" else torch.device("cpu")
+    devices = [here] + ([torch.device("cuda")] if torch.cuda.is_available() and here.type != "cuda" else [])
     # the input in the parameters' dtype, with and without autocast; an fp32 input under autocast too
     low = (torch.bfloat16, torch.float16)
     states = [(like.dtype, None)] + [(x, a) for x in dict.fromkeys((like.dtype, torch.float32)) for a in low]
     unused: tuple[str, ...] | None = None
     out_dtypes = []
-    with _quiet(), FakeTensorMode(allow_non_fake_inputs=True):
-        # fake leaves for every float parameter (frozen ones too; plain tensors of the global shape for a DTensor),
-        # one per parameter under each of its names
-        leaves = {n: _leaf(p) for n, p in params.items()}
-        by_id = {id(p): leaves[n] for n, p in params.items()}
-        every = {n: by_id[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
-        wanted = [n for n, leaf in leaves.items() if leaf.requires_grad]
-        with _reparametrize_module(module, every):
+    for device in devices:
+        with _quiet(), FakeTensorMode(allow_non_fake_inputs=True), contextlib.ExitStack() as swapped:
+            leaves = {}
+            for owner in [module] + ([pre] if pre is not None else []):
+                fakes = _fakes(owner, device)
+                swapped.enter_context(_reparametrize_module(owner, fakes))
+                leaves = leaves or {n: fakes[n] for n, _ in owner.named_parameters() if fakes[n].requires_grad}
             for x_dtype, autocast in states:
-                x = torch.empty(1, _PROBE_TOKENS, hidden_size, dtype=x_dtype, device=like.device)
+                x = torch.empty(1, _PROBE_TOKENS, hidden_size, dtype=x_dtype, device=device)
                 try:
                     with torch.set_grad_enabled(unused is None):
-                        with torch.autocast(like.device.type, dtype=autocast, enabled=autocast is not None):
+                        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
                             out = call(x)
                         if unused is None:  # the first state: which parameters the output depends on
-                            grads = torch.autograd.grad(out, [leaves[n] for n in wanted], out, allow_unused=True)
-                            unused = tuple(n for n, g in zip(wanted, grads, strict=True) if g is None)
+                            grads = torch.autograd.grad(out, list(leaves.values()), out, allow_unused=True)
+                            unused = tuple(n for n, g in zip(leaves, grads, strict=True) if g is None)
                 except Exception:  # noqa: BLE001 - a forward fake tensors cannot run: nothing known of it
                     continue
-                out_dtypes.append((x_dtype, autocast, out.dtype))
-    return ForwardFacts(like.device.type, unused or (), tuple(out_dtypes)) if unused is not None else ForwardFacts()
+                out_dtypes.append((device.type, x_dtype, autocast, out.dtype))
+    return ForwardFacts(unused, tuple(out_dtypes)) if unused is not None else ForwardFacts()
 
 
-def _leaf(param: torch.Tensor) -> torch.Tensor:
-    leaf = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-    return leaf.requires_grad_() if param.is_floating_point() else leaf
+def _fakes(module: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """A fake tensor on ``device`` for each parameter and buffer of ``module`` under every name it has (one per
+    tensor; float parameters, frozen ones too, as leaves that need a gradient; a DTensor's of its global shape)."""
+    made: dict[int, torch.Tensor] = {}
+    fakes = {}
+    for named, is_param in ((module.named_parameters(remove_duplicate=False), True), (module.named_buffers(), False)):
+        for name, tensor in named:
+            if id(tensor) not in made:
+                fake = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                made[id(tensor)] = fake.requires_grad_() if is_param and tensor.is_floating_point() else fake
+            fakes[name] = made[id(tensor)]
+    return fakes
 
 
 def runs_foreign_code(modules: list[nn.Module]) -> bool:

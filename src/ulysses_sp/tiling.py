@@ -206,7 +206,7 @@ class TiledForward:
             return ForwardFacts()
         if runs_foreign_code(modules):
             return ForwardFacts()
-        return forward_facts(self.module, self.call_module, self.hidden_size)
+        return forward_facts(self.module, self.call_module, self.hidden_size, self.pre)
 
     def fuse(self, pre: nn.Module | None, previous: Callable | None = None) -> None:
         """Run ``pre`` on each chunk first (by ``previous``, its instance forward of another library, if it had

@@ -85,7 +85,7 @@ def test_forward_facts_of_an_mlp_and_of_a_moe_block():
     """What the compiled operators are told: a Llama MLP's output dtype per input and autocast dtype and its unused
     parameter; a Mixtral block (routing: data-dependent, not run on fake tensors) has none, and then takes every
     trainable parameter and returns its input's dtype, as before. Nothing real runs (no random numbers drawn); a
-    parameter under two names is reached by either."""
+    parameter under two names is reached by either; parameters on the meta device are probed on the CPU."""
     llama = build("llama", kv_heads=2)
     mlp = llama.model.layers[0].mlp
     assert isinstance(mlp, LlamaMLP)
@@ -97,7 +97,11 @@ def test_forward_facts_of_an_mlp_and_of_a_moe_block():
     x = torch.zeros(1, 2, llama.config.hidden_size)
     assert facts.out_dtype(x, torch.bfloat16) == torch.bfloat16
     assert facts.out_dtype(x, None) == torch.float32
-    assert facts.out_dtype(x.to("meta"), torch.bfloat16) is None  # probed on the CPU only
+    assert facts.out_dtype(x.to("meta"), torch.bfloat16) is None  # probed on the CPU only (no CUDA here)
+    with torch.device("meta"):  # a model made on the meta device (FSDP2's recipe): probed on the CPU
+        on_meta = LlamaMLP(llama.config)
+        on_meta.spare = torch.nn.Parameter(torch.ones(3))
+    assert forward_facts(on_meta, on_meta.forward, llama.config.hidden_size) == facts
     tied = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)})
     tied.b.weight = tied.a.weight  # reached by its second name only: still a parameter the forward reaches
     facts = forward_facts(tied, lambda x: tied.b(x), 4)
