@@ -121,7 +121,9 @@ def kernel_backward(
         padded = F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
         return padded.transpose(1, 2).to(dtype)
 
-    def output(rows: tuple[slice, slice]) -> torch.Tensor:  # [b, n, h, d_v] of the query rows
+    def output(rows: tuple[slice, slice] | None = None) -> torch.Tensor:  # [b, n, h, d_v] of the query rows (all)
+        if rows is None:
+            return out if out is not None else stand_in_output(grad, row_sums)
         if out is not None:
             return out[rows]
         return stand_in_output(grad[rows], row_sums[rows])
@@ -133,11 +135,10 @@ def kernel_backward(
     )
     blocks = [(row, _spans(s, e, blocked)) for row, s, e in docs]
     if call.segments.is_dense and len(blocks[0][1]) == 1:  # one call: its gradients as they are
-        everything = (slice(None), slice(None))
         found = kernel.backward(
             heads_major(grad),
             *(t.to(dtype) for t in (q, k, v)),
-            heads_major(output(everything)),
+            heads_major(output()),
             lse,
             causal=True,
             scale=scale,

@@ -35,9 +35,13 @@ class Roots:
     edges), with their head counts and dtypes: the tensors themselves are not kept, so they are freed as soon as
     their exchange has copied them (each is ``[b, heads, n, d]``; holding them until the chunk's gradients came back
     cost ~1.5/C ``[t, h]`` per chunk alive). A tensor that does not require grad (frozen projections of an input that
-    needs none) has no edge and receives no gradient."""
+    needs none) has no edge and receives no gradient. ``retain``: keep the graph through :meth:`backward` (another
+    backward from the same capture follows: the shared kv heads projected with chunk 0's queries)."""
 
-    def __init__(self, q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+    def __init__(
+        self, q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None, *, retain: bool = False
+    ) -> None:
+        self.retain = retain
         self.heads = tuple(0 if t is None else t.shape[1] for t in (q, k))  # query heads, kv heads sent
         self.dtypes = tuple(None if t is None else t.dtype for t in (q, k, v))
         self.edges = tuple(get_gradient_edge(t) if t is not None and t.requires_grad else None for t in (q, k, v))
@@ -50,7 +54,7 @@ class Roots:
         if not pairs:
             return (None,) * len(inputs)
         edges, wanted = zip(*pairs, strict=True)
-        return torch.autograd.grad(list(edges), inputs, list(wanted), allow_unused=True)
+        return torch.autograd.grad(list(edges), inputs, list(wanted), allow_unused=True, retain_graph=self.retain)
 
 
 class ProjectionCut:
@@ -198,7 +202,7 @@ class Accumulators:
                 self.waiting.append((grad_2d, run, name, stage))
                 self.waiting_bytes += held
                 return
-        weight = run.parts.part(name, stage, self.owner.projection(name).weight).to(grad_2d.dtype)  # [out_c, h]
+        weight = run.parts.part(name, stage, run.parts.linears[name].weight).to(grad_2d.dtype)  # [out_c, h]
         target = self.x.view(-1, self.x.shape[-1])
         add_mm(target, grad_2d, weight)  # (LoRA's share: InputLows.finish)
 
@@ -220,7 +224,7 @@ class Accumulators:
             inputs.append(cut.x)
             targets.append((_INPUT, None))
         for name, pair in leaves.items():
-            proj = self.owner.projection(name)
+            proj = run.parts.linears[name]
             for leaf, param in zip(pair[:2], (proj.weight, proj.bias), strict=True):  # (its adapters: by autograd)
                 if isinstance(leaf, torch.Tensor) and self.need.get(id(param)):
                     inputs.append(leaf)
@@ -250,7 +254,7 @@ class Accumulators:
     def _linear_backward(self, run: ChunkRun, stage: int, name: str, cut: ProjectionCut, grad: torch.Tensor) -> None:
         """Projection ``name``'s backward for the stage, ``grad [b, n, out_c]`` of its output: added in place into
         the input's and its weight's and bias' sums, in the dtype the forward's matmul ran in (autocast's)."""
-        proj = self.owner.projection(name)
+        proj = run.parts.linears[name]
         grad_2d = grad.reshape(-1, grad.shape[-1])  # [b n, out_c]
         if self.need_x:
             self._add_input(grad_2d, run, name, stage)

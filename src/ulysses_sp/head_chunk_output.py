@@ -28,7 +28,7 @@ def out_start(run: ChunkRun, x: torch.Tensor) -> torch.Tensor:
     """The block's output sum ``[b, n, h]`` (zeros, in the dtype the projections compute in, for input ``x``); and
     ``run.out_low``, zeroed sums of ``dropout(y) A^T [b, n, r]`` over the chunks, one per LoRA adapter of the output
     projection (fp32 under a 16-bit dtype)."""
-    out = x.new_zeros(*x.shape[:-1], run.owner.out_proj().out_features, dtype=compute_dtype(x))
+    out = x.new_zeros(*x.shape[:-1], run.parts.out_proj.out_features, dtype=compute_dtype(x))
     adapters = run.parts.adapters(run.owner.names.out)
     run.out_low = [out.new_zeros(*out.shape[:-1], a.a.shape[0], dtype=sum_dtype(out.dtype, True)) for a in adapters]
     return out
@@ -38,7 +38,7 @@ def out_share(run: ChunkRun, chunk: int, local: torch.Tensor, out: torch.Tensor)
     """Chunk ``chunk``'s share of the output projection: its columns of the weight times ``local [b, n, Hc, d_v]``
     added into ``out [b, n, h]``; LoRA: ``dropout(y_c) A_c^T`` into ``run.out_low``."""
     name = run.owner.names.out
-    weight = run.parts.part(name, chunk, run.owner.out_proj().weight)  # [h, Hc d_v]
+    weight = run.parts.part(name, chunk, run.parts.out_proj.weight)  # [h, Hc d_v]
     local_2d = local.reshape(-1, weight.shape[1])  # [b n, Hc d_v]
     out.view(-1, out.shape[-1]).addmm_(local_2d, weight.t().to(out.dtype))
     adapters = run.parts.adapters(name)
@@ -51,7 +51,7 @@ def out_share(run: ChunkRun, chunk: int, local: torch.Tensor, out: torch.Tensor)
 def out_finish(run: ChunkRun, out: torch.Tensor) -> torch.Tensor:
     """``out [b, n, h]`` (every chunk's share) plus the output projection's bias and its LoRA adapters'
     ``s (dropout(y) A^T) B^T``."""
-    out_proj = run.owner.out_proj()
+    out_proj = run.parts.out_proj
     if out_proj.bias is not None:
         out += out_proj.bias
     for low, adapter in zip(run.out_low, run.parts.adapters(run.owner.names.out), strict=True):
@@ -85,7 +85,7 @@ def out_input_grad(
     pass over the dropout's masks."""
     grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
     name = run.owner.names.out
-    weight = run.parts.part(name, chunk, run.owner.out_proj().weight)  # [h, Hc d_v]
+    weight = run.parts.part(name, chunk, run.parts.out_proj.weight)  # [h, Hc d_v]
     grad = grad_2d.mm(weight.to(grad_2d.dtype)).view(*shape[:-2], -1)  # [b, n, Hc d_v]
     columns = run.parts.columns(chunk, grad.device) if run.out_low_grads else None
     for adapter, low_grad in run.out_low_grads:  # LoRA: dropout'((s g B) A_c), A_c += (s g B)^T dropout(y_c)

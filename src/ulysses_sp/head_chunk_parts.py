@@ -1,7 +1,8 @@
 """Which rows of each sliced projection a stage of the head-chunked block uses, and how it reads and adds to them.
 
-A stage is a chunk c (its query heads, and its kv heads unless the chunks share them) or, where they do
-(:attr:`~ulysses_sp.head_split.ChunkHeads.shared_kv`), :data:`KV`: the layer's kv heads, once. A chunk's heads are
+A stage is a chunk c: its query heads, and its kv heads; where the chunks share the kv heads
+(:attr:`~ulysses_sp.head_split.ChunkHeads.shared_kv`), chunk 0 projects all of them and the others none, and their
+gradients' sum goes back as :data:`KV`, the layer's kv heads, once. A chunk's heads are
 strided over the ranks (:class:`~ulysses_sp.head_split.ChunkHeads`), so its rows of a weight are in general not one
 run: a read gathers them (a copy of a chunk's weights: small next to the activations) and an addition scatters
 into them (``index_add_``); a stage whose rows are one run reads a view and adds in place. A projection a stage does
@@ -12,10 +13,11 @@ What a stage sends: q/k/v in the core's dtype (:func:`core_inputs`), their head 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from .head_chunk_lora import Adapter, InputDropout, adapter_seed, unsliced_states
 from .tiling import compute_dtype
@@ -55,18 +57,28 @@ def add_at(target: torch.Tensor, dim: int, index: slice | torch.Tensor, value: t
 
 @dataclass(frozen=True)
 class Blank:
-    """A projection not computed in one capture: the module's forward gets zeros of ``rows`` outputs instead."""
+    """A projection not computed in one capture: the module's forward gets zeros of ``rows`` outputs instead.
+    ``made``: the zeros made so far in this call, by shape, dtype and device (one call's captures share them)."""
 
     rows: int
+    weight: torch.Tensor | None = field(default=None, compare=False, hash=False)  # the projection's (default)
+    made: dict[tuple, torch.Tensor] | None = field(default=None, compare=False, hash=False)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """Zeros ``[..., rows]`` in the dtype ``F.linear(x, weight)`` gives (autocast's where it is on), one element
         expanded (no memory: a chunk's blank k/v were ``[t, 2 d]`` of zeros at its peak); ``x`` may be a data-less
         stand-in (only its shape is read). A module that wrote into its projection's output in place would fail
         loudly here (and its probe would keep it unchunked), never compute on shared zeros."""
+        weight = self.weight if weight is None else weight
         device = weight.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-        return torch.zeros((), dtype=dtype, device=weight.device).expand(*x.shape[:-1], self.rows)
+        key = (*x.shape[:-1], self.rows, dtype, weight.device)
+        found = None if self.made is None else self.made.get(key)
+        if found is None:
+            found = torch.zeros((), dtype=dtype, device=weight.device).expand(*x.shape[:-1], self.rows)
+            if self.made is not None:
+                self.made[key] = found
+        return found
 
 
 class ChunkParts:
@@ -77,6 +89,8 @@ class ChunkParts:
         # The projections' LoRA adapters as the call found them (backward uses the same, whatever train() / eval()
         # or adapter switches happen before it), and the call's seed for their input dropout (drawn only if one has)
         names = (*owner.names.query, *owner.names.kv, owner.names.out)
+        # the projections' linear layers as the call found them (looked up once per call, not per use)
+        self.linears: dict[str, nn.Module] = {name: owner.projection(name) for name in names}
         self._adapters = {name: owner.adapters(name) for name in names}
         self.unsliced = unsliced_states(owner.module, {owner.module._modules[name] for name in names})
         active = any(a.p > 0 for found in self._adapters.values() for a in found)
@@ -87,9 +101,17 @@ class ChunkParts:
             for i, a in enumerate(found)
             if a.p > 0
         }
-        self.stages = ([KV] if heads.shared_kv else []) + list(range(heads.chunks))
+        self.shared_kv = heads.shared_kv
+        self.stages = list(range(heads.chunks))  # (the shared kv heads: projected in chunk 0's capture)
+        self._counts = {stage: self._head_counts(stage) for stage in self.stages}
         # the layer's, kept across calls for this split (an index tensor made once, not per call)
         self._index = owner.row_indices.setdefault(heads, {})
+        self._blanks: dict[tuple, torch.Tensor] = {}  # the call's blank projections' zeros (Blank.made)
+
+    @property
+    def out_proj(self) -> nn.Module:
+        """The output projection's linear layer (a LoRA layer's base layer)."""
+        return self.linears[self.owner.names.out]
 
     def head_ids(self, name: str, stage: int) -> list[int] | None:
         """The heads of projection ``name`` that ``stage`` computes, in order (None: it is blank there)."""
@@ -99,18 +121,27 @@ class ChunkParts:
             return None if is_query else list(range(heads.num_kv_heads))
         if is_query:
             return heads.query_ids(stage)
-        return None if heads.shared_kv else heads.kv_ids(stage)
+        return heads.kv_ids(stage) if not self.shared_kv or stage == 0 else None
+
+    def projects_shared_kv(self, stage: int) -> bool:
+        """Whether ``stage`` is the chunk whose capture projects the kv heads the chunks share (chunk 0), with its
+        query heads: one capture, not one of the kv heads and their blank queries and one of the queries and their
+        blank kv heads (whose RoPE the module's forward would still run)."""
+        return self.shared_kv and stage == 0
 
     def head_counts(self, stage: int) -> tuple[int, int]:
         """The query and kv head counts the module's forward sees in ``stage``'s capture (a blank projection's
-        included: the kv stage's blank queries have one head per kv head, a chunk's blank kv one head)."""
+        included: where the chunks share the kv heads, chunk 0 projects all of them, the other chunks one blank)."""
+        return self._counts[stage]
+
+    def _head_counts(self, stage: int) -> tuple[int, int]:
         heads = self.heads
-        if stage == KV:
-            return heads.num_kv_heads, heads.num_kv_heads
-        return heads.heads_per_chunk, 1 if heads.shared_kv else heads.kv_per_chunk
+        if not self.shared_kv:
+            return heads.heads_per_chunk, heads.kv_per_chunk
+        return heads.heads_per_chunk, heads.num_kv_heads if stage == 0 else 1
 
     def _width(self, name: str) -> int:
-        proj = self.owner.projection(name)
+        proj = self.linears[name]
         if name == self.owner.names.out:
             return proj.in_features // self.heads.num_heads
         per = self.heads.num_heads if name in self.owner.names.query else self.heads.num_kv_heads
@@ -183,16 +214,28 @@ class ChunkParts:
             return self._index[key]
         return index
 
+    def _blank_rows(self, name: str, stage: int) -> int:
+        """The outputs of projection ``name`` where it is blank in ``stage`` (0: it is computed there); the layer's,
+        worked out at its first call."""
+        key = ("blank rows", name, stage)
+        if key not in self._index:
+            rows = 0
+            if self.head_ids(name, stage) is None:
+                query, kv = self.head_counts(stage)
+                rows = (query if name in self.owner.names.query else kv) * self._width(name)
+            self._index[key] = rows
+        return self._index[key]
+
     def weights(self, stage: int, *, leaves: bool = False) -> dict[str, tuple]:
         """``stage``'s ``(weight, bias, adapters)`` of every sliced input projection: its parts, or (``leaves``)
         detached parts that autograd differentiates separately, and its LoRA adapters (:meth:`adapters`);
         ``(Blank, None, ())`` for one it does not compute."""
         found: dict[str, tuple] = {}
         for name in (*self.owner.names.query, *self.owner.names.kv):
-            proj = self.owner.projection(name)
-            if self.head_ids(name, stage) is None:
-                query, kv = self.head_counts(stage)
-                found[name] = (Blank((query if name in self.owner.names.query else kv) * self._width(name)), None, ())
+            proj = self.linears[name]
+            rows = self._blank_rows(name, stage)
+            if rows:
+                found[name] = (Blank(rows, proj.weight, self._blanks), None, ())
                 continue
             pair = []
             for t in (proj.weight, proj.bias):

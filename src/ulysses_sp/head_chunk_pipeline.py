@@ -9,8 +9,8 @@ computes. The order of the collectives depends only on C, so every rank issues t
 
 A chunk's heads are strided over the ranks (:class:`~ulysses_sp.head_split.ChunkHeads`): on each rank, chunk c
 brings slice c of the heads it attends without chunks, so its query heads read the same kv heads in every chunk.
-Where a chunk's kv heads are fewer than the ranks, the chunks share them: the layer's kv heads are projected and
-exchanged once, in chunk 0's exchange (forward and backward: :meth:`ChunkRun._kv_part`), each chunk exchanges its
+Where a chunk's kv heads are fewer than the ranks, the chunks share them: the layer's kv heads are projected with
+chunk 0's queries and exchanged once, in chunk 0's exchange (forward and backward), each chunk exchanges its
 query heads only and reads its rows of them, and backward sums the chunks' k/v gradients and sends the sum back once,
 with the gradients of the first chunk to send after every chunk has added its own (:meth:`ChunkRun._grads_back`):
 the bytes of C = 1's kv exchange, not C times a kv head sent whole to every rank, and no all-to-all of their own.
@@ -84,6 +84,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ChunkRun", "placer"]
 
+_WHOLE = (slice(None),) * 3  # a piece of every row, head and token
+
 
 def placer(name: str, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], tuple[tuple, dict]]:
     """``place(t)`` for a :class:`ChunkRun`: the call's ``(args, kwargs)`` with ``t`` as the hidden states (keyword
@@ -122,8 +124,8 @@ class ChunkRun:
         self.parts = ChunkParts(owner, split, owner.ctx.layout.rank)  # (the call's LoRA adapters, as they are now)
         self.blocks = split.ulysses // self.sp  # the ranks' blocks of a chunk's query heads this process attends
         # Where the chunks share the kv heads (split.shared_kv): the layer's k/v after the exchange [b, 2 hkv, N, d],
-        # kept while the chunks run, and in backward their gradients' sum over the chunks and what the kv stage
-        # needs to send it back to the projections ((leaves, cut), roots).
+        # kept while the chunks run, and in backward their gradients' sum over the chunks and what is needed to send
+        # it back to the projections (chunk 0's capture's (leaves, cut) and the kv heads' roots).
         self.kv: torch.Tensor | None = None
         self.kv_grad: torch.Tensor | None = None
         self.kv_graph: tuple | None = None
@@ -162,17 +164,15 @@ class ChunkRun:
         call = self.prepare(self.owner.module, *captured.qkv, captured.mask, **captured.kwargs)
         return (*pad_qkv(*captured.qkv, call.width), call)
 
-    def sent(self, stage: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-        """What ``stage`` exchanges of its projected q/k/v (None for the rest): the kv stage its k/v, a chunk its q
-        where the chunks share the kv heads, else all three."""
-        if stage == KV:
-            return None, k, v
-        return (q, None, None) if self.split.shared_kv else (q, k, v)
+    def sent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """What a chunk exchanges as its own of its projected q/k/v (None for the rest): its q where the chunks share
+        the kv heads (chunk 0's capture projects those too, :meth:`~ChunkParts.projects_shared_kv`), else all three."""
+        return (q, None, None) if self.parts.shared_kv else (q, k, v)
 
     def core_qkv(self, chunk: int, full: torch.Tensor, heads: tuple[int, int]) -> tuple:
         """The chunk's core inputs from what its exchange brought (``full [b, h, N, d]``; ``heads``: the query and
         kv heads it sent): q, k, v ``[b, h_*, N, d]``; shared kv heads: the rows its query heads read (a view)."""
-        if not self.split.shared_kv:
+        if not self.parts.shared_kv:
             return tuple(full.split(exchanged_heads(*heads, self.sp), dim=1))
         if self.kv is None:
             raise RuntimeError("a chunk ran before the kv heads the chunks share arrived")
@@ -185,9 +185,8 @@ class ChunkRun:
         rows = self.parts.shared_rows(chunk, self.blocks, self.kv_grad.device)
 
         def add(piece: tuple, dk: torch.Tensor, dv: torch.Tensor) -> None:
-            batch, _, tokens = piece
-            for total, grad in zip(self.kv_grad.chunk(2, dim=1), (dk, dv), strict=True):
-                add_at(total[batch, :, tokens], 1, rows, grad)
+            for total, grad in zip(self.kv_grad.chunk(2, dim=1), (dk, dv), strict=True):  # (all of it: no view)
+                add_at(total if piece == _WHOLE else total[piece[0], :, piece[2]], 1, rows, grad)
 
         return add
 
@@ -222,15 +221,12 @@ class ChunkRun:
         """Add chunk ``chunk``'s share of the output projection into ``out [b, n, h]`` (no_grad); ``save``: keep
         what the fused backward needs (the core's output after the exchange back and its lse)."""
         q, k, v, call = self.project(x, chunk, self.parts.weights(chunk))
-        sent = self.sent(chunk, q, k, v)
+        sent = self.sent(q, k, v)
         heads = (q.shape[1], 0 if sent[1] is None else k.shape[1])
-        del q, k, v
         parts = [qkv_send_parts(*core_inputs(x, *sent), self.sp)]
-        del sent
-        if chunk == 0 and self.split.shared_kv:  # the kv heads the chunks share travel with the first chunk's q
-            _, k, v, _ = self.project(x, KV, self.parts.weights(KV))
+        if self.parts.projects_shared_kv(chunk):  # the kv heads the chunks share travel with the first chunk's q
             parts.append(qkv_send_parts(*core_inputs(x, None, k, v), self.sp))
-            del k, v
+        del q, k, v, sent
         recv, *kv = yield from self._exchange(parts)
         if kv:
             self.kv = qkv_full(kv.pop())  # [b, 2 hkv, N, d]
@@ -275,36 +271,30 @@ class ChunkRun:
     # ------------------------------------------------------------------------------------------- backward
     def _reproject(self, x: torch.Tensor, stage: int) -> tuple:
         """The stage's projections again, with their graph (cut at the projections of ``x``): ``((leaves, cut),
-        roots, call, send)`` with ``send`` the q/k/v it sends ``[P, ...]`` and ``roots`` those projections' outputs
-        as autograd sees them (:class:`Roots`; the tensors are freed once the send buffer is made)."""
+        roots, call, sends)`` with ``sends`` the q/k/v it sends ``[P, ...]`` (chunk 0's, then the shared kv heads,
+        their graph kept for :meth:`_grads_back`) and ``roots`` those projections' outputs as autograd sees them
+        (:class:`Roots`; the tensors are freed once the send buffers are made)."""
         cut = ProjectionCut(x, self.remake, self.source)
         with torch.enable_grad():  # LoRA adapters' rows of B: in the graph, which reaches B
             leaves = self.parts.weights(stage, leaves=True)
             q, k, v, call = self.project(x, stage, leaves, cut)
-        sent = self.sent(stage, q, k, v)
-        del q, k, v
-        roots = Roots(*sent)
-        send = qkv_send_parts(*core_inputs(x, *(None if t is None else t.detach() for t in sent)), self.sp)
-        return (leaves, cut), roots, call, send
+        sent = self.sent(q, k, v)
+        # (the shared kv heads' backward comes later, through the same capture: the queries' keeps its graph)
+        roots = Roots(*sent, retain=self.parts.projects_shared_kv(stage))
+        sends = [qkv_send_parts(*core_inputs(x, *(None if t is None else t.detach() for t in sent)), self.sp)]
+        if roots.retain:  # (leaves: each backward differentiates what it reaches of them)
+            self.kv_graph = ((leaves, cut), Roots(None, k, v))
+            sends.append(qkv_send_parts(*core_inputs(x, None, k.detach(), v.detach()), self.sp))
+        del q, k, v, sent
+        return (leaves, cut), roots, call, sends
 
     def _recompute_qkv(self, x: torch.Tensor, stage: int) -> Generator[None, None, tuple]:
-        """:meth:`_reproject` and the exchange (chunk 0's with the shared kv heads, :meth:`_kv_part`): ``(graph,
-        roots, call, full)``, ``full [b, h, N, d]`` the q/k/v the stage sent, after the exchange."""
-        graph, roots, call, send = self._reproject(x, stage)
-        parts = [send, *self._kv_part(x, stage)]
-        del send
+        """:meth:`_reproject` and the exchange (chunk 0's with the shared kv heads): ``(graph, roots, call, full)``,
+        ``full [b, h, N, d]`` the q/k/v the stage sent, after the exchange."""
+        graph, roots, call, parts = self._reproject(x, stage)
         recv, *kv = yield from self._exchange(parts)
         self._kv_arrived(kv)
         return graph, roots, call, qkv_full(recv)
-
-    def _kv_part(self, x: torch.Tensor, chunk: int) -> list[torch.Tensor]:
-        """Where the chunks share the kv heads, chunk 0's exchange carries them too: their projections again (their
-        graph kept for :meth:`_grads_back`) as a send buffer, in a list (empty for the other chunks)."""
-        if chunk != 0 or not self.split.shared_kv:
-            return []
-        graph, roots, _, send = self._reproject(x, KV)
-        self.kv_graph = (graph, roots)
-        return [send]
 
     def _kv_arrived(self, kv: list[torch.Tensor]) -> None:
         """The shared kv heads as received (``kv``: one buffer or none): kept in :attr:`kv` while the chunks run,
@@ -339,7 +329,7 @@ class ChunkRun:
     ) -> list[torch.Tensor]:
         """The gradient of what the chunk sent, in a one-element list: its q/k/v's, or its q's where the chunks share
         the kv heads (their gradients go into :attr:`kv_grad`; None: already there)."""
-        if not self.split.shared_kv:
+        if not self.parts.shared_kv:
             return [torch.cat((dq, dk, dv), dim=1)]
         if dk is not None:
             self.kv_adder(chunk)((slice(None), slice(None), slice(None)), dk, dv)
@@ -353,7 +343,7 @@ class ChunkRun:
         kept of its saved core output (``saved``, emptied) and its lse, no recompute of the core: projections, q/k/v
         exchange, one exchange of the output's gradient and row sums, the kernel's backward, the gradients' exchange,
         the projections' backward."""
-        graph, roots, call, send = self._reproject(x, chunk)
+        graph, roots, call, sends = self._reproject(x, chunk)
         grad_local, sums, shape = saved  # [b, n, Hc, d_v] (or None: made again), [b, n, Hc, 1]
         saved.clear()
         if grad_local is None:
@@ -362,8 +352,8 @@ class ChunkRun:
         # The kernel's backward reads the output only through its row sums with the gradient: those travel with
         # the gradient instead of the output ([P, b, n, Hc/P, d_v + 1]), and the kernel gets an output with the same
         # sums (chunk_core.stand_in_output); in the same all-to-all as the q/k/v (held by the exchange alone)
-        box = [send, out_pack_send(self.sp, grad_local, sums), *self._kv_part(x, chunk)]
-        del send, grad_local, sums
+        box = [sends[0], out_pack_send(self.sp, grad_local, sums), *sends[1:]]
+        del sends, grad_local, sums
         recv_qkv, recv, *kv = yield from self._exchange(box)
         self._kv_arrived(kv)
         full = qkv_full(recv_qkv)  # [b, h, N, d]
@@ -373,7 +363,7 @@ class ChunkRun:
         q_f, k_f, v_f = self.core_qkv(chunk, full, roots.heads)
         # in blocks of queries and keys where the sequence is long, the stand-in output made block by block; shared
         # kv heads: their gradients go into kv_grad block by block
-        add_kv = self.kv_adder(chunk) if self.split.shared_kv else None
+        add_kv = self.kv_adder(chunk) if self.parts.shared_kv else None
         kernel = self.kernels[chunk]
         grads = kernel_backward(kernel, core_grad, q_f, k_f, v_f, None, lse, call, row_sums=row_sums, add_kv=add_kv)
         del core_grad, row_sums, q_f, k_f, v_f, full
@@ -388,7 +378,7 @@ class ChunkRun:
         replay = self.rng[chunk]
         with torch.enable_grad(), replay() if replay is not None else contextlib.nullcontext():
             core_in = self.core_qkv(chunk, full, roots.heads)
-            if self.split.shared_kv:  # the shared k/v rows as leaves of their own
+            if self.parts.shared_kv:  # the shared k/v rows as leaves of their own
                 core_in = (full, *(t.detach().requires_grad_() for t in core_in[1:]))
             core_out = self.attend(*core_in, call)
         (recv,) = yield from self._exchange([out_send_buffer(core_out.detach(), self.sp)])
@@ -398,10 +388,10 @@ class ChunkRun:
         del local
         (recv,) = yield from self._exchange([out_local_grad(grad_local, self.sp)])
         del grad_local
-        leaves = core_in if self.split.shared_kv else (full,)
+        leaves = core_in if self.parts.shared_kv else (full,)
         found = torch.autograd.grad(core_out, leaves, out_send_grad(recv))  # the core's backward
         del recv, core_out, full, core_in, leaves
-        grad_full = self._sent_grads(chunk, *found) if self.split.shared_kv else list(found)
+        grad_full = self._sent_grads(chunk, *found) if self.parts.shared_kv else list(found)
         del found
         yield from self._grads_back(chunk, grad_full, roots, graph, acc)
 

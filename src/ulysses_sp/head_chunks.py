@@ -280,7 +280,7 @@ class HeadChunkedAttention:
         try:
             for name, (weight, bias, adapters) in weights.items():
                 if isinstance(weight, Blank):
-                    stand_in = _Slice(name, self.projection(name).weight, None, cut, weight)
+                    stand_in = _Slice(name, weight.weight, None, cut, weight)
                 else:
                     stand_in = _Slice(name, weight, bias, cut, adapters=adapters, inputs=inputs)
                 self.module._modules[name] = stand_in  # type: ignore[assignment]

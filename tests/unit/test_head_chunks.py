@@ -310,9 +310,9 @@ def test_projected_qkv_freed_once_sent_and_frozen_projections(monkeypatch):
     projected, alive_at_kernel = [], []
     roots_init = head_chunk_grads.Roots.__init__
 
-    def record(self, q, k, v):
+    def record(self, q, k, v, **kwargs):
         projected.extend(weakref.ref(t) for t in (q, k, v))
-        roots_init(self, q, k, v)
+        roots_init(self, q, k, v, **kwargs)
 
     kernel_backward = head_chunk_pipeline.kernel_backward
 
@@ -488,3 +488,31 @@ def test_blocked_kernel_backward_lowers_the_attention_backward_peak(monkeypatch)
         monkeypatch.setattr(chunk_core, "MIN_BLOCK_ROWS", rows)
         phases[rows] = bench.layer_backward_peak(features, 4, **shape)["phases"]
     assert phases[10**9]["attention backward"] - phases[1024]["attention backward"] >= 0.2, phases
+
+
+def test_shared_kv_heads_are_projected_in_chunk_0s_capture(monkeypatch):
+    """Where the chunks share the kv heads (16 heads on 4 kv heads, C=4, rank 0 of sp=4 standing in), each chunk's
+    forward and backward runs the module's forward once up to its attention call: C captures a pass, not C + 1 (a
+    capture of the kv heads with blank queries besides, whose RoPE the module still ran; 20 a step for 2 layers)."""
+    from ulysses_sp.bench.headchunks import HEAD_CHUNK_MODEL
+    from ulysses_sp.bench.models import bench_model
+    from ulysses_sp.shapes import SHAPES
+    from ulysses_sp.standin import StandIn, random_batch
+
+    captured = []
+    capture = HeadChunkedAttention.capture
+
+    def count(self, args, kwargs, weights, heads, *rest):
+        captured.append(heads)
+        return capture(self, args, kwargs, weights, heads, *rest)
+
+    batch = random_batch(SHAPES[HEAD_CHUNK_MODEL]["vocab_size"], 64, seed=1)
+    with StandIn(sp=4, sp_rank=0) as rank:
+        model = U.parallelize(bench_model(HEAD_CHUNK_MODEL, 64, seed=0), rank.layout, head_chunks=4)
+        shard = rank.shard(batch)
+        U.causal_lm_loss(model, shard, rank.layout).backward()  # the first call probes each module
+        monkeypatch.setattr(HeadChunkedAttention, "capture", count)
+        U.causal_lm_loss(model, shard, rank.layout).backward()
+    layers = model.config.num_hidden_layers
+    # chunk 0 projects its 4 query heads and the 4 kv heads; chunks 1-3 their 4 query heads (one blank kv head)
+    assert captured == [(4, 4), (4, 1), (4, 1), (4, 1)] * 2 * layers
