@@ -282,8 +282,8 @@ class ChunkRun:
         # (the shared kv heads' backward comes later, through the same capture: the queries' keeps its graph)
         roots = Roots(*sent, retain=self.parts.projects_shared_kv(stage))
         sends = [qkv_send_parts(*core_inputs(x, *(None if t is None else t.detach() for t in sent)), self.sp)]
-        if roots.retain:  # (leaves: each backward differentiates what it reaches of them)
-            self.kv_graph = ((leaves, cut), Roots(None, k, v))
+        if roots.retain:  # (the kv heads' leaves alone: chunk 0's gathered query rows are freed with its graph)
+            self.kv_graph = (({name: leaves[name] for name in self.owner.names.kv}, cut), Roots(None, k, v))
             sends.append(qkv_send_parts(*core_inputs(x, None, k.detach(), v.detach()), self.sp))
         del q, k, v, sent
         return (leaves, cut), roots, call, sends
