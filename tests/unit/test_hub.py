@@ -115,7 +115,9 @@ def test_a_name_lookup_that_blocks_gives_up_after_the_timeout(closed_hub, monkey
 def test_a_run_probes_the_hub_once_for_its_model_its_tokenizer_and_its_config(closed_hub, tmp_path, monkeypatch):
     """`ulysses-sp train --model org/name` (not cached) probed the Hub three times before any rank started: for the
     model, for its own tokenizer and for its config, each probe up to PROBE_TIMEOUT_S on a slow network. The run
-    asks once and reuses the answer. (transformers' loaders stand in for the download: nothing is cached.)"""
+    asks once and reuses the answer; with a tokenizer and a hub dataset of other names too (they were probed once
+    each more: 3 probes). (transformers' and datasets' loaders stand in for the download: nothing is cached.)"""
+    import datasets
     from transformers import AutoConfig, AutoTokenizer
 
     from ulysses_sp.shapes import shape_config
@@ -130,4 +132,13 @@ def test_a_run_probes_the_hub_once_for_its_model_its_tokenizer_and_its_config(cl
     monkeypatch.setattr(AutoConfig, "from_pretrained", lambda name, **kwargs: sized)
     spec = resolve_run(TrainConfig(model="some-org/served", output_dir=str(tmp_path / "run"), seq_len=256), 2)
     assert (spec.model_source, spec.config.tokenizer) == ("some-org/served", "some-org/served")
+    assert probes == [("127.0.0.1", 1)]
+    probes.clear()
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    monkeypatch.setattr(datasets, "load_dataset_builder", lambda name, **kwargs: None)
+    names = dict(model="some-org/served", tokenizer="some-org/tok", dataset="some-org/data")
+    spec = resolve_run(TrainConfig(**names, output_dir=str(tmp_path / "r2"), seq_len=256), 2)
+    assert (spec.model_source, spec.config.tokenizer, spec.config.dataset) == (
+        "some-org/served", "some-org/tok", "some-org/data"
+    )  # fmt: skip
     assert probes == [("127.0.0.1", 1)]

@@ -24,7 +24,7 @@ from ulysses_sp.train.dataset_files import (
 )
 from ulysses_sp.train.documents import _hub_error, _not_text, _too_few_documents
 from ulysses_sp.train.errors import first_line
-from ulysses_sp.train.hub import hub_unreachable
+from ulysses_sp.train.hub import HubProbe
 
 __all__ = ["check_dataset"]
 
@@ -138,7 +138,9 @@ def _check_rows(name: str, file: str, head: bytes, complete: bool, text_field: s
     return len(rows)
 
 
-def check_dataset(source: str, *, text_field: str = "text", eval_fraction: float = 0.0) -> list[str]:
+def check_dataset(
+    source: str, *, text_field: str = "text", eval_fraction: float = 0.0, hub: HubProbe | None = None
+) -> list[str]:
     """Cheap checks of ``--dataset`` before any rank trains; ValueError naming the file and the fix. Returns the
     notes to print (files of a directory skipped for their type).
 
@@ -146,7 +148,8 @@ def check_dataset(source: str, *, text_field: str = "text", eval_fraction: float
     byte) or parquet, the whole rows there of ``.json``/``.jsonl`` files JSON objects with ``text_field`` (when
     no row fits in 64 KiB, the first row of the first file, read up to 16 MiB); text files (one document each)
     are at least 2 when ``eval_fraction`` holds some out, and take no ``text_field`` but the default. A hub name:
-    its metadata can be read (or is cached). What lies further into the files is checked when the ranks load them.
+    its metadata can be read (or is cached; ``hub``: the run's :class:`~ulysses_sp.train.hub.HubProbe`). What lies
+    further into the files is checked when the ranks load them.
     """
     if source == EMBEDDED_CORPUS:
         check_text_field(source, None, text_field)
@@ -155,7 +158,7 @@ def check_dataset(source: str, *, text_field: str = "text", eval_fraction: float
     if files is None:
         import datasets
 
-        offline = hub_unreachable(source, repo_type="dataset")
+        offline = (hub or HubProbe()).unreachable(source, repo_type="dataset")
         if offline is not None:  # (datasets' own retries take about 25 s, printing a line each)
             raise ValueError(
                 f"--dataset {source!r}: {offline}; check the name and the network, or give local "

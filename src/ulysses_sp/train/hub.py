@@ -7,7 +7,8 @@ before it fails (``datasets.load_dataset_builder("name")`` about 25 s, printing 
 needs the Hub, and one TCP connection to its endpoint says whether it can be reached (not asked where a proxy
 carries the requests: then the hub client decides). The name lookup is bounded too: a broken
 resolver can block ``socket.getaddrinfo``, which takes no timeout, for minutes. A run asks through one
-:class:`HubProbe`, so a name it loads several times (the model, its own tokenizer, its config) is probed once.
+:class:`HubProbe`, so the endpoint is probed once however many names it loads (the model, the tokenizer, their
+config, the dataset).
 """
 
 from __future__ import annotations
@@ -50,44 +51,52 @@ def hub_unreachable(name: str, timeout_s: float = PROBE_TIMEOUT_S, *, repo_type:
     """Why ``name`` cannot be loaded from the Hub (None where it can, or where transformers or datasets should
     decide): it is not a local path, not cached, and the Hub's endpoint (``HF_ENDPOINT``) refuses a connection.
     ``repo_type``: "model" (a model or tokenizer id) or "dataset" (a hub dataset's name, whose files datasets
-    caches in the hub's cache and builds in its own)."""
-    from huggingface_hub import constants
+    caches in the hub's cache and builds in its own). A run asks through one :class:`HubProbe` instead."""
+    return HubProbe(timeout_s).unreachable(name, repo_type=repo_type)
 
-    if Path(name).expanduser().exists() or constants.HF_HUB_OFFLINE:  # offline: transformers fails at once
-        return None
-    try:
-        if _cached(name, repo_type):
+
+class HubProbe:
+    """:func:`hub_unreachable`'s answers for one run, the Hub's endpoint connected to once (a probe of a Hub that
+    cannot be reached costs up to its timeout, whichever names it is asked about). Made by whoever resolves the run
+    and handed to each check that names a hub id (the model, the tokenizer, its config, the dataset)."""
+
+    def __init__(self, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._connections: dict[tuple[str, int], OSError | None] = {}  # (host, port) -> why it failed, or None
+
+    def unreachable(self, name: str, *, repo_type: str = "model") -> str | None:
+        """:func:`hub_unreachable` of ``name``; the endpoint is probed on the first name that needs it, and its
+        answer is remembered for every later name."""
+        from huggingface_hub import constants
+
+        if Path(name).expanduser().exists() or constants.HF_HUB_OFFLINE:  # offline: transformers fails at once
             return None
-    except Exception:  # noqa: BLE001 (an id the hub's validators reject: transformers names the problem)
-        return None
-    endpoint = urlsplit(constants.ENDPOINT)
-    host, port = endpoint.hostname, endpoint.port or (80 if endpoint.scheme == "http" else 443)
-    if host is None or _through_proxy(endpoint.scheme, host):  # a proxy's route is the hub client's to try
-        return None
-    try:
-        _connect(host, port, timeout_s)
-    except OSError as error:
+        try:
+            if _cached(name, repo_type):
+                return None
+        except Exception:  # noqa: BLE001 (an id the hub's validators reject: transformers names the problem)
+            return None
+        endpoint = urlsplit(constants.ENDPOINT)
+        host, port = endpoint.hostname, endpoint.port or (80 if endpoint.scheme == "http" else 443)
+        if host is None or _through_proxy(endpoint.scheme, host):  # a proxy's route is the hub client's to try
+            return None
+        error = self._connection_error(host, port)
+        if error is None:
+            return None
         return (
             f"{name!r} is not a local directory nor in the Hugging Face cache, and the Hub ({constants.ENDPOINT}) "
             f"cannot be reached ({error.strerror or type(error).__name__})"
         )
-    return None
 
-
-class HubProbe:
-    """:func:`hub_unreachable`'s answers for one run, each name asked once (a probe of a Hub that cannot be reached
-    costs up to its timeout). Made by whoever resolves the run and handed to each check that names a hub id."""
-
-    def __init__(self, timeout_s: float = PROBE_TIMEOUT_S) -> None:
-        self.timeout_s = timeout_s
-        self._answers: dict[tuple[str, str], str | None] = {}
-
-    def unreachable(self, name: str, *, repo_type: str = "model") -> str | None:
-        """:func:`hub_unreachable` of ``name``, asked on the first call for it and then remembered."""
-        key = (name, repo_type)
-        if key not in self._answers:
-            self._answers[key] = hub_unreachable(name, self.timeout_s, repo_type=repo_type)
-        return self._answers[key]
+    def _connection_error(self, host: str, port: int) -> OSError | None:
+        """Why ``host:port`` refused a connection (None: it took one), asked on the first call and remembered."""
+        if (host, port) not in self._connections:
+            try:
+                _connect(host, port, self.timeout_s)
+                self._connections[host, port] = None
+            except OSError as error:
+                self._connections[host, port] = error
+        return self._connections[host, port]
 
 
 def _lookup(host: str, port: int, timeout_s: float) -> list[tuple]:

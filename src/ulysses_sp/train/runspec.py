@@ -273,14 +273,16 @@ def resolve_run(config: TrainConfig, world_size: int) -> RunSpec:
     if resume is None and config.model not in SHAPES:  # (a built-in name is the shape; a resume reads its own)
         _check_not_a_run_folder(config.model)
     source = tokenizer_source(config)
-    hub = HubProbe()  # each hub id probed once: the model, its own tokenizer and its config name one
+    hub = HubProbe()  # the Hub probed once: for the model, the tokenizer, the config and the dataset
     if resume is None and config.tokenizer is None and source is not None:
         # the model's own tokenizer: a model that cannot be reached is named as --model (told of --tokenizer, a
         # user met the same refusal for --model next)
         check_model_reachable(config.model, hub)
     flag = "--tokenizer" if config.tokenizer is not None else "--model (its own tokenizer; --tokenizer picks one)"
     tokenizer = load_tokenizer(source, flag=flag, hub=hub)
-    notes += check_dataset(config.dataset, text_field=config.text_field, eval_fraction=config.held_out_fraction())
+    notes += check_dataset(
+        config.dataset, text_field=config.text_field, eval_fraction=config.held_out_fraction(), hub=hub
+    )
     model_source = str(resume) if resume else (None if config.model in SHAPES else config.model)
     model_config = hf_model_config(config, tokenizer, source=model_source, hub=hub)
     positions, longest = learned_positions(model_config), config.schedule().max_seq_len
