@@ -213,9 +213,8 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
             got = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
-            if num_items_in_batch is None or self.args.average_tokens_across_devices:
-                return got  # (the Trainer scaled it by the world size)
-            return (got[0] * self.sp_layout.sp, got[1]) if return_outputs else got * self.sp_layout.sp
+            scale = self._sp_count_scale(num_items_in_batch)  # (the Trainer scaled it by the world size, or not)
+            return (got[0] * scale, got[1]) if return_outputs else got * scale
         extra = sorted(set(inputs) - {*MODEL_INPUTS, "labels", "shift_labels"})
         if extra:
             raise ValueError(
@@ -237,6 +236,12 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
         else ``sp`` (the count is the dp replica's, summed over its SP group in :meth:`get_batch_samples`, as plain
         DDP divides each rank's loss by its own tokens)."""
         return self.accelerator.num_processes if self.args.average_tokens_across_devices else self.sp_layout.sp
+
+    def _sp_count_scale(self, num_items_in_batch: Any) -> int:
+        """What a loss that the Trainer's (or TRL's) own code divided by ``num_items_in_batch`` and scaled by its own
+        convention (the world size with ``average_tokens_across_devices``, else 1) is multiplied by to reach
+        :meth:`sp_loss_scale`: ``sp`` without ``average_tokens_across_devices`` when a count was given, else 1."""
+        return 1 if num_items_in_batch is None or self.args.average_tokens_across_devices else self.sp_layout.sp
 
     def _pad_token_id(self) -> int:
         pad = getattr(self.processing_class, "pad_token_id", None)

@@ -68,7 +68,9 @@ class DealtDataloaders:
         batches, count = super().get_batch_samples(checked, num_batches, *args, **kwargs)  # type: ignore[misc]
         if isinstance(count, torch.Tensor) and not self.args.average_tokens_across_devices and self.sp_layout.sp > 1:
             # the Trainer counts the targets of this rank's shards; the dp replica's are those of its SP group (what
-            # plain DDP divides each rank's loss by without the world's count)
+            # plain DDP divides each rank's loss by without the world's count); kept whole, with the losses scaled by
+            # sp (_sp_count_scale), not handed back as count / sp: TRL and the tiled loss clamp a count at 1, so a
+            # replica of fewer targets than sp (one answer token under a long prompt) would lose a factor
             count = count.clone()
             dist.all_reduce(count, group=self.sp_layout.sp_group)
         return batches, count

@@ -66,7 +66,7 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
         ``average_tokens_across_devices``, else not at all; here then by ``sp`` (its load-balancing term, added
         unscaled, stays so)."""
         loss = SFTTrainer.compute_loss  # TRL's, not the mixin's (which serves the plain Trainer's convention)
-        scale = 1 if num_items_in_batch is None or self.args.average_tokens_across_devices else self.sp_layout.sp
+        scale = self._sp_count_scale(num_items_in_batch)
         if not getattr(self, "aux_loss_enabled", False) or self.sp_layout.sp == 1:
             return loss(self, model, inputs, False, num_items_in_batch) * scale
         if self.model.training or num_items_in_batch is None:
