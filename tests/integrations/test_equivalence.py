@@ -31,7 +31,7 @@ from tests.integrations.common import (
     train_losses,
     trainer_args,
 )
-from tests.integrations.jobs import EMBEDS_ARGS, MOE_IGNORED, moe_model
+from tests.integrations.jobs import EMBEDS_ARGS, MOE_IGNORED, OWN_TOKENS, moe_model
 
 # The Trainer trains a model sharded at load time (from_pretrained(distributed_config=...)) only in transformers
 # whose models report it (is_distributed_loading_by_transformers, read by the Trainer to leave the model unwrapped);
@@ -107,13 +107,13 @@ def speed_counts(metrics: dict, prefix: str) -> tuple[int, int]:
     return samples, round(metrics[f"{prefix}_steps_per_second"] / samples_per_second * samples)
 
 
-def one_process_eval_loss(model, samples: int) -> float:
-    """The eval loss a plain, single-process Trainer reports for this model."""
+def one_process_eval_loss(model, samples: int, **args) -> float:
+    """The eval loss a plain, single-process Trainer (TrainingArguments ``args``) reports for this model."""
     from transformers import Trainer
 
     trainer = Trainer(
         model=model,
-        args=trainer_args("unused", per_device_eval_batch_size=2),
+        args=trainer_args("unused", per_device_eval_batch_size=2, **args),
         eval_dataset=token_dataset(EVAL_LENGTHS[:samples], seed=2),
         data_collator=pad_collate,
     )
@@ -269,14 +269,26 @@ def test_trainer_moe_load_balancing_loss_dp2_sp2_equals_one_process(world4, out_
     assert abs(result(out_dir, job)["eval_loss"] - reference.evaluate()["eval_loss"]) < LOSS_ATOL
 
 
-@pytest.mark.parametrize("job", ["trainer_sp2_gas2", FSDP2_JOB, "trainer_dp2_sp2", "trainer_own_tokens_dp2_sp2"])
-def test_eval_under_sp_equals_one_process_eval(world2_sp, world4, out_dir, job):
-    """Eval of long odd-length sequences, run sharded, reports the loss one process computes on the saved model."""
-    from transformers import LlamaForCausalLM
+@pytest.mark.parametrize(
+    "job, world, args",
+    [
+        ("trainer_sp2_gas2", 2, {}),
+        pytest.param("trainer_fsdp2_sp2_gas2", 2, {}, marks=TRAINER_FSDP2),
+        ("trainer_dp2_sp2", 4, {}),
+        ("trainer_own_tokens_dp2_sp2", 4, {}),
+        ("trainer_moe_own_tokens_dp2_sp2", 4, {}),  # (its saved config adds the load-balancing term, 0.5)
+        ("trainer_smoothed_own_tokens_dp2_sp2", 4, {"label_smoothing_factor": 0.1}),
+    ],
+)
+def test_eval_under_sp_equals_one_process_eval(request, out_dir, job, world, args):
+    """Eval of long odd-length sequences, run sharded, reports the loss one process computes on the saved model
+    (with ``args``), under average_tokens_across_devices=False (``own_tokens``) too."""
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(os.path.join(out_dir, job, "final"))
+    assert_case(request.getfixturevalue("world2_sp" if world == 2 else "world4"), job, world)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, job, "final"))
     got = result(out_dir, job)
-    assert abs(got["eval_loss"] - one_process_eval_loss(model, got["eval_samples"])) < LOSS_ATOL
+    assert abs(got["eval_loss"] - one_process_eval_loss(model, got["eval_samples"], **args)) < LOSS_ATOL
 
 
 @pytest.mark.parametrize(
@@ -405,22 +417,28 @@ def test_sft_packing_dp1_sp2_gas2_equals_dp2_sp1_gas1(world2_plain, world2_sp, o
     assert result(out_dir, "sft_sp2_gas2")["global_step"] >= 3
 
 
-def test_sft_eval_under_sp_equals_one_process_eval(world2_sp, out_dir):
-    """TRL's eval (packed rows, fused LM head) run sharded reports the one-process SFTTrainer eval loss."""
-    from transformers import LlamaForCausalLM
+@pytest.mark.parametrize(
+    "job, world, args",
+    [("sft_sp2_gas2", 2, {}), ("sft_moe_own_tokens_dp2_sp2", 4, {"router_aux_loss_coef": 0.5, **OWN_TOKENS})],
+)
+def test_sft_eval_under_sp_equals_one_process_eval(request, out_dir, job, world, args):
+    """TRL's eval (packed rows, fused LM head) run sharded reports the one-process SFTTrainer eval loss on the saved
+    weights; an MoE's with TRL's load-balancing term under average_tokens_across_devices=False too."""
+    from transformers import AutoModelForCausalLM
     from trl import SFTTrainer
 
     from tests.integrations.common import sft_args, tokenizer
 
-    assert_case(world2_sp, "sft_sp2_gas2", 2)
+    assert_case(request.getfixturevalue("world2_sp" if world == 2 else "world4"), job, world)
     trainer = SFTTrainer(
-        model=LlamaForCausalLM.from_pretrained(os.path.join(out_dir, "sft_sp2_gas2", "final")),
-        args=sft_args(os.path.join(out_dir, "sft_ref")),
+        model=AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, job, "final")),
+        args=sft_args(os.path.join(out_dir, f"{job}_ref"), **args),
         train_dataset=token_dataset(TRAIN_LENGTHS, seed=1).remove_columns("labels"),  # required, not used
         eval_dataset=token_dataset(EVAL_LENGTHS, seed=2).remove_columns("labels"),
         processing_class=tokenizer(),
     )
-    assert abs(result(out_dir, "sft_sp2_gas2")["eval_loss"] - trainer.evaluate()["eval_loss"]) < LOSS_ATOL
+    want = trainer.evaluate()["eval_loss"]
+    assert abs(result(out_dir, job)["eval_loss"] - want) < LOSS_ATOL, (result(out_dir, job)["eval_loss"], want)
 
 
 def test_sft_moe_load_balancing_term_dp2_sp2_equals_one_process(world4, out_dir):
