@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 import torch.distributed as dist
 
 import ulysses_sp as U
@@ -20,7 +19,7 @@ from tests.dist.cases_architectures import EVAL_ONLY, PARITY_ARCHS
 from tests.dist.cases_core import reference, sequence_parallel
 from tests.helpers.harness import run_cases
 from tests.helpers.models import build, make_batch
-from tests.helpers.parity import GRAD_TOL, LOSS_TOL
+from tests.helpers.parity import assert_loss_and_grads
 from ulysses_sp.hf import decoder_layers, mlp_modules
 from ulysses_sp.instance_forward import installed_forward
 from ulysses_sp.tiled_norms import TiledNorm, _HandThrough
@@ -70,14 +69,8 @@ def layer_tiling_parity(layout, arch: str, kv_heads, wrapper: str, checkpointing
         return wrapper == "fsdp2"
 
     loss, grads, _ = sequence_parallel(model, batch, layout, prepare=prepare)
-    torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
-    assert grads.keys() == ref_grads.keys(), grads.keys() ^ ref_grads.keys()
-    for name, grad in grads.items():
-        grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-        if ref_grads[name] is None:
-            assert grad is None or not grad.any(), name
-            continue
-        torch.testing.assert_close(grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+    grads = {name: grad.full_tensor() if hasattr(grad, "full_tensor") else grad for name, grad in grads.items()}
+    assert_loss_and_grads(loss, grads, ref_loss, ref_grads, zeros_for_none=True)
 
 
 def cases(layout, prefix: str, wrappers: tuple[str, ...]) -> dict:

@@ -19,7 +19,7 @@ import ulysses_sp as U
 from tests.dist.cases_core import reference
 from tests.helpers.harness import run_cases
 from tests.helpers.models import build, dp_share, make_batch, router_aux_on
-from tests.helpers.parity import GRAD_TOL, LOSS_TOL
+from tests.helpers.parity import GRAD_TOL, LOSS_TOL, assert_loss_and_grads
 
 
 def wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
@@ -72,10 +72,7 @@ def check(layout, arch="llama", *, batch=None, tied=False, attn="sdpa", **kwargs
         model.lm_head.weight = model.model.embed_tokens.weight
     ref_loss, ref_grads = reference(model, batch)
     loss, grads = run_parallel(model, batch, layout, core=attn if attn == "eager" else "sdpa", **kwargs)
-    assert grads.keys() == ref_grads.keys(), grads.keys() ^ ref_grads.keys()
-    torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert_loss_and_grads(loss, grads, ref_loss, ref_grads)
 
 
 def accumulate(layout, how):

@@ -14,7 +14,7 @@ import torch
 import ulysses_sp as U
 from tests.dist.cases_core import raises_everywhere, reference
 from tests.helpers.models import build_generic, make_batch
-from tests.helpers.parity import GRAD_TOL, LOSS_TOL
+from tests.helpers.parity import assert_loss_and_grads
 
 # LongCat-Flash's MLA (q through a low-rank q_a_proj) and MoE, tiny
 _LONGCAT = dict(
@@ -40,12 +40,8 @@ def library_loop_parity(layout, model_type: str, batch, *, extra=None, features:
     loss = U.causal_lm_loss(par, U.shard_batch(batch, layout), layout)
     loss.backward()
     U.sync_gradients(par, layout)
-    torch.testing.assert_close(loss.detach(), ref_loss, **LOSS_TOL)
-    for name, param in par.named_parameters():
-        if ref_grads[name] is None:  # a parameter the loss does not reach (a router's bias)
-            assert param.grad is None or not param.grad.any(), name
-        else:
-            torch.testing.assert_close(param.grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+    grads = {name: param.grad for name, param in par.named_parameters()}  # (a router's bias: reached by none)
+    assert_loss_and_grads(loss, grads, ref_loss, ref_grads, zeros_for_none=True)
 
 
 def head_chunks_name_the_part(layout, model_type: str, needle: str, at_parallelize: bool) -> None:
