@@ -32,6 +32,7 @@ __all__ = [
     "BatchCheck",
     "Problem",
     "batch_check",
+    "batch_tokens",
     "check_batch",
     "checked_pad_id",
     "compare_in_group",
@@ -130,6 +131,16 @@ def _tokens(batch: Mapping[str, object]) -> tuple[dict[str, torch.Tensor], Probl
     if shape[0] == 0 or shape[1] == 0:
         return {}, Problem(f"{given[0]} has shape {tuple(shape)}: a batch needs at least one row and token")
     return tokens, None
+
+
+def batch_tokens(batch: Mapping[str, object]) -> tuple[str, torch.Tensor]:
+    """``(key, tokens)``: the batch's ``input_ids [b, N]`` or ``inputs_embeds [b, N, hidden]`` (exactly one of them),
+    checked as :func:`validated` checks them; ValueError naming what is wrong."""
+    tokens, problem = _tokens(batch)
+    if problem is not None:
+        raise ValueError(problem.message)
+    ((key, value),) = tokens.items()
+    return key, value
 
 
 def validated(

@@ -437,6 +437,14 @@ def test_full_batch_token_counts_ride_on_sp_rank_0_only(masked):
     assert given(features)[TOKEN_COUNT_KEY].tolist()[3] == 1
     assert TOKEN_COUNT_KEY not in shards(collate, features, 2)[0]  # only for a consumer that removes it
 
+    def embedded(rows):  # inputs_embeds [2, 5, 3] in place of input_ids: the same counts (not x the hidden size)
+        batch = collate(rows)
+        return {"inputs_embeds": torch.ones(*batch.pop("input_ids").shape, 3), **batch}
+
+    for rank in range(2):
+        got = SequenceParallelCollator(embedded, fake_layout(2, rank), check_same_batch=False, token_counts=True)
+        assert got(features)[TOKEN_COUNT_KEY].tolist() == counts[rank]
+
 
 def test_tiled_loss_gives_trl_its_fused_lm_head():
     """TRL's fused LM head (installed before the tiled loss, as UlyssesSFTTrainer does) still answers

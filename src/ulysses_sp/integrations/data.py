@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..batch_checks import SHARDED_KEYS, BatchCheck, check_batch
+from ..batch_checks import SHARDED_KEYS, BatchCheck, batch_tokens, check_batch
 from ..features import Features
 from ..layout import ParallelLayout
 from ..sharding import shard_batch
@@ -67,22 +67,8 @@ def full_batch_token_counts(batch: Mapping[str, Any], layout: ParallelLayout) ->
     mask = batch.get("attention_mask")
     counted = layout.sp_rank == 0
     masked = -1 if mask is None else int(mask.sum()) * counted
-    key, seq_len = _tokens_and_length(batch)
-    positions = batch[key].numel() if key == "input_ids" else batch[key].shape[0] * seq_len  # (not the hidden dim)
-    return torch.tensor([positions * counted, masked, seq_len, int("position_ids" in batch)])
-
-
-def _tokens_and_length(batch: Mapping[str, Any]) -> tuple[str, int]:
-    """The key of a collated batch's tokens (``input_ids [b, N]``, or ``inputs_embeds [b, N, hidden]`` without them)
-    and its sequence length ``N``; ValueError naming the keys when it has neither tensor."""
-    key = "input_ids" if batch.get("input_ids") is not None else "inputs_embeds"
-    tokens = batch.get(key)
-    if not isinstance(tokens, torch.Tensor) or (key == "inputs_embeds" and tokens.dim() < 2):  # (shard_batch: 3)
-        raise ValueError(
-            "the collated batch needs an 'input_ids' tensor (or 'inputs_embeds' [batch, seq_len, hidden] instead); "
-            f"got keys {sorted(batch)}"
-        )
-    return key, tokens.shape[-1] if key == "input_ids" else tokens.shape[1]
+    rows, seq_len = batch_tokens(batch)[1].shape[:2]  # (inputs_embeds: not the hidden dim)
+    return torch.tensor([rows * seq_len * counted, masked, seq_len, int("position_ids" in batch)])
 
 
 def shard_full_batch(
@@ -113,7 +99,7 @@ def shard_full_batch(
             "the collated batch already has 'shift_labels'; pass unshifted 'labels' only: ulysses-sp shifts them "
             "before splitting the sequence"
         )
-    seq_len = _tokens_and_length(batch)[1]
+    seq_len = batch_tokens(batch)[1].shape[1]
     kept = {}
     for key, value in batch.items():
         if key in FULL_SEQUENCE_KEYS or (key == "labels" and value is None):

@@ -79,7 +79,7 @@ from .metrics import (
     whole_eval_batch,
     without_repeats,
 )
-from .speed import StepCountedMetrics, eval_steps
+from .speed import StepCountedMetrics
 from .trainer_checks import check_supported, ddp_for_reentrant_checkpointing, refuse_deepspeed, refuse_sharded_before
 from .trainer_data import DealtDataloaders
 
@@ -296,7 +296,8 @@ class UlyssesTrainerMixin(DealtDataloaders, CheckedFlos):
         metrics take the steps of the dp groups, not of the world, for ``{prefix}_steps_per_second`` (:mod:`.speed`)."""
         self.gather_function = self._gather_over_dp_groups
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
-        steps = eval_steps(output.num_samples, self.args.eval_batch_size, self.sp_layout.dp)
+        # transformers' count of the steps, ceil(samples / (batch x world)), with the dp groups in place of the world
+        steps = math.ceil(output.num_samples / (self.args.eval_batch_size * self.sp_layout.dp))
         return output._replace(metrics=StepCountedMetrics(output.metrics, metric_key_prefix, steps))
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:

@@ -10,16 +10,9 @@ DDP over ``dp`` ranks gives; the samples, the runtime and every other metric sta
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-__all__ = ["StepCountedMetrics", "eval_steps"]
-
-
-def eval_steps(num_samples: int, eval_batch_size: int, dp: int) -> int:
-    """The evaluation steps transformers counts for ``num_samples`` over ``dp`` data-parallel ranks (its formula with
-    the dp groups in place of the world)."""
-    return math.ceil(num_samples / (eval_batch_size * dp))
+__all__ = ["StepCountedMetrics"]
 
 
 class StepCountedMetrics(dict):
