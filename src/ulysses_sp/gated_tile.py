@@ -36,7 +36,7 @@ from .instance_forward import installed_forward
 if TYPE_CHECKING:
     from .grad_sums import GradSums
 
-__all__ = ["MIN_BLOCK_ROWS", "ROW_BLOCKS", "GatedChunk", "block_rows", "gated_chunk", "hooked"]
+__all__ = ["MIN_BLOCK_ROWS", "ROW_BLOCKS", "GatedChunk", "block_rows", "foreign_forward", "gated_chunk", "hooked"]
 
 ROW_BLOCKS = 4  # blocks a chunk's rows are back-propagated in
 MIN_BLOCK_ROWS = 256  # no smaller blocks: matmuls keep their rows, a short chunk is one block
@@ -54,11 +54,15 @@ def hooked(module: Any) -> bool:
     return isinstance(module, nn.Module) and any(getattr(module, name, None) for name in hooks)
 
 
+def foreign_forward(module: nn.Module) -> bool:
+    """Whether ``module`` has an instance ``forward`` of another library (this library's plain linear on a chunk,
+    the norm projection, is not one)."""
+    installed = installed_forward(module)
+    return installed is not None and not getattr(installed, "plain_on_chunks", False)
+
+
 def _plain_linear(module: Any) -> bool:
-    if type(module) is not nn.Linear or hooked(module):
-        return False
-    installed = installed_forward(module)  # none, or one that is the plain linear on a chunk of the MLP
-    if installed is not None and not getattr(installed, "plain_on_chunks", False):  # (NormProjection's marker)
+    if type(module) is not nn.Linear or hooked(module) or foreign_forward(module):
         return False
     params = [module.weight] + ([module.bias] if module.bias is not None else [])
     return all(type(p) is nn.Parameter for p in params)

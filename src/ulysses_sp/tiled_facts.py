@@ -104,13 +104,11 @@ def _fakes(module: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
 def runs_foreign_code(modules: list[nn.Module]) -> bool:
     """Whether calling ``modules`` (by their class's forward) runs another library's code: module hooks anywhere
     under them, or an instance forward below them that is not this library's plain linear on a chunk."""
-    from .gated_tile import hooked
-    from .instance_forward import installed_forward
+    from .gated_tile import foreign_forward, hooked
 
     for root in modules:
         for module in root.modules():
-            installed = installed_forward(module) if module is not root else None
-            if hooked(module) or (installed is not None and not getattr(installed, "plain_on_chunks", False)):
+            if hooked(module) or (module is not root and foreign_forward(module)):
                 return True
     return False
 
