@@ -61,15 +61,14 @@ class Blank:
     ``made``: the zeros made so far in this call, by shape, dtype and device (one call's captures share them)."""
 
     rows: int
-    weight: torch.Tensor | None = field(default=None, compare=False, hash=False)  # the projection's (default)
+    weight: torch.Tensor | None = field(default=None, compare=False, hash=False)  # the projection's
     made: dict[tuple, torch.Tensor] | None = field(default=None, compare=False, hash=False)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Zeros ``[..., rows]`` in the dtype ``F.linear(x, weight)`` gives (autocast's where it is on), one element
         expanded (no memory: a chunk's blank k/v were ``[t, 2 d]`` of zeros at its peak); ``x`` may be a data-less
         stand-in (only its shape is read). A module that wrote into its projection's output in place would fail
         loudly here (and its probe would keep it unchunked), never compute on shared zeros."""
-        weight = self.weight if weight is None else weight
         device = weight.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         key = (*x.shape[:-1], self.rows, dtype, weight.device)
