@@ -195,6 +195,6 @@ def apply_tiled(tiled: Any, x: torch.Tensor) -> torch.Tensor:
     it takes the parameters the forward reaches and returns the dtype it returns eagerly, where ``tiled.facts`` know
     them (:mod:`ulysses_sp.tiled_facts`)."""
     cpu, device = _autocast_dtype("cpu"), _autocast_dtype(x.device.type) if x.device.type != "cpu" else None
-    out_dtype = tiled.facts.out_dtype(x, device if x.device.type != "cpu" else cpu) or x.dtype
+    out_dtype = tiled.facts.out_dtype(x, _autocast_dtype(x.device.type)) or x.dtype
     out, _, _ = torch.ops.ulysses_sp.tiled_forward(tiled.handle, x, tiled.compiled_parameters(), cpu, device, out_dtype)
     return out
