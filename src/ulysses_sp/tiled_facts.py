@@ -9,20 +9,21 @@ when tiling is turned on, by running the module on fake tensors (no memory, no c
 input in its parameters' dtype with and without autocast. None are known (the operators then give every trainable
 parameter a gradient and return the input's dtype) of a forward that cannot run on fake tensors (data-dependent control
 flow: a MoE block's routing) or that runs another library's code (module hooks, an instance forward), which is not
-called when tiling is turned on.
+called when tiling is turned on. Alike modules (the layers of one model) share one probe: :func:`facts_key`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["ForwardFacts", "forward_facts", "runs_foreign_code"]
+__all__ = ["ForwardFacts", "facts_key", "forward_facts", "runs_foreign_code"]
 
 _PROBE_TOKENS = 2
 
@@ -85,6 +86,24 @@ def forward_facts(
                     continue
                 out_dtypes.append((device.type, x_dtype, autocast, out.dtype))
     return ForwardFacts(unused, tuple(out_dtypes)) if unused is not None else ForwardFacts()
+
+
+def facts_key(modules: list[nn.Module], hidden_size: int | None) -> tuple:
+    """What :func:`forward_facts` of ``modules`` (a module, then the ``pre`` fused in, if any) depends on: for each
+    module under them its name, type, instance forward's type (below the roots), plain attributes (numbers, strings,
+    functions), its parameters' and buffers' names, shapes, dtypes, device types and ``requires_grad``. Modules with
+    equal keys (the layers of one model) have equal facts, so they are probed once."""
+    key: list = [hidden_size]
+    for root in modules:
+        for name, module in root.named_modules(remove_duplicate=False):
+            plain = (bool, int, float, str, type(None), types.FunctionType, types.BuiltinFunctionType)
+            attrs = tuple((k, v) for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, plain))
+            forward = type(vars(module).get("forward")) if module is not root else None  # a root's: tiling's
+            tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            shapes = tuple((n, t.shape, t.dtype, t.device.type, t.requires_grad) for n, t in tensors)
+            key.append((name, type(module), forward, attrs, shapes))
+        key.append(None)  # between the module and ``pre``
+    return tuple(key)
 
 
 def _fakes(module: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:

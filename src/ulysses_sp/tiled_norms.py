@@ -174,6 +174,7 @@ def enable_tiled_norms(model: nn.Module, *, chunk_tokens: int | None = None) -> 
         raise ValueError("the norms of this model are already tiled; call ulysses_sp.disable_tiled_norms(model) first")
     tiled: dict[int, list[TiledNorm]] = {}  # per layer: its norms tiled on their own
     hidden_size = getattr(text_config(pretrained), "hidden_size", None)
+    facts_cache: dict = {}  # alike norms probed once (tiling.TiledForward)
     for layer, name, norm in norms:
         previous = installed_forward(norm)
         mlp = _tiled_mlp(layer) if name == mlp_norm_name(layer) else None
@@ -181,7 +182,7 @@ def enable_tiled_norms(model: nn.Module, *, chunk_tokens: int | None = None) -> 
             mlp.fuse(norm, previous)
             install_forward(norm, _HandThrough(norm, mlp, previous))
         else:
-            own = TiledNorm(norm, chunk_tokens, previous, hidden_size)
+            own = TiledNorm(norm, chunk_tokens, previous, hidden_size, facts_cache)
             install_forward(norm, own)
             tiled.setdefault(id(layer), []).append(own)
     for layer in layers:  # the projections of a tiled norm's output save the norm's input instead

@@ -47,7 +47,7 @@ from .grad_sums import GradSums
 from .hf import find_pretrained, mlp_modules, text_config
 from .instance_forward import install_forward, installed_forward, restore_forward
 from .replay import Replay
-from .tiled_facts import ForwardFacts, forward_facts, runs_foreign_code
+from .tiled_facts import ForwardFacts, facts_key, forward_facts, runs_foreign_code
 from .tiled_op import apply_tiled, new_handle
 
 __all__ = [
@@ -171,6 +171,8 @@ class TiledForward:
             library), called per chunk and restored when tiling is turned off.
         hidden_size: the size of the input's last dim (the model's hidden size), to probe the forward with for
             what a compiled graph must know of it (:mod:`ulysses_sp.tiled_facts`); None: nothing is known.
+        facts_cache: the probes' answers by :func:`~ulysses_sp.tiled_facts.facts_key`, shared by the modules of one
+            enable call (alike layers are probed once; unfusing a norm finds the module's own answer again).
 
     ``pre`` / ``pre_forward`` (None unless :mod:`ulysses_sp.tiled_norms` fuses a norm in): a token-wise module
     run on each chunk first, so the module computes ``module(pre(chunk))`` and ``pre``'s output is never held
@@ -186,6 +188,7 @@ class TiledForward:
         chunk_tokens: int | None,
         previous: Callable | None = None,
         hidden_size: int | None = None,
+        facts_cache: dict[tuple, ForwardFacts] | None = None,
     ) -> None:
         self.module = module
         self.chunk_tokens = chunk_tokens
@@ -196,6 +199,7 @@ class TiledForward:
         self.handed_over: Callable[[], torch.Tensor | None] | None = None  # weakref to what ``pre`` returned
         self.pre_previous: Callable | None = None  # ``pre``'s instance forward of another library, if any
         self.handle = new_handle(self)  # what the compiled graph's operators run (:mod:`ulysses_sp.tiled_op`)
+        self.facts_cache = {} if facts_cache is None else facts_cache
         self.facts = self.probe()
 
     def probe(self) -> ForwardFacts:
@@ -206,7 +210,10 @@ class TiledForward:
             return ForwardFacts()
         if runs_foreign_code(modules):
             return ForwardFacts()
-        return forward_facts(self.module, self.call_module, self.hidden_size, self.pre)
+        key = facts_key(modules, self.hidden_size)
+        if key not in self.facts_cache:
+            self.facts_cache[key] = forward_facts(self.module, self.call_module, self.hidden_size, self.pre)
+        return self.facts_cache[key]
 
     def fuse(self, pre: nn.Module | None, previous: Callable | None = None) -> None:
         """Run ``pre`` on each chunk first (by ``previous``, its instance forward of another library, if it had
@@ -382,8 +389,9 @@ def enable_tiled_mlp(model: nn.Module, *, chunk_tokens: int | None = None) -> nn
     if any(_installed(m) is not None for m in mlps):
         raise ValueError("the MLPs of this model are already tiled; call ulysses_sp.disable_tiled_mlp(model) first")
     config = text_config(pretrained)
+    facts_cache: dict[tuple, ForwardFacts] = {}  # alike MLPs (and MLP + norm pairs, once fused) probed once
     for mlp in mlps:
-        tiled = TiledMLP(mlp, chunk_tokens, installed_forward(mlp), getattr(config, "hidden_size", None))
+        tiled = TiledMLP(mlp, chunk_tokens, installed_forward(mlp), getattr(config, "hidden_size", None), facts_cache)
         tiled.recorders = dict(getattr(pretrained, "_can_record_outputs", None) or {})
         tiled.config = config
         install_forward(mlp, tiled)
