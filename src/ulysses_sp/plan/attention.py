@@ -20,7 +20,10 @@ Notation as in :mod:`ulysses_sp.plan.memory`: U = ulysses, R = ring, d = head di
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
+
+import torch
 
 from ..chunk_core import kernel_blocks
 from ..head_split import (
@@ -97,6 +100,25 @@ def choose_head_chunks(
     fitting = [c for c in choices if chunk_exchange_bytes(num_heads, num_kv_heads, ulysses, c, **kw) <= budget_bytes]
     if fitting:
         return fitting[0]
+    # (traced by dynamo in a compiled layer, once per graph: the cache it would ignore, with a warning, is left out)
+    lowest = _lowest_peak_chunks.__wrapped__ if torch.compiler.is_compiling() else _lowest_peak_chunks
+    return lowest(num_heads, num_kv_heads, ulysses, tokens, head_dim, element_size, hidden, ring, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _lowest_peak_chunks(
+    num_heads: int,
+    num_kv_heads: int,
+    ulysses: int,
+    tokens: int,
+    head_dim: int,
+    element_size: int,
+    hidden: int,
+    ring: int,
+    device: str,
+) -> int:
+    """:func:`choose_head_chunks` where no C fits: the C of the lowest :func:`attention_peak` (the fewest chunks among
+    equals). Cached: each layer's attention asks on every call, and the terms of every C took 56-82 us a call."""
 
     def peak(chunks: int) -> float:
         attn = attention_terms(
@@ -105,7 +127,13 @@ def choose_head_chunks(
         )  # fmt: skip
         return attention_peak(attn, hidden=hidden, c=element_size, ring=ring)
 
-    return min(choices, key=lambda c: (peak(c), c))
+    best: tuple[float, int] | None = None
+    for chunks in head_chunk_choices(num_heads, num_kv_heads, ulysses):  # ascending (dynamo's min takes no key)
+        value = peak(chunks)
+        if best is None or value < best[0]:
+            best = (value, chunks)
+    assert best is not None, "C = 1 is always a choice"
+    return best[1]
 
 
 def planned_core_slices(
