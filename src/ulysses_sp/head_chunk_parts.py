@@ -102,7 +102,6 @@ class ChunkParts:
         }
         self.shared_kv = heads.shared_kv
         self.stages = list(range(heads.chunks))  # (the shared kv heads: projected in chunk 0's capture)
-        self._counts = {stage: self._head_counts(stage) for stage in self.stages}
         # the layer's, kept across calls for this split (an index tensor made once, not per call)
         self._index = owner.row_indices.setdefault(heads, {})
         self._blanks: dict[tuple, torch.Tensor] = {}  # the call's blank projections' zeros (Blank.made)
@@ -131,9 +130,6 @@ class ChunkParts:
     def head_counts(self, stage: int) -> tuple[int, int]:
         """The query and kv head counts the module's forward sees in ``stage``'s capture (a blank projection's
         included: where the chunks share the kv heads, chunk 0 projects all of them, the other chunks one blank)."""
-        return self._counts[stage]
-
-    def _head_counts(self, stage: int) -> tuple[int, int]:
         heads = self.heads
         if not self.shared_kv:
             return heads.heads_per_chunk, heads.kv_per_chunk
@@ -214,16 +210,11 @@ class ChunkParts:
         return index
 
     def _blank_rows(self, name: str, stage: int) -> int:
-        """The outputs of projection ``name`` where it is blank in ``stage`` (0: it is computed there); the layer's,
-        worked out at its first call."""
-        key = ("blank rows", name, stage)
-        if key not in self._index:
-            rows = 0
-            if self.head_ids(name, stage) is None:
-                query, kv = self.head_counts(stage)
-                rows = (query if name in self.owner.names.query else kv) * self._width(name)
-            self._index[key] = rows
-        return self._index[key]
+        """The outputs of projection ``name`` where it is blank in ``stage`` (0: it is computed there)."""
+        if self.head_ids(name, stage) is not None:
+            return 0
+        query, kv = self.head_counts(stage)
+        return (query if name in self.owner.names.query else kv) * self._width(name)
 
     def weights(self, stage: int, *, leaves: bool = False) -> dict[str, tuple]:
         """``stage``'s ``(weight, bias, adapters)`` of every sliced input projection: its parts, or (``leaves``)
