@@ -24,8 +24,8 @@ from .head_chunk_lora import lora_linear
 if TYPE_CHECKING:
     from .deferred_input import NormRemake
     from .head_chunk_lora import Adapter
+    from .head_chunk_parts import ChunkParts
     from .head_chunk_pipeline import ChunkRun
-    from .head_chunks import HeadChunkedAttention
 
 __all__ = ["Accumulators", "ProjectionCut", "Roots"]
 
@@ -148,15 +148,16 @@ class Accumulators:
 
     def __init__(
         self,
-        owner: HeadChunkedAttention,
+        parts: ChunkParts,
         x: torch.Tensor,
         needs: tuple[bool, ...],
         chunks: int,
         params: list[torch.Tensor],
     ) -> None:
         """``params``: the module's trainable parameters as the forward found them (PEFT's ``disable_adapter`` or
-        ``set_adapter`` may change which are trainable before backward)."""
-        self.owner, self.params = owner, params
+        ``set_adapter`` may change which are trainable before backward); ``parts``: the call's
+        (:class:`~ulysses_sp.head_chunk_parts.ChunkParts`: its output projection is the one the forward used)."""
+        self.parts, self.params = parts, params
         # (one that no longer requires grad gets none: backward's projections differentiate only what does)
         self.need = {id(p): need and p.requires_grad for p, need in zip(self.params, needs[1:], strict=True)}
         # The input's gradient sum: made only once the projections' output gradients waiting to be added into it
@@ -170,8 +171,8 @@ class Accumulators:
         # the sums something was added to: the others' parameters get None, as autograd gives a parameter it does
         # not reach (e.g. an inactive LoRA adapter's), not zeros (which an optimizer would apply weight decay with)
         self.touched: set[int] = set()
-        self.out_weight = self.sum(owner.out_proj().weight)
-        self.sliced = owner.sliced_parameters()
+        self.out_weight = self.sum(parts.out_proj.weight)
+        self.sliced = parts.owner.sliced_parameters()
 
     def sum(self, param: torch.Tensor) -> torch.Tensor | None:
         """``param``'s gradient sum to add to (None: not wanted), marked as reached."""
@@ -299,7 +300,7 @@ class Accumulators:
 
     def result(self, grad_out: torch.Tensor) -> tuple:
         """``(grad x, *grad params)`` in the parameters' order, each in its tensor's dtype."""
-        bias = self.owner.out_proj().bias
+        bias = self.parts.out_proj.bias
         if bias is not None and self.need.get(id(bias)):
             self.sum(bias).add_(grad_out.reshape(-1, grad_out.shape[-1]).sum(0))
         grads = [self.sums[id(p)].to(p.dtype) if id(p) in self.touched else None for p in self.params]

@@ -414,7 +414,7 @@ class ChunkRun:
             x = x.detach().requires_grad_(needs[0])
         elif not isinstance(x, Absent) or self.remake is None:
             raise RuntimeError("a remade input needs an Absent input and the norm that made it")
-        acc = Accumulators(self.owner, x, needs, self.split.chunks, self.params)
+        acc = Accumulators(self.parts, x, needs, self.split.chunks, self.params)
         grad_out = grad_out.contiguous()
         adapters = self.parts.adapters(self.owner.names.out)
         self.out_low_grads = acc.out_adapters(adapters, grad_out, out_low[: len(adapters)])

@@ -240,9 +240,6 @@ class HeadChunkedAttention:
         checkpointing's recompute restores the generator, so draws it again)."""
         return int(torch.randint(-(1 << 62), 1 << 62, ()).item())
 
-    def out_proj(self) -> nn.Linear:
-        return self.projection(self.names.out)
-
     def trainable_parameters(self) -> list[torch.Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
