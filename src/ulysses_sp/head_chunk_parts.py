@@ -210,11 +210,14 @@ class ChunkParts:
         return index
 
     def _blank_rows(self, name: str, stage: int) -> int:
-        """The outputs of projection ``name`` where it is blank in ``stage`` (0: it is computed there)."""
-        if self.head_ids(name, stage) is not None:
-            return 0
-        query, kv = self.head_counts(stage)
-        return (query if name in self.owner.names.query else kv) * self._width(name)
+        """The outputs of projection ``name`` where it is blank in ``stage`` (0: it is computed there); the layer's,
+        worked out at its first call."""
+        key = ("blank rows", name, stage)
+        if key not in self._index:
+            query, kv = self.head_counts(stage)
+            blank = self.head_ids(name, stage) is None
+            self._index[key] = (query if name in self.owner.names.query else kv) * self._width(name) if blank else 0
+        return self._index[key]
 
     def weights(self, stage: int, *, leaves: bool = False) -> dict[str, tuple]:
         """``stage``'s ``(weight, bias, adapters)`` of every sliced input projection: its parts, or (``leaves``)
