@@ -84,8 +84,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ChunkRun", "placer"]
 
-_WHOLE = (slice(None),) * 3  # a piece of every row, head and token
-
 
 def placer(name: str, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], tuple[tuple, dict]]:
     """``place(t)`` for a :class:`ChunkRun`: the call's ``(args, kwargs)`` with ``t`` as the hidden states (keyword
@@ -185,8 +183,8 @@ class ChunkRun:
         rows = self.parts.shared_rows(chunk, self.blocks, self.kv_grad.device)
 
         def add(piece: tuple, dk: torch.Tensor, dv: torch.Tensor) -> None:
-            for total, grad in zip(self.kv_grad.chunk(2, dim=1), (dk, dv), strict=True):  # (all of it: no view)
-                add_at(total if piece == _WHOLE else total[piece[0], :, piece[2]], 1, rows, grad)
+            for total, grad in zip(self.kv_grad.chunk(2, dim=1), (dk, dv), strict=True):  # (views: added in place)
+                add_at(total[piece[0], :, piece[2]], 1, rows, grad)
 
         return add
 
