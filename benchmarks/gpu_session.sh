@@ -17,8 +17,11 @@
 #               and the model without LoRA; one profiled step each (device busy time, launches)       (90)
 #
 # A lease gives about 15 minutes of device time in all (a machine's start included), a call at most 10: run the
-# steps over two calls, `env tests validation` (at most 560 s) then `packed loss kernels lora` (at most 255 s;
-# on 2026-11-30 they took 99 s). A failing or timed-out step does not stop the others.
+# steps over two calls, `env tests validation` (at most 560 s, 10 more for each step that must be killed) then
+# `packed loss kernels lora` (at most 255 s; on 2026-11-30 they took 99 s). A failing or timed-out step does not stop
+# the others. A step that reaches its limit is interrupted (SIGINT, as Ctrl-C; killed 10 s later if still running), so
+# pytest still prints the tracebacks of the failures so far, the durations and its junit XML, and a script its
+# traceback; under timeout's default SIGTERM the tests step of the first lease kept only its progress dots.
 # Every step's output goes under $GPU_SESSION_WORK (default /tmp/gpu_session), which is packed into
 # OUT/gpu_session.tgz after each step (so a call cut off keeps what finished); OUT/session.log lists each
 # step's command, exit status and seconds. GPU_SESSION_DRY_RUN=1 prints the commands and runs nothing.
@@ -91,7 +94,7 @@ for spec in "${steps[@]}"; do
     read -r limit cmd <<< "$(planned "$spec")"
     echo "== $name ($limit s): $cmd" | tee -a "$out/session.log"
     start=$SECONDS
-    timeout "$limit" bash -c "$cmd" > "$work/$name.log" 2>&1
+    timeout --signal=INT --kill-after=10 "$limit" bash -c "$cmd" > "$work/$name.log" 2>&1
     status=$?
     echo "== $name: exit $status after $((SECONDS - start)) s$([ $status -eq 124 ] && echo ' (time limit)')" \
         | tee -a "$out/session.log"

@@ -78,3 +78,39 @@ def test_a_step_runs_logs_and_is_packed(tmp_path):
     import torch
 
     assert torch.__version__ in text, text
+
+
+_INTERRUPTIBLE = """
+import sys, time
+print("started", flush=True)
+try:
+    time.sleep(60)
+except KeyboardInterrupt:  # as pytest is interrupted: it then prints its failures, durations and junit XML
+    print("interrupted: the summary is written", flush=True)
+    sys.exit(2)
+"""
+
+
+def test_a_step_at_its_limit_is_interrupted_so_its_summary_is_kept(tmp_path):
+    """A step that reaches its time limit gets SIGINT (pytest then still prints the failures' tracebacks and writes
+    its junit XML; under SIGTERM it died with only its progress dots, as the first lease's tests step did). Here a
+    stand-in ``python3`` on the PATH waits for the interrupt in place of the tests step's pytest."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "stand_in.py").write_text(_INTERRUPTIBLE)
+    fake = bin_dir / "python3"
+    fake.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "stand_in.py"}"\n')
+    fake.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "GPU_SESSION_WORK": str(tmp_path / "work"),
+    }
+    done = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out"), "tests=3"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "out" / "session.log").read_text()
+    assert re.search(r"== tests: exit 124 after \d+ s \(time limit\)", log), log
+    step_log = (tmp_path / "work" / "tests.log").read_text()
+    assert "started" in step_log and "interrupted: the summary is written" in step_log, step_log
