@@ -13,6 +13,8 @@ import torch
 
 from tests.helpers.models import make_batch
 from tests.helpers.ring_sim import run_threads
+from tests.helpers.spy import calls_to
+from ulysses_sp import ring
 from ulysses_sp.cores import Segments, eager_core
 from ulysses_sp.ring import ring_attention, zigzag_order
 
@@ -27,7 +29,9 @@ KERNELS = ["cuda_flash", "cuda_efficient", "cuda_cudnn", "flex", "plain", None]
 def test_default_kernel_packed_rows_take_flex():
     """Rows packed with many documents take the flex kernel on CUDA (as the sdpa core does), and it is exact."""
     batch = make_batch(2, 512, packed=(30, 40, 50, 60, 20, 30, 40, 50, 60, 70, 32, 30))  # 12 a row: over 8
-    _check(None, 2, batch, window=100)
+    with calls_to(ring, "get_ring_kernel", lambda name, **kwargs: name) as kernels:
+        _check(None, 2, batch, window=100)
+    assert kernels and set(kernels) == {"flex"}, kernels
 
 
 def _check(kernel, size, batch, window=None, softcap=None, dtype=torch.bfloat16, heads=8, kv_heads=2, d=64):

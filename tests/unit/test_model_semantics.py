@@ -318,6 +318,12 @@ def test_packed_kernel_choice(monkeypatch):
     assert cores.packed_kernel(many, cpu, 64) == "per_document"
     assert cores.packed_kernel(many, cuda, 64, dropout=0.1) == "per_document"
     assert cores.packed_kernel(many, cuda, 8) == "per_document"
+    # the GPU test's rows of many documents (head dim 16) do reach the flex call there
+    from tests.gpu.test_gpu_cores import MANY
+    from tests.helpers.models import make_batch
+
+    gpu_case = U.Segments.from_positions(make_batch(2, 128, packed=MANY)["position_ids"])
+    assert cores.packed_kernel(gpu_case, cuda, 16) == "flex"
     monkeypatch.setattr(cores, "_has_triton", lambda: False)
     assert cores.packed_kernel(many, cuda, 64) == "per_document"
 
