@@ -6,9 +6,10 @@ choice against the whole plan: for each shape (heads and head dim, kv heads, uly
 16 layers, hidden = heads x head dim, MLP 4 x hidden, bf16 on CUDA unless a feature set says otherwise, and
 Llama-3.1-8B), it plans one step with automatic C and with every allowed C (:func:`ulysses_sp.plan.plan_memory`), and
 counts a miss where automatic C plans more than 0.5% above the lowest. Shapes where some C fits the budget are left
-out (the budget, not the peak, chooses there). Feature sets: the defaults, and ones whose memory the rule's
-attention terms see less of (checkpoint instead of offload, fp32, untiled norms, no activation checkpointing: each
-layer's saved tensors, which the rule does not see). A prediction of the planner alone: no GPU runs here.
+out (the budget, not the peak, chooses there). Feature sets: the defaults, and ones that change what the rule must
+see of the decoder layer around the attention (:class:`ulysses_sp.plan.attention.LayerMemory`: checkpoint instead of
+offload, fp32, untiled norms, no activation checkpointing: every layer's saved tensors). A prediction of the planner
+alone: no GPU runs here.
 
 Prints and saves ``benchmarks/results/chunk_choice_sweep.{json,md}``: per feature set the over-budget shapes and the
 misses, and each miss (the planned peak of automatic C against the lowest).

@@ -21,8 +21,9 @@ must agree (:meth:`HeadChunkedAttention.verify`). A module that fails either che
 when C > 1 was asked for, and keeps the unchunked path when C is automatic.
 
 C: ``head_chunks`` of :func:`ulysses_sp.parallelize` (``--head-chunks``); None or 0 = automatic: the fewest
-chunks whose q/k/v after the exchange fit ``budget_bytes`` per rank, else the planner's lowest attention peak
-(:func:`ulysses_sp.plan.attention.choose_head_chunks`, which the planner calls too); 1 = the unchunked path.
+chunks whose q/k/v after the exchange fit ``budget_bytes`` per rank, else the planner's lowest attention peak in the
+decoder layer as it runs (:func:`ulysses_sp.plan.attention.choose_head_chunks`, which the planner calls too, given
+the layer by :mod:`ulysses_sp.head_chunk_choice`); 1 = the unchunked path.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch.autograd.function import once_differentiable
 from .attention import UlyssesAttention, intercepting
 from .compile_boundary import run_eagerly
 from .deferred_input import Absent, NormRemake
+from .head_chunk_choice import chunks_at_call
 from .head_chunk_fit import Projections, norm_problem, projection_names
 from .head_chunk_grads import ProjectionCut
 from .head_chunk_lora import (
@@ -59,12 +61,10 @@ from .head_split import (
     check_head_chunks,
     head_chunk_choices,
 )
-from .hf import first_argument
+from .hf import decoder_layers, first_argument
 from .instance_forward import install_forward, installed_forward, restore_forward
 from .norm_projections import NormProjection
-from .plan.attention import choose_head_chunks
 from .replay import Replay
-from .tiling import compute_dtype
 
 __all__ = [
     "HeadChunkedAttention",
@@ -132,9 +132,13 @@ def head_chunk_targets(
 
 
 def install_head_chunks(targets: list[tuple[nn.Module, Projections]], ctx: UlyssesAttention, **options: Any) -> None:
-    """Set each target's ``forward`` to a :class:`HeadChunkedAttention` (``options``: its keyword arguments)."""
+    """Set each target's ``forward`` to a :class:`HeadChunkedAttention` (``options``: its keyword arguments but the
+    decoder layer it is in, found here)."""
+    layers = decoder_layers(options["pretrained"])
     for module, names in targets:
-        install_forward(module, HeadChunkedAttention(module, ctx, names, **options))
+        layer = next((layer for layer in layers if any(m is module for m in layer.modules())), None)
+        chunked = HeadChunkedAttention(module, ctx, names, layer=layer, layers=len(layers), **options)
+        install_forward(module, chunked)
 
 
 def remove_head_chunks(modules: list[nn.Module]) -> None:
@@ -197,6 +201,7 @@ class HeadChunkedAttention:
         pretrained / impl_name: the model and the attention implementation name under which it is active
             (under :func:`ulysses_sp.plain_attention` the module's own forward runs).
         requested: C (> 1), or None for automatic; budget_bytes: the automatic choice's budget.
+        layer / layers: the decoder layer it is in (None: not found) and the model's count of them.
     """
 
     def __init__(
@@ -211,8 +216,11 @@ class HeadChunkedAttention:
         num_kv_heads: int,
         requested: int | None = None,
         budget_bytes: int = DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
+        layer: nn.Module | None = None,
+        layers: int = 1,
     ) -> None:
         self.module, self.ctx, self.names = module, ctx, names
+        self.layer, self.layers = layer, layers  # its decoder layer, one of the model's layers (C reads them)
         self.pretrained, self.impl_name = pretrained, impl_name
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.requested, self.budget_bytes = requested or None, budget_bytes
@@ -315,22 +323,8 @@ class HeadChunkedAttention:
         return self.pretrained.config._attn_implementation == self.impl_name
 
     def chunks_for(self, x: torch.Tensor) -> int:
-        """C for hidden states ``x [b, n, h]`` (this rank's tokens)."""
-        layout = self.ctx.layout
-        dtype = compute_dtype(x)
-        return choose_head_chunks(
-            self.num_heads,
-            self.num_kv_heads,
-            layout.ulysses,
-            tokens=x.shape[0] * x.shape[1] * layout.ulysses,
-            head_dim=self.projection(self.names.query[0]).out_features // self.num_heads,
-            element_size=torch.empty((), dtype=dtype).element_size(),
-            hidden=x.shape[-1],
-            ring=layout.ring,
-            device="cuda" if x.is_cuda else "cpu",
-            requested=self.requested,
-            budget_bytes=self.budget_bytes,
-        )
+        """C for hidden states ``x [b, n, h]`` (this rank's tokens; :mod:`ulysses_sp.head_chunk_choice`)."""
+        return chunks_at_call(self, x)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module

@@ -10,23 +10,26 @@ silently fell back to the unchunked path fails the case.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
 
 import ulysses_sp as U
 from tests.dist.cases_architectures import EVAL_ONLY, PARITY_ARCHS
-from tests.dist.cases_core import check_parity, sequence_parallel
-from tests.dist.cases_memory_features import check_features
+from tests.dist.cases_core import check_parity, reference, sequence_parallel
+from tests.dist.cases_memory_features import build_model, check_features, full_grad, wrap
 from tests.helpers.harness import run_cases
 from tests.helpers.models import (
     assert_as_close_as_one_process,
     build,
+    dp_share,
     dropout_seeds,
     make_batch,
     with_chunk_dropout,
     with_lora,
 )
+from tests.helpers.parity import assert_loss_and_grads
 from tests.helpers.spy import calls_to
 from ulysses_sp import chunk_core, head_chunk_pipeline, sliced_core
 
@@ -220,6 +223,47 @@ def overlap(layout, chunks: int = 4, core: str = "sdpa") -> None:
     assert all(cores) and all(core_backwards), f"a core ran with no exchange in flight: {cores}, {core_backwards}"
 
 
+def automatic_chunks_read_the_layer(layout, wrapper: str) -> None:
+    """Where no C fits its budget, automatic C is the planner's for the same settings (ulysses_sp.head_chunk_choice):
+    under ``wrapper`` (DDP, or FSDP2, whose layer gradients, 4 bytes a parameter of the layer here, the attention counts
+    as the planner does), checkpointed and then not (switched off after wrapping); and a step in that branch (a 1-byte
+    budget) without checkpointing is exact."""
+    from ulysses_sp.head_chunk_choice import layer_memory
+    from ulysses_sp.head_chunks import HeadChunkedAttention
+    from ulysses_sp.instance_forward import installed_forward
+    from ulysses_sp.plan import Features, ModelShape, plan_memory
+
+    model = build_model("llama", tied=False, heads=8)  # 8 heads on 2 kv heads, hidden 64, 2 layers
+    batch = make_batch(2, 24, packed=(10, 14))
+    ref_loss, ref_grads = reference(model, batch)
+    par = U.parallelize(copy.deepcopy(model), layout)
+    U.enable_tiled_mlp(par, chunk_tokens=5)
+    U.enable_tiled_norms(par, chunk_tokens=5)
+    U.enable_activation_checkpointing(par, "checkpoint")
+    par.train()
+    wrapped = wrap(par, wrapper)
+    installed = [h for m in par.modules() if isinstance(h := installed_forward(m), HeadChunkedAttention)]
+    assert len(installed) == 2
+    seq_len = 1 << 23  # no C's q/k/v fit 1 GiB a rank (only the view's shape and dtype are read)
+    x = torch.zeros(1, 1, 64).expand(1, seq_len // layout.sp, -1)
+    grads = 4 * ModelShape.from_config(model.config).layer_params if wrapper == "fsdp2" else 0
+    for mode in ("checkpoint", "none"):
+        if mode == "none":
+            U.disable_activation_checkpointing(par)
+        features = Features(activation_checkpointing=mode, parallel=wrapper, mlp_chunk_tokens=5, tiled_loss=False)
+        planned = plan_memory(model.config, seq_len=seq_len, sp=layout.sp, features=features, device="cpu")
+        assert [h.chunks_for(x) for h in installed] == [planned.head_chunks] * 2, planned.head_chunks
+        for h in installed:
+            assert layer_memory(h.layer, h.layers, h.projection("q_proj"), 4).grad_bytes == grads
+    for h in installed:
+        h.budget_bytes = 1
+    shard = U.shard_batch(dp_share(batch, layout), layout)
+    logits = wrapped(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+    loss = U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
+    loss.backward()
+    assert_loss_and_grads(loss, {name: full_grad(p) for name, p in par.named_parameters()}, ref_loss, ref_grads)
+
+
 def sliced_parity(layout, arch: str, *, heads: int, layers: int = 2, **kwargs) -> None:
     """check_parity of the unchunked core in slices of one query head (a budget of 1 byte,
     :mod:`ulysses_sp.sliced_core`): exact, and every layer's core backward ran once per slice."""
@@ -341,6 +385,8 @@ def world2_cases(sp2) -> dict:
         ),
         "sp2_C2_mha_blocked_kernel": P(blocked_parity, sp2, "llama", 2, heads=8),
         "sp2_auto_kv_sharing_store_unchunked": P(kv_sharing, sp2),
+        "sp2_auto_over_budget_reads_the_layer_ddp": P(automatic_chunks_read_the_layer, sp2, "ddp"),
+        "sp2_auto_over_budget_reads_the_layer_fsdp2": P(automatic_chunks_read_the_layer, sp2, "fsdp2"),
         "sp2_C4_exchanges_overlap_cores": P(overlap, sp2),
         "sp2_C4_exchanges_overlap_cores_recomputed": P(overlap, sp2, core="eager"),
         **lora_cases(sp2, "sp2", 8, 2, features=True),

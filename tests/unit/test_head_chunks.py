@@ -168,26 +168,36 @@ def test_automatic_choice_where_none_fits_is_computed_once_per_shape():
     assert _lowest_peak_chunks.cache_info()[:2] == (2, 2)  # (hits, misses): one per shape
 
 
-# (hidden, heads, kv heads, ulysses, ring, tokens) where no C fits the budget, and the planned peaks of the C the rule
-# took when it compared the q/k/v with their gradients and of the lowest (Llama-3.1-8B's heads: 32 of 128 on 8 kv)
+# (hidden, heads, kv heads, ulysses, ring, tokens, features) where no C fits the budget, and the planned peaks of the C
+# the rule took when it compared the q/k/v with their gradients, or (features) when its attention peak assumed a
+# checkpointed layer, tiled norms and no layer gradients, and of the lowest (Llama-3.1-8B's heads: 32 of 128 on 8 kv)
+_NO_CHECKPOINTS = {"activation_checkpointing": "none"}
 _OVER_BUDGET = [
-    (2048, 16, 8, 4, 1, 1 << 21),  # C = 1 25.1 GiB, C = 4 21.7
-    (4096, 32, 8, 2, 4, 1 << 23),  # Llama-3.1-8B's heads, ulysses 2 x ring 4: C = 4 70.5 GiB, C = 16 63.9
-    (4096, 32, 8, 2, 16, 1 << 25),  # ulysses 2 x ring 16: C = 4 65.0 GiB, C = 16 58.3
-    (1024, 8, 4, 2, 2, 1 << 23),  # C = 1 68.5 GiB, C = 4 49.4
-    (2048, 16, 16, 8, 2, 1 << 21),  # C = 1 14.9 GiB, C = 2 12.9
-    (4096, 32, 8, 8, 1, 1 << 23),  # Llama-3.1-8B's heads at sp=8 (issue 18): C = 4 64.9 GiB (C = 1 82.4), as before
+    (2048, 16, 8, 4, 1, 1 << 21, {}),  # C = 1 25.1 GiB, C = 4 21.7
+    (4096, 32, 8, 2, 4, 1 << 23, {}),  # Llama-3.1-8B's heads, ulysses 2 x ring 4: C = 4 70.5 GiB, C = 16 63.9
+    (4096, 32, 8, 2, 16, 1 << 25, {}),  # ulysses 2 x ring 16: C = 4 65.0 GiB, C = 16 58.3
+    (1024, 8, 4, 2, 2, 1 << 23, {}),  # C = 1 68.5 GiB, C = 4 49.4
+    (2048, 16, 16, 8, 2, 1 << 21, {}),  # C = 1 14.9 GiB, C = 2 12.9
+    (4096, 32, 8, 8, 1, 1 << 23, {}),  # Llama-3.1-8B's heads at sp=8 (issue 18): C = 4 64.9 GiB (C = 1 82.4), as before
+    # without checkpointing every layer keeps what its attention saved: the unchunked ring block its q/k/v and output,
+    # the chunked one nothing but its input: C = 1 214.7 GiB, C = 2 104.2 (16 layers)
+    (1024, 8, 1, 4, 2, 1 << 23, _NO_CHECKPOINTS),
+    (2048, 16, 8, 8, 4, 1 << 23, _NO_CHECKPOINTS),  # C = 1 109.0 GiB, C = 2 54.7
+    (3072, 24, 4, 4, 1, 1 << 21, {"tiled_norms": False}),  # the MLP's backward beside C = 1's saved: 53.8 / 48.7 GiB
+    (3072, 24, 8, 4, 2, 1 << 21, {"dtype": "fp32"}),  # FSDP2's layer gradients in backward: C = 1 39.7 GiB, C = 2 39.2
 ]
 
 
-@pytest.mark.parametrize(("hidden", "heads", "kv_heads", "ulysses", "ring", "seq_len"), _OVER_BUDGET)
+@pytest.mark.parametrize(("hidden", "heads", "kv_heads", "ulysses", "ring", "seq_len", "features"), _OVER_BUDGET)
 def test_automatic_chunks_are_the_planners_lowest_peak_where_none_fits_the_budget(
-    hidden, heads, kv_heads, ulysses, ring, seq_len
+    hidden, heads, kv_heads, ulysses, ring, seq_len, features
 ):
     """Where no C's q/k/v fit the budget, automatic C is the one whose planned per-rank peak is lowest (ties within
-    0.5%: the fewest chunks): the plan of each allowed C (the default features, bf16 on CUDA, 16 layers) against the
-    plan of automatic C, which is the runtime's choose_head_chunks for the same tokens."""
+    0.5%: the fewest chunks): the plan of each allowed C (bf16 on CUDA, 16 layers; the default features but
+    ``features``) against the plan of automatic C, which is the runtime's choose_head_chunks for the same tokens and
+    the same layer (benchmarks/chunk_choice_sweep.py over a grid of shapes and feature sets)."""
     from ulysses_sp.plan import Features, ModelShape, plan_memory
+    from ulysses_sp.plan.attention import LayerMemory
 
     shape = ModelShape(
         hidden_size=hidden, num_layers=16, num_heads=heads, num_kv_heads=kv_heads, head_dim=128,
@@ -195,16 +205,75 @@ def test_automatic_chunks_are_the_planners_lowest_peak_where_none_fits_the_budge
     )  # fmt: skip
     args = dict(seq_len=seq_len, sp=ulysses * ring, ring=ring)
     peaks = {
-        c: plan_memory(shape, **args, features=Features(head_chunks=c)).peak_bytes
+        c: plan_memory(shape, **args, features=Features(**features, head_chunks=c)).peak_bytes
         for c in head_chunk_choices(heads, kv_heads, ulysses)
     }
-    auto = plan_memory(shape, **args, features=Features())
+    auto = plan_memory(shape, **args, features=Features(**features))
     tokens = auto.tokens_per_rank * ulysses
-    sizes = dict(tokens=tokens, head_dim=128, element_size=2)
+    element_size = 4 if auto.features.dtype == "fp32" else 2
+    sizes = dict(tokens=tokens, head_dim=128, element_size=element_size)
     assert min(chunk_exchange_bytes(heads, kv_heads, ulysses, c, **sizes) for c in peaks) > 1 << 30  # none fits
-    runtime = choose_head_chunks(heads, kv_heads, ulysses, **sizes, hidden=hidden, ring=ring, device="cuda")
+    layer = LayerMemory(
+        auto.features.activation_checkpointing != "none",
+        16,
+        auto.features.tiled_norms,
+        element_size * shape.layer_params,
+    )  # (under FSDP2: the layer's gradients in the compute dtype)
+    runtime = choose_head_chunks(
+        heads, kv_heads, ulysses, **sizes, hidden=hidden, ring=ring, device="cuda", layer=layer
+    )
     assert auto.head_chunks == runtime
     assert peaks[runtime] <= min(peaks.values()) * 1.005, (runtime, peaks)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_runtime_chunks_are_the_planners_with_checkpointing_on_and_off(compiled):
+    """The attention reads its decoder layer at each call (ulysses_sp.head_chunk_choice): where no C fits the budget
+    it takes the planner's C for the same settings, checkpointing switched on after parallelize and off again (4
+    heads on 1 kv head, head dim 16, 2 layers, 4,194,304 tokens at sp=1, fp32 on the CPU: C = 1 checkpointed, C = 4
+    not; before, the run time took C = 1 without checkpointing too, where the plan holds 2 layers' saved q/k/v).
+    A step of a few tokens with a 1-byte budget (the same branch) then runs in each mode, its decoder layers compiled
+    or not, and matches the model's own loss."""
+    from ulysses_sp.features import Features, apply_features
+    from ulysses_sp.offload import disable_activation_checkpointing, enable_activation_checkpointing
+    from ulysses_sp.plan import plan_memory
+
+    plain = build("llama", heads=4, kv_heads=1, head_dim=16)
+    seq_len, layout = 1 << 22, U.ParallelLayout.single()
+    model = U.parallelize(copy.deepcopy(plain), layout)
+    apply_features(model, Features(tiled_loss=False), "cpu")  # tiled MLP and norms, checkpoints kept (CPU)
+    installed = _chunked(model)
+    x = torch.zeros(1, 1, plain.config.hidden_size).expand(
+        1, seq_len, -1
+    )  # (a view: only its shape and dtype are read)
+
+    def planned(mode: str) -> int:
+        features = Features(activation_checkpointing=mode, parallel="ddp", tiled_loss=False)
+        return plan_memory(plain.config, seq_len=seq_len, sp=1, features=features, device="cpu").head_chunks
+
+    model.train()
+    assert [h.chunks_for(x) for h in installed] == [planned("checkpoint")] * 2 == [1, 1]
+    disable_activation_checkpointing(model)
+    assert [h.chunks_for(x) for h in installed] == [planned("none")] * 2 == [4, 4]
+    with torch.no_grad():  # nothing saved: as checkpointed
+        assert [h.chunks_for(x) for h in installed] == [1, 1]
+    enable_activation_checkpointing(model, "checkpoint")
+    assert [h.chunks_for(x) for h in installed] == [1, 1]
+
+    batch = make_batch(2, 24, packed=(10, 14))
+    want = plain(**batch, use_cache=False).loss.detach()
+    for h in installed:
+        h.budget_bytes = 1
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile(backend="eager")
+    for checkpointed in (True, False):
+        if not checkpointed:
+            disable_activation_checkpointing(model)
+        model.zero_grad()
+        loss, grads = loss_and_grads(model, batch, layout)
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+        assert all(g is not None for g in grads.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

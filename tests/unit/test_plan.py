@@ -197,23 +197,28 @@ def test_a_config_json_with_impossible_sizes_is_refused_naming_the_size(fields, 
 
 
 def test_recommend_tries_more_head_chunks_before_a_costlier_tier():
-    """16 heads of 128 on 8 kv heads (hidden 2048, 16 layers) on 16 GPUs, 8 a node (sp=16: ulysses 8 x ring 2), 4M
-    tokens: without checkpointing, automatic C keeps 1 chunk (it compares the chunks' attention as a checkpointed layer
-    holds it), whose every layer saves its q/k/v, output and lse (104.1 GiB), where the chunks of a ring recompute
-    their cores and save none: 2 chunks plan 51.5 GiB. The recommendation tries the explicit chunk counts of a tier
-    before a costlier tier (checkpointing), and automatic C where it suffices. (16 heads on 8 kv at sp=4, 8M tokens,
-    was the example until automatic C took the planner's lowest peak there: 4 chunks, 8.6M tokens.)"""
+    """16 heads of 128 on 8 kv heads (hidden 2048, 16 layers) on 16 GPUs, 8 a node (sp=16: ulysses 8 x ring 2), 1M
+    tokens, in the tier without a tiled MLP or checkpointing: automatic C keeps 1 chunk (its q/k/v after the exchange,
+    0.48 GiB, fit the 1 GiB budget, which alone chooses then), whose every layer saves its q/k/v, output and lse (88.6
+    GiB), where the chunks of a ring recompute their cores and save none: 2 chunks plan 73.3 GiB. The recommendation
+    tries the explicit chunk counts of a tier before a costlier tier (checkpointing), and automatic C where it
+    suffices. (4M tokens with the tiled MLP was the example until automatic C, where no C fits its budget, saw that
+    the layer is not checkpointed: it takes 2 chunks there now, 51.5 GiB, not 1, 104.1 GiB; and before that 16 heads
+    on 8 kv at sp=4, 8M tokens, until it took the planner's lowest peak there: 4 chunks, 8.6M tokens.)"""
     config = LlamaConfig(
         hidden_size=2048, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=8192,
         num_hidden_layers=16, vocab_size=128256, tie_word_embeddings=True,
     )  # fmt: skip
     layout = dict(world_size=16, gpus_per_node=8)
-    advice = recommend(config, seq_len=4_000_000, **layout)
+    advice = recommend(config, seq_len=1_000_000, **layout)
     assert advice.reaches_target and advice.sp == 16 and advice.plan.ring == 2
-    assert advice.features.activation_checkpointing == "none" and advice.features.head_chunks == 2
-    settings = dict(seq_len=4_000_000, sp=16, gpus_per_node=8)
-    auto = plan_memory(config, **settings, features=replace(advice.features, head_chunks=None))
+    assert advice.features.activation_checkpointing == "none" and not advice.features.tiled_mlp
+    assert advice.features.head_chunks == 2
+    settings = dict(sp=16, gpus_per_node=8)
+    auto = plan_memory(config, seq_len=1_000_000, **settings, features=replace(advice.features, head_chunks=None))
     assert auto.head_chunks == 1 and not auto.fits
+    no_checkpoints = Features(activation_checkpointing="none")
+    assert plan_memory(config, seq_len=4_000_000, **settings, features=no_checkpoints).head_chunks == 2
     four = plan_memory(config, seq_len=8_000_000, sp=4, features=Features())  # automatic C: the lowest of 1, 2, 4
     assert four.head_chunks == 4 and four.fits
     assert recommend(config, seq_len=6_000_000, world_size=4, gpus_per_node=4).features.head_chunks in (0, None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,11 +41,13 @@ from .shape import ModelShape
 __all__ = [
     "AttentionTerms",
     "LatentTerms",
+    "LayerMemory",
     "attention_backward",
     "attention_peak",
     "attention_terms",
     "choose_head_chunks",
     "latent_terms",
+    "norm_terms",
     "planned_core_slices",
 ]
 
@@ -67,6 +70,34 @@ class AttentionTerms:
     slices: int = 1  # the unchunked core's slices of heads (planned_core_slices)
 
 
+@dataclass(frozen=True)
+class LayerMemory:
+    """The decoder layer around an attention as :func:`attention_peak` sees it: checkpointed or not (then every layer
+    keeps what its attention saved until its backward), the model's decoder ``layers``, tiled norms or not, and the
+    bytes of the layer's unsharded gradients held through its attention's backward (FSDP2's, in the compute dtype; 0
+    under DDP). The planner makes it from its features, the attention at each call from its layer
+    (:mod:`ulysses_sp.head_chunk_choice`)."""
+
+    checkpointed: bool = True
+    layers: int = 1
+    tiled_norms: bool = True
+    grad_bytes: int = 0
+
+
+def norm_terms(c: int, hidden: int, tiled: bool) -> tuple[int, int, int]:
+    """Bytes per local token the input norm saves, the post-attention norm saves, and the input norm's output where
+    nothing saves it (alive through the (re)compute only). RMSNorm saves its fp32 input (an upcast copy under bf16),
+    the normalised tensor cast back and its output (saved by the projections after it); the input norm's fp32 input
+    IS the layer input (counted with it), the post-attention norm's is the residual sum. Tiled, a norm keeps only its
+    input (the layer input; the residual sum): the projections of a tiled norm's output save the norm's input instead
+    (:mod:`ulysses_sp.norm_projections`), and so does the head-chunked block, whose backward remakes the norm's output
+    tile by tile (:mod:`ulysses_sp.deferred_input`; as the probe requires, its q/k/v projections are its only readers).
+    """
+    if tiled:
+        return 0, c * hidden, c * hidden
+    return ((4 if c < 4 else 0) + 2 * c) * hidden, (4 + 2 * c) * hidden, 0
+
+
 def choose_head_chunks(
     num_heads: int,
     num_kv_heads: int,
@@ -80,18 +111,23 @@ def choose_head_chunks(
     device: str,
     requested: int | None = None,
     budget_bytes: int = DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
+    layer: LayerMemory | Callable[[], LayerMemory] | None = None,
 ) -> int:
     """The chunk count C: ``requested`` when > 0 (ValueError unless it is one of
     :func:`~ulysses_sp.head_split.head_chunk_choices`), else the fewest chunks whose
     :func:`~ulysses_sp.head_split.chunk_exchange_bytes` (the chunks alive at once) fit ``budget_bytes``;
     when none does, the C whose attention peaks lowest as the memory planner models it
     (:func:`attention_peak`: the chunks' q/k/v, gradients, exchange buffers and core,
-    a ring's included, over ``ring`` ranks of ``hidden``-wide tokens on ``device``, "cuda" or "cpu"; the fewest
+    a ring's included, over ``ring`` ranks of ``hidden``-wide tokens on ``device``, "cuda" or "cpu", in a decoder
+    ``layer``: a :class:`LayerMemory`, a function called only here that reads it, or None for the defaults; the fewest
     chunks among equals), so that plan and run agree on C and C is the planner's lowest peak.
 
     Where none fits, the q/k/v alone (and then the q/k/v with their gradients) misled: C = 1 for 16 heads on 8 kv
     heads over 4 ranks at 2M tokens, where C = 4 plans 13% lower; C = 4 for Llama-3.1-8B in ulysses 2 x ring 4 at
-    8M tokens (79.4 GiB), where C = 16 plans 72.7 GiB (``tests/unit/test_head_chunks.py``)."""
+    8M tokens (79.4 GiB), where C = 16 plans 72.7 GiB (``tests/unit/test_head_chunks.py``). A peak that assumed a
+    checkpointed layer took C = 1 for 8 heads on 1 kv head in ulysses 4 x ring 2 at 8M tokens without checkpointing
+    (16 layers: 214.7 GiB, where C = 2 plans 104.2: the unchunked ring block saves its q/k/v and output in every
+    layer, the chunked one nothing but its input)."""
     choices = head_chunk_choices(num_heads, num_kv_heads, ulysses)
     if requested:
         check_head_chunks(requested, num_heads, num_kv_heads, ulysses)
@@ -102,7 +138,8 @@ def choose_head_chunks(
         return fitting[0]
     # (traced by dynamo in a compiled layer, once per graph: the cache it would ignore, with a warning, is left out)
     lowest = _lowest_peak_chunks.__wrapped__ if torch.compiler.is_compiling() else _lowest_peak_chunks
-    return lowest(num_heads, num_kv_heads, ulysses, tokens, head_dim, element_size, hidden, ring, device)
+    layer = layer() if callable(layer) else layer or LayerMemory()
+    return lowest(num_heads, num_kv_heads, ulysses, tokens, head_dim, element_size, hidden, ring, device, layer)
 
 
 @functools.lru_cache(maxsize=256)
@@ -116,6 +153,7 @@ def _lowest_peak_chunks(
     hidden: int,
     ring: int,
     device: str,
+    layer: LayerMemory,
 ) -> int:
     """:func:`choose_head_chunks` where no C fits: the C of the lowest :func:`attention_peak` (the fewest chunks among
     equals). Cached: each layer's attention asks on every call, and the terms of every C took 56-82 us a call."""
@@ -125,7 +163,7 @@ def _lowest_peak_chunks(
             num_heads, num_kv_heads, head_dim, hidden, ulysses=ulysses, ring=ring, c=element_size, device=device,
             chunks=chunks, tokens=tokens,
         )  # fmt: skip
-        return attention_peak(attn, hidden=hidden, c=element_size, ring=ring)
+        return attention_peak(attn, hidden=hidden, c=element_size, ring=ring, layer=layer, tokens=tokens // ulysses)
 
     best: tuple[float, int] | None = None
     for chunks in head_chunk_choices(num_heads, num_kv_heads, ulysses):  # ascending (dynamo's min takes no key)
@@ -354,17 +392,28 @@ def attention_backward(attn: AttentionTerms, mode: str, ring: int) -> float:
     return max(attn.saved + attn.backward_start, held + (0 if ring > 1 else attn.backward))
 
 
-def attention_peak(attn: AttentionTerms, *, hidden: int, c: int, ring: int) -> float:
-    """Bytes per local token at the highest of the moments :mod:`ulysses_sp.plan.memory` looks at in one attention
-    layer of terms ``attn`` (:func:`attention_terms`), under checkpointing and tiled norms (what ``ulysses-sp train``
-    runs): its recompute beside the input norm's output and the stream's gradient waiting for it (2 ``[t, h]``),
-    its backward (a ring's included) and its backward exchange beside the stream's gradient (1 ``[t, h]``). What
-    does not change with C (weights, checkpoints, the other layers) is left out, so the C of the lowest is the C of
-    the lowest planned peak where the attention's moments are the peak. Where no C fits its budget,
-    :func:`choose_head_chunks` compares the chunk counts by it."""
-    stream = c * hidden
-    backward = attention_backward(attn, "checkpoint", ring) + attn.ring_backward
-    return max(attn.forward + 2 * stream, backward + stream, attn.exchange + stream)
+def attention_peak(
+    attn: AttentionTerms, *, hidden: int, c: int, ring: int, layer: LayerMemory | None = None, tokens: int = 1
+) -> float:
+    """Bytes per local token (of ``tokens`` on this rank) at the highest of the moments :mod:`ulysses_sp.plan.memory`
+    looks at in one attention layer of terms ``attn`` (:func:`attention_terms`) in a decoder ``layer`` (None: the
+    defaults, what ``ulysses-sp train`` runs): the MLP's backward beside what the attention saved, o_proj's input,
+    the post-attention norm's and 2 ``[t, h]`` gradients (a lower bound: the MLP's own working set is left out); the
+    attention's (re)compute beside the input norm's output where nothing saves it and, checkpointed, the stream's
+    gradient waiting for it; its backward (a ring's included) and its backward exchange beside the stream's gradient
+    and the layer's gradients; without checkpointing, under all of them, the other ``layers - 1`` layers' attention
+    saved tensors. What does not change with C (weights, checkpoints, the input norm's saved tensors, the other
+    layers' but their attention's) is left out, so the C of the lowest is the C of the lowest planned peak where
+    these moments are the peak. Where no C fits its budget, :func:`choose_head_chunks` compares the C by it."""
+    layer = layer or LayerMemory()
+    stream, grads = c * hidden, layer.grad_bytes / tokens
+    _, norm_post, remade = norm_terms(c, hidden, layer.tiled_norms)
+    held = attn.saved + attn.o_proj_input  # what the attention block saves (o_proj's input included)
+    backward = attention_backward(attn, "checkpoint" if layer.checkpointed else "none", ring) + attn.ring_backward
+    waiting = stream if layer.checkpointed else 0
+    moments = (held + norm_post + 2 * stream, attn.forward + remade + waiting, backward + stream + grads)
+    others = 0 if layer.checkpointed else (layer.layers - 1) * held
+    return others + max(*moments, attn.exchange + stream + grads)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from ..layout import choose_layout, resolve_ring_degree
 from ..ring import ring_bytes_per_layer
 from ..tiled_loss import chunk_bytes_per_logit, loss_chunk_tokens
 from ..traffic import ulysses_bytes_per_layer
-from .attention import attention_backward, attention_terms, choose_head_chunks, latent_terms
+from .attention import LayerMemory, attention_backward, attention_terms, choose_head_chunks, latent_terms, norm_terms
 from .earlier_layers import add_earlier_layers, unsharded_layers
 from .host import host_terms
 from .mlp import mlp_by_layer, mlp_terms
@@ -215,21 +215,12 @@ def _terms(
     # peak at different moments.
     # The attention block and its exchanges (:mod:`ulysses_sp.plan.attention`), its heads in C chunks.
     requested = uneven_kv_chunks(features.head_chunks, shape.layer_kv_heads)  # 1 where kv heads vary per layer
+    # the layer around it, as the attention sees it at run time (ulysses_sp.head_chunk_choice)
+    layer = LayerMemory(features.activation_checkpointing != "none", layers, features.tiled_norms, layer_grads)
     chunks = choose_head_chunks(heads, kv_heads, ulysses, tokens=t * ulysses, head_dim=d, element_size=c, hidden=h,
-                                ring=ring, device=device, requested=requested)  # fmt: skip
-    # RMSNorm saves its fp32 input (an upcast copy under bf16), the normalised tensor cast back and its
-    # output (saved by the projections after it). Input norm: under fp32 its input IS the layer input
-    # (counted with the layer input), hence u; post-attention norm: the residual sum, always 4 bytes.
-    norm_in = (u + 2 * c) * h
-    norm_post = (4 + 2 * c) * h
-    recomputed_norm_out = 0  # the input norm's output where nothing saves it: alive through the (re)compute only
-    if features.tiled_norms:  # a norm keeps only its input: for the input norm the layer input (counted with it),
-        # for the MLP's the residual sum. The projections of a tiled norm's output save the norm's input instead
-        # (ulysses_sp.norm_projections); so does the head-chunked block, whose backward remakes the norm's output
-        # tile by tile (ulysses_sp.deferred_input; as the probe requires, its q/k/v projections are its only readers).
-        norm_in = 0
-        norm_post = c * h
-        recomputed_norm_out = c * h
+                                ring=ring, device=device, requested=requested, layer=layer)  # fmt: skip
+    # the norms' saved tensors and the input norm's output alive through the (re)compute only (plan/attention.py)
+    norm_in, norm_post, recomputed_norm_out = norm_terms(c, h, features.tiled_norms)
     if shape.qk_norm:  # per-head q/k norms: fp32 input + normalised copy (their output feeds RoPE, not saved)
         norm_in += (4 + c) * (heads + kv_heads) * d
     latent = latent_terms(shape, c, exchange=ulysses > 1)  # MLA's (plan/attention.py; none for other attention)
