@@ -236,7 +236,7 @@ class Joined:
     @property
     def shape(self) -> torch.Size:
         shape = list(self.pieces[0].shape)
-        shape[self.dim] = sum(t.shape[self.dim] for t in self.pieces)
+        shape[self.dim] = sum([t.shape[self.dim] for t in self.pieces])
         return torch.Size(shape)
 
     @property
@@ -249,10 +249,13 @@ class Joined:
 
     def write(self, place: torch.Tensor) -> None:
         """Copy the pieces into ``place`` (of the buffer's shape; any dtype: the copy casts)."""
-        start = 0
-        for t in self.pieces:
-            place.narrow(self.dim, start, t.shape[self.dim]).copy_(t)
-            start += t.shape[self.dim]
+        if len(self.pieces) == 1:
+            place.copy_(self.pieces[0])
+            return
+        # the places side by side: one op for all of them
+        places = place.split_with_sizes([t.shape[self.dim] for t in self.pieces], self.dim)
+        for t, into in zip(self.pieces, places, strict=True):
+            into.copy_(t)
 
 
 def pack_rows(
@@ -262,15 +265,17 @@ def pack_rows(
     buffer with each rank's rows side by side and the layout; each part copied once, straight into its place (cast
     to ``dtype`` where given). The buffer has the parts' dtype where they share one, else it is bytes (uint8), each
     part's row padded to the widest element size, so that :func:`unpack_rows` reads views."""
-    dtypes = [part.dtype if dtype is None else dtype for part in parts]
-    sp, align = parts[0].shape[0], max(t.itemsize for t in dtypes)
-    layout = []
+    dtypes = [part.dtype for part in parts] if dtype is None else [dtype] * len(parts)
+    align = max([t.itemsize for t in dtypes])
+    layout, total = [], 0
     for part, part_dtype in zip(parts, dtypes, strict=True):
-        size = part.shape[1:].numel() * part_dtype.itemsize
-        layout.append((part.shape, part_dtype, size + -size % align))
-    kind = dtypes[0] if len(set(dtypes)) == 1 else torch.uint8
+        shape = part.shape
+        size = shape[1:].numel() * part_dtype.itemsize
+        layout.append((shape, part_dtype, size + -size % align))
+        total += layout[-1][2]
+    kind = dtypes[0] if dtypes.count(dtypes[0]) == len(dtypes) else torch.uint8
     device = (part.pieces[0] if isinstance(part, Joined) else part).device
-    send = torch.empty(sp, sum(width for *_, width in layout) // kind.itemsize, dtype=kind, device=device)
+    send = torch.empty(shape[0], total // kind.itemsize, dtype=kind, device=device)
     for part, place in zip(parts, unpack_rows(send, layout), strict=True):
         if isinstance(part, Joined):
             part.write(place)
@@ -281,12 +286,13 @@ def pack_rows(
 
 def unpack_rows(recv: torch.Tensor, layout: list[tuple[torch.Size, torch.dtype, int]]) -> list[torch.Tensor]:
     """The parts of a :func:`pack_rows` buffer as received ``[P, row]``: views, in their shapes and dtypes."""
-    found, start, unit = [], 0, recv.element_size()
-    for shape, dtype, width in layout:
-        size = shape.numel() // shape[0] * dtype.itemsize
-        piece = recv[:, start : start + size // unit]
-        found.append((piece if dtype == recv.dtype else piece.view(dtype)).view(shape))
-        start += width // unit
+    unit = recv.element_size()
+    rows = recv.split_with_sizes([width // unit for *_, width in layout], 1)  # [P, width_i] each, in one op
+    found = []
+    for row, (shape, dtype, _) in zip(rows, layout, strict=True):
+        if dtype != recv.dtype:  # bytes: the part's row without its padding, in its dtype
+            row = row.narrow(1, 0, shape.numel() // shape[0] * dtype.itemsize // unit).view(dtype)
+        found.append(row.view(shape))
     return found
 
 
