@@ -68,7 +68,7 @@ def kernel_forward(
 
     Causal per document; padding rows get a zero output (and a zero lse, never read: their gradient is zero)."""
     dtype, scale = kernel.compute_dtype(q.dtype), _scale(call, q)
-    q_k, k_k, v_k = (t.to(dtype) for t in (q, k, v))
+    q_k, k_k, v_k = q.to(dtype), k.to(dtype), v.to(dtype)
     if call.segments.is_dense:
         out, lse = kernel.forward(q_k, k_k, v_k, causal=True, scale=scale)
     else:
@@ -137,13 +137,15 @@ def kernel_backward(
     if call.segments.is_dense and len(blocks[0][1]) == 1:  # one call: its gradients as they are
         found = kernel.backward(
             heads_major(grad),
-            *(t.to(dtype) for t in (q, k, v)),
+            q.to(dtype),
+            k.to(dtype),
+            v.to(dtype),
             heads_major(output()),
             lse,
             causal=True,
             scale=scale,
         )
-        dq, dk, dv = (g.to(t.dtype) for g, t in zip(found, (q, k, v), strict=True))
+        dq, dk, dv = found[0].to(q.dtype), found[1].to(k.dtype), found[2].to(v.dtype)
         if add_kv is None:
             return dq, dk, dv
         add_kv((slice(None), slice(None), slice(None)), dk, dv)
@@ -195,9 +197,9 @@ def stand_in_output(grad: torch.Tensor, row_sums: torch.Tensor) -> torch.Tensor:
     [..., 1]``: ``grad * D / |grad|^2`` per row (0 where the gradient's row is 0, and then D is 0 too). The kernels
     read the output only through those sums, so their gradients are the true output's; no larger than the true
     output row by row (Cauchy-Schwarz: ``|D| <= |grad| |out|``)."""
-    wide = torch.promote_types(grad.dtype, torch.float32)
+    wide = torch.float64 if grad.dtype == torch.float64 else torch.float32  # (torch.promote_types with fp32)
     norm2 = torch.linalg.vector_norm(grad, dim=-1, keepdim=True, dtype=wide).square()
-    scale = torch.where(norm2 > 0, row_sums.to(wide) / norm2, 0.0)  # [..., 1] fp32 (fp64 for fp64)
+    scale = (row_sums.to(wide) / norm2).masked_fill_(norm2 <= 0, 0.0)  # [..., 1] fp32 (fp64 for fp64)
     if grad.dtype == torch.float16:  # the scale may pass fp16's range where the gradient is small
         return (grad.float() * scale).to(grad.dtype)
     return grad * scale.to(grad.dtype)

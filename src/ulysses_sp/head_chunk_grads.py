@@ -42,9 +42,10 @@ class Roots:
         self, q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None, *, retain: bool = False
     ) -> None:
         self.retain = retain
-        self.heads = tuple(0 if t is None else t.shape[1] for t in (q, k))  # query heads, kv heads sent
-        self.dtypes = tuple(None if t is None else t.dtype for t in (q, k, v))
-        self.edges = tuple(get_gradient_edge(t) if t is not None and t.requires_grad else None for t in (q, k, v))
+        # (lists made into tuples, not generators: this runs per chunk and stage)
+        self.heads = tuple([0 if t is None else t.shape[1] for t in (q, k)])  # query heads, kv heads sent
+        self.dtypes = tuple([None if t is None else t.dtype for t in (q, k, v)])
+        self.edges = tuple([get_gradient_edge(t) if t is not None and t.requires_grad else None for t in (q, k, v)])
 
     def backward(
         self, grads: tuple[torch.Tensor | None, ...], inputs: list[torch.Tensor]

@@ -98,8 +98,11 @@ def is_lora(child: nn.Module) -> bool:
     submodules read from ``_modules``, where a module's are: a missing one costs no AttributeError, and this is asked
     several times per chunk)."""
     found = child._modules
-    return all(isinstance(found.get(n), nn.Module) for n in ("base_layer", "lora_A", "lora_B")) and (
-        isinstance(getattr(child, "scaling", None), dict)
+    return (
+        isinstance(found.get("lora_A"), nn.Module)  # (first: a plain layer fails here, without a generator's calls)
+        and isinstance(found.get("lora_B"), nn.Module)
+        and isinstance(found.get("base_layer"), nn.Module)
+        and isinstance(getattr(child, "scaling", None), dict)
     )
 
 

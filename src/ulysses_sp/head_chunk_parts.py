@@ -250,4 +250,4 @@ def core_inputs(x: torch.Tensor, *qkv: torch.Tensor | None) -> tuple[torch.Tenso
     """q/k/v in the dtype the core computes in: under autocast its dtype (the model's RoPE may have made q and k
     fp32; autocast's sdpa casts them, and so does this before the exchange), else as they are (None stays)."""
     dtype = compute_dtype(x)
-    return tuple(None if t is None else t.to(dtype) for t in qkv)
+    return tuple([None if t is None else t.to(dtype) for t in qkv])

@@ -121,11 +121,13 @@ class ChunkRun:
         self.sp = 1 if group is None else dist.get_world_size(group)
         self.parts = ChunkParts(owner, split, owner.ctx.layout.rank)  # (the call's LoRA adapters, as they are now)
         self.blocks = split.ulysses // self.sp  # the ranks' blocks of a chunk's query heads this process attends
-        # Where the chunks share the kv heads (split.shared_kv): the layer's k/v after the exchange [b, 2 hkv, N, d],
-        # kept while the chunks run, and in backward their gradients' sum over the chunks and what is needed to send
+        # Where the chunks share the kv heads (split.shared_kv): the layer's k and v after the exchange [b, hkv, N, d]
+        # each (views of one buffer, split once for all the chunks), kept while the chunks run, and in backward their
+        # gradients' sum over the chunks [b, 2 hkv, N, d] (and its k and v halves, views) and what is needed to send
         # it back to the projections (chunk 0's capture's (leaves, cut) and the kv heads' roots).
-        self.kv: torch.Tensor | None = None
+        self.kv: tuple[torch.Tensor, ...] | None = None
         self.kv_grad: torch.Tensor | None = None
+        self.kv_sums: tuple[torch.Tensor, ...] = ()
         self.kv_graph: tuple | None = None
         self.kv_done = 0  # chunks whose k/v gradients are in kv_grad
         self.stats = owner.ctx.stats if group is not None else None
@@ -175,7 +177,8 @@ class ChunkRun:
         if self.kv is None:
             raise RuntimeError("a chunk ran before the kv heads the chunks share arrived")
         rows = self.parts.shared_rows(chunk, self.blocks, full.device)
-        return (full, *(take(t, 1, rows) for t in self.kv.chunk(2, dim=1)))
+        k, v = self.kv
+        return full, take(k, 1, rows), take(v, 1, rows)
 
     def kv_adder(self, chunk: int) -> Callable[[tuple, torch.Tensor, torch.Tensor], None]:
         """``add(piece, dk, dv)``: add a chunk's k/v gradients of the tokens ``piece`` (indices into ``[b, hkv_c,
@@ -183,7 +186,7 @@ class ChunkRun:
         rows = self.parts.shared_rows(chunk, self.blocks, self.kv_grad.device)
 
         def add(piece: tuple, dk: torch.Tensor, dv: torch.Tensor) -> None:
-            for total, grad in zip(self.kv_grad.chunk(2, dim=1), (dk, dv), strict=True):  # (views: added in place)
+            for total, grad in zip(self.kv_sums, (dk, dv), strict=True):  # (views: added in place)
                 add_at(total[piece[0], :, piece[2]], 1, rows, grad)
 
         return add
@@ -227,7 +230,7 @@ class ChunkRun:
         del q, k, v, sent
         recv, *kv = yield from self._exchange(parts)
         if kv:
-            self.kv = qkv_full(kv.pop())  # [b, 2 hkv, N, d]
+            self.kv = qkv_full(kv.pop()).chunk(2, dim=1)  # k, v [b, hkv, N, d]
         full = qkv_full(recv)  # [b, h, N, d]
         del recv
         q_f, k_f, v_f = self.core_qkv(chunk, full, heads)
@@ -299,8 +302,10 @@ class ChunkRun:
         with a zeroed sum for their gradients (fp32 under a 16-bit dtype)."""
         if not kv:
             return
-        self.kv = full = qkv_full(kv.pop())  # [b, 2 hkv, N, d]
+        full = qkv_full(kv.pop())  # [b, 2 hkv, N, d]
+        self.kv = full.chunk(2, dim=1)  # k, v [b, hkv, N, d]
         self.kv_grad = torch.zeros(full.shape, dtype=sum_dtype(full.dtype, True), device=full.device)
+        self.kv_sums = self.kv_grad.chunk(2, dim=1)
         self.kv_done = 0
 
     def _grads_back(
@@ -312,14 +317,15 @@ class ChunkRun:
         parts = [qkv_full_grad(grad_full.pop(), self.sp)]
         stages = [(stage, roots, graph)]
         if self.kv_grad is not None and self.kv_done == self.split.chunks:
-            parts.append(qkv_full_grad(self.kv_grad.to(self.kv.dtype), self.sp))
+            parts.append(qkv_full_grad(self.kv_grad.to(self.kv[0].dtype), self.sp))
             stages.append((KV, self.kv_graph[1], self.kv_graph[0]))
             self.kv = self.kv_grad = self.kv_graph = None
+            self.kv_sums = ()
         received = yield from self._exchange(parts)
         for recv, (done, sent, leaves) in zip(received, stages, strict=True):
             grads = qkv_send_grad(recv, *sent.heads)
             # autocast's casts, undone
-            grads = tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads, sent.dtypes, strict=True))
+            grads = tuple([None if g is None else g.to(dtype) for g, dtype in zip(grads, sent.dtypes, strict=True)])
             acc.add_chunk(self, done, sent, grads, *leaves)
 
     def _sent_grads(
@@ -434,4 +440,5 @@ class ChunkRun:
         finally:
             self.source, self.out_low_grads, self.inputs = None, [], None
             self.kv = self.kv_grad = self.kv_graph = None
+            self.kv_sums = ()
         return acc.result(grad_out)
