@@ -49,9 +49,20 @@ _SCORES_BUDGET = 1 << 24  # elements of one [b, h, chunk, nk] score tensor of th
 _HALF = (torch.float16, torch.bfloat16)
 
 
+# the accumulation dtype of the floating dtypes (torch.promote_types with fp32, which is an aten op each call: the
+# head chunks ask it per chunk and stage)
+_ACC = {
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.float32: torch.float32,
+    torch.float64: torch.float64,
+}
+
+
 def _acc(dtype: torch.dtype) -> torch.dtype:
     # the accumulation dtype: fp32 for 16-bit inputs, else the input's own (fp64 stays fp64)
-    return torch.promote_types(dtype, torch.float32)
+    found = _ACC.get(dtype)
+    return torch.promote_types(dtype, torch.float32) if found is None else found
 
 
 def _group(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
