@@ -13,7 +13,7 @@ from torch import nn
 
 from .hf import decoder_layers
 
-__all__ = ["fully_shard_layers"]
+__all__ = ["fully_shard_layers", "sharded_mesh"]
 
 
 def fully_shard_layers(
@@ -59,4 +59,29 @@ def fully_shard_layers(
     for layer in layers:
         fully_shard(layer, **policy)
     fully_shard(model, **policy)
+    return mesh
+
+
+def sharded_mesh(model: nn.Module) -> Any:
+    """The device mesh FSDP2 shards ``model``'s parameters over (None when none is sharded: no FSDP2).
+
+    Raises ValueError when FSDP2 shards some of its trainable parameters but not others (``fully_shard`` on the
+    decoder layers, not on the model itself): nothing averages the others' gradients over the ranks, so they would
+    come out silently wrong (each rank's own share of the embedding's gradient, say).
+    """
+    from torch.distributed.tensor import DTensor
+
+    mesh, plain = None, []
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh if mesh is None else mesh
+        elif param.requires_grad:
+            plain.append(name)
+    if mesh is not None and plain:
+        more = f" and {len(plain) - 1} more" if len(plain) > 1 else ""
+        raise ValueError(
+            f"FSDP2 shards some of the model's parameters but not {plain[0]!r}{more}, so nothing averages their "
+            "gradients over the ranks (they would be silently wrong); call fully_shard on the whole model too, "
+            "after its layers (as ulysses_sp.fsdp.fully_shard_layers does)"
+        )
     return mesh

@@ -286,17 +286,16 @@ def _check_reduction(model: torch.nn.Module, layout: ParallelLayout) -> None:
     """ValueError (the same on every rank) when ``model`` is wrapped in DDP, or its parameters sharded by FSDP2, over
     ranks that leave out some of those its loss is reduced over (``layout.loss_group``, dp x sp) or of its SP group:
     their shares of every gradient would be missing from the average (e.g. a wrapper over ``layout.dp_group``)."""
-    from torch.distributed.tensor import DTensor
+    from .fsdp import sharded_mesh
 
     if layout.loss_group is None or not dist.is_initialized():  # one process, or a rank view: no group
         return
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         wrapper, ranks = "DistributedDataParallel", _ranks(model.process_group)
     else:
-        first = next(iter(model.parameters()), None)  # FSDP2 makes every parameter a DTensor: one tells
-        if not isinstance(first, DTensor):
+        mesh = sharded_mesh(model)  # (a ValueError when FSDP2 shards some trainable parameters only)
+        if mesh is None:
             return
-        mesh = first.device_mesh
         wrapper, ranks = "FSDP2 (its device mesh)", set(mesh.mesh.flatten().tolist())
     wanted = _ranks(layout.loss_group)
     if layout.sp > 1 and wanted is not None:
@@ -371,11 +370,21 @@ def sync_gradients(model: torch.nn.Module, layout: ParallelLayout, *, bucket_num
     parameter that has a gradient on some ranks only (experts that no token of this rank's shard picked, e.g.
     LongCat-Flash's layers whose tokens all went to its zero experts) gets zeros on the others first: the ranks
     agree on which parameters have one (one small all-reduce), so every rank reduces the same tensors in the same
-    order. A parameter no rank reached keeps ``grad`` None.
+    order. A parameter no rank reached keeps ``grad`` None. A model whose parameters FSDP2 shards (DTensors: it
+    averages their gradients itself) is a ValueError on every rank, before any collective.
     """
+    from torch.distributed.tensor import DTensor
+
     group = layout.loss_group
     if group is None or dist.get_world_size(group) == 1:
         return
+    sharded = [name for name, param in model.named_parameters() if isinstance(param, DTensor)]
+    if sharded:
+        raise ValueError(
+            f"sync_gradients averages plain tensors' gradients, but FSDP2 (fully_shard) shards {sharded[0]!r}"
+            f"{f' and {len(sharded) - 1} more' if len(sharded) > 1 else ''} and averages their gradients itself: "
+            "drop the sync_gradients call (with fully_shard on the whole model, FSDP2 averages every gradient)"
+        )
     world = dist.get_world_size(group)
     params = list(model.parameters())
     if params:

@@ -6,6 +6,7 @@ transformers attention) against the ring / hybrid run, loss and every parameter 
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 
@@ -14,10 +15,10 @@ import torch.distributed as dist
 
 import ulysses_sp as U
 from tests.dist.cases_architectures import zero_pad_embedding
-from tests.dist.cases_core import check_parity, expect_raise
+from tests.dist.cases_core import check_parity, expect_raise, reference
 from tests.helpers.harness import run_cases
 from tests.helpers.models import build, dp_share, make_batch
-from tests.helpers.parity import LOSS_TOL
+from tests.helpers.parity import LOSS_TOL, assert_loss_and_grads
 from tests.helpers.ring_sim import one_process_error_sums, ring_error_sums
 from ulysses_sp.ring import ring_bytes_per_layer
 
@@ -257,6 +258,36 @@ def wrapper_over_part_of_the_world(layout: U.ParallelLayout):
         torch.testing.assert_close(U.causal_lm_loss(wrapped, shard, layout).detach(), ref_loss, **LOSS_TOL)
 
 
+def fsdp2_over_part_of_the_model(layout: U.ParallelLayout):
+    """FSDP2 on the decoder layers alone (no fully_shard on the model itself): the embedding, final norm and lm_head
+    stayed plain tensors that nothing averaged, so their gradients were each rank's own share, silently (the
+    embedding's up to 0.087 off here, at sp=2 too); now a ValueError on every rank naming one and the fix. So is
+    sync_gradients on an FSDP2 model (it averages those gradients itself; it was torch's NotImplementedError for
+    the DTensors). With the root wrapped too: exact."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build("llama", heads=2, kv_heads=1)
+    batch = make_batch(4, 24, seed=352, pad="right")
+    ref_loss, ref_grads = reference(model, batch)
+    shard = U.shard_batch(dp_share(batch, layout), layout)
+    par = U.parallelize(copy.deepcopy(model), layout)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in par.model.layers:
+        fully_shard(layer, mesh=mesh)
+    expect_raise(ValueError, ["but not 'model.embed_tokens.weight' and 2 more", "fully_shard on the whole model"])(
+        lambda: U.causal_lm_loss(par, shard, layout)
+    )
+    fully_shard(par, mesh=mesh)
+    loss = U.causal_lm_loss(par, shard, layout)
+    loss.backward()
+    expect_raise(ValueError, ["FSDP2 (fully_shard) shards 'model.embed_tokens.weight'", "drop the sync_gradients"])(
+        lambda: U.sync_gradients(par, layout)
+    )
+    grads = {name: param.grad.full_tensor() for name, param in par.named_parameters()}
+    assert_loss_and_grads(loss.detach(), grads, ref_loss, ref_grads)
+
+
 # ---------------------------------------------------------------------------------------------- workers
 def world2() -> dict[str, str]:
     ring2 = ring_layout(2, 2)
@@ -334,5 +365,6 @@ def world4() -> dict[str, str]:
         "shards_on_a_model_without_ulysses_hybrid": P(shards_on_a_model_without_ulysses, hybrid),
         "shards_on_a_model_without_ulysses_dp2_ring2": P(shards_on_a_model_without_ulysses, dp2_ring2),
         "wrapper_over_part_of_the_world_dp2_ring2": P(wrapper_over_part_of_the_world, dp2_ring2),
+        "fsdp2_over_part_of_the_model_dp2_ring2": P(fsdp2_over_part_of_the_model, dp2_ring2),
     }
     return run_cases(cases)

@@ -56,6 +56,7 @@ WORLD4 = [
     "shards_on_a_model_without_ulysses_hybrid",
     "shards_on_a_model_without_ulysses_dp2_ring2",
     "wrapper_over_part_of_the_world_dp2_ring2",
+    "fsdp2_over_part_of_the_model_dp2_ring2",
 ]
 
 results, test_case, test_every_worker_case_is_checked = dist_suite("tests.dist.cases_ring", {2: WORLD2, 4: WORLD4})
