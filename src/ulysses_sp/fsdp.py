@@ -63,25 +63,27 @@ def fully_shard_layers(
 
 
 def sharded_mesh(model: nn.Module) -> Any:
-    """The device mesh FSDP2 shards ``model``'s parameters over (None when none is sharded: no FSDP2).
+    """The device mesh FSDP2 shards ``model``'s parameters over; None without FSDP2 (no ``fully_shard`` module in
+    it), or while none of its parameters is sharded (each is unsharded between a forward and its backward).
 
-    Raises ValueError when FSDP2 shards some of its trainable parameters but not others (``fully_shard`` on the
-    decoder layers, not on the model itself): nothing averages the others' gradients over the ranks, so they would
-    come out silently wrong (each rank's own share of the embedding's gradient, say).
+    Raises ValueError when ``fully_shard`` was applied to some of its modules only (the decoder layers, not the
+    model itself), leaving trainable parameters outside every FSDP2 unit: nothing averages their gradients over the
+    ranks, so they would come out silently wrong (each rank's own share of the embedding's gradient, say).
     """
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    mesh, plain = None, []
-    for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
-            mesh = param.device_mesh if mesh is None else mesh
-        elif param.requires_grad:
-            plain.append(name)
-    if mesh is not None and plain:
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    if not units:
+        return None
+    managed = {id(param) for unit in units for param in unit.parameters()}
+    plain = [name for name, param in model.named_parameters() if param.requires_grad and id(param) not in managed]
+    if plain:
         more = f" and {len(plain) - 1} more" if len(plain) > 1 else ""
         raise ValueError(
-            f"FSDP2 shards some of the model's parameters but not {plain[0]!r}{more}, so nothing averages their "
-            "gradients over the ranks (they would be silently wrong); call fully_shard on the whole model too, "
-            "after its layers (as ulysses_sp.fsdp.fully_shard_layers does)"
+            f"FSDP2 shards some of the model's modules but not the one holding {plain[0]!r}{more}, so nothing "
+            "averages their gradients over the ranks (they would be silently wrong); call fully_shard on the whole "
+            "model too, after its layers (as ulysses_sp.fsdp.fully_shard_layers does)"
         )
-    return mesh
+    sharded = (param for param in model.parameters() if isinstance(param, DTensor))
+    return next((param.device_mesh for param in sharded), None)

@@ -370,20 +370,20 @@ def sync_gradients(model: torch.nn.Module, layout: ParallelLayout, *, bucket_num
     parameter that has a gradient on some ranks only (experts that no token of this rank's shard picked, e.g.
     LongCat-Flash's layers whose tokens all went to its zero experts) gets zeros on the others first: the ranks
     agree on which parameters have one (one small all-reduce), so every rank reduces the same tensors in the same
-    order. A parameter no rank reached keeps ``grad`` None. A model whose parameters FSDP2 shards (DTensors: it
-    averages their gradients itself) is a ValueError on every rank, before any collective.
+    order. A parameter no rank reached keeps ``grad`` None. A model that FSDP2 shards (it averages its gradients
+    itself) is a ValueError on every rank, before any collective.
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.fsdp import FSDPModule
 
     group = layout.loss_group
     if group is None or dist.get_world_size(group) == 1:
         return
-    sharded = [name for name, param in model.named_parameters() if isinstance(param, DTensor)]
-    if sharded:
+    unit = next((module for module in model.modules() if isinstance(module, FSDPModule)), None)
+    if unit is not None:
         raise ValueError(
-            f"sync_gradients averages plain tensors' gradients, but FSDP2 (fully_shard) shards {sharded[0]!r}"
-            f"{f' and {len(sharded) - 1} more' if len(sharded) > 1 else ''} and averages their gradients itself: "
-            "drop the sync_gradients call (with fully_shard on the whole model, FSDP2 averages every gradient)"
+            f"sync_gradients averages plain tensors' gradients, but FSDP2 (fully_shard) shards {type(unit).__name__} "
+            "in this model and averages its gradients itself: drop the sync_gradients call (with fully_shard on the "
+            "whole model, FSDP2 averages every gradient)"
         )
     world = dist.get_world_size(group)
     params = list(model.parameters())

@@ -263,7 +263,8 @@ def fsdp2_over_part_of_the_model(layout: U.ParallelLayout):
     stayed plain tensors that nothing averaged, so their gradients were each rank's own share, silently (the
     embedding's up to 0.087 off here, at sp=2 too); now a ValueError on every rank naming one and the fix. So is
     sync_gradients on an FSDP2 model (it averages those gradients itself; it was torch's NotImplementedError for
-    the DTensors). With the root wrapped too: exact."""
+    the DTensors). With the root wrapped too: exact, and still accepted after an evaluation under no_grad (which
+    leaves the root's parameters unsharded, plain tensors until the next backward)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -275,17 +276,20 @@ def fsdp2_over_part_of_the_model(layout: U.ParallelLayout):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in par.model.layers:
         fully_shard(layer, mesh=mesh)
-    expect_raise(ValueError, ["but not 'model.embed_tokens.weight' and 2 more", "fully_shard on the whole model"])(
-        lambda: U.causal_lm_loss(par, shard, layout)
-    )
+    expect_raise(
+        ValueError, ["but not the one holding 'model.embed_tokens.weight' and 2 more", "fully_shard on the whole model"]
+    )(lambda: U.causal_lm_loss(par, shard, layout))
     fully_shard(par, mesh=mesh)
     loss = U.causal_lm_loss(par, shard, layout)
     loss.backward()
-    expect_raise(ValueError, ["FSDP2 (fully_shard) shards 'model.embed_tokens.weight'", "drop the sync_gradients"])(
+    expect_raise(ValueError, ["FSDP2 (fully_shard) shards FSDPLlamaForCausalLM", "drop the sync_gradients"])(
         lambda: U.sync_gradients(par, layout)
     )
     grads = {name: param.grad.full_tensor() for name, param in par.named_parameters()}
     assert_loss_and_grads(loss.detach(), grads, ref_loss, ref_grads)
+    with torch.no_grad():
+        torch.testing.assert_close(U.causal_lm_loss(par, shard, layout), ref_loss, **LOSS_TOL)
+    torch.testing.assert_close(U.causal_lm_loss(par, shard, layout).detach(), ref_loss, **LOSS_TOL)
 
 
 # ---------------------------------------------------------------------------------------------- workers
