@@ -249,8 +249,9 @@ def parallelize(
     budget = head_chunk_budget_bytes
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise ValueError(f"head_chunk_budget_bytes must be a positive int (bytes), got {budget!r}")
-    if comm_dtype is not None and not isinstance(comm_dtype, torch.dtype):
-        raise ValueError(f"comm_dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {comm_dtype!r}")
+    if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
+        # (an integer or bool wire truncated q/k/v and the output silently: the loss 1e-3 off one process)
+        raise ValueError(f"comm_dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {comm_dtype!r}")
     pretrained = find_pretrained(model)
     if layout.is_view:
         raise ValueError(

@@ -385,7 +385,10 @@ def test_checkpoint_recompute_after_many_forwards_finds_its_documents(reentrant)
         ),
         (lambda b, L: U.causal_lm_loss(build("llama"), b, L), "the shard has no shift_labels"),
         (lambda b, L: U.parallelize(build("llama"), None), "layout must be a ulysses_sp.ParallelLayout"),
-        (lambda b, L: U.parallelize(build("llama"), L, comm_dtype="bf16"), "comm_dtype must be a torch.dtype"),
+        (lambda b, L: U.parallelize(build("llama"), L, comm_dtype="bf16"), "comm_dtype must be a floating torch.d"),
+        # (an integer or bool wire truncated q/k/v at sp > 1: loss 4.847758 against one process's 4.843582, silently)
+        (lambda b, L: U.parallelize(build("llama"), L, comm_dtype=torch.int8), "got torch.int8"),
+        (lambda b, L: U.parallelize(build("llama"), L, comm_dtype=torch.bool), "got torch.bool"),
         (lambda b, L: U.apply_features(build("llama"), {"tiled_loss": True}, "cpu"), "must be a ulysses_sp.Features"),
         (lambda b, L: U.choose_layout(2, 0), "num_heads must be a positive int or None, got 0"),
         (lambda b, L: U.choose_layout(True, 4), "sp must be a positive int, got True"),
