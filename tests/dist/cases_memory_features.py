@@ -102,7 +102,8 @@ def check_features(
     if tiled_loss:
         loss = U.causal_lm_loss(wrapped, shard, layout)
     else:
-        logits = wrapped(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        inputs = {k: shard[k] for k in ("input_ids", "position_ids", "attention_mask") if k in shard}
+        logits = wrapped(**inputs).logits  # (the mask too: without it a left-padded row attended its padding)
         loss = U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
     if checkpointing == "offload":  # one host copy of each group head's input [b, n/sp, h] is held
         b, n, h = shard["input_ids"].shape[0], shard["input_ids"].shape[1], model.config.hidden_size
@@ -165,6 +166,15 @@ def world2() -> dict[str, str]:
     )
     cases["sp2_tiled_offload_padded_ddp"] = P(
         check_features, sp2, "ddp", tiled=True, checkpointing="offload", batch=make_batch(2, 23, pad="right")
+    )
+    cases["sp2_tiled_checkpoint_left_padded_fsdp2"] = P(
+        check_features,
+        sp2,
+        "fsdp2",
+        tiled=True,
+        checkpointing="checkpoint",
+        stride=2,
+        batch=make_batch(2, 23, pad="left"),
     )
     cases["ddp_different_chunk_counts_per_rank"] = P(different_lengths_per_rank, sp2)
     return run_cases(cases)

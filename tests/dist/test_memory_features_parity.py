@@ -17,6 +17,7 @@ WORLD2 = [
     "sp2_tiled_loss_tiled_mlp_offload_fsdp2_tied",
     "sp2_tiled_offload_stride2_copy_fsdp2",
     "sp2_tiled_offload_padded_ddp",
+    "sp2_tiled_checkpoint_left_padded_fsdp2",
     "ddp_different_chunk_counts_per_rank",
 ]
 WORLD4 = ["dp2_sp2_tiled_offload_ddp", "dp2_sp2_tiled_offload_fsdp2"]
