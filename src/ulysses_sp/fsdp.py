@@ -1,7 +1,8 @@
 """FSDP2 wrapping the way this library trains: one unit per decoder layer, then the root, over all ranks.
 
 Used by ``ulysses-sp train`` (``train/model_factory.py``) and by the planner's measured step
-(``simulate.py``), so the two shard the model identically and the planner measures what training runs.
+(``simulate.py``), so the two shard the model identically and the planner measures what training runs. And
+:func:`sharded_mesh`: the mesh a model's FSDP2 units shard over, refusing one wrapped in part (``causal_lm_loss``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def fully_shard_layers(
 
 def sharded_mesh(model: nn.Module) -> Any:
     """The device mesh FSDP2 shards ``model``'s parameters over; None without FSDP2 (no ``fully_shard`` module in
-    it), or while none of its parameters is sharded (each is unsharded between a forward and its backward).
+    it), or while none of its parameters is sharded (a unit's are plain tensors from its forward to its
+    backward, and the root's after a forward under no_grad).
 
     Raises ValueError when ``fully_shard`` was applied to some of its modules only (the decoder layers, not the
     model itself), leaving trainable parameters outside every FSDP2 unit: nothing averages their gradients over the
@@ -79,11 +81,11 @@ def sharded_mesh(model: nn.Module) -> Any:
     managed = {id(param) for unit in units for param in unit.parameters()}
     plain = [name for name, param in model.named_parameters() if param.requires_grad and id(param) not in managed]
     if plain:
-        more = f" and {len(plain) - 1} more" if len(plain) > 1 else ""
+        more = f" or {len(plain) - 1} more trainable parameters" if len(plain) > 1 else ""
         raise ValueError(
-            f"FSDP2 shards some of the model's modules but not the one holding {plain[0]!r}{more}, so nothing "
-            "averages their gradients over the ranks (they would be silently wrong); call fully_shard on the whole "
-            "model too, after its layers (as ulysses_sp.fsdp.fully_shard_layers does)"
+            f"FSDP2 (fully_shard) wraps some of the model's modules, but no FSDP2 unit holds {plain[0]!r}{more}, so "
+            "nothing averages their gradients over the ranks (they would be silently wrong); call fully_shard on the "
+            "whole model too, after its layers (as ulysses_sp.fsdp.fully_shard_layers does)"
         )
     sharded = (param for param in model.parameters() if isinstance(param, DTensor))
     return next((param.device_mesh for param in sharded), None)
