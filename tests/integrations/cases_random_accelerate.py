@@ -1,5 +1,6 @@
 """Random custom Accelerate loops through ``SequenceParallelConfig(...).prepare``: architecture x heads x layout x
-batch x gradient accumulation (``accelerator.accumulate``) x padding side x loss-function form x loss weighting
+a ring of 2 inside the SP group (``SequenceParallelConfig(ring=2)``) x batch x gradient accumulation
+(``accelerator.accumulate``) x padding side x loss-function form x loss weighting
 under accumulation x DDP or FSDP2 (``fully_shard`` over the world) x tiled loss, MLP and norms x head chunks x
 clipping x LR scheduler x LoRA x shuffling x activation checkpointing x steps and epochs, each compared afterwards
 with a plain loop in one process (:mod:`tests.integrations.reference_accelerate`).
@@ -93,6 +94,8 @@ def random_case(seed: int, index: int, world: int) -> dict:
     )
     # the loss function's label smoothing (SequenceParallelConfig(label_smoothing=)), in training and evaluation
     case["smoothing"] = r.choice([0.0, 0.0, 0.1])
+    # a ring of 2 inside the SP group (ulysses 1 x ring 2 at sp=2, hybrid ulysses 2 x ring 2 at sp=4)
+    case["ring"] = r.choice([None, None, 2]) if case["sp"] > 1 else None
     if case["iterable"]:
         case["shuffle"] = False  # a DataLoader does not shuffle an IterableDataset
     if case["tiled_mlp"] is False and case["tiled_norms"] is False:
@@ -228,6 +231,7 @@ def _config(case: dict) -> Any:
         head_chunks=case["head_chunks"],
         mlp_chunk_tokens=case["mlp_chunk"],
         label_smoothing=case["smoothing"],
+        ring=case.get("ring"),
         **tiling,
     )
 

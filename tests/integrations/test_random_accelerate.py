@@ -38,10 +38,11 @@ from tests.integrations.reference_accelerate import reference
 # and with an iterable dataset's partial last batch (batch_size 0 before); an iterable dataset dealt to one dp
 # group (its last batch completed with repeated samples before); dp=2 x sp=2 under split_batches with a scheduler
 # (stepped twice per optimizer step before) and evaluations; the default dispatch of an iterable dataset (refused);
-# stops inside an accumulation group (micro-batch and step weighting)
+# stops inside an accumulation group (micro-batch and step weighting); a ring under FSDP2 with LoRA and clipping
+# (ring 2 alone, 3 evaluations; hybrid ulysses 2 x ring 2, accumulation weighted over the step)
 CASES = {
-    2: [(0, i) for i in range(5)] + [(10, 2), (11, 2), (10, 6), (10, 11)],
-    4: [(0, i) for i in range(4)] + [(10, 14), (10, 10), (11, 0)],
+    2: [(0, i) for i in range(5)] + [(10, 2), (11, 2), (10, 6), (10, 11), (33, 45)],
+    4: [(0, i) for i in range(4)] + [(10, 14), (10, 10), (11, 0), (32, 15)],
 }
 LOSS_ATOL = 1e-5  # fp32 losses, as tests/integrations/test_equivalence.py
 WEIGHT_ATOL = 1e-4
