@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .cores import AttentionCall
 from .grad_sums import sum_dtype
-from .ring_kernels import default_ring_kernel, get_ring_kernel
+from .ring_kernels import acc_dtype, default_ring_kernel, get_ring_kernel
 
 __all__ = [
     "KERNEL_CORES",
@@ -73,7 +73,7 @@ def kernel_forward(
         out, lse = kernel.forward(q_k, k_k, v_k, causal=True, scale=scale)
     else:
         out = q_k.new_zeros(q.shape)
-        lse = torch.zeros(q.shape[:3], dtype=torch.promote_types(dtype, torch.float32), device=q.device)
+        lse = torch.zeros(q.shape[:3], dtype=acc_dtype(dtype), device=q.device)
         for row, s, e in _documents(call):
             piece = (slice(row, row + 1), slice(None), slice(s, e))
             out[piece], lse[piece] = kernel.forward(q_k[piece], k_k[piece], v_k[piece], causal=True, scale=scale)
@@ -197,7 +197,7 @@ def stand_in_output(grad: torch.Tensor, row_sums: torch.Tensor) -> torch.Tensor:
     [..., 1]``: ``grad * D / |grad|^2`` per row (0 where the gradient's row is 0, and then D is 0 too). The kernels
     read the output only through those sums, so their gradients are the true output's; no larger than the true
     output row by row (Cauchy-Schwarz: ``|D| <= |grad| |out|``)."""
-    wide = torch.float64 if grad.dtype == torch.float64 else torch.float32  # (torch.promote_types with fp32)
+    wide = acc_dtype(grad.dtype)
     norm2 = torch.linalg.vector_norm(grad, dim=-1, keepdim=True, dtype=wide).square()
     scale = (row_sums.to(wide) / norm2).masked_fill_(norm2 <= 0, 0.0)  # [..., 1] fp32 (fp64 for fp64)
     if grad.dtype == torch.float16:  # the scale may pass fp16's range where the gradient is small

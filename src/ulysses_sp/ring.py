@@ -48,7 +48,7 @@ import torch.distributed as dist
 from .comm import CommStats
 from .cores import Segments, packed_kernel
 from .ring_blocks import Piece, ring_pieces
-from .ring_kernels import default_ring_kernel, get_ring_kernel
+from .ring_kernels import acc_dtype, default_ring_kernel, get_ring_kernel
 
 __all__ = [
     "GroupTransport",
@@ -223,17 +223,13 @@ def _spans(piece: Piece, q, k, v):
     return ((q, piece.q0, piece.q1), (k, piece.k0, piece.k1), (v, piece.k0, piece.k1))
 
 
-def _acc(x: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring):  # type: ignore[override]
         # q [b, h, n, d]; k/v [b, hkv, n, d] -> out [b, h, n, d] in q's dtype
-        b, h, n, d = q.shape
-        out = torch.zeros(b, h, n, d, dtype=_acc(q), device=q.device)
-        lse = torch.full((b, h, n), float("-inf"), dtype=_acc(q), device=q.device)  # -inf: padding rows
+        (b, h, n, d), acc = q.shape, acc_dtype(q.dtype)
+        out = torch.zeros(b, h, n, d, dtype=acc, device=q.device)
+        lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)  # -inf: padding rows
         transport, qc = ring.transport, q.to(ring.dtype)
         kv = torch.stack([k, v])  # [2, b, hkv, n, d]: one message per step
         for step in range(transport.size):
@@ -252,7 +248,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         ring: _Ring = ctx.ring
-        transport, acc = ring.transport, _acc(q)
+        transport, acc = ring.transport, acc_dtype(q.dtype)
         qc, grad_c, out_c = (x.to(ring.dtype) for x in (q, grad_out, out))
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])

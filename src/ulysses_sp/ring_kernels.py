@@ -41,28 +41,22 @@ from collections.abc import Iterator
 import torch
 
 from .cores import compiled_flex, flex_compiles
+from .grad_sums import sum_dtype
 
-__all__ = ["RING_KERNELS", "default_ring_kernel", "get_ring_kernel"]
+__all__ = ["RING_KERNELS", "acc_dtype", "default_ring_kernel", "get_ring_kernel"]
 
 aten = torch.ops.aten
 _SCORES_BUDGET = 1 << 24  # elements of one [b, h, chunk, nk] score tensor of the plain kernel
 _HALF = (torch.float16, torch.bfloat16)
 
 
-# the accumulation dtype of the floating dtypes (torch.promote_types with fp32, which is an aten op each call: the
-# head chunks ask it per chunk and stage)
-_ACC = {
-    torch.float16: torch.float32,
-    torch.bfloat16: torch.float32,
-    torch.float32: torch.float32,
-    torch.float64: torch.float64,
-}
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    # the accumulation dtype: fp32 for 16-bit inputs, else the input's own (fp64 stays fp64)
-    found = _ACC.get(dtype)
-    return torch.promote_types(dtype, torch.float32) if found is None else found
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention accumulates ``dtype`` inputs in (output, lse, gradients): fp32 for 16-bit floats, a wider
+    float's own (fp64 stays fp64), as :func:`~ulysses_sp.grad_sums.sum_dtype` sums them; other dtypes promoted with
+    fp32 (``torch.promote_types`` dispatches an aten op per call: the head chunks ask per chunk and stage)."""
+    if dtype.is_floating_point and dtype.itemsize > 1:
+        return sum_dtype(dtype, True)
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _group(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -87,7 +81,7 @@ class PlainKernel:
         self.query_chunk = query_chunk
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return _acc(dtype)
+        return acc_dtype(dtype)
 
     def _chunks(self, q: torch.Tensor, nk: int) -> Iterator[tuple[int, int]]:
         b, h, nq, _ = q.shape
@@ -99,7 +93,7 @@ class PlainKernel:
     def _scores(q, k, r0, r1, causal, scale, softcap):
         # q [b, hkv, g, rows, d] (rows r0..r1 of the square when causal), k [b, hkv, nk, d] -> fp32 scores
         # [b, hkv, g, rows, nk] with keys after the query at -inf, and tanh(scores / softcap) for softcap
-        acc = _acc(q.dtype)
+        acc = acc_dtype(q.dtype)
         scores = torch.einsum("bhgqd,bhkd->bhgqk", q.to(acc), k.to(acc)) * scale
         capped = None
         if softcap is not None:
@@ -112,7 +106,7 @@ class PlainKernel:
 
     def forward(self, q, k, v, *, causal: bool, scale: float, softcap: float | None = None):
         b, h, nq, d = q.shape
-        hkv, acc = k.shape[1], _acc(q.dtype)
+        hkv, acc = k.shape[1], acc_dtype(q.dtype)
         out = torch.empty(b, h, nq, d, dtype=acc, device=q.device)
         lse = torch.empty(b, h, nq, dtype=acc, device=q.device)
         for r0, r1 in self._chunks(q, k.shape[2]):
@@ -127,7 +121,7 @@ class PlainKernel:
 
     def backward(self, grad_out, q, k, v, out, lse, *, causal: bool, scale: float, softcap: float | None = None):
         b, h, nq, d = q.shape
-        hkv, acc = k.shape[1], _acc(q.dtype)
+        hkv, acc = k.shape[1], acc_dtype(q.dtype)
         dq = torch.empty(b, h, nq, d, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
@@ -162,7 +156,7 @@ class CpuFlashKernel:
     supports_softcap = False
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return _acc(dtype)
+        return acc_dtype(dtype)
 
     def forward(self, q, k, v, *, causal: bool, scale: float, softcap: float | None = None):
         _no_softcap(self.name, softcap)
@@ -357,7 +351,7 @@ class FlexKernel:
         inputs = [x.detach().requires_grad_() for x in (q, k, v)]
         with torch.enable_grad():
             part, part_lse = self._call(*inputs, block_mask, scale, softcap)
-        acc = _acc(q.dtype)
+        acc = acc_dtype(q.dtype)
         weight = torch.where(torch.isfinite(part_lse), torch.exp(part_lse - lse), 0.0)  # [b, h, n]
         dout = grad_out.to(acc)
         delta = (dout * out.to(acc)).sum(-1)

@@ -1,10 +1,14 @@
-"""Watching a function of the library while a test runs it (the real function still runs)."""
+"""Watching a function of the library while a test runs it (the real function still runs), or the aten ops it
+dispatches."""
 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @contextlib.contextmanager
@@ -22,3 +26,15 @@ def calls_to(owner: Any, name: str, record: Callable[..., Any] = lambda *args, *
         yield calls
     finally:
         setattr(owner, name, function)
+
+
+class CountOps(TorchDispatchMode):
+    """The aten ops dispatched while active, by name (``ops["copy_"]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))

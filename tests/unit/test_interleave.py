@@ -3,12 +3,10 @@ and the packing of several send buffers into one all-to-all (ulysses_sp.comm.pac
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.helpers.spy import CountOps
 from ulysses_sp.comm import Joined, pack_rows, unpack_rows
 from ulysses_sp.interleave import run_interleaved
 
@@ -98,18 +96,6 @@ def test_pack_rows_writes_joined_pieces_once_into_a_buffer_of_their_dtype(wire) 
     assert first.untyped_storage().data_ptr() == send.untyped_storage().data_ptr()  # a view of the buffer
 
 
-class _CountOps(TorchDispatchMode):
-    """The aten ops dispatched while active, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_pack_rows_makes_every_place_in_one_op_and_copies_each_piece_once() -> None:
     """What a head-chunked exchange pays per part and piece (it runs C times per layer and stage): one buffer, one
     op for all the parts' places (and one for a joined part's pieces), a view per part, one copy per piece; reading
@@ -117,10 +103,10 @@ def test_pack_rows_makes_every_place_in_one_op_and_copies_each_piece_once() -> N
     sp = 4
     joined = Joined((torch.randn(sp, 1, 8, 1, 4), torch.randn(sp, 1, 8, 1, 1)), -1)  # a gradient and its row sums
     plain = torch.randn(1, sp, 8, 4).reshape(1, sp, 1, 8, 4).transpose(0, 1)  # a chunk's q, [P, b, h, n, d]
-    with _CountOps() as packing:
+    with CountOps() as packing:
         send, layout = pack_rows([plain, joined])
     assert packing.ops["copy_"] == 3 and sum(packing.ops.values()) <= 8, packing.ops
-    with _CountOps() as reading:
+    with CountOps() as reading:
         first, second = unpack_rows(send, layout)
     assert sum(reading.ops.values()) <= 3, reading.ops
     torch.testing.assert_close(first, plain, rtol=0, atol=0)

@@ -12,11 +12,12 @@ import torch.nn.functional as F
 import ulysses_sp as U
 from tests.helpers.models import make_batch
 from tests.helpers.ring_sim import one_process_error_sums, ring_error_sums, run_threads
+from tests.helpers.spy import CountOps
 from ulysses_sp.cores import Segments, eager_core
 from ulysses_sp.layout import choose_layout, choose_ring_degree, hybrid_layouts_for, resolve_ring_degree
 from ulysses_sp.ring import merge_partial, ring_attention, zigzag_order
 from ulysses_sp.ring_blocks import band_pieces, ring_pieces
-from ulysses_sp.ring_kernels import PlainKernel, get_ring_kernel
+from ulysses_sp.ring_kernels import PlainKernel, acc_dtype, get_ring_kernel
 
 
 def _qkv(b=2, h=4, hkv=2, n=12, d=8, seed=0, dtype=torch.float64):
@@ -85,6 +86,18 @@ def test_cpu_flash_runs_bf16_in_fp32():
     assert get_ring_kernel("cpu_flash").compute_dtype(torch.float64) == torch.float64
     with pytest.raises(ValueError, match="unknown ring kernel 'nope'"):
         get_ring_kernel("nope")
+
+
+def test_acc_dtype_is_promote_types_with_fp32_and_dispatches_no_op_for_the_float_dtypes():
+    """The accumulation dtype (ring, block kernels, head chunks' cores) is ``torch.promote_types(dtype, fp32)`` for
+    every dtype that takes; for fp16/bf16/fp32/fp64 without an aten op (promote_types dispatches one each call)."""
+    floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    with CountOps() as counted:
+        found = [acc_dtype(dtype) for dtype in floats]
+    assert not counted.ops, counted.ops
+    assert found == [torch.float32, torch.float32, torch.float32, torch.float64]
+    for dtype in (*floats, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128):
+        assert acc_dtype(dtype) == torch.promote_types(dtype, torch.float32), dtype
 
 
 @pytest.mark.parametrize("name", ["cuda_flash", "cuda_efficient", "cuda_cudnn"])
