@@ -308,6 +308,11 @@ class ChunkRun:
         self.kv_sums = self.kv_grad.chunk(2, dim=1)
         self.kv_done = 0
 
+    def _drop_kv(self) -> None:
+        """Let go of the shared kv heads, their gradients' sum (and its k and v halves) and their graph."""
+        self.kv = self.kv_grad = self.kv_graph = None
+        self.kv_sums = ()
+
     def _grads_back(
         self, stage: int, grad_full: list[torch.Tensor], roots: Roots, graph: tuple, acc: Accumulators
     ) -> Stages:
@@ -319,8 +324,7 @@ class ChunkRun:
         if self.kv_grad is not None and self.kv_done == self.split.chunks:
             parts.append(qkv_full_grad(self.kv_grad.to(self.kv[0].dtype), self.sp))
             stages.append((KV, self.kv_graph[1], self.kv_graph[0]))
-            self.kv = self.kv_grad = self.kv_graph = None
-            self.kv_sums = ()
+            self._drop_kv()
         received = yield from self._exchange(parts)
         for recv, (done, sent, leaves) in zip(received, stages, strict=True):
             grads = qkv_send_grad(recv, *sent.heads)
@@ -439,6 +443,5 @@ class ChunkRun:
             acc.finish_inputs(self)
         finally:
             self.source, self.out_low_grads, self.inputs = None, [], None
-            self.kv = self.kv_grad = self.kv_graph = None
-            self.kv_sums = ()
+            self._drop_kv()
         return acc.result(grad_out)
