@@ -274,8 +274,8 @@ def pack_rows(
         layout.append((shape, part_dtype, size + -size % align))
         total += layout[-1][2]
     kind = dtypes[0] if dtypes.count(dtypes[0]) == len(dtypes) else torch.uint8
-    device = (part.pieces[0] if isinstance(part, Joined) else part).device
-    send = torch.empty(shape[0], total // kind.itemsize, dtype=kind, device=device)
+    first = parts[0].pieces[0] if isinstance(parts[0], Joined) else parts[0]  # [P, ...]: every part's P, device
+    send = torch.empty(first.shape[0], total // kind.itemsize, dtype=kind, device=first.device)
     for part, place in zip(parts, unpack_rows(send, layout), strict=True):
         if isinstance(part, Joined):
             part.write(place)
