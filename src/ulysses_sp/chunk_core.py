@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .cores import AttentionCall
-from .grad_sums import sum_dtype
+from .grad_sums import cast, sum_dtype
 from .ring_kernels import acc_dtype, default_ring_kernel, get_ring_kernel
 
 __all__ = [
@@ -68,7 +68,7 @@ def kernel_forward(
 
     Causal per document; padding rows get a zero output (and a zero lse, never read: their gradient is zero)."""
     dtype, scale = kernel.compute_dtype(q.dtype), _scale(call, q)
-    q_k, k_k, v_k = q.to(dtype), k.to(dtype), v.to(dtype)
+    q_k, k_k, v_k = cast(q, dtype), cast(k, dtype), cast(v, dtype)
     if call.segments.is_dense:
         out, lse = kernel.forward(q_k, k_k, v_k, causal=True, scale=scale)
     else:
@@ -77,7 +77,7 @@ def kernel_forward(
         for row, s, e in _documents(call):
             piece = (slice(row, row + 1), slice(None), slice(s, e))
             out[piece], lse[piece] = kernel.forward(q_k[piece], k_k[piece], v_k[piece], causal=True, scale=scale)
-    return out[..., : call.d_v].transpose(1, 2).to(q.dtype), lse
+    return cast(out[..., : call.d_v].transpose(1, 2), q.dtype), lse
 
 
 # The backward of a long chunk's core runs in blocks of queries and keys: each call's gradients (and the stand-in
@@ -119,7 +119,7 @@ def kernel_backward(
 
     def heads_major(t: torch.Tensor) -> torch.Tensor:  # [b, n, h, d_v] -> [b, h, n, w]
         padded = F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
-        return padded.transpose(1, 2).to(dtype)
+        return cast(padded.transpose(1, 2), dtype)
 
     def output(rows: tuple[slice, slice] | None = None) -> torch.Tensor:  # [b, n, h, d_v] of the query rows (all)
         if rows is None:
@@ -137,15 +137,15 @@ def kernel_backward(
     if call.segments.is_dense and len(blocks[0][1]) == 1:  # one call: its gradients as they are
         found = kernel.backward(
             heads_major(grad),
-            q.to(dtype),
-            k.to(dtype),
-            v.to(dtype),
+            cast(q, dtype),
+            cast(k, dtype),
+            cast(v, dtype),
             heads_major(output()),
             lse,
             causal=True,
             scale=scale,
         )
-        dq, dk, dv = found[0].to(q.dtype), found[1].to(k.dtype), found[2].to(v.dtype)
+        dq, dk, dv = cast(found[0], q.dtype), cast(found[1], k.dtype), cast(found[2], v.dtype)
         if add_kv is None:
             return dq, dk, dv
         add_kv((slice(None), slice(None), slice(None)), dk, dv)
@@ -164,19 +164,19 @@ def kernel_backward(
         for i, (q0, q1) in enumerate(spans):
             rows = (row, slice(q0, q1))
             g_k, o_k = heads_major(grad[rows]), heads_major(output(rows))
-            q_k, lse_k = q[row, :, q0:q1].to(dtype), lse[row, :, q0:q1]
+            q_k, lse_k = cast(q[row, :, q0:q1], dtype), lse[row, :, q0:q1]
             for k0, k1 in spans[: i + 1]:
                 keys = (row, slice(None), slice(k0, k1))
                 part_q, part_k, part_v = kernel.backward(
-                    g_k, q_k, k[keys].to(dtype), v[keys].to(dtype), o_k, lse_k, causal=k0 == q0, scale=scale
+                    g_k, q_k, cast(k[keys], dtype), cast(v[keys], dtype), o_k, lse_k, causal=k0 == q0, scale=scale
                 )
                 dq[row, :, q0:q1] += part_q
                 add_kv(keys, part_k, part_v)
                 del part_q, part_k, part_v
             del g_k, o_k, q_k
     if kv_sums is None:
-        return dq.to(q.dtype), None, None
-    return dq.to(q.dtype), kv_sums[0].to(k.dtype), kv_sums[1].to(v.dtype)
+        return cast(dq, q.dtype), None, None
+    return cast(dq, q.dtype), cast(kv_sums[0], k.dtype), cast(kv_sums[1], v.dtype)
 
 
 def _spans(start: int, end: int, blocked: bool) -> list[tuple[int, int]]:
@@ -189,7 +189,7 @@ def _spans(start: int, end: int, blocked: bool) -> list[tuple[int, int]]:
 def output_row_sums(grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``sum_d grad * out`` per token and head (``[..., d_v]`` each -> ``[..., 1]``): all that the kernels' backward
     reads of the output (flash attention's ``D``, the softmax gradient's row term); in ``grad``'s dtype."""
-    return torch.linalg.vecdot(grad, out.to(grad.dtype)).unsqueeze(-1)
+    return torch.linalg.vecdot(grad, cast(out, grad.dtype)).unsqueeze(-1)
 
 
 def stand_in_output(grad: torch.Tensor, row_sums: torch.Tensor) -> torch.Tensor:
@@ -199,7 +199,7 @@ def stand_in_output(grad: torch.Tensor, row_sums: torch.Tensor) -> torch.Tensor:
     output row by row (Cauchy-Schwarz: ``|D| <= |grad| |out|``)."""
     wide = acc_dtype(grad.dtype)
     norm2 = torch.linalg.vector_norm(grad, dim=-1, keepdim=True, dtype=wide).square()
-    scale = (row_sums.to(wide) / norm2).masked_fill_(norm2 <= 0, 0.0)  # [..., 1] fp32 (fp64 for fp64)
+    scale = (cast(row_sums, wide) / norm2).masked_fill_(norm2 <= 0, 0.0)  # [..., 1] fp32 (fp64 for fp64)
     if grad.dtype == torch.float16:  # the scale may pass fp16's range where the gradient is small
         return (grad.float() * scale).to(grad.dtype)
-    return grad * scale.to(grad.dtype)
+    return grad * cast(scale, grad.dtype)

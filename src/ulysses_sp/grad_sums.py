@@ -7,12 +7,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["GradSums", "add_mm", "sum_dtype"]
+__all__ = ["GradSums", "add_mm", "cast", "sum_dtype"]
 
 
 def sum_dtype(dtype: torch.dtype, wide: bool) -> torch.dtype:
     """The dtype of a sum of ``dtype`` gradients: fp32 for 16-bit ones when ``wide`` (summed over several parts)."""
     return torch.float32 if wide and dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, not called where ``t`` has that dtype (``.to`` then returns ``t`` as well, after ~1 us in the
+    dispatcher: a head-chunked step asks ~250 times, most of them already in the dtype)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def add_mm(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.autograd.graph import get_gradient_edge
 
-from .grad_sums import add_mm, sum_dtype
+from .grad_sums import add_mm, cast, sum_dtype
 from .head_chunk_lora import lora_linear
 
 if TYPE_CHECKING:
@@ -204,7 +204,7 @@ class Accumulators:
                 self.waiting.append((grad_2d, run, name, stage))
                 self.waiting_bytes += held
                 return
-        weight = run.parts.part(name, stage, run.parts.linears[name].weight).to(grad_2d.dtype)  # [out_c, h]
+        weight = cast(run.parts.part(name, stage, run.parts.linears[name].weight), grad_2d.dtype)  # [out_c, h]
         target = self.x.view(-1, self.x.shape[-1])
         add_mm(target, grad_2d, weight)  # (LoRA's share: InputLows.finish)
 
@@ -263,7 +263,7 @@ class Accumulators:
         if self.need.get(id(proj.weight)):
             for start, length, x in cut.tiles():  # x [b, length, h]: the input, whole or one remade tile
                 g = grad.narrow(-2, start, length).reshape(-1, grad.shape[-1])  # [b length, out_c]
-                run.parts.add_mm(name, stage, self.sum(proj.weight), g.t(), x.reshape(-1, x.shape[-1]).to(g.dtype))
+                run.parts.add_mm(name, stage, self.sum(proj.weight), g.t(), cast(x.reshape(-1, x.shape[-1]), g.dtype))
         if proj.bias is not None and self.need.get(id(proj.bias)):
             run.parts.add(name, stage, self.sum(proj.bias), grad_2d.sum(0))
         for index, adapter in enumerate(run.parts.adapters(name, stage)):  # LoRA
@@ -304,5 +304,5 @@ class Accumulators:
         bias = self.parts.out_proj.bias
         if bias is not None and self.need.get(id(bias)):
             self.sum(bias).add_(grad_out.reshape(-1, grad_out.shape[-1]).sum(0))
-        grads = [self.sums[id(p)].to(p.dtype) if id(p) in self.touched else None for p in self.params]
+        grads = [cast(self.sums[id(p)], p.dtype) if id(p) in self.touched else None for p in self.params]
         return (self.x, *grads)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .grad_sums import cast
 from .head_chunk_lora import Adapter, InputDropout, adapter_seed, unsliced_states
 from .tiling import compute_dtype
 
@@ -52,7 +53,7 @@ def add_at(target: torch.Tensor, dim: int, index: slice | torch.Tensor, value: t
     if isinstance(index, slice):
         take(target, dim, index).add_(value)
     else:
-        target.index_add_(dim, index, value.to(target.dtype))
+        target.index_add_(dim, index, cast(value, target.dtype))
 
 
 @dataclass(frozen=True)
@@ -250,4 +251,4 @@ def core_inputs(x: torch.Tensor, *qkv: torch.Tensor | None) -> tuple[torch.Tenso
     """q/k/v in the dtype the core computes in: under autocast its dtype (the model's RoPE may have made q and k
     fp32; autocast's sdpa casts them, and so does this before the exchange), else as they are (None stays)."""
     dtype = compute_dtype(x)
-    return tuple([None if t is None else t.to(dtype) for t in qkv])
+    return tuple([None if t is None else cast(t, dtype) for t in qkv])

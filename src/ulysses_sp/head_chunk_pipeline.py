@@ -69,7 +69,7 @@ from .comm import (
 )
 from .cores import AttentionCall
 from .deferred_input import Absent, NormRemake
-from .grad_sums import sum_dtype
+from .grad_sums import cast, sum_dtype
 from .head_chunk_grads import Accumulators, ProjectionCut, Roots
 from .head_chunk_lora import InputLows
 from .head_chunk_output import out_finish, out_input_grad, out_proj_backward, out_share, out_start, output_grads
@@ -215,7 +215,7 @@ class ChunkRun:
             if self.stats is not None:
                 self.stats.wait_s += time.perf_counter() - start
         found = [recv] if layout is None else unpack_rows(recv, layout)
-        return [t.to(dtype) for t, dtype in zip(found, dtypes, strict=True)]
+        return [cast(t, dtype) for t, dtype in zip(found, dtypes, strict=True)]
 
     # ------------------------------------------------------------------------------------------- forward
     def forward_chunk(self, x: torch.Tensor, chunk: int, out: torch.Tensor, save: bool = False) -> Stages:
@@ -329,7 +329,7 @@ class ChunkRun:
         for recv, (done, sent, leaves) in zip(received, stages, strict=True):
             grads = qkv_send_grad(recv, *sent.heads)
             # autocast's casts, undone
-            grads = tuple([None if g is None else g.to(dtype) for g, dtype in zip(grads, sent.dtypes, strict=True)])
+            grads = tuple([None if g is None else cast(g, dtype) for g, dtype in zip(grads, sent.dtypes, strict=True)])
             acc.add_chunk(self, done, sent, grads, *leaves)
 
     def _sent_grads(
