@@ -1,68 +1,83 @@
-"""C at run time: what a head-chunked attention knows at its call, handed to the rule the planner calls too.
+"""The decoder layer around a head-chunked attention, as the automatic C sees it at each call.
 
-:func:`chunks_at_call` gives :func:`ulysses_sp.plan.attention.choose_head_chunks` the call's tokens, head dim and
-compute dtype, the layout, and the decoder layer around the attention (:func:`layer_memory`), read at every call:
-checkpointing switched on or off after :func:`ulysses_sp.parallelize` (this library's or transformers' own), FSDP2
-wrapping and tiled norms are seen as they are when the layer runs. Where some C fits its budget, the layer is not
-read at all (the budget alone chooses).
+:meth:`ulysses_sp.head_chunks.HeadChunkedAttention.chunks_for` hands :func:`layer_memory` to the rule the planner
+calls too (:func:`ulysses_sp.plan.attention.choose_head_chunks`). It reads the layer as it is when it runs:
+checkpointing switched on or off after :func:`ulysses_sp.parallelize` (this library's, transformers' own, or PyTorch's
+``checkpoint_wrapper`` put around the layer before or after), FSDP2 wrapping and tiled norms. Where some C fits its
+budget, the layer is not read at all (the budget alone chooses).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 from .instance_forward import installed_forward
 from .norm_projections import NormProjection
-from .plan.attention import LayerMemory, choose_head_chunks
-from .tiling import compute_dtype
+from .plan.attention import LayerMemory
 
-if TYPE_CHECKING:
-    from .head_chunks import HeadChunkedAttention
-
-__all__ = ["chunks_at_call", "layer_memory"]
+__all__ = ["LayerSlot", "layer_memory"]
 
 
-def layer_memory(layer: nn.Module | None, layers: int, query: nn.Module, element_size: int) -> LayerMemory:
-    """The decoder ``layer`` (one of the model's ``layers``; None: not found, taken as checkpointed) around an
-    attention whose query projection is ``query``, as :class:`~ulysses_sp.plan.attention.LayerMemory`:
+@dataclass(frozen=True)
+class LayerSlot:
+    """A decoder ``layer`` and where it sits: ``parent._modules[name]``. The slot is read at each call, since a
+    wrapper (PyTorch's ``checkpoint_wrapper``, FSDP2's ``fully_shard`` of it) may be put in it after
+    :func:`ulysses_sp.parallelize`; a ``parent`` that is such a wrapper was put there before."""
+
+    layer: nn.Module
+    parent: nn.Module | None = None
+    name: str = ""
+
+    @staticmethod
+    def find(root: nn.Module, layer: nn.Module) -> LayerSlot:
+        """``layer``'s slot under ``root`` (no parent where ``layer`` is ``root`` itself)."""
+        for parent in root.modules():
+            for name, child in parent._modules.items():
+                if child is layer:
+                    return LayerSlot(layer, parent, name)
+        return LayerSlot(layer)
+
+    def holders(self) -> tuple[nn.Module, ...]:
+        """The layer and the modules around it that run it: what its slot holds now, and its parent where that is
+        an activation wrapper."""
+        if self.parent is None:
+            return (self.layer,)
+        held = self.parent._modules.get(self.name)
+        around = (self.parent,) if isinstance(self.parent, ActivationWrapper) else ()
+        return (self.layer, *([held] if held is not None and held is not self.layer else []), *around)
+
+
+def layer_memory(slot: LayerSlot | None, layers: int, query: nn.Module) -> LayerMemory:
+    """The decoder layer in ``slot`` (one of ``layers`` whose attention runs in chunks; None: not found, taken as
+    checkpointed) around an attention whose query projection is ``query``, as
+    :class:`~ulysses_sp.plan.attention.LayerMemory`:
 
     * checkpointed: the layer checkpoints (its ``gradient_checkpointing`` flag, which
       :func:`ulysses_sp.enable_activation_checkpointing` and transformers' ``gradient_checkpointing_enable`` set, in
-      training mode, as transformers' ``GradientCheckpointingLayer`` reads it), or no graph is recorded (nothing is
-      saved for a backward);
+      training mode, as transformers' ``GradientCheckpointingLayer`` reads it), PyTorch's activation wrapper
+      (``checkpoint_wrapper``, reentrant or not, or ``offload_wrapper``) runs it, or no graph is recorded (nothing
+      is saved for a backward). A reentrant wrapper runs its forward without a graph and its recompute with one:
+      both read as checkpointed, so both take the same C;
     * tiled norms: a tiled norm's projection is installed on ``query`` (:mod:`ulysses_sp.norm_projections`);
-    * grad bytes: under FSDP2 (the layer is an ``FSDPModule``) its trainable parameters' unsharded gradients, in the
-      compute dtype of ``element_size`` bytes; 0 otherwise (a replica's gradients are there all step).
+    * grad bytes: under FSDP2 (the layer, or the wrapper around it, is an ``FSDPModule``) its trainable parameters'
+      unsharded gradients, as many bytes as the unsharded parameters (those the layer runs with: this library's
+      FSDP2 casts them to the compute dtype, as the planner counts); 0 otherwise (a replica's are there all step).
     """
     from torch.distributed.fsdp import FSDPModule
 
-    if layer is None:
-        return LayerMemory(layers=layers, tiled_norms=isinstance(installed_forward(query), NormProjection))
-    checkpointed = not torch.is_grad_enabled() or (
-        bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
+    tiled_norms = isinstance(installed_forward(query), NormProjection)
+    holders = slot.holders() if slot is not None else ()
+    checkpointed = (
+        slot is None
+        or not torch.is_grad_enabled()
+        or any(isinstance(m, ActivationWrapper) for m in holders)
+        or (bool(getattr(slot.layer, "gradient_checkpointing", False)) and slot.layer.training)
     )
-    grads = sum(p.numel() for p in layer.parameters() if p.requires_grad) if isinstance(layer, FSDPModule) else 0
-    return LayerMemory(checkpointed, layers, isinstance(installed_forward(query), NormProjection), element_size * grads)
-
-
-def chunks_at_call(owner: HeadChunkedAttention, x: torch.Tensor) -> int:
-    """C for ``owner``'s call on hidden states ``x [b, n, h]`` (this rank's tokens)."""
-    layout = owner.ctx.layout
-    element_size = torch.empty((), dtype=compute_dtype(x)).element_size()
-    query = owner.projection(owner.names.query[0])
-    args = (owner.num_heads, owner.num_kv_heads, layout.ulysses)
-    return choose_head_chunks(
-        *args,
-        tokens=x.shape[0] * x.shape[1] * layout.ulysses,
-        head_dim=query.out_features // owner.num_heads,
-        element_size=element_size,
-        hidden=x.shape[-1],
-        ring=layout.ring,
-        device="cuda" if x.is_cuda else "cpu",
-        requested=owner.requested,
-        budget_bytes=owner.budget_bytes,
-        layer=lambda: layer_memory(owner.layer, owner.layers, query, element_size),
-    )
+    sharded = any(isinstance(m, FSDPModule) for m in holders)
+    params = slot.layer.parameters() if sharded and slot is not None else ()
+    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    return LayerMemory(checkpointed, layers, tiled_norms, grads)

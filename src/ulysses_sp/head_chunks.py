@@ -38,7 +38,7 @@ from torch.autograd.function import once_differentiable
 from .attention import UlyssesAttention, intercepting
 from .compile_boundary import run_eagerly
 from .deferred_input import Absent, NormRemake
-from .head_chunk_choice import chunks_at_call
+from .head_chunk_choice import LayerSlot, layer_memory
 from .head_chunk_fit import Projections, norm_problem, projection_names
 from .head_chunk_grads import ProjectionCut
 from .head_chunk_lora import (
@@ -64,7 +64,9 @@ from .head_split import (
 from .hf import decoder_layers, first_argument
 from .instance_forward import install_forward, installed_forward, restore_forward
 from .norm_projections import NormProjection
+from .plan.attention import choose_head_chunks
 from .replay import Replay
+from .tiling import compute_dtype
 
 __all__ = [
     "HeadChunkedAttention",
@@ -133,12 +135,15 @@ def head_chunk_targets(
 
 def install_head_chunks(targets: list[tuple[nn.Module, Projections]], ctx: UlyssesAttention, **options: Any) -> None:
     """Set each target's ``forward`` to a :class:`HeadChunkedAttention` (``options``: its keyword arguments but the
-    decoder layer it is in, found here)."""
-    layers = decoder_layers(options["pretrained"])
+    decoder layer it is in and the count of layers whose attention runs in chunks, found here; a model's other
+    ``_no_split_modules`` blocks, Qwen2-VL's vision blocks, are not counted: the planner counts its text layers)."""
+    pretrained = options["pretrained"]
+    found = {id(module): layer for layer in decoder_layers(pretrained) for module in layer.modules()}
+    layers = max(len({id(found[id(module)]) for module, _ in targets if id(module) in found}), 1)
     for module, names in targets:
-        layer = next((layer for layer in layers if any(m is module for m in layer.modules())), None)
-        chunked = HeadChunkedAttention(module, ctx, names, layer=layer, layers=len(layers), **options)
-        install_forward(module, chunked)
+        layer = found.get(id(module))
+        slot = None if layer is None else LayerSlot.find(pretrained, layer)
+        install_forward(module, HeadChunkedAttention(module, ctx, names, layer=slot, layers=layers, **options))
 
 
 def remove_head_chunks(modules: list[nn.Module]) -> None:
@@ -201,7 +206,8 @@ class HeadChunkedAttention:
         pretrained / impl_name: the model and the attention implementation name under which it is active
             (under :func:`ulysses_sp.plain_attention` the module's own forward runs).
         requested: C (> 1), or None for automatic; budget_bytes: the automatic choice's budget.
-        layer / layers: the decoder layer it is in (None: not found) and the model's count of them.
+        layer / layers: the decoder layer it is in and its slot (None: not found) and the count of the model's
+            layers whose attention runs in chunks.
     """
 
     def __init__(
@@ -216,7 +222,7 @@ class HeadChunkedAttention:
         num_kv_heads: int,
         requested: int | None = None,
         budget_bytes: int = DEFAULT_HEAD_CHUNK_BUDGET_BYTES,
-        layer: nn.Module | None = None,
+        layer: LayerSlot | None = None,
         layers: int = 1,
     ) -> None:
         self.module, self.ctx, self.names = module, ctx, names
@@ -323,8 +329,15 @@ class HeadChunkedAttention:
         return self.pretrained.config._attn_implementation == self.impl_name
 
     def chunks_for(self, x: torch.Tensor) -> int:
-        """C for hidden states ``x [b, n, h]`` (this rank's tokens; :mod:`ulysses_sp.head_chunk_choice`)."""
-        return chunks_at_call(self, x)
+        """C for hidden states ``x [b, n, h]`` (this rank's tokens) by the planner's rule, in the decoder layer as it
+        is at this call (:mod:`ulysses_sp.head_chunk_choice`)."""
+        layout, query = self.ctx.layout, self.projection(self.names.query[0])
+        return choose_head_chunks(
+            self.num_heads, self.num_kv_heads, layout.ulysses, tokens=x.shape[0] * x.shape[1] * layout.ulysses,
+            head_dim=query.out_features // self.num_heads, element_size=compute_dtype(x).itemsize, hidden=x.shape[-1],
+            ring=layout.ring, device="cuda" if x.is_cuda else "cpu", requested=self.requested,
+            budget_bytes=self.budget_bytes, layer=lambda: layer_memory(self.layer, self.layers, query),
+        )  # fmt: skip
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module

@@ -254,7 +254,7 @@ def automatic_chunks_read_the_layer(layout, wrapper: str) -> None:
         planned = plan_memory(model.config, seq_len=seq_len, sp=layout.sp, features=features, device="cpu")
         assert [h.chunks_for(x) for h in installed] == [planned.head_chunks] * 2, planned.head_chunks
         for h in installed:
-            assert layer_memory(h.layer, h.layers, h.projection("q_proj"), 4).grad_bytes == grads
+            assert layer_memory(h.layer, h.layers, h.projection("q_proj")).grad_bytes == grads
     for h in installed:
         h.budget_bytes = 1
     shard = U.shard_batch(dp_share(batch, layout), layout)

@@ -11,6 +11,7 @@ import torch
 
 import ulysses_sp as U
 from tests.helpers.models import build, loss_and_grads, make_batch
+from tests.helpers.parity import assert_loss_and_grads
 from ulysses_sp.head_chunks import HeadChunkedAttention
 from ulysses_sp.head_split import chunk_exchange_bytes, head_chunk_choices
 from ulysses_sp.instance_forward import installed_forward
@@ -227,13 +228,14 @@ def test_automatic_chunks_are_the_planners_lowest_peak_where_none_fits_the_budge
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_runtime_chunks_are_the_planners_with_checkpointing_on_and_off(compiled):
+def test_runtime_chunks_are_the_planners_with_checkpointing_on_and_off(monkeypatch, compiled):
     """The attention reads its decoder layer at each call (ulysses_sp.head_chunk_choice): where no C fits the budget
     it takes the planner's C for the same settings, checkpointing switched on after parallelize and off again (4
     heads on 1 kv head, head dim 16, 2 layers, 4,194,304 tokens at sp=1, fp32 on the CPU: C = 1 checkpointed, C = 4
     not; before, the run time took C = 1 without checkpointing too, where the plan holds 2 layers' saved q/k/v).
-    A step of a few tokens with a 1-byte budget (the same branch) then runs in each mode, its decoder layers compiled
-    or not, and matches the model's own loss."""
+    A step of a few tokens with a 1-byte budget (the same branch) then runs in each mode, switched back and forth,
+    its decoder layers compiled or not: the chunked path runs with C = 4 in both layers without checkpointing and not
+    at all with it (C = 1; seen from inside the compiled layer), and the loss and gradients match the model's own."""
     from ulysses_sp.features import Features, apply_features
     from ulysses_sp.offload import disable_activation_checkpointing, enable_activation_checkpointing
     from ulysses_sp.plan import plan_memory
@@ -261,19 +263,103 @@ def test_runtime_chunks_are_the_planners_with_checkpointing_on_and_off(compiled)
     assert [h.chunks_for(x) for h in installed] == [1, 1]
 
     batch = make_batch(2, 24, packed=(10, 14))
-    want = plain(**batch, use_cache=False).loss.detach()
+    ref_loss, ref_grads = loss_and_grads(plain, batch)
     for h in installed:
         h.budget_bytes = 1
     if compiled:
         for layer in model.model.layers:
             layer.compile(backend="eager")
-    for checkpointed in (True, False):
-        if not checkpointed:
+    calls, chunked = [], HeadChunkedAttention.chunked
+
+    @torch.compiler.disable
+    def spy(self, x, chunks, args, kwargs):
+        calls.append((chunks, torch.is_grad_enabled()))
+        return chunked(self, x, chunks, args, kwargs)
+
+    monkeypatch.setattr(HeadChunkedAttention, "chunked", spy)
+    for step, mode in enumerate(("checkpoint", "none", "checkpoint", "none")):
+        if mode == "none":
             disable_activation_checkpointing(model)
+        elif step:
+            enable_activation_checkpointing(model, "checkpoint")
+        calls.clear()
         model.zero_grad()
         loss, grads = loss_and_grads(model, batch, layout)
-        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
-        assert all(g is not None for g in grads.values())
+        assert calls == ([] if mode == "checkpoint" else [(4, True)] * 2), (step, calls)
+        assert_loss_and_grads(loss, grads, ref_loss, ref_grads, label=f"step {step} ({mode}): ")
+
+
+def _spied_chunks(monkeypatch) -> list[tuple[int, bool]]:
+    """(C, grad enabled) of every call of HeadChunkedAttention.chunks_for from now on."""
+    calls, chunks_for = [], HeadChunkedAttention.chunks_for
+
+    def spy(self, x):
+        calls.append((chunks_for(self, x), torch.is_grad_enabled()))
+        return calls[-1][0]
+
+    monkeypatch.setattr(HeadChunkedAttention, "chunks_for", spy)
+    return calls
+
+
+@pytest.mark.parametrize("when", ["after", "before"])
+@pytest.mark.parametrize("impl", ["reentrant", "non_reentrant"])
+def test_torch_checkpoint_wrapper_counts_as_checkpointed(monkeypatch, impl, when):
+    """A decoder layer inside PyTorch's checkpoint_wrapper (what accelerate's FSDP activation checkpointing and
+    torchtitan-style setups put around it), applied ``when`` parallelize, takes the checkpointed C in every call (4
+    heads on 1 kv head, 24 tokens, a 1-byte budget: C = 1 checkpointed, 4 not). Before, the reentrant wrapper's
+    forward (no graph) took C = 1 and its recompute C = 4, the non-reentrant one C = 4 (not checkpointed) in all four
+    calls. The step matches the model's own; with attention dropout (0.5) the gradients equal those of this library's
+    checkpointing under the same seed (before, the reentrant wrapper's were up to 0.14 apart: its recompute drew the
+    masks of another C than the forward whose loss they are the gradients of)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    from ulysses_sp.features import Features, apply_features
+
+    layout, batch = U.ParallelLayout.single(), make_batch(2, 24, packed=(10, 14))
+    checkpoint = CheckpointImpl.REENTRANT if impl == "reentrant" else CheckpointImpl.NO_REENTRANT
+
+    def step(plain, mode: str) -> tuple[torch.Tensor, dict]:
+        """One step of ``plain`` parallelized, checkpointed by ``mode``: "wrapper", "checkpoint" (this library's) or
+        "none"; the gradients named as in ``plain``."""
+        model, wrapped = copy.deepcopy(plain), mode == "wrapper"
+        layers = model.model.layers
+        for i in range(len(layers) if wrapped and when == "before" else 0):
+            layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=checkpoint)
+        model = U.parallelize(model, layout)
+        apply_features(model, Features(tiled_loss=False, activation_checkpointing="none" if wrapped else mode), "cpu")
+        for i in range(len(layers) if wrapped and when == "after" else 0):
+            layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=checkpoint)
+        for h in _chunked(model):
+            h.budget_bytes = 1
+        torch.manual_seed(5)
+        loss, grads = loss_and_grads(model.train(), batch, layout)
+        return loss, {name.replace("._checkpoint_wrapped_module", ""): g for name, g in grads.items()}
+
+    calls = _spied_chunks(monkeypatch)
+    plain = build("llama", heads=4, kv_heads=1, head_dim=16)
+    step(plain, "none")
+    assert calls == [(4, True)] * 2, calls  # unwrapped, not checkpointed
+    calls.clear()
+    loss, grads = step(plain, "wrapper")
+    assert calls == [(1, impl == "non_reentrant")] * 2 + [(1, True)] * 2, calls  # forward, recompute
+    ref_loss, ref_grads = loss_and_grads(plain, batch)
+    assert_loss_and_grads(loss, grads, ref_loss, ref_grads)
+
+    for layer in plain.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    assert_loss_and_grads(*step(plain, "wrapper"), *step(plain, "checkpoint"))
+
+
+def test_chunks_count_the_layers_whose_attention_runs_in_chunks():
+    """The attention's count of decoder layers (the other layers' saved tensors where nothing is checkpointed) is the
+    count of layers holding a chunked attention, as the planner's (its text layers): not every module of a class in
+    ``_no_split_modules`` (Qwen2-VL adds its vision blocks; here the 5 RMSNorms of a 2-layer Llama stand in, which
+    made it 7)."""
+    model = build("llama", heads=4, kv_heads=1, head_dim=16)
+    model._no_split_modules = [*model._no_split_modules, "LlamaRMSNorm"]
+    installed = _chunked(U.parallelize(model, U.ParallelLayout.single()))
+    assert [h.layers for h in installed] == [2, 2]
+    assert [h.layer.layer for h in installed] == list(model.model.layers)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
