@@ -29,6 +29,7 @@ from ulysses_sp.bench.tables import md_table, save_table
 from ulysses_sp.features import Features
 from ulysses_sp.head_split import DEFAULT_HEAD_CHUNK_BUDGET_BYTES, chunk_exchange_bytes, head_chunk_choices
 from ulysses_sp.plan import GiB, ModelShape, model_shape, plan_memory
+from ulysses_sp.plan.memory import planned_layer
 
 RESULTS = Path(__file__).parent / "results"
 HEADS = ((8, 128), (16, 128), (24, 128), (32, 128), (40, 128), (64, 128), (16, 64), (32, 64))  # (heads, head dim)
@@ -74,7 +75,7 @@ def compare(shape: ModelShape, ulysses: int, ring: int, tokens: int, extra: dict
     except ValueError:
         return None
     choices = head_chunk_choices(shape.num_heads, shape.num_kv_heads, ulysses)
-    element_size = 2 if auto.features.dtype == "bf16" else 4
+    element_size, _ = planned_layer(shape, auto.features)
     sizes = dict(tokens=auto.tokens_per_rank * ulysses, head_dim=shape.head_dim, element_size=element_size)
     budget = DEFAULT_HEAD_CHUNK_BUDGET_BYTES
     if any(chunk_exchange_bytes(shape.num_heads, shape.num_kv_heads, ulysses, c, **sizes) <= budget for c in choices):

@@ -198,7 +198,7 @@ def test_automatic_chunks_are_the_planners_lowest_peak_where_none_fits_the_budge
     ``features``) against the plan of automatic C, which is the runtime's choose_head_chunks for the same tokens and
     the same layer (benchmarks/chunk_choice_sweep.py over a grid of shapes and feature sets)."""
     from ulysses_sp.plan import Features, ModelShape, plan_memory
-    from ulysses_sp.plan.attention import LayerMemory
+    from ulysses_sp.plan.memory import planned_layer
 
     shape = ModelShape(
         hidden_size=hidden, num_layers=16, num_heads=heads, num_kv_heads=kv_heads, head_dim=128,
@@ -211,15 +211,9 @@ def test_automatic_chunks_are_the_planners_lowest_peak_where_none_fits_the_budge
     }
     auto = plan_memory(shape, **args, features=Features(**features))
     tokens = auto.tokens_per_rank * ulysses
-    element_size = 4 if auto.features.dtype == "fp32" else 2
+    element_size, layer = planned_layer(shape, auto.features)  # as the run time reads it (the test below)
     sizes = dict(tokens=tokens, head_dim=128, element_size=element_size)
     assert min(chunk_exchange_bytes(heads, kv_heads, ulysses, c, **sizes) for c in peaks) > 1 << 30  # none fits
-    layer = LayerMemory(
-        auto.features.activation_checkpointing != "none",
-        16,
-        auto.features.tiled_norms,
-        element_size * shape.layer_params,
-    )  # (under FSDP2: the layer's gradients in the compute dtype)
     runtime = choose_head_chunks(
         heads, kv_heads, ulysses, **sizes, hidden=hidden, ring=ring, device="cuda", layer=layer
     )
@@ -237,8 +231,10 @@ def test_runtime_chunks_are_the_planners_with_checkpointing_on_and_off(monkeypat
     its decoder layers compiled or not: the chunked path runs with C = 4 in both layers without checkpointing and not
     at all with it (C = 1; seen from inside the compiled layer), and the loss and gradients match the model's own."""
     from ulysses_sp.features import Features, apply_features
+    from ulysses_sp.head_chunk_choice import layer_memory
     from ulysses_sp.offload import disable_activation_checkpointing, enable_activation_checkpointing
-    from ulysses_sp.plan import plan_memory
+    from ulysses_sp.plan import ModelShape, plan_memory
+    from ulysses_sp.plan.memory import planned_layer
 
     plain = build("llama", heads=4, kv_heads=1, head_dim=16)
     seq_len, layout = 1 << 22, U.ParallelLayout.single()
@@ -250,7 +246,11 @@ def test_runtime_chunks_are_the_planners_with_checkpointing_on_and_off(monkeypat
     )  # (a view: only its shape and dtype are read)
 
     def planned(mode: str) -> int:
+        """The planner's C for checkpointing ``mode``, after checking that the layer each attention reads at run time
+        is the planner's (plan.memory.planned_layer) for the same settings."""
         features = Features(activation_checkpointing=mode, parallel="ddp", tiled_loss=False)
+        _, layer = planned_layer(ModelShape.from_config(plain.config), features.resolve("cpu"))
+        assert [layer_memory(h.layer, h.layers, h.projection("q_proj")) for h in installed] == [layer] * 2
         return plan_memory(plain.config, seq_len=seq_len, sp=1, features=features, device="cpu").head_chunks
 
     model.train()

@@ -392,20 +392,17 @@ def attention_backward(attn: AttentionTerms, mode: str, ring: int) -> float:
     return max(attn.saved + attn.backward_start, held + (0 if ring > 1 else attn.backward))
 
 
-def attention_peak(
-    attn: AttentionTerms, *, hidden: int, c: int, ring: int, layer: LayerMemory | None = None, tokens: int = 1
-) -> float:
+def attention_peak(attn: AttentionTerms, *, hidden: int, c: int, ring: int, layer: LayerMemory, tokens: int) -> float:
     """Bytes per local token (of ``tokens`` on this rank) at the highest of the moments :mod:`ulysses_sp.plan.memory`
-    looks at in one attention layer of terms ``attn`` (:func:`attention_terms`) in a decoder ``layer`` (None: the
-    defaults, what ``ulysses-sp train`` runs): the MLP's backward beside what the attention saved, o_proj's input,
-    the post-attention norm's and 2 ``[t, h]`` gradients (a lower bound: the MLP's own working set is left out); the
-    attention's (re)compute beside the input norm's output where nothing saves it and, checkpointed, the stream's
-    gradient waiting for it; its backward (a ring's included) and its backward exchange beside the stream's gradient
-    and the layer's gradients; without checkpointing, under all of them, the other ``layers - 1`` layers' attention
-    saved tensors. What does not change with C (weights, checkpoints, the input norm's saved tensors, the other
-    layers' but their attention's) is left out, so the C of the lowest is the C of the lowest planned peak where
-    these moments are the peak. Where no C fits its budget, :func:`choose_head_chunks` compares the C by it."""
-    layer = layer or LayerMemory()
+    looks at in one attention layer of terms ``attn`` (:func:`attention_terms`) in a decoder ``layer``: the MLP's
+    backward beside what the attention saved, o_proj's input, the post-attention norm's and 2 ``[t, h]`` gradients (a
+    lower bound: the MLP's own working set is left out); the attention's (re)compute beside the input norm's output
+    where nothing saves it and, checkpointed, the stream's gradient waiting for it; its backward (a ring's included)
+    and its backward exchange beside the stream's gradient and the layer's gradients; without checkpointing, under
+    all of them, the other ``layers - 1`` layers' attention saved tensors. What does not change with C (weights,
+    checkpoints, the input norm's saved tensors, the other layers' but their attention's) is left out, so the C of
+    the lowest is the C of the lowest planned peak where these moments are the peak. Where no C fits its budget,
+    :func:`choose_head_chunks` compares the C by it."""
     stream, grads = c * hidden, layer.grad_bytes / tokens
     _, norm_post, remade = norm_terms(c, hidden, layer.tiled_norms)
     held = attn.saved + attn.o_proj_input  # what the attention block saves (o_proj's input included)

@@ -37,7 +37,7 @@ from .placement import choose_placement, placement_is_chosen
 from .shape import ModelShape, model_shape
 from .units import GiB
 
-__all__ = ["MemoryPlan", "plan_memory", "usable_gpu_bytes"]
+__all__ = ["MemoryPlan", "plan_memory", "planned_layer", "usable_gpu_bytes"]
 
 # What the CUDA context, cuBLAS/NCCL workspaces and the caching allocator's fragmentation take from a GPU:
 # usable = memory x (1 - FRAGMENTATION) - CONTEXT_BYTES (on an 80 GiB GPU: 75 GiB).
@@ -163,12 +163,22 @@ def usable_gpu_bytes(gpu_memory_bytes: int) -> int:
     return max(0, int(gpu_memory_bytes * (1 - FRAGMENTATION)) - CONTEXT_BYTES)
 
 
+def planned_layer(shape: ModelShape, features: Features) -> tuple[int, LayerMemory]:
+    """c and the decoder layer around the attention, for ``shape`` under resolved ``features``, as the attention reads
+    it at each call (:mod:`ulysses_sp.head_chunk_choice`): checkpointed unless ``activation_checkpointing`` is "none",
+    the model's layers, tiled norms, and under FSDP2 the layer's unsharded gradients (c a parameter: this library's
+    FSDP2 casts the unsharded parameters to the compute dtype)."""
+    c = 2 if features.dtype == "bf16" else 4
+    grads = c * shape.layer_params if features.parallel == "fsdp2" else 0
+    return c, LayerMemory(features.activation_checkpointing != "none", shape.num_layers, features.tiled_norms, grads)
+
+
 def _terms(
     shape: ModelShape, *, seq_len: int, sp: int, ring: int, dp: int, features: Features, micro_batch: int, device: str
 ):
     """Per-moment component dicts (bytes on this rank), this rank's host bytes by component (plan/host.py), its
     tokens, the head chunks and the core's slices of heads."""
-    c = 2 if features.dtype == "bf16" else 4
+    c, layer = planned_layer(shape, features)  # the layer around the attention, as it reads it at run time
     u = 4 if c < 4 else 0  # an fp32 upcast is a separate tensor only when computing in bf16
     h, d = shape.hidden_size, shape.head_dim
     vocab, layers = shape.vocab_size, shape.num_layers
@@ -194,7 +204,7 @@ def _terms(
         # MLP's backward the MLP's (plan/mlp.py), during its attention's the MLP's and the attention's. Their fp32
         # copy for the reduce-scatter comes after the layer's activations are freed.
         sharded_grads = 0 if offload_states else 4 * params // world
-        layer_grads = c * layer_params
+        layer_grads = layer.grad_bytes  # c * layer_params
         # AdamW exp_avg + exp_avg_sq (fp32, sharded); its foreach step on CUDA makes one more state-sized
         # temporary (sqrt of exp_avg_sq); the CPU for-loop step one per parameter.
         states = 0 if offload_states else 8 * params // world
@@ -215,8 +225,6 @@ def _terms(
     # peak at different moments.
     # The attention block and its exchanges (:mod:`ulysses_sp.plan.attention`), its heads in C chunks.
     requested = uneven_kv_chunks(features.head_chunks, shape.layer_kv_heads)  # 1 where kv heads vary per layer
-    # the layer around it, as the attention sees it at run time (ulysses_sp.head_chunk_choice)
-    layer = LayerMemory(features.activation_checkpointing != "none", layers, features.tiled_norms, layer_grads)
     chunks = choose_head_chunks(heads, kv_heads, ulysses, tokens=t * ulysses, head_dim=d, element_size=c, hidden=h,
                                 ring=ring, device=device, requested=requested, layer=layer)  # fmt: skip
     # the norms' saved tensors and the input norm's output alive through the (re)compute only (plan/attention.py)
