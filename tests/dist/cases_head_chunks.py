@@ -223,11 +223,13 @@ def overlap(layout, chunks: int = 4, core: str = "sdpa") -> None:
     assert all(cores) and all(core_backwards), f"a core ran with no exchange in flight: {cores}, {core_backwards}"
 
 
-def automatic_chunks_read_the_layer(layout, wrapper: str) -> None:
+def automatic_chunks_read_the_layer(layout, wrapper: str, torch_wrapper: bool = False) -> None:
     """Where no C fits its budget, automatic C is the planner's for the same settings (ulysses_sp.head_chunk_choice):
     under ``wrapper`` (DDP, or FSDP2, whose layer gradients, 4 bytes a parameter of the layer here, the attention counts
     as the planner does), checkpointed and then not (switched off after wrapping); and a step in that branch (a 1-byte
-    budget) without checkpointing is exact."""
+    budget) without checkpointing is exact. ``torch_wrapper``: the layers checkpointed by PyTorch's non-reentrant
+    checkpoint_wrapper instead (put around them after parallelize, FSDP2 sharding the layers inside): checkpointed
+    in both modes, and exact."""
     from ulysses_sp.head_chunk_choice import layer_memory
     from ulysses_sp.head_chunks import HeadChunkedAttention
     from ulysses_sp.instance_forward import installed_forward
@@ -240,6 +242,12 @@ def automatic_chunks_read_the_layer(layout, wrapper: str) -> None:
     U.enable_tiled_mlp(par, chunk_tokens=5)
     U.enable_tiled_norms(par, chunk_tokens=5)
     U.enable_activation_checkpointing(par, "checkpoint")
+    if torch_wrapper:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        U.disable_activation_checkpointing(par)
+        for i, layer in enumerate(par.model.layers):
+            par.model.layers[i] = checkpoint_wrapper(layer)
     par.train()
     wrapped = wrap(par, wrapper)
     installed = [h for m in par.modules() if isinstance(h := installed_forward(m), HeadChunkedAttention)]
@@ -250,18 +258,23 @@ def automatic_chunks_read_the_layer(layout, wrapper: str) -> None:
     for mode in ("checkpoint", "none"):
         if mode == "none":
             U.disable_activation_checkpointing(par)
-        features = Features(activation_checkpointing=mode, parallel=wrapper, mlp_chunk_tokens=5, tiled_loss=False)
+        checkpointing = "checkpoint" if torch_wrapper else mode
+        features = Features(
+            activation_checkpointing=checkpointing, parallel=wrapper, mlp_chunk_tokens=5, tiled_loss=False
+        )
         planned = plan_memory(model.config, seq_len=seq_len, sp=layout.sp, features=features, device="cpu")
         assert [h.chunks_for(x) for h in installed] == [planned.head_chunks] * 2, planned.head_chunks
         for h in installed:
-            assert layer_memory(h.layer, h.layers, h.projection("q_proj")).grad_bytes == grads
+            memory = layer_memory(h.layer, h.layers, h.projection("q_proj"))
+            assert (memory.checkpointed, memory.grad_bytes) == (checkpointing != "none", grads), memory
     for h in installed:
         h.budget_bytes = 1
     shard = U.shard_batch(dp_share(batch, layout), layout)
     logits = wrapped(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
     loss = U.sequence_parallel_cross_entropy(logits, shard["shift_labels"], layout)
     loss.backward()
-    assert_loss_and_grads(loss, {name: full_grad(p) for name, p in par.named_parameters()}, ref_loss, ref_grads)
+    grads = {name.replace("._checkpoint_wrapped_module", ""): full_grad(p) for name, p in par.named_parameters()}
+    assert_loss_and_grads(loss, grads, ref_loss, ref_grads)
 
 
 def sliced_parity(layout, arch: str, *, heads: int, layers: int = 2, **kwargs) -> None:
@@ -387,6 +400,9 @@ def world2_cases(sp2) -> dict:
         "sp2_auto_kv_sharing_store_unchunked": P(kv_sharing, sp2),
         "sp2_auto_over_budget_reads_the_layer_ddp": P(automatic_chunks_read_the_layer, sp2, "ddp"),
         "sp2_auto_over_budget_reads_the_layer_fsdp2": P(automatic_chunks_read_the_layer, sp2, "fsdp2"),
+        "sp2_auto_over_budget_reads_torch_checkpoint_wrapper_fsdp2": P(
+            automatic_chunks_read_the_layer, sp2, "fsdp2", torch_wrapper=True
+        ),
         "sp2_C4_exchanges_overlap_cores": P(overlap, sp2),
         "sp2_C4_exchanges_overlap_cores_recomputed": P(overlap, sp2, core="eager"),
         **lora_cases(sp2, "sp2", 8, 2, features=True),
