@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
@@ -59,9 +58,11 @@ def layer_memory(slot: LayerSlot | None, layers: int, query: nn.Module) -> Layer
     * checkpointed: the layer checkpoints (its ``gradient_checkpointing`` flag, which
       :func:`ulysses_sp.enable_activation_checkpointing` and transformers' ``gradient_checkpointing_enable`` set, in
       training mode, as transformers' ``GradientCheckpointingLayer`` reads it), PyTorch's activation wrapper
-      (``checkpoint_wrapper``, reentrant or not, or ``offload_wrapper``) runs it, or no graph is recorded (nothing
-      is saved for a backward). A reentrant wrapper runs its forward without a graph and its recompute with one:
-      both read as checkpointed, so both take the same C;
+      (``checkpoint_wrapper``, reentrant or not, or ``offload_wrapper``) runs it. Read from the modules only, never
+      from grad mode: a reentrant checkpoint runs its forward without a graph and its recompute with one, and the
+      two must take the same C (another C draws other attention-dropout masks in the recompute than in the forward
+      whose loss they are the gradients of). A checkpoint this cannot see (a hand-written one) reads as not
+      checkpointed in both, so both take the same, lower-memory C; under no_grad (evaluation) C is the training one;
     * tiled norms: a tiled norm's projection is installed on ``query`` (:mod:`ulysses_sp.norm_projections`);
     * grad bytes: under FSDP2 (the layer, or the wrapper around it, is an ``FSDPModule``) its trainable parameters'
       unsharded gradients, as many bytes as the unsharded parameters (those the layer runs with: this library's
@@ -73,7 +74,6 @@ def layer_memory(slot: LayerSlot | None, layers: int, query: nn.Module) -> Layer
     holders = slot.holders() if slot is not None else ()
     checkpointed = (
         slot is None
-        or not torch.is_grad_enabled()
         or any(isinstance(m, ActivationWrapper) for m in holders)
         or (bool(getattr(slot.layer, "gradient_checkpointing", False)) and slot.layer.training)
     )

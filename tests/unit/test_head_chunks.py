@@ -257,8 +257,8 @@ def test_runtime_chunks_are_the_planners_with_checkpointing_on_and_off(monkeypat
     assert [h.chunks_for(x) for h in installed] == [planned("checkpoint")] * 2 == [1, 1]
     disable_activation_checkpointing(model)
     assert [h.chunks_for(x) for h in installed] == [planned("none")] * 2 == [4, 4]
-    with torch.no_grad():  # nothing saved: as checkpointed
-        assert [h.chunks_for(x) for h in installed] == [1, 1]
+    with torch.no_grad():  # the layer as it is, whatever the grad mode (a forward and its recompute agree)
+        assert [h.chunks_for(x) for h in installed] == [4, 4]
     enable_activation_checkpointing(model, "checkpoint")
     assert [h.chunks_for(x) for h in installed] == [1, 1]
 
@@ -348,6 +348,50 @@ def test_torch_checkpoint_wrapper_counts_as_checkpointed(monkeypatch, impl, when
     for layer in plain.model.layers:
         layer.self_attn.attention_dropout = 0.5
     assert_loss_and_grads(*step(plain, "wrapper"), *step(plain, "checkpoint"))
+
+
+def test_a_hand_written_reentrant_checkpoint_takes_one_c_in_forward_and_recompute(monkeypatch):
+    """A reentrant checkpoint the choice cannot see (torch.utils.checkpoint called by a module of the user's around
+    each decoder layer, neither transformers' flag nor PyTorch's wrapper) runs the layer's forward without a graph and
+    its recompute with one: both take the same C (4: read as not checkpointed), since the choice reads the modules,
+    never grad mode. Before, the forward took C = 1 (no graph: "as checkpointed") and the recompute C = 4, and with
+    attention dropout the gradients were not those of the loss (4 heads on 1 kv head, 24 tokens, a 1-byte budget)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from ulysses_sp.features import Features, apply_features
+
+    class Reentrant(torch.nn.Module):
+        def __init__(self, layer: torch.nn.Module) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, hidden_states, *args, **kwargs):
+            return checkpoint(lambda h: self.layer(h, *args, **kwargs), hidden_states, use_reentrant=True)
+
+    layout, batch = U.ParallelLayout.single(), make_batch(2, 24, packed=(10, 14))
+    plain = build("llama", heads=4, kv_heads=1, head_dim=16)
+    for layer in plain.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+
+    def step(wrapped: bool) -> tuple[torch.Tensor, dict]:
+        model = U.parallelize(copy.deepcopy(plain), layout)
+        apply_features(model, Features(tiled_loss=False, activation_checkpointing="none"), "cpu")
+        for h in _chunked(model):
+            h.budget_bytes = 1
+        layers = model.model.layers
+        for i in range(len(layers) if wrapped else 0):
+            layers[i] = Reentrant(layers[i])
+        torch.manual_seed(5)
+        loss, grads = loss_and_grads(model.train(), batch, layout)
+        return loss, {name.replace(".layer.", "."): g for name, g in grads.items()}
+
+    calls = _spied_chunks(monkeypatch)
+    ref = step(False)
+    assert calls == [(4, True)] * 2, calls
+    calls.clear()
+    got = step(True)
+    assert calls == [(4, False)] * 2 + [(4, True)] * 2, calls  # forward (no graph), recompute
+    assert_loss_and_grads(*got, *ref)
 
 
 def test_chunks_count_the_layers_whose_attention_runs_in_chunks():
