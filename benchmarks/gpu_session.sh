@@ -16,9 +16,16 @@
 #   kernels     benchmarks/chunk_kernel_calls.py: a rank's heads in one kernel call or one per chunk  (45)
 #   lora        benchmarks/lora_head_chunks.py: a LoRA model in 4 head chunks against 1, dropout 0 / 0.1,
 #               and the model without LoRA; one profiled step each (device busy time, launches)       (90)
+#   cpuchunks   benchmarks/head_chunk_ratio.py on the host's CPU cores alone (gloo, no GPU): issue 18's
+#               C=4 / C=1 step-time goal at P=4 and P=2, 8,192 tokens, with a core per rank (the 2-core VM
+#               runs 4 ranks on 2 cores, where no exchange can overlap)                              (300)
+#
+# A step written with a leading '+' (e.g. +cpuchunks) runs in the background while the steps after it run; the
+# script waits for it at the end (under its own limit). Run cpuchunks so, beside `tests validation`, which time
+# nothing: `env +cpuchunks tests validation`; never beside the timed GPU steps (packed loss kernels lora).
 #
 # A lease gives about 15 minutes of device time in all (a machine's start included), a call at most 10: run the
-# steps over two calls, `env tests validation` (at most 560 s, 10 more for each step that must be killed) then
+# steps over two calls, `env +cpuchunks tests validation` (at most 560 s, 10 more for each step that must be killed) then
 # `packed loss kernels lora` (at most 255 s; on 2026-11-30 they took 99 s). A failing or timed-out step does not stop
 # the others. A step that reaches its limit is interrupted (SIGINT, as Ctrl-C; killed 10 s later if still running), so
 # pytest still prints the tracebacks of the failures so far, the durations and its junit XML, and a script its
@@ -40,7 +47,7 @@ fi
 out=$1
 shift
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env tests validation packed loss kernels lora)
+[ ${#steps[@]} -eq 0 ] && steps=(env +cpuchunks tests validation packed loss kernels lora)
 work=${GPU_SESSION_WORK:-/tmp/gpu_session}
 root=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$root/src:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -57,14 +64,16 @@ command_for() {  # the step's default seconds, then its command
         loss) echo "60 python3 $root/benchmarks/tiled_loss_speed.py --tokens 32768 --hidden 2560 --vocab 151936 --dtype bf16 --chunk-tokens 0 --rounds 5 --name $work/tiled_loss_gpu" ;;
         kernels) echo "45 python3 $root/benchmarks/chunk_kernel_calls.py --device cuda --dtype bf16 --head-dim 128 --tokens 32768 --name $work/chunk_kernel_calls_gpu" ;;
         lora) echo "90 python3 $root/benchmarks/lora_head_chunks.py --device cuda --dtype bf16 --hidden 2048 --heads 16 --kv-heads 4 --tokens 32768 --chunks 4 --rounds 5 --plain --profile --name $work/lora_head_chunks_gpu" ;;
+        cpuchunks) echo "300 CUDA_VISIBLE_DEVICES= python3 $root/benchmarks/head_chunk_ratio.py --worlds 4 2 --runs 1 --out $work --name head_chunk_ratio_host" ;;
         *) return 1 ;;
     esac
 }
 
 for spec in "${steps[@]}"; do  # every step is checked before any runs
+    spec=${spec#+}
     name=${spec%%=*}
     if ! command_for "$name" > /dev/null; then
-        echo "gpu_session.sh: unknown step '$name'; steps: env tests validation packed loss kernels lora" >&2
+        echo "gpu_session.sh: unknown step '$name'; steps: env tests validation packed loss kernels lora cpuchunks" >&2
         exit 2
     fi
     if [ "$spec" != "$name" ] && ! [[ ${spec#*=} =~ ^[1-9][0-9]*$ ]]; then
@@ -82,23 +91,41 @@ planned() {  # the step's limit (its own or the default) and command
 
 if [ "${GPU_SESSION_DRY_RUN:-0}" = 1 ]; then
     for spec in "${steps[@]}"; do
-        read -r limit cmd <<< "$(planned "$spec")"
-        echo "${spec%%=*} ($limit s): $cmd"
+        read -r limit cmd <<< "$(planned "${spec#+}")"
+        background=${spec%%[!+]*}
+        spec=${spec#+}
+        echo "${spec%%=*} ($limit s${background:+, in the background}): $cmd"
     done
     exit 0
 fi
 
 mkdir -p "$out" "$work"
 cd "$root" || exit 2
+run_step() {  # name limit cmd: the step under its limit, its log under $work, its line in session.log
+    local start=$SECONDS status
+    timeout --signal=INT --kill-after=10 "$2" bash -c "$3" > "$work/$1.log" 2>&1
+    status=$?
+    echo "== $1: exit $status after $((SECONDS - start)) s$([ $status -eq 124 ] && echo ' (time limit)')" \
+        | tee -a "$out/session.log"
+    tail -n 5 "$work/$1.log"
+}
+
+background=()
 for spec in "${steps[@]}"; do
+    behind=${spec%%[!+]*}
+    spec=${spec#+}
     name=${spec%%=*}
     read -r limit cmd <<< "$(planned "$spec")"
-    echo "== $name ($limit s): $cmd" | tee -a "$out/session.log"
-    start=$SECONDS
-    timeout --signal=INT --kill-after=10 "$limit" bash -c "$cmd" > "$work/$name.log" 2>&1
-    status=$?
-    echo "== $name: exit $status after $((SECONDS - start)) s$([ $status -eq 124 ] && echo ' (time limit)')" \
-        | tee -a "$out/session.log"
-    tail -n 5 "$work/$name.log"
-    tar -czf "$out/gpu_session.tgz" -C "$work" .
+    echo "== $name ($limit s${behind:+, in the background}): $cmd" | tee -a "$out/session.log"
+    if [ -n "$behind" ]; then
+        run_step "$name" "$limit" "$cmd" &
+        background+=($!)
+        continue
+    fi
+    run_step "$name" "$limit" "$cmd"
+    tar --warning=no-file-changed -czf "$out/gpu_session.tgz" -C "$work" .  # (a background step may be writing)
 done
+for pid in "${background[@]}"; do
+    wait "$pid"
+done
+tar -czf "$out/gpu_session.tgz" -C "$work" .

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
-STEPS = ["env", "tests", "validation", "packed", "loss", "kernels", "lora"]
+STEPS = ["env", "cpuchunks", "tests", "validation", "packed", "loss", "kernels", "lora"]
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -46,7 +46,7 @@ def test_every_step_names_a_script_and_flags_that_exist(tmp_path):
             for flag in re.findall(r"(--[a-z][a-z-]*)", flags):
                 assert f'"{flag}"' in source, (path, flag)
             scripts += 1
-    assert scripts == 5, lines
+    assert scripts == 6, lines
     listed = re.findall(rf"{ROOT}/tests/gpu/(test_\w+\.py)", done.stdout)  # in the order they should run
     assert sorted(listed) == sorted(p.name for p in (ROOT / "tests" / "gpu").glob("test_*.py")), listed
 
@@ -80,6 +80,25 @@ def test_a_step_runs_logs_and_is_packed(tmp_path):
     assert torch.__version__ in text, text
 
 
+def _run_with_stand_in(tmp_path: Path, source: str, *args: str) -> subprocess.CompletedProcess:
+    """The script run with ``args``, a stand-in ``python3`` on the PATH running ``source`` (with the step's
+    arguments) in place of every Python command."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "stand_in.py").write_text(source)
+    fake = bin_dir / "python3"
+    fake.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "stand_in.py"}" "$@"\n')
+    fake.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "GPU_SESSION_WORK": str(tmp_path / "work"),
+    }
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out"), *args], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
 _INTERRUPTIBLE = """
 import sys, time
 print("started", flush=True)
@@ -95,22 +114,31 @@ def test_a_step_at_its_limit_is_interrupted_so_its_summary_is_kept(tmp_path):
     """A step that reaches its time limit gets SIGINT (pytest then still prints the failures' tracebacks and writes
     its junit XML; under SIGTERM it died with only its progress dots, as the first lease's tests step did). Here a
     stand-in ``python3`` on the PATH waits for the interrupt in place of the tests step's pytest."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (tmp_path / "stand_in.py").write_text(_INTERRUPTIBLE)
-    fake = bin_dir / "python3"
-    fake.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "stand_in.py"}"\n')
-    fake.chmod(0o755)
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-        "GPU_SESSION_WORK": str(tmp_path / "work"),
-    }
-    done = subprocess.run(
-        ["bash", str(SCRIPT), str(tmp_path / "out"), "tests=3"], env=env, capture_output=True, text=True, timeout=60
-    )
+    done = _run_with_stand_in(tmp_path, _INTERRUPTIBLE, "tests=3")
     assert done.returncode == 0, done.stderr
     log = (tmp_path / "out" / "session.log").read_text()
     assert re.search(r"== tests: exit 124 after \d+ s \(time limit\)", log), log
     step_log = (tmp_path / "work" / "tests.log").read_text()
     assert "started" in step_log and "interrupted: the summary is written" in step_log, step_log
+
+
+_SLOW_IF_BENCH = """
+import sys, time
+if any("head_chunk_ratio" in arg for arg in sys.argv):
+    time.sleep(3)
+print("ran", *sys.argv[1:2], flush=True)
+"""
+
+
+def test_a_step_with_a_plus_runs_in_the_background_and_is_waited_for(tmp_path):
+    """``+cpuchunks`` starts while the next steps run (its exit line comes after theirs) and the script waits for it:
+    its log is in the pack. A stand-in ``python3`` sleeps for the bench script only."""
+    done = _run_with_stand_in(tmp_path, _SLOW_IF_BENCH, "+cpuchunks=30", "env=30")
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "out" / "session.log").read_text()
+    assert "== cpuchunks (30 s, in the background): " in log, log
+    exits = re.findall(r"== (\w+): exit 0 after", log)
+    assert exits == ["env", "cpuchunks"], log
+    with tarfile.open(tmp_path / "out" / "gpu_session.tgz") as packed:
+        text = packed.extractfile("./cpuchunks.log").read().decode()
+    assert "ran" in text and "head_chunk_ratio.py" in text, text
