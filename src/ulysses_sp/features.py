@@ -19,9 +19,19 @@ from .cli_config import check_choices, option
 from .tiled_loss.sizing import DEFAULT_LOSS_BUDGET_BYTES
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
-__all__ = ["CHECKPOINT_MODES", "DTYPES", "PARALLEL_MODES", "Features", "apply_features", "cli_switch"]
+__all__ = [
+    "CHECKPOINT_MODES",
+    "DTYPES",
+    "PARALLEL_MODES",
+    "Features",
+    "apply_features",
+    "bf16_error",
+    "bf16_missing",
+    "cli_switch",
+]
 
 CHECKPOINT_MODES = ("auto", "none", "checkpoint", "offload")
 PARALLEL_MODES = ("fsdp2", "ddp")
@@ -35,7 +45,7 @@ class Features:
     How a step is run. ``"auto"`` values depend on the device: see :meth:`resolve`.
 
     Defaults are what ``ulysses-sp train`` runs: tiled loss and MLP, checkpoints offloaded to host memory on
-    a GPU (kept on the device on a CPU), FSDP2, bf16 on a GPU (fp32 on a CPU).
+    a GPU (kept on the device on a CPU), FSDP2, bf16 on a GPU with native bf16 (fp32 on a CPU or an older GPU).
     """
 
     tiled_loss: bool = option(
@@ -96,7 +106,8 @@ class Features:
     dtype: str = option(
         "auto",
         help="Compute dtype (bf16 = autocast, with fp32 master weights and optimizer states): "
-        "'auto' = bf16 on GPU, fp32 on CPU.",
+        "'auto' = bf16 on a GPU, fp32 on a CPU or on a GPU without native bf16 (compute capability below 8.0: "
+        "V100, T4).",
         choices=DTYPES,
     )
 
@@ -172,15 +183,22 @@ class Features:
         """Only the feature fields (of a config that extends :class:`Features`), as a plain ``Features``."""
         return Features(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Features)})
 
-    def resolve(self, device_type: str) -> Features:
-        """``"auto"`` made concrete for ``device_type``: offload and bf16 on a GPU, checkpoint and fp32 on a CPU."""
-        on_cpu = device_type == "cpu"
+    def resolve(self, device: str | torch.device) -> Features:
+        """``"auto"`` made concrete for ``device``: offload and bf16 on a GPU, checkpoint and fp32 on a CPU.
+
+        ``device`` is a device type ("cuda", "cpu": a GPU with native bf16, as the planner assumes) or the
+        ``torch.device`` the step runs on, whose GPU is read: fp32 where it has no native bf16 (:func:`bf16_missing`).
+        """
+        on_cpu = _device_type(device) == "cpu"
         mode = self.activation_checkpointing
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "fp32" if on_cpu or bf16_missing(device) else "bf16"
         return dataclasses.replace(
             self.features(),
             activation_checkpointing=("checkpoint" if on_cpu else "offload") if mode == "auto" else mode,
             checkpoint_stride=self.checkpoint_stride or 1,
-            dtype=("fp32" if on_cpu else "bf16") if self.dtype == "auto" else self.dtype,
+            dtype=dtype,
         )
 
     @property
@@ -188,11 +206,18 @@ class Features:
         """The logits working set one loss chunk may use, in bytes."""
         return self.loss_chunk_mib << 20
 
-    def torch_dtype(self, device_type: str) -> Any:
-        """The compute ``torch.dtype`` on ``device_type`` ('auto': bf16 on GPU, fp32 on CPU)."""
+    def torch_dtype(self, device: str | torch.device) -> Any:
+        """The compute ``torch.dtype`` on ``device`` (see :meth:`resolve`; 'auto': bf16 on a GPU, fp32 on a CPU or
+        a GPU without native bf16)."""
         import torch
 
-        return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.resolve(device_type).dtype]
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.resolve(device).dtype]
+
+    def check_dtype(self, device: torch.device) -> None:
+        """ValueError when ``--dtype bf16`` is asked for on a GPU without native bf16 (:func:`bf16_missing`)."""
+        missing = bf16_missing(device) if self.dtype == "bf16" else None
+        if missing:
+            raise ValueError(bf16_error(missing))
 
     def describe(self) -> str:
         """One line naming the features, e.g. for the planner's report."""
@@ -213,6 +238,35 @@ class Features:
                 self.dtype,
             ]
         )
+
+
+def _device_type(device: str | torch.device) -> str:
+    return device if isinstance(device, str) else device.type
+
+
+def bf16_missing(device: str | torch.device) -> str | None:
+    """The GPU and its compute capability, e.g. "Tesla V100-SXM2-16GB (compute capability 7.0)", when ``device`` is
+    a CUDA GPU without native bf16 (capability below 8.0: V100, T4; there bf16 is emulated and sdpa's fused kernels
+    refuse it); None for any other device. A device type string ("cuda") names no real GPU: None."""
+    if isinstance(device, str) or device.type != "cuda":
+        return None
+    import torch
+
+    if torch.version.hip:  # ROCm GPUs compute bf16 (as torch.cuda.is_bf16_supported says)
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= (8, 0):
+        return None
+    return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+
+
+def bf16_error(missing: str) -> str:
+    """The message refusing ``--dtype bf16`` on the GPU ``missing`` (:func:`bf16_missing`) names."""
+    return (
+        f"--dtype bf16: {missing} has no native bf16 (it needs compute capability 8.0 or newer: A100, L4, H100, ...); "
+        "torch would emulate it, and sdpa's fused kernels refuse bf16 there, so attention would fall back to the math "
+        "kernel that holds every [seq, seq] score; use --dtype fp32 (or --dtype auto, which picks fp32 on this GPU)"
+    )
 
 
 def _features_switch(field: str) -> str:

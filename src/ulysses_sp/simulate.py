@@ -14,6 +14,7 @@ initialised world (gloo ranks, or the stand-in's fake one), which the tests comp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import time
@@ -90,11 +91,11 @@ def sharded_step_peak(
     from .shapes import random_model
 
     device = layout.device
-    features = (features or Features()).resolve(device.type)
+    features = (features or Features()).resolve(device)
     if features.parallel != "fsdp2":
         raise ValueError(f"simulating parallel={features.parallel!r} is not supported; simulate models FSDP2 only")
     config, _ = load_model_config(model_config)
-    compute = features.torch_dtype(device.type)
+    compute = features.torch_dtype(device)
     model = random_model(config, device="meta")
     model.config.use_cache = False
     parallelize(model, layout, core=core, head_chunks=features.head_chunks)
@@ -207,6 +208,8 @@ def simulate_step(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    features.check_dtype(device)  # the plan and the step in the dtype this GPU runs: 'auto' is fp32 without bf16
+    features = dataclasses.replace(features, dtype=features.resolve(device).dtype)
     if seq_len % sp:
         raise ValueError(f"simulate needs seq_len divisible by sp, got seq_len={seq_len}, sp={sp}")
     gpu_memory_bytes = planned_gpu_bytes(device, gpu_memory_bytes)

@@ -74,6 +74,7 @@ def test_loss_falls_and_the_checkpoint_is_a_plain_hf_model(tmp_path, corpus_file
     assert [e["step"] for e in evals] == [7, 14] and evals[1]["eval_loss"] < evals[0]["eval_loss"]
 
     assert "resolved config" in result.stdout and "checkpoint: " in result.stdout
+    assert "\ndtype: fp32 (--dtype auto: on CPU)\n" in result.stdout  # the dtype 'auto' chose, named
     checkpoint = out / "checkpoint-0000014"
     assert str(checkpoint) in result.stdout and list_checkpoints(out)[-1] == checkpoint
     saved = load_config(["--config", str(checkpoint / "config.yaml")])

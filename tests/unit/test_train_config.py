@@ -348,3 +348,81 @@ def test_local_nproc_and_dtype():
     assert TrainConfig().torch_dtype("cuda") == torch.bfloat16
     with pytest.raises(ValueError, match="--dtype must be one of auto, bf16, fp32"):  # fp16 would need loss scaling
         TrainConfig(dtype="fp16").validate()
+
+
+def _fake_gpu(monkeypatch, capability: tuple[int, int], name: str) -> torch.device:
+    """Make torch report one CUDA GPU of ``capability`` named ``name`` (no GPU needed: nothing runs on it)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.version, "hip", None)
+    return torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    ("capability", "name", "auto"),
+    [
+        ((7, 0), "Tesla V100-SXM2-16GB", "fp32"),
+        ((7, 5), "Tesla T4", "fp32"),
+        ((8, 0), "NVIDIA A100-SXM4-80GB", "bf16"),
+        ((8, 9), "NVIDIA L4", "bf16"),
+        ((9, 0), "NVIDIA H100 80GB HBM3", "bf16"),
+    ],
+)
+def test_auto_dtype_is_fp32_on_a_gpu_without_native_bf16(monkeypatch, capability, name, auto):
+    """'auto' on a real GPU of compute capability < 8.0 (V100, T4: bf16 emulated, sdpa's fused kernels refuse it)
+    is fp32, and the train banner says why; --dtype bf16 there is a ValueError naming the GPU and the fix. A device
+    type string ("cuda": the planner's hypothetical GPUs) keeps bf16."""
+    from types import SimpleNamespace
+
+    from ulysses_sp.features import Features
+    from ulysses_sp.plan import plan_memory, recommend
+    from ulysses_sp.simulate import simulate_step
+    from ulysses_sp.train.model_factory import resolve_dtype
+
+    gpu = _fake_gpu(monkeypatch, capability, name)
+    assert TrainConfig().resolve(gpu).dtype == auto
+    assert TrainConfig().torch_dtype(gpu) == {"fp32": torch.float32, "bf16": torch.bfloat16}[auto]
+    assert TrainConfig().resolve("cuda").dtype == "bf16" and TrainConfig().torch_dtype("cuda") == torch.bfloat16
+    assert plan_memory("llama-tiny", seq_len=1024).features.dtype == "bf16"  # the planner plans a bf16 GPU
+    assert recommend("llama-tiny", seq_len=1024, world_size=2).plan.features.dtype == "bf16"
+    layout = SimpleNamespace(device=gpu, world_size=1)
+    typed, line = resolve_dtype(TrainConfig(), layout)
+    assert typed.dtype == auto and typed.features().describe().endswith(auto)
+    why = f"{name} (compute capability {capability[0]}.{capability[1]}) has no native bf16"
+    assert line == f"dtype: {auto} (--dtype auto: {why if auto == 'fp32' else 'GPUs with native bf16'})"
+    assert resolve_dtype(TrainConfig(dtype="fp32"), layout) == (TrainConfig(dtype="fp32"), "dtype: fp32 (--dtype fp32)")
+    cpu = SimpleNamespace(device=torch.device("cpu"), world_size=1)
+    assert resolve_dtype(TrainConfig(), cpu)[1] == "dtype: fp32 (--dtype auto: on CPU)"
+    if auto == "bf16":
+        assert resolve_dtype(TrainConfig(dtype="bf16"), layout)[0].dtype == "bf16"
+        Features(dtype="bf16").check_dtype(gpu)
+        return
+    refusal = rf"--dtype bf16: {name} \(compute capability {capability[0]}\.{capability[1]}\) has no native bf16.*"
+    refusal += "use --dtype fp32"
+    with pytest.raises(ValueError, match=refusal):
+        resolve_dtype(TrainConfig(dtype="bf16"), layout)
+    with pytest.raises(ValueError, match=refusal):  # plan --simulate on that GPU: refused before the step is built
+        simulate_step("llama-tiny", seq_len=64, device=gpu, features=Features(dtype="bf16"))
+
+
+def test_auto_dtype_is_one_for_the_world_when_one_rank_gpu_lacks_bf16(monkeypatch):
+    """Every rank trains in one dtype (FSDP2 gathers in it): an A100 rank whose peer is a T4 takes fp32 under
+    'auto', and --dtype bf16 is refused naming the peer's rank and GPU (the ranks' answers gathered)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from ulysses_sp.train.model_factory import resolve_dtype
+
+    gpu = _fake_gpu(monkeypatch, (8, 0), "NVIDIA A100-SXM4-80GB")
+    peer = "Tesla T4 (compute capability 7.5)"
+
+    def gather(found, mine):
+        found[:] = [mine, peer]
+
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    layout = SimpleNamespace(device=gpu, world_size=2)
+    typed, line = resolve_dtype(TrainConfig(), layout)
+    assert typed.dtype == "fp32" and line == f"dtype: fp32 (--dtype auto: rank 1's GPU, {peer}, has no native bf16)"
+    with pytest.raises(ValueError, match=r"--dtype bf16: rank 1's GPU, Tesla T4 \(compute capability 7\.5\), has"):
+        resolve_dtype(TrainConfig(dtype="bf16"), layout)

@@ -405,7 +405,7 @@ def test_a_checkpoint_saves_the_placement_asked_for_and_its_config_reruns(tmp_pa
     built = []
 
     def build_model(config, *args, **kwargs):
-        built.append((config.activation_checkpointing, config.checkpoint_stride))
+        built.append((config.activation_checkpointing, config.checkpoint_stride, config.dtype))
         return model_factory.build_model(config, *args, **kwargs)
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -413,8 +413,10 @@ def test_a_checkpoint_saves_the_placement_asked_for_and_its_config_reruns(tmp_pa
     monkeypatch.setattr(loop, "build_model", build_model)
     out = tmp_path / "run"
     assert train_in_one_process(out, "--host-memory", "1TiB", "--max-steps", "1", "--save-every", "1") == 0
-    assert built == [("checkpoint", 2)]
+    assert built == [("checkpoint", 2, "fp32")]  # the dtype too made concrete for the run, and named at start-up
+    assert "\ndtype: fp32 (--dtype auto: on CPU)\n" in capsys.readouterr().out
     saved = yaml.safe_load((out / "checkpoint-0000001" / "config.yaml").read_text())
+    assert saved["dtype"] == "auto"
     assert (saved["host_memory"], saved["activation_checkpointing"], saved["checkpoint_stride"]) == (
         "1TiB",
         "auto",

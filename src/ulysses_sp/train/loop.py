@@ -55,7 +55,8 @@ class Trainer:
 
     ``signals`` (this rank's :class:`RankSignals`) carries a SIGTERM: the ranks agree on it at the next step
     boundary, save that step together and stop (``summary["stopped"] == "SIGTERM"``). ``config``: what the run
-    trains with, ``spec.config`` with the checkpoints where the planner placed them for this run's GPUs
+    trains with, ``spec.config`` with its dtype made concrete for this run's GPUs
+    (:func:`~ulysses_sp.train.model_factory.resolve_dtype`) and the checkpoints where the planner placed them
     (:func:`~ulysses_sp.train.model_factory.place_checkpoints`); checkpoints save ``spec.config``, as asked.
     """
 
@@ -66,7 +67,7 @@ class Trainer:
         self.device = layout.device
         self.output_dir = Path(config.output_dir)
         self.fault = Fault.from_env()
-        self.compute_dtype = config.torch_dtype(self.device.type)
+        self.compute_dtype = config.torch_dtype(self.device)
         resume_dir = Path(spec.resume_from) if spec.resume_from else None
         # Saving and loading keep one rank busy with files while the others wait: those waits go through a
         # group with a long timeout, so a slow filesystem is not mistaken for a dead rank.

@@ -29,7 +29,7 @@ from torch import nn
 
 from ulysses_sp.attention import check_ring_core
 from ulysses_sp.cores import check_core_trains, get_core
-from ulysses_sp.features import apply_features, cli_switch
+from ulysses_sp.features import apply_features, bf16_error, bf16_missing, cli_switch
 from ulysses_sp.fsdp import fully_shard_layers
 from ulysses_sp.head_split import check_head_chunks, uneven_kv_chunks
 from ulysses_sp.hf import head_counts, layer_kv_heads, layer_values
@@ -44,6 +44,7 @@ __all__ = [
     "build_model",
     "hf_model_config",
     "choose_run_layout",
+    "resolve_dtype",
     "resolve_ring",
     "tokenizer_source",
     "training_flops_per_token",
@@ -232,6 +233,26 @@ def place_checkpoints(
     return placed, f"checkpoints: {plan.checkpoint_choice}"
 
 
+def resolve_dtype(config: TrainConfig, layout: ParallelLayout) -> tuple[TrainConfig, str]:
+    """``config`` with ``--dtype`` made concrete for the world's GPUs, and the line that reports it. One dtype for
+    every rank (FSDP2 gathers in it): 'auto' is fp32 on a CPU or when any rank's GPU has no native bf16
+    (:func:`ulysses_sp.features.bf16_missing`), bf16 otherwise; ``--dtype bf16`` on such a GPU is a ValueError
+    on every rank naming it. Called by every rank."""
+    missing = bf16_missing(layout.device) if config.dtype != "fp32" else None
+    if layout.device.type == "cuda" and config.dtype != "fp32" and layout.world_size > 1:
+        found: list[str | None] = [None] * layout.world_size
+        dist.all_gather_object(found, missing)
+        rank = next((rank for rank, gpu in enumerate(found) if gpu), None)
+        missing = None if rank is None else f"rank {rank}'s GPU, {found[rank]},"
+    if config.dtype == "bf16" and missing:
+        raise ValueError(bf16_error(missing))
+    if config.dtype != "auto":
+        return config, f"dtype: {config.dtype} (--dtype {config.dtype})"
+    dtype = "fp32" if missing else config.resolve(layout.device).dtype
+    why = f"{missing} has no native bf16" if missing else ("on CPU" if dtype == "fp32" else "GPUs with native bf16")
+    return dataclasses.replace(config, dtype=dtype), f"dtype: {dtype} (--dtype auto: {why})"
+
+
 def smallest_gpu_memory(layout: ParallelLayout) -> int:
     """The memory of the smallest GPU in the world (every rank must choose alike); 0 on a CPU."""
     if layout.device.type != "cuda":
@@ -276,7 +297,7 @@ def build_model(
     so slow loading on rank 0 never runs into the collective timeout of the other ranks.
     """
     device = layout.device
-    compute_dtype = config.torch_dtype(device.type)
+    compute_dtype = config.torch_dtype(device)
     if config.parallel == "ddp":
         model = _full_model(config, hf_config, source).to(device)
         _prepare(model, config, layout)

@@ -195,7 +195,7 @@ def run_rank(spec: RunSpec | None, config: TrainConfig | None = None) -> int:
     from ulysses_sp.train.config import config_to_dict
     from ulysses_sp.train.loop import Trainer
     from ulysses_sp.train.metrics import format_summary
-    from ulysses_sp.train.model_factory import place_checkpoints, smallest_gpu_memory
+    from ulysses_sp.train.model_factory import place_checkpoints, resolve_dtype, smallest_gpu_memory
 
     _quiet_libraries()
     launched = under_launcher(os.environ)
@@ -216,10 +216,13 @@ def run_rank(spec: RunSpec | None, config: TrainConfig | None = None) -> int:
             hybrid = f" (ulysses {layout.ulysses} x ring {layout.ring})" if layout.ring > 1 else ""
             print(f"layout: world {layout.world_size} = dp {layout.dp} x sp {layout.sp}{hybrid} on {layout.device}")
             print(f"  {spec.layout_reason}")
+        typed, dtype_line = resolve_dtype(config, layout)  # the one compute dtype of every rank
+        if layout.is_main:
+            print(dtype_line, flush=True)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
         memory = smallest_gpu_memory(layout)
         placed, choice = place_checkpoints(
-            config, spec.model_config(), layout=layout, gpu_memory_bytes=memory, gpus_per_node=local
+            typed, spec.model_config(), layout=layout, gpu_memory_bytes=memory, gpus_per_node=local
         )
         if choice and layout.is_main:
             print(choice, flush=True)
