@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from ulysses_sp.process_group import under_launcher
 from ulysses_sp.shapes import SHAPES
@@ -15,7 +16,7 @@ from ulysses_sp.train.config import TrainConfig
 from ulysses_sp.train.documents import load_tokenizer
 from ulysses_sp.train.faults import Fault
 from ulysses_sp.train.launch import apply_slurm_env
-from ulysses_sp.train.metrics import MetricsLog, Progress, format_summary, read_metrics
+from ulysses_sp.train.metrics import MetricsLog, Progress, format_summary, peak_tflops, read_metrics
 from ulysses_sp.train.model_factory import (
     hf_model_config,
     resolve_ring,
@@ -216,6 +217,38 @@ def test_summary_tells_where_the_checkpoint_is():
     assert "nothing to train: already at step 4 of 2 (to train from an earlier checkpoint, name it: --resume" in past
     done = format_summary(summary | {"first_loss": None, "step": 2, "total_steps": 2}, "runs/x/metrics.jsonl")
     assert "already at step 2 of 2\n" in done and "an earlier checkpoint" not in done
+
+
+@pytest.mark.parametrize(
+    ("name", "tflops"),
+    [
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA GH200 480GB", 989.0),
+        ("NVIDIA L40S", 362.0),
+        ("NVIDIA L40", 181.0),  # was the L4's 121: "L4" is a substring of "L40"
+        ("NVIDIA L4", 121.0),
+        ("NVIDIA A10G", 70.0),
+        ("NVIDIA A10", 125.0),
+        ("NVIDIA H20", 148.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA H200 NVL", 835.0),
+        ("NVIDIA H800", 989.0),
+        ("NVIDIA H800 PCIe", None),
+        ("NVIDIA B200", 2250.0),
+        ("Tesla V100-SXM2-16GB", None),
+        ("NVIDIA GeForce RTX 4090", None),
+        ("NVIDIA A40", None),
+    ],
+)
+def test_peak_tflops_matches_whole_model_names(monkeypatch, name, tflops):
+    """MFU's peak: the model in the device name as whole words (an L40 is not an L4), unknown GPUs None."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_tflops(torch.device("cuda", 0)) == tflops
+    assert peak_tflops(torch.device("cpu")) is None
 
 
 def test_builtin_models_and_the_sp_check():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import resource
 import sys
 from pathlib import Path
@@ -23,30 +24,42 @@ import torch
 
 __all__ = ["MetricsLog", "Progress", "format_summary", "peak_memory_gib", "peak_tflops", "read_metrics"]
 
-# Dense bf16 tensor-core peaks (TFLOPs, no sparsity), matched against torch.cuda.get_device_name().
-_PEAK_BF16_TFLOPS = (
-    ("H100 PCIe", 756.0),
-    ("H100", 989.0),
-    ("H200", 989.0),
-    ("H20", 148.0),
-    ("GH200", 989.0),
-    ("B200", 2250.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.0),
-    ("L4", 121.0),
-    ("A10G", 70.0),
-    ("A10", 125.0),
+# Dense bf16 tensor-core peaks (TFLOPs, no sparsity) from NVIDIA's datasheets, which print the sparse figure (x2)
+# with an asterisk: dense = that / 2. A key matches when each of its words is a whole word of
+# torch.cuda.get_device_name() split on spaces and '-' ("L4" is not "L40"); the first key that matches wins, so a
+# variant comes before its model. None: a variant with no datasheet figure found (unknown, rather than another's).
+_PEAK_BF16_TFLOPS: tuple[tuple[str, float | None], ...] = (
+    ("H100 PCIe", 756.0),  # H100 datasheet, PCIe column: 1,513 sparse
+    ("H100 NVL", 835.0),  # H100 datasheet, NVL column: 1,671 sparse
+    ("H100", 989.0),  # H100 datasheet, SXM column: 1,979 sparse
+    ("H200 NVL", 835.0),  # H200 datasheet, NVL column: 1,671 sparse
+    ("H200", 989.0),  # H200 datasheet, SXM column: 1,979 sparse
+    ("H800 PCIe", None),  # no datasheet figure found: unknown, not the SXM column's
+    ("H800", 989.0),  # H800 datasheet, SXM column: 1,979 sparse
+    ("H20", 148.0),  # H20 specification: 148 dense, 296 sparse
+    ("GH200", 989.0),  # GH200 Grace Hopper Superchip datasheet: 1,979 sparse
+    ("B200", 2250.0),  # HGX B200 datasheet, per GPU: 4.5 PFLOPs sparse
+    ("A100", 312.0),  # A100 datasheet: 312 dense, 624 sparse (SXM and PCIe)
+    ("A800", 312.0),  # A800 datasheet: 312 dense, 624 sparse
+    ("L40S", 362.0),  # L40S datasheet: 733 sparse (362.05 dense)
+    ("L40", 181.0),  # L40 datasheet: 181.05 dense, 362.1 sparse
+    ("L4", 121.0),  # L4 datasheet: 242 sparse
+    ("A10G", 70.0),  # an AWS-only part without an NVIDIA datasheet: the figure this table always had
+    ("A10", 125.0),  # A10 datasheet: 250 sparse
 )
+
+
+def _name_words(name: str) -> set[str]:
+    return {word.upper() for word in re.split(r"[\s-]+", name) if word}
 
 
 def peak_tflops(device: torch.device) -> float | None:
     """The bf16 dense peak of ``device`` in TFLOPs, or None (CPU, unknown GPU): MFU needs it."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    words = _name_words(torch.cuda.get_device_name(device))
     for key, tflops in _PEAK_BF16_TFLOPS:
-        if key in name:
+        if _name_words(key) <= words:
             return tflops
     return None
 
