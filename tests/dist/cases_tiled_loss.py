@@ -146,6 +146,22 @@ def smoothed(layout, arch="llama", *, via="model", tiled=True, how="none", batch
             torch.testing.assert_close(grads[name], param.grad, **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def float64(layout):
+    """Under torch.set_default_dtype(torch.float64), an fp64 model: the tiled loss under SP equals one process
+    (the kernel's logits gradient had come out in the default dtype, which scatter_add_ refused)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = build("llama", kv_heads=2).double()
+        batch = make_batch(2, 24, pad="right")
+        ref_loss, ref_grads = reference(model, batch)
+        loss, grads = run_parallel(model, batch, layout)
+        assert {grad.dtype for grad in grads.values()} == {torch.float64}
+        assert_loss_and_grads(loss, grads, ref_loss, ref_grads)
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def world2() -> dict[str, str]:
     sp2 = U.ParallelLayout.from_env(sp=2)
     P = functools.partial
@@ -167,6 +183,7 @@ def world2() -> dict[str, str]:
         "sp2_label_smoothing_tiled": P(smoothed, sp2, batch=make_batch(2, 24, packed=(7, 17))),
         "sp2_label_smoothing_logits": P(smoothed, sp2, via="logits", tiled=False, epsilon=0.3),
         "sp2_label_smoothing_moe_aux_tiled_ddp": P(smoothed, sp2, "mixtral", how="ddp"),
+        "sp2_float64_default_dtype": P(float64, sp2),
     }
     return run_cases(cases)
 

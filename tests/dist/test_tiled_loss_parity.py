@@ -20,6 +20,7 @@ WORLD2 = [
     "sp2_label_smoothing_tiled",
     "sp2_label_smoothing_logits",
     "sp2_label_smoothing_moe_aux_tiled_ddp",
+    "sp2_float64_default_dtype",
 ]
 WORLD4 = [
     "dp2_sp2_fsdp2_tied",

@@ -142,6 +142,60 @@ def test_model_loss_and_grads_equal_plain(arch):
         torch.testing.assert_close(got[name], ref[name], **TOL, msg=name)
 
 
+@pytest.fixture
+def default_float64():
+    """torch.set_default_dtype(torch.float64) for the test, restored after it."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_fp64_model_under_a_float64_default_dtype_equals_plain(default_float64):
+    """An fp64 model built after torch.set_default_dtype(torch.float64): the kernel's logits gradient came out in
+    the default dtype (a bool mask times a Python float), and scatter_add_ refused it ("Expected self.dtype to be
+    equal to src.dtype"). The loss (fp32, as transformers' logits.float()) and every fp64 gradient equal plain."""
+    model = build("llama").double()
+    batch = make_batch(2, 24, pad="right")
+    plain = copy.deepcopy(model)
+    want = plain(**batch, use_cache=False).loss
+    want.backward()
+    tiled = U.enable_tiled_loss(copy.deepcopy(model), chunk_tokens=5)
+    got = tiled(**batch, use_cache=False).loss
+    got.backward()
+    torch.testing.assert_close(got, want, **TOL)
+    got_grads, ref = _grads(tiled), _grads(plain)
+    assert got_grads.keys() == ref.keys() and {g.dtype for g in got_grads.values()} == {torch.float64}
+    for name in ref:
+        torch.testing.assert_close(got_grads[name], ref[name], **TOL, msg=name)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_kernel_fp64_under_a_float64_default_dtype(default_float64, recompute, smoothing):
+    """The kernel on fp64 inputs under a float64 default dtype, with a softcap, label smoothing and the recompute
+    path: cross-entropy over the fp32 logits, as the plain path's logits.float(), and fp64 gradients."""
+    torch.manual_seed(0)
+    head = LogitsHead(scale=2.0, softcap=5.0)
+    h = torch.randn(2, 37, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 37))
+    targets[0, :5] = -100
+    logits = head.apply(F.linear(h, w).float())
+    want = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum", label_smoothing=smoothing)
+    want_grads = torch.autograd.grad(want, [h, w])
+    got = U.tiled_cross_entropy_sum(
+        h, w, targets, head=head, chunk_tokens=7, recompute=recompute, label_smoothing=smoothing
+    )
+    got_grads = torch.autograd.grad(got, [h, w])
+    torch.testing.assert_close(got, want, **TOL)
+    for g, r in zip(got_grads, want_grads, strict=True):
+        assert g.dtype == torch.float64
+        torch.testing.assert_close(g, r, **TOL)
+
+
 def test_under_torch_compile_loss_and_grads_equal_plain():
     """torch.compile (dynamo's tracing; the eager backend keeps it quick) over a model with the tiled loss: the lm_head
     call whose forward the loss swaps in runs eagerly (dynamo failed on the swap before), the rest compiled."""

@@ -95,7 +95,7 @@ def _fp32_product_mode(device_type: str, dtype: torch.dtype) -> str | None:
     """
     a = torch.ones(2, 3, dtype=dtype, device=device_type)
     with contextlib.suppress(RuntimeError, TypeError):
-        acc = torch.full((2, 2), 0.5, device=device_type)
+        acc = torch.full((2, 2), 0.5, dtype=torch.float32, device=device_type)
         torch.addmm(acc, a, a.t(), out_dtype=torch.float32, out=acc)
         if bool((acc == 3.5).all()):
             return "addmm"
@@ -244,7 +244,7 @@ def _logits_grad_(
     """d loss / d raw logits [c, V] fp32 over ``exps`` (from :func:`_chunk_loss_`): ``(softmax - onehot(target))
     * valid * scale``, times ``slope`` (d softcap / d x) with a softcap. ``scale``: head.scale x grad_output.
     With label ``smoothing`` e: ``softmax - (1 - e) onehot(target) - e / V``."""
-    factor = valid * scale  # [c, 1]
+    factor = valid.to(exps.dtype) * scale  # [c, 1] (a bool times a Python float would be the default dtype)
     grad = exps.mul_(factor / sums)
     grad.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -factor * (1 - smoothing) if smoothing else -factor)
     if smoothing:
