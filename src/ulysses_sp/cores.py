@@ -9,7 +9,8 @@ once per forward pass; no core builds an O(N^2) mask:
   row is one document); sliding windows in blocks of ``window`` queries, so memory is O(N * window). On
   CUDA, rows packed with many documents go to one ``flex_attention`` call instead (:func:`packed_kernel`).
 * ``eager``: explicit softmax(q k^T) per document, the reference; supports ``softcap``.
-* ``flex_attention``: one ``flex_attention`` call with a document (+ window) ``BlockMask``.
+* ``flex_attention``: one ``flex_attention`` call with a document (+ window) ``BlockMask``; on CUDA compiled
+  with automatic dynamic shapes (:func:`compiled_flex`), so new lengths do not compile again and again.
 * ``flash_attention_2`` / ``flash_attention_3``: varlen kernels fed with ``cu_seqlens`` (CUDA only; :mod:`.flash_core`).
 
 Padding tokens get a zero output (they never feed a real token; a target on padding whose output one process
@@ -370,10 +371,20 @@ def check_flex_head_dim(head_dim: int, device: torch.device) -> None:
 
 @functools.cache
 def compiled_flex() -> Callable:
-    """``flex_attention`` compiled once per process (static shapes)."""
+    """``flex_attention`` compiled once per process, with automatic dynamic shapes (``dynamic=None``).
+
+    The first call compiles a kernel for its shapes; the first call at another length compiles once more, a kernel
+    generic in the sizes that changed (sequence length, block counts), which every later length reuses: about three
+    compiles in all (a one-block length, 128 tokens or fewer, stays specialised). With ``dynamic=False`` every new
+    length compiled again, and past ``torch._dynamo.config.recompile_limit`` (8) torch ran flex_attention uncompiled,
+    with dense ``[q, k]`` scores, logging one warning: padding-free batches, a new length nearly every step, hit it
+    within a few steps. One length compiles once, as before. The cache is torch's, per code object, so it is shared
+    with every other ``torch.compile`` of flex_attention in the process (each variant of mask or score function
+    takes an entry of the same limit).
+    """
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=None)
 
 
 CORES: dict[str, Core] = {
