@@ -28,6 +28,7 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,15 +36,20 @@ import torch.nn.functional as F
 from .flash_core import FLASH_MODULES, flash_core
 from .validation import hole_message
 
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
 __all__ = [
     "CORES",
     "AttentionCall",
     "Core",
     "Segments",
     "check_core_trains",
+    "compiled_block_mask",
     "compiled_flex",
     "eager_core",
     "flex_compiles",
+    "flex_block_mask",
     "flex_core",
     "get_core",
     "packed_kernel",
@@ -320,7 +326,7 @@ def flex_core(
     dropout: float = 0.0,
 ) -> torch.Tensor:
     """One ``flex_attention`` call with a document/window ``BlockMask`` built once per forward pass."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     if dropout:
         raise ValueError(f"the flex_attention core has no attention dropout (dropout={dropout}); use sdpa")
@@ -339,14 +345,9 @@ def flex_core(
 
     # On CUDA both are compiled, so neither the block mask nor the scores are ever dense. On CPU flex runs
     # eagerly (dense scores, forward only in torch): a reference path, not one for long sequences.
-    compiled = q.is_cuda
-    block_mask = segments.cached(
-        ("flex", window),
-        lambda: create_block_mask(
-            mask_mod, segments.batch, None, segments.seq_len, segments.seq_len, device=q.device, _compile=compiled
-        ),
-    )
-    attend = compiled_flex() if compiled else flex_attention
+    n = segments.seq_len
+    block_mask = segments.cached(("flex", window), lambda: flex_block_mask(mask_mod, segments.batch, n, n, q.device))
+    attend = compiled_flex() if q.is_cuda else flex_attention
     score_mod = None
     if softcap is not None:
 
@@ -385,6 +386,24 @@ def compiled_flex() -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=None)
+
+
+@functools.cache
+def compiled_block_mask() -> Callable:
+    """``create_block_mask`` compiled once per process, with automatic dynamic shapes as :func:`compiled_flex`: torch's
+    advice in place of its deprecated ``create_block_mask(_compile=True)``, which compiles it the same way."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask, dynamic=None)
+
+
+def flex_block_mask(mask_mod: Callable, batch: int, q_len: int, kv_len: int, device: torch.device) -> BlockMask:
+    """The ``BlockMask`` of ``mask_mod`` (one for every head): compiled on CUDA, so no dense ``[q, k]`` mask is ever
+    built; eagerly elsewhere (flex itself runs eagerly and densely there)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    build = compiled_block_mask() if device.type == "cuda" else create_block_mask
+    return build(mask_mod, batch, None, q_len, kv_len, device=device)
 
 
 CORES: dict[str, Core] = {

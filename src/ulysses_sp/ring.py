@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import CommStats
-from .cores import Segments, packed_kernel
+from .cores import Segments, flex_block_mask, packed_kernel
 from .ring_blocks import Piece, ring_pieces
 from .ring_kernels import acc_dtype, default_ring_kernel, get_ring_kernel
 
@@ -273,8 +273,6 @@ class _RingAttention(torch.autograd.Function):
 def _flex_mask(segments: Segments, ring: int, rank: int, source: int, window: int | None, device: torch.device):
     """The ``BlockMask`` of my zigzag block's queries against ``source``'s keys: same document, not after the
     query, inside the window (global indices), built once per forward pass."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     n = segments.seq_len // ring
     order = zigzag_order(segments.seq_len, ring, device).view(ring, n)
     mine, theirs = order[rank], order[source]  # [n] sequence index of each local token
@@ -287,7 +285,7 @@ def _flex_mask(segments: Segments, ring: int, rank: int, source: int, window: in
             keep = keep & (theirs[kj] > mine[qi] - window)
         return keep
 
-    return create_block_mask(mask_mod, segments.batch, None, n, n, device=device, _compile=device.type == "cuda")
+    return flex_block_mask(mask_mod, segments.batch, n, n, device)
 
 
 def ring_attention(
