@@ -268,13 +268,13 @@ class Accumulators:
             run.parts.add(name, stage, self.sum(proj.bias), grad_2d.sum(0))
         for index, adapter in enumerate(run.parts.adapters(name, stage)):  # LoRA
             dtype = adapter.dtype(grad.dtype)
-            g = grad.to(dtype)  # [b, n, out_c]
+            g = cast(grad, dtype)  # [b, n, out_c]
             if self.need.get(id(adapter.b_param)):  # B_c += s g^T (dropout(x) A^T)
-                low = run.inputs.low(name, index, adapter).to(dtype)  # [b, n, r]
+                low = cast(run.inputs.low(name, index, adapter), dtype)  # [b, n, r]
                 b_grad = g.reshape(-1, g.shape[-1]).t().mm(low.reshape(-1, low.shape[-1])) * adapter.scaling
                 run.parts.add(name, stage, self.sum(adapter.b_param), b_grad)
             if self.need.get(id(adapter.a)) or self.need_x:  # A's and the input's: once, from the sum of s g B_c
-                run.inputs.add(name, index, adapter, g @ adapter.b.to(dtype) * adapter.scaling)
+                run.inputs.add(name, index, adapter, g @ cast(adapter.b, dtype) * adapter.scaling)
 
     def finish_inputs(self, run: ChunkRun) -> None:
         """The LoRA adapters' gradients of A and of the block's input, once every stage has run
@@ -292,11 +292,11 @@ class Accumulators:
             raise RuntimeError("the output projection's LoRA adapters changed between forward and backward")
         found = []
         for adapter, low in zip(adapters, lows, strict=True):
-            g = grad_out.to(adapter.dtype(grad_out.dtype))  # [b, n, h]
+            g = cast(grad_out, adapter.dtype(grad_out.dtype))  # [b, n, h]
             if self.need.get(id(adapter.b_param)):
-                grad = g.reshape(-1, g.shape[-1]).t().mm(low.reshape(-1, low.shape[-1]).to(g.dtype))
+                grad = g.reshape(-1, g.shape[-1]).t().mm(cast(low.reshape(-1, low.shape[-1]), g.dtype))
                 self.sum(adapter.b_param).add_(grad * adapter.scaling)
-            found.append((adapter, g @ adapter.b.to(g.dtype) * adapter.scaling))
+            found.append((adapter, g @ cast(adapter.b, g.dtype) * adapter.scaling))
         return found
 
     def result(self, grad_out: torch.Tensor) -> tuple:

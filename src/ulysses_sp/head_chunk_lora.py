@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dropout_stream import Drawn, InputDropout
+from .grad_sums import cast
 
 __all__ = [
     "Adapter",
@@ -84,7 +85,7 @@ class Adapter:
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         for dtype in self.casts:
-            x = x.to(dtype)
+            x = cast(x, dtype)
         return x
 
     def dtype(self, like: torch.dtype) -> torch.dtype:
@@ -302,7 +303,7 @@ class InputLows:
         if key in self.grads:
             self.grads[key][1].add_(low_grad)
         else:
-            self.grads[key] = (adapter, low_grad.to(torch.promote_types(low_grad.dtype, torch.float32)))
+            self.grads[key] = (adapter, cast(low_grad, torch.promote_types(low_grad.dtype, torch.float32)))
 
     def finish(self, a_sum: Callable[[Adapter], torch.Tensor | None], x_sum: Callable[[], torch.Tensor | None]) -> None:
         """A's gradients ``G^T dropout(x)`` into ``a_sum(adapter)`` (None: not wanted) and the input's
@@ -336,20 +337,20 @@ def adapter_grads(
     ``x_target``'s tokens from ``x_start`` (each None: not wanted; ``x`` is read only for A's), tile by tile, each
     tile's dropout mask drawn once."""
     dtype = adapter.dtype(low_grad.dtype)
-    a = (adapter.a if columns is None else adapter.a.index_select(1, columns)).to(dtype)  # [r, w]
+    a = cast(adapter.a if columns is None else adapter.a.index_select(1, columns), dtype)  # [r, w]
     low_grad = _rows(low_grad.contiguous())  # [rows, n, r]
     x = None if a_target is None else _rows(adapter.input(x).contiguous())  # [rows, n, w]
     target = None if x_target is None else _rows(x_target)
     if drawn is None:
         drawn = dropout_keys(adapter, low_grad.shape[0], offset + low_grad.shape[1], low_grad.device, columns)
     for start, length in _spans(adapter, low_grad, a.shape[1]):
-        g = low_grad.narrow(1, start, length).to(dtype)  # [rows, length, r]
+        g = cast(low_grad.narrow(1, start, length), dtype)  # [rows, length, r]
         keep = None if drawn is None else drawn.keep(offset + start, length)  # [rows, length, w]
         if x is not None:
-            tile = x.narrow(1, start, length).to(dtype)
+            tile = cast(x.narrow(1, start, length), dtype)
             tile = tile if keep is None else drawn.apply(tile, offset + start, keep)
             grad = g.reshape(-1, g.shape[-1]).t() @ tile.reshape(-1, tile.shape[-1])  # [r, w]
-            a_target.add_(grad.to(a_target.dtype))
+            a_target.add_(cast(grad, a_target.dtype))
         if target is not None:
             grad = g @ a  # [rows, length, w]
             target.narrow(1, x_start + start, length).add_(grad if keep is None else drawn.apply(grad, 0, keep))
@@ -374,4 +375,4 @@ def lora_linear(
     dtype = out.dtype
     for adapter, low in zip(adapters, lows, strict=True):
         out = out + F.linear(low, adapter.b) * adapter.scaling
-    return out.to(dtype)
+    return cast(out, dtype)

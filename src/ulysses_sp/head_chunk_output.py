@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .chunk_core import output_row_sums
-from .grad_sums import sum_dtype
+from .grad_sums import cast, sum_dtype
 from .head_chunk_lora import adapter_grads, adapter_low
 from .head_split import DEPTH
 from .tiling import compute_dtype
@@ -40,7 +40,7 @@ def out_share(run: ChunkRun, chunk: int, local: torch.Tensor, out: torch.Tensor)
     name = run.owner.names.out
     weight = run.parts.part(name, chunk, run.parts.out_proj.weight)  # [h, Hc d_v]
     local_2d = local.reshape(-1, weight.shape[1])  # [b n, Hc d_v]
-    out.view(-1, out.shape[-1]).addmm_(local_2d, weight.t().to(out.dtype))
+    out.view(-1, out.shape[-1]).addmm_(local_2d, cast(weight.t(), out.dtype))
     adapters = run.parts.adapters(name)
     if adapters:
         local_3d, columns = local.flatten(-2), run.parts.columns(chunk, local.device)  # [b, n, Hc d_v]
@@ -56,7 +56,7 @@ def out_finish(run: ChunkRun, out: torch.Tensor) -> torch.Tensor:
         out += out_proj.bias
     for low, adapter in zip(run.out_low, run.parts.adapters(run.owner.names.out), strict=True):
         dtype = adapter.dtype(out.dtype)
-        out.add_(low.to(dtype) @ adapter.b.t().to(dtype) * adapter.scaling)
+        out.add_(cast(low, dtype) @ cast(adapter.b.t(), dtype) * adapter.scaling)
     return out
 
 
@@ -86,7 +86,7 @@ def out_input_grad(
     grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [b n, h]
     name = run.owner.names.out
     weight = run.parts.part(name, chunk, run.parts.out_proj.weight)  # [h, Hc d_v]
-    grad = grad_2d.mm(weight.to(grad_2d.dtype)).view(*shape[:-2], -1)  # [b, n, Hc d_v]
+    grad = grad_2d.mm(cast(weight, grad_2d.dtype)).view(*shape[:-2], -1)  # [b, n, Hc d_v]
     columns = run.parts.columns(chunk, grad.device) if run.out_low_grads else None
     for adapter, low_grad in run.out_low_grads:  # LoRA: dropout'((s g B) A_c), A_c += (s g B)^T dropout(y_c)
         part = total = None

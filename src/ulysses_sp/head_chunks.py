@@ -38,6 +38,7 @@ from torch.autograd.function import once_differentiable
 from .attention import UlyssesAttention, intercepting
 from .compile_boundary import run_eagerly
 from .deferred_input import Absent, NormRemake
+from .grad_sums import cast
 from .head_chunk_choice import LayerSlot, layer_memory
 from .head_chunk_fit import Projections, norm_problem, projection_names
 from .head_chunk_grads import ProjectionCut
@@ -443,4 +444,4 @@ class HeadChunkedFunction(torch.autograd.Function):
             grad_x, *grads = ctx.run.backward(x, grad_out, needs, local, lse, source, out_low)
         for hook in ctx.run.owner.ctx.backward_hooks:  # every chunk's backward is done (UlyssesAttention)
             hook()
-        return (None, None if grad_x is None else grad_x.to(ctx.x_meta[1]), *grads)
+        return (None, None if grad_x is None else cast(grad_x, ctx.x_meta[1]), *grads)
