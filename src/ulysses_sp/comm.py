@@ -135,11 +135,15 @@ def _kv_send(x: torch.Tensor, sp: int) -> torch.Tensor:
     return x.index_select(1, index).unsqueeze(2).transpose(0, 1)
 
 
-def _kv_send_grad(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    # The adjoint of _kv_send: [P, b, hkv, n, d] -> [b, Hkv, n, d], summing the copies sent to several ranks.
+def _kv_send_grad(grad: torch.Tensor, num_kv_heads: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    # The adjoint of _kv_send: [P, b, hkv, n, d] -> [b, Hkv, n, d], summing the copies sent to several ranks
+    # (``grad`` cast to ``dtype`` already then: see qkv_send_grad).
     sp, b, hkv, n, d = grad.shape
     if num_kv_heads >= sp:
-        return grad.transpose(0, 1).reshape(b, num_kv_heads, n, d)
+        grad = grad.transpose(0, 1)  # [b, P, hkv, n, d]
+        if dtype is not None:  # (as in _merge_ranks)
+            grad = grad.to(dtype, memory_format=torch.contiguous_format)
+        return grad.reshape(b, num_kv_heads, n, d)
     copies = sp // num_kv_heads  # ranks that read one kv head
     return grad.reshape(num_kv_heads, copies, b, n, d).sum(1).transpose(0, 1)
 
@@ -162,22 +166,36 @@ def qkv_send_buffer(q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Ten
     return qkv_send_parts(q, k, v, sp).tensor()
 
 
-def qkv_send_grad(grad: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor | None, ...]:
+def qkv_send_grad(
+    grad: torch.Tensor, num_heads: int, num_kv_heads: int, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor | None, ...]:
     """The adjoint of :func:`qkv_send_buffer`: the send buffer's gradient -> the gradients of q, k, v (None for
-    what it did not send: ``num_heads`` or ``num_kv_heads`` 0)."""
+    what it did not send: ``num_heads`` or ``num_kv_heads`` 0); ``dtype``: cast to it (as :func:`qkv_full`)."""
     sp, b, rows, n, d = grad.shape
+    if dtype is not None and 0 < num_kv_heads < sp:  # k/v's copies are summed, in dtype: the whole buffer cast first
+        grad, dtype = grad.to(dtype), None
     heads_q = num_heads // sp
     hkv = (rows - heads_q) // 2
     dq, dk, dv = grad.split([heads_q, hkv, hkv], dim=2)
-    dq = dq.transpose(0, 1).reshape(b, num_heads, n, d) if num_heads else None
+    if num_heads:
+        dq = dq.transpose(0, 1)  # [b, P, H/P, n, d]
+        if dtype is not None:  # (as in _merge_ranks)
+            dq = dq.to(dtype, memory_format=torch.contiguous_format)
+        dq = dq.reshape(b, num_heads, n, d)
+    else:
+        dq = None
     if not num_kv_heads:
         return dq, None, None
-    return dq, _kv_send_grad(dk, num_kv_heads), _kv_send_grad(dv, num_kv_heads)
+    return dq, _kv_send_grad(dk, num_kv_heads, dtype), _kv_send_grad(dv, num_kv_heads, dtype)
 
 
-def _merge_ranks(recv: torch.Tensor) -> torch.Tensor:
-    # [P, b, x, y, d] -> [b, x, P y, d]: the source ranks' pieces side by side in dim 2 (a copy)
-    return recv.permute(1, 2, 0, 3, 4).flatten(2, 3)
+def _merge_ranks(recv: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    # [P, b, x, y, d] -> [b, x, P y, d]: the source ranks' pieces side by side in dim 2 (a copy). dtype: cast to it in
+    # the same copy, laid out contiguously (the flatten is then a view), not a cast and then the flatten's copy.
+    merged = recv.permute(1, 2, 0, 3, 4)  # [b, x, P, y, d]
+    if dtype is not None:
+        merged = merged.to(dtype, memory_format=torch.contiguous_format)
+    return merged.flatten(2, 3)
 
 
 def _split_ranks(t: torch.Tensor, sp: int) -> torch.Tensor:
@@ -185,9 +203,10 @@ def _split_ranks(t: torch.Tensor, sp: int) -> torch.Tensor:
     return t.unflatten(2, (sp, -1)).permute(2, 0, 1, 3, 4)
 
 
-def qkv_full(recv: torch.Tensor) -> torch.Tensor:
-    """The received buffer ``[P (src shard), b, h, n, d]`` -> ``[b, h, N, d]`` (a copy, in sequence order)."""
-    return _merge_ranks(recv)
+def qkv_full(recv: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The received buffer ``[P (src shard), b, h, n, d]`` -> ``[b, h, N, d]`` (a copy, in sequence order);
+    ``dtype``: cast to it in that same copy (a buffer received in a wire dtype; None: as it is)."""
+    return _merge_ranks(recv, dtype)
 
 
 def qkv_full_grad(grad: torch.Tensor, sp: int) -> torch.Tensor:
@@ -201,15 +220,20 @@ def out_send_buffer(out: torch.Tensor, sp: int) -> torch.Tensor:
     return out.reshape(b, sp, seq_len // sp, heads, d).transpose(0, 1)
 
 
-def out_send_grad(grad: torch.Tensor) -> torch.Tensor:
-    """The adjoint of :func:`out_send_buffer`: ``[P, b, n, h, d]`` -> ``[b, N, h, d]``."""
+def out_send_grad(grad: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The adjoint of :func:`out_send_buffer`: ``[P, b, n, h, d]`` -> ``[b, N, h, d]`` (``dtype``: as
+    :func:`qkv_full`)."""
     sp, b, n, heads, d = grad.shape
-    return grad.transpose(0, 1).reshape(b, sp * n, heads, d)
+    grad = grad.transpose(0, 1)  # [b, P, n, h, d]
+    if dtype is not None:  # (as in _merge_ranks)
+        grad = grad.to(dtype, memory_format=torch.contiguous_format)
+    return grad.reshape(b, sp * n, heads, d)
 
 
-def out_local(recv: torch.Tensor) -> torch.Tensor:
-    """The received output ``[P (src heads), b, n, h, d]`` -> ``[b, n, P h, d]`` (this rank's tokens, all heads)."""
-    return _merge_ranks(recv)
+def out_local(recv: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The received output ``[P (src heads), b, n, h, d]`` -> ``[b, n, P h, d]`` (this rank's tokens, all heads;
+    ``dtype``: as :func:`qkv_full`)."""
+    return _merge_ranks(recv, dtype)
 
 
 def out_local_grad(grad: torch.Tensor, sp: int) -> torch.Tensor:
@@ -317,10 +341,10 @@ def qkv_seq_to_heads(
     heads_q, hkv = q.shape[1] // sp, (send.shape[2] - q.shape[1] // sp) // 2
     dtype = send.dtype
     if comm_dtype is not None:
-        send = send.to(comm_dtype)
-    recv = all_to_all(send, group, stats).to(dtype)  # [P(src shard), b, H/P + 2 hkv, n, d]
+        send = send.to(comm_dtype, memory_format=torch.contiguous_format)
+    recv = all_to_all(send, group, stats)  # [P(src shard), b, H/P + 2 hkv, n, d], in the wire's dtype
     del send  # freed before the reshape's copy: at most two payload-sized buffers at once
-    full = qkv_full(recv)  # [b, h, N, d]
+    full = qkv_full(recv, None if recv.dtype == dtype else dtype)  # [b, h, N, d] (cast back from the wire: one copy)
     # split (not slicing): its backward concatenates the three gradients instead of zero-filling three
     # buffers of the full size and adding them.
     q_full, k_full, v_full = full.split([heads_q, hkv, hkv], dim=1)
@@ -340,11 +364,11 @@ def heads_to_seq(
         return out
     send = out_send_buffer(out, sp)  # [P(dst shard), b, n, H/P, d]
     dtype = send.dtype
-    if comm_dtype is not None:
-        send = send.to(comm_dtype)
-    recv = all_to_all(send, group, stats).to(dtype)  # [P(src heads), b, n, H/P, d]
+    if comm_dtype is not None:  # (one copy: a cast keeping the view's strides would be copied again to send)
+        send = send.to(comm_dtype, memory_format=torch.contiguous_format)
+    recv = all_to_all(send, group, stats)  # [P(src heads), b, n, H/P, d], in the wire's dtype
     del send
-    return out_local(recv)
+    return out_local(recv, None if recv.dtype == dtype else dtype)
 
 
 # ---------------------------------------------------------------------------------------------- reductions

@@ -84,6 +84,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ChunkRun", "placer"]
 
+Finish = Callable[[torch.Tensor, torch.dtype | None], Any]  # (what arrived, the dtype to cast it to) -> it, laid out
+
 
 def placer(name: str, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], tuple[tuple, dict]]:
     """``place(t)`` for a :class:`ChunkRun`: the call's ``(args, kwargs)`` with ``t`` as the hidden states (keyword
@@ -191,15 +193,17 @@ class ChunkRun:
 
         return add
 
-    def _exchange(self, parts: list[torch.Tensor | Joined]) -> Generator[None, None, list[torch.Tensor]]:
+    def _exchange(self, parts: list[torch.Tensor | Joined], finish: list[Finish]) -> Generator[None, None, list]:
         """Launch one all-to-all of the send buffers ``parts`` (``[P, ...]``, any strides, or :class:`Joined`; in a
         list, emptied: then no caller's name keeps them alive; several are copied once into one buffer,
-        :func:`~ulysses_sp.comm.pack_rows`), yield while it is in flight, return what arrived of each, in its dtype."""
+        :func:`~ulysses_sp.comm.pack_rows`), yield while it is in flight, return what arrived of each laid out by
+        its ``finish`` (e.g. :func:`~ulysses_sp.comm.qkv_full`), which casts it back from the wire's dtype to the
+        part's in the copy that lays it out (its dtype argument; None: it arrived in the part's)."""
         dtypes = [t.dtype for t in parts]
         if self.sp == 1:
             found = [t.tensor() if isinstance(t, Joined) else t for t in parts]
             parts.clear()
-            return found
+            return [done(t, None) for done, t in zip(finish, found, strict=True)]
         if len(parts) == 1 and (self.wire is None or not isinstance(parts[0], Joined)):  # (else a cast: pack_rows')
             send, layout = (parts[0].tensor() if isinstance(parts[0], Joined) else parts[0]), None
             send = send if self.wire is None else send.to(self.wire, memory_format=torch.contiguous_format)
@@ -215,7 +219,9 @@ class ChunkRun:
             if self.stats is not None:
                 self.stats.wait_s += time.perf_counter() - start
         found = [recv] if layout is None else unpack_rows(recv, layout)
-        return [cast(t, dtype) for t, dtype in zip(found, dtypes, strict=True)]
+        return [
+            done(t, None if t.dtype == dtype else dtype) for done, t, dtype in zip(finish, found, dtypes, strict=True)
+        ]
 
     # ------------------------------------------------------------------------------------------- forward
     def forward_chunk(self, x: torch.Tensor, chunk: int, out: torch.Tensor, save: bool = False) -> Stages:
@@ -228,11 +234,9 @@ class ChunkRun:
         if self.parts.projects_shared_kv(chunk):  # the kv heads the chunks share travel with the first chunk's q
             parts.append(qkv_send_parts(*core_inputs(x, None, k, v), self.sp))
         del q, k, v, sent
-        recv, *kv = yield from self._exchange(parts)
+        full, *kv = yield from self._exchange(parts, [qkv_full] * len(parts))  # [b, h, N, d]
         if kv:
-            self.kv = qkv_full(kv.pop()).chunk(2, dim=1)  # k, v [b, hkv, N, d]
-        full = qkv_full(recv)  # [b, h, N, d]
-        del recv
+            self.kv = kv.pop().chunk(2, dim=1)  # k, v [b, hkv, N, d]
         q_f, k_f, v_f = self.core_qkv(chunk, full, heads)
         if call.dropout:
             self.rng[chunk] = Replay(x.device)
@@ -243,10 +247,8 @@ class ChunkRun:
         else:
             core_out = self.attend(q_f, k_f, v_f, call)  # [b, N, Hc/P, d_v]
         del full, q_f, k_f, v_f
-        (recv,) = yield from self._exchange([out_send_buffer(core_out, self.sp)])
+        (local,) = yield from self._exchange([out_send_buffer(core_out, self.sp)], [out_local])  # [b, n, Hc, d_v]
         del core_out
-        local = out_local(recv)  # [b, n, Hc, d_v]
-        del recv
         if kernel is not None:  # saved: one tensor per chunk, made as its output arrives (a view where sp = 1)
             self.local[chunk] = local = local.contiguous()  # (out_share reads it as [b n, Hc d_v]: a view then)
         out_share(self, chunk, local, out)
@@ -293,16 +295,16 @@ class ChunkRun:
         """:meth:`_reproject` and the exchange (chunk 0's with the shared kv heads): ``(graph, roots, call, full)``,
         ``full [b, h, N, d]`` the q/k/v the stage sent, after the exchange."""
         graph, roots, call, parts = self._reproject(x, stage)
-        recv, *kv = yield from self._exchange(parts)
+        full, *kv = yield from self._exchange(parts, [qkv_full] * len(parts))
         self._kv_arrived(kv)
-        return graph, roots, call, qkv_full(recv)
+        return graph, roots, call, full
 
     def _kv_arrived(self, kv: list[torch.Tensor]) -> None:
-        """The shared kv heads as received (``kv``: one buffer or none): kept in :attr:`kv` while the chunks run,
-        with a zeroed sum for their gradients (fp32 under a 16-bit dtype)."""
+        """The shared kv heads after the exchange (``kv``: ``[b, 2 hkv, N, d]`` or none): kept in :attr:`kv` while
+        the chunks run, with a zeroed sum for their gradients (fp32 under a 16-bit dtype)."""
         if not kv:
             return
-        full = qkv_full(kv.pop())  # [b, 2 hkv, N, d]
+        full = kv.pop()  # [b, 2 hkv, N, d]
         self.kv = full.chunk(2, dim=1)  # k, v [b, hkv, N, d]
         self.kv_grad = torch.zeros(full.shape, dtype=sum_dtype(full.dtype, True), device=full.device)
         self.kv_sums = self.kv_grad.chunk(2, dim=1)
@@ -322,12 +324,12 @@ class ChunkRun:
         parts = [qkv_full_grad(grad_full.pop(), self.sp)]
         stages = [(stage, roots, graph)]
         if self.kv_grad is not None and self.kv_done == self.split.chunks:
-            parts.append(qkv_full_grad(self.kv_grad.to(self.kv[0].dtype), self.sp))
+            parts.append(qkv_full_grad(cast(self.kv_grad, self.kv[0].dtype), self.sp))
             stages.append((KV, self.kv_graph[1], self.kv_graph[0]))
             self._drop_kv()
-        received = yield from self._exchange(parts)
-        for recv, (done, sent, leaves) in zip(received, stages, strict=True):
-            grads = qkv_send_grad(recv, *sent.heads)
+        finish = [lambda t, dtype, heads=sent.heads: qkv_send_grad(t, *heads, dtype) for _, sent, _ in stages]
+        received = yield from self._exchange(parts, finish)
+        for grads, (done, sent, leaves) in zip(received, stages, strict=True):
             # autocast's casts, undone
             grads = tuple([None if g is None else cast(g, dtype) for g, dtype in zip(grads, sent.dtypes, strict=True)])
             acc.add_chunk(self, done, sent, grads, *leaves)
@@ -362,12 +364,10 @@ class ChunkRun:
         # sums (chunk_core.stand_in_output); in the same all-to-all as the q/k/v (held by the exchange alone)
         box = [sends[0], out_pack_send(self.sp, grad_local, sums), *sends[1:]]
         del sends, grad_local, sums
-        recv_qkv, recv, *kv = yield from self._exchange(box)
+        full, arrived, *kv = yield from self._exchange(box, [qkv_full, out_send_grad, qkv_full][: len(box)])
         self._kv_arrived(kv)
-        full = qkv_full(recv_qkv)  # [b, h, N, d]
-        del recv_qkv
-        core_grad, row_sums = out_send_grad(recv).split((d_v, 1), dim=-1)  # [b, N, Hc/P, d_v], [b, N, Hc/P, 1]
-        del recv
+        core_grad, row_sums = arrived.split((d_v, 1), dim=-1)  # [b, N, Hc/P, d_v], [b, N, Hc/P, 1]
+        del arrived
         q_f, k_f, v_f = self.core_qkv(chunk, full, roots.heads)
         # in blocks of queries and keys where the sequence is long, the stand-in output made block by block; shared
         # kv heads: their gradients go into kv_grad block by block
@@ -389,16 +389,14 @@ class ChunkRun:
             if self.parts.shared_kv:  # the shared k/v rows as leaves of their own
                 core_in = (full, *(t.detach().requires_grad_() for t in core_in[1:]))
             core_out = self.attend(*core_in, call)
-        (recv,) = yield from self._exchange([out_send_buffer(core_out.detach(), self.sp)])
-        local = out_local(recv)  # [b, n, Hc, d_v]
-        del recv
+        (local,) = yield from self._exchange([out_send_buffer(core_out.detach(), self.sp)], [out_local])
         grad_local = out_proj_backward(self, chunk, grad_out, local, acc)  # [b, n, Hc, d_v]
         del local
-        (recv,) = yield from self._exchange([out_local_grad(grad_local, self.sp)])
+        (core_grad,) = yield from self._exchange([out_local_grad(grad_local, self.sp)], [out_send_grad])
         del grad_local
         leaves = core_in if self.parts.shared_kv else (full,)
-        found = torch.autograd.grad(core_out, leaves, out_send_grad(recv))  # the core's backward
-        del recv, core_out, full, core_in, leaves
+        found = torch.autograd.grad(core_out, leaves, core_grad)  # the core's backward
+        del core_grad, core_out, full, core_in, leaves
         grad_full = self._sent_grads(chunk, *found) if self.parts.shared_kv else list(found)
         del found
         yield from self._grads_back(chunk, grad_full, roots, graph, acc)

@@ -17,7 +17,7 @@ import torch
 
 import ulysses_sp as U
 from tests.dist.cases_architectures import EVAL_ONLY, PARITY_ARCHS
-from tests.dist.cases_core import check_parity, reference, sequence_parallel
+from tests.dist.cases_core import BF16_REL, check_parity, reference, sequence_parallel
 from tests.dist.cases_memory_features import build_model, check_features, full_grad, wrap
 from tests.helpers.harness import run_cases
 from tests.helpers.models import (
@@ -35,6 +35,7 @@ from ulysses_sp import chunk_core, head_chunk_pipeline, sliced_core
 
 P = functools.partial
 CHUNKS = (1, 2, 4)
+BF16_WIRE = {"comm_dtype": torch.bfloat16, "rel": BF16_REL}  # bf16 on the wire, fp32 compute
 # Architectures of the parity suite whose attention module cannot be split (head_chunks=2 is refused at
 # parallelize with a ValueError naming the reason); every other one must be exact in chunks.
 REFUSED = {
@@ -402,6 +403,22 @@ def world2_cases(sp2) -> dict:
         "sp2_auto_over_budget_reads_the_layer_fsdp2": P(automatic_chunks_read_the_layer, sp2, "fsdp2"),
         "sp2_auto_over_budget_reads_torch_checkpoint_wrapper_fsdp2": P(
             automatic_chunks_read_the_layer, sp2, "fsdp2", torch_wrapper=True
+        ),
+        # bf16 on the wire, fp32 compute: each exchange's arrivals cast back in their layout's copy (comm.qkv_full ...)
+        "sp2_C2_mha_bf16_communication": P(chunked_parity, sp2, "llama", 2, heads=8, fused=True, **BF16_WIRE),
+        "sp2_C4_gqa_packed_bf16_communication": P(
+            chunked_parity,
+            sp2,
+            "qwen3",
+            4,
+            heads=8,
+            kv_heads=2,
+            batch=make_batch(2, 24, packed=(10, 14)),
+            fused=True,
+            **BF16_WIRE,
+        ),
+        "sp2_C4_mqa_eager_bf16_communication": P(
+            chunked_parity, sp2, "llama", 4, heads=8, kv_heads=1, core="eager", fused=False, **BF16_WIRE
         ),
         "sp2_C4_exchanges_overlap_cores": P(overlap, sp2),
         "sp2_C4_exchanges_overlap_cores_recomputed": P(overlap, sp2, core="eager"),
