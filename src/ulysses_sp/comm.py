@@ -136,8 +136,8 @@ def _kv_send(x: torch.Tensor, sp: int) -> torch.Tensor:
 
 
 def _kv_send_grad(grad: torch.Tensor, num_kv_heads: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    # The adjoint of _kv_send: [P, b, hkv, n, d] -> [b, Hkv, n, d], summing the copies sent to several ranks
-    # (``grad`` cast to ``dtype`` already then: see qkv_send_grad).
+    # The adjoint of _kv_send: [P, b, hkv, n, d] -> [b, Hkv, n, d], summing the copies sent to several ranks (in
+    # ``dtype``: each copy cast before the sum). dtype: cast to it in the copy the layout makes anyway.
     sp, b, hkv, n, d = grad.shape
     if num_kv_heads >= sp:
         grad = grad.transpose(0, 1)  # [b, P, hkv, n, d]
@@ -145,7 +145,7 @@ def _kv_send_grad(grad: torch.Tensor, num_kv_heads: int, dtype: torch.dtype | No
             grad = grad.to(dtype, memory_format=torch.contiguous_format)
         return grad.reshape(b, num_kv_heads, n, d)
     copies = sp // num_kv_heads  # ranks that read one kv head
-    return grad.reshape(num_kv_heads, copies, b, n, d).sum(1).transpose(0, 1)
+    return grad.reshape(num_kv_heads, copies, b, n, d).sum(1, dtype=dtype).transpose(0, 1)
 
 
 def qkv_send_parts(q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None, sp: int) -> Joined:
@@ -172,8 +172,6 @@ def qkv_send_grad(
     """The adjoint of :func:`qkv_send_buffer`: the send buffer's gradient -> the gradients of q, k, v (None for
     what it did not send: ``num_heads`` or ``num_kv_heads`` 0); ``dtype``: cast to it (as :func:`qkv_full`)."""
     sp, b, rows, n, d = grad.shape
-    if dtype is not None and 0 < num_kv_heads < sp:  # k/v's copies are summed, in dtype: the whole buffer cast first
-        grad, dtype = grad.to(dtype), None
     heads_q = num_heads // sp
     hkv = (rows - heads_q) // 2
     dq, dk, dv = grad.split([heads_q, hkv, hkv], dim=2)
