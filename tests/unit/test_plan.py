@@ -578,3 +578,30 @@ def test_planning_leaves_the_callers_config_and_random_state_alone():
     torch.manual_seed(1234)
     plan_memory(config, seq_len=1024, sp=2, features=Features())
     assert config._attn_implementation == "eager" and torch.equal(torch.rand(3), want)
+
+
+def test_the_simulate_line_names_the_step_s_features_where_they_are_not_the_table_s():
+    """On a GPU without native bf16 the table plans 'auto' as bf16 and the step runs fp32: the line says so (a
+    V100's fp32 prediction next to the table's bf16 total, unlabelled, read as the same plan)."""
+    from dataclasses import asdict
+
+    from ulysses_sp.features import Features
+    from ulysses_sp.plan.cli import _simulated_line
+
+    planned = Features().resolve("cuda")
+    simulated = {
+        "device": "cuda:0",
+        "gpu_memory_bytes": 16 << 30,
+        "plan": {"features": asdict(replace(planned, dtype="fp32"))},
+        "predicted_peak_bytes": 10 << 30,
+        "measured_peak_bytes": 10 << 30,
+        "out_of_memory": False,
+        "fits": True,
+        "ratio": 1.0,
+        "step_s": 1.0,
+        "tokens_per_s": 1000.0,
+    }
+    line = _simulated_line(simulated, planned)
+    assert "the step as it runs on this GPU" in line and "fp32" in line, line
+    simulated["plan"]["features"] = asdict(planned)
+    assert "the step as it runs" not in _simulated_line(simulated, planned)

@@ -183,12 +183,15 @@ def _check_heads(config: Any, sp: int, ring: int | None, gpus_per_node: int) -> 
         raise ValueError(f"--sp {sp}" + (f" --ring {ring}" if ring else "") + f": {error}") from None
 
 
-def _simulated_line(simulated: dict[str, Any]) -> str:
-    """What ``--simulate`` measured, against the prediction, and whether the step fit the planned GPU."""
+def _simulated_line(simulated: dict[str, Any], planned: Features) -> str:
+    """What ``--simulate`` measured, against the prediction, and whether the step fit the planned GPU; the step's
+    own features where they are not the table's (``planned``): a CPU's, or 'auto' as fp32 on a GPU without bf16."""
     where = f"simulate on {simulated['device']} ({format_bytes(simulated['gpu_memory_bytes'])} planned)"
-    if simulated["device"].startswith("cpu"):  # the CPU step's own plan, not the table's GPU one
-        features = Features(**simulated["plan"]["features"]).describe()
-        where += f", the step as it runs on a CPU ({features}; all of the planned memory usable there)"
+    features = Features(**simulated["plan"]["features"])
+    if simulated["device"].startswith("cpu"):
+        where += f", the step as it runs on a CPU ({features.describe()}; all of the planned memory usable there)"
+    elif features != planned:
+        where += f", the step as it runs on this GPU ({features.describe()}), its own prediction"
     predicted = format_bytes(simulated["predicted_peak_bytes"])
     if simulated["out_of_memory"]:
         return f"{where}: OUT OF MEMORY (does not fit; predicted peak {predicted})"
@@ -283,7 +286,7 @@ def plan_command(argv: Sequence[str]) -> int:
         f"; longest with it: {advice.max_seq_len:,} tokens, peak {format_bytes(advice.plan.peak_bytes)}"
     )
     if simulated is not None:
-        print(_simulated_line(simulated))
+        print(_simulated_line(simulated, plan.features))
     return 0
 
 

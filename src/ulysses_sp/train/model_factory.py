@@ -248,7 +248,7 @@ def resolve_dtype(config: TrainConfig, layout: ParallelLayout) -> tuple[TrainCon
         raise ValueError(bf16_error(missing))
     if config.dtype != "auto":
         return config, f"dtype: {config.dtype} (--dtype {config.dtype})"
-    dtype = "fp32" if missing else config.resolve(layout.device).dtype
+    dtype = "fp32" if missing or layout.device.type == "cpu" else "bf16"  # (as Features.resolve, for the world)
     why = f"{missing} has no native bf16" if missing else ("on CPU" if dtype == "fp32" else "GPUs with native bf16")
     return dataclasses.replace(config, dtype=dtype), f"dtype: {dtype} (--dtype auto: {why})"
 
