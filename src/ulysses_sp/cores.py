@@ -45,7 +45,6 @@ __all__ = [
     "Core",
     "Segments",
     "check_core_trains",
-    "compiled_block_mask",
     "compiled_flex",
     "eager_core",
     "flex_compiles",
@@ -389,7 +388,7 @@ def compiled_flex() -> Callable:
 
 
 @functools.cache
-def compiled_block_mask() -> Callable:
+def _compiled_block_mask() -> Callable:
     """``create_block_mask`` compiled once per process, with automatic dynamic shapes as :func:`compiled_flex`: torch's
     advice in place of its deprecated ``create_block_mask(_compile=True)``, which compiles it the same way."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -402,7 +401,7 @@ def flex_block_mask(mask_mod: Callable, batch: int, q_len: int, kv_len: int, dev
     built; eagerly elsewhere (flex itself runs eagerly and densely there)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    build = compiled_block_mask() if device.type == "cuda" else create_block_mask
+    build = _compiled_block_mask() if device.type == "cuda" else create_block_mask
     return build(mask_mod, batch, None, q_len, kv_len, device=device)
 
 
