@@ -21,8 +21,12 @@
 #               runs 4 ranks on 2 cores, where no exchange can overlap)                              (300)
 #
 # A step written with a leading '+' (e.g. +cpuchunks) runs in the background while the steps after it run; the
-# script waits for it at the end (under its own limit). Run cpuchunks so, beside `tests validation`, which time
-# nothing: `env +cpuchunks tests validation`; never beside the timed GPU steps (packed loss kernels lora).
+# script waits for it at the end (under its own limit). Where the machine has 8 cores or more (and taskset), the
+# background step runs on the upper half of them and the steps after it on the lower half, so neither takes the
+# other's cores (the bench then records the cores it had). Run cpuchunks so, beside `tests validation`:
+# `env +cpuchunks tests validation`. Those two measure memory and exactness; validation's step time and MFU are
+# taken beside it then (the host's memory bandwidth is shared). Never beside the timed GPU steps (packed loss
+# kernels lora).
 #
 # A lease gives about 15 minutes of device time in all (a machine's start included), a call at most 10: run the
 # steps over two calls, `env +cpuchunks tests validation` (at most 560 s, 10 more for each step that must be killed) then
@@ -101,28 +105,36 @@ fi
 
 mkdir -p "$out" "$work"
 cd "$root" || exit 2
-run_step() {  # name limit cmd: the step under its limit, its log under $work, its line in session.log
-    local start=$SECONDS status
-    timeout --signal=INT --kill-after=10 "$2" bash -c "$3" > "$work/$1.log" 2>&1
+run_step() {  # name limit cmd [cores]: the step under its limit (on those cores), its log, its session.log line
+    local start=$SECONDS status pin=()
+    [ -n "${4:-}" ] && pin=(taskset -c "$4")
+    timeout --signal=INT --kill-after=10 "$2" ${pin[@]+"${pin[@]}"} bash -c "$3" > "$work/$1.log" 2>&1
     status=$?
     echo "== $1: exit $status after $((SECONDS - start)) s$([ $status -eq 124 ] && echo ' (time limit)')" \
         | tee -a "$out/session.log"
     tail -n 5 "$work/$1.log"
 }
 
+cores=$(nproc 2> /dev/null || echo 1)
+pin_back="" pin_front=""  # the background steps' cores and, once one runs, the other steps'
+if [ "$cores" -ge 8 ] && command -v taskset > /dev/null; then
+    pin_back="$((cores / 2))-$((cores - 1))"
+fi
 background=()
 for spec in "${steps[@]}"; do
     behind=${spec%%[!+]*}
     spec=${spec#+}
     name=${spec%%=*}
     read -r limit cmd <<< "$(planned "$spec")"
-    echo "== $name ($limit s${behind:+, in the background}): $cmd" | tee -a "$out/session.log"
     if [ -n "$behind" ]; then
-        run_step "$name" "$limit" "$cmd" &
+        echo "== $name ($limit s, in the background${pin_back:+, on cores $pin_back}): $cmd" | tee -a "$out/session.log"
+        run_step "$name" "$limit" "$cmd" "$pin_back" &
         background+=($!)
+        [ -n "$pin_back" ] && pin_front="0-$((cores / 2 - 1))"
         continue
     fi
-    run_step "$name" "$limit" "$cmd"
+    echo "== $name ($limit s${pin_front:+, on cores $pin_front}): $cmd" | tee -a "$out/session.log"
+    run_step "$name" "$limit" "$cmd" "$pin_front"
     tar --warning=no-file-changed -czf "$out/gpu_session.tgz" -C "$work" .  # (a background step may be writing)
 done
 for pid in "${background[@]}"; do

@@ -1,6 +1,6 @@
 """Issue 18's speed goal, settled over several runs: step time with the heads in 4 chunks over 1 (CPU gloo).
 
-Runs ``ulysses-sp bench``'s head-chunk section (:func:`ulysses_sp.bench.runner._head_chunk_section`: the bench
+Runs ``ulysses-sp bench``'s head-chunk section (:func:`ulysses_sp.bench.runner.head_chunk_section`: the bench
 model, C=4 against C=1, plain and checkpointed layers, the steps interleaved) ``--runs`` times back to back at one
 sequence length per world size, and pools the per-repetition ratios of every run: the goal (C=4 / C=1 at most 1.05)
 is read on the pooled median, decided before the runs, since one run's spread is as wide as the gap to the goal
@@ -23,7 +23,7 @@ from typing import Any
 
 from ulysses_sp.bench.config import BenchConfig
 from ulysses_sp.bench.headchunks import variant_name
-from ulysses_sp.bench.runner import _head_chunk_section, environment
+from ulysses_sp.bench.runner import environment, head_chunk_section
 from ulysses_sp.bench.tables import md_table, save_table
 
 RESULTS = Path(__file__).parent / "results"
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs = []
     for index in range(args.runs):
         print(f"run {index + 1} of {args.runs}", flush=True)
-        runs.append(_head_chunk_section(config, print))
+        runs.append(head_chunk_section(config, print))
     result = {
         "machine": env["machine"],
         "torch": env["torch"],

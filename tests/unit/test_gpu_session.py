@@ -80,15 +80,19 @@ def test_a_step_runs_logs_and_is_packed(tmp_path):
     assert torch.__version__ in text, text
 
 
-def _run_with_stand_in(tmp_path: Path, source: str, *args: str) -> subprocess.CompletedProcess:
+def _run_with_stand_in(
+    tmp_path: Path, source: str, *args: str, tools: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """The script run with ``args``, a stand-in ``python3`` on the PATH running ``source`` (with the step's
-    arguments) in place of every Python command."""
+    arguments) in place of every Python command; ``tools``: more stand-in commands, name -> sh script body."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (tmp_path / "stand_in.py").write_text(source)
-    fake = bin_dir / "python3"
-    fake.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "stand_in.py"}" "$@"\n')
-    fake.chmod(0o755)
+    scripts = {"python3": f'exec "{sys.executable}" "{tmp_path / "stand_in.py"}" "$@"', **(tools or {})}
+    for name, body in scripts.items():
+        fake = bin_dir / name
+        fake.write_text(f"#!/bin/sh\n{body}\n")
+        fake.chmod(0o755)
     env = {
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -132,13 +136,17 @@ print("ran", *sys.argv[1:2], flush=True)
 
 def test_a_step_with_a_plus_runs_in_the_background_and_is_waited_for(tmp_path):
     """``+cpuchunks`` starts while the next steps run (its exit line comes after theirs) and the script waits for it:
-    its log is in the pack. A stand-in ``python3`` sleeps for the bench script only."""
-    done = _run_with_stand_in(tmp_path, _SLOW_IF_BENCH, "+cpuchunks=30", "env=30")
+    its log is in the pack. On 8 cores the background step gets cores 4-7 and the steps after it 0-3. Stand-ins: a
+    ``python3`` that sleeps for the bench script only, ``nproc`` saying 8, ``taskset`` noting the cores it was given."""
+    pinned = tmp_path / "pinned.txt"
+    tools = {"nproc": "echo 8", "taskset": f'echo "$2" >> "{pinned}"; shift 2; exec "$@"'}
+    done = _run_with_stand_in(tmp_path, _SLOW_IF_BENCH, "+cpuchunks=30", "env=30", tools=tools)
     assert done.returncode == 0, done.stderr
     log = (tmp_path / "out" / "session.log").read_text()
-    assert "== cpuchunks (30 s, in the background): " in log, log
     exits = re.findall(r"== (\w+): exit 0 after", log)
     assert exits == ["env", "cpuchunks"], log
     with tarfile.open(tmp_path / "out" / "gpu_session.tgz") as packed:
         text = packed.extractfile("./cpuchunks.log").read().decode()
     assert "ran" in text and "head_chunk_ratio.py" in text, text
+    assert "== cpuchunks (30 s, in the background, on cores 4-7): " in log and "== env (30 s, on cores 0-3): " in log
+    assert sorted(pinned.read_text().split()) == ["0-3", "4-7"], pinned.read_text()

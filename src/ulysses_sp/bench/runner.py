@@ -34,7 +34,7 @@ from .config import BenchConfig
 from .models import bench_model
 from .tables import ratio_summary
 
-__all__ = ["DEEPSPEED_MISSING", "environment", "main", "rerender", "run_bench"]
+__all__ = ["DEEPSPEED_MISSING", "environment", "head_chunk_section", "main", "rerender", "run_bench"]
 
 DEEPSPEED_MISSING = (
     "deepspeed is not installed (pip install 'ulysses-sp[deepspeed]', or pip install deepspeed, to run it)"
@@ -130,7 +130,7 @@ def _world_section(config: BenchConfig, log) -> dict[str, Any]:
     return worlds
 
 
-def _head_chunk_section(config: BenchConfig, log) -> dict[str, Any]:
+def head_chunk_section(config: BenchConfig, log) -> dict[str, Any]:
     """Step time with the heads in 4 chunks over 1, per sequence length and world, keyed ``"P@tokens"``
     (:mod:`ulysses_sp.bench.headchunks`)."""
     from .headchunks import COMPUTE_ALONE, CPU_OVER_RANKS, compute_alone, variant_name
@@ -285,7 +285,7 @@ def run_bench(config: BenchConfig, log=print, command: str = "ulysses-sp bench")
     results["memory"] = _memory_section(config, log)
     results["worlds"] = _world_section(config, log)
     results["comm"] = _comm_table(config, results["worlds"])
-    results["head_chunks"] = _head_chunk_section(config, log)
+    results["head_chunks"] = head_chunk_section(config, log)
     results["tiled_loss"] = _tiled_loss_section(config, log)
     results["gpu"] = run_gpu(log=log, **config.gpu_settings()) if config.gpu == "auto" else {"skipped": "--gpu off"}
     if config.gpu == "auto" and "skipped" in results["gpu"]:
