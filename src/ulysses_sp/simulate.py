@@ -274,7 +274,7 @@ def simulate_step(
         return {**result, **dict.fromkeys(keys)}
     flops = training_flops_per_token(random_model(config, device="meta"), seq_len) * seq_len * micro_batch
     tflops = flops / measured["step_s"] / sp / 1e12  # per GPU: each of the sp ranks does 1/sp of the step's work
-    peak = peak_tflops(device)
+    peak = peak_tflops(device, features.torch_dtype(device))
     return {
         **result,
         "measured_peak_bytes": measured["peak_bytes"],

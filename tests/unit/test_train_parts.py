@@ -251,6 +251,15 @@ def test_peak_tflops_matches_whole_model_names(monkeypatch, name, tflops):
     assert peak_tflops(torch.device("cpu")) is None
 
 
+def test_an_fp32_step_has_no_peak_and_so_no_mfu(monkeypatch):
+    """MFU against the bf16 peak for an fp32 step read 2x (TF32) to 15x too low on an H100 (its fp32 peak is TF32's or
+    plain fp32's, as torch's matmul precision says): no peak, so no MFU; 16-bit dtypes share the bf16 peak."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    gpu = torch.device("cuda", 0)
+    assert peak_tflops(gpu, torch.float32) is None
+    assert peak_tflops(gpu, torch.bfloat16) == peak_tflops(gpu, torch.float16) == 989.0
+
+
 def test_builtin_models_and_the_sp_check():
     config = TrainConfig()
     assert tokenizer_source(config) is None and tokenizer_source(TrainConfig(model="org/model")) == "org/model"

@@ -91,7 +91,7 @@ class Trainer:
         self.stop_requested = False
         self.eval_pending = False  # a SIGTERM saved this step before its held-out loss: the resumed run computes it
         self._flops_per_token: dict[int, float] = {}
-        self.peak_tflops = peak_tflops(self.device)
+        self.peak_tflops = peak_tflops(self.device, self.compute_dtype)
         if resume_dir is not None:
             self._restore(resume_dir)
         self.resumed_from = resume_dir

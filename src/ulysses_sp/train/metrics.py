@@ -53,9 +53,11 @@ def _name_words(name: str) -> set[str]:
     return {word.upper() for word in re.split(r"[\s-]+", name) if word}
 
 
-def peak_tflops(device: torch.device) -> float | None:
-    """The bf16 dense peak of ``device`` in TFLOPs, or None (CPU, unknown GPU): MFU needs it."""
-    if device.type != "cuda":
+def peak_tflops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> float | None:
+    """The dense tensor-core peak of ``device`` in TFLOPs for a step computing in ``dtype``, or None (CPU, unknown
+    GPU, fp32): MFU needs it. fp32 has no one peak (TF32 tensor cores or not, as torch's matmul precision says):
+    an fp32 run reports no MFU rather than one against the bf16 peak, 2x (TF32) to 15x (H100) too low."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
     words = _name_words(torch.cuda.get_device_name(device))
     for key, tflops in _PEAK_BF16_TFLOPS:
