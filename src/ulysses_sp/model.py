@@ -231,7 +231,8 @@ def parallelize(
             ``"flash_attention_2"``, ``"flash_attention_3"``, or a callable with the signature of
             :func:`ulysses_sp.cores.sdpa_core`.
         comm_dtype: dtype of the all-to-all payload (default: the activations' dtype; ``torch.float32``
-            for full-precision exchanges of bf16 activations).
+            for full-precision exchanges of bf16 activations). The Ulysses all-to-alls only: a ring's exchanges
+            keep the activations' dtype (a ring-only layout, ``ulysses`` 1, is refused with one).
         stats: a :class:`CommStats` to count collectives and bytes into (one is made if omitted;
             reach it as ``ulysses_context(model).stats``).
         head_chunks: run each attention layer's heads in this many chunks, one or two at a time (see
@@ -252,6 +253,12 @@ def parallelize(
     if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
         # (an integer or bool wire truncated q/k/v and the output silently: the loss 1e-3 off one process)
         raise ValueError(f"comm_dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {comm_dtype!r}")
+    if comm_dtype is not None and layout.ring > 1 and layout.ulysses == 1:  # (it changed nothing there, silently)
+        raise ValueError(
+            f"comm_dtype={comm_dtype} sets the dtype of the Ulysses all-to-alls, and this layout (ring {layout.ring}, "
+            "ulysses 1) has none: its ring exchanges k/v in the activations' dtype; drop comm_dtype, or use a layout "
+            "with ulysses > 1 (choose_layout)"
+        )
     pretrained = find_pretrained(model)
     if layout.is_view:
         raise ValueError(

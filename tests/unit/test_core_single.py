@@ -534,3 +534,16 @@ def test_peft_prompt_learning_is_refused_under_sp_not_alone(kind):
         ):
             U.unparallelize(U.parallelize(adapted(other), rank.layout))
     U.unparallelize(U.parallelize(adapted(prompt), U.ParallelLayout.single()))
+
+
+def test_a_wire_dtype_on_a_ring_only_layout_is_refused():
+    """comm_dtype sets the all-to-alls' payload; a ring-only layout (ulysses 1) has none, so bf16 there changed
+    nothing, silently. Refused naming the layout; a hybrid (ulysses 2 x ring 2) takes it for its all-to-alls."""
+    from ulysses_sp.standin import StandIn
+
+    refused = r"comm_dtype=torch.bfloat16 .* \(ring 2, ulysses 1\) has none"
+    with StandIn(sp=2, ring=2) as rank, pytest.raises(ValueError, match=refused):
+        U.parallelize(build("llama"), rank.layout, comm_dtype=torch.bfloat16)
+    with StandIn(sp=4, ring=2) as rank:
+        model = U.parallelize(build("llama"), rank.layout, comm_dtype=torch.bfloat16)
+        assert U.ulysses_context(model).comm_dtype == torch.bfloat16
