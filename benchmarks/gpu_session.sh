@@ -6,7 +6,8 @@
 # Steps, in the order given (default: all, in this order, each under its own time limit in seconds):
 #   env         nvidia-smi, torch / CUDA / transformers versions                                     (30)
 #   tests       python -m pytest tests/gpu (never-run tests first: offload's pinned buffers, then the plan's
-#               (issue 18's 1M-token head chunks), ring, sliced core, tiled loss; the slow GPU mode last),
+#               (issue 18's 1M-token head chunks), ring, sliced core, tiled loss; flex over ten lengths
+#               (compiles) and the slow GPU mode last),
 #               with each test's duration;
 #               measurements to gpu_records.jsonl                                                      (330)
 #   validation  benchmarks/gpu_validation.py: the planner's maximum and 10% above it, measured peak
@@ -62,7 +63,7 @@ fi
 command_for() {  # the step's default seconds, then its command
     case $1 in
         env) echo "30 nvidia-smi; python3 -c 'import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)'" ;;
-        tests) echo "330 GPU_RECORD=$work/gpu_records.jsonl python3 -m pytest -q -p no:cacheprovider $root/tests/gpu/test_gpu_offload.py $root/tests/gpu/test_gpu_plan.py $root/tests/gpu/test_gpu_ring.py $root/tests/gpu/test_gpu_sliced_core.py $root/tests/gpu/test_gpu_tiled_loss.py $root/tests/gpu/test_gpu_cores.py $root/tests/gpu/test_gpu_head_chunks.py $root/tests/gpu/test_gpu_bench.py --timeout=150 -rfEs --durations=0 --junitxml=$work/gpu_tests.xml" ;;
+        tests) echo "330 GPU_RECORD=$work/gpu_records.jsonl python3 -m pytest -q -p no:cacheprovider $root/tests/gpu/test_gpu_offload.py $root/tests/gpu/test_gpu_plan.py $root/tests/gpu/test_gpu_ring.py $root/tests/gpu/test_gpu_sliced_core.py $root/tests/gpu/test_gpu_tiled_loss.py $root/tests/gpu/test_gpu_cores.py $root/tests/gpu/test_gpu_head_chunks.py $root/tests/gpu/test_gpu_flex_lengths.py $root/tests/gpu/test_gpu_bench.py --timeout=150 -rfEs --durations=0 --junitxml=$work/gpu_tests.xml" ;;
         validation) echo "200 python3 $root/benchmarks/gpu_validation.py --point qwen3-4b:8:10GiB --step-budget-s 90 --host-memory 120GiB --out $work" ;;
         packed) echo "60 TORCH_LOGS=recompiles python3 $root/benchmarks/packed_attention.py --seq-len 32768 --docs 1 8 32 128 512 --heads 4 --kv-heads 1 --head-dim 128 --out $work" ;;
         loss) echo "60 python3 $root/benchmarks/tiled_loss_speed.py --tokens 32768 --hidden 2560 --vocab 151936 --dtype bf16 --chunk-tokens 0 --rounds 5 --name $work/tiled_loss_gpu" ;;

@@ -11,7 +11,7 @@ import torch
 
 import ulysses_sp as U
 from tests.helpers.models import build, loss_and_grads, make_batch
-from tests.helpers.spy import calls_to, dynamo_compiles
+from tests.helpers.spy import calls_to
 from ulysses_sp import cores
 
 pytestmark = [
@@ -59,43 +59,3 @@ def test_flex_refuses_head_dim_below_16_on_cuda():
     )
     with pytest.raises(ValueError, match="head dim >= 16 on CUDA"):
         model(input_ids=torch.zeros(1, 32, dtype=torch.long, device=device))
-
-
-# Ten lengths of padding-free packed rows (a new length nearly every step), none a multiple of the 128-token block
-FLEX_LENGTHS = tuple(300 + 97 * i for i in range(10))
-
-
-def test_flex_core_over_ten_lengths_compiles_a_few_times_and_stays_exact(gpu_record):
-    """The flex core (compiled BlockMask, compiled flex_attention) over ten lengths of rows packed with ten documents,
-    fp32 forward + backward, as a Gemma-2-like model calls it: global layers and sliding-window + softcap layers in
-    every step. torch.compile never reaches its recompile limit (past it flex ran uncompiled, with dense [q, k]
-    scores; with ``dynamic=False``, at the 5th length here: two entries a length), and out / grads equal the fp64
-    eager core's."""
-    device = torch.device("cuda")
-    variants = ((None, None), (100, 30.0))  # (sliding_window, softcap)
-    worst = 0.0
-    with dynamo_compiles() as compiled:
-        for n in FLEX_LENGTHS:
-            pieces = [n // 10] * 9
-            positions = torch.cat([torch.arange(p) for p in (*pieces, n - sum(pieces))])[None].to(device)
-            segments = cores.Segments.from_positions(positions)
-            gen = torch.Generator(device).manual_seed(n)
-            q, k, v = (torch.randn(1, h, n, 64, device=device, generator=gen) for h in (8, 2, 2))
-            grad = torch.randn(1, n, 8, 64, device=device, generator=gen)
-            for window, softcap in variants:
-                inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-                out = cores.flex_core(*inputs, segments, sliding_window=window, softcap=softcap)
-                out.backward(grad)
-                ref_inputs = [x.double().requires_grad_() for x in (q, k, v)]
-                ref = cores.eager_core(*ref_inputs, segments, sliding_window=window, softcap=softcap)
-                ref.backward(grad.double())
-                pairs = [(out, ref)] + [(x.grad, r.grad) for x, r in zip(inputs, ref_inputs, strict=True)]
-                for got, want in pairs:
-                    error = float((got.double() - want.detach()).norm() / want.norm())
-                    worst = max(worst, error)
-                    assert error <= 2e-3, f"length {n}, window {window}: relative error {error}"
-        graphs = compiled["unique_graphs"]
-    gpu_record(lengths=len(FLEX_LENGTHS), variants=len(variants), dynamo_graphs=graphs, worst_relative_error=worst)
-    # a few graphs a variant (flex and its BlockMask, each specialised once, then generic in the length; on CPU 3
-    # each), not one a length: static shapes compiled 2 x 10 a variant here
-    assert graphs <= 8 * len(variants), f"{graphs} graphs for {len(FLEX_LENGTHS)} lengths: compiled per length"

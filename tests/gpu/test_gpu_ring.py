@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers.models import make_batch
 from tests.helpers.ring_sim import run_threads
-from tests.helpers.spy import calls_to, dynamo_compiles
+from tests.helpers.spy import calls_to
 from ulysses_sp import ring
 from ulysses_sp.cores import Segments, eager_core
 from ulysses_sp.ring import ring_attention, zigzag_order
@@ -88,13 +88,3 @@ def test_ring_fp32_on_cuda_uses_a_kernel_that_takes_fp32():
 @pytest.mark.parametrize("kernel", ["flash_attn", "flex", "plain"])
 def test_ring_softcap_on_cuda(kernel):
     _check(kernel, 2, make_batch(2, 256), softcap=20.0)
-
-
-def test_flex_ring_over_ten_lengths_never_reaches_the_recompile_limit():
-    """The ring's flex kernel over ten lengths of packed rows (ring 2, fp32): its forward (no grad) and its
-    backward's recompute (with grad) are two dynamo entries a length, so with ``dynamic=False`` torch ran flex
-    uncompiled, with dense scores, from the 5th length on; now a few compiles serve every length, exactly."""
-    with dynamo_compiles():
-        for n in (300 + 96 * i for i in range(10)):  # divisible by 2 x ring
-            pieces = [n // 10] * 9
-            _check("flex", 2, make_batch(2, n, packed=(*pieces, n - sum(pieces))), dtype=torch.float32)
