@@ -98,13 +98,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.runs < 1:
         raise SystemExit(f"--runs must be at least 1, got {args.runs}")
-    config = BenchConfig(head_chunk_seq_lens=(args.seq_len,), worlds=tuple(args.worlds), reps=args.reps).resolve()
     env, start = environment(), time.monotonic()
-    runs = []
+    runs: list[dict[str, Any]] = []
     for index in range(args.runs):
-        print(f"run {index + 1} of {args.runs}", flush=True)
-        runs.append(head_chunk_section(config, print))
-    result = {
+        runs.append({})
+        for world in args.worlds:  # saved after each world: a run cut off at a time limit keeps what finished
+            print(f"run {index + 1} of {args.runs}, {world} ranks", flush=True)
+            config = BenchConfig(head_chunk_seq_lens=(args.seq_len,), worlds=(world,), reps=args.reps).resolve()
+            runs[-1] |= head_chunk_section(config, print)
+            result = _result(env, start, args, runs)
+            save_table(args.out, args.name, result, _markdown(result))
+    return result
+
+
+def _result(env: dict[str, Any], start: float, args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = list(dict.fromkeys(key for run in runs for key in run))  # "P@tokens", in the order they ran
+    return {
         "machine": env["machine"],
         "torch": env["torch"],
         "commit": env["ulysses_sp_commit"],
@@ -113,19 +122,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_average_end": environment()["load_average_start"],
         "wall_s": time.monotonic() - start,
         "setup": vars(args) | {"out": str(args.out)},
-        "cores": {key: runs[0][key]["cores"] for key in runs[0]},
+        "cores": {key: next(run[key]["cores"] for run in runs if key in run) for key in keys},
         "pooled": {
             key: {
-                f"{label}{', checkpointed' if checkpointed else ''}": pooled(runs, key, measure, checkpointed)
+                f"{label}{', checkpointed' if checkpointed else ''}": pooled(
+                    [run for run in runs if key in run], key, measure, checkpointed
+                )
                 for label, measure in _MEASURES
                 for checkpointed in (False, True)
             }
-            for key in runs[0]
+            for key in keys
         },
         "runs": runs,
     }
-    save_table(args.out, args.name, result, _markdown(result))
-    return result
 
 
 if __name__ == "__main__":

@@ -466,3 +466,29 @@ def test_a_skipped_deepspeed_comparison_is_said_on_the_console(monkeypatch, tmp_
                 log=lines.append,
             )
         assert [line for line in lines if "DeepSpeed comparison skipped" in line and reason in line], lines
+
+
+def test_head_chunk_ratio_pools_every_runs_repetitions_and_keeps_a_cut_off_run(tmp_path):
+    """benchmarks/head_chunk_ratio.py reads issue 18's goal on the median of all runs' per-repetition ratios (not the
+    median of the runs' medians), and a run cut off after its first world still reports that world."""
+    spec = importlib.util.spec_from_file_location("head_chunk_ratio", ROOT / "benchmarks" / "head_chunk_ratio.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def world(four: list[float], one: list[float]) -> dict:
+        times = {"C=4": four, "C=1": one, "C=4 checkpointed": four, "C=1 checkpointed": one}
+        return {"step_times_s": times, "cpu_s": times, "compute_alone_s": times, "cores": 2}
+
+    runs = [
+        {"4@64": world([1.0, 1.1, 1.2], [1.0, 1.0, 1.0]), "2@64": world([1.0], [1.0])},
+        {"4@64": world([1.04, 1.03], [1.0, 1.0])},  # cut off before its 2-rank world
+    ]
+    pooled = script.pooled(runs, "4@64", "step_times_s", checkpointed=True)
+    assert pooled["reps"] == 5 and pooled["median"] == pytest.approx(1.04)  # of 1.0, 1.1, 1.2, 1.04, 1.03
+    assert pooled["run_medians"] == pytest.approx([1.1, 1.035])  # (their median would be 1.0675)
+    args = script.argparse.Namespace(worlds=[4, 2], seq_len=64, runs=2, reps=None, name="t", out=tmp_path)
+    env = {"machine": "m", "torch": "t", "ulysses_sp_commit": "c", "date": "d", "load_average_start": None}
+    result = script._result(env, 0.0, args, runs)
+    assert list(result["pooled"]) == ["4@64", "2@64"] and result["pooled"]["2@64"]["step time"]["reps"] == 1
+    table = script._markdown(result)
+    assert "| 4 | 64 | step time | **1.040** |" in table and "met" in table
