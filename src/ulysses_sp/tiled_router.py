@@ -125,7 +125,9 @@ def record_router_logits(
                 f"does not give the {key} the block records, so the tiled MLP cannot record them whole; set "
                 f"model.config.output_router_logits = False or {block.hint}"
             )
-        entries.append(logits.reshape(-1, logits.shape[-1]))  # [b n, experts], as the untiled block records
+        # [b n, experts], as the untiled block records, and like its entry not a view (FSDP2 warns of one among its
+        # root's outputs: an in-place op would skip its pre-backward all-gather): a copy, [tokens, experts] a layer
+        entries.append(logits.reshape(-1, logits.shape[-1]).clone())
 
 
 def _tiles(block: Any, key: str) -> RouterTiles | None:
