@@ -19,7 +19,8 @@
 #               and the model without LoRA; one profiled step each (device busy time, launches)       (90)
 #   cpuchunks   benchmarks/head_chunk_ratio.py on the host's CPU cores alone (gloo, no GPU): issue 18's
 #               C=4 / C=1 step-time goal at P=4 and P=2, 8,192 tokens, with a core per rank (the 2-core VM
-#               runs 4 ranks on 2 cores, where no exchange can overlap)                              (300)
+#               runs 4 ranks on 2 cores, where no exchange can overlap), 7 reps each; P=4 first, saved
+#               when it ends (estimated from this VM: P=4 about 110 s, P=2 about 220 s on a core per rank)  (480)
 #
 # A step written with a leading '+' (e.g. +cpuchunks) runs in the background while the steps after it run; the
 # script waits for it at the end (under its own limit). Where the machine has 8 cores or more (and taskset), the
@@ -30,8 +31,8 @@
 # kernels lora).
 #
 # A lease gives about 15 minutes of device time in all (a machine's start included), a call at most 10: run the
-# steps over two calls, `env +cpuchunks tests validation` (at most 560 s, 10 more for each step that must be killed) then
-# `packed loss kernels lora` (at most 255 s; on 2026-11-30 they took 99 s). A failing or timed-out step does not stop
+# steps over two calls, `env +cpuchunks tests validation` (at most 560 s, 10 more for each step that must be killed;
+# cpuchunks ends within it) then `packed loss kernels lora` (at most 255 s; on 2026-11-30 they took 99 s). A failing or timed-out step does not stop
 # the others. A step that reaches its limit is interrupted (SIGINT, as Ctrl-C; killed 10 s later if still running), so
 # pytest still prints the tracebacks of the failures so far, the durations and its junit XML, and a script its
 # traceback; under timeout's default SIGTERM the tests step of the first lease kept only its progress dots.
@@ -69,7 +70,7 @@ command_for() {  # the step's default seconds, then its command
         loss) echo "60 python3 $root/benchmarks/tiled_loss_speed.py --tokens 32768 --hidden 2560 --vocab 151936 --dtype bf16 --chunk-tokens 0 --rounds 5 --name $work/tiled_loss_gpu" ;;
         kernels) echo "45 python3 $root/benchmarks/chunk_kernel_calls.py --device cuda --dtype bf16 --head-dim 128 --tokens 32768 --name $work/chunk_kernel_calls_gpu" ;;
         lora) echo "90 python3 $root/benchmarks/lora_head_chunks.py --device cuda --dtype bf16 --hidden 2048 --heads 16 --kv-heads 4 --tokens 32768 --chunks 4 --rounds 5 --plain --profile --name $work/lora_head_chunks_gpu" ;;
-        cpuchunks) echo "300 CUDA_VISIBLE_DEVICES= python3 $root/benchmarks/head_chunk_ratio.py --worlds 4 2 --runs 1 --out $work --name head_chunk_ratio_host" ;;
+        cpuchunks) echo "480 CUDA_VISIBLE_DEVICES= python3 $root/benchmarks/head_chunk_ratio.py --worlds 4 2 --runs 1 --reps 7 --out $work --name head_chunk_ratio_host" ;;
         *) return 1 ;;
     esac
 }
