@@ -16,6 +16,7 @@ under ``benchmarks/results/`` (``--name``).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -119,7 +120,7 @@ def _result(env: dict[str, Any], start: float, args: argparse.Namespace, runs: l
         "commit": env["ulysses_sp_commit"],
         "date": env["date"],
         "load_average_start": env["load_average_start"],
-        "load_average_end": environment()["load_average_start"],
+        "load_average_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "wall_s": time.monotonic() - start,
         "setup": vars(args) | {"out": str(args.out)},
         "cores": {key: next(run[key]["cores"] for run in runs if key in run) for key in keys},
